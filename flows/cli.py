@@ -1,0 +1,155 @@
+"""The ``rollflow`` command line. Every command prints a readable result; user errors (bad input, bad config)
+print one message naming what, where and the fix, and exit with status 2."""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from flows import settings
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
+                  help="rollflow: ROLL's RL post-training algorithms as Prefect flows of Ray Data stages.")
+
+OverrideOpt = typer.Option(None, "--set", help="Config override key=value (dotted keys, YAML values); repeatable.")
+
+
+def _fail(err: Exception) -> None:
+    typer.echo(f"error: {err}", err=True)
+    raise typer.Exit(2)
+
+
+def _guard(fn):
+    """Run ``fn`` and turn rollflow's user errors into a message and exit 2."""
+    from schemas.errors import RollflowError
+
+    try:
+        return fn()
+    except RollflowError as err:
+        _fail(err)
+    except FileExistsError as err:
+        _fail(err)
+
+
+@app.callback()
+def _main(verbose: bool = typer.Option(False, "--verbose", "-v", help="Log stage progress.")) -> None:
+    logging.basicConfig(level=logging.INFO if verbose else logging.WARNING,
+                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    settings.configure()
+
+
+def _print_recompute(result: dict) -> None:
+    from flows.tableview import render, summarize
+
+    for name in ("rewarded", "advantaged"):
+        r = result[name]
+        state = "up to date, skipped" if r["skipped"] else f"computed in {r['seconds']:.1f}s"
+        typer.echo(f"{name:<11} {r['output']}  ({r['rows']:,} rows, {state})")
+    typer.echo("")
+    typer.echo(render(summarize(result["advantaged"]["output"])))
+
+
+@app.command()
+def recompute(input: Path = typer.Option(..., "--input", help="Folder of stored samples (Parquet)."),
+              config: Optional[Path] = typer.Option(None, "--config", help="YAML config (configs/recompute_*.yaml)."),
+              output: Path = typer.Option(..., "--output", help="Folder for the rewarded/ and advantaged/ tables."),
+              overrides: Optional[list[str]] = OverrideOpt,
+              force: bool = typer.Option(False, "--force", help="Recompute even if outputs are up to date.")) -> None:
+    """Recompute response-level rewards, token rewards and advantages of stored trajectories."""
+    from schemas.config import RecomputeConfig, load_config, parse_overrides
+
+    cfg = _guard(lambda: load_config(RecomputeConfig, config, parse_overrides(overrides or [])))
+    from flows.recompute import recompute_flow
+
+    result = _guard(lambda: recompute_flow(str(input), str(output), cfg.model_dump(mode="json"), force))
+    _print_recompute(result)
+
+
+@app.command()
+def stage(name: str = typer.Argument(..., help="Stage name: response_rewards or advantages."),
+          run_dir: Path = typer.Option(..., "--from", help="An existing output folder of that stage (its manifest "
+                                                            "records the inputs and config)."),
+          overrides: Optional[list[str]] = OverrideOpt,
+          output: Optional[Path] = typer.Option(None, "--output", help="New output folder (default: beside the old "
+                                                                       "one, named <stage>@<fingerprint>)."),
+          downstream: bool = typer.Option(False, "--downstream", help="Also recompute the stages that read this one."),
+          force: bool = typer.Option(False, "--force")) -> None:
+    """Re-run one stage on its recorded inputs with changed settings, keeping the old output."""
+    from flows.rerun import rerun_stage
+
+    for line in _guard(lambda: rerun_stage(name, str(run_dir), overrides or [], output and str(output),
+                                           downstream, force)):
+        typer.echo(line)
+
+
+@app.command()
+def inspect(path: Path = typer.Argument(..., help="A table folder.")) -> None:
+    """Show a table's schema, rows, groups and summary statistics."""
+    from flows.tableview import render, summarize
+
+    typer.echo(_guard(lambda: render(summarize(str(path)))))
+
+
+@app.command()
+def validate(path: Path = typer.Argument(..., help="A table folder."),
+             group_size: Optional[int] = typer.Option(None, help="Check complete groups of this size.")) -> None:
+    """Check a table's schema and invariants (exit 2 on the first violation)."""
+    from flows.tableview import validate as check
+
+    typer.echo(_guard(lambda: check(str(path), group_size)))
+
+
+@app.command()
+def example(output: Path = typer.Option(..., "--output", help="New folder for the generated samples."),
+            samples: int = typer.Option(2048, "--samples", help="Rows to generate (rounded up to whole groups)."),
+            seed: int = typer.Option(0, "--seed"),
+            group_size: int = typer.Option(8, "--group-size"),
+            env: str = typer.Option("frozenlake", "--env", help="frozenlake or sokoban (reward shape)."),
+            level: str = typer.Option("step", "--level", help="step (one row per turn) or trajectory."),
+            min_response: int = typer.Option(64, "--min-response"),
+            max_response: int = typer.Option(512, "--max-response")) -> None:
+    """Generate realistic stored trajectories (FrozenLake/Sokoban-shaped) for trying rollflow."""
+    from stages.example import ExampleSpec, generate
+
+    if env not in ("frozenlake", "sokoban") or level not in ("step", "trajectory"):
+        _fail(ValueError("--env must be frozenlake or sokoban and --level step or trajectory"))
+    spec = ExampleSpec(samples=samples, seed=seed, group_size=group_size, env=env, level=level,
+                       response_len=(min_response, max_response))
+    manifest = _guard(lambda: generate(spec, str(output)))
+    typer.echo(f"wrote {manifest['rows']:,} {level}-level rows in {manifest['groups']:,} groups of {group_size} "
+               f"to {output}")
+
+
+@app.command()
+def demo(run_dir: Path = typer.Option(Path("runs/demo"), "--run-dir"),
+         config: Path = typer.Option(settings.REPO / "configs/recompute_gigpo.yaml", "--config")) -> None:
+    """The embedded default: generate an example set (once) and recompute its rewards and advantages."""
+    from schemas.config import RecomputeConfig, load_config
+    from stages.example import ExampleSpec, generate
+
+    samples_dir = run_dir / "samples"
+    if not samples_dir.exists():
+        manifest = generate(ExampleSpec(samples=4096, seed=0), str(samples_dir))
+        typer.echo(f"generated {manifest['rows']:,} example rows in {samples_dir}")
+    cfg = _guard(lambda: load_config(RecomputeConfig, config))
+    from flows.recompute import recompute_flow
+
+    result = _guard(lambda: recompute_flow(str(samples_dir), str(run_dir / "recompute"), cfg.model_dump(mode="json")))
+    _print_recompute(result)
+    typer.echo(f"\nconfig {config}; outputs under {run_dir / 'recompute'} (rollflow inspect DIR to look again)")
+
+
+def main() -> None:
+    try:
+        app()
+    except KeyboardInterrupt:
+        sys.exit(130)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,204 @@
+"""Frozen, validated config models with ROLL's option names (spec §7). Loaded once from YAML in ``configs/``.
+
+A ROLL user recognises the top level: ``adv_estimator``, ``gamma``, ``lambd``, ``reward_normalization``,
+``init_kl_coef``, ``advantage_clip``, ... Each stage receives only its own section, extracted by
+:func:`section` from the fields its section model declares; the section is what the stage fingerprint hashes.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal, TypeVar
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from schemas.errors import ConfigError
+
+AdvEstimator = Literal["gae", "reinforce", "grpo", "gigpo", "step_reinforce", "agentic_reinforce"]
+NormType = Literal["batch", "group", "running"]
+KLPenalty = Literal["kl", "abs", "mse", "k3", "full"]
+
+
+class Frozen(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid", validate_default=True)
+
+
+class RewardNormalizationConfig(Frozen):
+    """Agentic reward normalisation (spec §5.2)."""
+
+    grouping: str = Field("batch", description="'batch' for one group, or the column to group by: traj_group_id "
+                                               "(= group_id here), tags, state_group_id.")
+    method: Literal["identity", "mean", "mean_std", "asym_clip"] = Field(
+        "identity", description="Deprecated ROLL field deriving the norm types: identity, mean, mean_std, asym_clip.")
+    norm_mean_type: Literal["batch", "group"] | None = Field(None, description="Explicit mean type; wins over method.")
+    norm_std_type: Literal["batch", "group"] | None = Field(None, description="Explicit std type; wins over method.")
+
+
+class AlgorithmConfig(Frozen):
+    """The data-side algorithm options of ROLL's PPOConfig / AgenticConfig, with ROLL's defaults."""
+
+    adv_estimator: AdvEstimator = Field("gae", description="Advantage estimator (ROLL names).")
+    gamma: float = Field(1.0, ge=0.0, le=1.0, description="Token-level discount of the advantage recursion.")
+    lambd: float = Field(0.95, ge=0.0, le=1.0, description="GAE lambda.")
+    step_reward_gamma: float = Field(0.95, ge=0.0, le=1.0, description="Discount of step rewards across turns "
+                                                                       "(gigpo, step_reinforce).")
+    reward_normalization: RewardNormalizationConfig = Field(default_factory=RewardNormalizationConfig,
+                                                            description="Agentic reward normalisation.")
+    episode_reward_weight: float = Field(1.0, description="GiGPO weight of the episode-level normalised reward.")
+    step_reward_weight: float = Field(1.0, description="GiGPO weight of the step-level normalised reward.")
+    reward_clip: float | None = Field(None, description="Clip response-level and token rewards to ±reward_clip.")
+    advantage_clip: float | None = Field(None, description="Clip advantages to ±advantage_clip.")
+    whiten_rewards: bool = Field(False, description="Whiten token rewards over all valid tokens of the batch.")
+    whiten_advantages: bool = Field(False, description="Whiten advantages over all valid tokens of the batch.")
+    add_token_level_kl: bool = Field(False, description="Subtract beta·KL(old‖ref) from the token rewards.")
+    kl_penalty: KLPenalty = Field("kl", description="KL estimator for token rewards: kl, abs, mse, k3, full.")
+    init_kl_coef: float = Field(0.2, ge=0.0, description="Initial KL coefficient beta.")
+    target_kl: float | None = Field(None, description="Adaptive KL controller target (None: fixed controller).")
+    kl_horizon: int = Field(10000, gt=0, description="Adaptive KL controller horizon.")
+    roll_compat: bool = Field(False, description="Reproduce ROLL's defects BUG-4/5/6 (for comparison runs only).")
+
+    @model_validator(mode="after")
+    def _rules(self) -> "AlgorithmConfig":
+        if self.reward_clip is not None and self.reward_clip <= 0:
+            raise ValueError(f"reward_clip ({self.reward_clip}) must be null or > 0, because ROLL treats 0 as 'off' "
+                             "and a negative bound is meaningless; set reward_clip: null to disable clipping")
+        if self.advantage_clip is not None and self.advantage_clip <= 0:
+            raise ValueError(f"advantage_clip ({self.advantage_clip}) must be null or > 0, because clamping to "
+                             f"±{self.advantage_clip} would zero every advantage; set advantage_clip: null to disable")
+        if self.target_kl is not None and self.target_kl <= 0:
+            raise ValueError(f"target_kl ({self.target_kl}) must be > 0, because the adaptive controller divides by "
+                             "it; set target_kl: null for a fixed KL coefficient")
+        return self
+
+
+class RuntimeConfig(Frozen):
+    """Where and how stages execute. Not part of any stage fingerprint."""
+
+    ray_address: str | None = Field(None, description="Ray cluster to join (default: $RAY_ADDRESS, else a local one).")
+    num_cpus: int | None = Field(None, gt=0, description="CPUs of the local Ray cluster (default: all).")
+    batch_rows: int = Field(1024, gt=0, description="Rows per Ray Data batch for row-level stages.")
+
+
+class RecomputeConfig(AlgorithmConfig):
+    """``rollflow recompute``: stored trajectories → rewarded and advantaged tables."""
+
+    group_size: int | None = Field(None, gt=0, description="Trajectories per group; checked when set (required by "
+                                                           "group normalisation).")
+    runtime: RuntimeConfig = Field(default_factory=RuntimeConfig, description="Execution settings.")
+
+    @model_validator(mode="after")
+    def _group_rules(self) -> "RecomputeConfig":
+        rn = self.reward_normalization
+        grouped = rn.grouping != "batch" and (rn.method != "identity" or rn.norm_mean_type or rn.norm_std_type)
+        if self.adv_estimator in ("grpo", "gigpo") and grouped and rn.grouping == "traj_group_id" \
+                and self.group_size is not None and self.group_size < 2:
+            raise ValueError(f"group_size ({self.group_size}) must be at least 2 with adv_estimator "
+                             f"{self.adv_estimator} and grouping traj_group_id, because a group of one has no "
+                             "variance and every normalised reward would be 0; set group_size: 8")
+        return self
+
+
+# ---- stage sections -------------------------------------------------------------------------------------------
+
+class ResponseRewardSection(Frozen):
+    """What the response_rewards stage reads."""
+
+    adv_estimator: AdvEstimator
+    step_reward_gamma: float
+    reward_normalization: RewardNormalizationConfig
+    episode_reward_weight: float
+    step_reward_weight: float
+    reward_clip: float | None
+    roll_compat: bool
+    group_size: int | None = None
+
+
+class AdvantageSection(Frozen):
+    """What the advantages stage reads."""
+
+    adv_estimator: AdvEstimator
+    gamma: float
+    lambd: float
+    reward_clip: float | None
+    advantage_clip: float | None
+    whiten_rewards: bool
+    whiten_advantages: bool
+    add_token_level_kl: bool
+    kl_penalty: KLPenalty
+    init_kl_coef: float
+    target_kl: float | None
+    kl_horizon: int
+    roll_compat: bool
+
+
+S = TypeVar("S", bound=BaseModel)
+
+
+def section(config: BaseModel, model: type[S]) -> S:
+    """The stage section ``model`` filled from the same-named fields of ``config``."""
+    return model.model_validate({k: getattr(config, k) for k in model.model_fields if hasattr(config, k)})
+
+
+# ---- loading --------------------------------------------------------------------------------------------------
+
+M = TypeVar("M", bound=BaseModel)
+
+
+def _set_dotted(data: dict, dotted: str, value: Any) -> None:
+    keys = dotted.split(".")
+    node = data
+    for k in keys[:-1]:
+        node = node.setdefault(k, {})
+        if not isinstance(node, dict):
+            raise ConfigError(f"override '{dotted}': '{k}' is not a section")
+    node[keys[-1]] = value
+
+
+def parse_overrides(items: list[str] | tuple[str, ...]) -> dict[str, Any]:
+    """``["gamma=0.9", "reward_normalization.method=mean_std"]`` → a dict of dotted keys to YAML-parsed values."""
+    out: dict[str, Any] = {}
+    for item in items:
+        if "=" not in item:
+            raise ConfigError(f"override '{item}' must look like key=value (e.g. adv_estimator=grpo)")
+        key, raw = item.split("=", 1)
+        out[key.strip()] = yaml.safe_load(raw)
+    return out
+
+
+def format_validation_error(err: ValidationError, source: str) -> str:
+    lines = [f"invalid config {source}:"]
+    for e in err.errors():
+        loc = ".".join(str(p) for p in e["loc"]) or "(top level)"
+        msg = e["msg"].removeprefix("Value error, ")
+        if e["type"] == "extra_forbidden":
+            msg = "unknown option; check the spelling against configs/ and docs (ROLL option names)"
+        lines.append(f"  field '{loc}': {msg}")
+    return "\n".join(lines)
+
+
+def validate_config(model: type[M], data: dict, source: str = "(dict)") -> M:
+    try:
+        return model.model_validate(data)
+    except ValidationError as err:
+        raise ConfigError(format_validation_error(err, source)) from None
+
+
+def load_config(model: type[M], path: str | Path | None, overrides: dict[str, Any] | None = None) -> M:
+    """Read YAML ``path`` (or nothing), apply dotted ``overrides``, validate into the frozen ``model``."""
+    data: dict = {}
+    source = "(defaults)"
+    if path is not None:
+        source = str(path)
+        try:
+            loaded = yaml.safe_load(Path(path).read_text())
+        except FileNotFoundError:
+            raise ConfigError(f"config file {path} does not exist; pass a file from configs/") from None
+        except yaml.YAMLError as err:
+            raise ConfigError(f"config file {path} is not valid YAML: {err}") from None
+        if loaded is not None and not isinstance(loaded, dict):
+            raise ConfigError(f"config file {path} must hold a mapping of options at the top level")
+        data = loaded or {}
+    for key, value in (overrides or {}).items():
+        _set_dotted(data, key, value)
+    return validate_config(model, data, source)

@@ -1,0 +1,158 @@
+"""Masked primitives over flat token arrays (spec ALGORITHMS.md §1, conventions §0.3).
+
+Global reductions (``masked_mean``, ``masked_var``, whitening, clip fractions) take flat arrays: ``x (N,)`` and a
+same-shaped 0/1 mask ``m (N,)`` (bool, int or float). They also accept any matching shapes, since they never look at
+rows. Per-row operations (``masked_normalize``) take a :class:`~stages.algos.ragged.Ragged`.
+
+Whitening is split in three so that a stage can compute the statistics across Ray Data blocks::
+
+    parts = sum_partials([whiten_partials(x_k, m_k) for each block k])   # (count, sum, sum of squares), float64
+    mean, var = whiten_stats_from_partials(*parts)                       # unbiased variance
+    y_k = whiten_with(x_k, mean, var)                                    # per block
+
+``masked_whiten(x, m)`` is exactly those three steps on one block. Accumulation is float64; outputs are float32.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+import numpy as np
+
+from schemas.errors import InvariantError
+from stages.algos.ragged import Ragged, row_sum
+
+MEAN_EPS = 1e-8  # masked mean denominator Σm + 1e-8 (§0.3)
+WHITEN_EPS = 1e-8  # (σ² + 1e-8)^(-1/2) (§1.4)
+
+WhitenPartials = tuple[float, float, float]  # (count Σm, Σ x·m, Σ x²·m), float64, additive across blocks
+
+
+def as_mask(m: np.ndarray, shape: tuple[int, ...], what: str = "mask") -> np.ndarray:
+    """``m`` as a float64 0/1 array of ``shape``; a clear error when the shapes disagree."""
+    m = np.asarray(m)
+    if m.shape != tuple(shape):
+        raise InvariantError(f"{what} has shape {m.shape} but the values have shape {tuple(shape)}; "
+                             "the token mask must have one entry per value (response_mask[1:] of each row)")
+    return m.astype(np.float64, copy=False)
+
+
+# ---- §1.1, §1.2 ----------------------------------------------------------------------------------------------------
+def masked_sum(x: np.ndarray, m: np.ndarray) -> float:
+    """``Σ x·m`` over all elements (§1.2, ``dim=None``)."""
+    x = np.asarray(x, dtype=np.float64)
+    return float(np.sum(x * as_mask(m, x.shape)))
+
+
+def masked_mean(x: np.ndarray, m: np.ndarray) -> float:
+    """``Σ x·m / (Σm + 1e-8)`` over all elements; 0 when nothing is selected (§1.1, ``dim=None``)."""
+    x = np.asarray(x, dtype=np.float64)
+    mf = as_mask(m, x.shape)
+    return float(np.sum(x * mf) / (np.sum(mf) + MEAN_EPS))
+
+
+# ---- §1.3, §1.4: whitening, split for distributed statistics ------------------------------------------------------
+def whiten_partials(x: np.ndarray, m: np.ndarray) -> WhitenPartials:
+    """``(Σm, Σ x·m, Σ x²·m)`` in float64; add them elementwise across blocks (:func:`sum_partials`)."""
+    x = np.asarray(x, dtype=np.float64)
+    mf = as_mask(m, x.shape)
+    xm = x * mf
+    return float(mf.sum()), float(xm.sum()), float((xm * x).sum())
+
+
+def sum_partials(parts: Iterable[WhitenPartials]) -> WhitenPartials:
+    """Elementwise sum of :func:`whiten_partials` results (``(0, 0, 0)`` for none)."""
+    count, total, total_sq = 0.0, 0.0, 0.0
+    for c, s, q in parts:
+        count, total, total_sq = count + c, total + s, total_sq + q
+    return count, total, total_sq
+
+
+def whiten_stats_from_partials(count: float, total: float, total_sq: float,
+                               unbiased: bool = True) -> tuple[float, float]:
+    """``(μ, σ²)`` from summed partials, as ROLL's ``masked_mean`` / ``masked_var`` (§1.3).
+
+    ``μ = Σxm/(n + 1e-8)``, biased ``v = Σ(x−μ)²m/(n + 1e-8)``, unbiased ``v·n/(n−1)``. Unbiased needs ``n ≥ 2``.
+    """
+    if unbiased and count == 0:
+        raise InvariantError("masked variance needs at least one masked element, the mask sums to 0; "
+                             "skip whitening when the batch has no response token")
+    if unbiased and count == 1:
+        raise InvariantError("masked variance with a mask that sums to 1 divides by zero (n/(n-1)); "
+                             "skip whitening when the batch has a single response token")
+    mean = total / (count + MEAN_EPS)
+    squared_dev = max(total_sq - 2.0 * mean * total + mean * mean * count, 0.0)  # Σ (x−μ)² m
+    var = squared_dev / (count + MEAN_EPS)
+    if unbiased:
+        var *= count / (count - 1.0)
+    return mean, var
+
+
+def whiten_with(x: np.ndarray, mean: float, var: float, shift_mean: bool = True) -> np.ndarray:
+    """``(x − μ)·(σ² + 1e-8)^(-1/2)`` on **every** element (``+ μ`` back if not ``shift_mean``), float32 (§1.4)."""
+    y = (np.asarray(x, dtype=np.float64) - mean) / np.sqrt(var + WHITEN_EPS)
+    if not shift_mean:
+        y = y + mean
+    return y.astype(np.float32)
+
+
+def masked_var(x: np.ndarray, m: np.ndarray, unbiased: bool = True) -> float:
+    """Variance of the masked elements about their masked mean (§1.3); unbiased needs ``Σm ≥ 2``."""
+    return whiten_stats_from_partials(*whiten_partials(x, m), unbiased=unbiased)[1]
+
+
+def masked_whiten(x: np.ndarray, m: np.ndarray, shift_mean: bool = True) -> np.ndarray:
+    """Batch-wide whitening with pooled statistics of the masked elements, applied to all elements (§1.4)."""
+    mean, var = whiten_stats_from_partials(*whiten_partials(x, m))
+    return whiten_with(x, mean, var, shift_mean=shift_mean)
+
+
+def can_whiten(count: float) -> bool:
+    """ROLL disables whitening when ``Σm ≤ 1`` over the whole batch (§4.3 step 1)."""
+    return count > 1
+
+
+# ---- §1.5 ----------------------------------------------------------------------------------------------------------
+def masked_normalize(x: Ragged, m: np.ndarray, eps: float = 1e-8) -> np.ndarray:
+    """Per-row ``(x·m − μ_row)·max(v_row, eps)^(-1/2)`` with biased row variance; ``(N,)`` float32 (§1.5)."""
+    mf = as_mask(m, x.values.shape)
+    xm = x.values.astype(np.float64) * mf
+    rows = x.row_index()
+    count = row_sum(x.with_values(mf))
+    # ROLL adds 1e-8 to a float32 count, which leaves any count ≥ 1 unchanged; do the same so that a row with
+    # one masked element normalises to exactly 0 instead of (x·1e-8)/1e-4.
+    denominator = np.where(count > 0, count.astype(np.float32) + np.float32(MEAN_EPS), 1.0).astype(np.float64)
+    mean = np.where(count > 0, row_sum(x.with_values(xm)) / denominator, 0.0)[rows]
+    var = np.where(count > 0, row_sum(x.with_values((xm - mean) ** 2 * mf)) / denominator, 0.0)[rows]
+    return ((xm - mean) / np.sqrt(np.maximum(var, eps))).astype(np.float32)
+
+
+def row_masked_sum(x: Ragged, m: np.ndarray) -> np.ndarray:
+    """``(B,)`` float64 ``Σ_t x·m`` per row, 0 for rows without a masked element (§1.2, ``dim=-1``)."""
+    return row_sum(x, as_mask(m, x.values.shape))
+
+
+# ---- §1.7 ----------------------------------------------------------------------------------------------------------
+def clip_counts(x: np.ndarray, *, low: float, high: float, m: np.ndarray | None = None) -> tuple[int, int]:
+    """``(#{x > high} + #{x < low}, #elements)``, over all elements or only where ``m = 1``; additive over blocks."""
+    x = np.asarray(x)
+    outside = (x > high) | (x < low)
+    if m is None:
+        return int(outside.sum()), int(x.size)
+    keep = as_mask(m, x.shape) > 0
+    return int((outside & keep).sum()), int(keep.sum())
+
+
+def clip_fraction(x: np.ndarray, *, low: float, high: float) -> float:
+    """ROLL's ``compute_clip_fraction``: clipped fraction over **all** elements, 0 if empty (§1.7, [Q-3]).
+
+    Over ragged rows "all elements" are the real next-token positions (prompt and response), not ROLL's padding.
+    """
+    clipped, total = clip_counts(x, low=low, high=high)
+    return clipped / total if total else 0.0
+
+
+def masked_clip_fraction(x: np.ndarray, m: np.ndarray, *, low: float, high: float) -> float:
+    """Clipped fraction over the masked elements only (the [Q-3] fix), 0 if the mask is empty."""
+    clipped, total = clip_counts(x, low=low, high=high, m=m)
+    return clipped / total if total else 0.0
