@@ -1,0 +1,224 @@
+"""Benchmark of the recompute chain (issue 2): rows/s, tokens/s and peak RSS of the whole chain, against
+
+(a) the I/O floor: pyarrow reading the columns the chain reads and writing the columns it writes, no compute;
+(b) a single-process padded-tensor implementation of the same chain that pads every batch to its longest row and
+    runs ROLL's per-position loops in torch, as ROLL does.
+
+Usage: python benchmarks/recompute.py --samples 200000 [--scale 10]
+With --scale K the chain also runs on K× fewer rows first, to report the peak-RSS growth of K× more rows.
+Last line: RESULT rows_per_s=… tokens_per_s=… peak_rss_mb=… io_floor_ratio=… padded_speedup=… [rss_growth_10x=…]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import psutil
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.dataset as pads
+import pyarrow.parquet as pq
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from schemas.config import AdvantageSection, RecomputeConfig, ResponseRewardSection, load_config, section  # noqa: E402
+from stages.example import ExampleSpec, generate  # noqa: E402
+
+CONFIG = REPO / "configs/recompute_grpo.yaml"
+
+
+class PeakRSS:
+    """Samples the summed RSS of this process and all its descendants (Ray's raylet and workers) every 0.2 s."""
+
+    def __init__(self) -> None:
+        self.peak = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _sample(self) -> int:
+        me = psutil.Process()
+        total = 0
+        for p in [me] + me.children(recursive=True):
+            try:
+                total += p.memory_info().rss
+            except psutil.Error:
+                pass
+        return total
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.peak = max(self.peak, self._sample())
+            time.sleep(0.2)
+
+    def __enter__(self):
+        self.peak = self._sample()
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+
+
+def dataset(samples: int, cache: Path) -> Path:
+    path = cache / f"samples_{samples}"
+    if not path.exists():
+        t = time.time()
+        generate(ExampleSpec(samples=samples, seed=1, with_values=False), str(path))
+        print(f"generated {samples} rows in {time.time() - t:.1f}s -> {path}")
+    return path
+
+
+def total_tokens(path: Path) -> int:
+    table = pads.dataset(sorted(map(str, path.glob("*.parquet")))).to_table(columns=["input_ids"])
+    return int(pc.sum(pc.list_value_length(table.column(0))).as_py())
+
+
+def run_chain(samples: Path, out: Path, cfg: RecomputeConfig) -> float:
+    from stages.recompute import AdvantagesStage, ResponseRewardsStage
+    from stages.runner import run_stage
+
+    shutil.rmtree(out, ignore_errors=True)
+    t = time.time()
+    run_stage(ResponseRewardsStage(), section(cfg, ResponseRewardSection), {"samples": str(samples)},
+              str(out / "rewarded"), batch_rows=cfg.runtime.batch_rows)
+    run_stage(AdvantagesStage(), section(cfg, AdvantageSection),
+              {"samples": str(samples), "rewarded": str(out / "rewarded")}, str(out / "advantaged"),
+              batch_rows=cfg.runtime.batch_rows)
+    return time.time() - t
+
+
+def io_floor(samples: Path, out: Path) -> float:
+    """Read every input file with pyarrow and write a table with the output's columns (the four new list columns
+    copied from an input list column of the same shape) — the chain's bytes in and out, no compute."""
+    shutil.rmtree(out, ignore_errors=True)
+    out.mkdir(parents=True)
+    t = time.time()
+    for i, f in enumerate(sorted(samples.glob("*.parquet"))):
+        table = pq.read_table(f)
+        narrow = table.select(["row_id", "score"])
+        pq.write_table(narrow, out / f"rewarded-{i}.parquet")
+        like = table.column("old_log_probs")
+        for name in ("token_level_rewards", "advantages", "returns", "raw_advantages"):
+            table = table.append_column(name, like)
+        table = table.append_column("response_level_rewards", table.column("score"))
+        pq.write_table(table, out / f"part-{i}.parquet")
+    return time.time() - t
+
+
+def padded_chain(samples: Path, out: Path, cfg: RecomputeConfig, batch_rows: int = 1024) -> float:
+    """ROLL's way: pad each batch to its longest row, run the token-level chain on (B, S-1) torch tensors with
+    ROLL's per-position loop, unpad and write. The narrow response-level part is shared with rollflow (it has no
+    padding); only the token-level part differs."""
+    import torch
+
+    from stages.recompute import NARROW, response_rewards_table
+
+    torch.set_num_threads(1)
+    shutil.rmtree(out, ignore_errors=True)
+    out.mkdir(parents=True)
+    t = time.time()
+    files = sorted(map(str, samples.glob("*.parquet")))
+    narrow = pads.dataset(files).to_table(columns=NARROW + ["state_hash"])
+    rewarded, _ = response_rewards_table(narrow, section(cfg, ResponseRewardSection), str(samples))
+    lookup = dict(zip(rewarded.column("row_id").to_pylist(), rewarded.column("response_level_rewards").to_pylist()))
+    beta = cfg.init_kl_coef if cfg.add_token_level_kl else 0.0
+    part = 0
+    for f in files:
+        for batch in pq.ParquetFile(f).iter_batches(batch_size=batch_rows):
+            b = pa.Table.from_batches([batch])
+            ids = b.column("input_ids").to_pylist()
+            S = max(map(len, ids))
+            B = len(ids)
+            attn = torch.zeros(B, S, dtype=torch.long)
+            resp = torch.zeros(B, S, dtype=torch.long)
+            old = torch.zeros(B, S - 1)
+            ref = torch.zeros(B, S - 1)
+            for i, (m, o, r) in enumerate(zip(b.column("response_mask").to_pylist(),
+                                              b.column("old_log_probs").to_pylist(),
+                                              b.column("ref_log_probs").to_pylist())):
+                L = len(m)
+                attn[i, :L] = 1
+                resp[i, :L] = torch.tensor(m)
+                old[i, : L - 1] = torch.tensor(o)
+                ref[i, : L - 1] = torch.tensor(r)
+            mask = resp[:, 1:].float()
+            R = torch.tensor([lookup[x] for x in b.column("row_id").to_pylist()])
+            pos = (attn.cumsum(-1) - 1).clamp(min=0)
+            last = (pos * attn).argmax(-1)
+            scores = torch.zeros(B, S)
+            scores[torch.arange(B), last] = R
+            token_rewards = scores[:, 1:]
+            k = ref - old
+            kl = torch.clamp(torch.exp(k) - k - 1, -10, 10) * mask
+            token_rewards = token_rewards - beta * kl
+            token_rewards = token_rewards * mask
+            returns = torch.zeros_like(token_rewards)
+            running = torch.zeros(B)
+            for col in reversed(range(S - 1)):
+                running = token_rewards[:, col] + cfg.gamma * running
+                returns[:, col] = running
+            adv = returns * mask
+            lengths = (attn.sum(-1) - 1).tolist()
+            unpad = lambda x: pa.array([row[:n] for row, n in zip(x.tolist(), lengths)], pa.list_(pa.float32()))  # noqa: E731
+            b = b.append_column("response_level_rewards", pa.array(R.numpy(), pa.float32()))
+            for name, x in (("token_level_rewards", token_rewards), ("advantages", adv), ("returns", returns),
+                            ("raw_advantages", returns)):
+                b = b.append_column(name, unpad(x))
+            pq.write_table(b, out / f"part-{part:05d}.parquet")
+            part += 1
+    return time.time() - t
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--samples", type=int, default=200_000)
+    ap.add_argument("--scale", type=int, default=0, help="also run on samples/scale rows to measure RSS growth")
+    ap.add_argument("--cache", type=Path, default=REPO / ".cache/bench/recompute")
+    ap.add_argument("--skip-padded", action="store_true")
+    args = ap.parse_args()
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    from stages.cluster import ensure_ray
+
+    cfg = load_config(RecomputeConfig, CONFIG)
+    samples = dataset(args.samples, args.cache)
+    tokens = total_tokens(samples)
+    ensure_ray(num_cpus=os.cpu_count(), progress=False)
+    rows_out = {}
+    growth = None
+    if args.scale:
+        small = dataset(args.samples // args.scale, args.cache)
+        with PeakRSS() as small_rss:
+            run_chain(small, args.cache / "out_small", cfg)
+        rows_out["small_peak_mb"] = small_rss.peak / 2**20
+    with PeakRSS() as rss:
+        chain_s = run_chain(samples, args.cache / "out_chain", cfg)
+    if args.scale:
+        growth = rss.peak / max(rows_out["small_peak_mb"] * 2**20, 1)
+    floor_s = io_floor(samples, args.cache / "out_floor")
+    padded_s = None if args.skip_padded else padded_chain(samples, args.cache / "out_padded", cfg)
+    print(f"\nmachine: {os.cpu_count()} CPUs, {psutil.virtual_memory().total / 2**30:.0f} GiB; config {CONFIG.name}")
+    print(f"{'what':<34}{'seconds':>10}{'rows/s':>12}{'tokens/s':>14}")
+    for name, s in (("rollflow recompute chain (Ray)", chain_s), ("I/O floor (pyarrow read+write)", floor_s),
+                    ("padded single-process (ROLL-style)", padded_s)):
+        if s is not None:
+            print(f"{name:<34}{s:>10.1f}{args.samples / s:>12.0f}{tokens / s:>14.0f}")
+    print(f"peak RSS of the chain (driver + Ray processes): {rss.peak / 2**20:.0f} MB"
+          + (f"; with {args.samples // args.scale} rows: {rows_out['small_peak_mb']:.0f} MB" if args.scale else ""))
+    result = (f"RESULT rows_per_s={args.samples / chain_s:.0f} tokens_per_s={tokens / chain_s:.0f} "
+              f"peak_rss_mb={rss.peak / 2**20:.0f} io_floor_ratio={chain_s / floor_s:.2f}")
+    result += f" padded_speedup={padded_s / chain_s:.2f}" if padded_s else ""
+    result += f" rss_growth_{args.scale}x={growth:.2f}" if growth else ""
+    print(result)
+
+
+if __name__ == "__main__":
+    main()
