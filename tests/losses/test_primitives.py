@@ -1,0 +1,150 @@
+"""§1.1–1.2, §1.8, §2.1, §4.6 primitives: golden conformance, hand cases, loop-vs-vectorised."""
+
+import numpy as np
+import pytest
+import torch
+
+from schemas.errors import ConfigError, InvariantError
+from stages.losses import (approx_kl, entropy_from_logits, log_probs_from_logits, loss_normalisers, masked_mean,
+                           masked_sum, op_compute_entropy, op_compute_log_probs, segment_masked_mean,
+                           token_entropy, token_log_probs)
+from stages.losses.primitives import check_same_shape, segment_ids
+from tests.golden import assert_close, case_names, load
+from tests.losses.reference import segment_mean_row
+
+
+def test_log_probs_and_entropy_golden():
+    c = load("log_probs_and_entropy_from_logits")
+    logits, labels = torch.tensor(c.inputs["logits"]), torch.tensor(c.inputs["labels"])
+    assert_close(log_probs_from_logits(logits, labels), c.outputs["log_probs"])
+    assert_close(entropy_from_logits(logits), c.outputs["entropy"])
+
+
+def test_log_probs_upcast_half_logits():
+    logits = torch.randn(2, 3, 5, dtype=torch.bfloat16)
+    assert log_probs_from_logits(logits, torch.zeros(2, 3, dtype=torch.long)).dtype == torch.float32
+    assert entropy_from_logits(logits).dtype == torch.float32
+
+
+def test_entropy_uniform_is_log_vocab():
+    assert_close(entropy_from_logits(torch.zeros(1, 7)), [np.log(7)])
+
+
+def test_op_compute_log_probs_shift_and_mask():
+    torch.manual_seed(0)
+    logits = torch.randn(2, 5, 4)
+    ids = torch.tensor([[0, 1, 2, 3, 1], [3, 2, 1, 0, 0]])
+    response_mask = torch.tensor([[0, 0, 1, 1, 0], [0, 1, 1, 1, 1]])
+    lp = op_compute_log_probs(logits, ids, response_mask)
+    ent = op_compute_entropy(logits, response_mask)
+    assert lp.shape == ent.shape == (2, 4)
+    for b in range(2):
+        for t in range(4):
+            if response_mask[b, t + 1]:
+                assert_close(lp[b, t], torch.log_softmax(logits[b, t], -1)[ids[b, t + 1]])
+                assert_close(ent[b, t], entropy_from_logits(logits[b, t]))
+            else:
+                assert lp[b, t] == 0 and ent[b, t] == 0
+
+
+def test_token_log_probs_stream_in_chunks():
+    torch.manual_seed(1)
+    logits = torch.randn(3, 9, 6)
+    ids = torch.randint(0, 6, (3, 9))
+    response_mask = (torch.rand(3, 9) > 0.3).long()
+    whole = op_compute_log_probs(logits, ids, response_mask)
+    m = response_mask[:, 1:]
+    chunks = [token_log_probs(logits[:, :-1][:, s:s + 3], ids[:, 1:][:, s:s + 3], m[:, s:s + 3]) for s in (0, 3, 6)]
+    assert torch.equal(torch.cat(chunks, 1), whole)
+    assert torch.equal(token_entropy(logits[:, :-1], m), op_compute_entropy(logits, response_mask))
+
+
+def test_masked_ops_golden():
+    c = load("masked_ops")
+    x, m = torch.tensor(c.inputs["values"]), torch.tensor(c.inputs["mask"])
+    assert_close(masked_mean(x, m), c.outputs["masked_mean_all"])
+    assert_close(masked_mean(x, m, dim=-1), c.outputs["masked_mean_dim_-1"])
+    assert_close(masked_sum(x, m), c.outputs["masked_sum_all"])
+    assert_close(masked_sum(x, m, dim=-1), c.outputs["masked_sum_dim_-1"])
+
+
+def test_masked_mean_empty_row_is_zero():
+    x = torch.tensor([[5.0, 7.0], [1.0, 3.0]])
+    m = torch.tensor([[0, 0], [1, 1]])
+    assert masked_mean(x, m, dim=-1).tolist() == [0.0, 2.0]
+    assert float(masked_mean(x, torch.zeros_like(m))) == 0.0
+
+
+def test_segment_masked_mean_golden():
+    c = load("compute_segment_masked_mean")
+    assert_close(segment_masked_mean(torch.tensor(c.inputs["tensor"]), torch.tensor(c.inputs["mask"])),
+                 c.outputs["result"])
+
+
+@pytest.mark.parametrize("mask, expected", [
+    ([1, 1, 1, 1], [2.5, 2.5, 2.5, 2.5]),           # one segment
+    ([1, 1, 0, 1], [1.5, 1.5, 0.0, 4.0]),           # segment at the start and at the end
+    ([0, 1, 1, 0], [0.0, 2.5, 2.5, 0.0]),           # segment in the middle
+    ([1, 0, 1, 0], [1.0, 0.0, 3.0, 0.0]),           # one-token segments
+    ([0, 0, 0, 0], [0.0, 0.0, 0.0, 0.0]),           # no segment
+])
+def test_segment_masked_mean_hand(mask, expected):
+    x = torch.tensor([[1.0, 2.0, 3.0, 4.0]])
+    assert_close(segment_masked_mean(x, torch.tensor([mask])), [expected])
+
+
+def test_segment_masked_mean_vectorised_equals_loop_and_never_crosses_rows():
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(7, 13, generator=g, dtype=torch.float64)
+    mask = (torch.rand(7, 13, generator=g) > 0.4).long()
+    mask[:, -1] = 1
+    mask[1:, 0] = 1                                  # a run ending a row and one starting the next stay apart
+    loop = torch.stack([segment_mean_row(x[b], mask[b].tolist()) for b in range(7)])
+    assert_close(segment_masked_mean(x, mask), loop, atol=1e-12)
+    ids = segment_ids(mask)
+    for b in range(6):
+        assert ids[b, -1] != ids[b + 1, 0]
+
+
+def test_segment_masked_mean_gradient_reaches_every_token_of_the_run():
+    x = torch.tensor([[1.0, 2.0, 3.0, 4.0]], requires_grad=True)
+    segment_masked_mean(x, torch.tensor([[1, 1, 0, 1]])).sum().backward()
+    assert_close(x.grad, [[1.0, 1.0, 0.0, 1.0]], atol=1e-6)
+
+
+@pytest.mark.parametrize("name", case_names("approx_kl__"))
+def test_approx_kl_golden(name):
+    c = load(name)
+    mask = c.inputs.get("action_mask")
+    kl = approx_kl(torch.tensor(c.inputs["log_probs"]), torch.tensor(c.inputs["log_probs_base"]),
+                   None if mask is None else torch.tensor(mask), c.params["kl_penalty"])
+    assert_close(kl, c.outputs["kl"])
+
+
+def test_approx_kl_hand_values():
+    lp, lb = torch.tensor([-1.0]), torch.tensor([-2.0])
+    assert_close(approx_kl(lp, lb, kl_type="mse"), [0.5])
+    assert_close(approx_kl(lp, lb, kl_type="k3"), [np.exp(-1.0) + 1.0 - 1.0])
+    assert_close(approx_kl(torch.tensor([0.0]), torch.tensor([-50.0]), kl_type="k3"), [10.0])   # clamped
+
+
+def test_approx_kl_full_is_exact_kl():
+    p = torch.log_softmax(torch.tensor([[[0.3, -1.0, 2.0]]]), -1)
+    q = torch.log_softmax(torch.tensor([[[1.0, 0.0, -0.5]]]), -1)
+    exact = (p.exp() * (p - q)).sum()
+    assert_close(approx_kl(p, q, kl_type="full"), [[float(exact)]])
+
+
+def test_approx_kl_unknown_type():
+    with pytest.raises(ConfigError, match="k3"):
+        approx_kl(torch.zeros(1), torch.zeros(1), kl_type="k2")
+
+
+def test_loss_normalisers_count_tokens_and_valid_rows_at_least_one():
+    assert loss_normalisers(torch.tensor([[1, 1, 0], [0, 0, 0], [0, 1, 0]])) == (3.0, 2.0)
+    assert loss_normalisers(torch.zeros(2, 3)) == (1.0, 1.0)
+
+
+def test_check_same_shape_names_the_tensor():
+    with pytest.raises(InvariantError, match="'b'"):
+        check_same_shape("here", a=torch.zeros(2, 3), b=torch.zeros(2, 4))
