@@ -1,0 +1,1 @@
+"""Worked examples of custom reward workers (docs/custom-reward-worker.md)."""
