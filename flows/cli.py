@@ -144,6 +144,17 @@ def demo(run_dir: Path = typer.Option(Path("runs/demo"), "--run-dir"),
     typer.echo(f"\nconfig {config}; outputs under {run_dir / 'recompute'} (rollflow inspect DIR to look again)")
 
 
+def _register_commands() -> None:
+    """Commands that live in their own modules (one module per capability)."""
+    from flows.cli_ops import deploy, report, server
+
+    for command in (server, deploy, report):
+        app.command()(command)
+
+
+_register_commands()
+
+
 def main() -> None:
     try:
         app()

@@ -1,0 +1,143 @@
+"""``rollflow server``, ``rollflow deploy`` and ``rollflow report``. Registered in flows/cli.py with::
+
+    from flows.cli_ops import deploy, report, server
+    app.command()(server)
+    app.command()(deploy)
+    app.command()(report)
+
+``python -m flows.cli_ops COMMAND ...`` runs the same commands without the main CLI (the tests use it).
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+OverrideOpt = typer.Option(None, "--set", help="Config override key=value (dotted keys, YAML values); repeatable.")
+FLOWS = ("recompute",)  # deployable flows; the training flow joins when it exists
+
+
+def _fail(err: Exception) -> None:
+    typer.echo(f"error: {err}", err=True)
+    raise typer.Exit(2)
+
+
+def _guard(fn):
+    from schemas.errors import RollflowError
+
+    try:
+        return fn()
+    except (RollflowError, FileExistsError) as err:
+        _fail(err)
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
+
+
+def _default_server_home() -> Path:
+    from flows import settings
+
+    return settings.cache_dir() / "prefect-server"  # apart from the ephemeral runs' database in $PREFECT_HOME
+
+
+def server(host: str = typer.Option("127.0.0.1", "--host", help="Address to listen on."),
+           port: int = typer.Option(4200, "--port", help="Port of the API and UI."),
+           home: Optional[Path] = typer.Option(None, "--home", help="Folder of the server's database and log "
+                                                                     "(default: .cache/prefect-server)."),
+           timeout: float = typer.Option(120.0, "--timeout", help="Seconds to wait for the server to be healthy.")
+           ) -> None:
+    """Start a local Prefect server (API + UI) and keep it running until Ctrl-C."""
+    from flows.serving import start_server
+
+    srv = _guard(lambda: start_server(host, port, home or _default_server_home(), timeout))
+    typer.echo(f"Prefect server at {srv.url} (UI), database and log in {srv.home}\n"
+               f"point flows and `rollflow deploy` at it with:\n  export PREFECT_API_URL={srv.api_url}\n"
+               "Ctrl-C stops it.")
+    signal.signal(signal.SIGTERM, _interrupt)  # a supervisor's stop also stops the server's process group
+    try:
+        status = srv.process.wait()
+        typer.echo(f"error: the server exited with status {status}; see {srv.log_path}", err=True)
+        raise typer.Exit(1)
+    except KeyboardInterrupt:
+        typer.echo("stopping the server")
+        srv.stop()
+
+
+def deploy(config: Optional[Path] = typer.Option(None, "--config", help="YAML config of the flow."),
+           input: Path = typer.Option(..., "--input", help="Folder of stored samples the flow reads."),
+           output: Path = typer.Option(..., "--output", help="Folder the flow writes (re-runs skip up-to-date "
+                                                             "stages)."),
+           cron: Optional[str] = typer.Option(None, "--cron", help="Cron schedule, e.g. '0 3 * * *' (03:00 daily)."),
+           interval: Optional[float] = typer.Option(None, "--interval", help="Or: run every SECONDS."),
+           timezone: Optional[str] = typer.Option(None, "--timezone", help="Time zone of --cron (default UTC)."),
+           name: str = typer.Option("scheduled", "--name", help="Deployment name (flow/name in Prefect)."),
+           flow: str = typer.Option("recompute", "--flow", help=f"Flow to deploy: {', '.join(FLOWS)}."),
+           api_url: Optional[str] = typer.Option(None, "--api-url", help="Prefect API (default $PREFECT_API_URL; "
+                                                                          "`rollflow server` prints it)."),
+           overrides: Optional[list[str]] = OverrideOpt,
+           force: bool = typer.Option(False, "--force", help="Every run recomputes all stages.")) -> None:
+    """Register a scheduled deployment of a flow on a Prefect server and execute its runs until Ctrl-C
+    (which pauses the schedule)."""
+    from flows.serving import deploy as serve_deployment
+    from flows.serving import make_schedule, resolve_api_url
+    from schemas.config import RecomputeConfig, load_config, parse_overrides
+    from schemas.errors import ConfigError
+
+    if flow not in FLOWS:
+        _fail(ConfigError(f"deploy: --flow {flow!r} is not deployable; choose one of {list(FLOWS)}"))
+    _guard(lambda: make_schedule(cron, interval, timezone))
+    api = _guard(lambda: resolve_api_url(api_url))
+    cfg = _guard(lambda: load_config(RecomputeConfig, config, parse_overrides(overrides or [])))
+    if not input.is_dir():
+        _fail(ConfigError(f"deploy: --input {input} is not a folder; pass the folder of stored samples"))
+    parameters = {"input_dir": str(input.resolve()), "output_dir": str(output.resolve()),
+                  "cfg": cfg.model_dump(mode="json"), "force": force}
+    from flows.recompute import recompute_flow
+
+    when = f"cron '{cron}' ({timezone or 'UTC'})" if cron else f"every {interval:g} s"
+    typer.echo(f"deployment {recompute_flow.name}/{name} on {api}: {when}, input {parameters['input_dir']}, "
+               f"output {parameters['output_dir']}\nserving: due runs execute here, one at a time; Ctrl-C stops "
+               "and pauses the schedule")
+    _guard(lambda: serve_deployment(recompute_flow, name, cron=cron, interval_s=interval, timezone=timezone,
+                                    parameters=parameters, api_url=api))
+
+
+def report(run: Path = typer.Argument(..., help="A run folder (runs/<run>) with a metrics/ table."),
+           output: Optional[Path] = typer.Option(None, "--output", help="Folder for the plots and index.html "
+                                                                       "(default RUN/report)."),
+           episodes: int = typer.Option(3, "--episodes", help="Sample episodes shown from the last rollout.")
+           ) -> None:
+    """Write PNG plots of a run's metrics per iteration and an HTML page with them and sample episodes."""
+    from flows.report import write_report
+
+    result = _guard(lambda: write_report(run, output=output, max_episodes=episodes))
+    for stem, path in result.plots.items():
+        typer.echo(f"{stem:<18} {path}")
+    for line in result.missing:
+        typer.echo(f"missing: {line}")
+    typer.echo(f"\nreport: {result.html}")
+
+
+def _app() -> typer.Typer:
+    from flows import settings
+
+    app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False)
+
+    @app.callback()
+    def _main(verbose: bool = typer.Option(False, "--verbose", "-v")) -> None:
+        logging.basicConfig(level=logging.INFO if verbose else logging.WARNING,
+                            format="%(asctime)s %(name)s %(levelname)s %(message)s")
+        settings.configure()
+
+    for command in (server, deploy, report):
+        app.command()(command)
+    return app
+
+
+if __name__ == "__main__":
+    _app()()

@@ -1,0 +1,304 @@
+"""``rollflow report RUN``: PNG plots of a run's metrics per iteration and an HTML page with them, the final metrics
+and sample episodes.
+
+Reads the metrics table written by ``stages.metrics.MetricsLog`` (``runs/<run>/metrics/``) and writes
+``runs/<run>/report/``: one PNG per plot in ``PLOTS`` that has data (every metric whose name matches the plot's
+pattern is a line; the same name logged by two stages gives two lines), ``stage_time.png`` (per-stage wall time per
+iteration, stacked bars) and ``index.html`` (images referenced by relative path, so the folder can be copied or
+served as is). Plots without data are listed on the page and in the result as missing, with the names looked for.
+
+Sample episodes: a list of episodes given by the caller, else the turn tables of the last rollout found under the run
+(``.../turns/turn_*/part-*.parquet``, schema ``stages.rollout.tables.TURNS``), else none. An episode is a list of turn
+dicts ``{observation, text, action, reward}`` (extra keys ``action_valid``, ``next_observation``, ``done``,
+``success`` are shown when present), or a dict ``{"title": str, "turns": [...]}``.
+"""
+
+from __future__ import annotations
+
+import html
+import math
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterable, Sequence
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+
+from schemas.errors import SchemaError
+from stages.metrics import METRICS_DIR, TIME_PREFIX, read_metrics
+
+REPORT_DIR = "report"
+MAX_LINES = 10  # lines per plot; more matching metrics are listed on the page, not drawn
+
+
+@dataclass(frozen=True)
+class PlotSpec:
+    """One plot: a file stem, a title, and the regular expression (``re.search``) its metric names match."""
+
+    stem: str
+    title: str
+    pattern: str
+    ylabel: str = ""
+
+
+PLOTS: tuple[PlotSpec, ...] = (
+    PlotSpec("success_rate", "Success rate", r"(^|/)(success|success_rate)$", "fraction of episodes"),
+    PlotSpec("valid_action_rate", "Valid-action rate", r"(^|/)(action_is_valid|valid_action_rate)$", "fraction of turns"),
+    PlotSpec("reward", "Reward", r"(^|/)(score|scores|reward|rewards|episode_score|episode_return|"
+                                 r"response_level_rewards|step_scores)(/mean)?$", "reward"),
+    PlotSpec("kl", "KL", r"(^|/)(kl|approxkl|policykl|kl_loss)$", "nats"),
+    PlotSpec("entropy", "Entropy", r"entropy", "nats"),
+    PlotSpec("losses", "Losses", r"(^|/)(pg_loss|weighted_pg_loss|total_loss|loss)$", "loss"),
+)
+
+
+# ---- reading ----------------------------------------------------------------------------------------------------
+
+def series(table: pa.Table, name: str, stage: str) -> tuple[np.ndarray, np.ndarray]:
+    """``(iterations (n,), values (n,))`` of metric ``name`` logged by ``stage``, by iteration."""
+    rows = table.filter(pc.and_(pc.equal(table["name"], name), pc.equal(table["stage"], stage)))
+    rows = rows.sort_by("iteration")
+    values = rows["value"].to_numpy(zero_copy_only=False).astype(float)
+    return rows["iteration"].to_numpy(), values
+
+
+def matching(table: pa.Table, pattern: str) -> list[tuple[str, str]]:
+    """The ``(name, stage)`` pairs whose name matches ``pattern`` (``re.search``), sorted; time/ metrics excluded."""
+    regex = re.compile(pattern)
+    pairs = set(zip(table["name"].to_pylist(), table["stage"].to_pylist()))
+    return sorted((n, s) for n, s in pairs if regex.search(n) and not n.startswith(TIME_PREFIX))
+
+
+def final_metrics(table: pa.Table) -> list[tuple[str, str, int, float | None]]:
+    """``(name, stage, iteration, value)`` of the last logged iteration of every metric, sorted by name."""
+    last: dict[tuple[str, str], tuple[int, float | None]] = {}
+    for name, stage, it, value in zip(table["name"].to_pylist(), table["stage"].to_pylist(),
+                                      table["iteration"].to_pylist(), table["value"].to_pylist()):
+        if (name, stage) not in last or it >= last[(name, stage)][0]:
+            last[(name, stage)] = (it, value)
+    return [(n, s, it, v) for (n, s), (it, v) in sorted(last.items())]
+
+
+def stage_times(table: pa.Table) -> tuple[list[int], dict[str, np.ndarray]]:
+    """Iterations and, per stage in the order first logged, its wall seconds in each of them (0 where it logged
+    no time): ``(n,)`` arrays."""
+    timed = table.filter(pc.is_valid(table["wall_s"]))
+    iterations = sorted(set(timed["iteration"].to_pylist()))
+    index = {it: i for i, it in enumerate(iterations)}
+    out: dict[str, np.ndarray] = {}
+    first_logged: dict[str, Any] = {}
+    seen: set[tuple[int, str]] = set()
+    for it, stage, wall, stamp in zip(timed["iteration"].to_pylist(), timed["stage"].to_pylist(),
+                                      timed["wall_s"].to_pylist(), timed["timestamp"].to_pylist()):
+        first_logged[stage] = min(stamp, first_logged.get(stage, stamp))
+        if (it, stage) in seen:  # every row of a (iteration, stage) carries the same wall time
+            continue
+        seen.add((it, stage))
+        out.setdefault(stage, np.zeros(len(iterations)))[index[it]] = wall
+    order = sorted(out, key=lambda stage: (first_logged[stage], stage))  # pipeline order: first logged first
+    return iterations, {stage: out[stage] for stage in order}
+
+
+# ---- plotting -----------------------------------------------------------------------------------------------------
+
+def _figure():
+    from matplotlib.figure import Figure  # the object API: no pyplot state, no GUI backend (renders with Agg)
+
+    fig = Figure(figsize=(8.0, 4.0), dpi=100, layout="constrained")
+    return fig, fig.add_subplot()
+
+
+def plot_lines(table: pa.Table, spec: PlotSpec, path: Path) -> list[str]:
+    """Write ``path`` (PNG) with one line per matching ``(name, stage)``; returns the labels drawn."""
+    fig, ax = _figure()
+    pairs = matching(table, spec.pattern)
+    names = [n for n, _ in pairs]
+    labels = []
+    for name, stage in pairs[:MAX_LINES]:
+        x, y = series(table, name, stage)
+        label = name if names.count(name) == 1 else f"{name} [{stage}]"
+        ax.plot(x, y, marker="o" if len(x) <= 30 else None, markersize=3, label=label)
+        labels.append(label)
+    ax.set_title(spec.title)
+    ax.set_xlabel("iteration")
+    ax.set_ylabel(spec.ylabel)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    fig.savefig(path, format="png")
+    return labels
+
+
+def plot_stage_times(table: pa.Table, path: Path) -> list[str]:
+    """Write ``path`` (PNG): stacked bars of each stage's wall seconds per iteration; returns the stages drawn."""
+    iterations, per_stage = stage_times(table)
+    fig, ax = _figure()
+    bottom = np.zeros(len(iterations))
+    for stage, seconds in per_stage.items():
+        ax.bar(iterations, seconds, bottom=bottom, label=stage)
+        bottom += seconds
+    ax.set_title("Wall time per iteration, by stage")
+    ax.set_xlabel("iteration")
+    ax.set_ylabel("seconds")
+    ax.grid(alpha=0.3, axis="y")
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    fig.savefig(path, format="png")
+    return list(per_stage)
+
+
+# ---- episodes -----------------------------------------------------------------------------------------------------
+
+TURN_COLUMNS = ["traj_id", "turn_idx", "observation", "text", "action_content", "action_valid", "reward",
+                "next_observation", "done", "success", "stop_reason"]
+
+
+def find_turn_files(run_dir: str | Path) -> list[Path]:
+    """Parquet files of the last rollout's turn tables under ``run_dir`` (the sorted-last ``turns`` folder),
+    in turn order; empty when there is none."""
+    folders = sorted(p for p in Path(run_dir).rglob("turns") if p.is_dir())
+    if not folders:
+        return []
+    return sorted(f for f in folders[-1].glob("turn_*/part-*.parquet"))
+
+
+def _read_turns(files: list[Path]) -> pa.Table:
+    tables = []
+    for f in files:
+        present = set(pq.read_schema(f).names)
+        tables.append(pq.read_table(f, columns=[c for c in TURN_COLUMNS if c in present]))
+    return pa.concat_tables(tables, promote_options="default")
+
+
+def episodes_from_turns(turns: pa.Table, max_episodes: int = 3) -> list[dict]:
+    """Turn-table rows (TURNS columns; the reset rows, ``turn_idx`` -1, are skipped) → the first ``max_episodes``
+    episodes (by ``traj_id`` order of appearance) as ``{"title", "turns"}`` dicts for render_episodes_html."""
+    missing = [c for c in ("traj_id", "turn_idx", "observation", "text", "action_content", "reward")
+               if c not in turns.column_names]
+    if missing:
+        raise SchemaError(f"turn table: missing columns {missing}; expected the rollout's turns table "
+                          "(stages.rollout.tables.TURNS)")
+    rows = turns.select([c for c in TURN_COLUMNS if c in turns.column_names]).to_pylist()
+    order: list[str] = []
+    by_traj: dict[str, list[dict]] = {}
+    for row in rows:
+        if row["turn_idx"] < 0:
+            continue
+        if row["traj_id"] not in by_traj:
+            if len(order) == max_episodes:
+                continue
+            order.append(row["traj_id"])
+            by_traj[row["traj_id"]] = []
+        by_traj[row["traj_id"]].append({**row, "action": row.get("action_content")})
+    return [{"title": f"episode {traj}", "turns": sorted(by_traj[traj], key=lambda r: r["turn_idx"])}
+            for traj in order]
+
+
+def _fmt(value: Any) -> str:
+    if isinstance(value, float):
+        return "nan" if math.isnan(value) else f"{value:.4g}"
+    return "" if value is None else str(value)
+
+
+def render_episodes_html(episodes: Sequence[Sequence[dict] | dict]) -> str:
+    """HTML (a fragment) of ``episodes``: per episode a table of turns with observation, model text, parsed action
+    and reward. An episode is a list of turn dicts or ``{"title": ..., "turns": [...]}``. All text is escaped."""
+    if not episodes:
+        return "<p>No sample episodes (no rollout turn tables found in this run).</p>"
+    parts = []
+    for k, episode in enumerate(episodes):
+        title = episode.get("title", f"episode {k}") if isinstance(episode, dict) else f"episode {k}"
+        turns = episode.get("turns", []) if isinstance(episode, dict) else episode
+        total = sum(float(t.get("reward") or 0.0) for t in turns)
+        parts.append(f"<h3>{html.escape(str(title))} — {len(turns)} turns, return {total:.4g}</h3>")
+        parts.append("<table class='episode'><tr><th>turn</th><th>observation</th><th>model text</th>"
+                     "<th>action</th><th>reward</th></tr>")
+        for i, turn in enumerate(turns):
+            action = _fmt(turn.get("action"))
+            if turn.get("action_valid") is False:
+                action = f"{action} (invalid)" if action else "(no valid action)"
+            after = turn.get("next_observation")
+            done = " — done" + (" (success)" if turn.get("success") else "") if turn.get("done") else ""
+            parts.append(
+                f"<tr><td>{i + 1}{html.escape(done)}</td>"
+                f"<td><pre>{html.escape(_fmt(turn.get('observation')))}</pre></td>"
+                f"<td><pre>{html.escape(_fmt(turn.get('text')))}</pre></td>"
+                f"<td>{html.escape(action)}"
+                + (f"<pre>{html.escape(after)}</pre>" if after else "")
+                + f"</td><td>{html.escape(_fmt(turn.get('reward')))}</td></tr>")
+        parts.append("</table>")
+    return "\n".join(parts)
+
+
+# ---- the page -----------------------------------------------------------------------------------------------------
+
+_CSS = """body{font-family:sans-serif;margin:2em;max-width:1200px}img{max-width:100%;border:1px solid #ddd}
+table{border-collapse:collapse;font-size:13px}td,th{border:1px solid #ccc;padding:3px 6px;vertical-align:top}
+pre{margin:0;white-space:pre-wrap;font-size:12px;max-width:420px}.missing{color:#a40}"""
+
+
+def _page(run_dir: Path, images: list[tuple[str, str]], missing: list[str], table: pa.Table,
+          episodes_html: str) -> str:
+    rows = "\n".join(f"<tr><td>{html.escape(n)}</td><td>{html.escape(s)}</td><td>{it}</td><td>{_fmt(v)}</td></tr>"
+                     for n, s, it, v in final_metrics(table))
+    figures = "\n".join(f"<h3>{html.escape(title)}</h3><img src='{html.escape(name)}' alt='{html.escape(title)}'>"
+                        for title, name in images)
+    missing_html = ("<ul class='missing'>" + "".join(f"<li>{html.escape(m)}</li>" for m in missing) + "</ul>"
+                    if missing else "")
+    iterations = sorted(set(table["iteration"].to_pylist()))
+    span = f"iterations {iterations[0]}–{iterations[-1]}" if iterations else "no iterations logged"
+    return (f"<!DOCTYPE html><html><head><meta charset='utf-8'><title>rollflow report: {html.escape(run_dir.name)}"
+            f"</title><style>{_CSS}</style></head><body>"
+            f"<h1>rollflow report: {html.escape(run_dir.name)}</h1><p>{html.escape(str(run_dir))} — {span}, "
+            f"{table.num_rows} metric rows</p><h2>Per iteration</h2>{figures}{missing_html}"
+            f"<h2>Final metrics</h2><table><tr><th>metric</th><th>stage</th><th>iteration</th><th>value</th></tr>"
+            f"{rows}</table><h2>Sample episodes</h2>{episodes_html}</body></html>")
+
+
+@dataclass
+class Report:
+    """What write_report wrote: the page, the plots by stem, and the plots skipped for lack of data."""
+
+    html: Path
+    plots: dict[str, Path]
+    missing: list[str]
+
+
+def write_report(run_dir: str | Path, episodes: Iterable[Sequence[dict] | dict] | None = None,
+                 output: str | Path | None = None, max_episodes: int = 3) -> Report:
+    """Write the plots and ``index.html`` of ``run_dir`` into ``output`` (default ``run_dir/report``)."""
+    run = Path(run_dir)
+    if not run.is_dir():
+        raise SchemaError(f"report: run folder {run} does not exist; pass a run folder (runs/<run>)")
+    table = read_metrics(run)
+    out = Path(output) if output else run / REPORT_DIR
+    out.mkdir(parents=True, exist_ok=True)
+    plots: dict[str, Path] = {}
+    images: list[tuple[str, str]] = []
+    missing: list[str] = []
+    if table.num_rows == 0:
+        missing.append(f"no metrics at all: {run / METRICS_DIR} has no part files (MetricsLog writes them)")
+    for spec in PLOTS:
+        if not matching(table, spec.pattern):
+            if table.num_rows:
+                missing.append(f"{spec.title}: no metric name matches {spec.pattern!r}")
+            continue
+        path = out / f"{spec.stem}.png"
+        plot_lines(table, spec, path)
+        plots[spec.stem] = path
+        images.append((spec.title, path.name))
+    if stage_times(table)[1]:
+        path = out / "stage_time.png"
+        plot_stage_times(table, path)
+        plots["stage_time"] = path
+        images.append(("Wall time per stage", path.name))
+    elif table.num_rows:
+        missing.append("Wall time per stage: no rows carry wall_s")
+    if episodes is None:
+        files = find_turn_files(run)
+        episodes = episodes_from_turns(_read_turns(files), max_episodes) if files else []
+    page = out / "index.html"
+    page.write_text(_page(run, images, missing, table, render_episodes_html(list(episodes)[:max_episodes])),
+                    encoding="utf-8")
+    return Report(html=page, plots=plots, missing=missing)

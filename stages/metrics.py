@@ -1,0 +1,243 @@
+"""The metrics table of a training run and its TensorBoard mirror.
+
+Every stage of every iteration logs its metrics once: ``MetricsLog(run_dir).log(iteration, stage, metrics, wall_s)``.
+Rows go to ``runs/<run>/metrics/`` as one Parquet part file per ``(iteration, stage)``, written to a hidden temporary
+file and renamed into place, so a killed run leaves either the old part or the new one, never half a file. Logging the
+same ``(iteration, stage)`` again (a resumed run re-running an iteration) replaces that part: the merged table never
+holds duplicates. Columns: ``iteration, stage, name, value, wall_s, timestamp`` (long format, one row per metric).
+
+Metric names are ROLL's (``actor/pg_loss``, ``critic/kl``, ``env/FrozenLake/success``, …, spec §12). When ``wall_s``
+is given the stage's wall time is also logged as the metric ``time/<stage>``.
+
+The TensorBoard mirror (``runs/<run>/tensorboard/``, tag = metric name, step = iteration) is written with
+tensorboard's own event writer (no torch import). When an iteration at or before the last mirrored one is logged
+again, a new event file starts with a TensorBoard "restart" marker at that step (TensorBoard then discards the older
+events from that step on) and every table row from that step on is written again, so TensorBoard shows exactly the
+table. Local folders only (TensorBoard's writer needs a local path).
+
+No Ray or Prefect import: the training flow, stages and the report all use this module.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import os
+import re
+import time
+from numbers import Real
+from pathlib import Path
+from typing import Mapping
+
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+
+from schemas.errors import SchemaError
+
+METRICS_DIR = "metrics"
+TENSORBOARD_DIR = "tensorboard"
+TIME_PREFIX = "time/"
+
+METRICS_SCHEMA = pa.schema([
+    pa.field("iteration", pa.int64(), nullable=False),
+    pa.field("stage", pa.string(), nullable=False),
+    pa.field("name", pa.string(), nullable=False),
+    pa.field("value", pa.float64()),
+    pa.field("wall_s", pa.float64()),      # the stage's wall time in this iteration (same on all its rows)
+    pa.field("timestamp", pa.timestamp("us", tz="UTC"), nullable=False),
+])
+
+
+def part_file_name(iteration: int, stage: str) -> str:
+    """File name of the part holding ``(iteration, stage)``: sortable by iteration, readable, collision-free
+    (the stage name is slugged for the file system and disambiguated by a short hash of the exact name)."""
+    slug = re.sub(r"[^A-Za-z0-9_.-]+", "_", stage)[:40]
+    digest = hashlib.sha256(stage.encode()).hexdigest()[:8]
+    return f"part-iter{iteration:06d}-{slug}-{digest}.parquet"
+
+
+def _part_files(metrics_dir: Path) -> list[Path]:
+    """Committed part files (hidden temporary files of an interrupted write are not parts)."""
+    return sorted(metrics_dir.glob("part-iter*.parquet")) if metrics_dir.is_dir() else []
+
+
+def _as_float(stage: str, name: str, value: object) -> float:
+    """A metric value as a float (Python/NumPy numbers, bools, one-element arrays and tensors); else TypeError."""
+    if isinstance(value, (bool, Real)):
+        return float(value)
+    count = value.numel() if callable(getattr(value, "numel", None)) else getattr(value, "size", None)
+    if count == 1 and callable(getattr(value, "item", None)):
+        item = value.item()
+        if isinstance(item, (bool, Real)):
+            return float(item)
+    raise TypeError(f"metrics of stage {stage!r}: {name!r} is a {type(value).__name__}, expected one number; "
+                    "log scalars only (reduce arrays to a mean/max first)")
+
+
+def read_metrics(run_dir: str | os.PathLike) -> pa.Table:
+    """The merged metrics table of ``run_dir`` (empty with ``METRICS_SCHEMA`` if none), sorted by iteration, stage,
+    name. Raises SchemaError naming the part file when one is not a metrics part."""
+    metrics_dir = Path(run_dir) / METRICS_DIR
+    tables = []
+    for path in _part_files(metrics_dir):
+        try:
+            table = pq.read_table(path)
+        except (OSError, pa.ArrowInvalid) as err:
+            raise SchemaError(f"metrics part {path}: cannot be read as Parquet ({err}); delete it and re-run that "
+                              "iteration, or restore it") from err
+        missing = [f.name for f in METRICS_SCHEMA if f.name not in table.column_names]
+        if missing:
+            raise SchemaError(f"metrics part {path}: missing columns {missing}; expected {METRICS_SCHEMA.names} — "
+                              "this file was not written by MetricsLog, move it out of the metrics folder")
+        tables.append(table.select(METRICS_SCHEMA.names).cast(METRICS_SCHEMA))
+    if not tables:
+        return METRICS_SCHEMA.empty_table()
+    merged = pa.concat_tables(tables)
+    return merged.sort_by([("iteration", "ascending"), ("stage", "ascending"), ("name", "ascending")])
+
+
+class MetricsLog:
+    """Append-or-replace metrics of one run; see the module docstring. Use as a context manager or call close()."""
+
+    def __init__(self, run_dir: str | os.PathLike, tensorboard: bool = True) -> None:
+        self.run_dir = Path(run_dir)
+        self.metrics_dir = self.run_dir / METRICS_DIR
+        self.tensorboard_dir = self.run_dir / TENSORBOARD_DIR
+        self.metrics_dir.mkdir(parents=True, exist_ok=True)
+        self._tensorboard = tensorboard
+        self._writer = None
+        existing = read_metrics(self.run_dir)
+        # the mirror is assumed to hold the table; a missing mirror is rebuilt from it at the first log()
+        self._mirrored_up_to: int | None = None
+        self._mirrored_stages: set[str] = set()  # stages mirrored at iteration _mirrored_up_to
+        self._note_mirrored(existing)
+        self._rebuild_mirror = tensorboard and existing.num_rows > 0 and not self._event_files()
+        self._purge_from: int | None = None  # set by drop_after: TensorBoard must forget steps >= this
+
+    # ---- the table ----------------------------------------------------------------------------------------------
+
+    def log(self, iteration: int, stage: str, metrics: Mapping[str, object], wall_s: float | None = None) -> Path:
+        """Write the metrics of ``stage`` in ``iteration`` (replacing any earlier ones of that pair). Returns the
+        part file. ``wall_s``: the stage's wall time, stored on every row and logged as ``time/<stage>``."""
+        if not isinstance(iteration, int) or isinstance(iteration, bool) or iteration < 0:
+            raise ValueError(f"metrics log {self.metrics_dir}: iteration {iteration!r} must be an int >= 0")
+        if not stage or not isinstance(stage, str):
+            raise ValueError(f"metrics log {self.metrics_dir}: stage name {stage!r} must be a non-empty string")
+        values = {str(name): _as_float(stage, str(name), v) for name, v in metrics.items()}
+        if wall_s is not None:
+            if not math.isfinite(wall_s) or wall_s < 0:
+                raise ValueError(f"metrics of stage {stage!r}, iteration {iteration}: wall_s {wall_s!r} must be a "
+                                 "finite number of seconds >= 0")
+            values.setdefault(f"{TIME_PREFIX}{stage}", float(wall_s))
+        table = self._rows(iteration, stage, values, wall_s)
+        path = self.metrics_dir / part_file_name(iteration, stage)
+        tmp = self.metrics_dir / f".tmp-{path.name}-{os.getpid()}"
+        pq.write_table(table, tmp)
+        os.replace(tmp, path)
+        if self._tensorboard:
+            self._mirror(iteration, table)
+        return path
+
+    def drop_after(self, iteration: int) -> int:
+        """Delete the parts of iterations after ``iteration`` (a run resumed from the checkpoint of ``iteration``
+        recomputes them). Returns how many parts were deleted. TensorBoard drops them at the next log()."""
+        dropped = 0
+        for path in _part_files(self.metrics_dir):
+            if int(re.match(r"part-iter(\d+)-", path.name).group(1)) > iteration:
+                path.unlink()
+                dropped += 1
+        if dropped and self._mirrored_up_to is not None and self._mirrored_up_to > iteration:
+            self._purge_from = iteration + 1
+        return dropped
+
+    def table(self) -> pa.Table:
+        """The merged table (see read_metrics)."""
+        return read_metrics(self.run_dir)
+
+    @staticmethod
+    def _rows(iteration: int, stage: str, values: dict[str, float], wall_s: float | None) -> pa.Table:
+        n = len(values)
+        now_us = int(time.time() * 1e6)
+        return pa.table({"iteration": pa.array([iteration] * n, pa.int64()),
+                         "stage": pa.array([stage] * n, pa.string()),
+                         "name": pa.array(list(values), pa.string()),
+                         "value": pa.array(list(values.values()), pa.float64()),
+                         "wall_s": pa.array([wall_s] * n, pa.float64()),
+                         "timestamp": pa.array([now_us] * n, pa.timestamp("us", tz="UTC"))},
+                        schema=METRICS_SCHEMA)
+
+    # ---- the TensorBoard mirror ---------------------------------------------------------------------------------
+
+    def _event_files(self) -> list[Path]:
+        return sorted(self.tensorboard_dir.glob("events.out.tfevents.*")) if self.tensorboard_dir.is_dir() else []
+
+    def _new_writer(self):
+        from tensorboard.summary.writer.event_file_writer import EventFileWriter
+
+        if self._writer is not None:
+            self._writer.close()
+        self.tensorboard_dir.mkdir(parents=True, exist_ok=True)
+        self._writer = EventFileWriter(str(self.tensorboard_dir))
+        return self._writer
+
+    def _mirror(self, iteration: int, new_rows: pa.Table) -> None:
+        from tensorboard.compat.proto.event_pb2 import Event, SessionLog
+
+        last = self._mirrored_up_to
+        stage = new_rows["stage"][0].as_py() if new_rows.num_rows else ""
+        already = last is not None and (iteration < last or (iteration == last and stage in self._mirrored_stages))
+        restart = iteration if already else None
+        if self._purge_from is not None:
+            restart = min(self._purge_from, iteration if restart is None else restart)
+            self._purge_from = None
+        if self._rebuild_mirror or restart is not None:
+            writer = self._new_writer()
+            table = read_metrics(self.run_dir)
+            if self._rebuild_mirror:  # the table exists but the mirror was deleted: write it all again
+                self._rebuild_mirror = False
+            else:  # TensorBoard discards the earlier events with step >= restart; write those steps again
+                writer.add_event(Event(step=restart, wall_time=time.time(),
+                                       session_log=SessionLog(status=SessionLog.START)))
+                table = table.filter(pc.greater_equal(table["iteration"], restart))
+            self._write_scalars(table)
+            self._note_mirrored(read_metrics(self.run_dir))
+        else:
+            if self._writer is None:
+                self._new_writer()
+            self._write_scalars(new_rows)
+            if last is None or iteration > last:
+                self._mirrored_up_to, self._mirrored_stages = iteration, set()
+            self._mirrored_stages.add(stage)
+        self._writer.flush()
+
+    def _note_mirrored(self, table: pa.Table) -> None:
+        """Remember the last iteration the mirror holds and which stages it holds there."""
+        if not table.num_rows:
+            self._mirrored_up_to, self._mirrored_stages = None, set()
+            return
+        last = pc.max(table["iteration"]).as_py()
+        self._mirrored_up_to = last
+        self._mirrored_stages = set(table.filter(pc.equal(table["iteration"], last))["stage"].to_pylist())
+
+    def _write_scalars(self, table: pa.Table) -> None:
+        from tensorboard.compat.proto.event_pb2 import Event
+        from tensorboard.compat.proto.summary_pb2 import Summary
+
+        for row in table.to_pylist():
+            if row["value"] is None:
+                continue
+            summary = Summary(value=[Summary.Value(tag=row["name"], simple_value=row["value"])])
+            self._writer.add_event(Event(step=row["iteration"], wall_time=row["timestamp"].timestamp(),
+                                         summary=summary))
+
+    def close(self) -> None:
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None
+
+    def __enter__(self) -> "MetricsLog":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

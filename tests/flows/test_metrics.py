@@ -1,0 +1,165 @@
+"""The metrics table (append, replace, resume, read) and its TensorBoard mirror read back with EventAccumulator."""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+from schemas.errors import SchemaError
+from stages.metrics import METRICS_SCHEMA, MetricsLog, part_file_name, read_metrics
+
+
+def _rows(table) -> dict[tuple[int, str, str], float]:
+    """``(iteration, stage, name) → value``; fails on duplicate keys."""
+    keys = list(zip(table["iteration"].to_pylist(), table["stage"].to_pylist(), table["name"].to_pylist()))
+    assert len(keys) == len(set(keys)), "duplicate (iteration, stage, name) rows"
+    return dict(zip(keys, table["value"].to_pylist()))
+
+
+def _scalars(run_dir) -> dict[str, list[tuple[int, float]]]:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    logging.getLogger("tensorboard").setLevel(logging.ERROR)  # it warns when it applies a restart marker
+    acc = EventAccumulator(str(run_dir / "tensorboard"))
+    acc.Reload()
+    return {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
+
+
+def test_rows_schema_and_values(tmp_path):
+    with MetricsLog(tmp_path) as log:
+        log.log(0, "train", {"actor/pg_loss": 0.5, "critic/kl": np.float32(0.25), "actor/clipfrac": torch.tensor(0.1),
+                             "actor/samples_used": 7, "env/FrozenLake/success": True}, wall_s=3.0)
+        log.log(0, "rollout", {"env/FrozenLake/action_is_valid": np.array(0.75)})
+    table = read_metrics(tmp_path)
+    assert table.schema == METRICS_SCHEMA
+    rows = _rows(table)
+    assert rows == pytest.approx({
+        (0, "train", "actor/pg_loss"): 0.5, (0, "train", "critic/kl"): 0.25, (0, "train", "actor/clipfrac"): 0.1,
+        (0, "train", "actor/samples_used"): 7.0, (0, "train", "env/FrozenLake/success"): 1.0,
+        (0, "train", "time/train"): 3.0, (0, "rollout", "env/FrozenLake/action_is_valid"): 0.75})
+    walls = {(s, w) for s, w in zip(table["stage"].to_pylist(), table["wall_s"].to_pylist())}
+    assert walls == {("train", 3.0), ("rollout", None)}
+
+
+def test_append_replace_and_resume_leave_no_duplicates(tmp_path):
+    with MetricsLog(tmp_path) as log:
+        for it in range(3):
+            log.log(it, "train", {"actor/pg_loss": float(it), "critic/kl": 0.1 * it})
+            log.log(it, "rollout", {"env/FrozenLake/success": it / 4})
+    # a resumed run (new process, new MetricsLog) re-runs iteration 2's train stage with other values
+    with MetricsLog(tmp_path) as log:
+        log.log(2, "train", {"actor/pg_loss": 20.0})
+    rows = _rows(read_metrics(tmp_path))
+    assert rows[(2, "train", "actor/pg_loss")] == 20.0
+    assert (2, "train", "critic/kl") not in rows  # the whole (iteration, stage) was replaced
+    assert rows[(2, "rollout", "env/FrozenLake/success")] == 0.5  # other stages of that iteration kept
+    assert rows[(1, "train", "actor/pg_loss")] == 1.0
+    assert len(rows) == 3 * 3 - 1
+    assert len(list((tmp_path / "metrics").glob("part-*.parquet"))) == 6
+
+
+def test_drop_after_removes_later_iterations(tmp_path):
+    with MetricsLog(tmp_path) as log:
+        for it in range(4):
+            log.log(it, "train", {"actor/pg_loss": float(it)})
+        assert log.drop_after(1) == 2
+        log.log(2, "train", {"actor/pg_loss": -2.0})
+    assert _rows(read_metrics(tmp_path)) == {(0, "train", "actor/pg_loss"): 0.0, (1, "train", "actor/pg_loss"): 1.0,
+                                             (2, "train", "actor/pg_loss"): -2.0}
+    assert _scalars(tmp_path)["actor/pg_loss"] == [(0, 0.0), (1, 1.0), (2, -2.0)]
+
+
+def test_interrupted_write_leaves_no_part_and_is_ignored(tmp_path):
+    with MetricsLog(tmp_path) as log:
+        log.log(0, "train", {"actor/pg_loss": 1.0})
+    # what a kill during pq.write_table leaves behind: a hidden temporary file, never a part
+    (tmp_path / "metrics" / f".tmp-{part_file_name(1, 'train')}-123").write_bytes(b"PAR1 truncated")
+    assert _rows(read_metrics(tmp_path)) == {(0, "train", "actor/pg_loss"): 1.0}
+
+
+def test_part_names_are_distinct_for_similar_stage_names():
+    assert part_file_name(3, "a/b") != part_file_name(3, "a_b")
+    assert part_file_name(3, "train") < part_file_name(10, "train")
+
+
+def test_empty_run_reads_empty_table(tmp_path):
+    table = read_metrics(tmp_path)
+    assert table.num_rows == 0 and table.schema == METRICS_SCHEMA
+
+
+@pytest.mark.parametrize("metrics, wall, match", [
+    ({"actor/pg_loss": "high"}, None, "actor/pg_loss"),
+    ({"actor/pg_loss": np.array([1.0, 2.0])}, None, "one number"),
+    ({"actor/pg_loss": torch.ones(3)}, None, "one number"),
+    ({"actor/pg_loss": 1.0}, float("nan"), "wall_s"),
+    ({"actor/pg_loss": 1.0}, -1.0, "wall_s"),
+])
+def test_bad_values_are_refused_and_nothing_is_written(tmp_path, metrics, wall, match):
+    with MetricsLog(tmp_path) as log, pytest.raises((TypeError, ValueError), match=match):
+        log.log(0, "train", metrics, wall_s=wall)
+    assert read_metrics(tmp_path).num_rows == 0
+
+
+@pytest.mark.parametrize("iteration, stage", [(-1, "train"), (1.0, "train"), (True, "train"), (0, "")])
+def test_bad_iteration_or_stage(tmp_path, iteration, stage):
+    with MetricsLog(tmp_path) as log, pytest.raises(ValueError):
+        log.log(iteration, stage, {"x": 1.0})
+
+
+def test_foreign_part_file_is_a_schema_error(tmp_path):
+    import pyarrow as pa
+
+    (tmp_path / "metrics").mkdir()
+    pq.write_table(pa.table({"step": [1]}), tmp_path / "metrics" / part_file_name(0, "x"))
+    with pytest.raises(SchemaError, match="missing columns"):
+        read_metrics(tmp_path)
+
+
+def test_tensorboard_mirror_matches_the_table(tmp_path):
+    with MetricsLog(tmp_path) as log:
+        for it in range(3):
+            log.log(it, "train", {"actor/pg_loss": float(it), "critic/kl": 0.5 * it}, wall_s=1.0 + it)
+            log.log(it, "rollout", {"env/FrozenLake/success": it / 2})
+    files = list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))
+    assert len(files) == 1  # no restart while iterations only grow
+    scalars = _scalars(tmp_path)
+    assert scalars["actor/pg_loss"] == [(0, 0.0), (1, 1.0), (2, 2.0)]
+    assert scalars["critic/kl"] == [(0, 0.0), (1, 0.5), (2, 1.0)]
+    assert scalars["env/FrozenLake/success"] == [(0, 0.0), (1, 0.5), (2, 1.0)]
+    assert scalars["time/train"] == [(0, 1.0), (1, 2.0), (2, 3.0)]
+
+
+def test_tensorboard_after_resume_shows_replaced_values_once(tmp_path):
+    with MetricsLog(tmp_path) as log:
+        for it in range(3):
+            log.log(it, "train", {"actor/pg_loss": float(it)})
+            log.log(it, "rollout", {"env/FrozenLake/success": 0.25})
+    with MetricsLog(tmp_path) as log:  # resume: iteration 1 is run again
+        log.log(1, "train", {"actor/pg_loss": 10.0})
+        log.log(1, "train", {"actor/pg_loss": 11.0})  # and again in the same process
+    scalars = _scalars(tmp_path)
+    assert scalars["actor/pg_loss"] == [(0, 0.0), (1, 11.0), (2, 2.0)]
+    assert scalars["env/FrozenLake/success"] == [(0, 0.25), (1, 0.25), (2, 0.25)]
+
+
+def test_deleted_tensorboard_folder_is_rebuilt_from_the_table(tmp_path):
+    with MetricsLog(tmp_path) as log:
+        log.log(0, "train", {"actor/pg_loss": 1.0})
+        log.log(1, "train", {"actor/pg_loss": 2.0})
+    for f in (tmp_path / "tensorboard").iterdir():
+        os.remove(f)
+    with MetricsLog(tmp_path) as log:
+        log.log(2, "train", {"actor/pg_loss": 3.0})
+    assert _scalars(tmp_path)["actor/pg_loss"] == [(0, 1.0), (1, 2.0), (2, 3.0)]
+
+
+def test_without_tensorboard_no_event_files(tmp_path):
+    with MetricsLog(tmp_path, tensorboard=False) as log:
+        log.log(0, "train", {"actor/pg_loss": 1.0})
+    assert not (tmp_path / "tensorboard").exists()
+    assert read_metrics(tmp_path).num_rows == 1

@@ -1,0 +1,179 @@
+"""``write_report`` on a synthetic metrics table: PNGs exist and decode, the page references them, missing plots are
+named, the final-metrics table holds the last values, episodes render escaped, turn tables are found."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from flows.report import (PLOTS, episodes_from_turns, final_metrics, matching, render_episodes_html,
+                          stage_times, write_report)
+from schemas.errors import SchemaError
+from stages.metrics import MetricsLog, read_metrics
+
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+ITERATIONS = 6
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory) -> Path:
+    """A run with ROLL-named metrics for 6 iterations (no entropy metric) and two timed stages."""
+    run = tmp_path_factory.mktemp("run")
+    with MetricsLog(run, tensorboard=False) as log:
+        for it in range(ITERATIONS):
+            log.log(it, "rollout", {"env/FrozenLake/success": it / 10, "env/FrozenLake/action_is_valid": 0.5 + it / 20,
+                                    "rollout/episode_score/mean": it - 1.0}, wall_s=10.0 + it)
+            log.log(it, "train", {"actor/pg_loss": 1.0 / (it + 1), "actor/total_loss": 2.0 / (it + 1),
+                                  "critic/kl": 0.01 * it, "actor/approxkl": 0.02 * it}, wall_s=5.0)
+            log.log(it, "recompute", {"critic/kl": 0.03 * it})  # the same name from another stage, untimed
+    return run
+
+
+@pytest.fixture(scope="module")
+def report(run_dir):
+    return write_report(run_dir, episodes=[[{"observation": "_P\n_G", "text": "<answer>Right</answer> & more",
+                                             "action": "Right", "reward": 1.0}]])
+
+
+def _is_png(path: Path) -> bool:
+    from matplotlib.image import imread
+
+    if path.read_bytes()[:8] != PNG_SIGNATURE:
+        return False
+    image = imread(path)
+    return image.ndim == 3 and image.shape[0] > 100 and image.shape[1] > 100
+
+
+def test_plots_written_for_metrics_that_exist(report):
+    assert set(report.plots) == {"success_rate", "valid_action_rate", "reward", "kl", "losses", "stage_time"}
+    for path in report.plots.values():
+        assert path.parent == report.html.parent and _is_png(path), path
+
+
+def test_missing_plots_are_named(report):
+    assert len(report.missing) == 1 and report.missing[0].startswith("Entropy")
+    assert not (report.html.parent / "entropy.png").exists()
+    assert "Entropy: no metric name matches" in report.html.read_text()
+
+
+def test_page_references_every_plot(report):
+    page = report.html.read_text()
+    sources = re.findall(r"<img src='([^']+)'", page)
+    assert sorted(sources) == sorted(p.name for p in report.plots.values())
+    for src in sources:
+        assert (report.html.parent / src).is_file()
+
+
+def test_page_final_metrics_are_last_values(report):
+    page = report.html.read_text()
+    assert f"<td>actor/pg_loss</td><td>train</td><td>{ITERATIONS - 1}</td><td>{1 / ITERATIONS:.4g}</td>" in page
+    assert f"<td>critic/kl</td><td>recompute</td><td>{ITERATIONS - 1}</td><td>{0.03 * (ITERATIONS - 1):.4g}</td>" in page
+
+
+def test_page_escapes_episode_text(report):
+    page = report.html.read_text()
+    assert "&lt;answer&gt;Right&lt;/answer&gt; &amp; more" in page
+    assert "<answer>" not in page
+
+
+def test_lines_per_plot_and_same_name_from_two_stages(run_dir):
+    table = read_metrics(run_dir)
+    kl = next(s for s in PLOTS if s.stem == "kl")
+    assert matching(table, kl.pattern) == [("actor/approxkl", "train"), ("critic/kl", "recompute"),
+                                           ("critic/kl", "train")]
+    losses = next(s for s in PLOTS if s.stem == "losses")
+    assert [n for n, _ in matching(table, losses.pattern)] == ["actor/pg_loss", "actor/total_loss"]
+
+
+def test_stage_times_stack_per_iteration(run_dir):
+    iterations, per_stage = stage_times(read_metrics(run_dir))
+    assert iterations == list(range(ITERATIONS))
+    assert list(per_stage) == ["rollout", "train"]  # in the order first logged; recompute logged no wall time
+    np.testing.assert_allclose(per_stage["rollout"] + per_stage["train"], [15.0 + it for it in range(ITERATIONS)])
+
+
+def test_final_metrics_rows(run_dir):
+    final = {(n, s): (it, v) for n, s, it, v in final_metrics(read_metrics(run_dir))}
+    assert final[("env/FrozenLake/success", "rollout")] == (ITERATIONS - 1, pytest.approx(0.5))
+    assert final[("time/train", "train")] == (ITERATIONS - 1, 5.0)
+
+
+def test_empty_run_gives_a_page_that_says_so(tmp_path):
+    result = write_report(tmp_path)
+    assert result.plots == {}
+    assert "no metrics at all" in result.missing[0]
+    assert "no metrics at all" in result.html.read_text()
+
+
+def test_missing_run_folder_is_an_error(tmp_path):
+    with pytest.raises(SchemaError, match="does not exist"):
+        write_report(tmp_path / "nope")
+
+
+def _turn_rows() -> pa.Table:
+    rows = []
+    for traj in ("t0", "t1", "t2"):
+        for turn in (-1, 1, 0):  # the reset row and turns out of order
+            rows.append({"traj_id": traj, "turn_idx": turn, "observation": f"obs {traj} {turn}",
+                         "text": f"reply {turn}", "action_content": "Up" if turn == 0 else "",
+                         "action_valid": turn == 0, "reward": float(turn), "next_observation": "next",
+                         "done": turn == 1, "success": traj == "t1"})
+    return pa.Table.from_pylist(rows)
+
+
+def test_episodes_from_turns_orders_turns_and_skips_reset_rows():
+    episodes = episodes_from_turns(_turn_rows(), max_episodes=2)
+    assert [e["title"] for e in episodes] == ["episode t0", "episode t1"]
+    assert [t["turn_idx"] for t in episodes[0]["turns"]] == [0, 1]
+    assert episodes[0]["turns"][0]["action"] == "Up"
+    html = render_episodes_html(episodes)
+    assert html.count("<table class='episode'>") == 2
+    assert "(no valid action)" in html and "done (success)" in html
+
+
+def test_episodes_from_turns_names_missing_columns():
+    with pytest.raises(SchemaError, match="reward"):
+        episodes_from_turns(_turn_rows().drop(["reward"]))
+
+
+def test_report_finds_the_last_rollouts_turn_tables(tmp_path):
+    with MetricsLog(tmp_path, tensorboard=False) as log:
+        log.log(0, "train", {"actor/entropy": 1.5})
+    for it, traj in (("iter_0000", "old"), ("iter_0001", "new")):
+        folder = tmp_path / it / "rollout" / "turns" / "turn_000"
+        folder.mkdir(parents=True)
+        pq.write_table(_turn_rows().append_column("tag", pa.array(["x"] * 9)).set_column(
+            0, "traj_id", pa.array([traj] * 9)), folder / "part-00000.parquet")
+    result = write_report(tmp_path)
+    page = result.html.read_text()
+    assert "episode new" in page and "episode old" not in page
+    assert set(result.plots) == {"entropy"}
+
+
+def test_report_command(run_dir, tmp_path):
+    from typer.testing import CliRunner
+
+    from flows.cli_ops import _app
+
+    result = CliRunner().invoke(_app(), ["report", str(run_dir), "--output", str(tmp_path / "out")])
+    assert result.exit_code == 0, result.output
+    assert f"report: {tmp_path / 'out' / 'index.html'}" in result.output
+    assert "missing: Entropy" in result.output
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == sorted(
+        ["index.html", "success_rate.png", "valid_action_rate.png", "reward.png", "kl.png", "losses.png",
+         "stage_time.png"])
+
+
+def test_report_command_on_a_missing_run_exits_2(tmp_path):
+    from typer.testing import CliRunner
+
+    from flows.cli_ops import _app
+
+    result = CliRunner().invoke(_app(), ["report", str(tmp_path / "nope")])
+    assert result.exit_code == 2
+    assert "does not exist" in result.output

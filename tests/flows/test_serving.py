@@ -1,0 +1,147 @@
+"""A real local Prefect server and a scheduled deployment of the recompute flow executed by ``rollflow deploy``;
+plus the quick checks of the server/deploy preconditions (busy port, bad schedules, no server)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from flows.serving import ServerError, free_port, make_schedule, resolve_api_url, start_server
+from schemas.errors import ConfigError
+
+REPO = Path(__file__).resolve().parents[2]
+GIGPO = REPO / "configs" / "recompute_gigpo.yaml"
+WAIT_S = 150  # a cron of every minute fires within 60 s; the run itself takes 20-60 s on a loaded 2-core machine
+
+
+def test_busy_port_is_a_clear_error(tmp_path):
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with pytest.raises(ServerError, match=f"port {port} on 127.0.0.1 is already in use"):
+            start_server("127.0.0.1", port, tmp_path)
+    assert not list(tmp_path.glob("server-*.log"))  # nothing was started
+
+
+@pytest.mark.parametrize("cron, interval, match", [
+    (None, None, "exactly one schedule"),
+    ("* * * * *", 60.0, "exactly one schedule"),
+    ("* * *", None, "not a valid cron"),
+    ("61 * * * *", None, "not a valid cron"),
+    (None, 0.0, "must be > 0"),
+])
+def test_bad_schedules_are_config_errors(cron, interval, match):
+    with pytest.raises(ConfigError, match=match):
+        make_schedule(cron, interval)
+
+
+def test_schedules():
+    assert make_schedule("0 3 * * *").cron == "0 3 * * *"
+    assert make_schedule(interval_s=90).interval.total_seconds() == 90
+
+
+def test_deploy_needs_a_reachable_server(monkeypatch):
+    monkeypatch.delenv("PREFECT_API_URL", raising=False)
+    with pytest.raises(ServerError, match="rollflow server"):
+        resolve_api_url(None)
+    with pytest.raises(ServerError, match="does not answer"):
+        resolve_api_url(f"http://127.0.0.1:{free_port()}/api")
+
+
+def test_deploy_command_refuses_bad_input_before_serving(tmp_path):
+    """The CLI exits 2 with one message when there is no server (no Prefect run is started)."""
+    env = {**os.environ, "PREFECT_HOME": str(tmp_path / "home")}
+    env.pop("PREFECT_API_URL", None)
+    result = subprocess.run([sys.executable, "-m", "flows.cli_ops", "deploy", "--config", str(GIGPO), "--input",
+                             str(tmp_path), "--output", str(tmp_path / "out"), "--cron", "0 3 * * *"],
+                            cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2, result.stderr
+    assert "error: deploy: no Prefect server given" in result.stderr
+
+
+def _tail(path: Path, lines: int = 40) -> str:
+    return "\n".join(path.read_text(errors="replace").splitlines()[-lines:]) if path.exists() else "(no log)"
+
+
+def _stop(process: subprocess.Popen, timeout_s: float = 30.0) -> int:
+    """SIGTERM the process (the runner pauses the schedule and exits), SIGKILL its group if it hangs."""
+    if process.poll() is None:
+        process.send_signal(signal.SIGTERM)
+        try:
+            process.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+    return process.wait()
+
+
+@pytest.mark.server
+def test_scheduled_deployment_runs_on_a_local_server(tmp_path):
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import DeploymentFilter, DeploymentFilterId
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    from stages.example import ExampleSpec, generate
+
+    samples, output = tmp_path / "samples", tmp_path / "nightly"
+    generate(ExampleSpec(samples=200, response_len=(8, 16)), str(samples))
+    server = start_server("127.0.0.1", free_port(), tmp_path / "server", timeout_s=120)
+    serve_log = tmp_path / "serve.log"
+    serve = None
+    try:
+        env = {**os.environ, "PREFECT_HOME": str(tmp_path / "client"), "PREFECT_API_URL": server.api_url,
+               "PREFECT_RUNNER_POLL_FREQUENCY": "2", "PREFECT_LOGGING_LEVEL": "INFO"}
+        with open(serve_log, "wb") as log_file:
+            serve = subprocess.Popen(
+                [sys.executable, "-m", "flows.cli_ops", "deploy", "--config", str(GIGPO), "--input", str(samples),
+                 "--output", str(output), "--cron", "* * * * *", "--name", "every-minute",
+                 "--set", "runtime.num_cpus=2"],
+                cwd=REPO, env=env, stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                start_new_session=True)
+        deadline = time.monotonic() + WAIT_S
+        with temporary_settings(updates={PREFECT_API_URL: server.api_url}), get_client(sync_client=True) as client:
+            deployment = None
+            while deployment is None:
+                assert serve.poll() is None, f"rollflow deploy exited {serve.returncode}:\n{_tail(serve_log)}"
+                assert time.monotonic() < deadline, f"no deployment registered:\n{_tail(serve_log)}"
+                try:
+                    deployment = client.read_deployment_by_name("recompute/every-minute")
+                except Exception:  # not registered yet (ObjectNotFound)
+                    time.sleep(1)
+            assert [s.schedule.cron for s in deployment.schedules] == ["* * * * *"]
+            assert deployment.parameters["input_dir"] == str(samples)
+            assert deployment.parameters["cfg"]["runtime"]["num_cpus"] == 2
+
+            only_this = DeploymentFilter(id=DeploymentFilterId(any_=[deployment.id]))
+            completed = []
+            while not completed:
+                runs = client.read_flow_runs(deployment_filter=only_this)
+                completed = [r for r in runs if r.state is not None and r.state.is_completed()]
+                broken = [r for r in runs if r.state is not None and r.state.is_final() and not r.state.is_completed()]
+                assert not broken, f"run {broken[0].name} ended {broken[0].state.name}:\n{_tail(serve_log)}"
+                assert serve.poll() is None, f"rollflow deploy exited {serve.returncode}:\n{_tail(serve_log)}"
+                assert time.monotonic() < deadline, (f"no scheduled run completed within {WAIT_S}s; runs: "
+                                                     f"{[(r.name, r.state_name) for r in runs]}\n{_tail(serve_log)}")
+                time.sleep(2)
+            run = completed[0]
+            assert run.auto_scheduled  # created by the server's scheduler, not started by hand
+            assert run.expected_start_time.second == 0  # on a minute boundary, as the cron says
+
+            manifest = json.loads((output / "advantaged" / "manifest.json").read_text())
+            assert manifest["rows"] == 210
+
+            assert _stop(serve) == 0, _tail(serve_log)
+            assert client.read_deployment(deployment.id).paused  # stopping the server-side schedule too
+    finally:
+        if serve is not None:
+            _stop(serve)
+        server.stop()
+    assert not server.running()
