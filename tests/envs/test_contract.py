@@ -71,7 +71,7 @@ def test_reset_is_deterministic_and_typed(name):
         assert env.render() == obs
         assert env.get_state() == other.get_state()
         observations.add(obs)
-    assert len(observations) > 1
+    assert len(observations) > 1 or not ENVIRONMENTS.get(name).seeded_start
 
 
 @pytest.mark.parametrize("name", NAMES)
