@@ -147,9 +147,11 @@ def demo(run_dir: Path = typer.Option(Path("runs/demo"), "--run-dir"),
 def _register_commands() -> None:
     """Commands that live in their own modules (one module per capability)."""
     from flows.cli_ops import deploy, report, server
+    from flows.cli_rlvr import rlvr_example, score
 
-    for command in (server, deploy, report):
+    for command in (server, deploy, report, score):
         app.command()(command)
+    app.command(name="rlvr-example")(rlvr_example)
 
 
 _register_commands()

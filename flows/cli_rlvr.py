@@ -1,0 +1,139 @@
+"""``rollflow score`` (offline scoring of stored responses, optionally the whole RLVR chain) and
+``rollflow rlvr-example`` (a responses table from data/rlvr with hand-written answers). Registered in flows/cli.py
+with::
+
+    from flows.cli_rlvr import rlvr_example, score
+    app.command()(score)
+    app.command(name="rlvr-example")(rlvr_example)
+
+The stages run through the one runner (``stages.runner.run_stage``): a re-run with the same input and config skips,
+a changed config needs ``--force`` or another output folder.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Optional
+
+import typer
+
+OverrideOpt = typer.Option(None, "--set", help="Config override key=value (dotted keys, YAML values); repeatable.")
+
+
+def _fail(err: Exception) -> None:
+    typer.echo(f"error: {err}", err=True)
+    raise typer.Exit(2)
+
+
+def _guard(fn):
+    from schemas.errors import RollflowError
+
+    try:
+        return fn()
+    except (RollflowError, FileExistsError) as err:
+        _fail(err)
+
+
+def score_responses(input_dir: str, output_dir: str, cfg, *, advantages: bool = False, force: bool = False,
+                    state_in: dict | None = None, services: dict | None = None) -> dict[str, Any]:
+    """Run the reward stage (and with ``advantages`` the RLVR chain) on the responses in ``input_dir``.
+
+    Outputs: ``<output_dir>/scored`` (+ ``rlvr_rewarded``, ``advantaged``). ``state_in``: ``running_moments`` and
+    ``kl_ctrl`` of a previous step (from its manifests' ``state``); ``services``: reward-stage service factories."""
+    from schemas.rlvr_config import reward_section, rlvr_advantage_section, rlvr_reward_section
+    from stages.cluster import ensure_ray
+    from stages.rlvr.stages import RewardStage, RLVRAdvantagesStage, RLVRRewardsStage
+    from stages.runner import run_stage
+
+    ensure_ray(cfg.runtime.ray_address, cfg.runtime.num_cpus, progress=False)
+    out = output_dir.rstrip("/")
+    state_in = state_in or {}
+    rows = cfg.runtime.batch_rows
+    results = {"scored": run_stage(RewardStage(services), reward_section(cfg), {"responses": input_dir},
+                                   f"{out}/scored", force=force, batch_rows=rows)}
+    if advantages:
+        results["rlvr_rewarded"] = run_stage(
+            RLVRRewardsStage(), rlvr_reward_section(cfg), {"responses": input_dir, "scored": f"{out}/scored"},
+            f"{out}/rlvr_rewarded", force=force, batch_rows=rows,
+            state_in={"running_moments": state_in.get("running_moments", {})})
+        results["advantaged"] = run_stage(
+            RLVRAdvantagesStage(), rlvr_advantage_section(cfg),
+            {"responses": input_dir, "rlvr_rewarded": f"{out}/rlvr_rewarded"}, f"{out}/advantaged", force=force,
+            batch_rows=rows, state_in={"kl_ctrl": state_in["kl_ctrl"]} if "kl_ctrl" in state_in else {})
+    return results
+
+
+def score_summary(input_dir: str, scored_dir: str, domain_column: str) -> list[str]:
+    """Per-domain lines: rows, unscored rows, mean score, worker(s)."""
+    import numpy as np
+    import pyarrow.dataset as pads
+
+    from stages.storage import Location
+
+    def read(where: str, columns: list[str]):
+        loc = Location.of(where)
+        return pads.dataset(loc.parquet_files(), filesystem=loc.fs).to_table(columns=columns)
+
+    responses = read(input_dir, ["row_id", domain_column])
+    scored = read(scored_dir, ["row_id", "scores", "reward_worker"])
+    by_id = dict(zip(scored.column("row_id").to_pylist(), zip(scored.column("scores").to_pylist(),
+                                                               scored.column("reward_worker").to_pylist())))
+    lines = [f"{domain_column:<14} {'rows':>7} {'unscored':>9} {'mean score':>11}  worker"]
+    domains = responses.column(domain_column).to_pylist()
+    for domain in dict.fromkeys(domains):
+        ids = [i for i, d in zip(responses.column("row_id").to_pylist(), domains) if d == domain]
+        values = [by_id[i][0] for i in ids]
+        valid = np.array([v for v in values if v is not None], dtype=np.float64)
+        workers = sorted({by_id[i][1] for i in ids})
+        mean = f"{valid.mean():.3f}" if valid.size else "-"
+        lines.append(f"{str(domain):<14} {len(ids):>7,} {values.count(None):>9,} {mean:>11}  {', '.join(workers)}")
+    return lines
+
+
+def score(input: Path = typer.Option(..., "--input", help="Folder of stored responses (a responses table)."),
+          config: Path = typer.Option(..., "--config", help="YAML config (configs/rlvr_*.yaml)."),
+          output: Path = typer.Option(..., "--output", help="Folder for scored/ (and rlvr_rewarded/, advantaged/)."),
+          overrides: Optional[list[str]] = OverrideOpt,
+          advantages: bool = typer.Option(False, "--advantages", help="Also run the RLVR chain: sample masks, "
+                                                                      "normalised rewards, token rewards and "
+                                                                      "advantages (the training table)."),
+          force: bool = typer.Option(False, "--force", help="Recompute even if outputs are up to date.")) -> None:
+    """Score stored responses with the reward workers of the config (offline), optionally up to advantages."""
+    from schemas.config import load_config, parse_overrides
+    from schemas.rlvr_config import RLVRConfig
+
+    cfg = _guard(lambda: load_config(RLVRConfig, config, parse_overrides(overrides or [])))
+    results = _guard(lambda: score_responses(str(input), str(output), cfg, advantages=advantages, force=force))
+    for name, r in results.items():
+        state = "up to date, skipped" if r.skipped else f"computed in {r.seconds:.1f}s"
+        typer.echo(f"{name:<14} {r.output}  ({r.rows:,} rows, {state})")
+    typer.echo("")
+    for line in _guard(lambda: score_summary(str(input), results["scored"].output, cfg.rewards.domain_column)):
+        typer.echo(line)
+    if "advantaged" in results:
+        m = {**results["rlvr_rewarded"].metrics, **results["advantaged"].metrics}
+        typer.echo("")
+        for key in ("actor/samples_used", "actor/samples_total", "actor/final_mask_tokens", "critic/kl",
+                    "critic/kl_coef", "critic/advantages/mean"):
+            if key in m:
+                typer.echo(f"  {key:<26} {m[key]:.6g}")
+
+
+def rlvr_example(output: Path = typer.Option(..., "--output", help="New folder for the responses table."),
+                 samples_per_prompt: int = typer.Option(8, "--samples-per-prompt", help="Responses per prompt (n)."),
+                 limit: Optional[int] = typer.Option(None, "--limit", help="Prompts per domain (default: all)."),
+                 domains: str = typer.Option("math,code,mcq,ifeval", "--domains", help="Comma-separated domains."),
+                 seed: int = typer.Option(0, "--seed")) -> None:
+    """Write a responses table from data/rlvr with hand-written correct/incorrect/garbage answers (no model)."""
+    from stages.rlvr.example import RLVRExampleSpec, write_rlvr_example
+
+    names = tuple(d.strip() for d in domains.split(",") if d.strip())
+    if samples_per_prompt < 1 or (limit is not None and limit < 1):
+        _fail(ValueError("--samples-per-prompt and --limit must be at least 1"))
+    try:
+        manifest = write_rlvr_example(RLVRExampleSpec(domains=names, n=samples_per_prompt, limit=limit, seed=seed),
+                                      str(output))
+    except (ValueError, FileExistsError) as err:
+        _fail(err)
+    kinds = ", ".join(f"{v} {k}" for k, v in manifest["kinds"].items())
+    typer.echo(f"wrote {manifest['rows']:,} responses to {manifest['prompts']} prompts ({kinds}) to {output}")

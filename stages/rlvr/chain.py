@@ -1,0 +1,372 @@
+"""The RLVR chain over a ``responses`` table, as pure numpy over ragged columns (no Ray; spec §0.4 "RLVR pipeline").
+
+ROLL, per step, per domain (order of first appearance): ``get_sample_level_mask`` (§3.5) → ``reward_postprocess``
+(§3.3) → ``compute_token_reward`` (§2.4) → ``compute_advantage(response_mask=final_response_mask)`` (§4.3).
+
+Split for a dataflow:
+
+* :func:`rlvr_response_rewards` — the whole-table part over narrow columns (one value a row): sample masks and
+  normalised response-level rewards per domain. Groups are the rows sharing a ``prompt_id`` (ROLL sorts by prompt id
+  and takes consecutive blocks of ``n``; keying by the id is the same on a sorted table and needs no sort).
+* :func:`rlvr_token_batch` — the row-parallel part: token rewards and advantages of any block of rows, with the
+  statistics that span the table (KL coefficient, per-domain whitening moments) passed in.
+
+Rows that a reward worker could not score (``None``, NaN here) are left out of every group statistic (pass rates,
+means, stds, running moments, batch moments), get sample mask 0, response reward 0 and therefore zero advantage
+(DESIGN.md reward contract). A group (or a domain, for a batch std) left with one scored row has no spread: its
+reward is 0 (ROLL would give NaN for a group of one, which config validation rules out for complete groups).
+
+Fixes relative to ROLL: BUG-2 (running moments keyed by domain — the caller passes one tracker per domain), BUG-3
+(inherited from ``reward_norm``'s semantics), Q-1 (float32 throughout), Q-3 (clip metrics over the mask), Q-5 (the
+KL controller is updated once per step by the caller, not once per domain).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+import numpy as np
+
+from schemas.errors import InvariantError
+from stages.algos.advantages import AdvantageResult, WhitenStats, compute_advantage
+from stages.algos.functional import can_whiten, whiten_partials, whiten_stats_from_partials
+from stages.algos.ragged import Ragged
+from stages.algos.reward_norm import (STD_EPS, RunningMoments, batch_moments, clip_rewards, group_moments,
+                                      resolve_rlvr_norm_types)
+from stages.algos.sample_masks import get_sample_level_mask
+from stages.algos.token_rewards import TokenRewardResult, compute_token_reward
+
+# ---- token layout: prompt + response → the project's rows (docs/CONTRIBUTING.md "Ragged token data") ----------------
+
+
+def flat_positions(offsets: np.ndarray, rows: np.ndarray) -> np.ndarray:
+    """Flat indices of every element of ``rows`` (in the given row order) of a ragged column with ``offsets``."""
+    rows = np.asarray(rows, dtype=np.int64)
+    lengths = (offsets[1:] - offsets[:-1])[rows]
+    starts = np.repeat(offsets[:-1][rows], lengths)
+    within = np.arange(int(lengths.sum()), dtype=np.int64) - np.repeat(np.cumsum(lengths) - lengths, lengths)
+    return starts + within
+
+
+def take_rows(x: Ragged, rows: np.ndarray) -> Ragged:
+    """Rows ``rows (K,)`` of ``x`` as a new Ragged (no Python loop per row)."""
+    rows = np.asarray(rows, dtype=np.int64)
+    lengths = x.lengths[rows]
+    return Ragged(x.values[flat_positions(x.offsets, rows)], np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64))
+
+
+def concat_rows(head: Ragged, tail: Ragged) -> Ragged:
+    """Row-wise concatenation ``head[b] + tail[b]``. ``(B rows, B rows)`` → ``B`` rows."""
+    lengths = head.lengths + tail.lengths
+    offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+    values = np.empty(int(offsets[-1]), dtype=np.result_type(head.values, tail.values))
+    values[np.repeat(offsets[:-1], head.lengths) + head.position()] = head.values
+    values[np.repeat(offsets[:-1] + head.lengths, tail.lengths) + tail.position()] = tail.values
+    return Ragged(values, offsets)
+
+
+def response_to_next_token(values: Ragged, prompt_len: np.ndarray) -> Ragged:
+    """Per-response-token values ``(R,)`` a row → next-token layout ``(P + R − 1,)``: zeros on the ``P − 1`` prompt
+    positions, then the values (position ``t`` refers to token ``t + 1``, spec §0.1). Needs ``P ≥ 1``."""
+    prompt_len = np.asarray(prompt_len, dtype=np.int64)
+    lengths = prompt_len - 1 + values.lengths
+    offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+    out = np.zeros(int(offsets[-1]), dtype=np.float32)
+    out[np.repeat(offsets[:-1] + prompt_len - 1, values.lengths) + values.position()] = values.values
+    return Ragged(out, offsets)
+
+
+@dataclass(frozen=True)
+class ResponseTokens:
+    """``B`` responses in the project's row layout: ``input_ids`` and ``response_mask`` (int8) of ``L = P + R``
+    entries; ``next_token`` columns (log-probs, values) of ``L − 1``; ``token_mask (N,)`` = ``response_mask[1:]``."""
+
+    input_ids: Ragged
+    response_mask: Ragged
+    prompt_len: np.ndarray
+    response_len: np.ndarray
+    token_mask: np.ndarray
+    next_token: dict[str, Ragged] = field(default_factory=dict)
+
+    @property
+    def num_rows(self) -> int:
+        return self.input_ids.num_rows
+
+
+def response_tokens(prompt_ids: Ragged, response_ids: Ragged,
+                    response_aligned: Mapping[str, Ragged] | None = None) -> ResponseTokens:
+    """Build the row layout from prompt ``(P,)`` / response ``(R,)`` token ids and per-response-token columns."""
+    prompt_len, response_len = prompt_ids.lengths, response_ids.lengths
+    if (prompt_len < 1).any():
+        raise InvariantError(f"row {int(np.flatnonzero(prompt_len < 1)[0])} has an empty prompt; each response needs "
+                             "at least one prompt token")
+    input_ids = concat_rows(prompt_ids, response_ids)
+    mask = concat_rows(prompt_ids.with_values(np.zeros(len(prompt_ids.values), np.int8)),
+                       response_ids.with_values(np.ones(len(response_ids.values), np.int8)))
+    token_mask = response_to_next_token(response_ids.with_values(np.ones(len(response_ids.values), np.float32)),
+                                        prompt_len).values
+    cols = {name: response_to_next_token(col, prompt_len) for name, col in (response_aligned or {}).items()}
+    return ResponseTokens(input_ids, mask, prompt_len, response_len, token_mask, cols)
+
+
+# ---- whole-table part: sample masks and response-level rewards per domain ------------------------------------------
+
+
+def dense_index(keys: np.ndarray) -> np.ndarray:
+    """``(B,)`` int64 dense id of each row's key (any hashable/sortable keys)."""
+    return np.unique(np.asarray(keys), return_inverse=True)[1].reshape(-1).astype(np.int64)
+
+
+def domain_rows(domains: np.ndarray) -> dict[str, np.ndarray]:
+    """Row indices per domain, domains in order of first appearance (ROLL's ``group_by("domain")``)."""
+    domains = np.asarray(domains).astype(str)
+    names, first, inverse = np.unique(domains, return_index=True, return_inverse=True)
+    return {str(names[k]): np.flatnonzero(inverse.reshape(-1) == k) for k in np.argsort(first, kind="stable")}
+
+
+def check_groups(prompt_id: np.ndarray, domain: np.ndarray, n: int, where: str) -> None:
+    """Every prompt has exactly ``n`` responses, all of one domain. Raises :class:`InvariantError`."""
+    ids, inverse, counts = np.unique(np.asarray(prompt_id).astype(str), return_inverse=True, return_counts=True)
+    bad = np.flatnonzero(counts != n)
+    if bad.size:
+        k = int(bad[0])
+        raise InvariantError(f"responses table at {where}: prompt_id '{ids[k]}' has {counts[k]} responses, expected "
+                             f"num_return_sequences_in_group={n}, because rewards are normalised over complete "
+                             "groups; drop incomplete groups or set num_return_sequences_in_group to the number "
+                             "generated per prompt")
+    dom = dense_index(domain) if len(ids) else np.zeros(0, np.int64)
+    width = int(dom.max(initial=0)) + 1
+    per_prompt = np.bincount(np.unique(inverse.reshape(-1) * width + dom) // width, minlength=len(ids))
+    if (per_prompt > 1).any():
+        k = int(np.flatnonzero(per_prompt > 1)[0])
+        raise InvariantError(f"responses table at {where}: the responses of prompt_id '{ids[k]}' belong to several "
+                             "domains; a prompt's group must have one domain (its reward route). Fix the domain column")
+
+
+def keyed_difficulty_mask(scores: np.ndarray, group: np.ndarray, n_sample: int, low: float,
+                          high: float) -> np.ndarray:
+    """§3.5 ``difficulty_mask`` with groups given by ``group (B,)``: keep rows whose group's mean score over its
+    *scored* rows lies strictly inside ``(low, high)``; ``n_sample ≤ 1`` keeps every row. NaN score = unscored."""
+    s = np.asarray(scores, dtype=np.float64)
+    if n_sample <= 1:
+        return np.ones(len(s), dtype=bool)
+    scored = ~np.isnan(s)
+    count = np.bincount(group[scored], minlength=int(group.max(initial=-1)) + 1).astype(np.float64)
+    total = np.bincount(group[scored], weights=s[scored], minlength=len(count))
+    with np.errstate(invalid="ignore", divide="ignore"):
+        pass_rate = (total / count)[group]
+    return (pass_rate > low) & (pass_rate < high)  # a group without scored rows: NaN → False
+
+
+def sample_level_mask(response_len: np.ndarray, scores: np.ndarray, group: np.ndarray,
+                      s: Any) -> tuple[np.ndarray, dict[str, float]]:
+    """§3.5 ``get_sample_level_mask`` for one domain with unscored rows (NaN) masked and left out of pass rates.
+
+    ``s`` has the RLVRConfig fields. Returns ``(B,)`` float32 and ROLL's metrics (equal to ROLL's on a fully scored
+    table of complete, sorted groups)."""
+    n = s.num_return_sequences_in_group
+    lmax = s.max_new_tokens if s.max_new_tokens is not None else -1
+    mask, metrics = get_sample_level_mask(
+        response_len, lmax, scores, 1, max_len_mask=s.max_len_mask, use_difficulty_mask=False,
+        error_max_len_clip=s.error_max_len_clip, error_max_len_threshold=s.error_max_len_threshold)
+    if s.difficulty_mask:
+        keep = keyed_difficulty_mask(scores, group, n, s.difficulty_low_threshold, s.difficulty_high_threshold)
+        metrics["actor/difficulty_mask_ratio"] = float(keep.mean()) if len(keep) else 1.0
+        mask = mask * keep.astype(np.float32)
+    mask = mask * (~np.isnan(np.asarray(scores, dtype=np.float64))).astype(np.float32)
+    metrics["actor/final_mask_ratio"] = float(mask.mean()) if len(mask) else 1.0
+    metrics["actor/samples_used"] = float(mask.sum())
+    metrics["actor/samples_total"] = float(len(mask))
+    return mask, metrics
+
+
+def normalise_rewards(rewards: np.ndarray, group: np.ndarray, s: Any,
+                      running: RunningMoments | None) -> tuple[np.ndarray, dict[str, float]]:
+    """§3.2/§3.3 ``reward_postprocess`` for one domain, groups keyed by ``group (B,)``; NaN rewards are unscored rows:
+    left out of every statistic (and of ``running``'s update), output 0. ``(B,)`` → ``(B,)`` float32, metrics."""
+    types = resolve_rlvr_norm_types(s.adv_estimator, s.norm_mean_type, s.norm_std_type)
+    r = np.asarray(rewards, dtype=np.float64)
+    scored = ~np.isnan(r)
+    x, gi = r[scored], dense_index(group[scored]) if scored.any() else np.zeros(0, np.int64)
+    out = np.zeros(len(r), dtype=np.float32)
+    if x.size == 0:
+        return out, {"critic/reward_clip_frac": 0.0}
+    if "running" in types:
+        if running is None:
+            raise InvariantError("norm type 'running' needs the domain's RunningMoments; pass the domain's tracker")
+        running.update(x)  # before reading, current batch included (§3.2)
+    groups = group_moments(x, gi)
+    batch_mean, batch_std = batch_moments(x) if "batch" in types else (0.0, 1.0)
+    stat = {
+        None: lambda moment: 0.0,
+        "batch": lambda moment: batch_mean if moment == "mean" else batch_std,
+        "group": lambda moment: getattr(groups, moment)[gi],
+        "running": lambda moment: getattr(running, moment),
+    }
+    centred = x - stat[types.mean_type]("mean")
+    if types.std_type is None:
+        normalised = centred.astype(np.float32)
+    else:
+        std = np.broadcast_to(np.asarray(stat[types.std_type]("std"), dtype=np.float64), x.shape)
+        with np.errstate(invalid="ignore", divide="ignore"):
+            normalised = (centred / (std + STD_EPS)).astype(np.float32)
+        normalised[np.isnan(std)] = 0.0  # one scored value (group or batch) has no spread: 0, not ROLL's NaN
+    clipped, metrics = clip_rewards(normalised, s.reward_clip)
+    out[scored] = clipped
+    return out, {"critic/reward_clip_frac": 0.0, **metrics}
+
+
+@dataclass(frozen=True)
+class RLVRRewards:
+    """The whole-table part's result, rows in input order: ``sample_mask``, ``rewards`` (normalised, clipped, 0 for
+    unscored rows) ``(B,)`` float32; ``scored (B,)`` bool; metrics (``<domain>/<name>`` and totals)."""
+
+    sample_mask: np.ndarray
+    rewards: np.ndarray
+    scored: np.ndarray
+    metrics: dict[str, float]
+
+
+def rlvr_response_rewards(prompt_id: np.ndarray, domain: np.ndarray, scores: np.ndarray, rewards: np.ndarray,
+                          response_len: np.ndarray, s: Any, running: dict[str, RunningMoments],
+                          where: str = "(table)") -> RLVRRewards:
+    """Per domain: sample mask (§3.5) then reward post-processing (§3.3) over the whole table.
+
+    ``scores``/``rewards (B,)`` float with NaN for "cannot score"; ``response_len (B,)`` = ``Σ response_mask[1:]``.
+    ``running`` maps domain → RunningMoments (BUG-2 fix); trackers of new domains are added to it and updated."""
+    prompt_id = np.asarray(prompt_id).astype(str)
+    scores = np.asarray(scores, dtype=np.float64)
+    rewards = np.asarray(rewards, dtype=np.float64)
+    check_groups(prompt_id, domain, s.num_return_sequences_in_group, where)
+    group = dense_index(prompt_id) if len(prompt_id) else np.zeros(0, np.int64)
+    partly = np.isnan(rewards) != np.isnan(scores)
+    unscored_rows = np.isnan(rewards) | np.isnan(scores)  # None in either column: the row cannot be scored
+    scores = np.where(unscored_rows, np.nan, scores)
+    rewards = np.where(unscored_rows, np.nan, rewards)
+    sample_mask = np.zeros(len(scores), np.float32)
+    out = np.zeros(len(scores), np.float32)
+    metrics: dict[str, float] = {}
+    for name, rows in domain_rows(domain).items():
+        uses_running = "running" in resolve_rlvr_norm_types(s.adv_estimator, s.norm_mean_type, s.norm_std_type)
+        tracker = running.setdefault(name, RunningMoments()) if uses_running else None
+        mask, mask_metrics = sample_level_mask(np.asarray(response_len)[rows], scores[rows], group[rows], s)
+        normalised, norm_metrics = normalise_rewards(rewards[rows], group[rows], s, tracker)
+        sample_mask[rows], out[rows] = mask, normalised
+        unscored = float(np.isnan(scores[rows]).sum())
+        for key, value in {**mask_metrics, **norm_metrics, "rewards/unscored": unscored}.items():
+            metrics[f"{name}/{key}"] = value
+        scored_scores = scores[rows][~np.isnan(scores[rows])]
+        metrics[f"{name}/critic/score/mean"] = float(scored_scores.mean()) if scored_scores.size else 0.0
+    scored = ~np.isnan(scores)
+    metrics.update({"actor/samples_used": float(sample_mask.sum()), "actor/samples_total": float(len(scores)),
+                    "rewards/unscored": float((~scored).sum()),
+                    "rewards/partly_scored": float(partly.sum())})
+    return RLVRRewards(sample_mask, out, scored, metrics)
+
+
+# ---- row-parallel part: token rewards and advantages of a block --------------------------------------------------
+
+DomainStats = Mapping[str, "WhitenStats | None"]
+
+
+def token_rewards(tokens: ResponseTokens, rewards: np.ndarray, s: Any, kl_coef: float) -> TokenRewardResult:
+    """§2.4 for a block: reward at the last token, minus ``β·KL(old‖ref)`` over ``response_mask[1:]``, clipped.
+
+    ``old`` = ``old_log_probs``, else ``infer_logprobs``, else zeros; ``ref`` = ``ref_log_probs``, else ``old`` (KL 0).
+    """
+    nt = tokens.next_token
+    old = nt.get("old_log_probs") or nt.get("infer_logprobs")
+    if old is None:
+        lengths = tokens.input_ids.lengths - 1
+        old = Ragged(np.zeros(int(lengths.sum()), np.float32), np.concatenate([[0], np.cumsum(lengths)]))
+    ref = nt.get("ref_log_probs") or old
+    return compute_token_reward(rewards, tokens.token_mask, old, ref, kl_coef=kl_coef, kl_penalty=s.kl_penalty,
+                                add_token_level_kl=s.add_token_level_kl, reward_clip=s.reward_clip,
+                                masked_clip_metric=True)
+
+
+def final_response_mask(tokens: ResponseTokens, sample_mask: np.ndarray) -> np.ndarray:
+    """``(N,)`` float32 ``response_mask[1:] × s`` (§3.5)."""
+    rows = np.repeat(np.arange(tokens.num_rows), tokens.input_ids.lengths - 1)
+    return (tokens.token_mask * np.asarray(sample_mask, np.float32)[rows]).astype(np.float32)
+
+
+@dataclass(frozen=True)
+class TokenBatch:
+    """A block's token rewards and advantages (``Ragged`` next-token columns in the block's row order), its final
+    mask ``(N,)`` and additive partials (KL, clip counts) for the stage's metrics."""
+
+    token_level_rewards: Ragged
+    advantages: Ragged
+    returns: Ragged
+    raw_advantages: Ragged
+    final_mask: np.ndarray
+    partials: dict[str, float]
+
+
+def _domain_advantage(tok: Ragged, mask: np.ndarray, values: Ragged | None, s: Any, final: bool,
+                      reward_stats: "WhitenStats | None | bool", advantage_stats: "WhitenStats | None | bool"
+                      ) -> AdvantageResult:
+    """compute_advantage on one domain's rows. A stats argument of ``False`` means "whole table says: do not whiten"
+    (``Σm ≤ 1``); ``None`` means "use these rows' own statistics"."""
+    return compute_advantage(
+        tok, mask, s.adv_estimator, gamma=s.gamma, lambd=s.lambd, values=values,
+        whiten_rewards=s.whiten_rewards and reward_stats is not False,
+        whiten_advantages=final and s.whiten_advantages and advantage_stats is not False,
+        advantage_clip=s.advantage_clip if final else None,
+        reward_stats=reward_stats or None, advantage_stats=advantage_stats or None,
+        roll_compat_gae=s.roll_compat, masked_clip_metric=True)
+
+
+def _stats_for(stats: DomainStats | None, domain: str) -> "WhitenStats | None | bool":
+    if stats is None:
+        return None
+    value = stats.get(domain)
+    return False if value is None else value
+
+
+def rlvr_token_batch(tokens: ResponseTokens, rewards: np.ndarray, sample_mask: np.ndarray, domains: np.ndarray,
+                     s: Any, kl_coef: float, *, reward_stats: DomainStats | None = None,
+                     advantage_stats: DomainStats | None = None, final: bool = True) -> TokenBatch:
+    """§2.4 then §4.3 per domain on a block of rows.
+
+    ``rewards``/``sample_mask (B,)`` from :func:`rlvr_response_rewards`; ``kl_coef`` = the controller's β before this
+    step's update. ``reward_stats``/``advantage_stats``: per-domain whitening moments of the whole table (a domain
+    mapped to None is not whitened: its mask sums to ≤ 1); None = the block's own statistics (a one-block table).
+    ``final=False`` gives the advantages before whitening and clipping (the statistics pass)."""
+    tok = token_rewards(tokens, rewards, s, kl_coef)
+    fmask = final_response_mask(tokens, sample_mask)
+    values = tokens.next_token.get("values")
+    offsets = tok.token_level_rewards.offsets
+    cols = {name: np.zeros(len(fmask), np.float32) for name in ("rewards", "advantages", "returns", "raw")}
+    partials = {"kl_sum": tok.kl_partials[0], "rows": float(tok.kl_partials[1]), "final_tokens": float(fmask.sum())}
+    if "critic/token_reward_clip_frac" in tok.metrics:
+        partials["token_reward_clipped"] = tok.metrics["critic/token_reward_clip_frac"] * float(tokens.token_mask.sum())
+    for name, rows in domain_rows(domains).items():
+        where = flat_positions(offsets, rows)
+        sub_values = take_rows(values, rows) if values is not None else None
+        result = _domain_advantage(take_rows(tok.token_level_rewards, rows), fmask[where], sub_values, s, final,
+                                   _stats_for(reward_stats, name), _stats_for(advantage_stats, name))
+        cols["rewards"][where] = result.token_level_rewards.values
+        cols["advantages"][where] = result.advantages.values
+        cols["returns"][where] = result.returns.values
+        cols["raw"][where] = result.raw_advantages.values
+        if "critic/advantage_clip_frac" in result.metrics:
+            clipped = result.metrics["critic/advantage_clip_frac"] * float(fmask[where].sum())
+            partials["adv_clipped"] = partials.get("adv_clipped", 0.0) + clipped
+    as_ragged = lambda v: Ragged(v, offsets)  # noqa: E731
+    return TokenBatch(as_ragged(cols["rewards"]), as_ragged(cols["advantages"]), as_ragged(cols["returns"]),
+                      as_ragged(cols["raw"]), fmask, partials)
+
+
+def whiten_partials_by_domain(values: np.ndarray, mask: np.ndarray, offsets: np.ndarray,
+                              domains: np.ndarray) -> dict[str, tuple[float, float, float]]:
+    """Per domain ``(Σm, Σx·m, Σx²·m)`` of flat next-token ``values``/``mask``: additive across blocks."""
+    return {name: whiten_partials(values[flat_positions(offsets, rows)], mask[flat_positions(offsets, rows)])
+            for name, rows in domain_rows(domains).items()}
+
+
+def stats_from_partials(parts: Mapping[str, tuple[float, float, float]]) -> dict[str, "WhitenStats | None"]:
+    """Per-domain whitening ``(mean, var)``, or None where ROLL skips whitening (``Σm ≤ 1``, §4.3 step 1)."""
+    return {name: whiten_stats_from_partials(*p) if can_whiten(p[0]) else None for name, p in parts.items()}

@@ -1,0 +1,60 @@
+"""RLVRConfig: the shipped configs load; each rule fails with the rule, the reason and the fix; sections."""
+
+from __future__ import annotations
+
+import pytest
+
+from schemas.config import load_config
+from schemas.errors import ConfigError
+from schemas.rlvr_config import RLVRConfig, reward_section, rlvr_advantage_section, rlvr_reward_section
+from tests.rlvr.helpers import REPO, config
+
+
+@pytest.mark.parametrize("name", ["rlvr_math", "rlvr_mixed"])
+def test_shipped_configs_load(name):
+    cfg = load_config(RLVRConfig, REPO / f"configs/{name}.yaml")
+    assert cfg.adv_estimator == "grpo" and cfg.num_return_sequences_in_group == 8
+    assert "math" in cfg.rewards.routes and cfg.rewards.routes["math"].worker == "math_rule"
+
+
+def test_mixed_config_routes_four_domains_to_registered_workers():
+    import stages.rewards  # noqa: F401
+    from stages.rewards.registry import resolve_worker
+
+    cfg = load_config(RLVRConfig, REPO / "configs/rlvr_mixed.yaml")
+    assert list(cfg.rewards.routes) == ["math", "code", "mcq", "ifeval"]
+    for route in cfg.rewards.routes.values():
+        resolve_worker(route.worker)
+
+
+@pytest.mark.parametrize("fields,message", [
+    ({"adv_estimator": "agentic_reinforce"}, r"agentic-only, because .* use grpo, reinforce or gae"),
+    ({"adv_estimator": "grpo", "num_return_sequences_in_group": 1},
+     r"num_return_sequences_in_group \(1\) must be at least 2, because .*set num_return_sequences_in_group: 8"),
+    ({"norm_mean_type": "group", "adv_estimator": "reinforce"}, r"must be at least 2"),
+    ({"max_len_mask": True}, r"max_len_mask needs max_new_tokens, because .* set max_new_tokens"),
+    ({"difficulty_mask": True, "difficulty_low_threshold": 0.9, "difficulty_high_threshold": 0.1},
+     r"difficulty_low_threshold \(0.9\) must be below"),
+    ({"reward_clip": 0}, r"reward_clip \(0.0\) must be null or > 0"),
+    ({"advantage_clip": -1}, r"advantage_clip \(-1.0\) must be null or > 0"),
+    ({"target_kl": 0}, r"target_kl \(0.0\) must be > 0"),
+    ({"norm_std_type": "median"}, r"norm_std_type"),
+    ({"use_kl_loss": True}, r"field 'use_kl_loss': unknown option"),
+    ({"rewards": {"routes": {}}}, r"rewards.routes is empty"),
+    ({"rewards": {"routes": {"math": {"worker": "math_rule", "kwarg": {}}}}}, r"unknown option"),
+])
+def test_rules_name_the_field_the_reason_and_the_fix(fields, message):
+    with pytest.raises(ConfigError, match=message):
+        config(**fields)
+
+
+def test_sections_hold_only_what_each_stage_reads():
+    cfg = config(num_return_sequences_in_group=4, adv_estimator="grpo", rewards={"domain_column": "tag",
+                                                                                  "routes": {"*": {"worker": "m:f"}}})
+    assert reward_section(cfg).domain_column == "tag"
+    r, a = rlvr_reward_section(cfg), rlvr_advantage_section(cfg)
+    assert r.domain_column == a.domain_column == "tag" and r.num_return_sequences_in_group == 4
+    assert "gamma" not in type(r).model_fields and "difficulty_mask" not in type(a).model_fields
+    # a change to the advantage options leaves the reward section (and so its fingerprint) unchanged
+    assert rlvr_reward_section(config(num_return_sequences_in_group=4, adv_estimator="grpo", gamma=0.5,
+                                      rewards=cfg.rewards.model_dump())) == r
