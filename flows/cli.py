@@ -40,6 +40,7 @@ def _guard(fn):
 def _main(verbose: bool = typer.Option(False, "--verbose", "-v", help="Log stage progress.")) -> None:
     logging.basicConfig(level=logging.INFO if verbose else logging.WARNING,
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)
     settings.configure()
 
 
@@ -68,6 +69,46 @@ def recompute(input: Path = typer.Option(..., "--input", help="Folder of stored 
 
     result = _guard(lambda: recompute_flow(str(input), str(output), cfg.model_dump(mode="json"), force))
     _print_recompute(result)
+
+
+@app.command()
+def train(config: Optional[Path] = typer.Option(None, "--config", help="YAML config (configs/train_*.yaml)."),
+          resume: Optional[Path] = typer.Option(None, "--resume", help="Continue the run in this run folder "
+                                                                       "(runs/<run>) from its last committed stage."),
+          overrides: Optional[list[str]] = OverrideOpt,
+          report: bool = typer.Option(True, "--report/--no-report", help="Write the run's report at the end.")) -> None:
+    """Run (or resume) an agentic RL training run: a Prefect flow of rollout, log-prob, reward, advantage, training
+    and evaluation stages per iteration."""
+    from schemas.config import load_config, parse_overrides, validate_config
+    from schemas.train_flow_config import TrainFlowConfig
+
+    if (config is None) == (resume is None):
+        _fail(ValueError("pass either --config FILE (a new run) or --resume RUN_DIR (continue a run)"))
+    if resume is not None:
+        from flows.train import CONFIG_FILE
+
+        frozen = resume / CONFIG_FILE
+        if not frozen.exists():
+            _fail(FileNotFoundError(f"{resume} has no {CONFIG_FILE}; pass the folder of a run started by "
+                                    "`rollflow train --config`"))
+        if overrides:
+            _fail(ValueError("--set cannot change a run being resumed; start a new run (another run_name) instead"))
+        cfg = _guard(lambda: validate_config(TrainFlowConfig, json.loads(frozen.read_text()), str(frozen)))
+    else:
+        cfg = _guard(lambda: load_config(TrainFlowConfig, config, parse_overrides(overrides or [])))
+    from flows.train import train_flow
+
+    summary = _guard(lambda: train_flow(cfg.model_dump(mode="json", exclude_unset=True)))
+    for it in summary["iterations"]:
+        m = it["rollout_metrics"]
+        typer.echo(f"iteration {it['iteration']}: " + "  ".join(f"{k}={v:.4g}" for k, v in sorted(m.items())
+                                                                if isinstance(v, (int, float)))[:400])
+    typer.echo(f"run {summary['run']} finished in {summary['seconds']:.0f}s; last checkpoint {summary['checkpoint']}")
+    if report:
+        from flows.report import write_report
+
+        rep = write_report(summary["run"])
+        typer.echo(f"report: {rep.html}")
 
 
 @app.command()

@@ -1,0 +1,184 @@
+"""``rollflow train``: the agentic RL run as a Prefect flow of stage calls (DESIGN.md: the loop is a flow, a new
+algorithm adds a registry entry or a stage, never a branch here).
+
+Per iteration ``k`` (policy after ``k`` training steps), every output under ``runs/<run>/iter_<k>/<stage>/``:
+rollout (episodes, turns, samples) → logprobs (old/ref) → values (GAE only) → rewarded → advantaged → checkpoint →
+eval. Every stage goes through the one runner, so ``rollflow train --resume RUN`` after a crash (SIGKILL included)
+skips what is committed and continues with the first missing output. The generation engines are built once per
+flow run and load each new checkpoint in place.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from typing import Any
+
+from prefect import flow, task
+from prefect.cache_policies import NO_CACHE
+
+from schemas.config import AdvantageSection, ResponseRewardSection, section, validate_config
+from schemas.errors import RollflowError
+from schemas.train_flow_config import TrainFlowConfig
+from stages.storage import Location
+
+log = logging.getLogger("rollflow.train")
+CONFIG_FILE = "config.json"
+
+
+def iter_dir(run: str, iteration: int) -> str:
+    return f"{run}/iter_{iteration:04d}"
+
+
+def _stage_task(name: str):
+    return task(name=name, cache_policy=NO_CACHE, retries=0)
+
+
+@_stage_task("rollout")
+def rollout_task(config: TrainFlowConfig, iteration: int, output: str, checkpoint: str, pool) -> Any:
+    from stages.rollout.driver import run_rollout
+
+    return run_rollout(config.rollout_for(iteration), output, checkpoint, pool=pool)
+
+
+@_stage_task("eval")
+def eval_task(config: TrainFlowConfig, output: str, checkpoint: str, pool) -> Any:
+    from stages.rollout.driver import run_rollout
+
+    return run_rollout(config.eval_rollout(), output, checkpoint, pool=pool)
+
+
+@_stage_task("logprobs")
+def logprobs_task(config: TrainFlowConfig, samples: str, checkpoint: str, reference: str, output: str) -> Any:
+    from stages.train.stage import run_logprobs
+
+    return run_logprobs(samples, checkpoint, config.logprobs, output, reference=reference)
+
+
+@_stage_task("values")
+def values_task(config: TrainFlowConfig, samples: str, checkpoint: str, output: str) -> Any:
+    from stages.train.stage import run_values
+
+    return run_values(samples, checkpoint, config.logprobs, output)
+
+
+@_stage_task("response_rewards")
+def rewards_task(config: TrainFlowConfig, samples: str, output: str) -> Any:
+    from stages.recompute import ResponseRewardsStage
+    from stages.runner import run_stage
+
+    rewards = section(config, ResponseRewardSection).model_copy(update={"group_size": config.rollout.env.group_size})
+    return run_stage(ResponseRewardsStage(), rewards, {"samples": samples}, output)
+
+
+@_stage_task("advantages")
+def advantages_task(config: TrainFlowConfig, samples: str, rewarded: str, output: str, state_in: dict) -> Any:
+    from stages.recompute import AdvantagesStage
+    from stages.runner import run_stage
+
+    return run_stage(AdvantagesStage(), section(config, AdvantageSection), {"samples": samples, "rewarded": rewarded},
+                     output, state_in=state_in)
+
+
+@_stage_task("train")
+def train_task(config: TrainFlowConfig, samples: str, checkpoint: str, output: str) -> Any:
+    from stages.train.stage import run_train_step
+
+    return run_train_step(samples, checkpoint, config.train_step_config(), output)
+
+
+def _record(metrics, iteration: int, stage: str, result: Any) -> None:
+    values = {k: float(v) for k, v in (getattr(result, "metrics", None) or {}).items()
+              if isinstance(v, (int, float)) and v == v}
+    metrics.log(iteration, stage, values, wall_s=getattr(result, "seconds", None))
+
+
+def _rollout_metrics(result: Any) -> dict[str, float]:
+    """Rollout metrics: the samples stage's (success, valid actions, lengths, tokens) plus the timing split."""
+    out = dict(result.samples.metrics)
+    out.update({f"time/rollout/{k.removesuffix('_seconds')}": v for k, v in result.timings.items()})
+    return out
+
+
+def save_run_config(run: Location, cfg: dict) -> None:
+    """Freeze the run's config next to its outputs (what ``--resume`` reads). Refuses a different config."""
+    path = run.child(CONFIG_FILE)
+    if path.exists():
+        old = json.loads(path.read_text())
+        if old != cfg:
+            raise RollflowError(f"run folder {run.path} was started with another config; resume it with "
+                                f"`rollflow train --resume {run.path}`, or choose a new run_name")
+        return
+    run.fs.create_dir(run.path, recursive=True)
+    path.write_text(json.dumps(cfg, indent=1, sort_keys=True))
+
+
+def check_cpu_budget(config: TrainFlowConfig, cluster_cpus: float) -> None:
+    """The engine actors live for the whole run, so the log-prob actors and the training workers must fit beside
+    them with a CPU left for Ray Data's read/write tasks; otherwise Ray Data waits forever (STACK.md)."""
+    engines = config.rollout.engine.num_cpus_per_engine * config.rollout.engine.num_engines
+    forward = config.logprobs.cpus_per_actor
+    train = config.train.runtime.cpus_per_worker * config.train.runtime.num_workers
+    need = engines + max(forward, train) + 0.5
+    if need > cluster_cpus:
+        raise RollflowError(
+            f"the run needs {need:g} CPUs of Ray's {cluster_cpus:g}: engines hold {engines:g} for the whole run, "
+            f"log-prob actors {forward:g}, training workers {train:g}, plus a share for Ray Data's tasks; otherwise "
+            "a stage would wait forever. Set rollout.engine.num_cpus_per_engine: 0 (the engine idles outside the "
+            "rollout), or lower train.runtime.num_workers / cpus_per_worker, or logprobs.cpus_per_actor")
+
+
+@flow(name="train", log_prints=True)
+def train_flow(cfg: dict) -> dict:
+    """Run (or resume) the training run described by ``cfg`` (a :class:`TrainFlowConfig` as JSON)."""
+    from stages.cluster import ensure_ray
+    from stages.metrics import MetricsLog
+    from stages.rollout.driver import resolve_model_dir
+    from stages.rollout.engine_pool import EnginePool
+
+    config = validate_config(TrainFlowConfig, cfg)
+    run = Location.of(f"{config.runs_dir}/{config.run_name}")
+    save_run_config(run, cfg)
+    settings = ensure_ray(config.runtime.ray_address, config.runtime.num_cpus)
+    check_cpu_budget(config, float(settings["cpus"] or 0))
+    base = resolve_model_dir(config.pretrain)
+    started = time.time()
+    pool = EnginePool(config.rollout.engine, base, config.rollout.engine.max_model_len or config.rollout.sequence_length)
+    summary: dict[str, Any] = {"run": run.path, "iterations": []}
+    with MetricsLog(run.path) as metrics:
+        try:
+            checkpoint = base
+            kl_state: dict = {}
+            if config.eval.eval_steps:
+                ev = eval_task(config, f"{run.path}/eval_base", checkpoint, pool)
+                metrics.log(0, "eval", _rollout_metrics(ev), wall_s=ev.seconds)
+            for k in range(config.max_steps):
+                here = iter_dir(run.path, k)
+                ro = rollout_task(config, k, f"{here}/rollout", checkpoint, pool)
+                metrics.log(k, "rollout", _rollout_metrics(ro), wall_s=ro.seconds)
+                lp = logprobs_task(config, ro.samples.output, checkpoint, base, f"{here}/logprobs")
+                _record(metrics, k, "logprobs", lp)
+                samples = lp.output
+                if config.train_step_config().needs_critic:
+                    vals = values_task(config, samples, checkpoint, f"{here}/values")
+                    _record(metrics, k, "values", vals)
+                    samples = vals.output
+                rw = rewards_task(config, samples, f"{here}/rewarded")
+                _record(metrics, k, "response_rewards", rw)
+                adv = advantages_task(config, samples, rw.output, f"{here}/advantaged", kl_state)
+                _record(metrics, k, "advantages", adv)
+                kl_state = adv.state
+                tr = train_task(config, adv.output, checkpoint, f"{here}/checkpoint")
+                _record(metrics, k, "train", tr)
+                checkpoint = tr.output
+                if config.eval.eval_steps and (k + 1) % config.eval.eval_steps == 0:
+                    ev = eval_task(config, f"{here}/eval", checkpoint, pool)
+                    metrics.log(k + 1, "eval", _rollout_metrics(ev), wall_s=ev.seconds)
+                summary["iterations"].append({"iteration": k, "checkpoint": checkpoint,
+                                              "train_metrics": tr.metrics, "rollout_metrics": ro.samples.metrics})
+        finally:
+            pool.close()
+    summary["seconds"] = time.time() - started
+    summary["checkpoint"] = checkpoint
+    return summary

@@ -1,0 +1,111 @@
+"""``rollflow train``: the agentic training run (spec §0.4, §7). ROLL's algorithm options sit at the top level;
+the rollout, log-prob, training and evaluation settings are sections that each stage receives on its own.
+
+The validation rules are ROLL's agentic ones (spec §7.2) plus the consistency checks between sections that ROLL
+spreads over several ``__post_init__`` methods; each message gives the rule, the reason and the fix.
+"""
+
+from __future__ import annotations
+
+from pydantic import Field, model_validator
+
+from schemas.config import AlgorithmConfig, Frozen, RuntimeConfig
+from schemas.rollout_config import RolloutConfig
+from schemas.train_config import ForwardConfig, TrainStepConfig
+
+
+class EvalConfig(Frozen):
+    """Evaluation on a fixed held-out seed set (ROLL's val env manager), before training and every ``eval_steps``."""
+
+    eval_steps: int = Field(1, ge=0, description="Evaluate after every N training steps (0: never).")
+    seed: int = Field(1_000_003, ge=0, description="Base seed of the held-out levels (never used for training).")
+    num_env_groups: int = Field(16, gt=0, description="Held-out levels.")
+    group_size: int = Field(1, gt=0, description="Episodes per held-out level.")
+    temperature: float | None = Field(None, ge=0.0, description="Sampling temperature of evaluation "
+                                                                "(null: the rollout's).")
+
+
+class TrainFlowConfig(AlgorithmConfig):
+    """One agentic RL run: per iteration rollout → log-probs → rewards → advantages → train → checkpoint → eval."""
+
+    run_name: str = Field("run", min_length=1, pattern=r"^[A-Za-z0-9_.-]+$", description="Folder name under runs_dir.")
+    runs_dir: str = Field("runs", description="Where run folders live (a local path or a pyarrow filesystem URI).")
+    max_steps: int = Field(3, gt=0, description="Training iterations (ROLL's max_steps).")
+    pretrain: str | None = Field(None, description="Initial policy: an HF checkpoint folder (null: the default "
+                                                   "model, SmolLM2-135M-Instruct converted from the shipped GGUF).")
+    rollout_batch_size: int | None = Field(None, gt=0, description="Trajectories per iteration (ROLL name); when set "
+                                                                   "it must equal rollout.env num_env_groups x "
+                                                                   "group_size.")
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig, description="Rollout of each iteration.")
+    logprobs: ForwardConfig = Field(default_factory=ForwardConfig, description="old/ref log-prob stage.")
+    train: TrainStepConfig = Field(default_factory=TrainStepConfig, description="Actor (and critic) training.")
+    eval: EvalConfig = Field(default_factory=EvalConfig, description="Held-out evaluation.")
+    runtime: RuntimeConfig = Field(default_factory=RuntimeConfig, description="Ray execution settings.")
+
+    @model_validator(mode="after")
+    def _agentic_rules(self) -> "TrainFlowConfig":
+        env = self.rollout.env
+        episodes = env.num_env_groups * env.group_size
+        if self.rollout_batch_size is not None:
+            if self.rollout_batch_size % env.group_size:
+                fixed = (self.rollout_batch_size // env.group_size + 1) * env.group_size
+                raise ValueError(f"rollout_batch_size ({self.rollout_batch_size}) must be divisible by "
+                                 f"rollout.env.group_size ({env.group_size}), because advantages are normalised over "
+                                 f"complete groups; set rollout_batch_size to {fixed}")
+            if self.rollout_batch_size != episodes:
+                raise ValueError(f"rollout_batch_size ({self.rollout_batch_size}) must equal rollout.env.num_env_groups"
+                                 f" x group_size ({episodes}), because every group is rolled out once per iteration; "
+                                 f"set rollout.env.num_env_groups to {self.rollout_batch_size // env.group_size}")
+        from stages.algos.estimators import ADVANTAGE_ESTIMATORS
+
+        est = ADVANTAGE_ESTIMATORS.get(self.adv_estimator)
+        if est.needs_step_rows and self.rollout.sample_level != "step":
+            raise ValueError(f"adv_estimator {self.adv_estimator} needs one sample per environment step (discounted "
+                             f"step returns, anchor states), but rollout.sample_level is "
+                             f"'{self.rollout.sample_level}'; set rollout.sample_level: step")
+        if self.adv_estimator == "agentic_reinforce" and self.rollout.sample_level != "trajectory":
+            raise ValueError("adv_estimator agentic_reinforce computes returns over the turns (segments) of one "
+                             "trajectory row; set rollout.sample_level: trajectory")
+        rn = self.reward_normalization
+        grouped = rn.grouping == "traj_group_id" and (rn.method != "identity" or rn.norm_std_type == "group")
+        if grouped and env.group_size < 2:
+            raise ValueError(f"rollout.env.group_size ({env.group_size}) must be at least 2 when rewards are "
+                             "normalised per traj_group_id, because a group of one has no spread and every reward "
+                             "would become 0; set rollout.env.group_size: 8")
+        if self.adv_estimator == "gigpo" and self.episode_reward_weight == 0 and self.step_reward_weight == 0:
+            raise ValueError("episode_reward_weight and step_reward_weight are both 0, so GiGPO rewards would be 0; "
+                             "set episode_reward_weight: 1.0")
+        if self.episode_reward_weight < 0 or self.step_reward_weight < 0:
+            raise ValueError("episode_reward_weight and step_reward_weight must be >= 0, because a negative weight "
+                             "rewards failure; use 0 to switch a part off")
+        if "adv_estimator" in self.train.model_fields_set and self.train.adv_estimator != self.adv_estimator:
+            raise ValueError(f"train.adv_estimator ({self.train.adv_estimator}) differs from adv_estimator "
+                             f"({self.adv_estimator}); set it once, at the top level")
+        if self.train.ratio_type == "segment" and self.train.policy_loss != "agentic":
+            raise ValueError("train.ratio_type segment (GSPO-style per-turn ratio) is a feature of the agentic loss; "
+                             "set train.policy_loss: agentic")
+        if (self.add_token_level_kl or self.train.use_kl_loss) and not self.logprobs.enable_reference:
+            raise ValueError("add_token_level_kl / train.use_kl_loss need the reference model's log-probs; set "
+                             "logprobs.enable_reference: true")
+        if self.train.runtime.num_workers > 1 and episodes < self.train.runtime.num_workers:
+            raise ValueError(f"{episodes} episodes per iteration cannot feed {self.train.runtime.num_workers} training "
+                             f"workers; raise rollout.env.num_env_groups or lower train.runtime.num_workers")
+        return self
+
+    def train_step_config(self) -> TrainStepConfig:
+        """The training section with the run's estimator (a derived copy; the loaded config is never changed)."""
+        return self.train.model_copy(update={"adv_estimator": self.adv_estimator})
+
+    def rollout_for(self, iteration: int) -> RolloutConfig:
+        """The rollout of a training iteration: new levels and samples each iteration, row ids named by run."""
+        return self.rollout.model_copy(update={"iteration": iteration, "run_name": self.run_name})
+
+    def eval_rollout(self) -> RolloutConfig:
+        """The held-out rollout: fixed seeds (the same levels at every evaluation)."""
+        env = self.rollout.env.model_copy(update={"num_env_groups": self.eval.num_env_groups,
+                                                  "group_size": self.eval.group_size})
+        gen = self.rollout.generating_args
+        if self.eval.temperature is not None:
+            gen = gen.model_copy(update={"temperature": self.eval.temperature})
+        return self.rollout.model_copy(update={"env": env, "generating_args": gen, "seed": self.eval.seed,
+                                               "iteration": 0, "run_name": f"{self.run_name}-eval"})
