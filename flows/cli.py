@@ -98,7 +98,7 @@ def train(config: Optional[Path] = typer.Option(None, "--config", help="YAML con
         cfg = _guard(lambda: load_config(TrainFlowConfig, config, parse_overrides(overrides or [])))
     from flows.train import train_flow
 
-    summary = _guard(lambda: train_flow(cfg.model_dump(mode="json", exclude_unset=True)))
+    summary = _guard(lambda: train_flow(cfg.model_dump(mode="json")))
     for it in summary["iterations"]:
         m = it["rollout_metrics"]
         typer.echo(f"iteration {it['iteration']}: " + "  ".join(f"{k}={v:.4g}" for k, v in sorted(m.items())

@@ -120,11 +120,11 @@ def check_cpu_budget(config: TrainFlowConfig, cluster_cpus: float) -> None:
     engines = config.rollout.engine.num_cpus_per_engine * config.rollout.engine.num_engines
     forward = config.logprobs.cpus_per_actor
     train = config.train.runtime.cpus_per_worker * config.train.runtime.num_workers
-    need = engines + max(forward, train) + 0.5
+    need = engines + max(forward + 0.5, train)  # log-prob actors run next to Ray Data's read/write tasks
     if need > cluster_cpus:
         raise RollflowError(
             f"the run needs {need:g} CPUs of Ray's {cluster_cpus:g}: engines hold {engines:g} for the whole run, "
-            f"log-prob actors {forward:g}, training workers {train:g}, plus a share for Ray Data's tasks; otherwise "
+            f"log-prob actors {forward:g} plus a share for Ray Data's tasks, training workers {train:g}; otherwise "
             "a stage would wait forever. Set rollout.engine.num_cpus_per_engine: 0 (the engine idles outside the "
             "rollout), or lower train.runtime.num_workers / cpus_per_worker, or logprobs.cpus_per_actor")
 

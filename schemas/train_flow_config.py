@@ -42,6 +42,21 @@ class TrainFlowConfig(AlgorithmConfig):
     eval: EvalConfig = Field(default_factory=EvalConfig, description="Held-out evaluation.")
     runtime: RuntimeConfig = Field(default_factory=RuntimeConfig, description="Ray execution settings.")
 
+    @model_validator(mode="before")
+    @classmethod
+    def _one_estimator(cls, data: dict) -> dict:
+        """The estimator is set once, at the top level; the training section receives the same value at load time
+        (it decides whether a critic is trained). A conflicting explicit value is an error."""
+        if not isinstance(data, dict):
+            return data
+        top = data.get("adv_estimator", cls.model_fields["adv_estimator"].default)
+        train = dict(data.get("train") or {})
+        if "adv_estimator" in train and train["adv_estimator"] != top:
+            raise ValueError(f"train.adv_estimator ({train['adv_estimator']}) differs from adv_estimator ({top}); "
+                             "set it once, at the top level")
+        train["adv_estimator"] = top
+        return {**data, "train": train}
+
     @model_validator(mode="after")
     def _agentic_rules(self) -> "TrainFlowConfig":
         env = self.rollout.env
@@ -78,9 +93,6 @@ class TrainFlowConfig(AlgorithmConfig):
         if self.episode_reward_weight < 0 or self.step_reward_weight < 0:
             raise ValueError("episode_reward_weight and step_reward_weight must be >= 0, because a negative weight "
                              "rewards failure; use 0 to switch a part off")
-        if "adv_estimator" in self.train.model_fields_set and self.train.adv_estimator != self.adv_estimator:
-            raise ValueError(f"train.adv_estimator ({self.train.adv_estimator}) differs from adv_estimator "
-                             f"({self.adv_estimator}); set it once, at the top level")
         if self.train.ratio_type == "segment" and self.train.policy_loss != "agentic":
             raise ValueError("train.ratio_type segment (GSPO-style per-turn ratio) is a feature of the agentic loss; "
                              "set train.policy_loss: agentic")
@@ -93,8 +105,8 @@ class TrainFlowConfig(AlgorithmConfig):
         return self
 
     def train_step_config(self) -> TrainStepConfig:
-        """The training section with the run's estimator (a derived copy; the loaded config is never changed)."""
-        return self.train.model_copy(update={"adv_estimator": self.adv_estimator})
+        """The training section (its estimator equals the run's, see ``_one_estimator``)."""
+        return self.train
 
     def rollout_for(self, iteration: int) -> RolloutConfig:
         """The rollout of a training iteration: new levels and samples each iteration, row ids named by run."""
