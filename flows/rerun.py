@@ -68,7 +68,8 @@ def rerun_stage(name: str, old_output: str, overrides: list[str], output: str | 
             child_inputs = {k: v["path"] for k, v in child_manifest["inputs"].items()} | {input_name: result.output}
             r = run_stage(child, child_section, child_inputs, f"{child_out.path}@{fp[:8]}", force=force,
                           state_in=child_manifest["state_in"])
-            lines.append(f"{child_name}: wrote {r.rows:,} rows to {r.output} (old output kept at {child_out.path})")
+            lines.append(f"{child_name}: {'up to date' if r.skipped else 'wrote'} {r.rows:,} rows to {r.output} "
+                         f"(old output kept at {child_out.path})")
     return lines
 
 

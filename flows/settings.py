@@ -14,12 +14,27 @@ def cache_dir() -> Path:
     return Path(os.environ.get("ROLLFLOW_CACHE", REPO / ".cache"))
 
 
+class UserErrorWithoutTraceback(logging.Filter):
+    """Prefect logs a failed task or flow with the full traceback; for a rollflow user error (bad input or config,
+    ``RollflowError``) the one-line message says everything, and the CLI prints it once more with the fix."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        from schemas.errors import RollflowError
+
+        if record.exc_info and isinstance(record.exc_info[1], RollflowError):
+            record.exc_info, record.exc_text = None, None
+        return True
+
+
 def configure() -> dict[str, str]:
     """Environment for Prefect, Ray, tokenizers and torch threads. Without ``PREFECT_API_URL`` Prefect runs in its
     ephemeral local mode with its database under the project's cache; with it, flows report to that server."""
     defaults = {
         "PREFECT_HOME": str(cache_dir() / "prefect"),
         "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+        # the ephemeral server's first start runs the database migrations: Prefect's 20 s default is too short on
+        # a loaded 2-core machine ("Timed out while attempting to connect to ephemeral Prefect API server")
+        "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "180",
         "PREFECT_LOGGING_LEVEL": os.environ.get("PREFECT_LOGGING_LEVEL", "WARNING"),
         "RAY_USAGE_STATS_ENABLED": "0",
         "RAY_AUTH_MODE": "disabled",
@@ -30,6 +45,9 @@ def configure() -> dict[str, str]:
     }
     for key, value in defaults.items():
         os.environ.setdefault(key, value)
+    for name in ("prefect.task_runs", "prefect.flow_runs"):
+        if not any(isinstance(f, UserErrorWithoutTraceback) for f in logging.getLogger(name).filters):
+            logging.getLogger(name).addFilter(UserErrorWithoutTraceback())
     Path(os.environ["PREFECT_HOME"]).mkdir(parents=True, exist_ok=True)
     settings = {k: os.environ[k] for k in defaults} | {"PREFECT_API_URL": os.environ.get("PREFECT_API_URL", "(ephemeral)")}
     log.info("process settings: %s", settings)

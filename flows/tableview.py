@@ -26,6 +26,9 @@ def detect_spec(loc: Location, schema: pa.Schema) -> TableSpec:
     for name in ("advantaged", "samples", "rewarded"):
         if all(c in schema.names for c in TABLES[name].required):
             return TABLES[name]
+    closest = max(TABLES.values(), key=lambda spec: sum(c in schema.names for c in spec.required))
+    if sum(c in schema.names for c in closest.required) > len(closest.required) // 2:
+        closest.check_schema(schema, loc.path)  # names the missing column of the table it nearly is
     raise SchemaError(f"{loc.path}: the columns ({', '.join(schema.names)}) match no rollflow table "
                       f"({', '.join(TABLES)}); is this a stage output folder?")
 
@@ -147,12 +150,15 @@ def validate(path: str, group_size: int | None = None) -> str:
     for batch in dataset.to_batches(batch_size=4096):
         check_row_invariants(spec, pa.Table.from_batches([batch]), f"{loc.path} (rows from {rows})")
         rows += batch.num_rows
-    if all(c in schema.names for c in IDENTITY_COLUMNS):
-        check_structure(dataset.to_table(columns=IDENTITY_COLUMNS), loc.path, group_size)
+    structure = all(c in schema.names for c in IDENTITY_COLUMNS)
+    if structure:
+        turns = ["num_turns"] if "num_turns" in schema.names else []
+        check_structure(dataset.to_table(columns=IDENTITY_COLUMNS + turns), loc.path, group_size)
     elif "row_id" in schema.names:
         ids = dataset.to_table(columns=["row_id"]).column(0)
         if pc.count_distinct(ids).as_py() != len(ids):
             raise SchemaError(f"{loc.path}: row_id values are not unique")
-    checked = "schema, row invariants, unique row ids, contiguous turns" + (
-        f", complete groups of {group_size}" if group_size else "")
+    # name only the checks that ran (a narrow table has no turns or groups to check)
+    checked = "schema, row invariants, unique row ids" + (", contiguous turns" if structure else "") + (
+        f", complete groups of {group_size}" if structure and group_size else "")
     return f"OK  {spec.name} table {loc.path}: {rows:,} rows; checked {checked}"

@@ -197,15 +197,29 @@ def check_structure(table: pa.Table, where: str, group_size: int | None) -> None
         counts = pc.value_counts(row_id)
         dup = [c["values"] for c in counts.to_pylist() if c["counts"] > 1][0]
         raise InvariantError(f"table at {where}: row_id '{dup}' occurs more than once; row ids must be unique.")
-    traj = table.select(["traj_id", "turn_idx"]).group_by("traj_id").aggregate(
-        [("turn_idx", "min"), ("turn_idx", "max"), ("turn_idx", "count")])
-    lo, hi, n = (traj.column(c).to_numpy() for c in ("turn_idx_min", "turn_idx_max", "turn_idx_count"))
-    bad = (lo != 0) | (hi != n - 1)
+    with_turns = "num_turns" in table.column_names
+    traj = table.select(["traj_id", "turn_idx"] + (["num_turns"] if with_turns else [])).group_by("traj_id").aggregate(
+        [("turn_idx", "min"), ("turn_idx", "max"), ("turn_idx", "count"), ("turn_idx", "count_distinct")]
+        + ([("num_turns", "min"), ("num_turns", "max")] if with_turns else []))
+    lo, hi, n, distinct = (traj.column(c).to_numpy() for c in ("turn_idx_min", "turn_idx_max", "turn_idx_count",
+                                                                 "turn_idx_count_distinct"))
+    bad = (lo != 0) | (hi != n - 1) | (distinct != n)
     if bad.any():
         i = _first_bad_row(bad)
         raise InvariantError(
-            f"table at {where}: trajectory '{traj.column('traj_id')[i].as_py()}' has turn indices {lo[i]}..{hi[i]} over "
-            f"{n[i]} rows; they must be contiguous from 0. A turn is missing or duplicated: re-run the rollout for it.")
+            f"table at {where}: trajectory '{traj.column('traj_id')[i].as_py()}' has turn indices {lo[i]}..{hi[i]} "
+            f"({distinct[i]} distinct) over {n[i]} rows; they must be contiguous from 0 without repeats. A turn is "
+            "missing or duplicated: re-run the rollout for it or drop the trajectory.")
+    if with_turns:  # step-level rows: one per turn; trajectory-level rows: one per trajectory
+        t_lo, t_hi = traj.column("num_turns_min").to_numpy(), traj.column("num_turns_max").to_numpy()
+        bad = (t_lo != t_hi) | ((n != 1) & (n != t_lo))
+        if bad.any():
+            i = _first_bad_row(bad)
+            raise InvariantError(
+                f"table at {where}: trajectory '{traj.column('traj_id')[i].as_py()}' has {n[i]} rows but num_turns "
+                f"{t_lo[i]}..{t_hi[i]}; step-level data needs one row per turn (trajectory-level data one row per "
+                "trajectory) with the same num_turns on each. A turn is missing: re-run the rollout for it or drop "
+                "the trajectory.")
     if group_size:
         groups = table.select(["group_id", "traj_id"]).group_by("group_id").aggregate([("traj_id", "count_distinct")])
         sizes = groups.column("traj_id_count_distinct").to_numpy()

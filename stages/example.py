@@ -161,6 +161,23 @@ def _chunk_table(rng, spec: ExampleSpec, episodes: list[dict]) -> pa.Table:
     return pa.table({f.name: cols[f.name].cast(f.type) for f in schema}, schema=schema)
 
 
+def _check_spec(spec: ExampleSpec) -> None:
+    """Reject settings that would loop forever (``group_size`` 0) or fail deep inside numpy."""
+    from schemas.errors import ConfigError
+
+    for name in ("samples", "group_size", "max_turns", "states_per_level", "rows_per_file"):
+        if getattr(spec, name) < 1:
+            raise ConfigError(f"example {name} ({getattr(spec, name)}) must be at least 1; pass a positive value")
+    for name in ("response_len", "prompt_len"):
+        low, high = getattr(spec, name)
+        if not 0 <= low <= high:
+            raise ConfigError(f"example {name} ({low}, {high}) must satisfy 0 <= min <= max; e.g. --min-response 8 "
+                              "--max-response 32")
+    if spec.env not in ("frozenlake", "sokoban") or spec.level not in ("step", "trajectory"):
+        raise ConfigError(f"example env '{spec.env}' / level '{spec.level}': env must be frozenlake or sokoban and "
+                          "level step or trajectory")
+
+
 def generate(spec: ExampleSpec, output: str) -> dict:
     """Write ``spec.samples`` rows (rounded up to whole groups) as Parquet parts plus a manifest into ``output``.
 
@@ -168,6 +185,7 @@ def generate(spec: ExampleSpec, output: str) -> dict:
     """
     from stages.storage import MANIFEST, Location
 
+    _check_spec(spec)
     out = Location.of(output)
     if out.exists():
         raise FileExistsError(f"{out.path} already exists; choose a new --output folder or delete it first")

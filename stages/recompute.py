@@ -23,7 +23,7 @@ from stages.storage import Location
 # ROLL's grouping names → our columns (spec §5.2; ROLL's traj_group_id is our group_id)
 GROUPING_COLUMNS = {"traj_group_id": "group_id", "tags": "tag", "traj_id": "traj_id", "group_id": "group_id",
                     "tag": "tag"}
-NARROW = ["row_id", "group_id", "traj_id", "turn_idx", "tag", "score", "episode_score"]
+NARROW = ["row_id", "group_id", "traj_id", "turn_idx", "num_turns", "tag", "score", "episode_score"]
 
 
 def _estimator(name: str):
@@ -214,7 +214,7 @@ class _AdvantageBatch:
             out = out.append_column(name, ragged.to_arrow(pa.float32()))
         n_mask = float(mask.sum())
         parts = {"kl_sum": tok.kl_partials[0], "rows": tok.kl_partials[1], "mask_tokens": n_mask,
-                 "adv_sum": float((result.advantages.values * mask).sum())}
+                 "adv_sum": float((result.advantages.values.astype(np.float64) * mask).sum())}
         if "critic/advantage_clip_frac" in result.metrics:
             parts["adv_clipped"] = result.metrics["critic/advantage_clip_frac"] * n_mask
         if "critic/token_reward_clip_frac" in tok.metrics:

@@ -14,6 +14,7 @@ import hashlib
 import json
 import logging
 import os
+import re
 import time
 import uuid
 from abc import ABC, abstractmethod
@@ -153,8 +154,9 @@ def _cleanup_leftovers(output: Location) -> None:
                 old.rmtree()
 
 
-def _unwrap(err: BaseException) -> BaseException:
-    """Find a RollflowError inside Ray's wrappers (RayTaskError, UserCodeException) so users see our message."""
+def _find_rollflow_error(err: BaseException | None) -> RollflowError | None:
+    """The RollflowError inside Ray's wrappers: a task's error arrives as ``RayTaskError(<class>)`` whose ``cause``
+    is the original exception (``__cause__`` chains do not survive pickling)."""
     seen = set()
     stack = [err]
     while stack:
@@ -162,13 +164,84 @@ def _unwrap(err: BaseException) -> BaseException:
         if id(e) in seen or e is None:
             continue
         seen.add(id(e))
-        if isinstance(e, RollflowError):
-            return type(e)(*e.args) if e.args else e
-        stack.extend([e.__cause__, e.__context__])
         cause = getattr(e, "cause", None)
+        if isinstance(e, RollflowError) and not isinstance(cause, RollflowError):
+            return e
+        stack.extend([e.__cause__, e.__context__])
         if isinstance(cause, BaseException):
             stack.append(cause)
-    return err
+    return None
+
+
+# Ray Data appends its retry advice to a failed task's exception message; it does not apply to user errors
+_RAY_RETRY_NOTE = re.compile(r"\nFailed to .+? after \d+/\d+ attempts \(total backoff .*", re.S)
+
+
+def _unwrap(err: BaseException) -> BaseException:
+    """Find a RollflowError inside Ray's wrappers so users see our message (as its own class, not Ray's)."""
+    found = _find_rollflow_error(err)
+    if found is None:
+        return err
+    args = list(found.args)
+    if args and isinstance(args[0], str):
+        args[0] = _RAY_RETRY_NOTE.sub("", args[0])
+    return type(found)(*args)
+
+
+class _HideReportedUserErrors(logging.Filter):
+    """Ray Data logs a failed task's error as an internal Ray error with a full trace before re-raising it; for a
+    RollflowError (bad input or config) the runner's caller prints one clear message instead."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        import sys
+
+        exc = record.exc_info[1] if record.exc_info else sys.exc_info()[1]
+        return _find_rollflow_error(exc) is None
+
+
+def _surface_user_errors() -> None:
+    """Make Ray Data raise a map function's own exception (not a ``UserCodeException`` that drops it), so that
+    :func:`_unwrap` finds our errors; silence Ray's report of those errors. Idempotent."""
+    import ray.data
+
+    ray.data.DataContext.get_current().raise_original_map_exception = True
+    for name in ("ray.data.exceptions", "ray.data._internal.execution.streaming_executor_state"):
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, _HideReportedUserErrors) for f in logger.filters):
+            logger.addFilter(_HideReportedUserErrors())
+
+
+_SINK_CLASS: list[type] = []
+
+
+def _ordered_parquet_sink(folder: Location):
+    """A Ray Data datasink writing each write task's blocks, in order, into one file named by the task index.
+
+    Ray Data's ``write_parquet`` hands a task's blocks to pyarrow's threaded dataset writer, which may put them into
+    the file in another order (about 1 run in 100 here), so outputs differed from run to run. Task indices follow
+    the dataset order (``preserve_order``): the sorted file names give the rows in dataset order. The class is
+    made on first use so that importing this module does not import Ray."""
+    if not _SINK_CLASS:
+        from ray.data.block import BlockAccessor
+        from ray.data.datasource import Datasink
+
+        class OrderedParquetSink(Datasink):
+            def __init__(self, folder: Location):
+                self.folder = folder
+
+            def write(self, blocks, ctx) -> int:
+                tables = [t for t in (BlockAccessor.for_block(b).to_arrow() for b in blocks) if t.num_rows]
+                if not tables:
+                    return 0
+                schema = pa.unify_schemas([t.schema for t in tables])
+                with self.folder.fs.open_output_stream(f"{self.folder.path}/{ctx.task_idx:08d}.parquet") as f:
+                    with pq.ParquetWriter(f, schema) as writer:
+                        for table in tables:
+                            writer.write_table(table.cast(schema))
+                return sum(t.num_rows for t in tables)
+
+        _SINK_CLASS.append(OrderedParquetSink)
+    return _SINK_CLASS[0](folder)
 
 
 def _rename_parts(tmp: Location) -> list[dict]:
@@ -215,13 +288,14 @@ def run_stage(stage: Stage, section: BaseModel, inputs: dict[str, str], output: 
                             "choose another output folder to keep both")
 
     tmp = out.parent.child(f".{out.name}{TMP_MARK}{os.getpid()}-{uuid.uuid4().hex[:8]}")
+    created_parent = not out.parent.exists()
     out.parent.fs.create_dir(out.parent.path, recursive=True)
     ctx = StageContext(section, in_locs, schemas, state_in, tmp, batch_rows)
+    _surface_user_errors()
     try:
         ds = stage.build(ctx)
-        ds.write_parquet(tmp.path, filesystem=tmp.ray_filesystem())
-        if not tmp.exists():  # an empty dataset writes nothing
-            tmp.fs.create_dir(tmp.path)
+        tmp.fs.create_dir(tmp.path, recursive=True)
+        ds.write_datasink(_ordered_parquet_sink(tmp))
         files = _rename_parts(tmp)
         rows = sum(f["rows"] for f in files)
         schema = read_table_schema(tmp, stage.output_spec.name) if files else stage.output_spec.arrow_schema()
@@ -255,6 +329,8 @@ def run_stage(stage: Stage, section: BaseModel, inputs: dict[str, str], output: 
             tmp.rename(out)
     except BaseException as err:
         tmp.rmtree()
+        if created_parent and not out.parent.list():  # leave no empty output folder behind either
+            out.parent.rmtree()
         real = _unwrap(err)
         if real is not err:
             raise real from None

@@ -1,0 +1,121 @@
+"""Config models (schemas/config.py): loading, overrides, rules with field/reason/fix, frozen models, sections."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from pydantic import ValidationError
+
+from schemas.config import (AdvantageSection, AlgorithmConfig, RecomputeConfig, ResponseRewardSection, load_config,
+                            parse_overrides, section, validate_config)
+from schemas.errors import ConfigError
+
+REPO = Path(__file__).resolve().parents[2]
+CONFIGS = sorted((REPO / "configs").glob("recompute_*.yaml"))
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
+def test_shipped_configs_load(path):
+    cfg = load_config(RecomputeConfig, path)
+    assert cfg.group_size == 8
+    section(cfg, ResponseRewardSection)
+    section(cfg, AdvantageSection)
+
+
+def test_defaults_are_rolls():
+    cfg = load_config(RecomputeConfig, None)
+    assert (cfg.adv_estimator, cfg.gamma, cfg.lambd, cfg.init_kl_coef, cfg.kl_penalty) == ("gae", 1.0, 0.95, 0.2, "kl")
+    assert cfg.reward_normalization.grouping == "batch" and cfg.reward_normalization.method == "identity"
+    assert cfg.runtime.batch_rows == 1024
+
+
+def test_every_field_has_a_description():
+    for model in (AlgorithmConfig, RecomputeConfig):
+        for name, f in model.model_fields.items():
+            assert f.description, f"{model.__name__}.{name} has no description"
+
+
+def test_models_are_frozen():
+    cfg = load_config(RecomputeConfig, None)
+    with pytest.raises(ValidationError):
+        cfg.gamma = 0.5  # type: ignore[misc]
+
+
+def test_overrides_are_dotted_and_yaml_typed(tmp_path):
+    assert parse_overrides(["gamma=0.9", "reward_normalization.method=mean_std", "reward_clip=null",
+                            "whiten_advantages=true", "tag=a=b"]) == {
+        "gamma": 0.9, "reward_normalization.method": "mean_std", "reward_clip": None, "whiten_advantages": True,
+        "tag": "a=b"}
+    cfg = load_config(RecomputeConfig, CONFIGS[0], parse_overrides(["reward_normalization.method=mean",
+                                                                     "runtime.batch_rows=64"]))
+    assert cfg.reward_normalization.method == "mean" and cfg.runtime.batch_rows == 64
+    assert cfg.reward_normalization.grouping == "traj_group_id", "the rest of the section stays"
+    with pytest.raises(ConfigError, match="override 'gamma' must look like key=value"):
+        parse_overrides(["gamma"])
+    with pytest.raises(ConfigError, match="override 'gamma.x': 'gamma' is not a section"):
+        load_config(RecomputeConfig, None, {"gamma": 1.0, "gamma.x": 2})
+
+
+@pytest.mark.parametrize("data,phrases", [
+    ({"reward_clip": 0}, ["field '(top level)'", "reward_clip (0.0) must be null or > 0", "set reward_clip: null"]),
+    ({"advantage_clip": -2}, ["advantage_clip (-2.0) must be null or > 0", "advantage_clip: null"]),
+    ({"target_kl": 0}, ["target_kl (0.0) must be > 0", "target_kl: null"]),
+    ({"gamma": 2}, ["field 'gamma'", "less than or equal to 1"]),
+    ({"kl_horizon": 0}, ["field 'kl_horizon'", "greater than 0"]),
+    ({"adv_estimator": "ppo"}, ["field 'adv_estimator'", "'gigpo'"]),
+    ({"kl_penalty": "kl2"}, ["field 'kl_penalty'", "'k3'"]),
+    ({"whiten": True}, ["field 'whiten'", "unknown option", "ROLL option names"]),
+    ({"reward_normalization": {"method": "z"}}, ["field 'reward_normalization.method'"]),
+    ({"reward_normalization": {"norm_mean_type": "running"}}, ["field 'reward_normalization.norm_mean_type'"]),
+    ({"runtime": {"batch_rows": 0}}, ["field 'runtime.batch_rows'"]),
+    ({"group_size": 0}, ["field 'group_size'"]),
+    ({"adv_estimator": "gigpo", "group_size": 1, "reward_normalization": {"grouping": "traj_group_id",
+                                                                          "method": "mean_std"}},
+     ["group_size (1) must be at least 2", "set group_size: 8"]),
+])
+def test_rule_violations_name_field_rule_and_fix(data, phrases):
+    with pytest.raises(ConfigError) as err:
+        validate_config(RecomputeConfig, data, "my.yaml")
+    text = str(err.value)
+    assert text.startswith("invalid config my.yaml:")
+    for phrase in phrases:
+        assert phrase in text, text
+
+
+def test_several_violations_are_reported_together():
+    with pytest.raises(ConfigError) as err:
+        validate_config(RecomputeConfig, {"gamma": 3, "lambd": -1, "nope": 1})
+    assert {"field 'gamma'", "field 'lambd'", "field 'nope'"} <= {line.split(":")[0].strip()
+                                                                  for line in str(err.value).splitlines()[1:]}
+
+
+def test_group_size_one_is_fine_without_group_normalisation():
+    validate_config(RecomputeConfig, {"adv_estimator": "grpo", "group_size": 1})
+
+
+def test_file_errors(tmp_path):
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(RecomputeConfig, tmp_path / "nope.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("gamma: [1\n")
+    with pytest.raises(ConfigError, match="bad.yaml is not valid YAML"):
+        load_config(RecomputeConfig, bad)
+    bad.write_text("- 1\n- 2\n")
+    with pytest.raises(ConfigError, match="must hold a mapping"):
+        load_config(RecomputeConfig, bad)
+    bad.write_text("")
+    assert load_config(RecomputeConfig, bad) == load_config(RecomputeConfig, None)
+
+
+def test_sections_hold_only_what_a_stage_reads():
+    cfg = load_config(RecomputeConfig, CONFIGS[0], {"gamma": 0.5, "runtime.batch_rows": 7})
+    rewards = section(cfg, ResponseRewardSection)
+    adv = section(cfg, AdvantageSection)
+    assert rewards.group_size == cfg.group_size and rewards.reward_normalization == cfg.reward_normalization
+    assert adv.gamma == 0.5 and not hasattr(rewards, "gamma")
+    # runtime settings never enter a stage section (so they never change a fingerprint)
+    assert "runtime" not in rewards.model_dump() and "runtime" not in adv.model_dump()
+    # a change to an advantages-only option leaves the rewards section equal
+    other = load_config(RecomputeConfig, CONFIGS[0], {"gamma": 0.9})
+    assert section(other, ResponseRewardSection) == rewards and section(other, AdvantageSection) != adv

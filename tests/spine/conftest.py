@@ -1,0 +1,94 @@
+"""Session fixtures of the spine tests: one local Ray cluster, small generated example sets, one reference run.
+
+Prefect runs in its ephemeral mode with its database in a temporary ``PREFECT_HOME`` (set before anything imports
+Prefect); a developer's ``PREFECT_API_URL`` is ignored here, the server test starts its own server.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import shutil
+import tempfile
+
+import pytest
+
+_PREFECT_HOME = tempfile.mkdtemp(prefix="rollflow-test-prefect-")
+atexit.register(shutil.rmtree, _PREFECT_HOME, True)  # after Prefect's own exit handler stopped its server
+os.environ["PREFECT_HOME"] = _PREFECT_HOME
+os.environ.pop("PREFECT_API_URL", None)
+os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
+os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+os.environ.setdefault("PYTHONHASHSEED", "0")
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")
+
+# The CLI calls logging.basicConfig(), which binds a root handler to the sys.stderr of that moment: inside a Typer
+# CliRunner call that stream is closed afterwards ("--- Logging error ---" in every later command). Bind it now.
+import logging  # noqa: E402
+
+logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+
+from stages.example import ExampleSpec, generate  # noqa: E402
+from tests.spine.helpers import GIGPO, run_recompute  # noqa: E402
+
+SMALL = dict(response_len=(8, 32), prompt_len=(4, 12))
+
+
+@pytest.fixture(scope="session")
+def prefect_home() -> str:
+    return _PREFECT_HOME
+
+
+@pytest.fixture(scope="session")
+def ray_cluster():
+    """ONE local Ray cluster (2 CPUs) for the whole session."""
+    import ray
+
+    from stages.cluster import ensure_ray
+
+    settings = ensure_ray(num_cpus=2, progress=False)
+    _quiet()
+    yield settings
+    ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def data_root(tmp_path_factory):
+    return tmp_path_factory.mktemp("spine-data")
+
+
+@pytest.fixture(scope="session")
+def step_set(data_root) -> str:
+    """~400 step-level FrozenLake rows in groups of 8, several Parquet files, short responses."""
+    path = str(data_root / "step_set")
+    generate(ExampleSpec(samples=400, seed=1, rows_per_file=120, **SMALL), path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def traj_set(data_root) -> str:
+    """~300 trajectory-level Sokoban rows (multi-turn rows with several response segments)."""
+    path = str(data_root / "traj_set")
+    generate(ExampleSpec(samples=300, seed=2, env="sokoban", level="trajectory", rows_per_file=100, **SMALL), path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def base_run(step_set, data_root, ray_cluster) -> str:
+    """The GiGPO recompute of ``step_set`` (rewarded/ and advantaged/ under the returned folder). Read-only."""
+    out = str(data_root / "base_run")
+    run_recompute(step_set, out, GIGPO)
+    return out
+
+
+def _quiet() -> None:
+    """Ray Data logs DEBUG execution reports; they would flood the captured output of a failing test."""
+    import logging
+
+    import ray.data  # noqa: F401  (configures its loggers on import)
+
+    for name in list(logging.root.manager.loggerDict):
+        if name.startswith(("ray", "prefect", "httpx", "filelock", "asyncio")):
+            logging.getLogger(name).setLevel(logging.WARNING)

@@ -1,0 +1,149 @@
+"""The Prefect recompute flow: ephemeral mode (no server; the default) and against a real ``prefect server`` that
+the test starts on 127.0.0.1 and stops."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from schemas.errors import SchemaError
+from tests.spine.helpers import GIGPO, config, read_table, tree_digest
+
+BIN = Path(sys.executable).parent
+
+
+def _flow_runs(client, name: str = "recompute"):
+    from prefect.client.schemas.filters import FlowFilter, FlowFilterName
+    from prefect.client.schemas.sorting import FlowRunSort
+
+    return client.read_flow_runs(flow_filter=FlowFilter(name=FlowFilterName(any_=[name])),
+                                 sort=FlowRunSort.START_TIME_DESC)
+
+
+def _task_runs(client, flow_run_id):
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+
+    return client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])))
+
+
+def test_flow_in_ephemeral_mode(step_set, tmp_path, ray_cluster, prefect_home):
+    from prefect.client.orchestration import get_client
+    from prefect.settings import get_current_settings
+
+    from flows.recompute import recompute_flow
+
+    assert "PREFECT_API_URL" not in os.environ and get_current_settings().api.url is None
+    cfg = config(GIGPO).model_dump(mode="json")
+    out = tmp_path / "out"
+    first = recompute_flow(step_set, str(out), cfg)
+    assert not first["rewarded"]["skipped"] and not first["advantaged"]["skipped"]
+    assert first["advantaged"]["rows"] == read_table(step_set, ["row_id"]).num_rows
+    assert first["advantaged"]["output"] == str(out / "advantaged")
+    assert "critic/kl" in first["advantaged"]["metrics"] and "kl_ctrl" in first["advantaged"]["state"]
+    before = tree_digest(out)
+    second = recompute_flow(step_set, str(out), cfg)
+    assert second["rewarded"]["skipped"] and second["advantaged"]["skipped"]
+    assert tree_digest(out) == before
+
+    with get_client(sync_client=True) as client:
+        runs = _flow_runs(client)
+        assert len(runs) >= 2 and all(r.state.is_completed() for r in runs[:2])
+        tasks = _task_runs(client, runs[0].id)
+        assert sorted(t.name.rsplit("-", 1)[0] for t in tasks) == \
+            ["advantages", "response_rewards"]
+        assert all(t.state.is_completed() for t in tasks)
+    assert Path(prefect_home, "prefect.db").exists(), "the ephemeral database lives in PREFECT_HOME"
+
+
+def test_flow_failure_raises_our_error_and_marks_the_run_failed(step_set, tmp_path, ray_cluster):
+    from prefect.client.orchestration import get_client
+
+    from flows.recompute import recompute_flow
+    from tests.spine.helpers import modified_copy
+
+    bad = modified_copy(step_set, tmp_path / "bad", lambda t: t.drop_columns(["tag"]))
+    with pytest.raises(SchemaError, match="missing column 'tag'"):
+        recompute_flow(bad, str(tmp_path / "out"), config(GIGPO).model_dump(mode="json"))
+    assert not (tmp_path / "out").exists()
+    with get_client(sync_client=True) as client:
+        assert _flow_runs(client)[0].state.is_failed()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _wait_healthy(url: str, server: subprocess.Popen, log: Path, seconds: float) -> None:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        assert server.poll() is None, f"prefect server exited ({server.returncode}): {log.read_text()[-3000:]}"
+        try:
+            with urllib.request.urlopen(f"{url}/health", timeout=5) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(1)
+    raise AssertionError(f"prefect server not healthy after {seconds}s: {log.read_text()[-3000:]}")
+
+
+@pytest.fixture
+def prefect_server(tmp_path):
+    """``prefect server start`` on 127.0.0.1 and a free port with its own PREFECT_HOME; stopped afterwards."""
+    port = _free_port()
+    url = f"http://127.0.0.1:{port}/api"
+    env = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"}
+    env.update(PREFECT_HOME=str(tmp_path / "server-home"), PREFECT_SERVER_ANALYTICS_ENABLED="false",
+               PREFECT_UI_ENABLED="false")
+    log = tmp_path / "server.log"
+    with open(log, "w") as f:
+        server = subprocess.Popen([str(BIN / "prefect"), "server", "start", "--host", "127.0.0.1", "--port",
+                                   str(port)], env=env, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        _wait_healthy(url, server, log, 300)
+        yield url
+    finally:
+        if server.poll() is None:
+            os.killpg(server.pid, signal.SIGTERM)
+            try:
+                server.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(server.pid, signal.SIGKILL)
+                server.wait(timeout=30)
+
+
+@pytest.mark.server
+@pytest.mark.slow
+def test_flow_against_a_real_prefect_server(prefect_server, step_set, tmp_path):
+    from prefect.client.orchestration import get_client
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    out = tmp_path / "out"
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    env.update(PREFECT_API_URL=prefect_server, PREFECT_HOME=str(tmp_path / "client-home"))
+    cmd = [str(BIN / "rollflow"), "recompute", "--input", step_set, "--config", GIGPO, "--output", str(out),
+           "--set", "runtime.num_cpus=2"]
+    result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert (out / "advantaged" / "manifest.json").exists()
+    assert not (tmp_path / "client-home" / "prefect.db").exists(), "no ephemeral server was used"
+
+    with temporary_settings(updates={PREFECT_API_URL: prefect_server}):
+        with get_client(sync_client=True) as client:
+            assert client.api_url.host == "127.0.0.1"
+            runs = _flow_runs(client)
+            assert len(runs) == 1 and runs[0].state.is_completed(), runs
+            assert runs[0].parameters["input_dir"] == step_set
+            tasks = _task_runs(client, runs[0].id)
+            assert sorted(t.name.rsplit("-", 1)[0] for t in tasks) == ["advantages", "response_rewards"]
+            assert all(t.state.is_completed() for t in tasks)
