@@ -193,6 +193,9 @@ def _register_commands() -> None:
     for command in (server, deploy, report, score):
         app.command()(command)
     app.command(name="rlvr-example")(rlvr_example)
+    from flows.cli_train import register as register_training
+
+    register_training(app)
 
 
 _register_commands()

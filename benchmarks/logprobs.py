@@ -1,0 +1,122 @@
+"""Log-prob throughput: the log-prob stage (Ray Data actor pool, token-budget micro-batches, ragged in and out)
+against a bare forward pass over the same rows, in the same run.
+
+The bare pass is a plain loop: the rows sorted by length in padded batches of at most ``--budget`` tokens,
+``model(input_ids)``, log-softmax and gather. The stage's compute time is measured inside its actors (forward,
+log-probs, cutting rows back to ragged); its end-to-end time adds the actor start, the model load and the Parquet
+read and write of the runner.
+
+    python benchmarks/logprobs.py --rows 64 --min-len 96 --max-len 256 --model default
+
+Prints a table, then the last line ``RESULT stage_tok_per_s=... bare_tok_per_s=... ratio=... peak_rss_mb=...``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import resource
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import pyarrow.parquet as pq
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from train import make_table  # noqa: E402
+
+
+def bare_forward(table, model_dir: str, budget: int, threads: int, dtype: str) -> tuple[int, float, float]:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    torch.set_num_threads(threads)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype={"fp32": torch.float32,
+                                                                   "bf16": torch.bfloat16}[dtype]).eval()
+    ids = [np.asarray(r, dtype=np.int64) for r in table.column("input_ids").to_pylist()]
+    order = sorted(range(len(ids)), key=lambda i: -len(ids[i]))
+    batches, current = [], []
+    for i in order:
+        if current and (len(current) + 1) * len(ids[current[0]]) > budget:
+            batches.append(current)
+            current = []
+        current.append(i)
+    batches.append(current)
+    tokens = 0
+    start, cpu_start = time.perf_counter(), time.process_time()
+    with torch.inference_mode():
+        for batch in batches:
+            width = len(ids[batch[0]])
+            x = torch.zeros((len(batch), width), dtype=torch.int64)
+            for j, i in enumerate(batch):
+                x[j, :len(ids[i])] = torch.from_numpy(ids[i])
+            logits = model(input_ids=x, use_cache=False).logits
+            torch.log_softmax(logits[:, :-1].float(), -1).gather(-1, x[:, 1:, None])
+            tokens += sum(len(ids[i]) for i in batch)
+    return tokens, time.perf_counter() - start, time.process_time() - cpu_start
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="default", help="default (SmolLM2-135M), tiny, or a model folder")
+    parser.add_argument("--rows", type=int, default=64)
+    parser.add_argument("--min-len", type=int, default=96)
+    parser.add_argument("--max-len", type=int, default=256)
+    parser.add_argument("--budget", type=int, default=4096, help="max_tokens_per_microbatch_in_infer")
+    parser.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
+    parser.add_argument("--threads", type=int, default=2, help="torch threads of the bare pass and the actor")
+    args = parser.parse_args()
+
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    from schemas.train_config import ForwardConfig
+    from stages.generation.model_store import default_model_dir, tiny_random_model_dir
+    from stages.train.stage import run_logprobs
+
+    model_dir = str({"default": default_model_dir, "tiny": tiny_random_model_dir}.get(args.model,
+                                                                                      lambda: args.model)())
+    work = Path(tempfile.mkdtemp(prefix="rollflow-bench-logprobs-"))
+    table = make_table(args.rows, (args.min_len, args.max_len), seed=0)
+    (work / "samples").mkdir()
+    pq.write_table(table, work / "samples" / "part-00000.parquet")
+
+    bare_tokens, bare_s, bare_cpu = bare_forward(table, model_dir, args.budget, args.threads, args.dtype)
+    bare_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+    cfg = ForwardConfig(enable_reference=False, dtype=args.dtype, max_tokens_per_microbatch_in_infer=args.budget,
+                        rows_per_batch=args.rows, num_actors=1, cpus_per_actor=args.threads,
+                        runtime={"num_cpus": args.threads + 1})
+    from stages.cluster import ensure_ray
+
+    # one logical CPU more than the actor holds, for the Parquet read and write tasks (they do little work)
+    ensure_ray(num_cpus=args.threads + 1, progress=False)
+    start = time.perf_counter()
+    result = run_logprobs(str(work / "samples"), model_dir, cfg, str(work / "out"))
+    e2e = time.perf_counter() - start
+    m = result.metrics
+    stage_tokens, stage_s, stage_cpu = m["logprobs/tokens"], m["logprobs/compute_seconds"], m["logprobs/compute_cpu_seconds"]
+    actor_rss = result.metrics["logprobs/peak_rss_mb"]
+    assert stage_tokens == bare_tokens, (stage_tokens, bare_tokens)
+
+    stage_tps, bare_tps = stage_tokens / stage_s, bare_tokens / bare_s
+    print(f"model {args.model} ({args.dtype}), {args.rows} rows x {args.min_len}-{args.max_len} tokens, "
+          f"budget {args.budget} tokens, {args.threads} threads")
+    print(f"{'run':<24}{'tokens':>8}{'wall s':>9}{'tok/s':>9}{'CPU s':>9}{'tok/CPU s':>11}{'peak RSS MB':>13}")
+    print(f"{'bare forward':<24}{bare_tokens:>8}{bare_s:>9.2f}{bare_tps:>9.1f}{bare_cpu:>9.2f}"
+          f"{bare_tokens / bare_cpu:>11.1f}{bare_rss:>13.0f}")
+    print(f"{'stage: actor compute':<24}{int(stage_tokens):>8}{stage_s:>9.2f}{stage_tps:>9.1f}{stage_cpu:>9.2f}"
+          f"{stage_tokens / stage_cpu:>11.1f}{actor_rss:>13.0f}")
+    print(f"{'stage: end to end':<24}{int(stage_tokens):>8}{e2e:>9.2f}{stage_tokens / e2e:>9.1f}"
+          "   (actor start, model load, Parquet I/O)")
+    print(f"CPU-time ratio (robust to other load on the machine): {(stage_tokens / stage_cpu) / (bare_tokens / bare_cpu):.3f}")
+    print(f"RESULT stage_tok_per_s={stage_tps:.1f} bare_tok_per_s={bare_tps:.1f} ratio={stage_tps / bare_tps:.3f} "
+          f"peak_rss_mb={max(actor_rss, bare_rss):.0f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,213 @@
+"""Config models of the training, log-prob and values stages, with ROLL's option names (spec §6, §7.1).
+
+A ROLL user recognises the layout: loss options (``pg_clip``, ``loss_agg_mode``, ``use_kl_loss``, ...) and
+``ppo_epochs`` at the top level; per-worker sections ``actor_train`` / ``critic_train`` with ``model_args``,
+``training_args`` (Hugging Face TrainingArguments names: ``learning_rate``, ``per_device_train_batch_size``,
+``gradient_accumulation_steps``, ``lr_scheduler_type``, ``warmup_steps``, ``max_grad_norm``), ``strategy_args``
+(``strategy_name: deepspeed_train`` and the ZeRO stage), and the dynamic-batching switches
+``use_dynamic_batching_in_train`` / ``max_tokens_per_microbatch_in_train`` / ``max_tokens_per_microbatch_in_infer``.
+
+Each model is frozen with ``extra="forbid"``; the fingerprint of a stage hashes its section (``runtime`` excluded).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import Field, model_validator
+
+from schemas.config import AdvEstimator, Frozen, RuntimeConfig
+from schemas.errors import ConfigError
+
+Precision = Literal["fp32", "bf16", "fp16"]
+LossAggMode = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
+
+
+class ModelArgs(Frozen):
+    """``<worker>.model_args``: how the model is loaded."""
+
+    dtype: Precision = Field("fp32", description="Training precision: fp32, bf16 (DeepSpeed bf16 with fp32 master "
+                                                 "weights) or fp16 (GPU only, dynamic loss scaling).")
+    disable_gradient_checkpointing: bool = Field(True, description="ROLL's switch; false turns activation "
+                                                                   "checkpointing on (less memory, ~30% slower).")
+
+
+class TrainingArgs(Frozen):
+    """``<worker>.training_args`` (Hugging Face TrainingArguments names, as in ROLL)."""
+
+    learning_rate: float = Field(1e-6, gt=0, description="Peak learning rate of AdamW.")
+    weight_decay: float = Field(0.0, ge=0, description="AdamW decoupled weight decay.")
+    adam_beta1: float = Field(0.9, ge=0, lt=1, description="AdamW beta1.")
+    adam_beta2: float = Field(0.999, ge=0, lt=1, description="AdamW beta2.")
+    adam_epsilon: float = Field(1e-8, gt=0, description="AdamW epsilon.")
+    lr_scheduler_type: Literal["constant", "constant_with_warmup", "linear", "cosine"] = Field(
+        "constant", description="LR schedule over optimizer steps (HF semantics); warmup is linear from 0.")
+    warmup_steps: int = Field(0, ge=0, description="Optimizer steps of linear warmup.")
+    max_steps: int | None = Field(None, gt=0, description="Total optimizer steps of the schedule (linear/cosine decay "
+                                                          "to 0 at this step); required by linear and cosine.")
+    per_device_train_batch_size: int = Field(2, gt=0, description="Rows per micro-batch when dynamic batching is off; "
+                                                                  "with gradient_accumulation_steps it sets the "
+                                                                  "mini-batch (rows per rank per optimizer step).")
+    gradient_accumulation_steps: int = Field(1, gt=0, description="Micro-batches per optimizer step (mini-batch = "
+                                                                  "per_device_train_batch_size x this, per rank).")
+    max_grad_norm: float | None = Field(1.0, description="Clip the global gradient norm to this (null: no clipping).")
+    seed: int = Field(42, description="Seed of the mini-batch shuffle and of a new critic's value head.")
+
+    @model_validator(mode="after")
+    def _rules(self) -> "TrainingArgs":
+        if self.lr_scheduler_type in ("linear", "cosine") and self.max_steps is None:
+            raise ValueError(f"lr_scheduler_type {self.lr_scheduler_type} decays to 0 at max_steps, which is not set; "
+                             "set training_args.max_steps to the total optimizer steps of the run, or use constant")
+        if self.max_steps is not None and self.warmup_steps > self.max_steps:
+            raise ValueError(f"warmup_steps ({self.warmup_steps}) must not exceed max_steps ({self.max_steps}), "
+                             "because the schedule would end before warmup does; lower warmup_steps")
+        if self.lr_scheduler_type == "constant" and self.warmup_steps:
+            raise ValueError(f"lr_scheduler_type constant has no warmup but warmup_steps is {self.warmup_steps}; use "
+                             "constant_with_warmup (or linear/cosine), or set warmup_steps: 0")
+        if self.max_grad_norm is not None and self.max_grad_norm <= 0:
+            raise ValueError(f"max_grad_norm ({self.max_grad_norm}) must be > 0 or null (no clipping)")
+        return self
+
+
+class StrategyArgs(Frozen):
+    """``<worker>.strategy_args``: the DeepSpeed engine."""
+
+    strategy_name: Literal["deepspeed_train"] = Field("deepspeed_train", description="Training backend.")
+    zero_stage: Literal[0, 1, 2] = Field(2, description="DeepSpeed ZeRO stage (0, 1 or 2; stage 3 would need "
+                                                        "parameter gathering at save time and is not offered).")
+    deepspeed_config: dict[str, Any] = Field(default_factory=dict, description="Extra DeepSpeed config keys merged "
+                                             "over the generated one (e.g. offload settings); expert use.")
+
+
+class WorkerTrainConfig(Frozen):
+    """``actor_train`` / ``critic_train``: one trained model."""
+
+    model_args: ModelArgs = Field(default_factory=ModelArgs, description="Model loading and precision.")
+    training_args: TrainingArgs = Field(default_factory=TrainingArgs, description="Optimizer, schedule, batches.")
+    strategy_args: StrategyArgs = Field(default_factory=StrategyArgs, description="DeepSpeed engine settings.")
+    use_dynamic_batching_in_train: bool = Field(True, description="Form micro-batches by a token budget instead of "
+                                                                  "per_device_train_batch_size rows.")
+    max_tokens_per_microbatch_in_train: int = Field(4096, gt=0, description="Token budget of a training micro-batch "
+                                                    "(rows x padded length); a longer single row gets its own.")
+
+
+class TrainSection(Frozen):
+    """What one PPO training step of the actor (and the critic for gae) reads: the section its fingerprint hashes."""
+
+    adv_estimator: AdvEstimator = Field("gae", description="Only to know whether a critic is trained (gae).")
+    policy_loss: Literal["agentic", "base", "rlvr"] = Field("agentic", description="Actor loss (registry "
+                                                            "POLICY_LOSSES): agentic §6.3, base §6.4, rlvr §6.5.")
+    ppo_epochs: int = Field(1, gt=0, description="Passes over the table per training step.")
+    pg_clip: float = Field(0.2, gt=0, description="PPO ratio clip epsilon.")
+    use_pg_clip_range: bool = Field(False, description="Use pg_clip_low / pg_clip_high instead of pg_clip.")
+    pg_clip_low: float = Field(0.2, gt=0, description="Lower ratio clip epsilon (use_pg_clip_range).")
+    pg_clip_high: float = Field(0.2, gt=0, description="Upper ratio clip epsilon (use_pg_clip_range).")
+    dual_clip_loss: bool = Field(False, description="Dual-clip PPO for negative advantages.")
+    dual_clip_c: float | None = Field(None, description="Dual-clip constant (null: ROLL's 1 + 2*pg_clip).")
+    loss_agg_mode: LossAggMode = Field("seq-mean-token-mean", description="Loss aggregation (spec §6.1).")
+    sum_norm_constant: float | None = Field(None, description="Constant of seq-mean-token-sum-norm (null: ROLL's "
+                                                              "padded length).")
+    use_kl_loss: bool = Field(False, description="Add kl_loss_coef x KL(pi || ref) to the loss.")
+    kl_loss_coef: float = Field(0.0, ge=0, description="KL loss coefficient.")
+    kl_loss_type: Literal["kl", "abs", "mse", "k3"] = Field("k3", description="KL estimator of the KL loss.")
+    entropy_loss_coef: float = Field(0.0, ge=0, description="Entropy bonus coefficient.")
+    ratio_type: Literal["token", "segment"] = Field("token", description="Agentic ratio: per token or per turn.")
+    importance_sampling: Literal["token", "seq"] = Field("token", description="RLVR ratio: per token or sequence.")
+    rl_loss_coef: float = Field(1.0, description="RLVR scale of pg + KL terms.")
+    difficulty_loss_weight: bool = Field(False, description="RLVR difficulty sample weights.")
+    length_loss_weight: bool = Field(False, description="RLVR length sample weights.")
+    train_infer_correction: dict[str, Any] = Field(default_factory=dict, description="ROLL's train/infer mismatch "
+                                                   "correction {is_weight: {...}, filters: [...]} (spec §6.6).")
+    value_clip: float | None = Field(None, description="Critic value clipping (null: off).")
+    critic_warmup: int = Field(0, ge=0, description="Train only the critic while the step count is below this.")
+    roll_compat: bool = Field(False, description="Reproduce ROLL's loss defects (comparison runs only).")
+    compute_entropy_metric: bool = Field(True, description="Report actor/entropy (one more pass over the logits).")
+    actor_train: WorkerTrainConfig = Field(default_factory=WorkerTrainConfig, description="The trained policy.")
+    critic_train: WorkerTrainConfig = Field(default_factory=WorkerTrainConfig, description="The critic (gae only).")
+
+    @model_validator(mode="after")
+    def _rules(self) -> "TrainSection":
+        if self.dual_clip_c is not None and self.dual_clip_c <= 1:
+            raise ValueError(f"dual_clip_c ({self.dual_clip_c}) must be > 1, because the dual clip bounds a negative "
+                             "advantage's loss at c*|A|; use e.g. 3.0, or null for ROLL's 1 + 2*pg_clip")
+        try:
+            self.loss_config()
+        except ConfigError as err:
+            raise ValueError(str(err)) from None
+        return self
+
+    @property
+    def needs_critic(self) -> bool:
+        """Whether the estimator uses critic values (the registry's capability, not a name test)."""
+        from stages.algos.estimators import ADVANTAGE_ESTIMATORS
+
+        return ADVANTAGE_ESTIMATORS.get(self.adv_estimator).needs_critic
+
+    def loss_config(self):
+        """The pure loss options (``stages.losses.LossConfig``)."""
+        from stages.losses import LossConfig
+
+        names = ("pg_clip", "use_pg_clip_range", "pg_clip_low", "pg_clip_high", "dual_clip_loss", "dual_clip_c",
+                 "loss_agg_mode", "sum_norm_constant", "use_kl_loss", "kl_loss_coef", "kl_loss_type",
+                 "entropy_loss_coef", "ratio_type", "importance_sampling", "rl_loss_coef", "difficulty_loss_weight",
+                 "length_loss_weight", "train_infer_correction", "roll_compat")
+        return LossConfig.from_dict({n: getattr(self, n) for n in names})
+
+
+class TrainRuntimeConfig(RuntimeConfig):
+    """Where the training step runs (not part of its fingerprint)."""
+
+    num_workers: int = Field(2, gt=0, description="Ray Train workers (data-parallel ranks).")
+    use_gpu: bool = Field(False, description="One GPU per worker and the nccl backend (else gloo on CPU).")
+    cpus_per_worker: float = Field(1.0, gt=0, description="CPUs reserved per worker; torch threads = max(1, floor).")
+
+
+class TrainStepConfig(TrainSection):
+    """``rollflow train-step --config FILE``: the training section plus where it runs and what it keeps."""
+
+    max_ckpt_to_keep: int | None = Field(None, gt=0, description="Keep only the newest K training checkpoints beside "
+                                                                "the output (null: keep all).")
+    runtime: TrainRuntimeConfig = Field(default_factory=TrainRuntimeConfig, description="Ray and worker settings.")
+
+    @model_validator(mode="after")
+    def _device_rules(self) -> "TrainStepConfig":
+        if not self.runtime.use_gpu and "fp16" in (self.actor_train.model_args.dtype,
+                                                   self.critic_train.model_args.dtype):
+            raise ValueError("model_args.dtype fp16 needs a GPU (DeepSpeed's fp16 loss scaling is not available on "
+                             "CPU); use bf16 or fp32, or set runtime.use_gpu: true")
+        return self
+
+
+class ForwardConfig(Frozen):
+    """``rollflow logprobs`` / ``rollflow values``: forward passes over a samples table in a Ray Data actor pool."""
+
+    enable_reference: bool = Field(True, description="Also compute ref_log_probs under the reference model (ROLL "
+                                                     "turns it on when use_kl_loss or init_kl_coef > 0).")
+    compute_entropy: bool = Field(False, description="Also write the per-token entropy column.")
+    dtype: Literal["fp32", "bf16"] = Field("fp32", description="Forward precision (log-probs are float32 either way).")
+    max_tokens_per_microbatch_in_infer: int = Field(8192, gt=0, description="Token budget of one forward micro-batch "
+                                                    "(rows x padded length).")
+    rows_per_batch: int = Field(64, gt=0, description="Rows handed to an actor at once (Ray Data batch).")
+    num_actors: int = Field(1, gt=0, description="Most actors in the pool (each loads the model).")
+    cpus_per_actor: float = Field(1.0, gt=0, description="CPUs reserved per actor; torch threads = max(1, floor).")
+    seed: int = Field(42, description="Seed of a new critic's value head (values stage, before any training).")
+    runtime: RuntimeConfig = Field(default_factory=RuntimeConfig, description="Ray cluster settings.")
+
+
+class LogProbSection(Frozen):
+    """What the log-prob stage hashes (the models' contents enter through their fingerprints in the stage state)."""
+
+    checkpoint: str = Field(description="Model folder of old_log_probs.")
+    reference: str | None = Field(description="Model folder of ref_log_probs (None: no reference column).")
+    compute_entropy: bool = Field(description="Whether the entropy column is written.")
+    dtype: str = Field(description="Forward precision.")
+    max_tokens_per_microbatch_in_infer: int = Field(description="Token budget of a forward micro-batch.")
+
+
+class ValuesSection(Frozen):
+    """What the values stage hashes."""
+
+    critic: str = Field(description="Checkpoint folder whose critic/ (or, before training, seeded new head) runs.")
+    seed: int = Field(description="Seed of a new value head; equal to critic_train.training_args.seed of training.")
+    dtype: str = Field(description="Forward precision.")
+    max_tokens_per_microbatch_in_infer: int = Field(description="Token budget of a forward micro-batch.")

@@ -1,0 +1,163 @@
+"""Training checkpoints: the folder layout, reading one back, publishing one atomically, keeping the newest K.
+
+A checkpoint folder is itself a Hugging Face folder of the actor, so the generation stage (and
+``AutoModelForCausalLM.from_pretrained``) loads it as is; the rest sits beside the weights::
+
+    <ckpt>/config.json, model.safetensors, tokenizer files   the actor (HF format)
+    <ckpt>/critic/                                           the critic, HF token-classification folder (gae)
+    <ckpt>/deepspeed/actor/state/, deepspeed/critic/state/   DeepSpeed's engine state: resumes training exactly
+    <ckpt>/train_state.json                                  training steps done, optimizer steps, world size
+    <ckpt>/manifest.json                                     written last by the stage (fingerprint, metrics)
+
+A plain HF folder (the default model) is a valid input checkpoint: training starts at step 0 with a fresh optimizer.
+Checkpoints are written into a temporary sibling and renamed into place with the manifest last, like every stage
+output (stages/runner.py). Checkpoint folders must be on a filesystem every worker can write (local or shared):
+DeepSpeed and Hugging Face write files with local paths.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+from schemas.errors import RollflowError, SchemaError
+from stages.storage import MANIFEST, Location, read_manifest
+
+log = logging.getLogger("rollflow.checkpoint")
+
+CRITIC_DIR = "critic"
+ACTOR_STATE = "deepspeed/actor"
+CRITIC_STATE = "deepspeed/critic"
+TRAIN_STATE = "train_state.json"
+STAGE_NAME = "train_step"
+WEIGHT_SUFFIXES = (".safetensors", ".bin")
+
+
+@dataclass(frozen=True)
+class CheckpointInfo:
+    """What a checkpoint folder holds. ``global_step``: training steps done; ``*_state``: DeepSpeed state folders
+    (None for a plain HF folder); ``critic_dir``: the critic's HF folder, if one was trained."""
+
+    path: str
+    global_step: int
+    optimizer_steps: int
+    world_size: int | None
+    zero_stage: int | None
+    actor_state: str | None
+    critic_dir: str | None
+    critic_state: str | None
+
+
+def local_path(path: str, what: str) -> Path:
+    if "://" in path:
+        raise RollflowError(f"{what} {path} is a remote URI; training checkpoints are written by DeepSpeed with local "
+                            "paths — use a local or shared (NFS, FUSE-mounted) folder")
+    return Path(path).resolve()
+
+
+def _has_weights(folder: Path) -> bool:
+    return (folder / "config.json").is_file() and any(p.suffix in WEIGHT_SUFFIXES for p in folder.iterdir())
+
+
+def read_checkpoint(path: str) -> CheckpointInfo:
+    """Inspect a checkpoint (a training output or a plain HF model folder). Raises SchemaError naming the folder
+    and what is missing."""
+    folder = local_path(path, "checkpoint")
+    if not folder.is_dir() or not _has_weights(folder):
+        raise SchemaError(f"checkpoint {folder} is not a Hugging Face model folder (config.json plus *.safetensors); "
+                          "pass the default model folder or an earlier train-step output")
+    state = {}
+    if (folder / TRAIN_STATE).is_file():
+        state = json.loads((folder / TRAIN_STATE).read_text())
+    actor_state = folder / ACTOR_STATE
+    critic_dir, critic_state = folder / CRITIC_DIR, folder / CRITIC_STATE
+    if state and not actor_state.is_dir():
+        raise SchemaError(f"checkpoint {folder} has {TRAIN_STATE} but no {ACTOR_STATE}/ folder; it is incomplete — "
+                          "resume from an earlier checkpoint")
+    return CheckpointInfo(
+        path=str(folder), global_step=int(state.get("global_step", 0)),
+        optimizer_steps=int(state.get("optimizer_steps", 0)), world_size=state.get("world_size"),
+        zero_stage=state.get("zero_stage"),
+        actor_state=str(actor_state) if state else None,
+        critic_dir=str(critic_dir) if critic_dir.is_dir() and _has_weights(critic_dir) else None,
+        critic_state=str(critic_state) if state and critic_state.is_dir() else None)
+
+
+def checkpoint_fingerprint(path: str) -> str:
+    """The manifest fingerprint of a training checkpoint; for a plain model folder, a hash of its config and of the
+    names, sizes and modification times of its files (so replaced weights give a new fingerprint)."""
+    loc = Location.of(str(local_path(path, "checkpoint")))
+    manifest = read_manifest(loc)
+    if manifest is not None:
+        return manifest["fingerprint"]
+    folder = Path(loc.path)
+    h = hashlib.sha256()
+    for p in sorted(folder.rglob("*")):
+        if p.is_file():
+            st = p.stat()
+            h.update(f"{p.relative_to(folder)}:{st.st_size}:{st.st_mtime_ns}".encode())
+            if p.name == "config.json":
+                h.update(p.read_bytes())
+    return h.hexdigest()
+
+
+def copy_tokenizer(source: str, dest: str) -> None:
+    """Save the tokenizer of ``source`` into ``dest`` (the generation stage loads both from one folder)."""
+    from transformers import AutoTokenizer
+
+    AutoTokenizer.from_pretrained(source).save_pretrained(dest)
+
+
+def write_train_state(folder: str, state: dict) -> None:
+    Path(folder, TRAIN_STATE).write_text(json.dumps(state, indent=1, sort_keys=True))
+
+
+def check_complete(folder: str, with_critic: bool) -> None:
+    """The invariants of a freshly written checkpoint, before its manifest is written."""
+    f = Path(folder)
+    missing = [p for p in ("config.json", TRAIN_STATE, ACTOR_STATE) if not (f / p).exists()]
+    if not any(p.suffix == ".safetensors" for p in f.iterdir()):
+        missing.append("*.safetensors")
+    if with_critic and not (f / CRITIC_DIR / "config.json").exists():
+        missing.append(f"{CRITIC_DIR}/config.json")
+    if missing:
+        raise RollflowError(f"training wrote an incomplete checkpoint in {folder}: missing {', '.join(missing)}")
+
+
+def list_checkpoints(parent: Location) -> list[tuple[int, float, Location]]:
+    """Training checkpoints directly in ``parent``: (global step, creation time, folder), oldest first."""
+    found = []
+    if not parent.exists():
+        return found
+    for info in parent.list():
+        if info.base_name.startswith("."):
+            continue
+        loc = Location(parent.fs, info.path)
+        if not loc.is_dir():
+            continue
+        try:
+            manifest = read_manifest(loc)
+        except SchemaError:
+            continue
+        if manifest and manifest.get("stage") == STAGE_NAME:
+            found.append((int(manifest.get("state", {}).get("global_step", 0)),
+                          float(manifest.get("created_unix", 0.0)), loc))
+    return sorted(found, key=lambda t: (t[0], t[1]))
+
+
+def prune_checkpoints(parent: Location, keep: int, protect: Location | None = None) -> list[str]:
+    """Delete all but the newest ``keep`` training checkpoints in ``parent`` (never ``protect``); return the
+    deleted paths."""
+    found = list_checkpoints(parent)
+    doomed = [loc for _, _, loc in found[:max(0, len(found) - keep)] if protect is None or loc.path != protect.path]
+    for loc in doomed:
+        log.info("removing old checkpoint %s (max_ckpt_to_keep=%d)", loc.path, keep)
+        loc.rmtree()
+    return [loc.path for loc in doomed]
+
+
+def manifest_path(folder: str) -> Path:
+    return Path(folder) / MANIFEST

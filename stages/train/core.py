@@ -1,0 +1,568 @@
+"""The training core: DeepSpeed engines for the actor (and the critic) and one PPO training step. No Ray import.
+
+It runs wherever torch and DeepSpeed run: inside a Ray Train worker (``stages.train.stage``), under ``torchrun`` /
+``deepspeed`` on a GPU machine, or as a single process (``python -m stages.train.core``). One training step (spec §6,
+§0.4 step 10): the critic's optimizer steps (gae) then the actor's, each over ``ppo_epochs`` passes of seeded
+mini-batches, each mini-batch as token-budget micro-batches whose losses use the mini-batch's global normalisers
+(spec §6.2), so their accumulated gradient is the gradient of the mini-batch loss.
+
+Process-wide settings (threads, DeepSpeed's accelerator and comm op) are set in :func:`init_distributed`, once.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import socket
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+import torch
+
+from schemas.errors import ConfigError, InvariantError
+from schemas.train_config import TrainSection, TrainStepConfig, WorkerTrainConfig
+from stages.algos.ragged import Ragged
+from stages.train.batching import (BatchingPolicy, MicroBatch, MiniBatchPlan, TokenRows, pad_micro_batch, plan_step,
+                                   unpad_next_token)
+
+log = logging.getLogger("rollflow.train")
+REPO = Path(__file__).resolve().parents[2]
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+Metrics = dict[str, float]
+
+
+# ---- process setup ------------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class DistInfo:
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_distributed(threads: int | None = None) -> DistInfo:
+    """Join the process group that Ray Train / torchrun created, or make a world of one; return this rank.
+
+    On CPU: gloo, DeepSpeed's CPU accelerator, and no shared-memory comm op (it JIT-compiles C++ for 20-170 s and
+    only serves inference all-reduce, which training never calls). ``threads``: torch intra-op threads.
+    """
+    os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(Path(os.environ.get("ROLLFLOW_CACHE", REPO / ".cache"))
+                                                     / "torch_extensions"))
+    if threads:
+        torch.set_num_threads(max(1, int(threads)))
+    on_gpu = torch.cuda.is_available()
+    if not on_gpu:
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    if not torch.distributed.is_initialized():
+        defaults = {"MASTER_ADDR": "127.0.0.1", "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1"}
+        for key, value in defaults.items():
+            os.environ.setdefault(key, value)
+        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+    import deepspeed
+    import deepspeed.ops
+
+    if not on_gpu:
+        deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+    deepspeed.init_distributed(dist_backend="nccl" if on_gpu else "gloo")
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    device = torch.device("cuda", local_rank) if on_gpu else torch.device("cpu")
+    if on_gpu:
+        torch.cuda.set_device(device)
+    return DistInfo(torch.distributed.get_rank(), torch.distributed.get_world_size(), local_rank, device)
+
+
+# ---- the engine ---------------------------------------------------------------------------------------------------
+
+def lr_lambda(kind: str, warmup: int, total: int | None) -> Callable[[int], float]:
+    """Hugging Face's schedules as a multiplier of the peak LR at optimizer step ``s`` (warmup linear from 0)."""
+    def factor(s: int) -> float:
+        if s < warmup:
+            return s / max(1, warmup)
+        if kind in ("constant", "constant_with_warmup"):
+            return 1.0
+        progress = (s - warmup) / max(1, total - warmup)
+        if kind == "linear":
+            return max(0.0, 1.0 - progress)
+        return max(0.0, 0.5 * (1.0 + math.cos(math.pi * min(progress, 1.0))))
+    return factor
+
+
+def deepspeed_config(worker: WorkerTrainConfig, on_gpu: bool) -> dict:
+    """The DeepSpeed config of one engine. Micro-batches are formed by the plan and the accumulation boundary is set
+    per mini-batch, so DeepSpeed's own batch size is nominal (1 x 1)."""
+    t, precision = worker.training_args, worker.model_args.dtype
+    config = {
+        "train_micro_batch_size_per_gpu": 1,
+        "gradient_accumulation_steps": 1,
+        "gradient_clipping": t.max_grad_norm or 0.0,
+        "zero_optimization": {"stage": worker.strategy_args.zero_stage},
+        "bf16": {"enabled": precision == "bf16"},
+        "fp16": {"enabled": precision == "fp16"},
+        "optimizer": {"type": "AdamW", "params": {
+            "lr": t.learning_rate, "betas": [t.adam_beta1, t.adam_beta2], "eps": t.adam_epsilon,
+            "weight_decay": t.weight_decay, "torch_adam": not on_gpu}},
+        "steps_per_print": 10 ** 9,
+        "wall_clock_breakdown": False,
+    }
+    return _merge(config, worker.strategy_args.deepspeed_config)
+
+
+def _merge(base: dict, extra: dict) -> dict:
+    out = dict(base)
+    for key, value in extra.items():
+        out[key] = _merge(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+    return out
+
+
+class Engine:
+    """One trained model under a DeepSpeed engine: the actor (causal LM) or the critic (one-label token head)."""
+
+    def __init__(self, model: torch.nn.Module, worker: WorkerTrainConfig, dist: DistInfo, role: str):
+        import deepspeed
+
+        self.role, self.worker, self.dist = role, worker, dist
+        if not worker.model_args.disable_gradient_checkpointing:
+            model.gradient_checkpointing_enable()
+        t = worker.training_args
+        schedule = lr_lambda(t.lr_scheduler_type, t.warmup_steps, t.max_steps)
+        self.engine, _, _, self.scheduler = deepspeed.initialize(
+            model=model, model_parameters=[p for p in model.parameters() if p.requires_grad],
+            config=deepspeed_config(worker, dist.device.type == "cuda"),
+            lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, schedule))
+        self.engine.train()
+
+    @property
+    def module(self) -> torch.nn.Module:
+        return self.engine.module
+
+    def forward(self, mb: MicroBatch) -> torch.Tensor:
+        """Logits ``(b, S, V)`` (or values ``(b, S, 1)``). Rows are right-padded and attention is causal, so padding
+        is invisible to real tokens and no attention mask is passed (the fast causal path)."""
+        return self.engine(input_ids=mb.input_ids, position_ids=mb.position_ids, use_cache=False).logits
+
+    def backward(self, loss: torch.Tensor, last: bool) -> None:
+        self.engine.set_gradient_accumulation_boundary(last)
+        self.engine.backward(loss)
+
+    def step(self) -> Metrics:
+        """The optimizer step at the end of a mini-batch: gradient norm (before clipping) and the LR used."""
+        lr = float(self.scheduler.get_last_lr()[0])
+        own_norm = None
+        if not hasattr(self.engine.optimizer, "_global_grad_norm"):  # ZeRO-0 fp32 computes it but keeps it
+            grads = [p.grad.detach().float().norm() for p in self.module.parameters() if p.grad is not None]
+            own_norm = float(torch.linalg.vector_norm(torch.stack(grads))) if grads else 0.0
+        self.engine.step()
+        norm = own_norm if own_norm is not None else self.engine.get_global_grad_norm()
+        norm = float(norm) if norm is not None else float("nan")
+        return {f"{self.role}/grad_norm": norm, f"{self.role}/lr": lr}
+
+    @property
+    def optimizer_steps(self) -> int:
+        return int(self.engine.global_steps)
+
+    def save_state(self, folder: str) -> None:
+        """DeepSpeed's resumable state (module, ZeRO optimizer partitions, LR schedule) into ``folder``; every rank
+        calls it."""
+        self.engine.save_checkpoint(folder, tag="state", save_latest=False)
+
+    def load_state(self, folder: str) -> None:
+        path, _ = self.engine.load_checkpoint(folder, tag="state", load_optimizer_states=True,
+                                              load_lr_scheduler_states=True)
+        if path is None:
+            raise InvariantError(f"DeepSpeed state of the {self.role} at {folder} could not be loaded; the checkpoint "
+                                 "is incomplete — resume from an earlier checkpoint")
+
+    def state_dict_for_save(self) -> dict[str, torch.Tensor]:
+        """Full weights on this rank (ZeRO 0-2 keep every parameter on every rank)."""
+        return {k: v.detach().to("cpu") for k, v in self.module.state_dict().items()}
+
+
+def disable_dropout(model: torch.nn.Module) -> torch.nn.Module:
+    """Set every dropout to 0: the ratio of new to old log-probs must compare the same function (and the critic's
+    value head would otherwise get Hugging Face's default classifier dropout of 0.1)."""
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+    for name in ("attention_dropout", "hidden_dropout", "classifier_dropout"):
+        if getattr(model.config, name, None):
+            setattr(model.config, name, 0.0)
+    return model
+
+
+def load_actor_model(model_dir: str, worker: WorkerTrainConfig | None = None) -> torch.nn.Module:
+    from transformers import AutoModelForCausalLM
+
+    return disable_dropout(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32))
+
+
+def load_critic_model(critic_dir: str | None, actor_dir: str, seed: int) -> torch.nn.Module:
+    """The critic: a saved one, or the actor's backbone with a new one-label value head initialised from ``seed``
+    (deterministic, so the values stage and the first training step see the same critic). No dropout."""
+    from transformers import AutoConfig, AutoModelForTokenClassification
+
+    if critic_dir is not None:
+        return disable_dropout(AutoModelForTokenClassification.from_pretrained(critic_dir, dtype=torch.float32))
+    config = AutoConfig.from_pretrained(actor_dir, num_labels=1)
+    model = disable_dropout(AutoModelForTokenClassification.from_pretrained(actor_dir, config=config,
+                                                                            dtype=torch.float32))
+    generator = torch.Generator().manual_seed(seed)
+    head = model.score
+    with torch.no_grad():
+        std = getattr(model.config, "initializer_range", 0.02)
+        head.weight.copy_(torch.randn(head.weight.shape, generator=generator) * std)
+        if head.bias is not None:
+            head.bias.zero_()
+    return model
+
+
+# ---- objectives ---------------------------------------------------------------------------------------------------
+
+class ActorObjective:
+    """The policy loss of a micro-batch from the logits (spec §1.8, §6.3-6.5), with the mini-batch's global counts.
+
+    Without an ``old_log_probs`` column, the first pass over a row uses ``detach(log_probs)`` (ratio 1) and caches it
+    for later epochs (ROLL's cache path, spec §6.3 step 2)."""
+
+    def __init__(self, policy_loss: str, loss_cfg, entropy_metric: bool = True):
+        from stages.losses import POLICY_LOSSES
+
+        self.loss_fn = POLICY_LOSSES.get(policy_loss)
+        self.loss_cfg = loss_cfg
+        self.entropy_metric = entropy_metric
+        self.old_cache: dict[int, np.ndarray] = {}
+
+    @classmethod
+    def from_section(cls, cfg: TrainSection) -> "ActorObjective":
+        return cls(cfg.policy_loss, cfg.loss_config(), cfg.compute_entropy_metric)
+
+    def __call__(self, logits: torch.Tensor, mb: MicroBatch, rows: np.ndarray, plan: MiniBatchPlan,
+                 ) -> tuple[torch.Tensor, Metrics]:
+        from stages.losses import LossInputs, entropy_from_logits, op_compute_entropy, op_compute_log_probs
+
+        mask = mb.loss_mask
+        log_probs = op_compute_log_probs(logits, mb.input_ids, mb.response_mask)
+        need_entropy = self.loss_cfg.entropy_loss_coef > 0
+        entropy = op_compute_entropy(logits, mb.response_mask) if need_entropy else None
+        t = mb.next_token
+        old = t.get("old_log_probs")
+        cached = old is None and not mb.padding_step and all(int(r) in self.old_cache for r in rows)
+        if cached:
+            old = _pad_rows([self.old_cache[int(r)] for r in rows], mask.shape, mask.device)
+        inputs = LossInputs(log_probs=log_probs, mask=mask, advantages=t["advantages"], old_log_probs=old,
+                            ref_log_probs=t.get("ref_log_probs"), infer_log_probs=t.get("infer_logprobs"),
+                            train_infer_is_weight=t.get("train_infer_is_weight"), entropy=entropy,
+                            final_mask=t.get("final_response_mask"), num_tokens=plan.num_tokens,
+                            num_seqs=plan.num_seqs, final_num_tokens=plan.final_num_tokens,
+                            final_num_seqs=plan.final_num_seqs)
+        loss, metrics = self.loss_fn(inputs, self.loss_cfg)
+        if old is None and not mb.padding_step:
+            lp = unpad_next_token(log_probs, mb.lengths)
+            for i, r in enumerate(rows):
+                self.old_cache[int(r)] = lp.row(i).copy()
+        if self.entropy_metric:
+            with torch.no_grad():
+                ent = entropy if entropy is not None else _masked_entropy(logits, mask, entropy_from_logits)
+                metrics["actor/entropy@sum"] = float(self._agg(ent, mask, plan))
+        return loss, metrics
+
+    def _agg(self, x: torch.Tensor, mask: torch.Tensor, plan: MiniBatchPlan) -> torch.Tensor:
+        from stages.losses import agg_loss
+
+        c = self.loss_cfg
+        return agg_loss(x.detach(), mask, c.loss_agg_mode, plan.num_tokens, plan.num_seqs,
+                        sum_norm_constant=c.sum_norm_constant)
+
+
+def _masked_entropy(logits: torch.Tensor, mask: torch.Tensor, entropy_fn) -> torch.Tensor:
+    """``(b, S-1)`` entropy computed only at the loss tokens (0 elsewhere): the vocabulary pass is the costly part."""
+    out = torch.zeros(mask.shape, dtype=torch.float32, device=logits.device)
+    on = mask > 0
+    out[on] = entropy_fn(logits[:, :-1][on])
+    return out
+
+
+def _pad_rows(rows: list[np.ndarray], shape: tuple[int, int], device) -> torch.Tensor:
+    out = torch.zeros(shape, dtype=torch.float32)
+    for i, r in enumerate(rows):
+        out[i, :len(r)] = torch.from_numpy(r)
+    return out.to(device)
+
+
+class CriticObjective:
+    """The critic loss of a micro-batch (spec §6.7): ``V = output[:, :-1, 0]``; ROLL's ½·mean over rows of per-row
+    masked means, taken over the whole mini-batch (each micro-batch weighs rows / mini-batch rows)."""
+
+    def __init__(self, value_clip: float | None = None):
+        self.value_clip = value_clip
+
+    def __call__(self, output: torch.Tensor, mb: MicroBatch, rows: np.ndarray, plan: MiniBatchPlan,
+                 ) -> tuple[torch.Tensor, Metrics]:
+        from stages.losses import critic_loss
+
+        values = output[:, :-1, 0].float()
+        t = mb.next_token
+        loss, metrics = critic_loss(values, t["values"], t["returns"], mb.loss_mask, self.value_clip)
+        share = mb.num_rows / plan.num_rows
+        return loss * share, {f"{k}@sum": v * share for k, v in metrics.items()}
+
+
+# ---- one training step --------------------------------------------------------------------------------------------
+
+@dataclass
+class StepReport:
+    """What a training step did: metrics under ROLL's names (means over optimizer steps), the per-optimizer-step
+    values, and throughput counters (real tokens forwarded and backpropagated, seconds in the loop)."""
+
+    metrics: Metrics
+    per_step: list[Metrics] = field(default_factory=list)
+    tokens: int = 0
+    padded_tokens: int = 0
+    seconds: float = 0.0
+    cpu_seconds: float = 0.0
+
+
+def batching_policy(worker: WorkerTrainConfig) -> BatchingPolicy:
+    t = worker.training_args
+    rows = t.per_device_train_batch_size * t.gradient_accumulation_steps
+    if worker.use_dynamic_batching_in_train:
+        return BatchingPolicy(rows, max_tokens=worker.max_tokens_per_microbatch_in_train)
+    return BatchingPolicy(rows, rows_per_micro_batch=t.per_device_train_batch_size)
+
+
+def run_engine(engine: Engine, objective, rows: TokenRows, plans: list[MiniBatchPlan], pad_token_id: int,
+               dist: DistInfo) -> tuple[list[list[Metrics]], list[Metrics], int, int]:
+    """Every optimizer step of ``plans`` on this rank → (micro-batch metrics per step, step metrics, tokens,
+    padded tokens). The loss is scaled by the world size: DeepSpeed averages gradients over ranks, while the global
+    normalisers already make the sum over ranks the mini-batch loss."""
+    micro_metrics, step_metrics = [], []
+    tokens = padded = 0
+    for plan in plans:
+        mine = []
+        for k, index in enumerate(plan.micro_batches):
+            mb = pad_micro_batch(rows, index, pad_token_id).to(dist.device)
+            output = engine.forward(mb)
+            if mb.padding_step:  # same collectives as the other ranks, zero gradient
+                loss, metrics = output.float().sum() * 0.0, {}
+            else:
+                loss, metrics = objective(output, mb, index, plan)
+            engine.backward(loss * dist.world_size, last=k == len(plan.micro_batches) - 1)
+            mine.append(metrics)
+            tokens += mb.real_tokens
+            padded += mb.padded_tokens if not mb.padding_step else 0
+        step_metrics.append(engine.step())
+        micro_metrics.append(mine)
+    return micro_metrics, step_metrics, tokens, padded
+
+
+def combine_metrics(per_rank: list[list[list[Metrics]]]) -> list[Metrics]:
+    """Micro-batch metrics of all ranks → one dict per optimizer step, suffix dropped: ``@sum`` added, ``@max`` /
+    ``@min`` extremes, anything else (``@mean`` or no suffix) averaged over micro-batches."""
+    steps = []
+    for k in range(len(per_rank[0])):
+        merged: dict[str, list[float]] = {}
+        for rank in per_rank:
+            for metrics in rank[k]:
+                for key, value in metrics.items():
+                    merged.setdefault(key, []).append(float(value))
+        out = {}
+        for key, values in merged.items():
+            name, _, kind = key.partition("@")
+            reduce = {"sum": sum, "max": max, "min": min}.get(kind, lambda v: sum(v) / len(v))
+            out[name] = float(reduce(values))
+        steps.append(out)
+    return steps
+
+
+def _gather(obj: Any, dist: DistInfo) -> list[Any]:
+    if dist.world_size == 1:
+        return [obj]
+    out: list[Any] = [None] * dist.world_size
+    torch.distributed.all_gather_object(out, obj)
+    return out
+
+
+def mean_metrics(steps: list[Metrics]) -> Metrics:
+    keys = sorted({k for s in steps for k in s})
+    return {k: float(np.mean([s[k] for s in steps if k in s])) for k in keys}
+
+
+def train_step(rows: TokenRows, actor: Engine | None, critic: Engine | None, cfg: TrainSection, dist: DistInfo,
+               step: int, pad_token_id: int) -> StepReport:
+    """One training step over the whole table ``rows`` (every rank holds all rows and takes its share by the plan).
+
+    ``step``: training steps done before this one (seeds the shuffle; the actor waits for ``critic_warmup``)."""
+    start, cpu_start = time.perf_counter(), time.process_time()
+    rows = apply_train_infer_correction(rows, cfg)
+    lengths, loss_tokens, final_tokens = rows.lengths, rows.loss_tokens(), rows.final_tokens()
+    per_step: list[Metrics] = []
+    tokens = padded = 0
+    jobs = []
+    if critic is not None:
+        for col in ("values", "returns"):
+            if col not in rows.next_token:
+                raise InvariantError(f"the critic (adv_estimator {cfg.adv_estimator}) trains on '{col}', which the "
+                                     "table lacks; run the values stage and the advantages stage first")
+        jobs.append((critic, CriticObjective(cfg.value_clip), cfg.critic_train))
+    if actor is not None and step >= cfg.critic_warmup:
+        jobs.append((actor, ActorObjective.from_section(cfg), cfg.actor_train))
+    for engine, objective, worker in jobs:
+        plans = plan_step(lengths, loss_tokens, policy=batching_policy(worker), world_size=dist.world_size,
+                          rank=dist.rank, ppo_epochs=cfg.ppo_epochs, seed=worker.training_args.seed, step=step,
+                          final_tokens=final_tokens)
+        micro, steps, n_tok, n_pad = run_engine(engine, objective, rows, plans, pad_token_id, dist)
+        combined = combine_metrics(_gather(micro, dist))
+        for i, s in enumerate(steps):
+            combined[i].update(s)
+        per_step = _zip_longest(per_step, combined)
+        tokens += n_tok
+        padded += n_pad
+    counts = _gather((tokens, padded), dist)
+    report = StepReport(mean_metrics(per_step), per_step, sum(c[0] for c in counts), sum(c[1] for c in counts),
+                        time.perf_counter() - start, time.process_time() - cpu_start)
+    report.metrics["system/tokens"] = float(report.tokens)
+    report.metrics["system/padding_ratio"] = 1.0 - report.tokens / max(1, report.padded_tokens)
+    return report
+
+
+def _zip_longest(a: list[Metrics], b: list[Metrics]) -> list[Metrics]:
+    n = max(len(a), len(b))
+    return [{**(a[i] if i < len(a) else {}), **(b[i] if i < len(b) else {})} for i in range(n)]
+
+
+def apply_train_infer_correction(rows: TokenRows, cfg: TrainSection) -> TokenRows:
+    """ROLL's pipeline-level train/infer correction (spec §6.6, recompute on): with ``old_log_probs`` and
+    ``infer_logprobs`` present and a correction configured, add ``train_infer_is_weight`` and filter the response
+    mask before the normalisers are counted. Per-row math, so it runs on the whole table at once."""
+    from stages.losses import apply_train_infer_correction_to_batch
+
+    c = cfg.loss_config().train_infer_correction
+    configured = c.is_weight.enabled or any(f.enabled for f in c.filters)
+    if not configured or "old_log_probs" not in rows.next_token or "infer_logprobs" not in rows.next_token:
+        return rows
+    mb = pad_micro_batch(rows, np.arange(rows.num_rows))
+    batch = {"response_mask": mb.response_mask, "old_log_probs": mb.next_token["old_log_probs"],
+             "infer_logprobs": mb.next_token["infer_logprobs"]}
+    out, _ = apply_train_infer_correction_to_batch(c, batch, roll_compat=cfg.roll_compat)
+    mask = Ragged.from_padded(out["response_mask"].numpy().astype(np.int64), rows.lengths)
+    weight = unpad_next_token(out["train_infer_is_weight"], rows.lengths)
+    return rows.with_response_mask(mask).with_next_token("train_infer_is_weight", weight)
+
+
+# ---- load, train, save ------------------------------------------------------------------------------------------
+
+def peak_memory(dist: DistInfo) -> Metrics:
+    """Peak resident memory of the busiest rank (and peak accelerator memory on GPU), in MiB."""
+    import resource
+
+    mine = [resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0,
+            torch.cuda.max_memory_allocated() / 2 ** 20 if dist.device.type == "cuda" else 0.0]
+    ranks = _gather(mine, dist)
+    out = {"system/peak_rss_mb": max(r[0] for r in ranks)}
+    if dist.device.type == "cuda":
+        out["system/peak_gpu_mb"] = max(r[1] for r in ranks)
+    return out
+
+
+def rows_of_table(table, where: str) -> TokenRows:
+    """The token columns of an advantaged table in a fixed order (sorted by ``row_id``), whatever order the files
+    or the data loader delivered them in: every rank and every resume sees the same rows at the same indices."""
+    if "row_id" in table.column_names:
+        table = table.sort_by("row_id")
+    return TokenRows.from_arrow(table, where)
+
+
+def run_training(table, where: str, checkpoint: str, cfg: TrainSection, output: str, dist: DistInfo,
+                 ) -> StepReport:
+    """Load the actor (and critic) from ``checkpoint`` (resuming DeepSpeed's state when it has one), run one
+    training step over ``table``, and write the new checkpoint folder ``output`` (all but the manifest)."""
+    from stages.train.checkpoint import (ACTOR_STATE, CRITIC_DIR, CRITIC_STATE, copy_tokenizer, read_checkpoint,
+                                         write_train_state)
+
+    info = read_checkpoint(checkpoint)
+    stage = cfg.actor_train.strategy_args.zero_stage
+    if info.actor_state and info.world_size not in (None, dist.world_size) and stage > 0:
+        raise ConfigError(f"checkpoint {checkpoint} was trained by {info.world_size} workers with ZeRO stage {stage}, "
+                          f"whose optimizer state is split per rank; resume with num_workers: {info.world_size}")
+    rows = rows_of_table(table, where)
+    actor = Engine(load_actor_model(info.path, cfg.actor_train), cfg.actor_train, dist, "actor")
+    if info.actor_state:
+        actor.load_state(info.actor_state)
+    critic = None
+    if cfg.needs_critic:
+        model = load_critic_model(info.critic_dir, info.path, cfg.critic_train.training_args.seed)
+        critic = Engine(model, cfg.critic_train, dist, "critic")
+        if info.critic_state:
+            critic.load_state(info.critic_state)
+    report = train_step(rows, actor, critic, cfg, dist, info.global_step, pad_token_id=0)
+
+    save_start = time.perf_counter()
+    out = Path(output)
+    if dist.rank == 0:
+        out.mkdir(parents=True, exist_ok=True)
+        actor.module.save_pretrained(out, state_dict=actor.state_dict_for_save(), safe_serialization=True)
+        copy_tokenizer(info.path, str(out))
+        if critic is not None:
+            critic.module.save_pretrained(out / CRITIC_DIR, state_dict=critic.state_dict_for_save(),
+                                          safe_serialization=True)
+    torch.distributed.barrier()
+    actor.save_state(str(out / ACTOR_STATE))
+    if critic is not None:
+        critic.save_state(str(out / CRITIC_STATE))
+    torch.distributed.barrier()
+    report.metrics["time/save_s"] = time.perf_counter() - save_start
+    report.metrics["time/train_s"] = report.seconds
+    report.metrics.update(peak_memory(dist))
+    if dist.rank == 0:
+        write_train_state(str(out), {
+            "global_step": info.global_step + 1, "optimizer_steps": actor.optimizer_steps,
+            "world_size": dist.world_size, "zero_stage": stage, "input_checkpoint": info.path,
+            "metrics": report.metrics, "per_step": report.per_step,
+            "tokens": report.tokens, "padded_tokens": report.padded_tokens, "train_seconds": report.seconds,
+            "train_cpu_seconds": report.cpu_seconds})
+    return report
+
+
+# ---- a single process without Ray ------------------------------------------------------------------------------
+
+def main(argv: list[str] | None = None) -> None:
+    """``python -m stages.train.core --samples DIR --checkpoint DIR --config FILE --output DIR``: the training step
+    without Ray (one process, or every rank under ``torchrun`` / ``deepspeed``). Writes the checkpoint folder
+    (no manifest: that is the stage's job) and prints the metrics as JSON on rank 0."""
+    import argparse
+
+    import pyarrow.parquet as pq
+
+    from schemas.config import load_config
+
+    parser = argparse.ArgumentParser(description=main.__doc__)
+    for name in ("samples", "checkpoint", "config", "output"):
+        parser.add_argument(f"--{name}", required=name != "config")
+    parser.add_argument("--threads", type=int, default=None)
+    args = parser.parse_args(argv)
+    cfg = load_config(TrainStepConfig, args.config)
+    dist = init_distributed(args.threads)
+    import pyarrow as pa
+
+    from stages.storage import Location
+
+    loc = Location.of(args.samples)  # the Parquet parts only (a stage output folder also holds its manifest)
+    table = pa.concat_tables([pq.read_table(p, filesystem=loc.fs) for p in loc.parquet_files()])
+    report = run_training(table, args.samples, args.checkpoint, cfg, args.output, dist)
+    if dist.rank == 0:
+        print(json.dumps(report.metrics, indent=1, sort_keys=True))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,378 @@
+"""The Ray side of training: the training step on Ray Train's TorchTrainer, and the log-prob and values stages as
+Ray Data actor pools. The work itself is in ``stages.train.core`` and ``stages.train.forward`` (no Ray).
+
+* :func:`run_train_step` — advantaged table + checkpoint → a new checkpoint folder, with the runner's discipline:
+  fingerprint (stage, version, training section, the table's fingerprint, the input checkpoint's fingerprint), skip
+  when the output's manifest matches, write into a temporary sibling, validate, manifest last, atomic rename; then
+  keep the newest ``max_ckpt_to_keep`` checkpoints.
+* :class:`LogProbStage` / :class:`ValuesStage` — ``samples`` → ``samples`` + ``old_log_probs`` / ``ref_log_probs``
+  (/ ``entropy``) or + ``values``, run by ``stages.runner.run_stage``; each actor loads its model once and batches
+  rows by a token budget.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import tempfile
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+import pyarrow as pa
+
+from schemas.errors import ConfigError, RollflowError, SchemaError
+from schemas.tables import ADVANTAGED, FLOATS, SAMPLES, TableSpec, check_row_invariants
+from schemas.train_config import ForwardConfig, LogProbSection, TrainSection, TrainStepConfig, ValuesSection
+from stages.runner import (OLD_MARK, TMP_MARK, Stage, StageContext, StageResult, _cleanup_leftovers, _unwrap,
+                           read_partials, run_stage, stage_fingerprint, sum_partials, write_partials)
+from stages.storage import MANIFEST, Location, folder_fingerprint, read_manifest, read_table_schema
+from stages.train import checkpoint as ckpt
+
+log = logging.getLogger("rollflow.train")
+
+# Columns the training step reads (the rest of the advantaged table stays on disk).
+TRAIN_COLUMNS = ("row_id", "input_ids", "response_mask", "advantages", "returns", "values", "old_log_probs",
+                 "ref_log_probs", "infer_logprobs", "final_response_mask")
+
+
+# ---- the training step on Ray Train ----------------------------------------------------------------------------
+
+class TrainStage:
+    """The training step's identity for :func:`stages.runner.stage_fingerprint`; its output is a checkpoint."""
+
+    name = ckpt.STAGE_NAME
+    version = "1"
+
+
+def _train_loop(config: dict) -> None:
+    """One Ray Train worker: join the process group, read the whole table (every rank takes its share by the
+    deterministic plan), train, write the checkpoint folder (rank 0: HF weights; every rank: DeepSpeed state)."""
+    import pyarrow as pa
+    import ray.train
+
+    from stages.train.core import init_distributed, run_training
+
+    dist = init_distributed(config["threads"])
+    shard = ray.train.get_dataset_shard("train")
+    batches = list(shard.iter_batches(batch_format="pyarrow", batch_size=None))
+    table = pa.concat_tables(batches) if batches else None
+    if table is None or table.num_rows == 0:
+        raise SchemaError(f"advantaged table at {config['samples']} has no rows; nothing to train on")
+    cfg = TrainSection.model_validate(config["section"])
+    run_training(table, config["samples"], config["checkpoint"], cfg, config["output"], dist)
+
+
+def _worker_error(err: BaseException) -> BaseException:
+    """The user error (RollflowError) raised inside a worker, if the Ray Train failure carries one."""
+    found = _unwrap(err)
+    if found is not err:
+        return found
+    failures = getattr(err, "worker_failures", None) or {}
+    for failure in (failures.values() if isinstance(failures, dict) else failures):
+        found = _unwrap(failure)
+        if isinstance(found, RollflowError):
+            return found
+    return err
+
+
+def _fit(samples: Location, checkpoint: str, cfg: TrainStepConfig, tmp: str, storage: str) -> None:
+    import ray.data
+    from ray.train import DataConfig, FailureConfig, RunConfig, ScalingConfig
+    from ray.train.torch import TorchConfig, TorchTrainer
+
+    from stages.cluster import ensure_ray
+
+    rt = cfg.runtime
+    ensure_ray(rt.ray_address, rt.num_cpus, progress=False)
+    schema = read_table_schema(samples, "advantaged")
+    columns = [c for c in TRAIN_COLUMNS if c in schema.names]
+    # read before the workers hold the CPUs, so the read tasks cannot starve behind them (STACK.md)
+    ds = ray.data.read_parquet(samples.parquet_files(), columns=columns,
+                               filesystem=samples.ray_filesystem()).materialize()
+    threads = max(1, int(rt.cpus_per_worker))
+    trainer = TorchTrainer(
+        _train_loop,
+        train_loop_config={"section": train_section(cfg).model_dump(mode="json"), "checkpoint": checkpoint,
+                           "output": tmp, "samples": samples.path, "threads": threads},
+        scaling_config=ScalingConfig(num_workers=rt.num_workers, use_gpu=rt.use_gpu,
+                                     resources_per_worker={"CPU": rt.cpus_per_worker}),
+        torch_config=TorchConfig(backend="nccl" if rt.use_gpu else "gloo"),
+        datasets={"train": ds}, dataset_config=DataConfig(datasets_to_split=[]),
+        run_config=RunConfig(name=f"train-{uuid.uuid4().hex[:8]}", storage_path=storage,
+                             failure_config=FailureConfig(max_failures=0)))
+    try:
+        trainer.fit()
+    except BaseException as err:
+        real = _worker_error(err)
+        if real is not err:
+            raise real from None
+        raise
+
+
+def train_section(cfg: TrainStepConfig) -> TrainSection:
+    return TrainSection.model_validate({k: getattr(cfg, k) for k in TrainSection.model_fields})
+
+
+def run_train_step(samples: str, checkpoint: str, cfg: TrainStepConfig, output: str, *, force: bool = False,
+                   ) -> StageResult:
+    """Train the checkpoint one step on the advantaged table ``samples``; write the new checkpoint to ``output``.
+
+    Skips when ``output`` already holds this exact step (same table, checkpoint and training section)."""
+    start = time.time()
+    section = train_section(cfg)
+    samples_loc = Location.of(samples)
+    ckpt.local_path(output, "output")
+    out = Location.of(output)
+    info = ckpt.read_checkpoint(checkpoint)
+    _cleanup_leftovers(out)
+    schema = read_table_schema(samples_loc, ADVANTAGED.name)
+    needs = ("values",) if section.needs_critic else ()
+    ADVANTAGED.check_schema(schema, samples_loc.path, needs)
+    state_in = {"checkpoint": ckpt.checkpoint_fingerprint(info.path)}
+    fp = stage_fingerprint(TrainStage, section, {"samples": samples_loc}, state_in)
+
+    existing = read_manifest(out) if out.exists() else None
+    if existing is not None and existing.get("fingerprint") == fp and not force:
+        log.info("train_step: %s is up to date (fingerprint %s), skipping", out.path, fp[:12])
+        return StageResult(out.path, fp, True, existing["rows"], time.time() - start, existing.get("metrics", {}),
+                           existing.get("state", {}))
+    if out.exists() and not force:
+        what = f"a checkpoint of another training step (fingerprint {existing['fingerprint'][:12]})" \
+            if existing else "files without a rollflow manifest"
+        raise RollflowError(f"train_step: {out.path} already holds {what}; pass --force to replace it, or choose "
+                            "another output folder to keep both")
+    if os.path.realpath(out.path) == os.path.realpath(info.path):
+        raise RollflowError(f"train_step: the output {out.path} is the input checkpoint; write to a new folder")
+
+    tmp = out.parent.child(f".{out.name}{TMP_MARK}{os.getpid()}-{uuid.uuid4().hex[:8]}")
+    out.parent.fs.create_dir(out.parent.path, recursive=True)
+    storage = tempfile.mkdtemp(prefix=".ray-train-", dir=out.parent.path)
+    try:
+        _fit(samples_loc, info.path, cfg, tmp.path, storage)
+        ckpt.check_complete(tmp.path, section.needs_critic)
+        state = json.loads(tmp.child(ckpt.TRAIN_STATE).read_text())
+        rows = sum(m.num_rows for m in _parquet_meta(samples_loc))
+        manifest = {
+            "stage": TrainStage.name, "version": TrainStage.version, "fingerprint": fp, "table": "checkpoint",
+            "section": section.model_dump(mode="json"),
+            "inputs": {"samples": {"path": samples_loc.path, "fingerprint": folder_fingerprint(samples_loc)},
+                       "checkpoint": {"path": info.path, "fingerprint": state_in["checkpoint"]}},
+            "state_in": state_in, "rows": rows, "metrics": state["metrics"],
+            "state": {"global_step": state["global_step"], "optimizer_steps": state["optimizer_steps"],
+                      "world_size": state["world_size"]},
+            "created_unix": time.time(), "seconds": round(time.time() - start, 3),
+        }
+        tmp.child(MANIFEST).write_text(json.dumps(manifest, indent=1, sort_keys=True))
+        if out.exists():
+            old = out.parent.child(f".{out.name}{OLD_MARK}{uuid.uuid4().hex[:8]}")
+            out.rename(old)
+            tmp.rename(out)
+            old.rmtree()
+        else:
+            tmp.rename(out)
+    except BaseException:
+        tmp.rmtree()
+        raise
+    finally:
+        Location.of(storage).rmtree()
+    if cfg.max_ckpt_to_keep:
+        ckpt.prune_checkpoints(out.parent, cfg.max_ckpt_to_keep, protect=out)
+    log.info("train_step: wrote %s (step %d) in %.1fs", out.path, state["global_step"], time.time() - start)
+    return StageResult(out.path, fp, False, rows, time.time() - start, manifest["metrics"], manifest["state"])
+
+
+def _parquet_meta(loc: Location):
+    import pyarrow.parquet as pq
+
+    for path in loc.parquet_files():
+        with loc.fs.open_input_file(path) as f:
+            yield pq.read_metadata(f)
+
+
+# ---- forward stages: log-probs and values ----------------------------------------------------------------------
+
+LOGPROBS = TableSpec(
+    name="samples", required={**SAMPLES.required, "old_log_probs": FLOATS},
+    optional={**{k: v for k, v in SAMPLES.optional.items() if k != "old_log_probs"}, "entropy": FLOATS},
+    token_aligned=SAMPLES.token_aligned, next_token_aligned=SAMPLES.next_token_aligned + ("entropy",),
+    finite=SAMPLES.finite + ("entropy",))
+VALUES = TableSpec(
+    name="samples", required={**SAMPLES.required, "values": FLOATS},
+    optional={k: v for k, v in SAMPLES.optional.items() if k != "values"},
+    token_aligned=SAMPLES.token_aligned, next_token_aligned=SAMPLES.next_token_aligned,
+    finite=SAMPLES.finite)
+
+
+@dataclass(frozen=True)
+class ForwardJob:
+    """One model run by a forward actor: its result ``column`` (``entropy`` too when asked) and the columns that
+    receive a copy (a reference identical to the checkpoint is computed once)."""
+
+    kind: str
+    path: str
+    column: str
+    copies: tuple[str, ...] = ()
+    entropy: bool = False
+    actor_dir: str | None = None
+    seed: int = 42
+
+
+class ForwardActor:
+    """A Ray Data actor: loads its models once, then turns each batch of rows into the same rows plus the result
+    columns (ragged in, ragged out; row order kept)."""
+
+    def __init__(self, jobs: list[ForwardJob], dtype: str, max_tokens: int, threads: int, output: Location,
+                 spec: TableSpec, where: str):
+        import torch
+
+        from stages.train.forward import load_forward_model
+
+        torch.set_num_threads(max(1, threads))
+        self.jobs, self.max_tokens, self.output, self.spec, self.where = jobs, max_tokens, output, spec, where
+        self.models = [load_forward_model(j.path, j.kind, dtype, actor_dir=j.actor_dir, seed=j.seed) for j in jobs]
+
+    def __call__(self, batch: pa.Table) -> pa.Table:
+        from stages.train.batching import TokenRows
+        from stages.train.forward import forward_rows
+
+        cpu_start = time.process_time()
+        rows = TokenRows.from_arrow(batch, self.where, columns=())
+        counters = {"tokens": 0.0, "padded_tokens": 0.0, "seconds": 0.0, "rows": float(batch.num_rows)}
+        for job, model in zip(self.jobs, self.models):
+            result = forward_rows(model, rows, self.max_tokens, kind=job.kind, entropy=job.entropy)
+            produced = {job.column: result.columns["values" if job.kind == "values" else "log_probs"]}
+            produced.update({c: produced[job.column] for c in job.copies})
+            if job.entropy:
+                produced["entropy"] = result.columns["entropy"]
+            for name, ragged in produced.items():
+                if name in batch.column_names:
+                    batch = batch.drop_columns([name])
+                batch = batch.append_column(pa.field(name, FLOATS), ragged.to_arrow(pa.float32()))
+            counters["tokens"] += result.tokens
+            counters["padded_tokens"] += result.padded_tokens
+            counters["seconds"] += result.seconds
+        import resource
+
+        counters["cpu_seconds"] = time.process_time() - cpu_start
+        counters["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+        check_row_invariants(self.spec, batch, f"{self.where} (forward output)")
+        key = batch.column("row_id")[0].as_py() if batch.num_rows else "empty"
+        write_partials(self.output, key, counters)
+        return batch
+
+
+class _ForwardStage(Stage):
+    """Shared build/finalize of the log-prob and values stages; subclasses say which jobs run."""
+
+    input_specs = {"samples": SAMPLES}
+
+    def __init__(self, config: ForwardConfig):
+        self.config = config
+
+    def jobs(self, section) -> list[ForwardJob]:
+        raise NotImplementedError
+
+    def build(self, ctx: StageContext):
+        import ray
+        from ray.data import ActorPoolStrategy
+
+        c = self.config
+        cpus = ray.cluster_resources().get("CPU", 0.0)
+        if cpus - c.cpus_per_actor < 1:  # the actor would hold every CPU and the read tasks would wait forever
+            raise ConfigError(f"cpus_per_actor ({c.cpus_per_actor}) leaves less than 1 of the cluster's {cpus:g} CPUs "
+                              "for reading and writing the table, so the stage would wait forever; set "
+                              f"cpus_per_actor to at most {max(cpus - 1, 0.5):g} (threads per actor follow it)")
+        return ctx.read("samples").map_batches(
+            ForwardActor, batch_size=c.rows_per_batch, batch_format="pyarrow",
+            fn_constructor_kwargs={"jobs": self.jobs(ctx.section), "dtype": ctx.section.dtype,
+                                   "max_tokens": ctx.section.max_tokens_per_microbatch_in_infer,
+                                   "threads": max(1, int(c.cpus_per_actor)), "output": ctx.output,
+                                   "spec": self.output_spec, "where": ctx.inputs["samples"].path},
+            compute=ActorPoolStrategy(min_size=1, max_size=c.num_actors), num_cpus=c.cpus_per_actor)
+
+    def finalize(self, ctx: StageContext, written: Location) -> tuple[dict[str, float], dict[str, Any]]:
+        parts = read_partials(written)
+        total = sum_partials(parts)
+        seconds = total.get("seconds", 0.0)
+        return {f"{self.name}/tokens": total.get("tokens", 0.0),
+                f"{self.name}/peak_rss_mb": max((p.get("peak_rss_mb", 0.0) for p in parts), default=0.0),
+                f"{self.name}/padded_tokens": total.get("padded_tokens", 0.0),
+                f"{self.name}/compute_seconds": seconds,
+                f"{self.name}/compute_cpu_seconds": total.get("cpu_seconds", 0.0),
+                f"{self.name}/tokens_per_second": total.get("tokens", 0.0) / seconds if seconds else 0.0}, {}
+
+
+class LogProbStage(_ForwardStage):
+    """``old_log_probs`` under the checkpoint, ``ref_log_probs`` under the reference (when enabled; one pass when
+    the reference is the checkpoint), ``entropy`` when configured (spec §1.8, §0.4 step 4)."""
+
+    name = "logprobs"
+    version = "1"
+    output_spec = LOGPROBS
+    section_model = LogProbSection
+
+    def __init__(self, config: ForwardConfig, same_reference: bool = False):
+        super().__init__(config)
+        self.same_reference = same_reference
+
+    def jobs(self, s: LogProbSection) -> list[ForwardJob]:
+        same = s.reference is not None and self.same_reference
+        jobs = [ForwardJob("log_probs", s.checkpoint, "old_log_probs", ("ref_log_probs",) if same else (),
+                           entropy=s.compute_entropy)]
+        if s.reference is not None and not same:
+            jobs.append(ForwardJob("log_probs", s.reference, "ref_log_probs"))
+        return jobs
+
+
+class ValuesStage(_ForwardStage):
+    """``values``: the critic's raw outputs at every next-token position (the values GAE reads, spec §4.2)."""
+
+    name = "values"
+    version = "1"
+    output_spec = VALUES
+    section_model = ValuesSection
+
+    def jobs(self, s: ValuesSection) -> list[ForwardJob]:
+        info = ckpt.read_checkpoint(s.critic)
+        if info.critic_dir is not None:
+            return [ForwardJob("values", info.critic_dir, "values")]
+        return [ForwardJob("values", info.path, "values", actor_dir=info.path, seed=s.seed)]
+
+
+def run_logprobs(samples: str, checkpoint: str, config: ForwardConfig, output: str, *, reference: str | None = None,
+                 force: bool = False) -> StageResult:
+    """``samples`` + ``old_log_probs`` (+ ``ref_log_probs`` under ``reference``, default: the checkpoint, when
+    ``enable_reference``; + ``entropy``) → ``output``, via the runner (skip when up to date)."""
+    from stages.cluster import ensure_ray
+
+    info = ckpt.read_checkpoint(checkpoint)
+    ref_info = ckpt.read_checkpoint(reference) if (reference and config.enable_reference) else None
+    if config.enable_reference and ref_info is None:
+        ref_info = info
+    state_in = {"checkpoint": ckpt.checkpoint_fingerprint(info.path)}
+    if ref_info is not None:
+        state_in["reference"] = ckpt.checkpoint_fingerprint(ref_info.path)
+    section = LogProbSection(checkpoint=info.path, reference=ref_info.path if ref_info else None,
+                             compute_entropy=config.compute_entropy, dtype=config.dtype,
+                             max_tokens_per_microbatch_in_infer=config.max_tokens_per_microbatch_in_infer)
+    ensure_ray(config.runtime.ray_address, config.runtime.num_cpus, progress=False)
+    stage = LogProbStage(config, same_reference=state_in.get("reference") == state_in["checkpoint"])
+    return run_stage(stage, section, {"samples": samples}, output, force=force, state_in=state_in,
+                     batch_rows=config.rows_per_batch)
+
+
+def run_values(samples: str, checkpoint: str, config: ForwardConfig, output: str, *, force: bool = False,
+               ) -> StageResult:
+    """``samples`` + ``values`` under the critic of ``checkpoint`` (its ``critic/`` folder, or a new value head on
+    its actor seeded with ``config.seed`` before the first training step) → ``output``."""
+    from stages.cluster import ensure_ray
+
+    info = ckpt.read_checkpoint(checkpoint)
+    section = ValuesSection(critic=info.path, seed=config.seed, dtype=config.dtype,
+                            max_tokens_per_microbatch_in_infer=config.max_tokens_per_microbatch_in_infer)
+    ensure_ray(config.runtime.ray_address, config.runtime.num_cpus, progress=False)
+    return run_stage(ValuesStage(config), section, {"samples": samples}, output, force=force,
+                     state_in={"critic": ckpt.checkpoint_fingerprint(info.path)}, batch_rows=config.rows_per_batch)

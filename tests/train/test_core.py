@@ -1,0 +1,253 @@
+"""The training core on a real DeepSpeed engine (world of one, CPU, the tiny random model; no Ray).
+
+The engine's step is checked against a bare torch loop (AdamW, clipping, LR schedule) on the same mini-batches,
+so micro-batching, gradient accumulation and the global normalisers are tested by what they must equal."""
+
+import json
+import math
+
+import numpy as np
+import pyarrow as pa
+import pytest
+import torch
+
+from schemas.config import validate_config
+from schemas.errors import ConfigError, SchemaError
+from schemas.tables import FLOATS
+from schemas.train_config import TrainSection, TrainStepConfig
+from stages.train.batching import TokenRows, pad_micro_batch, plan_step
+from stages.train.checkpoint import read_checkpoint
+from stages.train.core import (ActorObjective, Engine, batching_policy, load_actor_model, load_critic_model,
+                               lr_lambda, rows_of_table, run_training, train_step)
+from stages.train.forward import forward_rows
+from tests.train.tables import advantaged_rows
+
+
+def section(**kw) -> TrainSection:
+    base = {"adv_estimator": "grpo", "compute_entropy_metric": False,
+            "actor_train": {"training_args": {"learning_rate": 1e-3, "per_device_train_batch_size": 8},
+                            "max_tokens_per_microbatch_in_train": 96}}
+    for key, value in kw.items():
+        node = base
+        *path, last = key.split(".")
+        for p in path:
+            node = node.setdefault(p, {})
+        node[last] = value
+    return validate_config(TrainStepConfig, base)
+
+
+def with_model_log_probs(table: pa.Table, model_dir) -> pa.Table:
+    """``old_log_probs`` = the model's own log-probs (ratio 1 at the first step), as the log-prob stage writes."""
+    model = load_actor_model(str(model_dir), None).eval()
+    rows = TokenRows.from_arrow(table, "t", columns=())
+    lp = forward_rows(model, rows, 4096).columns["log_probs"]
+    cols = [c for c in table.column_names if c != "old_log_probs"]
+    return table.select(cols).append_column(pa.field("old_log_probs", FLOATS), lp.to_arrow(pa.float32()))
+
+
+@pytest.fixture(scope="module")
+def table(tiny_model):
+    return with_model_log_probs(advantaged_rows(8, lengths=(10, 30), seed=1, multi_turn=True), tiny_model)
+
+
+def bare_torch_loop(model_dir, rows: TokenRows, cfg: TrainSection, step: int = 0):
+    """The reference: plain HF model + torch AdamW + clip_grad_norm_ + LambdaLR, each mini-batch as ONE padded
+    batch. Returns (per-step (loss, grad norm, lr), the model)."""
+    model = load_actor_model(str(model_dir), None)
+    t = cfg.actor_train.training_args
+    opt = torch.optim.AdamW(model.parameters(), lr=t.learning_rate, betas=(t.adam_beta1, t.adam_beta2),
+                            eps=t.adam_epsilon, weight_decay=t.weight_decay)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(t.lr_scheduler_type, t.warmup_steps, t.max_steps))
+    objective = ActorObjective.from_section(cfg)
+    plans = plan_step(rows.lengths, rows.loss_tokens(), policy=batching_policy(cfg.actor_train), world_size=1,
+                      rank=0, ppo_epochs=cfg.ppo_epochs, seed=t.seed, step=step)
+    out = []
+    for plan in plans:
+        index = np.concatenate(plan.micro_batches)
+        mb = pad_micro_batch(rows, index)
+        logits = model(input_ids=mb.input_ids, position_ids=mb.position_ids).logits
+        loss, _ = objective(logits, mb, index, plan)
+        opt.zero_grad()
+        loss.backward()
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), t.max_grad_norm or float("inf"))
+        lr = sched.get_last_lr()[0]
+        opt.step()
+        sched.step()
+        out.append((float(loss), float(norm), lr))
+    return out, model
+
+
+def assert_same_weights(a: torch.nn.Module, b: torch.nn.Module, atol=1e-5):
+    """Equal up to float noise: Adam moves near-zero gradients by up to lr x g / (|g| + eps)."""
+    sa, sb = a.state_dict(), b.state_dict()
+    for name, value in sa.items():
+        torch.testing.assert_close(value.float(), sb[name].float(), atol=atol, rtol=1e-4, msg=lambda m: f"{name}: {m}")
+
+
+@pytest.mark.parametrize("zero_stage", [0, 1, 2])
+def test_engine_step_equals_bare_torch_on_one_padded_batch(zero_stage, dist, tiny_model, table):
+    """Micro-batches of <= 96 tokens with accumulation = one padded batch with plain AdamW and clipping."""
+    cfg = section(**{"actor_train.strategy_args.zero_stage": zero_stage,
+                     "actor_train.training_args.max_grad_norm": 0.5})
+    rows = rows_of_table(table, "t")
+    engine = Engine(load_actor_model(str(tiny_model), None), cfg.actor_train, dist, "actor")
+    report = train_step(rows, engine, None, cfg, dist, step=0, pad_token_id=0)
+    reference, model = bare_torch_loop(tiny_model, rows, cfg)
+    (loss, norm, lr), = reference
+    assert len(report.per_step) == 1 and report.padded_tokens < 8 * rows.lengths.max()  # several micro-batches
+    assert norm > 0.5  # clipping was active
+    assert report.per_step[0]["actor/pg_loss"] == pytest.approx(loss, abs=1e-6)
+    assert report.per_step[0]["actor/grad_norm"] == pytest.approx(norm, rel=1e-4)
+    assert report.per_step[0]["actor/lr"] == pytest.approx(lr)
+    assert_same_weights(engine.module, model)
+
+
+def test_epochs_and_mini_batches_follow_the_plan_like_a_bare_loop(dist, tiny_model, table):
+    cfg = section(**{"ppo_epochs": 2, "actor_train.training_args.per_device_train_batch_size": 3,
+                     "actor_train.training_args.lr_scheduler_type": "cosine",
+                     "actor_train.training_args.warmup_steps": 2, "actor_train.training_args.max_steps": 6})
+    rows = rows_of_table(table, "t")
+    engine = Engine(load_actor_model(str(tiny_model), None), cfg.actor_train, dist, "actor")
+    report = train_step(rows, engine, None, cfg, dist, step=0, pad_token_id=0)
+    reference, model = bare_torch_loop(tiny_model, rows, cfg)
+    assert len(report.per_step) == len(reference) == 6  # 2 epochs x ceil(8 / 3)
+    for got, (loss, norm, lr) in zip(report.per_step, reference):
+        assert got["actor/pg_loss"] == pytest.approx(loss, abs=1e-5)
+        assert got["actor/grad_norm"] == pytest.approx(norm, rel=1e-3)
+        assert got["actor/lr"] == pytest.approx(lr)
+    # Hugging Face's cosine with 2 warmup steps over 6 steps, by hand
+    peak = 1e-3
+    expected = [0.0, 0.5, 1.0, 0.5 * (1 + math.cos(math.pi / 4)), 0.5, 0.5 * (1 + math.cos(3 * math.pi / 4))]
+    assert [s["actor/lr"] for s in report.per_step] == pytest.approx([peak * e for e in expected])
+    assert_same_weights(engine.module, model, atol=3e-5)
+
+
+def test_loss_decreases_on_a_fixed_batch_and_parameters_change(dist, tiny_model, table):
+    cfg = section(**{"ppo_epochs": 4, "actor_train.training_args.learning_rate": 3e-4})
+    rows = rows_of_table(table, "t")
+    model = load_actor_model(str(tiny_model), None)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    engine = Engine(model, cfg.actor_train, dist, "actor")
+    report = train_step(rows, engine, None, cfg, dist, step=0, pad_token_id=0)
+    losses = [s["actor/pg_loss"] for s in report.per_step]
+    assert all(b < a for a, b in zip(losses, losses[1:])), losses
+    assert report.per_step[0]["actor/ratio_max"] == pytest.approx(1.0, abs=1e-5)  # old = the model's own
+    changed = [k for k, v in engine.module.state_dict().items() if not torch.equal(v, before[k])]
+    assert changed
+
+
+def test_without_old_log_probs_the_first_epoch_has_ratio_one_and_later_epochs_use_the_cache(dist, tiny_model):
+    cfg = section(**{"ppo_epochs": 2, "actor_train.training_args.per_device_train_batch_size": 4})
+    rows = rows_of_table(advantaged_rows(8, seed=2), "t")
+    assert "old_log_probs" not in rows.next_token
+    engine = Engine(load_actor_model(str(tiny_model), None), cfg.actor_train, dist, "actor")
+    steps = train_step(rows, engine, None, cfg, dist, step=0, pad_token_id=0).per_step
+    for s in steps[:2]:  # epoch 1: old = detach(log_probs), ratio exactly 1 (spec §6.3 step 2)
+        assert s["actor/ratio_max"] == 1.0 and s["actor/ratio_min"] == 1.0 and s["actor/clipfrac"] == 0.0
+    assert any(s["actor/ratio_max"] != 1.0 for s in steps[2:])  # epoch 2: cached old vs updated policy
+
+
+def test_train_infer_filter_masks_tokens_before_the_counts(dist, tiny_model, table):
+    from stages.train.core import apply_train_infer_correction
+
+    rng = np.random.default_rng(0)
+    old = table.column("old_log_probs").to_pylist()
+    infer = [[v + float(rng.normal(0, 0.3)) if v else 0.0 for v in row] for row in old]
+    t = table.append_column(pa.field("infer_logprobs", FLOATS), pa.array(infer, FLOATS))
+    cfg = section(train_infer_correction={"is_weight": {"enabled": True, "upper_bound": 2.0},
+                                          "filters": [{"enabled": True, "ratio_low": 0.8, "ratio_high": 1.2}]})
+    rows = rows_of_table(t, "t")
+    corrected = apply_train_infer_correction(rows, cfg)
+    assert corrected.loss_tokens().sum() < rows.loss_tokens().sum()
+    w = corrected.next_token["train_infer_is_weight"]
+    assert (w.lengths == rows.lengths - 1).all() and w.values.max() <= 2.0
+    engine = Engine(load_actor_model(str(tiny_model), None), cfg.actor_train, dist, "actor")
+    assert np.isfinite(train_step(rows, engine, None, cfg, dist, 0, 0).metrics["actor/pg_loss"])
+
+
+def test_critic_head_is_seeded_and_the_critic_learns_the_returns(dist, tiny_model, table):
+    a = load_critic_model(None, str(tiny_model), seed=3)
+    b = load_critic_model(None, str(tiny_model), seed=3)
+    assert torch.equal(a.score.weight, b.score.weight)
+    assert not torch.equal(a.score.weight, load_critic_model(None, str(tiny_model), seed=4).score.weight)
+    a.train()
+    ids = torch.arange(12).unsqueeze(0)
+    assert torch.equal(a(input_ids=ids).logits, a(input_ids=ids).logits)  # no dropout in the value head
+    cfg = section(**{"adv_estimator": "gae", "ppo_epochs": 5, "critic_train.training_args.learning_rate": 1e-3,
+                     "critic_train.training_args.per_device_train_batch_size": 8})
+    rows = rows_of_table(table, "t")
+    critic = Engine(a, cfg.critic_train, dist, "critic")
+    steps = train_step(rows, None, critic, cfg, dist, 0, 0).per_step
+    losses = [s["critic/loss"] for s in steps]
+    assert losses[-1] < losses[0] and {"critic/grad_norm", "critic/lr", "critic/vpred"} <= set(steps[0])
+
+
+def test_bf16_engine_trains(dist, tiny_model, table):
+    cfg = section(**{"actor_train.model_args.dtype": "bf16"})
+    engine = Engine(load_actor_model(str(tiny_model), None), cfg.actor_train, dist, "actor")
+    report = train_step(rows_of_table(table, "t"), engine, None, cfg, dist, 0, 0)
+    assert next(engine.module.parameters()).dtype == torch.bfloat16
+    assert np.isfinite(report.metrics["actor/pg_loss"]) and report.metrics["actor/grad_norm"] > 0
+
+
+def test_resume_from_checkpoint_reproduces_the_next_step(dist, tiny_model, table, tmp_path):
+    """base → c1 → c2 through checkpoint folders equals two steps of one engine: same losses, LRs, weights."""
+    cfg = section(**{"adv_estimator": "gae", "ppo_epochs": 2,
+                     "actor_train.training_args.per_device_train_batch_size": 4,
+                     "actor_train.training_args.lr_scheduler_type": "linear",
+                     "actor_train.training_args.max_steps": 8, "actor_train.training_args.warmup_steps": 1,
+                     "critic_train.training_args.learning_rate": 1e-3,
+                     "critic_train.training_args.per_device_train_batch_size": 4})
+    rows = rows_of_table(table, "t")
+    first = run_training(table, "t", str(tiny_model), cfg, str(tmp_path / "c1"), dist)
+    second = run_training(table, "t", str(tmp_path / "c1"), cfg, str(tmp_path / "c2"), dist)
+
+    actor = Engine(load_actor_model(str(tiny_model), None), cfg.actor_train, dist, "actor")
+    critic = Engine(load_critic_model(None, str(tiny_model), cfg.critic_train.training_args.seed), cfg.critic_train,
+                    dist, "critic")
+    straight = [train_step(rows, actor, critic, cfg, dist, step, 0) for step in (0, 1)]
+    for resumed, direct in ((first, straight[0]), (second, straight[1])):
+        assert len(resumed.per_step) == len(direct.per_step) == 4
+        for got, want in zip(resumed.per_step, direct.per_step):
+            for key in ("actor/pg_loss", "critic/loss", "actor/lr", "critic/lr", "actor/grad_norm"):
+                assert got[key] == pytest.approx(want[key], rel=1e-5, abs=1e-7), key
+    from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
+
+    assert_same_weights(AutoModelForCausalLM.from_pretrained(tmp_path / "c2"), actor.module, atol=1e-6)
+    assert_same_weights(AutoModelForTokenClassification.from_pretrained(tmp_path / "c2" / "critic"), critic.module,
+                        atol=1e-6)
+    info = read_checkpoint(str(tmp_path / "c2"))
+    assert info.global_step == 2 and info.optimizer_steps == 8 and info.critic_state and info.actor_state
+    state = json.loads((tmp_path / "c2" / "train_state.json").read_text())
+    assert state["world_size"] == 1 and len(state["per_step"]) == 4
+
+
+def test_checkpoint_is_an_hf_folder_with_tokenizer(dist, tiny_model, table, tmp_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    cfg = section()
+    run_training(table, "t", str(tiny_model), cfg, str(tmp_path / "c"), dist)
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "c")
+    assert model.config.use_cache is not False  # training settings do not leak into the generation model
+    tok = AutoTokenizer.from_pretrained(tmp_path / "c")
+    assert tok.chat_template and tok.eos_token == AutoTokenizer.from_pretrained(tiny_model).eos_token
+    assert not (tmp_path / "c" / "critic").exists()  # grpo: no critic
+
+
+def test_bad_checkpoints_and_configs_are_rejected(tmp_path):
+    with pytest.raises(SchemaError, match="not a Hugging Face model folder"):
+        read_checkpoint(str(tmp_path))
+    with pytest.raises(ConfigError, match="max_steps"):
+        validate_config(TrainStepConfig, {"actor_train": {"training_args": {"lr_scheduler_type": "cosine"}}})
+    with pytest.raises(ConfigError, match="constant_with_warmup"):
+        validate_config(TrainStepConfig, {"actor_train": {"training_args": {"warmup_steps": 3}}})
+    with pytest.raises(ConfigError, match="fp16 needs a GPU"):
+        validate_config(TrainStepConfig, {"actor_train": {"model_args": {"dtype": "fp16"}}})
+    with pytest.raises(ConfigError, match="unknown option"):
+        validate_config(TrainStepConfig, {"actor_train": {"training_args": {"lr": 1.0}}})
+    with pytest.raises(ConfigError, match="dual_clip_c"):
+        validate_config(TrainStepConfig, {"dual_clip_c": 0.5})
+    with pytest.raises(ConfigError, match="agg_type"):
+        validate_config(TrainStepConfig, {"train_infer_correction": {"filters": [{"agg_type": "bogus"}]}})
+    assert validate_config(TrainStepConfig, {"adv_estimator": "gae"}).needs_critic
+    assert not validate_config(TrainStepConfig, {"adv_estimator": "grpo"}).needs_critic

@@ -1,0 +1,143 @@
+"""The Ray side: log-prob and values stages (Ray Data actor pools, via the runner) and the training step on Ray
+Train (2 workers, tiny model) through the CLI: skip on re-run, keep the newest K, worker errors reach the user."""
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+import typer
+from typer.testing import CliRunner
+
+from schemas.errors import ConfigError, SchemaError
+from schemas.train_config import ForwardConfig
+from stages.train.batching import TokenRows
+from stages.train.core import load_actor_model, load_critic_model
+from stages.train.forward import forward_rows
+from stages.train.stage import run_logprobs, run_values
+from tests.train.tables import advantaged_rows, read_folder, write_table
+
+pytestmark = pytest.mark.usefixtures("ray_cluster")
+FORWARD = ForwardConfig(max_tokens_per_microbatch_in_infer=64, rows_per_batch=4, num_actors=2, cpus_per_actor=0.5)
+
+
+@pytest.fixture(scope="module")
+def samples(tmp_path_factory) -> Path:
+    table = advantaged_rows(10, lengths=(6, 30), seed=7, multi_turn=True, empty_row=True)
+    return write_table(table, tmp_path_factory.mktemp("stage") / "samples", parts=3)
+
+
+def direct(model, table: pa.Table, kind="log_probs"):
+    rows = TokenRows.from_arrow(table, "t", columns=())
+    return forward_rows(model.eval(), rows, 10000, kind=kind).columns["values" if kind == "values" else "log_probs"]
+
+
+def perturbed_copy(source: Path, target: Path) -> Path:
+    model = load_actor_model(str(source))
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.05 * p.std() * torch.randn(p.shape, generator=generator))
+    model.save_pretrained(target)
+    from stages.train.checkpoint import copy_tokenizer
+
+    copy_tokenizer(str(source), str(target))
+    return target
+
+
+def test_logprob_stage_adds_ragged_columns_in_row_order_and_skips_when_done(tiny_model, samples, tmp_path):
+    cfg = FORWARD.model_copy(update={"compute_entropy": True})
+    result = run_logprobs(str(samples), str(tiny_model), cfg, str(tmp_path / "lp"))
+    out = read_folder(tmp_path / "lp")
+    table = read_folder(samples)
+    assert out.column("row_id").to_pylist() == table.column("row_id").to_pylist()
+    assert set(table.column_names) < set(out.column_names)
+    want = direct(load_actor_model(str(tiny_model)), table)
+    old = out.column("old_log_probs").to_pylist()
+    for b in range(table.num_rows):
+        np.testing.assert_allclose(old[b], want.row(b), atol=2e-5)
+    assert out.column("ref_log_probs").to_pylist() == old  # reference = checkpoint: computed once, copied
+    lengths = np.array([len(r) for r in table.column("input_ids").to_pylist()])
+    assert [len(e) for e in out.column("entropy").to_pylist()] == (lengths - 1).tolist()
+    assert result.metrics["logprobs/tokens"] == lengths.sum() and not result.skipped
+    assert run_logprobs(str(samples), str(tiny_model), cfg, str(tmp_path / "lp")).skipped
+
+
+def test_reference_model_is_run_separately(tiny_model, samples, tmp_path):
+    reference = perturbed_copy(tiny_model, tmp_path / "ref")
+    run_logprobs(str(samples), str(tiny_model), FORWARD, str(tmp_path / "lp"), reference=str(reference))
+    out = read_folder(tmp_path / "lp")
+    want = direct(load_actor_model(str(reference)), read_folder(samples))
+    refs = out.column("ref_log_probs").to_pylist()
+    assert refs != out.column("old_log_probs").to_pylist()
+    for b, r in enumerate(refs):
+        np.testing.assert_allclose(r, want.row(b), atol=2e-5)
+    no_ref = FORWARD.model_copy(update={"enable_reference": False})
+    run_logprobs(str(samples), str(tiny_model), no_ref, str(tmp_path / "lp2"))
+    assert "ref_log_probs" not in pq.read_schema(next((tmp_path / "lp2").glob("*.parquet"))).names
+
+
+def test_bad_input_fails_before_writing(tiny_model, samples, tmp_path):
+    bad = write_table(read_folder(samples).drop_columns(["response_mask"]), tmp_path / "bad")
+    with pytest.raises(SchemaError, match="response_mask"):
+        run_logprobs(str(bad), str(tiny_model), FORWARD, str(tmp_path / "out"))
+    assert not (tmp_path / "out").exists()
+    with pytest.raises(SchemaError, match="not a Hugging Face model folder"):
+        run_logprobs(str(samples), str(tmp_path), FORWARD, str(tmp_path / "out"))
+    with pytest.raises(ConfigError, match="wait forever"):  # the actor would hold both CPUs of the test cluster
+        run_logprobs(str(samples), str(tiny_model), FORWARD.model_copy(update={"cpus_per_actor": 2.0}),
+                     str(tmp_path / "out"))
+    assert not (tmp_path / "out").exists()
+
+
+def test_values_stage_uses_a_seeded_new_critic_before_training(tiny_model, samples, tmp_path):
+    result = run_values(str(samples), str(tiny_model), FORWARD.model_copy(update={"seed": 9}), str(tmp_path / "v"))
+    out = read_folder(tmp_path / "v")
+    want = direct(load_critic_model(None, str(tiny_model), seed=9), read_folder(samples), "values")
+    for b, v in enumerate(out.column("values").to_pylist()):
+        np.testing.assert_allclose(v, want.row(b), atol=2e-5)
+    assert result.rows == 10
+
+
+def cli() -> typer.Typer:
+    from flows.cli_train import register
+
+    app = typer.Typer()
+    app.callback()(lambda: None)
+    register(app)
+    return app
+
+
+@pytest.mark.slow
+def test_train_step_cli_on_two_workers_skips_prunes_and_reports_worker_errors(tiny_model, samples, tmp_path):
+    config = tmp_path / "train.yaml"
+    config.write_text("adv_estimator: grpo\nppo_epochs: 2\nactor_train:\n  training_args:\n"
+                      "    learning_rate: 1.0e-3\n    per_device_train_batch_size: 2\n"
+                      "  max_tokens_per_microbatch_in_train: 64\nruntime:\n  num_workers: 2\n")
+    runner, app = CliRunner(), cli()
+    args = ["train-step", "--samples", str(samples), "--config", str(config)]
+    first = runner.invoke(app, args + ["--checkpoint", str(tiny_model), "--output", str(tmp_path / "ck" / "s1")])
+    assert first.exit_code == 0, first.output
+    assert "step 1" in first.output and "actor/pg_loss" in first.output
+    manifest = json.loads((tmp_path / "ck" / "s1" / "manifest.json").read_text())
+    assert manifest["state"]["world_size"] == 2 and manifest["rows"] == 10
+    again = runner.invoke(app, args + ["--checkpoint", str(tiny_model), "--output", str(tmp_path / "ck" / "s1")])
+    assert again.exit_code == 0 and "skipped" in again.output
+
+    second = runner.invoke(app, args + ["--checkpoint", str(tmp_path / "ck" / "s1"), "--output",
+                                        str(tmp_path / "ck" / "s2"), "--set", "max_ckpt_to_keep=1"])
+    assert second.exit_code == 0, second.output
+    assert "step 2" in second.output
+    assert sorted(p.name for p in (tmp_path / "ck").iterdir()) == ["s2"]  # the older checkpoint was pruned
+
+    table = read_folder(samples)
+    broken = table.set_column(table.schema.get_field_index("advantages"), "advantages",
+                              pa.array([[0.5]] * table.num_rows, pa.list_(pa.float32())))
+    bad = write_table(broken, tmp_path / "broken")
+    failed = runner.invoke(app, ["train-step", "--samples", str(bad), "--config", str(config), "--checkpoint",
+                                 str(tiny_model), "--output", str(tmp_path / "ck" / "bad")])
+    assert failed.exit_code == 2 and "'advantages'" in failed.output, failed.output
+    assert not (tmp_path / "ck" / "bad").exists()
