@@ -196,6 +196,10 @@ def _register_commands() -> None:
     from flows.cli_train import register as register_training
 
     register_training(app)
+    from flows.cli_rollout import rollout, show
+
+    app.command()(rollout)
+    app.command()(show)
 
 
 _register_commands()

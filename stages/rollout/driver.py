@@ -1,0 +1,160 @@
+"""``run_rollout``: the episode loop as a chain of committed stages over one engine pool.
+
+    <output>/episodes/             reset table (turn_idx -1): levels, first prompts
+    <output>/turns/turn_000/ ...   one table per turn: the episodes still running at that turn
+    <output>/samples/              training samples (step or trajectory level) + rollout metrics
+
+Every stage goes through the one runner, so re-running the same command skips committed work: a rollout killed in
+turn k builds its engines once and continues at turn k. The pool is created here once per rollout (or passed in by a
+training flow that reuses it across iterations with ``use_checkpoint``) and is built lazily, on the first turn that
+actually runs.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from schemas.errors import ConfigError
+from schemas.rollout_config import RolloutConfig, samples_section, turn_section
+from stages.rollout.engine_pool import EnginePool, checkpoint_fingerprint
+from stages.rollout.stages import ResetStage, SamplesStage, TurnStage
+from stages.runner import StageResult, run_stage
+from stages.storage import Location, read_manifest
+
+log = logging.getLogger("rollflow.rollout")
+
+EPISODES_DIR, TURNS_DIR, SAMPLES_DIR = "episodes", "turns", "samples"
+
+
+def turn_dir_name(turn: int) -> str:
+    return f"turn_{turn:03d}"
+
+
+@dataclass
+class RolloutResult:
+    """Where everything went and what it cost."""
+
+    output: str
+    model_dir: str
+    episodes: StageResult
+    turns: list[StageResult]
+    samples: StageResult
+    engine_build_seconds: float = 0.0
+    seconds: float = 0.0
+    timings: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def metrics(self) -> dict[str, float]:
+        return self.samples.metrics
+
+
+def resolve_model_dir(checkpoint: str | None) -> str:
+    """``checkpoint`` (an HF folder) or the default model, converted once."""
+    from stages.generation.engines import check_model_dir
+    from stages.generation.model_store import default_model_dir
+
+    return str(check_model_dir(checkpoint) if checkpoint else default_model_dir())
+
+
+def _check_env(config: RolloutConfig) -> None:
+    from stages.envs import ENVIRONMENTS
+
+    if config.env.tag not in ENVIRONMENTS:
+        raise ConfigError(f"env.tag '{config.env.tag}' is not a registered environment; known: "
+                          f"{', '.join(ENVIRONMENTS.names())}")
+    spec = ENVIRONMENTS.get(config.env.tag)
+    if spec.needs_data and not ({"data", "data_path"} & config.env.env_config.keys()):
+        raise ConfigError(f"environment '{config.env.tag}' needs data: set env.env_config.data_path to a .jsonl file")
+
+
+def _remove_stale_turns(out: Location, last_turn: int) -> None:
+    """After a forced re-run: drop turn tables beyond the last turn played now (they belong to the old run)."""
+    turns = out.child(TURNS_DIR)
+    if not turns.exists():
+        return
+    for info in turns.list():
+        name = info.base_name
+        if name.startswith("turn_") and name[5:].isdigit() and int(name[5:]) > last_turn:
+            Location(turns.fs, info.path).rmtree()
+
+
+def run_rollout(config: RolloutConfig, output: str, checkpoint: str | None = None, *, force: bool = False,
+                pool: EnginePool | None = None,
+                on_event: Callable[[str, dict[str, Any]], None] | None = None) -> RolloutResult:
+    """Play ``config.num_episodes`` episodes with the policy in ``checkpoint`` and write the tables under ``output``.
+
+    ``pool``: an engine pool to reuse (it is pointed at ``checkpoint`` with in-place weight loading and left open);
+    without one a pool is created and closed here. ``on_event(name, info)`` is called after each committed stage
+    (names ``episodes``, ``turn``, ``samples``) — for progress output.
+    """
+    from stages.cluster import ensure_ray
+
+    start = time.time()
+    notify = on_event or (lambda name, info: None)
+    _check_env(config)
+    model_dir = resolve_model_dir(checkpoint)
+    ensure_ray(config.runtime.ray_address, config.runtime.num_cpus, progress=False)
+    section = turn_section(config)
+    state = {"checkpoint": checkpoint_fingerprint(model_dir)}
+    out = Location.of(output)
+    timings: dict[str, float] = {}
+
+    own_pool = pool is None
+    if own_pool:
+        pool = EnginePool(config.engine, model_dir, section.engine.max_model_len)
+    else:  # a training flow's pool: same engines, this iteration's weights
+        timings["load_weights_seconds"] = pool.use_checkpoint(model_dir)
+    turns: list[StageResult] = []
+    try:
+        episodes = run_stage(ResetStage(pool), section, {}, out.child(EPISODES_DIR).path, force=force,
+                             state_in=state, batch_rows=config.runtime.batch_rows)
+        timings["reset_seconds"] = episodes.seconds
+        notify("episodes", {"result": episodes})
+        previous = episodes
+        for turn in range(config.env.max_steps):
+            active = int(previous.metrics.get("active", 0))
+            if active == 0:
+                break
+            stage = TurnStage(turn, pool, active)
+            result = run_stage(stage, section, {"previous": previous.output},
+                               out.child(TURNS_DIR).child(turn_dir_name(turn)).path, force=force,
+                               state_in={**state, "turn": turn}, batch_rows=config.runtime.batch_rows)
+            turns.append(result)
+            notify("turn", {"turn": turn, "result": result})
+            previous = result
+        if force:
+            _remove_stale_turns(out, len(turns) - 1)
+        names = [turn_dir_name(t) for t in range(len(turns))]
+        samples = run_stage(SamplesStage(names), samples_section(config),
+                            {name: r.output for name, r in zip(names, turns)}, out.child(SAMPLES_DIR).path,
+                            force=force, batch_rows=config.runtime.batch_rows)
+        notify("samples", {"result": samples})
+        build_seconds = pool.build_seconds if own_pool and pool.built else 0.0
+    finally:
+        if own_pool:
+            pool.close()
+    timings.update({
+        "turn_seconds": sum(t.seconds for t in turns),
+        "generate_seconds": sum(t.metrics.get("generate_seconds", 0.0) for t in turns if not t.skipped),
+        "env_seconds": sum(t.metrics.get("env_seconds", 0.0) for t in turns if not t.skipped),
+        "samples_seconds": samples.seconds,
+    })
+    return RolloutResult(out.path, model_dir, episodes, turns, samples, build_seconds, time.time() - start, timings)
+
+
+def committed_turn_dirs(output: str) -> list[Location]:
+    """The turn tables of a rollout folder, in turn order: those the samples stage read if it committed, else every
+    committed ``turns/turn_*`` folder (a rollout still running or killed)."""
+    out = Location.of(output)
+    manifest = read_manifest(out.child(SAMPLES_DIR)) if out.child(SAMPLES_DIR).exists() else None
+    turns = out.child(TURNS_DIR)
+    if manifest:  # the names, resolved inside this folder (it may have been moved since)
+        return [turns.child(name) for name in sorted(manifest.get("inputs", {}))]
+    if not turns.exists():
+        return []
+    found = sorted(i.base_name for i in turns.list() if i.base_name.startswith("turn_"))
+    return [turns.child(name) for name in found if read_manifest(turns.child(name)) is not None]
+

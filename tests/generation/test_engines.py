@@ -1,0 +1,120 @@
+"""The engine contract without a model: sampling spec rules, seeds, request expansion, filters, chat prompts."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from schemas.errors import ConfigError, RollflowError
+from stages.generation.engines import (
+    GENERATION_BACKENDS,
+    GenRequest,
+    GenResult,
+    SamplingSpec,
+    build_engine,
+    chat_prompt_token_ids,
+    check_model_dir,
+    expand_requests,
+    load_tokenizer,
+    sample_seed,
+)
+from stages.generation.hf_backend import filter_logits
+
+
+def test_backends_are_registered_under_their_names() -> None:
+    with pytest.raises(KeyError, match="known: hf, vllm"):
+        build_engine("sglang", ".")
+    assert GENERATION_BACKENDS.names() == ["hf", "vllm"]
+
+
+@pytest.mark.parametrize("bad", [dict(temperature=-0.1), dict(top_p=0.0), dict(top_p=1.5), dict(max_new_tokens=0),
+                                 dict(n=0), dict(stop=("",))])
+def test_sampling_spec_rejects_bad_values(bad: dict) -> None:
+    with pytest.raises(ConfigError):
+        SamplingSpec(**bad)
+
+
+def test_sample_seeds_are_stable_distinct_and_31_bit() -> None:
+    seeds = [sample_seed(seed, i) for seed in range(50) for i in range(8)]
+    assert len(set(seeds)) == len(seeds)
+    assert all(0 <= s < 2**31 for s in seeds)
+    assert sample_seed(0, 0) == sample_seed(0, 0)
+    assert sample_seed(1, 0) != sample_seed(0, 1)  # neighbouring seeds do not share samples
+
+
+def test_expand_requests_is_request_major_and_caps_the_budget_at_the_context() -> None:
+    requests = [GenRequest([1, 2, 3], SamplingSpec(n=2, seed=5, max_new_tokens=10)),
+                GenRequest([4] * 8, SamplingSpec(n=3, seed=6, max_new_tokens=10))]
+    jobs = expand_requests(requests, max_model_len=12)
+    assert [(j.request_index, j.sample_index) for j in jobs] == [(0, 0), (0, 1), (1, 0), (1, 1), (1, 2)]
+    assert [j.max_new_tokens for j in jobs] == [9, 9, 4, 4, 4]
+    assert [j.seed for j in jobs[2:]] == [sample_seed(6, i) for i in range(3)]
+
+
+def test_expand_requests_rejects_empty_and_overlong_prompts() -> None:
+    with pytest.raises(RollflowError, match="request 1 has an empty prompt"):
+        expand_requests([GenRequest([1]), GenRequest([])], max_model_len=8)
+    with pytest.raises(ConfigError, match="request 0: prompt has 8 tokens.*max_model_len=8"):
+        expand_requests([GenRequest([1] * 8)], max_model_len=8)
+
+
+def test_gen_result_checks_its_invariants() -> None:
+    ok = GenResult(0, 0, [1], [5, 6], [-0.1, -0.2], "length", "ab")
+    assert ok.truncated and not GenResult(0, 0, [1], [5], [-0.1], "stop", "a").truncated
+    with pytest.raises(RollflowError, match="2 log-probs for 1 response tokens"):
+        GenResult(0, 0, [1], [5], [-0.1, -0.2], "stop", "a")
+    with pytest.raises(RollflowError, match="finish_reason 'abort'"):
+        GenResult(0, 0, [1], [5], [-0.1], "abort", "a")
+
+
+def test_check_model_dir_names_the_fix(tmp_path: Path) -> None:
+    with pytest.raises(RollflowError, match="no config.json"):
+        check_model_dir(tmp_path)
+    (tmp_path / "config.json").write_text("{}")
+    with pytest.raises(RollflowError, match="no \\*.safetensors"):
+        check_model_dir(tmp_path)
+
+
+def filter_logits_loop(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
+    """Reference: one row at a time, the definitions written out plainly."""
+    scaled = (logits / temperature).tolist()
+    order = sorted(range(len(scaled)), key=lambda v: -scaled[v])
+    kept = order[:top_k] if top_k > 0 else order
+    total = sum(math.exp(scaled[v]) for v in kept)
+    nucleus, mass = [], 0.0
+    for v in kept:
+        if mass >= top_p:
+            break
+        nucleus.append(v)
+        mass += math.exp(scaled[v]) / total
+    return torch.tensor([scaled[v] if v in nucleus else -math.inf for v in range(len(scaled))])
+
+
+@pytest.mark.parametrize("temperature,top_k,top_p", [(1.0, -1, 1.0), (0.7, 3, 1.0), (1.3, -1, 0.6), (0.9, 4, 0.8),
+                                                     (1.0, 1, 1.0), (1.0, -1, 1e-6)])
+def test_filter_logits_matches_the_row_loop(temperature: float, top_k: int, top_p: float) -> None:
+    logits = torch.randn(5, 11, generator=torch.Generator().manual_seed(3))
+    fast = filter_logits(logits, torch.full((5,), temperature), torch.full((5,), top_k), torch.full((5,), top_p))
+    for row in range(5):
+        torch.testing.assert_close(fast[row], filter_logits_loop(logits[row], temperature, top_k, top_p))
+
+
+def test_filter_logits_hand_case() -> None:
+    """Probabilities 0.5, 0.3, 0.15, 0.05: top_p=0.7 keeps the first two (0.5 < 0.7 ≤ 0.8); top_k=3 drops the last."""
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
+    kept = filter_logits(logits, torch.ones(1), torch.tensor([-1]), torch.tensor([0.7])).isfinite()
+    assert kept.tolist() == [[True, True, False, False]]
+    kept = filter_logits(logits, torch.ones(1), torch.tensor([3]), torch.tensor([1.0])).isfinite()
+    assert kept.tolist() == [[True, True, True, False]]
+
+
+def test_chat_prompt_uses_the_tokenizer_template(tiny_model: Path) -> None:
+    tokenizer = load_tokenizer(tiny_model)
+    ids = chat_prompt_token_ids(tokenizer, [{"role": "user", "content": "Hi there"}])
+    text = tokenizer.decode(ids)
+    assert text.startswith("<|im_start|>system\n") and text.endswith("<|im_start|>user\nHi there<|im_end|>\n"
+                                                                      "<|im_start|>assistant\n")
+    assert all(isinstance(t, int) for t in ids)

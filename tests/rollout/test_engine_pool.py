@@ -1,0 +1,38 @@
+"""The engine pool's settings (no actors built): engine options per backend and checkpoint identity."""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+from schemas.rollout_config import EngineConfig
+from stages.rollout.engine_pool import EnginePool, checkpoint_fingerprint
+
+
+def test_vllm_on_cpu_prefills_prompts_whole_unless_configured(tmp_path):
+    options = EnginePool(EngineConfig(backend="vllm", threads=2), tmp_path, 2048)._options()
+    assert options["engine_kwargs"] == {"enable_chunked_prefill": False, "max_num_batched_tokens": 8192}
+    assert options["max_model_len"] == 2048 and options["num_threads"] == 2
+    mine = EngineConfig(backend="vllm", options={"engine_kwargs": {"max_num_batched_tokens": 4096}})
+    assert EnginePool(mine, tmp_path, 2048)._options()["engine_kwargs"]["max_num_batched_tokens"] == 4096
+    gpu = EnginePool(EngineConfig(backend="vllm", num_gpus_per_engine=1), tmp_path, 2048)._options()
+    assert "engine_kwargs" not in gpu
+    hf = EnginePool(EngineConfig(backend="hf", dtype="float32", options={"max_batch_size": 4}), tmp_path, 512)
+    assert hf._options() == {"dtype": "float32", "max_model_len": 512, "num_threads": hf._threads(),
+                             "max_batch_size": 4}
+
+
+def test_checkpoint_identity_follows_the_weights(tiny_model, tmp_path):
+    copy = tmp_path / "ckpt"
+    shutil.copytree(tiny_model, copy)
+    before = checkpoint_fingerprint(copy)
+    assert before == checkpoint_fingerprint(copy) and before["path"] == str(copy.resolve())
+    weights = next(copy.glob("*.safetensors"))
+    os.utime(weights, ns=(weights.stat().st_atime_ns, weights.stat().st_mtime_ns + 10**9))
+    assert checkpoint_fingerprint(copy) != before
+
+
+def test_pool_is_lazy(tiny_model, tmp_path):
+    pool = EnginePool(EngineConfig(backend="hf"), tiny_model, 512)
+    assert not pool.built and pool.use_checkpoint(tmp_path) == 0.0 and pool.model_dir == str(tmp_path.resolve())
+    pool.close()  # nothing to close

@@ -1,0 +1,161 @@
+"""The rollout as committed Ray Data stages with the HF backend on the tiny random model (plumbing, not quality):
+the CLI writes every table, samples validate, a re-run skips everything without building an engine, a rollout
+killed in the middle of a turn resumes to the same samples as an uninterrupted one, and ``show`` renders it.
+
+The tiny random model writes garbage, so every reply is unparseable: that exercises the format penalty path.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.dataset as pads
+import pytest
+import typer
+import yaml
+from typer.testing import CliRunner
+
+from flows.cli_rollout import rollout, show
+from schemas.config import load_config
+from schemas.rollout_config import RolloutConfig
+from schemas.tables import SAMPLES, check_row_invariants, check_structure
+from stages.storage import Location, read_manifest
+
+CONFIG = {"sample_level": "step", "sequence_length": 1024, "seed": 7,
+          "env": {"num_env_groups": 2, "group_size": 2, "max_steps": 3},
+          "generating_args": {"max_new_tokens": 8, "temperature": 1.0},
+          "engine": {"backend": "hf", "dtype": "float32", "threads": 1, "options": {"max_batch_size": 8}},
+          "runtime": {"num_cpus": 2}}
+
+CHILD = """
+import sys
+from flows import settings
+settings.configure()
+from schemas.config import load_config
+from schemas.rollout_config import RolloutConfig
+from stages.rollout.driver import run_rollout
+if __name__ == "__main__":
+    run_rollout(load_config(RolloutConfig, sys.argv[1]), sys.argv[3], sys.argv[2])
+"""
+
+
+def _app() -> typer.Typer:
+    app = typer.Typer()
+    app.command()(rollout)
+    app.command()(show)
+    return app
+
+
+def _table(folder: Path) -> pa.Table:
+    files = Location.of(str(folder)).parquet_files()
+    return pads.dataset(files).to_table().sort_by("row_id" if "row_id" in pads.dataset(files).schema.names
+                                                  else "traj_id")
+
+
+@pytest.fixture(scope="module")
+def config_file(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("cfg") / "rollout.yaml"
+    path.write_text(yaml.safe_dump(CONFIG))
+    return path
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory, config_file, tiny_model) -> Path:
+    out = tmp_path_factory.mktemp("run") / "a"
+    result = CliRunner().invoke(_app(), ["rollout", "--config", str(config_file), "--checkpoint", str(tiny_model),
+                                         "--output", str(out)])
+    assert result.exit_code == 0, result.output
+    assert "turn   3:" in result.output and "rollout/format_penalty_rate" in result.output
+    return out
+
+
+def test_rollout_commits_every_table_and_valid_samples(uninterrupted):
+    for name in ("episodes", "turns/turn_000", "turns/turn_001", "turns/turn_002", "samples"):
+        assert read_manifest(Location.of(str(uninterrupted / name))) is not None, name
+    assert not (uninterrupted / "turns" / "turn_003").exists()
+    samples = _table(uninterrupted / "samples")
+    SAMPLES.check_schema(samples.schema, "test", ("state_hash", "infer_logprobs", "prompt_len"))
+    check_row_invariants(SAMPLES, samples, "test")
+    check_structure(samples, "test", group_size=2)
+    assert samples.num_rows == 4 * 3  # garbage replies never end an episode early: 4 episodes x max_steps
+    # every reply was unparseable: the format penalty is the reward, recorded in the turn rows
+    turns = pa.concat_tables([_table(uninterrupted / "turns" / f"turn_{t:03d}") for t in range(3)])
+    assert not any(turns.column("action_valid").to_pylist())
+    assert turns.column("format_penalty").to_pylist() == pytest.approx([-0.01] * 12)
+    assert turns.column("reward").to_pylist() == pytest.approx([-0.01] * 12)
+    assert samples.column("score").to_pylist() == pytest.approx([-0.01] * 12)
+    assert samples.column("episode_score").to_pylist() == pytest.approx([-0.03] * 12)
+    assert set(turns.column("finish_reason").to_pylist()) <= {"stop", "length"}
+    cut = turns.filter(pa.compute.field("finish_reason") == "length")
+    assert all(len(ids) == 8 for ids in cut.column("response_ids").to_pylist())  # cut at max_new_tokens
+    assert all(cut.column("response_truncated").to_pylist())
+    metrics = read_manifest(Location.of(str(uninterrupted / "samples")))["metrics"]
+    assert metrics["rollout/format_penalty_rate"] == 1.0 and metrics["rollout/episodes"] == 4
+    assert metrics["env/FrozenLake/num_actions"] == 3
+
+
+def test_rerun_skips_every_stage_and_builds_no_engine(uninterrupted, config_file, tiny_model):
+    from stages.rollout.driver import run_rollout
+
+    result = run_rollout(load_config(RolloutConfig, config_file), str(uninterrupted), str(tiny_model))
+    assert result.episodes.skipped and all(t.skipped for t in result.turns) and result.samples.skipped
+    assert result.engine_build_seconds == 0.0
+
+
+def test_show_renders_episodes_turn_by_turn(uninterrupted):
+    result = CliRunner().invoke(_app(), ["show", str(uninterrupted), "--episodes", "2", "--max-text", "30"])
+    assert result.exit_code == 0, result.output
+    out = result.output
+    assert out.count("episode FrozenLake_") == 2 and out.count("  turn 3") == 2
+    assert "format penalty -0.01" in out and "reward: -0.01" in out and "ended: max_steps" in out
+    grid = [line.strip() for line in out.splitlines() if line.strip() and set(line.strip()) <= set("_OGP")]
+    assert grid and all(len(line) == 4 for line in grid)
+
+
+def test_cli_reports_config_errors(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(yaml.safe_dump({**CONFIG, "env": {**CONFIG["env"], "tag": "NoSuchGame"}}))
+    result = CliRunner().invoke(_app(), ["rollout", "--config", str(bad), "--output", str(tmp_path / "o")])
+    assert result.exit_code == 2 and "NoSuchGame" in result.output and "FrozenLake" in result.output
+
+
+def _wait_for_tmp_of_turn(out: Path, turn: int, proc: subprocess.Popen, limit: float = 300.0) -> None:
+    turns = out / "turns"
+    deadline = time.time() + limit
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            raise AssertionError(f"the rollout finished before turn {turn} could be interrupted")
+        if turns.exists() and any(p.name.startswith(f".turn_{turn:03d}.tmp-") for p in turns.iterdir()):
+            return
+        time.sleep(0.02)
+    raise AssertionError(f"turn {turn} did not start within {limit} s")
+
+
+def test_rollout_killed_mid_turn_resumes_to_the_same_samples(uninterrupted, config_file, tiny_model, tmp_path):
+    from stages.rollout.driver import run_rollout
+    from stages.rollout.show import render_rollout
+
+    out = tmp_path / "b"
+    repo = Path(__file__).resolve().parents[2]
+    proc = subprocess.Popen([sys.executable, "-c", CHILD, str(config_file), str(tiny_model), str(out)], cwd=repo,
+                            start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        _wait_for_tmp_of_turn(out, 2, proc)  # turn 2 is being written: turns 0 and 1 are committed
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)  # the child's whole session: driver, its Ray and its engine
+        proc.wait()
+    assert read_manifest(Location.of(str(out / "turns" / "turn_001"))) is not None
+    assert read_manifest(Location.of(str(out / "turns" / "turn_002"))) is None
+    partial = render_rollout(str(out), episodes=1)  # show reads what is committed so far
+    assert "2 turn table(s)" in partial and "still running" in partial and "  turn 2" in partial
+    result = run_rollout(load_config(RolloutConfig, config_file), str(out), str(tiny_model))
+    assert result.episodes.skipped and [t.skipped for t in result.turns] == [True, True, False]
+    assert not any(p.name.startswith(".turn_") for p in (out / "turns").iterdir())  # leftovers cleaned
+    for name in ("turns/turn_000", "turns/turn_001", "turns/turn_002", "samples"):
+        assert _table(out / name).equals(_table(uninterrupted / name)), name
