@@ -16,24 +16,7 @@ from flows import settings
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="rollflow: ROLL's RL post-training algorithms as Prefect flows of Ray Data stages.")
 
-OverrideOpt = typer.Option(None, "--set", help="Config override key=value (dotted keys, YAML values); repeatable.")
-
-
-def _fail(err: Exception) -> None:
-    typer.echo(f"error: {err}", err=True)
-    raise typer.Exit(2)
-
-
-def _guard(fn):
-    """Run ``fn`` and turn rollflow's user errors into a message and exit 2."""
-    from schemas.errors import RollflowError
-
-    try:
-        return fn()
-    except RollflowError as err:
-        _fail(err)
-    except FileExistsError as err:
-        _fail(err)
+from flows.cli_common import OverrideOpt, fail as _fail, guard as _guard  # noqa: E402
 
 
 @app.callback()

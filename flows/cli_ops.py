@@ -17,22 +17,8 @@ from typing import Optional
 
 import typer
 
-OverrideOpt = typer.Option(None, "--set", help="Config override key=value (dotted keys, YAML values); repeatable.")
+from flows.cli_common import OverrideOpt, fail as _fail, guard as _guard
 FLOWS = ("recompute",)  # deployable flows; the training flow joins when it exists
-
-
-def _fail(err: Exception) -> None:
-    typer.echo(f"error: {err}", err=True)
-    raise typer.Exit(2)
-
-
-def _guard(fn):
-    from schemas.errors import RollflowError
-
-    try:
-        return fn()
-    except (RollflowError, FileExistsError) as err:
-        _fail(err)
 
 
 def _interrupt(signum: int, frame: object) -> None:

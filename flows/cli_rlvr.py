@@ -17,21 +17,7 @@ from typing import Any, Optional
 
 import typer
 
-OverrideOpt = typer.Option(None, "--set", help="Config override key=value (dotted keys, YAML values); repeatable.")
-
-
-def _fail(err: Exception) -> None:
-    typer.echo(f"error: {err}", err=True)
-    raise typer.Exit(2)
-
-
-def _guard(fn):
-    from schemas.errors import RollflowError
-
-    try:
-        return fn()
-    except (RollflowError, FileExistsError) as err:
-        _fail(err)
+from flows.cli_common import OverrideOpt, fail as _fail, guard as _guard
 
 
 def score_responses(input_dir: str, output_dir: str, cfg, *, advantages: bool = False, force: bool = False,

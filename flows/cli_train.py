@@ -12,17 +12,7 @@ from typing import Optional
 
 import typer
 
-OverrideOpt = typer.Option(None, "--set", help="Config override key=value (dotted keys, YAML values); repeatable.")
-
-
-def _guarded(fn):
-    from schemas.errors import RollflowError
-
-    try:
-        return fn()
-    except (RollflowError, FileExistsError) as err:
-        typer.echo(f"error: {err}", err=True)
-        raise typer.Exit(2)
+from flows.cli_common import OverrideOpt, guard as _guarded
 
 
 def _state(result) -> str:

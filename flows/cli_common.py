@@ -1,0 +1,25 @@
+"""What every ``rollflow`` command module shares: the ``--set`` option and the one way user errors end a command
+(one message on stderr naming what, where and the fix; exit status 2)."""
+
+from __future__ import annotations
+
+import typer
+
+OverrideOpt = typer.Option(None, "--set", help="Config override key=value (dotted keys, YAML values); repeatable.")
+
+
+def fail(err: Exception) -> None:
+    """Print ``err`` as a user error and exit with status 2."""
+    typer.echo(f"error: {err}", err=True)
+    raise typer.Exit(2)
+
+
+def guard(fn):
+    """Run ``fn``; rollflow's user errors (bad input, bad config) and existing outputs end the command via
+    :func:`fail`. Anything else is a bug and propagates with its traceback."""
+    from schemas.errors import RollflowError
+
+    try:
+        return fn()
+    except (RollflowError, FileExistsError) as err:
+        fail(err)
