@@ -1,44 +1,16 @@
 """Session fixtures of the spine tests: one local Ray cluster, small generated example sets, one reference run.
 
-Prefect runs in its ephemeral mode with its database in a temporary ``PREFECT_HOME`` (set before anything imports
-Prefect); a developer's ``PREFECT_API_URL`` is ignored here, the server test starts its own server.
+Prefect's home and the logging set-up are process-wide: see ``tests/conftest.py``.
 """
 
 from __future__ import annotations
 
-import atexit
-import os
-import shutil
-import tempfile
-
 import pytest
 
-_PREFECT_HOME = tempfile.mkdtemp(prefix="rollflow-test-prefect-")
-atexit.register(shutil.rmtree, _PREFECT_HOME, True)  # after Prefect's own exit handler stopped its server
-os.environ["PREFECT_HOME"] = _PREFECT_HOME
-os.environ.pop("PREFECT_API_URL", None)
-os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
-os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
-os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-os.environ.setdefault("PYTHONHASHSEED", "0")
-os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")
-
-# The CLI calls logging.basicConfig(), which binds a root handler to the sys.stderr of that moment: inside a Typer
-# CliRunner call that stream is closed afterwards ("--- Logging error ---" in every later command). Bind it now.
-import logging  # noqa: E402
-
-logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-
-from stages.example import ExampleSpec, generate  # noqa: E402
-from tests.spine.helpers import GIGPO, run_recompute  # noqa: E402
+from stages.example import ExampleSpec, generate
+from tests.spine.helpers import GIGPO, run_recompute
 
 SMALL = dict(response_len=(8, 32), prompt_len=(4, 12))
-
-
-@pytest.fixture(scope="session")
-def prefect_home() -> str:
-    return _PREFECT_HOME
 
 
 @pytest.fixture(scope="session")

@@ -1,0 +1,40 @@
+"""Process-wide test set-up, applied before any test module imports Prefect or Ray.
+
+- Prefect runs in its ephemeral mode with its database in a temporary ``PREFECT_HOME``; a developer's
+  ``PREFECT_API_URL`` is ignored (the server tests start their own server).
+- Logging handlers are bound now, to the session's stderr. The CLI tests call commands through Typer's
+  ``CliRunner``, which swaps ``sys.stderr`` for a buffer it closes afterwards; a handler created inside such a call
+  (``logging.basicConfig`` in the CLI, Prefect's console handler on its first import) would keep that closed stream
+  and print ``--- Logging error ---`` in every later command, whichever test directory ran first.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+import shutil
+import tempfile
+
+import pytest
+
+_PREFECT_HOME = tempfile.mkdtemp(prefix="rollflow-test-prefect-")
+atexit.register(shutil.rmtree, _PREFECT_HOME, True)  # after Prefect's own exit handler stopped its server
+os.environ["PREFECT_HOME"] = _PREFECT_HOME
+os.environ.pop("PREFECT_API_URL", None)
+os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
+os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+os.environ.setdefault("PYTHONHASHSEED", "0")
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")
+
+logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+import prefect.main  # noqa: E402,F401  (runs Prefect's setup_logging() now, outside any CliRunner call)
+
+
+
+@pytest.fixture(scope="session")
+def prefect_home() -> str:
+    """The temporary ``PREFECT_HOME`` of this test session (the ephemeral database lives there)."""
+    return _PREFECT_HOME
