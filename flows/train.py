@@ -153,6 +153,7 @@ def train_flow(cfg: dict) -> dict:
             if config.eval.eval_steps:
                 ev = eval_task(config, f"{run.path}/eval_base", checkpoint, pool)
                 metrics.log(0, "eval", _rollout_metrics(ev), wall_s=ev.seconds)
+                summary["base_eval"] = ev.samples.metrics
             for k in range(config.max_steps):
                 here = iter_dir(run.path, k)
                 ro = rollout_task(config, k, f"{here}/rollout", checkpoint, pool)
@@ -172,11 +173,13 @@ def train_flow(cfg: dict) -> dict:
                 tr = train_task(config, adv.output, checkpoint, f"{here}/checkpoint")
                 _record(metrics, k, "train", tr)
                 checkpoint = tr.output
+                evaluated = None
                 if config.eval.eval_steps and (k + 1) % config.eval.eval_steps == 0:
                     ev = eval_task(config, f"{here}/eval", checkpoint, pool)
                     metrics.log(k + 1, "eval", _rollout_metrics(ev), wall_s=ev.seconds)
-                summary["iterations"].append({"iteration": k, "checkpoint": checkpoint,
-                                              "train_metrics": tr.metrics, "rollout_metrics": ro.samples.metrics})
+                    evaluated = ev.samples.metrics
+                summary["iterations"].append({"iteration": k, "checkpoint": checkpoint, "train_metrics": tr.metrics,
+                                              "rollout_metrics": ro.samples.metrics, "eval_metrics": evaluated})
         finally:
             pool.close()
     summary["seconds"] = time.time() - started

@@ -125,7 +125,8 @@ def test_bug8_difficulty_weights_applied_and_compat_ignores_them():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.parametrize("name", [AGENTIC[0], sorted(DEFECT_CASES)[0], RLVR[-1], BASE[0]])
+@pytest.mark.parametrize("name", [names[i] for names, i in ((AGENTIC, 0), (sorted(DEFECT_CASES), 0), (RLVR, -1),
+                                                              (BASE, 0)) if names])
 def test_same_result_on_cuda(name):
     c = load(name)
     cfg = loss_config(c)

@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -59,26 +61,46 @@ def test_cpu_budget_check_names_the_fix():
 
 def _rollflow(*args: str, env: dict) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "flows.cli", *args], cwd=REPO, env=env, capture_output=True,
-                          text=True, timeout=1500)
+                          text=True, timeout=1500, start_new_session=True)
 
 
-@pytest.mark.slow
-def test_train_run_end_to_end_then_resume_skips_everything(tmp_path):
+def _tiny_args(runs_dir: Path, name: str) -> list[str]:
+    """A two-iteration FrozenLake GRPO run on the tiny random model (HF engine, fp32) — the shipped config with
+    small sizes, not a mock: the same flow, runner, engines and DeepSpeed as the default run."""
     from stages.generation.model_store import tiny_random_model_dir
 
-    env = {**os.environ, "PREFECT_HOME": str(tmp_path / "prefect"), "ROLLFLOW_CACHE": str(REPO / ".cache")}
-    args = ["train", "--config", "configs/train_frozenlake_grpo.yaml", "--set", "run_name=t",
-            "--set", f"runs_dir={tmp_path}", "--set", "max_steps=1", "--set", f"pretrain={tiny_random_model_dir()}",
+    return ["train", "--config", "configs/train_frozenlake_grpo.yaml", "--set", f"run_name={name}",
+            "--set", f"runs_dir={runs_dir}", "--set", "max_steps=2", "--set", f"pretrain={tiny_random_model_dir()}",
             "--set", "rollout.engine.backend=hf", "--set", "rollout.engine.options={}",
             "--set", "rollout.env.num_env_groups=2", "--set", "rollout.env.group_size=2",
             "--set", "rollout_batch_size=4", "--set", "rollout.env.max_steps=2",
             "--set", "rollout.generating_args.max_new_tokens=8", "--set", "eval.num_env_groups=2",
             "--set", "train.actor_train.model_args.dtype=fp32"]
-    first = _rollflow(*args, env=env)
+
+
+def _env(tmp: Path) -> dict:
+    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "PREFECT_API_URL")}
+    return {**env, "PREFECT_HOME": str(tmp / "prefect"), "ROLLFLOW_CACHE": str(REPO / ".cache")}
+
+
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory) -> Path:
+    """One uninterrupted tiny run (the reference of the kill test)."""
+    root = tmp_path_factory.mktemp("trainflow")
+    first = _rollflow(*_tiny_args(root, "t"), env=_env(root))
     assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
-    run = tmp_path / "t"
-    for stage in ("rollout/samples", "logprobs", "rewarded", "advantaged", "checkpoint", "eval/samples"):
-        assert (run / "iter_0000" / stage / "manifest.json").exists(), stage
+    return root / "t"
+
+
+STAGES = ("rollout/samples", "logprobs", "rewarded", "advantaged", "checkpoint", "eval/samples")
+
+
+@pytest.mark.slow
+def test_train_run_end_to_end_then_resume_skips_everything(finished_run, tmp_path):
+    run = finished_run
+    for k in (0, 1):
+        for stage in STAGES:
+            assert (run / f"iter_{k:04d}" / stage / "manifest.json").exists(), (k, stage)
     assert (run / "eval_base/samples/manifest.json").exists()
     assert (run / "report/index.html").exists() and (run / "report/success_rate.png").exists()
     train_manifest = json.loads((run / "iter_0000/checkpoint/manifest.json").read_text())
@@ -87,11 +109,99 @@ def test_train_run_end_to_end_then_resume_skips_everything(tmp_path):
 
     metrics = pads.dataset(str(run / "metrics")).to_table().to_pylist()
     assert {m["stage"] for m in metrics} >= {"rollout", "logprobs", "advantages", "train", "eval"}
+    assert {m["iteration"] for m in metrics if m["stage"] == "train"} == {0, 1}
 
-    stamps = {p: p.stat().st_mtime_ns for p in run.glob("iter_0000/*/manifest.json")}
+    env = _env(tmp_path)
+    stamps = {p: p.stat().st_mtime_ns for p in run.glob("iter_*/*/manifest.json")}
     again = _rollflow("train", "--resume", str(run), "--no-report", env=env)
     assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
-    assert {p: p.stat().st_mtime_ns for p in run.glob("iter_0000/*/manifest.json")} == stamps
+    assert {p: p.stat().st_mtime_ns for p in run.glob("iter_*/*/manifest.json")} == stamps
 
-    bad = _rollflow("train", "--resume", str(run), "--set", "max_steps=2", env=env)
+    bad = _rollflow("train", "--resume", str(run), "--set", "max_steps=3", env=env)
     assert bad.returncode == 2 and "cannot change a run being resumed" in bad.stderr
+
+
+def _wait_gone(pgid: int, seconds: float) -> bool:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        try:
+            os.killpg(pgid, 0)
+        except ProcessLookupError:
+            return True
+        time.sleep(0.5)
+    return False
+
+
+def _kill_when(path: Path, cmd: list[str], env: dict, log_path: Path) -> None:
+    """Start ``rollflow`` and SIGKILL its whole process group (CLI, Ray, Prefect) as soon as ``path`` exists."""
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "flows.cli", *cmd], cwd=REPO, env=env, stdout=log,
+                                stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            deadline = time.monotonic() + 1200
+            while not path.exists():
+                assert proc.poll() is None, f"finished (rc {proc.returncode}) before {path} appeared: " + \
+                    log_path.read_text()[-3000:]
+                assert time.monotonic() < deadline, f"{path} never appeared"
+                time.sleep(0.05)
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=60)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+            if not _wait_gone(proc.pid, 30):
+                os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == -signal.SIGKILL
+
+
+def _table(folder: Path, drop: tuple[str, ...] = ()):
+    import pyarrow.dataset as pads
+
+    table = pads.dataset(str(folder), format="parquet").to_table()
+    return table.drop_columns([c for c in drop if c in table.column_names]).sort_by("row_id")
+
+
+def _weights(folder: Path) -> dict:
+    from safetensors.numpy import load_file
+
+    out = {}
+    for f in sorted(folder.glob("*.safetensors")):
+        out.update(load_file(str(f)))
+    assert out, f"no weights in {folder}"
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kill_after", ["iter_0000/advantaged/manifest.json", "iter_0001/rollout/samples/manifest.json"])
+def test_sigkilled_run_resumes_to_the_uninterrupted_result(kill_after, finished_run, tmp_path):
+    """SIGKILL the whole run (while training iteration 0, or while iteration 1's log-probs run), then
+    ``rollflow train --resume``: every stage output equals the uninterrupted run's — nothing lost or duplicated."""
+    import numpy as np
+
+    env = _env(tmp_path)
+    run = tmp_path / "t"
+    _kill_when(run / kill_after, _tiny_args(tmp_path, "t"), env, tmp_path / "killed.log")
+    assert not (run / "report").exists(), "killed before the end"
+    resumed = _rollflow("train", "--resume", str(run), env=env)
+    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+    assert not list(run.rglob("*.tmp-*")), "no temporary folder is left behind"
+    for k in (0, 1):
+        here, ref = run / f"iter_{k:04d}", finished_run / f"iter_{k:04d}"
+        for stage in ("rollout/samples", "logprobs", "rewarded", "advantaged", "eval/samples"):
+            got, want = _table(here / stage), _table(ref / stage)
+            assert got.num_rows == want.num_rows and got.column_names == want.column_names, (k, stage)
+            for name in got.column_names:
+                a, b = got.column(name).to_pylist(), want.column(name).to_pylist()
+                assert a == b or np.allclose(np.concatenate([np.ravel(x) for x in a]).astype(float),
+                                             np.concatenate([np.ravel(x) for x in b]).astype(float),
+                                             rtol=1e-5, atol=1e-6), (k, stage, name)
+        got, want = _weights(here / "checkpoint"), _weights(ref / "checkpoint")
+        assert got.keys() == want.keys()
+        for name in got:
+            np.testing.assert_allclose(got[name], want[name], rtol=1e-5, atol=1e-6, err_msg=f"iter {k} {name}")
+    import pyarrow.dataset as pads
+
+    metrics = pads.dataset(str(run / "metrics")).to_table().to_pylist()
+    keys = [(m["iteration"], m["stage"], m["name"]) for m in metrics]
+    assert len(keys) == len(set(keys)), "no metric is logged twice"
+    assert {m["iteration"] for m in metrics if m["stage"] == "train"} == {0, 1}

