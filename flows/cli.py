@@ -62,8 +62,8 @@ def train(config: Optional[Path] = typer.Option(None, "--config", help="YAML con
           report: bool = typer.Option(True, "--report/--no-report", help="Write the run's report at the end.")) -> None:
     """Run (or resume) an agentic RL training run: a Prefect flow of rollout, log-prob, reward, advantage, training
     and evaluation stages per iteration."""
-    from schemas.config import load_config, parse_overrides, validate_config
-    from schemas.train_flow_config import TrainFlowConfig
+    from flows.pipelines import pipeline_of
+    from schemas.config import load_config_data, parse_overrides, validate_config
 
     if (config is None) == (resume is None):
         _fail(ValueError("pass either --config FILE (a new run) or --resume RUN_DIR (continue a run)"))
@@ -76,43 +76,20 @@ def train(config: Optional[Path] = typer.Option(None, "--config", help="YAML con
                                     "`rollflow train --config`"))
         if overrides:
             _fail(ValueError("--set cannot change a run being resumed; start a new run (another run_name) instead"))
-        cfg = _guard(lambda: validate_config(TrainFlowConfig, json.loads(frozen.read_text()), str(frozen)))
+        data, where = json.loads(frozen.read_text()), str(frozen)
     else:
-        cfg = _guard(lambda: load_config(TrainFlowConfig, config, parse_overrides(overrides or [])))
-    from flows.train import train_flow
-
-    summary = _guard(lambda: train_flow(cfg.model_dump(mode="json")))
-    for line in train_summary_lines(summary):
+        data = _guard(lambda: load_config_data(config, parse_overrides(overrides or [])))
+        where = str(config)
+    pipeline = _guard(lambda: pipeline_of(data, where))
+    cfg = _guard(lambda: validate_config(pipeline.config_model(), data, where))
+    summary = _guard(lambda: pipeline.flow()(cfg.model_dump(mode="json")))
+    for line in pipeline.summary_lines()(summary):
         typer.echo(line)
     if report:
         from flows.report import write_report
 
         rep = write_report(summary["run"])
         typer.echo(f"report: {rep.html}")
-
-
-def train_summary_lines(summary: dict) -> list[str]:
-    """A readable table of a finished run: per iteration the rollout's and the evaluation's success and valid-action
-    rates, the policy loss and the KL to the old policy."""
-    def rate(m: dict | None, key: str) -> str:
-        return f"{m[key]:.3f}" if m and key in m else "-"
-
-    lines = [f"{'':>14} {'rollout':>17} {'evaluation':>17}",
-             f"{'':>14} {'success':>8} {'valid':>8} {'success':>8} {'valid':>8} {'pg_loss':>9} {'approx_kl':>9}"]
-    base = summary.get("base_eval")
-    if base:
-        lines.append(f"{'untrained':>14} {'':>8} {'':>8} {rate(base, 'rollout/success_rate'):>8} "
-                     f"{rate(base, 'rollout/valid_action_rate'):>8}")
-    for it in summary["iterations"]:
-        ro, ev, tr = it["rollout_metrics"], it.get("eval_metrics"), it["train_metrics"]
-        loss, kl = tr.get("actor/pg_loss"), tr.get("actor/approxkl", tr.get("actor/ppo_kl"))
-        lines.append(f"{'iteration ' + str(it['iteration']):>14} {rate(ro, 'rollout/success_rate'):>8} "
-                     f"{rate(ro, 'rollout/valid_action_rate'):>8} {rate(ev, 'rollout/success_rate'):>8} "
-                     f"{rate(ev, 'rollout/valid_action_rate'):>8} "
-                     f"{'-' if loss is None else f'{loss:.4g}':>9} {'-' if kl is None else f'{kl:.3g}':>9}")
-    lines.append(f"run {summary['run']} finished in {summary['seconds']:.0f}s; last checkpoint "
-                 f"{summary['checkpoint']}")
-    return lines
 
 
 @app.command()

@@ -114,10 +114,12 @@ def save_run_config(run: Location, cfg: dict) -> None:
     path.write_text(json.dumps(cfg, indent=1, sort_keys=True))
 
 
-def check_cpu_budget(config: TrainFlowConfig, cluster_cpus: float) -> None:
+def check_cpu_budget(config, cluster_cpus: float) -> None:
     """The engine actors live for the whole run, so the log-prob actors and the training workers must fit beside
-    them with a CPU left for Ray Data's read/write tasks; otherwise Ray Data waits forever (STACK.md)."""
-    engines = config.rollout.engine.num_cpus_per_engine * config.rollout.engine.num_engines
+    them with a CPU left for Ray Data's read/write tasks; otherwise Ray Data waits forever (STACK.md). ``config``:
+    a training config (:class:`TrainFlowConfig` or ``RLVRTrainConfig``)."""
+    engine = config.generation_engine()
+    engines = engine.num_cpus_per_engine * engine.num_engines
     forward = config.logprobs.cpus_per_actor
     train = config.train.runtime.cpus_per_worker * config.train.runtime.num_workers
     need = engines + max(forward + 0.5, train)  # log-prob actors run next to Ray Data's read/write tasks
@@ -125,8 +127,8 @@ def check_cpu_budget(config: TrainFlowConfig, cluster_cpus: float) -> None:
         raise RollflowError(
             f"the run needs {need:g} CPUs of Ray's {cluster_cpus:g}: engines hold {engines:g} for the whole run, "
             f"log-prob actors {forward:g} plus a share for Ray Data's tasks, training workers {train:g}; otherwise "
-            "a stage would wait forever. Set rollout.engine.num_cpus_per_engine: 0 (the engine idles outside the "
-            "rollout), or lower train.runtime.num_workers / cpus_per_worker, or logprobs.cpus_per_actor")
+            "a stage would wait forever. Set num_cpus_per_engine: 0 in the engine section (the engine idles outside "
+            "generation), or lower train.runtime.num_workers / cpus_per_worker, or logprobs.cpus_per_actor")
 
 
 @flow(name="train", log_prints=True)
@@ -185,3 +187,27 @@ def train_flow(cfg: dict) -> dict:
     summary["seconds"] = time.time() - started
     summary["checkpoint"] = checkpoint
     return summary
+
+
+def train_summary_lines(summary: dict) -> list[str]:
+    """A readable table of a finished run: per iteration the rollout's and the evaluation's success and valid-action
+    rates, the policy loss and the KL to the old policy."""
+    def rate(m: dict | None, key: str) -> str:
+        return f"{m[key]:.3f}" if m and key in m else "-"
+
+    lines = [f"{'':>14} {'rollout':>17} {'evaluation':>17}",
+             f"{'':>14} {'success':>8} {'valid':>8} {'success':>8} {'valid':>8} {'pg_loss':>9} {'approx_kl':>9}"]
+    base = summary.get("base_eval")
+    if base:
+        lines.append(f"{'untrained':>14} {'':>8} {'':>8} {rate(base, 'rollout/success_rate'):>8} "
+                     f"{rate(base, 'rollout/valid_action_rate'):>8}")
+    for it in summary["iterations"]:
+        ro, ev, tr = it["rollout_metrics"], it.get("eval_metrics"), it["train_metrics"]
+        loss, kl = tr.get("actor/pg_loss"), tr.get("actor/approxkl", tr.get("actor/ppo_kl"))
+        lines.append(f"{'iteration ' + str(it['iteration']):>14} {rate(ro, 'rollout/success_rate'):>8} "
+                     f"{rate(ro, 'rollout/valid_action_rate'):>8} {rate(ev, 'rollout/success_rate'):>8} "
+                     f"{rate(ev, 'rollout/valid_action_rate'):>8} "
+                     f"{'-' if loss is None else f'{loss:.4g}':>9} {'-' if kl is None else f'{kl:.3g}':>9}")
+    lines.append(f"run {summary['run']} finished in {summary['seconds']:.0f}s; last checkpoint "
+                 f"{summary['checkpoint']}")
+    return lines

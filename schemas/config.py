@@ -186,10 +186,13 @@ def validate_config(model: type[M], data: dict, source: str = "(dict)") -> M:
 
 def load_config(model: type[M], path: str | Path | None, overrides: dict[str, Any] | None = None) -> M:
     """Read YAML ``path`` (or nothing), apply dotted ``overrides``, validate into the frozen ``model``."""
+    return validate_config(model, load_config_data(path, overrides), str(path) if path else "(defaults)")
+
+
+def load_config_data(path: str | Path | None, overrides: dict[str, Any] | None = None) -> dict:
+    """The raw mapping of YAML ``path`` (or {}) with dotted ``overrides`` applied, not yet validated."""
     data: dict = {}
-    source = "(defaults)"
     if path is not None:
-        source = str(path)
         try:
             loaded = yaml.safe_load(Path(path).read_text())
         except FileNotFoundError:
@@ -201,4 +204,4 @@ def load_config(model: type[M], path: str | Path | None, overrides: dict[str, An
         data = loaded or {}
     for key, value in (overrides or {}).items():
         _set_dotted(data, key, value)
-    return validate_config(model, data, source)
+    return data

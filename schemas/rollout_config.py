@@ -95,6 +95,13 @@ class EnvManagerConfig(Frozen):
                                                  "environment's own max_steps.")
 
 
+class ExampleTurn(Frozen):
+    """One in-context example: a user message and the assistant's reply to it."""
+
+    user: str = Field(..., min_length=1)
+    assistant: str = Field(..., min_length=1)
+
+
 class PromptConfig(Frozen):
     """How observations become chat messages. Trajectory level (ROLL's TrajEnvManager): one growing conversation.
     Step level (ROLL's StepEnvManager, GiGPO): a fresh single-turn prompt each step with a text history."""
@@ -112,6 +119,13 @@ class PromptConfig(Frozen):
     history_length: int = Field(5, ge=1, description="ROLL's history_length: a step prompt shows the last "
                                                      "history_length - 1 previous turns (every one of them; "
                                                      "ROLL's BUG-16 showed only invalid ones).")
+    examples: tuple[ExampleTurn, ...] = Field((), description="In-context example turns (rollflow extension; ROLL "
+                                                              "has none): user/assistant messages placed after the "
+                                                              "system message of every prompt, e.g. one solved "
+                                                              "state that shows a small model the answer format.")
+
+    def example_turns(self) -> tuple[tuple[str, str], ...]:
+        return tuple((e.user, e.assistant) for e in self.examples)
 
     @model_validator(mode="after")
     def _fields(self) -> "PromptConfig":

@@ -7,6 +7,8 @@ spreads over several ``__post_init__`` methods; each message gives the rule, the
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import Field, model_validator
 
 from schemas.config import AlgorithmConfig, Frozen, RuntimeConfig
@@ -28,6 +30,7 @@ class EvalConfig(Frozen):
 class TrainFlowConfig(AlgorithmConfig):
     """One agentic RL run: per iteration rollout → log-probs → rewards → advantages → train → checkpoint → eval."""
 
+    pipeline: Literal["agentic"] = Field("agentic", description="Which training flow runs this config.")
     run_name: str = Field("run", min_length=1, pattern=r"^[A-Za-z0-9_.-]+$", description="Folder name under runs_dir.")
     runs_dir: str = Field("runs", description="Where run folders live (a local path or a pyarrow filesystem URI).")
     max_steps: int = Field(3, gt=0, description="Training iterations (ROLL's max_steps).")
@@ -103,6 +106,10 @@ class TrainFlowConfig(AlgorithmConfig):
             raise ValueError(f"{episodes} episodes per iteration cannot feed {self.train.runtime.num_workers} training "
                              f"workers; raise rollout.env.num_env_groups or lower train.runtime.num_workers")
         return self
+
+    def generation_engine(self):
+        """The engine settings of the rollout (the engines live for the whole run)."""
+        return self.rollout.engine
 
     def train_step_config(self) -> TrainStepConfig:
         """The training section (its estimator equals the run's, see ``_one_estimator``)."""

@@ -42,23 +42,27 @@ class EngineActor:
         self.model_dir = model_dir
         self.build_seconds = time.time() - start
 
-    def _chat(self, system_prompt: str):
+    def _chat(self, prompt):
+        """The chat format of a rollout's prompt config (see :meth:`_chat_format`)."""
+        return self._chat_format(prompt.system_prompt, prompt.example_turns())
+
+    def _chat_format(self, system_prompt: str, examples: tuple = ()):
         """The checkpoint's chat format (tokenizer + template pieces), loaded once per checkpoint and prompt."""
         from stages.generation.engines import load_tokenizer
         from stages.rollout.prompts import ChatFormat
 
-        key = (self.model_dir, system_prompt)
+        key = (self.model_dir, system_prompt, examples)
         if getattr(self, "_chat_key", None) != key:
-            self._chat_format = ChatFormat.of(load_tokenizer(self.model_dir), system_prompt)
+            self._chat_cache = ChatFormat.of(load_tokenizer(self.model_dir), system_prompt, examples)
             self._chat_key = key
-        return self._chat_format
+        return self._chat_cache
 
     def reset(self, section: "TurnSection", env_ids: list[int]) -> pa.Table:
         """The reset rows (first prompts) of episodes ``env_ids``."""
         from stages.rollout.episode import reset_row
         from stages.rollout.tables import rows_to_table
 
-        chat = self._chat(section.prompt.system_prompt)
+        chat = self._chat(section.prompt)
         return rows_to_table([reset_row(section, chat, env_id) for env_id in env_ids])
 
     def play(self, section: "TurnSection", previous: pa.Table) -> tuple[pa.Table, dict[str, float]]:
@@ -66,7 +70,7 @@ class EngineActor:
         from stages.rollout.episode import play_turn, turn_request
         from stages.rollout.tables import rows_to_table
 
-        chat = self._chat(section.prompt.system_prompt)
+        chat = self._chat(section.prompt)
         rows = previous.to_pylist()
         start = time.time()
         results = self.engine.generate([turn_request(section, row) for row in rows])
@@ -85,6 +89,27 @@ class EngineActor:
         start = time.time()
         results = self.engine.generate(list(requests))
         return results, time.time() - start
+
+    def complete(self, system_prompt: str, user_messages: Sequence[str], sampling: Sequence[Any],
+                 sequence_length: int) -> tuple[list[GenResult], float]:
+        """Single-turn chat completions: each user message after ``system_prompt``, sampled with its
+        :class:`SamplingSpec` (``n`` samples each), the token budget cut to fit ``sequence_length``. Returns the
+        results and the engine's seconds."""
+        import dataclasses
+
+        from schemas.errors import ConfigError
+
+        chat = self._chat_format(system_prompt)
+        requests = []
+        for message, spec in zip(user_messages, sampling):
+            ids = chat.single_turn_ids(message)
+            room = sequence_length - len(ids)
+            if room < 1:
+                raise ConfigError(f"a prompt has {len(ids)} tokens, which does not fit sequence_length="
+                                  f"{sequence_length}; raise sequence_length or shorten the prompt ({message[:60]!r})")
+            budget = dataclasses.replace(spec, max_new_tokens=min(spec.max_new_tokens, room))
+            requests.append(GenRequest(prompt_token_ids=ids, sampling=budget))
+        return self.generate(requests)
 
     def load_weights(self, checkpoint_dir: str) -> float:
         start = time.time()

@@ -34,7 +34,8 @@ class ChatFormat:
     """The tokenizer's chat template, split into the pieces the episode loop concatenates.
 
     ``turn_closing``: the text the template puts after an assistant message's content (ChatML: ``"<|im_end|>\\n"``);
-    ``end_of_turn_ids``: token ids that end a reply (eos); ``end_of_turn_text``: the eos text.
+    ``end_of_turn_ids``: token ids that end a reply (eos); ``end_of_turn_text``: the eos text; ``examples``:
+    in-context (user, assistant) turns placed after the system message in every prompt.
     """
 
     tokenizer: Any
@@ -42,13 +43,15 @@ class ChatFormat:
     turn_closing: str
     end_of_turn_ids: frozenset[int]
     end_of_turn_text: str
+    examples: tuple[tuple[str, str], ...] = ()
 
     @classmethod
-    def of(cls, tokenizer: Any, system_prompt: str) -> "ChatFormat":
+    def of(cls, tokenizer: Any, system_prompt: str, examples: Sequence[tuple[str, str]] = ()) -> "ChatFormat":
         if not getattr(tokenizer, "chat_template", None):
             raise RollflowError("the checkpoint's tokenizer has no chat template; the rollout builds prompts with it "
                                 "— use an instruct checkpoint whose tokenizer defines one")
-        probe = _render(tokenizer, cls._system(system_prompt) + [{"role": "user", "content": _PROBE_USER},
+        examples = tuple((str(u), str(a)) for u, a in examples)
+        probe = _render(tokenizer, cls._head(system_prompt, examples) + [{"role": "user", "content": _PROBE_USER},
                                                                   {"role": "assistant", "content": _PROBE_REPLY}],
                         False)
         if _PROBE_REPLY not in probe:
@@ -58,22 +61,26 @@ class ChatFormat:
         eos = tokenizer.eos_token_id
         eos_ids = frozenset([int(eos)] if eos is not None else [])
         eos_text = tokenizer.eos_token or ""
-        return cls(tokenizer, system_prompt, closing, eos_ids, eos_text)
+        return cls(tokenizer, system_prompt, closing, eos_ids, eos_text, examples)
 
     @staticmethod
-    def _system(system_prompt: str) -> list[dict]:
-        return [{"role": "system", "content": system_prompt}] if system_prompt else []
+    def _head(system_prompt: str, examples: Sequence[tuple[str, str]]) -> list[dict]:
+        """The messages before the episode's own: the system prompt and the in-context example turns."""
+        head = [{"role": "system", "content": system_prompt}] if system_prompt else []
+        for user, assistant in examples:
+            head += [{"role": "user", "content": user}, {"role": "assistant", "content": assistant}]
+        return head
 
     def single_turn_ids(self, user_content: str) -> list[int]:
         """System + one user message + the assistant header, as token ids."""
         from stages.generation.engines import chat_prompt_token_ids
 
-        return chat_prompt_token_ids(self.tokenizer, self._system(self.system_prompt)
+        return chat_prompt_token_ids(self.tokenizer, self._head(self.system_prompt, self.examples)
                                      + [{"role": "user", "content": user_content}])
 
     def continuation_ids(self, response_ids: Sequence[int], user_content: str) -> list[int]:
         """Token ids between a reply and the next reply: end of the assistant turn + next user turn + header."""
-        base = self._system(self.system_prompt) + [{"role": "user", "content": _PROBE_USER},
+        base = self._head(self.system_prompt, self.examples) + [{"role": "user", "content": _PROBE_USER},
                                                    {"role": "assistant", "content": _PROBE_REPLY}]
         before = _render(self.tokenizer, base, False)
         after = _render(self.tokenizer, base + [{"role": "user", "content": user_content}], True)

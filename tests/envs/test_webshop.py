@@ -255,7 +255,7 @@ def show_episode(config_path: str, texts: list[str]) -> str:
 
     tokenizer = load_tokenizer(tiny_random_model_dir())
     config = load_config(RolloutConfig, config_path)
-    section, chat = turn_section(config), ChatFormat.of(tokenizer, config.prompt.system_prompt)
+    section, chat = turn_section(config), ChatFormat.of(tokenizer, config.prompt.system_prompt, config.prompt.example_turns())
     row = reset_row(section, chat, 0)
     lines = ["  start:", _indent(row["observation"], "      ")]
     for text in texts:

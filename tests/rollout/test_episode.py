@@ -48,6 +48,21 @@ def test_growing_conversation_equals_the_chat_template(tokenizer, chat, ended_by
     assert text == _template_text(tokenizer, [("observe 1", "<answer>Left</answer>")], "observe 2")
 
 
+def test_example_turns_precede_the_episode_in_every_prompt(tokenizer):
+    """prompt.examples: the in-context turns sit between the system message and the episode's own messages, in the
+    first prompt and in the growing conversation alike."""
+    config = small_config(**{"prompt.examples": [{"user": "EX STATE", "assistant": "<answer>Right</answer>"}]})
+    examples = config.prompt.example_turns()
+    assert examples == (("EX STATE", "<answer>Right</answer>"),)
+    chat = ChatFormat.of(tokenizer, "You play games.", examples)
+    first = chat.single_turn_ids("observe 1")
+    reply = tokenizer("<answer>Left</answer>", add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+    text = tokenizer.decode(first + reply + chat.continuation_ids(reply, "observe 2"), skip_special_tokens=False)
+    assert text == _template_text(tokenizer, [*examples, ("observe 1", "<answer>Left</answer>")], "observe 2")
+    with pytest.raises(ValueError, match="assistant"):
+        small_config(**{"prompt.examples": [{"user": "EX STATE"}]})
+
+
 def test_step_prompt_renders_every_history_entry(tokenizer):
     """BUG-16 fixed: valid and invalid past turns both appear; only the last history_length - 1 of them."""
     config = small_config(**{"prompt.history_length": 3})

@@ -23,7 +23,7 @@ def _play(tokenizer, level: str) -> tuple[list[list[dict]], object]:
     """Every turn of 2 groups x 2 episodes x up to 3 turns, with fake replies; returns rows per turn."""
     config = small_config(sample_level=level)
     section = turn_section(config)
-    chat = ChatFormat.of(tokenizer, config.prompt.system_prompt)
+    chat = ChatFormat.of(tokenizer, config.prompt.system_prompt, config.prompt.example_turns())
     current = [reset_row(section, chat, env_id) for env_id in range(4)]
     turns = []
     for turn in range(config.env.max_steps):
@@ -97,7 +97,7 @@ def test_trajectory_text_is_the_chat_template_of_the_conversation(tokenizer):
     """Replies that ended with the end-of-turn token: the sample decodes to the template over all messages."""
     config = small_config(sample_level="trajectory", **{"env.max_steps": 2})
     section = turn_section(config)
-    chat = ChatFormat.of(tokenizer, config.prompt.system_prompt)
+    chat = ChatFormat.of(tokenizer, config.prompt.system_prompt, config.prompt.example_turns())
     row = reset_row(section, chat, 0)
     rows = []
     for _ in range(2):

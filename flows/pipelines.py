@@ -1,0 +1,73 @@
+"""The training pipelines ``rollflow train`` can run, keyed by a config's ``pipeline`` field (default: agentic).
+
+One entry per pipeline: its config model, its Prefect flow, and the lines it prints at the end. The CLI looks a
+pipeline up here and nowhere else.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from schemas.errors import ConfigError
+from stages.registry import Registry
+
+DEFAULT_PIPELINE = "agentic"
+
+
+@dataclass(frozen=True)
+class Pipeline:
+    config_model: Callable[[], type]  # lazily imported: the CLI's --help must not import torch
+    flow: Callable[[], Callable[[dict], dict]]
+    summary_lines: Callable[[], Callable[[dict], list[str]]]
+
+
+PIPELINES: Registry[Pipeline] = Registry("training pipeline")
+
+
+def _agentic_model():
+    from schemas.train_flow_config import TrainFlowConfig
+
+    return TrainFlowConfig
+
+
+def _agentic_flow():
+    from flows.train import train_flow
+
+    return train_flow
+
+
+def _agentic_summary():
+    from flows.train import train_summary_lines
+
+    return train_summary_lines
+
+
+def _rlvr_model():
+    from schemas.rlvr_train_config import RLVRTrainConfig
+
+    return RLVRTrainConfig
+
+
+def _rlvr_flow():
+    from flows.rlvr_train import rlvr_train_flow
+
+    return rlvr_train_flow
+
+
+def _rlvr_summary():
+    from flows.rlvr_train import rlvr_summary_lines
+
+    return rlvr_summary_lines
+
+
+PIPELINES.register("agentic")(Pipeline(_agentic_model, _agentic_flow, _agentic_summary))
+PIPELINES.register("rlvr")(Pipeline(_rlvr_model, _rlvr_flow, _rlvr_summary))
+
+
+def pipeline_of(data: dict[str, Any], where: str) -> Pipeline:
+    """The pipeline a raw config mapping names (``pipeline: agentic | rlvr``)."""
+    name = data.get("pipeline", DEFAULT_PIPELINE)
+    if name not in PIPELINES:
+        raise ConfigError(f"{where}: pipeline {name!r} is unknown; set pipeline to one of {PIPELINES.names()}")
+    return PIPELINES.get(name)

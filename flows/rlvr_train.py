@@ -1,0 +1,150 @@
+"""``rollflow train`` for configs with ``pipeline: rlvr``: the RLVR run as a Prefect flow of stage calls.
+
+Per step ``k`` (policy after ``k`` training steps), every output under ``runs/<run>/step_<k>/<stage>/``:
+responses (``rollout_batch_size`` prompts × ``num_return_sequences_in_group`` samples from the engine pool) →
+scored (reward workers, routed by domain) → rlvr_rewarded (sample masks, reward post-processing) → advantaged
+(token rewards, advantages, ``final_response_mask``) → logprobs (old/ref log-probs under the step's policy) →
+checkpoint (one PPO step; the loss is aggregated over ``final_response_mask``). The prompts table is written once
+under ``runs/<run>/prompts``. Every stage goes through the one runner, so ``--resume`` after a crash continues with
+the first missing output; the running reward moments and the KL controller travel in the manifests' state.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from prefect import flow, task
+from prefect.cache_policies import NO_CACHE
+
+from schemas.config import validate_config
+from schemas.rlvr_train_config import RLVRTrainConfig
+from stages.storage import Location
+
+
+def step_dir(run: str, step: int) -> str:
+    return f"{run}/step_{step:04d}"
+
+
+def _task(name: str):
+    return task(name=name, cache_policy=NO_CACHE, retries=0)
+
+
+@_task("prompts")
+def prompts_task(config: RLVRTrainConfig, output: str) -> Any:
+    from stages.rlvr.generate import PromptsStage, prompts_section
+    from stages.runner import run_stage
+
+    p = config.prompts
+    return run_stage(PromptsStage(), prompts_section(p.data_dir, p.domains, p.limit), {}, output)
+
+
+@_task("generate")
+def generate_task(config: RLVRTrainConfig, step: int, prompts: str, checkpoint: str, pool, output: str) -> Any:
+    import pyarrow.dataset as pads
+
+    from schemas.rollout_config import EngineIdentity
+    from stages.rlvr.generate import GenerateSection, GenerateStage, step_prompt_ids
+    from stages.rollout.engine_pool import checkpoint_fingerprint
+    from stages.runner import run_stage
+
+    loc = Location.of(prompts)
+    ids = pads.dataset(loc.parquet_files(), filesystem=loc.fs).to_table(columns=["prompt_id"]).column(0).to_pylist()
+    engine = EngineIdentity(backend=config.engine.backend, dtype=config.engine.dtype,
+                            max_model_len=config.engine.max_model_len or config.sequence_length)
+    section = GenerateSection(run_name=config.run_name, step=step, seed=config.seed,
+                              n=config.num_return_sequences_in_group,
+                              prompt_ids=tuple(step_prompt_ids(ids, step, config.rollout_batch_size, config.seed)),
+                              system_prompt=config.prompts.system_prompt, sequence_length=config.sequence_length,
+                              generating_args=config.generating_args, engine=engine)
+    pool.use_checkpoint(checkpoint)
+    return run_stage(GenerateStage(pool), section, {"prompts": prompts}, output,
+                     state_in={"checkpoint": checkpoint_fingerprint(checkpoint)})
+
+
+@_task("rewards_and_advantages")
+def score_task(config: RLVRTrainConfig, responses: str, output: str, state_in: dict) -> dict[str, Any]:
+    from flows.cli_rlvr import score_responses
+
+    return score_responses(responses, output, config, advantages=True, state_in=state_in)
+
+
+@_task("logprobs")
+def logprobs_task(config: RLVRTrainConfig, samples: str, checkpoint: str, reference: str, output: str) -> Any:
+    from stages.train.stage import run_logprobs
+
+    return run_logprobs(samples, checkpoint, config.logprobs, output, reference=reference)
+
+
+@_task("train")
+def train_task(config: RLVRTrainConfig, samples: str, checkpoint: str, output: str) -> Any:
+    from stages.train.stage import run_train_step
+
+    return run_train_step(samples, checkpoint, config.train, output)
+
+
+def _log(metrics, step: int, stage: str, result: Any) -> dict[str, float]:
+    values = {k: float(v) for k, v in (result.metrics or {}).items() if isinstance(v, (int, float)) and v == v}
+    metrics.log(step, stage, values, wall_s=result.seconds)
+    return values
+
+
+@flow(name="rlvr-train", log_prints=True)
+def rlvr_train_flow(cfg: dict) -> dict:
+    """Run (or resume) the RLVR training run described by ``cfg`` (an :class:`RLVRTrainConfig` as JSON)."""
+    from flows.train import check_cpu_budget, save_run_config
+    from stages.cluster import ensure_ray
+    from stages.metrics import MetricsLog
+    from stages.rollout.driver import resolve_model_dir
+    from stages.rollout.engine_pool import EnginePool
+
+    config = validate_config(RLVRTrainConfig, cfg)
+    run = Location.of(f"{config.runs_dir}/{config.run_name}")
+    save_run_config(run, cfg)
+    settings = ensure_ray(config.runtime.ray_address, config.runtime.num_cpus)
+    check_cpu_budget(config, float(settings["cpus"] or 0))
+    base = resolve_model_dir(config.pretrain)
+    started = time.time()
+    pool = EnginePool(config.engine, base, config.engine.max_model_len or config.sequence_length)
+    summary: dict[str, Any] = {"run": run.path, "pipeline": "rlvr", "iterations": []}
+    checkpoint, state = base, {}
+    with MetricsLog(run.path) as metrics:
+        try:
+            prompts = prompts_task(config, run.child("prompts").path)
+            for k in range(config.max_steps):
+                here = step_dir(run.path, k)
+                gen = generate_task(config, k, prompts.output, checkpoint, pool, f"{here}/responses")
+                _log(metrics, k, "generate", gen)
+                chain = score_task(config, gen.output, here, state)
+                scored = _log(metrics, k, "rewards", chain["scored"])
+                _log(metrics, k, "rlvr_rewards", chain["rlvr_rewarded"])
+                _log(metrics, k, "advantages", chain["advantaged"])
+                state = {**chain["rlvr_rewarded"].state, **chain["advantaged"].state}
+                lp = logprobs_task(config, chain["advantaged"].output, checkpoint, base, f"{here}/logprobs")
+                _log(metrics, k, "logprobs", lp)
+                tr = train_task(config, lp.output, checkpoint, f"{here}/checkpoint")
+                _log(metrics, k, "train", tr)
+                checkpoint = tr.output
+                summary["iterations"].append({"iteration": k, "checkpoint": checkpoint, "train_metrics": tr.metrics,
+                                              "score": scored.get("critic/score/mean"),
+                                              "generate_metrics": gen.metrics})
+        finally:
+            pool.close()
+    summary["seconds"] = time.time() - started
+    summary["checkpoint"] = checkpoint
+    return summary
+
+
+def rlvr_summary_lines(summary: dict) -> list[str]:
+    """Per step: mean score of the step's responses (before its update), policy loss, response tokens/s."""
+    lines = [f"{'':>10} {'score':>8} {'pg_loss':>10} {'gen tok/s':>10}"]
+    for it in summary["iterations"]:
+        loss = it["train_metrics"].get("actor/pg_loss")
+        speed = it["generate_metrics"].get("generate/tokens_per_second")
+        lines.append(f"{'step ' + str(it['iteration']):>10} "
+                     f"{'-' if it['score'] is None else format(it['score'], '.3f'):>8} "
+                     f"{'-' if loss is None else format(loss, '.4g'):>10} "
+                     f"{'-' if speed is None else format(speed, '.1f'):>10}")
+    lines.append(f"run {summary['run']} finished in {summary['seconds']:.0f}s; last checkpoint "
+                 f"{summary['checkpoint']}")
+    return lines

@@ -1,0 +1,85 @@
+"""``rollflow train`` with ``pipeline: rlvr``: the RLVR training run (spec §0.4 "RLVR pipeline").
+
+Per step: a batch of prompts → ``num_return_sequences_in_group`` responses each (the generation engine) → reward
+workers → sample masks and reward post-processing → token rewards → advantages → old log-probs → one PPO step.
+The data-side options are :class:`schemas.rlvr_config.RLVRConfig`'s (ROLL's names); the sections below add the
+prompts, generation, log-prob and training settings.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, model_validator
+
+from schemas.config import Frozen
+from schemas.rlvr_config import RLVRConfig
+from schemas.rollout_config import EngineConfig, GeneratingArgs
+from schemas.train_config import ForwardConfig, TrainStepConfig
+
+
+class PromptSetConfig(Frozen):
+    """The prompts data set: JSONL files ``<data_dir>/<domain>.jsonl`` with ``id, domain, tag, prompt,
+    ground_truth`` per line (the shipped sets live in ``data/rlvr``)."""
+
+    data_dir: str | None = Field(None, description="Folder of the JSONL files (null: the shipped data/rlvr).")
+    domains: tuple[str, ...] = Field(("math",), min_length=1, description="Which files (domains) to use.")
+    limit: int | None = Field(None, gt=0, description="Use only the first N prompts of each domain.")
+    system_prompt: str = Field("You are a helpful assistant. Think briefly, then give the final answer.",
+                               description="System message of every prompt.")
+
+
+class RLVRTrainConfig(RLVRConfig):
+    """One RLVR run: ROLL's RLVR data-side options at the top level, plus prompts, generation, log-probs, training."""
+
+    pipeline: Literal["rlvr"] = Field("rlvr", description="Which training flow runs this config.")
+    run_name: str = Field("rlvr", min_length=1, pattern=r"^[A-Za-z0-9_.-]+$", description="Folder under runs_dir.")
+    runs_dir: str = Field("runs", description="Where run folders live (a local path or a pyarrow filesystem URI).")
+    max_steps: int = Field(3, gt=0, description="Training steps (ROLL's max_steps).")
+    pretrain: str | None = Field(None, description="Initial policy: an HF checkpoint folder (null: the default model).")
+    seed: int = Field(42, ge=0, description="Seed of the prompt order and of every sampling request.")
+    rollout_batch_size: int = Field(8, gt=0, description="Prompts per step (ROLL name); each gets "
+                                                         "num_return_sequences_in_group responses.")
+    prompts: PromptSetConfig = Field(default_factory=PromptSetConfig, description="The prompts data set.")
+    sequence_length: int = Field(1024, gt=0, description="Prompt + response token budget.")
+    generating_args: GeneratingArgs = Field(default_factory=GeneratingArgs, description="Sampling parameters.")
+    engine: EngineConfig = Field(default_factory=EngineConfig, description="The generation engine.")
+    logprobs: ForwardConfig = Field(default_factory=ForwardConfig, description="old/ref log-prob stage.")
+    train: TrainStepConfig = Field(default_factory=TrainStepConfig, description="Actor (and critic) training.")
+
+    def generation_engine(self) -> EngineConfig:
+        """The engine settings (the engines live for the whole run)."""
+        return self.engine
+
+    @model_validator(mode="before")
+    @classmethod
+    def _shared_settings(cls, data: dict) -> dict:
+        """Set once, used twice: the estimator (training needs it for the critic) and the generation budget (the
+        max_len_mask needs it). A conflicting explicit value is an error."""
+        if not isinstance(data, dict):
+            return data
+        top = data.get("adv_estimator", cls.model_fields["adv_estimator"].default)
+        train = dict(data.get("train") or {})
+        if "adv_estimator" in train and train["adv_estimator"] != top:
+            raise ValueError(f"train.adv_estimator ({train['adv_estimator']}) differs from adv_estimator ({top}); "
+                             "set it once, at the top level")
+        budget = (data.get("generating_args") or {}).get("max_new_tokens",
+                                                         GeneratingArgs.model_fields["max_new_tokens"].default)
+        if data.get("max_new_tokens") not in (None, budget):
+            raise ValueError(f"max_new_tokens ({data['max_new_tokens']}) differs from generating_args.max_new_tokens "
+                             f"({budget}); set generating_args.max_new_tokens only")
+        return {**data, "train": {**train, "adv_estimator": top}, "max_new_tokens": budget}
+
+    @model_validator(mode="after")
+    def _rlvr_run_rules(self) -> "RLVRTrainConfig":
+        if self.add_token_level_kl:
+            raise ValueError("add_token_level_kl is not available in the RLVR training flow yet, because its "
+                             "log-prob stage runs after the advantages (the KL reward needs them before); use "
+                             "train.use_kl_loss: true with logprobs.enable_reference: true for a KL term instead")
+        if self.train.use_kl_loss and not self.logprobs.enable_reference:
+            raise ValueError("train.use_kl_loss needs the reference model's log-probs; set "
+                             "logprobs.enable_reference: true")
+        if self.adv_estimator == "gae":
+            raise ValueError("adv_estimator gae needs a critic's values before the advantages, which the RLVR "
+                             "training flow does not compute yet; use grpo or reinforce")
+        return self

@@ -1,0 +1,205 @@
+"""The first stages of the RLVR training flow: the prompts table, and responses generated for one step's prompts.
+
+* :class:`PromptsStage` (no input) — ``<data_dir>/<domain>.jsonl`` → the ``prompts`` table (one row per prompt:
+  ``prompt_id, domain, tag, prompt, ground_truth``). Its fingerprint covers the files' bytes.
+* :class:`GenerateStage` — ``prompts`` → ``responses`` (:data:`schemas.rlvr_tables.RESPONSES`): for the prompt ids
+  of one step, ``n`` samples each from the engine pool's actors (chat template over the system prompt and the prompt
+  text, seeded per prompt and step, so a re-run reproduces the same responses on the same engine). The engine's
+  per-token log-probs land in ``infer_logprobs``.
+
+Which prompts a step uses is :func:`step_prompt_ids`: a seeded permutation of the data set per epoch, cut into
+batches of ``rollout_batch_size`` (ROLL iterates a shuffled dataloader the same way).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+from pydantic import Field
+
+from schemas.config import Frozen
+from schemas.errors import ConfigError
+from schemas.rlvr_tables import RESPONSES
+from schemas.rollout_config import EngineIdentity, GeneratingArgs
+from schemas.tables import TableSpec
+from stages.rlvr.example import DATA_DIR, row_id
+from stages.runner import Stage, StageContext, read_partials, sum_partials, write_partials
+from stages.storage import Location
+
+PROMPTS = TableSpec(name="prompts", required={"prompt_id": pa.string(), "domain": pa.string(), "tag": pa.string(),
+                                              "prompt": pa.string(), "ground_truth": pa.string()})
+TASK_CPUS = 0.25
+
+
+class PromptsSection(Frozen):
+    data_dir: str
+    domains: tuple[str, ...]
+    limit: int | None
+    digest: str = Field(..., description="SHA-256 over the JSONL files read.")
+
+
+def prompts_section(data_dir: str | None, domains: tuple[str, ...], limit: int | None) -> PromptsSection:
+    """The section of :class:`PromptsStage`; refuses missing files with the list of what exists."""
+    folder = Path(data_dir) if data_dir else DATA_DIR
+    h = hashlib.sha256()
+    for domain in domains:
+        path = folder / f"{domain}.jsonl"
+        if not path.is_file():
+            have = sorted(p.stem for p in folder.glob("*.jsonl")) if folder.is_dir() else []
+            raise ConfigError(f"prompts: {path} does not exist; prompts.domains must name JSONL files in "
+                              f"{folder} (found: {', '.join(have) or 'none'})")
+        h.update(path.read_bytes())
+    return PromptsSection(data_dir=str(folder), domains=tuple(domains), limit=limit, digest=h.hexdigest())
+
+
+def read_prompt_rows(s: PromptsSection) -> list[dict]:
+    """The prompt rows of the section's files; each line must be a JSON object with the PROMPTS fields."""
+    rows, seen = [], set()
+    for domain in s.domains:
+        path = Path(s.data_dir) / f"{domain}.jsonl"
+        lines = [ln for ln in path.read_text().splitlines() if ln.strip()][: s.limit]
+        for number, line in enumerate(lines, 1):
+            try:
+                task = json.loads(line)
+                row = {"prompt_id": str(task["id"]), "domain": str(task.get("domain", domain)),
+                       "tag": str(task.get("tag", domain)), "prompt": str(task["prompt"]),
+                       "ground_truth": str(task["ground_truth"])}
+            except (ValueError, KeyError, TypeError) as err:
+                raise ConfigError(f"prompts file {path}, line {number}: {err!r}; each line must be a JSON object "
+                                  "with id, prompt and ground_truth (domain and tag optional)") from None
+            if row["prompt_id"] in seen:
+                raise ConfigError(f"prompts file {path}, line {number}: id {row['prompt_id']!r} occurs twice; "
+                                  "prompt ids must be unique across the data set")
+            seen.add(row["prompt_id"])
+            rows.append(row)
+    return rows
+
+
+class PromptsStage(Stage):
+    """JSONL prompt files → the ``prompts`` table."""
+
+    name = "rlvr_prompts"
+    version = "1"
+    output_spec = PROMPTS
+    section_model = PromptsSection
+    input_specs: dict = {}
+
+    def build(self, ctx: StageContext):
+        import ray.data
+
+        rows = read_prompt_rows(ctx.section)
+        schema = PROMPTS.arrow_schema()
+        return ray.data.from_arrow(pa.Table.from_pylist(rows, schema=schema))
+
+
+def step_prompt_ids(all_ids: list[str], step: int, batch: int, seed: int) -> list[str]:
+    """The prompt ids of ``step``: batch ``step`` of a permutation seeded per epoch (batches never straddle
+    epochs; the last partial batch of an epoch is dropped unless the data set is smaller than one batch)."""
+    if not all_ids:
+        raise ConfigError("the prompts table is empty; point prompts.data_dir/domains at non-empty JSONL files")
+    per_epoch = max(1, len(all_ids) // batch)
+    epoch, index = divmod(step, per_epoch)
+    order = np.random.default_rng([seed, epoch]).permutation(len(all_ids))
+    return [all_ids[i] for i in order[index * batch:(index + 1) * batch]]
+
+
+class GenerateSection(Frozen):
+    run_name: str
+    step: int
+    seed: int
+    n: int
+    prompt_ids: tuple[str, ...]
+    system_prompt: str
+    sequence_length: int
+    generating_args: GeneratingArgs
+    engine: EngineIdentity
+
+
+def _sampling(s: GenerateSection, prompt_id: str):
+    """The sampling request of one prompt: ``n`` samples, seeded by (seed, step, prompt id)."""
+    from stages.generation.engines import SamplingSpec
+
+    g = s.generating_args
+    seed = int.from_bytes(hashlib.sha256(f"rlvr:{s.seed}:{s.step}:{prompt_id}".encode()).digest()[:4], "little")
+    return SamplingSpec(temperature=g.temperature, top_p=g.top_p, top_k=g.top_k, max_new_tokens=g.max_new_tokens,
+                        stop=g.stop, seed=seed & 0x7FFFFFFF, n=s.n)
+
+
+def _response_rows(s: GenerateSection, prompts: list[dict], results) -> dict[str, list]:
+    cols: dict[str, list] = {name: [] for name in [*RESPONSES.required, "infer_logprobs"]}
+    for r in sorted(results, key=lambda r: (r.request_index, r.sample_index)):
+        p = prompts[r.request_index]
+        cols["row_id"].append(row_id("rlvr", s.run_name, s.step, p["prompt_id"], r.sample_index))
+        for key in ("prompt_id", "domain", "tag", "prompt", "ground_truth"):
+            cols[key].append(p[key])
+        cols["response"].append(r.text)
+        cols["prompt_ids"].append(list(r.prompt_token_ids))
+        cols["response_ids"].append(list(r.response_token_ids))
+        cols["finish_reason"].append(r.finish_reason)
+        cols["infer_logprobs"].append(np.asarray(r.logprobs, np.float32))
+    return cols
+
+
+class GenerateStage(Stage):
+    """``prompts`` → ``responses`` of one step: ``n`` samples per selected prompt from the pool's engines."""
+
+    name = "rlvr_generate"
+    version = "1"
+    output_spec = RESPONSES
+    section_model = GenerateSection
+    input_specs = {"prompts": PROMPTS}
+
+    def __init__(self, pool) -> None:
+        self.pool = pool
+
+    def build(self, ctx: StageContext):
+        import pyarrow.dataset as pads
+
+        s: GenerateSection = ctx.section
+        loc = ctx.inputs["prompts"]
+        table = pads.dataset(loc.parquet_files(), filesystem=loc.fs).to_table()
+        by_id = {row["prompt_id"]: row for row in table.to_pylist()}
+        missing = [p for p in s.prompt_ids if p not in by_id]
+        if missing:
+            raise ConfigError(f"prompts table {loc.path} has no prompt(s) {missing[:3]}; regenerate the step's "
+                              "prompt list from this table")
+        chosen = pa.Table.from_pylist([by_id[p] for p in s.prompt_ids], schema=PROMPTS.arrow_schema())
+        handles, output = self.pool.handles(), ctx.output
+        schema = RESPONSES.arrow_schema(present=[*RESPONSES.required, "infer_logprobs"])
+
+        def generate_batch(batch: pa.Table) -> pa.Table:
+            import ray
+
+            prompts = batch.to_pylist()
+            if not prompts:
+                return schema.empty_table()
+            first = prompts[0]["prompt_id"]
+            actor = handles[s.prompt_ids.index(first) % len(handles)]
+            specs = [_sampling(s, p["prompt_id"]) for p in prompts]
+            results, seconds = ray.get(actor.complete.remote(s.system_prompt, [p["prompt"] for p in prompts], specs,
+                                                             s.sequence_length))
+            cols = _response_rows(s, prompts, results)
+            write_partials(output, first, {"rows": len(cols["row_id"]), "generate_seconds": seconds,
+                                           "response_tokens": sum(len(x) for x in cols["response_ids"]),
+                                           "truncated": sum(f == "length" for f in cols["finish_reason"])})
+            return pa.table({f.name: pa.array(cols[f.name], f.type) for f in schema}, schema=schema)
+
+        per_engine = math.ceil(chosen.num_rows / len(handles))
+        from stages.rollout.stages import in_blocks
+
+        return in_blocks(chosen, per_engine).map_batches(generate_batch, batch_format="pyarrow", batch_size=None,
+                                                         num_cpus=TASK_CPUS)
+
+    def finalize(self, ctx: StageContext, written: Location):
+        total = sum_partials(read_partials(written))
+        rows = total.get("rows", 0.0)
+        seconds = total.get("generate_seconds", 0.0)
+        return {"generate/responses": rows, "generate/response_tokens": total.get("response_tokens", 0.0),
+                "generate/truncated_rate": total.get("truncated", 0.0) / rows if rows else 0.0,
+                "generate/engine_seconds": seconds,
+                "generate/tokens_per_second": total.get("response_tokens", 0.0) / seconds if seconds else 0.0}, {}
