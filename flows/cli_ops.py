@@ -18,7 +18,7 @@ from typing import Optional
 import typer
 
 from flows.cli_common import OverrideOpt, fail as _fail, guard as _guard
-FLOWS = ("recompute",)  # deployable flows; the training flow joins when it exists
+FLOWS = ("recompute", "train")  # deployable flows
 
 
 def _interrupt(signum: int, frame: object) -> None:
@@ -55,42 +55,71 @@ def server(host: str = typer.Option("127.0.0.1", "--host", help="Address to list
 
 
 def deploy(config: Optional[Path] = typer.Option(None, "--config", help="YAML config of the flow."),
-           input: Path = typer.Option(..., "--input", help="Folder of stored samples the flow reads."),
-           output: Path = typer.Option(..., "--output", help="Folder the flow writes (re-runs skip up-to-date "
-                                                             "stages)."),
+           input: Optional[Path] = typer.Option(None, "--input", help="recompute: folder of stored samples."),
+           output: Optional[Path] = typer.Option(None, "--output", help="recompute: folder the flow writes "
+                                                                        "(re-runs skip up-to-date stages)."),
            cron: Optional[str] = typer.Option(None, "--cron", help="Cron schedule, e.g. '0 3 * * *' (03:00 daily)."),
            interval: Optional[float] = typer.Option(None, "--interval", help="Or: run every SECONDS."),
            timezone: Optional[str] = typer.Option(None, "--timezone", help="Time zone of --cron (default UTC)."),
            name: str = typer.Option("scheduled", "--name", help="Deployment name (flow/name in Prefect)."),
-           flow: str = typer.Option("recompute", "--flow", help=f"Flow to deploy: {', '.join(FLOWS)}."),
+           flow: str = typer.Option("recompute", "--flow", help=f"Flow to deploy: {', '.join(FLOWS)} (train: the "
+                                                                "config's pipeline; a scheduled run resumes the "
+                                                                "config's run folder)."),
            api_url: Optional[str] = typer.Option(None, "--api-url", help="Prefect API (default $PREFECT_API_URL; "
                                                                           "`rollflow server` prints it)."),
            overrides: Optional[list[str]] = OverrideOpt,
-           force: bool = typer.Option(False, "--force", help="Every run recomputes all stages.")) -> None:
+           force: bool = typer.Option(False, "--force", help="recompute: every run recomputes all stages.")) -> None:
     """Register a scheduled deployment of a flow on a Prefect server and execute its runs until Ctrl-C
     (which pauses the schedule)."""
     from flows.serving import deploy as serve_deployment
     from flows.serving import make_schedule, resolve_api_url
-    from schemas.config import RecomputeConfig, load_config, parse_overrides
     from schemas.errors import ConfigError
 
     if flow not in FLOWS:
         _fail(ConfigError(f"deploy: --flow {flow!r} is not deployable; choose one of {list(FLOWS)}"))
     _guard(lambda: make_schedule(cron, interval, timezone))
     api = _guard(lambda: resolve_api_url(api_url))
-    cfg = _guard(lambda: load_config(RecomputeConfig, config, parse_overrides(overrides or [])))
-    if not input.is_dir():
-        _fail(ConfigError(f"deploy: --input {input} is not a folder; pass the folder of stored samples"))
+    target, parameters, what = _DEPLOYMENTS[flow](config, input, output, overrides or [], force)
+    when = f"cron '{cron}' ({timezone or 'UTC'})" if cron else f"every {interval:g} s"
+    typer.echo(f"deployment {target.name}/{name} on {api}: {when}, {what}\nserving: due runs execute here, one "
+               "at a time; Ctrl-C stops and pauses the schedule")
+    _guard(lambda: serve_deployment(target, name, cron=cron, interval_s=interval, timezone=timezone,
+                                    parameters=parameters, api_url=api))
+
+
+def _recompute_deployment(config, input, output, overrides, force):
+    """(flow, parameters, description) of a scheduled recompute of ``input`` into ``output``."""
+    from schemas.config import RecomputeConfig, load_config, parse_overrides
+    from schemas.errors import ConfigError
+
+    cfg = _guard(lambda: load_config(RecomputeConfig, config, parse_overrides(overrides)))
+    if input is None or output is None or not input.is_dir():
+        _fail(ConfigError(f"deploy: --input {input} is not a folder; the recompute flow needs --input (the folder "
+                          "of stored samples) and --output"))
     parameters = {"input_dir": str(input.resolve()), "output_dir": str(output.resolve()),
                   "cfg": cfg.model_dump(mode="json"), "force": force}
     from flows.recompute import recompute_flow
 
-    when = f"cron '{cron}' ({timezone or 'UTC'})" if cron else f"every {interval:g} s"
-    typer.echo(f"deployment {recompute_flow.name}/{name} on {api}: {when}, input {parameters['input_dir']}, "
-               f"output {parameters['output_dir']}\nserving: due runs execute here, one at a time; Ctrl-C stops "
-               "and pauses the schedule")
-    _guard(lambda: serve_deployment(recompute_flow, name, cron=cron, interval_s=interval, timezone=timezone,
-                                    parameters=parameters, api_url=api))
+    return recompute_flow, parameters, f"input {parameters['input_dir']}, output {parameters['output_dir']}"
+
+
+def _train_deployment(config, input, output, overrides, force):
+    """(flow, parameters, description) of a scheduled training run of ``config`` (its pipeline's flow)."""
+    from flows.pipelines import pipeline_of
+    from schemas.config import load_config_data, parse_overrides, validate_config
+    from schemas.errors import ConfigError
+
+    if config is None or input is not None or output is not None or force:
+        _fail(ConfigError("deploy --flow train takes --config (the run's YAML; the run folder is runs_dir/run_name) "
+                          "and no --input, --output or --force"))
+    data = _guard(lambda: load_config_data(config, parse_overrides(overrides)))
+    pipeline = _guard(lambda: pipeline_of(data, str(config)))
+    cfg = _guard(lambda: validate_config(pipeline.config_model(), data, str(config)))
+    return (pipeline.flow(), {"cfg": cfg.model_dump(mode="json")},
+            f"run folder {cfg.runs_dir}/{cfg.run_name} (a later run resumes it)")
+
+
+_DEPLOYMENTS = {"recompute": _recompute_deployment, "train": _train_deployment}  # keys: FLOWS
 
 
 def report(run: Path = typer.Argument(..., help="A run folder (runs/<run>) with a metrics/ table."),

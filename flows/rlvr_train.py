@@ -17,6 +17,7 @@ from typing import Any
 from prefect import flow, task
 from prefect.cache_policies import NO_CACHE
 
+from flows.train import logprobs_task, record, train_task
 from schemas.config import validate_config
 from schemas.rlvr_train_config import RLVRTrainConfig
 from stages.storage import Location
@@ -69,43 +70,15 @@ def score_task(config: RLVRTrainConfig, responses: str, output: str, state_in: d
     return score_responses(responses, output, config, advantages=True, state_in=state_in)
 
 
-@_task("logprobs")
-def logprobs_task(config: RLVRTrainConfig, samples: str, checkpoint: str, reference: str, output: str) -> Any:
-    from stages.train.stage import run_logprobs
-
-    return run_logprobs(samples, checkpoint, config.logprobs, output, reference=reference)
-
-
-@_task("train")
-def train_task(config: RLVRTrainConfig, samples: str, checkpoint: str, output: str) -> Any:
-    from stages.train.stage import run_train_step
-
-    return run_train_step(samples, checkpoint, config.train, output)
-
-
-def _log(metrics, step: int, stage: str, result: Any) -> dict[str, float]:
-    values = {k: float(v) for k, v in (result.metrics or {}).items() if isinstance(v, (int, float)) and v == v}
-    metrics.log(step, stage, values, wall_s=result.seconds)
-    return values
-
-
 @flow(name="rlvr-train", log_prints=True)
 def rlvr_train_flow(cfg: dict) -> dict:
     """Run (or resume) the RLVR training run described by ``cfg`` (an :class:`RLVRTrainConfig` as JSON)."""
-    from flows.train import check_cpu_budget, save_run_config
-    from stages.cluster import ensure_ray
+    from flows.train import start_run
     from stages.metrics import MetricsLog
-    from stages.rollout.driver import resolve_model_dir
-    from stages.rollout.engine_pool import EnginePool
 
     config = validate_config(RLVRTrainConfig, cfg)
-    run = Location.of(f"{config.runs_dir}/{config.run_name}")
-    save_run_config(run, cfg)
-    settings = ensure_ray(config.runtime.ray_address, config.runtime.num_cpus)
-    check_cpu_budget(config, float(settings["cpus"] or 0))
-    base = resolve_model_dir(config.pretrain)
+    run, base, pool = start_run(config, cfg, config.engine.max_model_len or config.sequence_length)
     started = time.time()
-    pool = EnginePool(config.engine, base, config.engine.max_model_len or config.sequence_length)
     summary: dict[str, Any] = {"run": run.path, "pipeline": "rlvr", "iterations": []}
     checkpoint, state = base, {}
     with MetricsLog(run.path) as metrics:
@@ -114,16 +87,16 @@ def rlvr_train_flow(cfg: dict) -> dict:
             for k in range(config.max_steps):
                 here = step_dir(run.path, k)
                 gen = generate_task(config, k, prompts.output, checkpoint, pool, f"{here}/responses")
-                _log(metrics, k, "generate", gen)
+                record(metrics, k, "generate", gen)
                 chain = score_task(config, gen.output, here, state)
-                scored = _log(metrics, k, "rewards", chain["scored"])
-                _log(metrics, k, "rlvr_rewards", chain["rlvr_rewarded"])
-                _log(metrics, k, "advantages", chain["advantaged"])
+                scored = record(metrics, k, "rewards", chain["scored"])
+                record(metrics, k, "rlvr_rewards", chain["rlvr_rewarded"])
+                record(metrics, k, "advantages", chain["advantaged"])
                 state = {**chain["rlvr_rewarded"].state, **chain["advantaged"].state}
                 lp = logprobs_task(config, chain["advantaged"].output, checkpoint, base, f"{here}/logprobs")
-                _log(metrics, k, "logprobs", lp)
+                record(metrics, k, "logprobs", lp)
                 tr = train_task(config, lp.output, checkpoint, f"{here}/checkpoint")
-                _log(metrics, k, "train", tr)
+                record(metrics, k, "train", tr)
                 checkpoint = tr.output
                 summary["iterations"].append({"iteration": k, "checkpoint": checkpoint, "train_metrics": tr.metrics,
                                               "score": scored.get("critic/score/mean"),

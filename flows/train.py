@@ -39,14 +39,27 @@ def _stage_task(name: str):
 def rollout_task(config: TrainFlowConfig, iteration: int, output: str, checkpoint: str, pool) -> Any:
     from stages.rollout.driver import run_rollout
 
-    return run_rollout(config.rollout_for(iteration), output, checkpoint, pool=pool)
+    return run_rollout(config.rollout_for(iteration), output, checkpoint, pool=pool,
+                       on_event=_turn_progress(f"iteration {iteration}", "rollout"))
 
 
 @_stage_task("eval")
 def eval_task(config: TrainFlowConfig, output: str, checkpoint: str, pool) -> Any:
     from stages.rollout.driver import run_rollout
 
-    return run_rollout(config.eval_rollout(), output, checkpoint, pool=pool)
+    return run_rollout(config.eval_rollout(), output, checkpoint, pool=pool, on_event=_turn_progress("eval", "eval"))
+
+
+def _turn_progress(label: str, what: str):
+    """A rollout event callback that prints one progress line per committed turn."""
+    def notify(name: str, info: dict) -> None:
+        if name == "turn":
+            r = info["result"]
+            state = "committed earlier, skipped" if r.skipped else f"{r.seconds:.0f}s"
+            print(f"[{label}] {what} turn {info['turn']}: {int(r.metrics.get('rows', 0))} episodes played, "
+                  f"{int(r.metrics.get('active', 0))} still active ({state})")
+
+    return notify
 
 
 @_stage_task("logprobs")
@@ -88,10 +101,32 @@ def train_task(config: TrainFlowConfig, samples: str, checkpoint: str, output: s
     return run_train_step(samples, checkpoint, config.train_step_config(), output)
 
 
-def _record(metrics, iteration: int, stage: str, result: Any) -> None:
-    values = {k: float(v) for k, v in (getattr(result, "metrics", None) or {}).items()
-              if isinstance(v, (int, float)) and v == v}
-    metrics.log(iteration, stage, values, wall_s=getattr(result, "seconds", None))
+def record(metrics, iteration: int, stage: str, result: Any, values: dict | None = None) -> dict[str, float]:
+    """Log a stage result's numeric, finite metrics (or ``values``) and its wall time under (iteration, stage),
+    print a progress line, and return the logged values."""
+    raw = values if values is not None else (getattr(result, "metrics", None) or {})
+    logged = {k: float(v) for k, v in raw.items() if isinstance(v, (int, float)) and v == v}
+    seconds = getattr(result, "seconds", None)
+    metrics.log(iteration, stage, logged, wall_s=seconds)
+    done = "committed earlier, skipped" if getattr(result, "skipped", False) else f"{seconds or 0:.0f}s"
+    print(f"[iteration {iteration}] {stage:<16} {done}")
+    return logged
+
+
+def start_run(config, cfg: dict, max_model_len: int):
+    """The set-up both training flows share: freeze ``cfg`` in the run folder (refusing a different one), start or
+    join Ray, check the CPU budget, resolve the initial policy, and make the engine pool (built on first use).
+    Returns (run folder, initial policy folder, pool)."""
+    from stages.cluster import ensure_ray
+    from stages.rollout.driver import resolve_model_dir
+    from stages.rollout.engine_pool import EnginePool
+
+    run = Location.of(f"{config.runs_dir}/{config.run_name}")
+    save_run_config(run, cfg)
+    settings = ensure_ray(config.runtime.ray_address, config.runtime.num_cpus)
+    check_cpu_budget(config, float(settings["cpus"] or 0))
+    base = resolve_model_dir(config.pretrain)
+    return run, base, EnginePool(config.generation_engine(), base, max_model_len)
 
 
 def _rollout_metrics(result: Any) -> dict[str, float]:
@@ -134,19 +169,11 @@ def check_cpu_budget(config, cluster_cpus: float) -> None:
 @flow(name="train", log_prints=True)
 def train_flow(cfg: dict) -> dict:
     """Run (or resume) the training run described by ``cfg`` (a :class:`TrainFlowConfig` as JSON)."""
-    from stages.cluster import ensure_ray
     from stages.metrics import MetricsLog
-    from stages.rollout.driver import resolve_model_dir
-    from stages.rollout.engine_pool import EnginePool
 
     config = validate_config(TrainFlowConfig, cfg)
-    run = Location.of(f"{config.runs_dir}/{config.run_name}")
-    save_run_config(run, cfg)
-    settings = ensure_ray(config.runtime.ray_address, config.runtime.num_cpus)
-    check_cpu_budget(config, float(settings["cpus"] or 0))
-    base = resolve_model_dir(config.pretrain)
+    run, base, pool = start_run(config, cfg, config.rollout.engine.max_model_len or config.rollout.sequence_length)
     started = time.time()
-    pool = EnginePool(config.rollout.engine, base, config.rollout.engine.max_model_len or config.rollout.sequence_length)
     summary: dict[str, Any] = {"run": run.path, "iterations": []}
     with MetricsLog(run.path) as metrics:
         try:
@@ -154,31 +181,31 @@ def train_flow(cfg: dict) -> dict:
             kl_state: dict = {}
             if config.eval.eval_steps:
                 ev = eval_task(config, f"{run.path}/eval_base", checkpoint, pool)
-                metrics.log(0, "eval", _rollout_metrics(ev), wall_s=ev.seconds)
+                record(metrics, 0, "eval", ev, _rollout_metrics(ev))
                 summary["base_eval"] = ev.samples.metrics
             for k in range(config.max_steps):
                 here = iter_dir(run.path, k)
                 ro = rollout_task(config, k, f"{here}/rollout", checkpoint, pool)
-                metrics.log(k, "rollout", _rollout_metrics(ro), wall_s=ro.seconds)
+                record(metrics, k, "rollout", ro, _rollout_metrics(ro))
                 lp = logprobs_task(config, ro.samples.output, checkpoint, base, f"{here}/logprobs")
-                _record(metrics, k, "logprobs", lp)
+                record(metrics, k, "logprobs", lp)
                 samples = lp.output
                 if config.train_step_config().needs_critic:
                     vals = values_task(config, samples, checkpoint, f"{here}/values")
-                    _record(metrics, k, "values", vals)
+                    record(metrics, k, "values", vals)
                     samples = vals.output
                 rw = rewards_task(config, samples, f"{here}/rewarded")
-                _record(metrics, k, "response_rewards", rw)
+                record(metrics, k, "response_rewards", rw)
                 adv = advantages_task(config, samples, rw.output, f"{here}/advantaged", kl_state)
-                _record(metrics, k, "advantages", adv)
+                record(metrics, k, "advantages", adv)
                 kl_state = adv.state
                 tr = train_task(config, adv.output, checkpoint, f"{here}/checkpoint")
-                _record(metrics, k, "train", tr)
+                record(metrics, k, "train", tr)
                 checkpoint = tr.output
                 evaluated = None
                 if config.eval.eval_steps and (k + 1) % config.eval.eval_steps == 0:
                     ev = eval_task(config, f"{here}/eval", checkpoint, pool)
-                    metrics.log(k + 1, "eval", _rollout_metrics(ev), wall_s=ev.seconds)
+                    record(metrics, k + 1, "eval", ev, _rollout_metrics(ev))
                     evaluated = ev.samples.metrics
                 summary["iterations"].append({"iteration": k, "checkpoint": checkpoint, "train_metrics": tr.metrics,
                                               "rollout_metrics": ro.samples.metrics, "eval_metrics": evaluated})

@@ -15,7 +15,7 @@ from pydantic import Field, model_validator
 from schemas.config import Frozen
 from schemas.rlvr_config import RLVRConfig
 from schemas.rollout_config import EngineConfig, GeneratingArgs
-from schemas.train_config import ForwardConfig, TrainStepConfig
+from schemas.train_config import ForwardConfig, TrainStepConfig, estimator_into_train
 
 
 class PromptSetConfig(Frozen):
@@ -47,6 +47,10 @@ class RLVRTrainConfig(RLVRConfig):
     logprobs: ForwardConfig = Field(default_factory=ForwardConfig, description="old/ref log-prob stage.")
     train: TrainStepConfig = Field(default_factory=TrainStepConfig, description="Actor (and critic) training.")
 
+    def train_step_config(self) -> TrainStepConfig:
+        """The training section (its estimator equals the run's)."""
+        return self.train
+
     def generation_engine(self) -> EngineConfig:
         """The engine settings (the engines live for the whole run)."""
         return self.engine
@@ -58,17 +62,13 @@ class RLVRTrainConfig(RLVRConfig):
         max_len_mask needs it). A conflicting explicit value is an error."""
         if not isinstance(data, dict):
             return data
-        top = data.get("adv_estimator", cls.model_fields["adv_estimator"].default)
-        train = dict(data.get("train") or {})
-        if "adv_estimator" in train and train["adv_estimator"] != top:
-            raise ValueError(f"train.adv_estimator ({train['adv_estimator']}) differs from adv_estimator ({top}); "
-                             "set it once, at the top level")
+        data = estimator_into_train(data, cls.model_fields["adv_estimator"].default)
         budget = (data.get("generating_args") or {}).get("max_new_tokens",
                                                          GeneratingArgs.model_fields["max_new_tokens"].default)
         if data.get("max_new_tokens") not in (None, budget):
             raise ValueError(f"max_new_tokens ({data['max_new_tokens']}) differs from generating_args.max_new_tokens "
                              f"({budget}); set generating_args.max_new_tokens only")
-        return {**data, "train": {**train, "adv_estimator": top}, "max_new_tokens": budget}
+        return {**data, "max_new_tokens": budget}
 
     @model_validator(mode="after")
     def _rlvr_run_rules(self) -> "RLVRTrainConfig":

@@ -211,3 +211,16 @@ class ValuesSection(Frozen):
     seed: int = Field(description="Seed of a new value head; equal to critic_train.training_args.seed of training.")
     dtype: str = Field(description="Forward precision.")
     max_tokens_per_microbatch_in_infer: int = Field(description="Token budget of a forward micro-batch.")
+
+
+def estimator_into_train(data: dict, default: str) -> dict:
+    """A run config's raw mapping with its top-level ``adv_estimator`` copied into ``train`` (the training step
+    needs it to know whether a critic trains). The estimator is set once: a different explicit
+    ``train.adv_estimator`` is an error."""
+    top = data.get("adv_estimator", default)
+    train = dict(data.get("train") or {})
+    if "adv_estimator" in train and train["adv_estimator"] != top:
+        raise ValueError(f"train.adv_estimator ({train['adv_estimator']}) differs from adv_estimator ({top}); "
+                         "set it once, at the top level")
+    return {**data, "train": {**train, "adv_estimator": top}}
+

@@ -13,7 +13,7 @@ from pydantic import Field, model_validator
 
 from schemas.config import AlgorithmConfig, Frozen, RuntimeConfig
 from schemas.rollout_config import RolloutConfig
-from schemas.train_config import ForwardConfig, TrainStepConfig
+from schemas.train_config import ForwardConfig, TrainStepConfig, estimator_into_train
 
 
 class EvalConfig(Frozen):
@@ -52,13 +52,7 @@ class TrainFlowConfig(AlgorithmConfig):
         (it decides whether a critic is trained). A conflicting explicit value is an error."""
         if not isinstance(data, dict):
             return data
-        top = data.get("adv_estimator", cls.model_fields["adv_estimator"].default)
-        train = dict(data.get("train") or {})
-        if "adv_estimator" in train and train["adv_estimator"] != top:
-            raise ValueError(f"train.adv_estimator ({train['adv_estimator']}) differs from adv_estimator ({top}); "
-                             "set it once, at the top level")
-        train["adv_estimator"] = top
-        return {**data, "train": train}
+        return estimator_into_train(data, cls.model_fields["adv_estimator"].default)
 
     @model_validator(mode="after")
     def _agentic_rules(self) -> "TrainFlowConfig":

@@ -83,10 +83,45 @@ def _stop(process: subprocess.Popen, timeout_s: float = 30.0) -> int:
     return process.wait()
 
 
+def _deployment(client, name: str, serve: subprocess.Popen, serve_log: Path, deadline: float):
+    while True:
+        assert serve.poll() is None, f"rollflow deploy exited {serve.returncode}:\n{_tail(serve_log)}"
+        assert time.monotonic() < deadline, f"no deployment registered:\n{_tail(serve_log)}"
+        try:
+            return client.read_deployment_by_name(name)
+        except Exception:  # not registered yet (ObjectNotFound)
+            time.sleep(1)
+
+
+def _first_completed_run(client, deployment, serve: subprocess.Popen, serve_log: Path, deadline: float):
+    from prefect.client.schemas.filters import DeploymentFilter, DeploymentFilterId
+
+    only_this = DeploymentFilter(id=DeploymentFilterId(any_=[deployment.id]))
+    while True:
+        runs = client.read_flow_runs(deployment_filter=only_this)
+        completed = [r for r in runs if r.state is not None and r.state.is_completed()]
+        if completed:
+            return completed[0]
+        broken = [r for r in runs if r.state is not None and r.state.is_final() and not r.state.is_completed()]
+        assert not broken, f"run {broken[0].name} ended {broken[0].state.name}:\n{_tail(serve_log)}"
+        assert serve.poll() is None, f"rollflow deploy exited {serve.returncode}:\n{_tail(serve_log)}"
+        assert time.monotonic() < deadline, (f"no scheduled run completed in time; runs: "
+                                             f"{[(r.name, r.state_name) for r in runs]}\n{_tail(serve_log)}")
+        time.sleep(2)
+
+
+def _serve(args: list[str], server, tmp_path: Path, serve_log: Path) -> subprocess.Popen:
+    env = {**os.environ, "PREFECT_HOME": str(tmp_path / "client"), "PREFECT_API_URL": server.api_url,
+           "PREFECT_RUNNER_POLL_FREQUENCY": "2", "PREFECT_LOGGING_LEVEL": "INFO"}
+    with open(serve_log, "wb") as log_file:
+        return subprocess.Popen([sys.executable, "-m", "flows.cli_ops", "deploy", *args], cwd=REPO, env=env,
+                                stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                start_new_session=True)
+
+
 @pytest.mark.server
 def test_scheduled_deployment_runs_on_a_local_server(tmp_path):
     from prefect.client.orchestration import get_client
-    from prefect.client.schemas.filters import DeploymentFilter, DeploymentFilterId
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
     from stages.example import ExampleSpec, generate
@@ -97,41 +132,17 @@ def test_scheduled_deployment_runs_on_a_local_server(tmp_path):
     serve_log = tmp_path / "serve.log"
     serve = None
     try:
-        env = {**os.environ, "PREFECT_HOME": str(tmp_path / "client"), "PREFECT_API_URL": server.api_url,
-               "PREFECT_RUNNER_POLL_FREQUENCY": "2", "PREFECT_LOGGING_LEVEL": "INFO"}
-        with open(serve_log, "wb") as log_file:
-            serve = subprocess.Popen(
-                [sys.executable, "-m", "flows.cli_ops", "deploy", "--config", str(GIGPO), "--input", str(samples),
-                 "--output", str(output), "--cron", "* * * * *", "--name", "every-minute",
-                 "--set", "runtime.num_cpus=2"],
-                cwd=REPO, env=env, stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                start_new_session=True)
+        serve = _serve(["--config", str(GIGPO), "--input", str(samples), "--output", str(output), "--cron",
+                        "* * * * *", "--name", "every-minute", "--set", "runtime.num_cpus=2"], server, tmp_path,
+                       serve_log)
         deadline = time.monotonic() + WAIT_S
         with temporary_settings(updates={PREFECT_API_URL: server.api_url}), get_client(sync_client=True) as client:
-            deployment = None
-            while deployment is None:
-                assert serve.poll() is None, f"rollflow deploy exited {serve.returncode}:\n{_tail(serve_log)}"
-                assert time.monotonic() < deadline, f"no deployment registered:\n{_tail(serve_log)}"
-                try:
-                    deployment = client.read_deployment_by_name("recompute/every-minute")
-                except Exception:  # not registered yet (ObjectNotFound)
-                    time.sleep(1)
+            deployment = _deployment(client, "recompute/every-minute", serve, serve_log, deadline)
             assert [s.schedule.cron for s in deployment.schedules] == ["* * * * *"]
             assert deployment.parameters["input_dir"] == str(samples)
             assert deployment.parameters["cfg"]["runtime"]["num_cpus"] == 2
 
-            only_this = DeploymentFilter(id=DeploymentFilterId(any_=[deployment.id]))
-            completed = []
-            while not completed:
-                runs = client.read_flow_runs(deployment_filter=only_this)
-                completed = [r for r in runs if r.state is not None and r.state.is_completed()]
-                broken = [r for r in runs if r.state is not None and r.state.is_final() and not r.state.is_completed()]
-                assert not broken, f"run {broken[0].name} ended {broken[0].state.name}:\n{_tail(serve_log)}"
-                assert serve.poll() is None, f"rollflow deploy exited {serve.returncode}:\n{_tail(serve_log)}"
-                assert time.monotonic() < deadline, (f"no scheduled run completed within {WAIT_S}s; runs: "
-                                                     f"{[(r.name, r.state_name) for r in runs]}\n{_tail(serve_log)}")
-                time.sleep(2)
-            run = completed[0]
+            run = _first_completed_run(client, deployment, serve, serve_log, deadline)
             assert run.auto_scheduled  # created by the server's scheduler, not started by hand
             assert run.expected_start_time.second == 0  # on a minute boundary, as the cron says
 
@@ -145,3 +156,40 @@ def test_scheduled_deployment_runs_on_a_local_server(tmp_path):
             _stop(serve)
         server.stop()
     assert not server.running()
+
+
+@pytest.mark.server
+@pytest.mark.slow
+def test_scheduled_training_run_on_a_local_server(tmp_path):
+    """``rollflow deploy --flow train``: the server's scheduler starts the training flow (tiny model, one
+    iteration); its stage outputs are committed in the config's run folder."""
+    from prefect.client.orchestration import get_client
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    from stages.generation.model_store import tiny_random_model_dir
+
+    server = start_server("127.0.0.1", free_port(), tmp_path / "server", timeout_s=120)
+    serve_log = tmp_path / "serve.log"
+    serve = None
+    tiny = ["--set", "run_name=nightly", "--set", f"runs_dir={tmp_path}", "--set", "max_steps=1",
+            "--set", f"pretrain={tiny_random_model_dir()}", "--set", "rollout.engine.backend=hf",
+            "--set", "rollout.engine.options={}", "--set", "rollout.env.num_env_groups=2",
+            "--set", "rollout.env.group_size=2", "--set", "rollout_batch_size=4", "--set", "rollout.env.max_steps=2",
+            "--set", "rollout.generating_args.max_new_tokens=8", "--set", "eval.eval_steps=0",
+            "--set", "train.actor_train.model_args.dtype=fp32"]
+    try:
+        serve = _serve(["--flow", "train", "--config", str(REPO / "configs/train_frozenlake_grpo.yaml"),
+                        "--interval", "60", "--name", "hourly", *tiny], server, tmp_path, serve_log)
+        deadline = time.monotonic() + 5 * WAIT_S
+        with temporary_settings(updates={PREFECT_API_URL: server.api_url}), get_client(sync_client=True) as client:
+            deployment = _deployment(client, "train/hourly", serve, serve_log, deadline)
+            assert deployment.parameters["cfg"]["run_name"] == "nightly"
+            run = _first_completed_run(client, deployment, serve, serve_log, deadline)
+            assert run.auto_scheduled
+            for stage in ("rollout/samples", "logprobs", "advantaged", "checkpoint"):
+                assert (tmp_path / "nightly/iter_0000" / stage / "manifest.json").exists(), stage
+            assert _stop(serve) == 0, _tail(serve_log)
+    finally:
+        if serve is not None:
+            _stop(serve)
+        server.stop()

@@ -16,6 +16,7 @@ import pytest
 from stages.example import ExampleSpec, generate
 from tests.spine.conftest import SMALL
 from tests.spine.helpers import GIGPO, assert_tables_equal, config, read_table, run_recompute, siblings
+from tests.processes import wait_gone
 
 ROLLFLOW = str(Path(sys.executable).parent / "rollflow")
 BATCH_ROWS = 500
@@ -34,17 +35,6 @@ def _in_progress(out: Path) -> bool:
     for tmp in out.glob(".advantaged.tmp-*"):
         if any((tmp / "_partials").glob("*.json")):
             return True
-    return False
-
-
-def _wait_gone(pgid: int, seconds: float) -> bool:
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        try:
-            os.killpg(pgid, 0)
-        except ProcessLookupError:
-            return True
-        time.sleep(0.5)
     return False
 
 
@@ -71,7 +61,7 @@ def test_sigkill_mid_run_then_rerun_gives_the_uninterrupted_output(data_root, tm
         if proc.poll() is None:
             proc.kill()
         # its local Ray cluster and Prefect server die with it; make sure before the restart
-        if not _wait_gone(proc.pid, 30):
+        if not wait_gone(proc.pid, 30):
             os.killpg(proc.pid, signal.SIGKILL)
         log.close()
     assert proc.returncode == -signal.SIGKILL

@@ -66,6 +66,11 @@ def test_prompt_files_errors_name_the_file_line_and_fix(tmp_path):
         read_prompt_rows(prompts_section(str(tmp_path), ("math",), None))
 
 
+def _read(folder: Path):
+    """A committed table folder (its Parquet parts, not the manifest)."""
+    return pads.dataset(sorted(str(p) for p in folder.glob("*.parquet")), format="parquet").to_table()
+
+
 def _rollflow(*args: str, env: dict) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "flows.cli", *args], cwd=REPO, env=env, capture_output=True,
                           text=True, timeout=1500, start_new_session=True)
@@ -86,17 +91,17 @@ def test_rlvr_run_end_to_end_then_resume_skips_everything(tmp_path):
     assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
     run = tmp_path / "r"
     assert (run / "prompts/manifest.json").exists()
-    prompts = pads.dataset(str(run / "prompts"), format="parquet").to_table()
+    prompts = _read(run / "prompts")
     assert prompts.num_rows == 50 and set(prompts.column("domain").to_pylist()) == {"math"}
     for k in (0, 1):
         for stage in STAGES:
             assert (run / f"step_{k:04d}" / stage / "manifest.json").exists(), (k, stage)
-        responses = pads.dataset(str(run / f"step_{k:04d}/responses"), format="parquet").to_table()
+        responses = _read(run / f"step_{k:04d}/responses")
         assert responses.num_rows == 4 and len(set(responses.column("prompt_id").to_pylist())) == 2
         assert set(responses.column("prompt_id").to_pylist()) <= set(prompts.column("prompt_id").to_pylist())
-        scored = pads.dataset(str(run / f"step_{k:04d}/scored"), format="parquet").to_table()
+        scored = _read(run / f"step_{k:04d}/scored")
         assert set(scored.column("reward_worker").to_pylist()) == {"math_rule"}
-        trained = pads.dataset(str(run / f"step_{k:04d}/logprobs"), format="parquet").to_table()
+        trained = _read(run / f"step_{k:04d}/logprobs")
         assert {"final_response_mask", "old_log_probs", "advantages"} <= set(trained.column_names)
     manifest = json.loads((run / "step_0001/checkpoint/manifest.json").read_text())
     assert "actor/pg_loss" in manifest["metrics"]
