@@ -19,6 +19,8 @@ import typer
 
 from flows.cli_common import OverrideOpt, fail as _fail, guard as _guard
 
+JUDGE_CONTEXT = 2048  # tokens of a judge prompt + verdict
+
 
 def score_responses(input_dir: str, output_dir: str, cfg, *, advantages: bool = False, force: bool = False,
                     state_in: dict | None = None, services: dict | None = None) -> dict[str, Any]:
@@ -76,6 +78,22 @@ def score_summary(input_dir: str, scored_dir: str, domain_column: str) -> list[s
     return lines
 
 
+def _judge_pool(cfg, judge_model: Path | None, backend: str):
+    """An engine pool over the judge model when a route of ``cfg`` needs one (the caller closes it), else None."""
+    from schemas.rollout_config import EngineConfig
+    from stages.cluster import ensure_ray
+    from stages.rlvr.generate import needs_model
+    from stages.rollout.driver import resolve_model_dir
+    from stages.rollout.engine_pool import EnginePool
+
+    if not needs_model(cfg.rewards):
+        return None
+    ensure_ray(cfg.runtime.ray_address, cfg.runtime.num_cpus, progress=False)
+    engine = EngineConfig(backend=backend, dtype="bfloat16" if backend == "vllm" else "float32",
+                          num_cpus_per_engine=0)
+    return EnginePool(engine, resolve_model_dir(str(judge_model) if judge_model else None), JUDGE_CONTEXT)
+
+
 def score(input: Path = typer.Option(..., "--input", help="Folder of stored responses (a responses table)."),
           config: Path = typer.Option(..., "--config", help="YAML config (configs/rlvr_*.yaml)."),
           output: Path = typer.Option(..., "--output", help="Folder for scored/ (and rlvr_rewarded/, advantaged/)."),
@@ -83,13 +101,26 @@ def score(input: Path = typer.Option(..., "--input", help="Folder of stored resp
           advantages: bool = typer.Option(False, "--advantages", help="Also run the RLVR chain: sample masks, "
                                                                       "normalised rewards, token rewards and "
                                                                       "advantages (the training table)."),
-          force: bool = typer.Option(False, "--force", help="Recompute even if outputs are up to date.")) -> None:
-    """Score stored responses with the reward workers of the config (offline), optionally up to advantages."""
+          force: bool = typer.Option(False, "--force", help="Recompute even if outputs are up to date."),
+          judge_model: Optional[Path] = typer.Option(None, "--judge-model", help="HF checkpoint of the LLM judge "
+                                                                                 "(default: the default model)."),
+          judge_backend: str = typer.Option("vllm", "--judge-backend", help="Engine of the judge: vllm or hf.")) -> None:
+    """Score stored responses with the reward workers of the config (offline), optionally up to advantages. An
+    llm_judge route runs its judge model in a generation engine started here."""
     from schemas.config import load_config, parse_overrides
     from schemas.rlvr_config import RLVRConfig
 
     cfg = _guard(lambda: load_config(RLVRConfig, config, parse_overrides(overrides or [])))
-    results = _guard(lambda: score_responses(str(input), str(output), cfg, advantages=advantages, force=force))
+    pool = _guard(lambda: _judge_pool(cfg, judge_model, judge_backend))
+    try:
+        from stages.rlvr.generate import judge_services
+
+        services = judge_services(cfg.rewards, pool, JUDGE_CONTEXT) if pool is not None else {}
+        results = _guard(lambda: score_responses(str(input), str(output), cfg, advantages=advantages, force=force,
+                                                 services=services))
+    finally:
+        if pool is not None:
+            pool.close()
     for name, r in results.items():
         state = "up to date, skipped" if r.skipped else f"computed in {r.seconds:.1f}s"
         typer.echo(f"{name:<14} {r.output}  ({r.rows:,} rows, {state})")

@@ -64,13 +64,16 @@ def generate_task(config: RLVRTrainConfig, step: int, prompts: str, checkpoint: 
 
 
 @_task("rewards_and_advantages")
-def score_task(config: RLVRTrainConfig, responses: str, output: str, state_in: dict) -> dict[str, Any]:
+def score_task(config: RLVRTrainConfig, responses: str, output: str, state_in: dict, pool) -> dict[str, Any]:
+    """Reward workers, then the RLVR chain; an LLM judge route is served by the flow's engines (the policy)."""
     from flows.cli_rlvr import score_responses
+    from stages.rlvr.generate import judge_services
 
-    return score_responses(responses, output, config, advantages=True, state_in=state_in)
+    services = judge_services(config.rewards, pool, config.sequence_length)
+    return score_responses(responses, output, config, advantages=True, state_in=state_in, services=services)
 
 
-@flow(name="rlvr-train", log_prints=True)
+@flow(name="rlvr-train")  # progress lines go to stdout (Prefect logs at WARNING here)
 def rlvr_train_flow(cfg: dict) -> dict:
     """Run (or resume) the RLVR training run described by ``cfg`` (an :class:`RLVRTrainConfig` as JSON)."""
     from flows.train import start_run
@@ -88,7 +91,7 @@ def rlvr_train_flow(cfg: dict) -> dict:
                 here = step_dir(run.path, k)
                 gen = generate_task(config, k, prompts.output, checkpoint, pool, f"{here}/responses")
                 record(metrics, k, "generate", gen)
-                chain = score_task(config, gen.output, here, state)
+                chain = score_task(config, gen.output, here, state, pool)
                 scored = record(metrics, k, "rewards", chain["scored"])
                 record(metrics, k, "rlvr_rewards", chain["rlvr_rewarded"])
                 record(metrics, k, "advantages", chain["advantaged"])

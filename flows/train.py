@@ -57,7 +57,7 @@ def _turn_progress(label: str, what: str):
             r = info["result"]
             state = "committed earlier, skipped" if r.skipped else f"{r.seconds:.0f}s"
             print(f"[{label}] {what} turn {info['turn']}: {int(r.metrics.get('rows', 0))} episodes played, "
-                  f"{int(r.metrics.get('active', 0))} still active ({state})")
+                  f"{int(r.metrics.get('active', 0))} still active ({state})", flush=True)
 
     return notify
 
@@ -109,7 +109,7 @@ def record(metrics, iteration: int, stage: str, result: Any, values: dict | None
     seconds = getattr(result, "seconds", None)
     metrics.log(iteration, stage, logged, wall_s=seconds)
     done = "committed earlier, skipped" if getattr(result, "skipped", False) else f"{seconds or 0:.0f}s"
-    print(f"[iteration {iteration}] {stage:<16} {done}")
+    print(f"[iteration {iteration}] {stage:<16} {done}", flush=True)
     return logged
 
 
@@ -166,7 +166,7 @@ def check_cpu_budget(config, cluster_cpus: float) -> None:
             "generation), or lower train.runtime.num_workers / cpus_per_worker, or logprobs.cpus_per_actor")
 
 
-@flow(name="train", log_prints=True)
+@flow(name="train")  # progress lines go to stdout (Prefect logs at WARNING here)
 def train_flow(cfg: dict) -> dict:
     """Run (or resume) the training run described by ``cfg`` (a :class:`TrainFlowConfig` as JSON)."""
     from stages.metrics import MetricsLog

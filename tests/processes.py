@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import os
+import signal
+import subprocess
 import time
+from pathlib import Path
+from typing import Callable
 
 
 def wait_gone(pgid: int, seconds: float) -> bool:
@@ -16,3 +20,30 @@ def wait_gone(pgid: int, seconds: float) -> bool:
             return True
         time.sleep(0.5)
     return False
+
+
+def sigkill_when(cmd: list[str], ready: Callable[[], bool], log_path: Path, *, env: dict, cwd: str | None = None,
+                 what: str = "the kill point", whole_group: bool = False, timeout_s: float = 1200) -> None:
+    """Start ``cmd`` in a new session and SIGKILL it as soon as ``ready()`` holds — the CLI process alone, or with
+    ``whole_group`` its whole process group. Fails if it ends or ``timeout_s`` passes first; makes sure the group
+    (its local Ray cluster and Prefect server) is gone before returning."""
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            deadline = time.monotonic() + timeout_s
+            while not ready():
+                assert proc.poll() is None, f"finished (rc {proc.returncode}) before {what}: " + \
+                    log_path.read_text()[-3000:]
+                assert time.monotonic() < deadline, f"{what} never came"
+                time.sleep(0.05)
+            if whole_group:
+                os.killpg(proc.pid, signal.SIGKILL)
+            else:
+                os.kill(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=60)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+            if not wait_gone(proc.pid, 30):
+                os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == -signal.SIGKILL

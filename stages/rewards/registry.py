@@ -50,7 +50,8 @@ def resolve_worker(spec: str) -> type | Callable[..., Any]:
     return REWARD_WORKERS.get(spec)
 
 
-def _requires(entry: Any) -> tuple[str, ...]:
+def required_services(entry: Any) -> tuple[str, ...]:
+    """The run-time services a worker class or function takes (``("generate",)`` for a judge)."""
     if isinstance(entry, type):
         return tuple(getattr(entry, "requires", ()))
     names = inspect.signature(entry).parameters
@@ -64,7 +65,7 @@ def build_worker(spec: str, kwargs: Mapping[str, Any] | None = None,
     entry = resolve_worker(spec)
     kwargs = dict(kwargs or {})
     services = dict(services or {})
-    for name in _requires(entry):
+    for name in required_services(entry):
         if name in kwargs:
             raise ConfigError(f"reward worker '{spec}': '{name}' is a run-time service given by the stage, not a "
                               "config value; remove it from the worker kwargs")

@@ -203,3 +203,48 @@ class GenerateStage(Stage):
                 "generate/truncated_rate": total.get("truncated", 0.0) / rows if rows else 0.0,
                 "generate/engine_seconds": seconds,
                 "generate/tokens_per_second": total.get("response_tokens", 0.0) / seconds if seconds else 0.0}, {}
+
+
+# ---- the LLM judge's generation service ----------------------------------------------------------------------------
+
+class EngineGenerate:
+    """A picklable factory of the ``generate(prompts) -> list[str | None]`` service the LLM judge needs, over the
+    engine actors of an :class:`~stages.rollout.engine_pool.EnginePool` (Ray actor handles pickle). The reward
+    stage calls it once inside each reward actor; the callable sends chat completions (one sample each, greedy by
+    default) to the engines and returns the texts in prompt order (``None`` for a prompt that does not fit)."""
+
+    def __init__(self, handles: list, system_prompt: str = "", max_new_tokens: int = 64,
+                 temperature: float = 0.0, sequence_length: int = 2048, seed: int = 0) -> None:
+        self.handles, self.system_prompt = list(handles), system_prompt
+        self.max_new_tokens, self.temperature = max_new_tokens, temperature
+        self.sequence_length, self.seed = sequence_length, seed
+
+    def __call__(self):
+        return self.generate
+
+    def generate(self, prompts: list[str]) -> list[str | None]:
+        import ray
+
+        from stages.generation.engines import SamplingSpec
+
+        spec = SamplingSpec(temperature=self.temperature, max_new_tokens=self.max_new_tokens, seed=self.seed)
+        texts: list[str | None] = [None] * len(prompts)
+        results, _ = ray.get(self.handles[0].complete.remote(self.system_prompt, list(prompts),
+                                                             [spec] * len(prompts), self.sequence_length))
+        for r in results:
+            texts[r.request_index] = r.text
+        return texts
+
+
+def needs_model(rewards) -> bool:
+    """Whether a route of ``rewards`` (a RewardsConfig) names a worker that calls a model (the LLM judge)."""
+    import stages.rewards  # noqa: F401  (registers the built-in workers)
+    from stages.rewards.registry import required_services, resolve_worker
+
+    return any("generate" in required_services(resolve_worker(r.worker)) for r in rewards.routes.values())
+
+
+def judge_services(rewards, pool, sequence_length: int) -> dict:
+    """``{"generate": EngineGenerate(...)}`` over ``pool`` when a route of ``rewards`` needs a model, else {}."""
+    return {"generate": EngineGenerate(pool.handles(), sequence_length=sequence_length)} if needs_model(rewards) \
+        else {}

@@ -13,10 +13,9 @@
 
 The LLM judge (``llm_judge``) needs a ``generate(prompts: list[str]) -> list[str | None]`` service. The stage takes
 ``services = {"generate": factory}``: a picklable zero-argument callable run once inside each reward actor, returning
-the callable. To judge with the rollout's engine, the factory holds the ``EngineActor`` handles of the flow's
-:class:`~stages.rollout.engine_pool.EnginePool` (Ray actor handles pickle) and a tokenizer path; the callable it
-returns templates and tokenizes the judge prompts, sends ``GenRequest``\\ s with ``handle.generate.remote`` and
-returns the decoded texts (``None`` for a failed request). The reward stage never builds an engine itself.
+the callable. :class:`stages.rlvr.generate.EngineGenerate` is that factory over the engine actors of an
+:class:`~stages.rollout.engine_pool.EnginePool` (Ray actor handles pickle): ``rollflow score`` builds a pool over
+``--judge-model`` for it, the RLVR training flow uses its own engines. The reward stage never builds an engine itself.
 """
 
 from __future__ import annotations
@@ -50,10 +49,10 @@ def _preflight(section: RewardsConfig, services: Mapping[str, ServiceFactory]) -
     """Fail before Ray starts work: every route names a resolvable worker whose services the stage has, and the
     workers without services build with their kwargs (a throwaway instance; the actors build their own)."""
     import stages.rewards  # noqa: F401  (registers the built-in workers)
-    from stages.rewards.registry import _requires, build_worker, resolve_worker
+    from stages.rewards.registry import build_worker, required_services, resolve_worker
 
     for domain, route in section.routes.items():
-        needs = _requires(resolve_worker(route.worker))
+        needs = required_services(resolve_worker(route.worker))
         missing = [name for name in needs if name not in services]
         if missing:
             raise ConfigError(f"rewards.routes.{domain}: worker '{route.worker}' needs the run-time service(s) "

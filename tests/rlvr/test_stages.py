@@ -345,3 +345,39 @@ def test_generate_service_factory_plugs_into_the_judge_inside_the_actor():
     out = actor(responses_table(cols))
     assert out.column("scores").to_pylist() == [1.0, 0.0, None] * 4
     assert out.column("reward_worker").to_pylist() == ["llm_judge"] * 12
+
+
+# ---- the LLM judge served by a generation engine ------------------------------------------------------------------
+
+def test_llm_judge_is_served_by_a_generation_engine(tmp_path, ray_cluster):
+    """``rollflow score`` with an llm_judge route starts an engine over the judge model (the tiny random model on
+    the HF engine here) and every row goes through it; its unparseable verdicts are 'cannot score' (null)."""
+    import yaml
+
+    from stages.generation.model_store import tiny_random_model_dir
+    from stages.rlvr.generate import EngineGenerate
+    from stages.rollout.engine_pool import EnginePool
+    from schemas.rollout_config import EngineConfig
+
+    pool = EnginePool(EngineConfig(backend="hf", dtype="float32", num_cpus_per_engine=0, threads=1),
+                      tiny_random_model_dir(), 512)
+    try:
+        generate = EngineGenerate(pool.handles(), max_new_tokens=4, sequence_length=512)()
+        texts = generate(["first question", "second", "third"])
+        assert len(texts) == 3 and all(isinstance(t, str) for t in texts)
+        assert generate(["first question"]) == texts[:1], "greedy and seeded: the same prompt, the same verdict"
+    finally:
+        pool.close()
+
+    responses = tmp_path / "responses"
+    made = invoke("rlvr-example", "--output", str(responses), "--domains", "math", "--limit", "2",
+                  "--samples-per-prompt", "2")
+    assert made.exit_code == 0, made.output
+    config = tmp_path / "judge.yaml"
+    config.write_text(yaml.safe_dump({"rewards": {"routes": {"math": {"worker": "llm_judge"}}},
+                                      "num_return_sequences_in_group": 2, "adv_estimator": "grpo"}))
+    result = invoke("score", "--input", str(responses), "--config", str(config), "--output", str(tmp_path / "out"),
+                    "--judge-model", tiny_random_model_dir(), "--judge-backend", "hf")
+    assert result.exit_code == 0, result.output
+    scored = read_folder(str(tmp_path / "out" / "scored"))
+    assert scored.num_rows == 4 and set(scored.column("reward_worker").to_pylist()) == {"llm_judge"}

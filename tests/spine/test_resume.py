@@ -5,10 +5,8 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -16,7 +14,7 @@ import pytest
 from stages.example import ExampleSpec, generate
 from tests.spine.conftest import SMALL
 from tests.spine.helpers import GIGPO, assert_tables_equal, config, read_table, run_recompute, siblings
-from tests.processes import wait_gone
+from tests.processes import sigkill_when
 
 ROLLFLOW = str(Path(sys.executable).parent / "rollflow")
 BATCH_ROWS = 500
@@ -46,25 +44,9 @@ def test_sigkill_mid_run_then_rerun_gives_the_uninterrupted_output(data_root, tm
     cmd = [ROLLFLOW, "recompute", "--input", samples, "--config", GIGPO, "--output", str(out),
            "--set", f"runtime.batch_rows={BATCH_ROWS}", "--set", "runtime.num_cpus=2"]
     env = _child_env(tmp_path / "prefect")
-    log = open(tmp_path / "killed.log", "w")
-    proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    try:
-        deadline = time.monotonic() + 500
-        while not _in_progress(out):
-            assert proc.poll() is None, f"finished (rc {proc.returncode}) before it could be killed: " + \
-                (tmp_path / "killed.log").read_text()[-3000:]
-            assert time.monotonic() < deadline, "the advantages stage never started"
-            time.sleep(0.1)
-        os.kill(proc.pid, signal.SIGKILL)  # the CLI process, mid-way through the advantages stage
-        proc.wait(timeout=60)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-        # its local Ray cluster and Prefect server die with it; make sure before the restart
-        if not wait_gone(proc.pid, 30):
-            os.killpg(proc.pid, signal.SIGKILL)
-        log.close()
-    assert proc.returncode == -signal.SIGKILL
+    # the CLI process alone, mid-way through the advantages stage; its Ray cluster and Prefect server die with it
+    sigkill_when(cmd, lambda: _in_progress(out), tmp_path / "killed.log", env=env, timeout_s=500,
+                 what="the advantages stage")
     assert (out / "rewarded" / "manifest.json").exists(), "the first stage was committed before the kill"
     assert not (out / "advantaged").exists(), "nothing of the interrupted stage is committed"
     assert any(n.startswith(".advantaged.tmp-") for n in siblings(out / "advantaged")), "the crash left its tmp"

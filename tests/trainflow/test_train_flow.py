@@ -5,10 +5,8 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -16,7 +14,7 @@ import pytest
 from schemas.config import load_config, validate_config
 from schemas.errors import ConfigError
 from schemas.train_flow_config import TrainFlowConfig
-from tests.processes import wait_gone
+from tests.processes import sigkill_when
 
 REPO = Path(__file__).resolve().parents[2]
 CONFIGS = sorted((REPO / "configs").glob("train_*.yaml"))
@@ -122,28 +120,6 @@ def test_train_run_end_to_end_then_resume_skips_everything(finished_run, tmp_pat
     assert bad.returncode == 2 and "cannot change a run being resumed" in bad.stderr
 
 
-def _kill_when(path: Path, cmd: list[str], env: dict, log_path: Path) -> None:
-    """Start ``rollflow`` and SIGKILL its whole process group (CLI, Ray, Prefect) as soon as ``path`` exists."""
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "flows.cli", *cmd], cwd=REPO, env=env, stdout=log,
-                                stderr=subprocess.STDOUT, start_new_session=True)
-        try:
-            deadline = time.monotonic() + 1200
-            while not path.exists():
-                assert proc.poll() is None, f"finished (rc {proc.returncode}) before {path} appeared: " + \
-                    log_path.read_text()[-3000:]
-                assert time.monotonic() < deadline, f"{path} never appeared"
-                time.sleep(0.05)
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(timeout=60)
-        finally:
-            if proc.poll() is None:
-                proc.kill()
-            if not wait_gone(proc.pid, 30):
-                os.killpg(proc.pid, signal.SIGKILL)
-    assert proc.returncode == -signal.SIGKILL
-
-
 def _table(folder: Path, drop: tuple[str, ...] = ()):
     import pyarrow.dataset as pads
 
@@ -172,7 +148,8 @@ def test_sigkilled_run_resumes_to_the_uninterrupted_result(finished_run, tmp_pat
 
     env = _env(tmp_path)
     run = tmp_path / "t"
-    _kill_when(run / kill_after, _tiny_args(tmp_path, "t"), env, tmp_path / "killed.log")
+    sigkill_when([sys.executable, "-m", "flows.cli", *_tiny_args(tmp_path, "t")], (run / kill_after).exists,
+                 tmp_path / "killed.log", env=env, cwd=str(REPO), what=kill_after, whole_group=True)
     assert not (run / "report").exists(), "killed before the end"
     resumed = _rollflow("train", "--resume", str(run), env=env)
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
