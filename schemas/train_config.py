@@ -160,6 +160,12 @@ class TrainRuntimeConfig(RuntimeConfig):
     num_workers: int = Field(2, gt=0, description="Ray Train workers (data-parallel ranks).")
     use_gpu: bool = Field(False, description="One GPU per worker and the nccl backend (else gloo on CPU).")
     cpus_per_worker: float = Field(1.0, gt=0, description="CPUs reserved per worker; torch threads = max(1, floor).")
+    threads: int | None = Field(None, gt=0, description="torch threads per worker (default: max(1, floor("
+                                                       "cpus_per_worker))). More threads than reserved CPUs borrow CPUs "
+                                                       "that idle during this stage (e.g. the idle engine's).")
+
+    def torch_threads(self) -> int:
+        return self.threads or max(1, int(self.cpus_per_worker))
 
 
 class TrainStepConfig(TrainSection):
@@ -190,8 +196,14 @@ class ForwardConfig(Frozen):
     rows_per_batch: int = Field(64, gt=0, description="Rows handed to an actor at once (Ray Data batch).")
     num_actors: int = Field(1, gt=0, description="Most actors in the pool (each loads the model).")
     cpus_per_actor: float = Field(1.0, gt=0, description="CPUs reserved per actor; torch threads = max(1, floor).")
+    threads: int | None = Field(None, gt=0, description="torch threads per actor (default: max(1, floor("
+                                                       "cpus_per_actor))). More threads than reserved CPUs borrow CPUs "
+                                                       "that idle during this stage (e.g. the idle engine's).")
     seed: int = Field(42, description="Seed of a new critic's value head (values stage, before any training).")
     runtime: RuntimeConfig = Field(default_factory=RuntimeConfig, description="Ray cluster settings.")
+
+    def torch_threads(self) -> int:
+        return self.threads or max(1, int(self.cpus_per_actor))
 
 
 class LogProbSection(Frozen):

@@ -92,7 +92,7 @@ def _fit(samples: Location, checkpoint: str, cfg: TrainStepConfig, tmp: str, sto
     # read before the workers hold the CPUs, so the read tasks cannot starve behind them (STACK.md)
     ds = ray.data.read_parquet(samples.parquet_files(), columns=columns,
                                filesystem=samples.ray_filesystem()).materialize()
-    threads = max(1, int(rt.cpus_per_worker))
+    threads = rt.torch_threads()
     trainer = TorchTrainer(
         _train_loop,
         train_loop_config={"section": train_section(cfg).model_dump(mode="json"), "checkpoint": checkpoint,
@@ -289,7 +289,7 @@ class _ForwardStage(Stage):
             ForwardActor, batch_size=c.rows_per_batch, batch_format="pyarrow",
             fn_constructor_kwargs={"jobs": self.jobs(ctx.section), "dtype": ctx.section.dtype,
                                    "max_tokens": ctx.section.max_tokens_per_microbatch_in_infer,
-                                   "threads": max(1, int(c.cpus_per_actor)), "output": ctx.output,
+                                   "threads": c.torch_threads(), "output": ctx.output,
                                    "spec": self.output_spec, "where": ctx.inputs["samples"].path},
             compute=ActorPoolStrategy(min_size=1, max_size=c.num_actors), num_cpus=c.cpus_per_actor)
 
