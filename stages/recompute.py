@@ -112,22 +112,22 @@ class ResponseRewardsStage(Stage):
 
 # ---- token rewards and advantages -------------------------------------------------------------------------------
 
-_REWARD_LOOKUP: dict[str, tuple[Any, dict[str, np.ndarray]]] = {}
+REWARD_LOOKUP_CACHE: dict[str, tuple[Any, dict[str, np.ndarray]]] = {}
 REWARD_COLUMNS = ("response_level_rewards", "step_rewards", "episode_rewards_norm", "step_rewards_norm",
                   "state_group_id")
 
 
-def _reward_lookup(files: list[str], fs, key: str):
+def reward_lookup(files: list[str], fs, key: str):
     """The rewarded table of this run as (pandas Index over row_id, columns), cached per worker process."""
     import pandas as pd
     import pyarrow.dataset as pads
 
-    if key not in _REWARD_LOOKUP:
+    if key not in REWARD_LOOKUP_CACHE:
         table = pads.dataset(files, filesystem=fs).to_table()
         cols = {c: table.column(c).to_numpy(zero_copy_only=False) for c in table.column_names if c != "row_id"}
-        _REWARD_LOOKUP.clear()
-        _REWARD_LOOKUP[key] = (pd.Index(table.column("row_id").to_numpy(zero_copy_only=False)), cols)
-    return _REWARD_LOOKUP[key]
+        REWARD_LOOKUP_CACHE.clear()
+        REWARD_LOOKUP_CACHE[key] = (pd.Index(table.column("row_id").to_numpy(zero_copy_only=False)), cols)
+    return REWARD_LOOKUP_CACHE[key]
 
 
 def _ragged(batch: pa.Table, name: str):
@@ -160,7 +160,7 @@ class _AdvantageBatch:
         from stages.algos.token_rewards import compute_token_reward
 
         check_row_invariants(SAMPLES, batch, self.where)
-        index, cols = _reward_lookup(*self.rewarded)
+        index, cols = reward_lookup(*self.rewarded)
         pos = index.get_indexer(batch.column("row_id").to_numpy(zero_copy_only=False))
         if (pos < 0).any():
             rid = batch.column("row_id")[int(np.flatnonzero(pos < 0)[0])].as_py()

@@ -32,7 +32,7 @@ from schemas.rlvr_config import RewardsConfig, RLVRAdvantageSection, RLVRRewardS
 from schemas.rlvr_tables import (RESPONSE_ALIGNED, RESPONSES, RLVR_ADVANTAGED, RLVR_REWARDED, SCORED,
                                  check_response_rows)
 from schemas.tables import check_row_invariants
-from stages.recompute import _reward_lookup
+from stages.recompute import reward_lookup
 from stages.runner import Stage, StageContext, read_partials, sum_partials, write_partials
 from stages.storage import Location, folder_fingerprint
 
@@ -267,7 +267,7 @@ class _TokenBatchFn:
         from stages.rlvr.chain import response_tokens
 
         check_response_rows(batch, self.where)
-        index, cols = _reward_lookup(*self.rewarded)
+        index, cols = reward_lookup(*self.rewarded)
         ids = batch.column("row_id").to_numpy(zero_copy_only=False)
         pos = index.get_indexer(ids)
         if (pos < 0).any():
