@@ -4,7 +4,7 @@
 (b) a single-process padded-tensor implementation of the same chain that pads every batch to its longest row and
     runs ROLL's per-position loops in torch, as ROLL does.
 
-Usage: python benchmarks/recompute.py --samples 200000 [--scale 10]
+Usage: python benchmarks/recompute.py --samples 200000 [--scale 10] [--data-memory-mb 512] [--skip-padded]
 With --scale K the chain also runs on K× fewer rows first, to report the peak-RSS growth of K× more rows.
 Last line: RESULT rows_per_s=… tokens_per_s=… peak_rss_mb=… io_floor_ratio=… padded_speedup=… [rss_growth_10x=…]
 """
@@ -184,6 +184,7 @@ def main() -> None:
     ap.add_argument("--scale", type=int, default=0, help="also run on samples/scale rows to measure RSS growth")
     ap.add_argument("--cache", type=Path, default=REPO / ".cache/bench/recompute")
     ap.add_argument("--skip-padded", action="store_true")
+    ap.add_argument("--data-memory-mb", type=float, default=None, help="runtime.data_memory_mb of the chain")
     args = ap.parse_args()
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     from stages.cluster import ensure_ray
@@ -191,7 +192,7 @@ def main() -> None:
     cfg = load_config(RecomputeConfig, CONFIG)
     samples = dataset(args.samples, args.cache)
     tokens = total_tokens(samples)
-    ensure_ray(num_cpus=os.cpu_count(), progress=False)
+    ensure_ray(num_cpus=os.cpu_count(), progress=False, data_memory_mb=args.data_memory_mb)
     rows_out = {}
     growth = None
     if args.scale:

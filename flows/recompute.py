@@ -41,7 +41,7 @@ def advantages_task(samples: str, rewarded: str, output: str, cfg: dict, force: 
 def recompute_flow(input_dir: str, output_dir: str, cfg: dict, force: bool = False) -> dict:
     """Recompute response-level rewards, token rewards and advantages of the samples in ``input_dir``."""
     config = validate_config(RecomputeConfig, cfg)
-    ensure_ray(config.runtime.ray_address, config.runtime.num_cpus)
+    ensure_ray(config.runtime.ray_address, config.runtime.num_cpus, data_memory_mb=config.runtime.data_memory_mb)
     rewarded_dir = f"{output_dir.rstrip('/')}/rewarded"
     advantaged_dir = f"{output_dir.rstrip('/')}/advantaged"
     rewarded = response_rewards_task(input_dir, rewarded_dir, cfg, force)

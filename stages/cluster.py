@@ -18,8 +18,11 @@ def configure_threads() -> None:
         os.environ.setdefault(var, "1")
 
 
-def ensure_ray(address: str | None = None, num_cpus: int | None = None, progress: bool = True) -> dict:
-    """Connect to (or start) Ray and set the Ray Data context. Returns the settings used, for logging."""
+def ensure_ray(address: str | None = None, num_cpus: int | None = None, progress: bool = True,
+               data_memory_mb: float | None = None) -> dict:
+    """Connect to (or start) Ray and set the Ray Data context. Returns the settings used, for logging.
+    ``data_memory_mb``: bound on the blocks Ray Data keeps in flight in the object store (None: Ray's default, which
+    grows with the object store)."""
     import ray
     import ray.data
 
@@ -33,6 +36,10 @@ def ensure_ray(address: str | None = None, num_cpus: int | None = None, progress
                      runtime_env={"env_vars": {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}})
     ctx = ray.data.DataContext.get_current()
     ctx.execution_options.preserve_order = True
+    if data_memory_mb:
+        from ray.data._internal.execution.interfaces import ExecutionResources
+
+        ctx.execution_options.resource_limits = ExecutionResources(object_store_memory=float(data_memory_mb) * 2**20)
     ctx.enable_progress_bars = progress
     ctx.print_on_execution_start = False
     settings = {"ray_address": address or "local", "cpus": ray.cluster_resources().get("CPU"),
