@@ -4,7 +4,9 @@ Per step ``k`` (policy after ``k`` training steps), every output under ``runs/<r
 responses (``rollout_batch_size`` prompts × ``num_return_sequences_in_group`` samples from the engine pool) →
 scored (reward workers, routed by domain) → rlvr_rewarded (sample masks, reward post-processing) → advantaged
 (token rewards, advantages, ``final_response_mask``) → logprobs (old/ref log-probs under the step's policy) →
-checkpoint (one PPO step; the loss is aggregated over ``final_response_mask``). The prompts table is written once
+checkpoint (one PPO step; the loss is aggregated over ``final_response_mask``). With ``add_token_level_kl`` the
+first chain runs without the KL under ``pre_kl/``; the log-probs are then attached to the responses
+(``responses_logprobs``) and the advantages recomputed with the KL (``advantaged``), which the step trains on. The prompts table is written once
 under ``runs/<run>/prompts``. Every stage goes through the one runner, so ``--resume`` after a crash continues with
 the first missing output; the running reward moments and the KL controller travel in the manifests' state.
 """
@@ -73,6 +75,24 @@ def score_task(config: RLVRTrainConfig, responses: str, output: str, state_in: d
     return score_responses(responses, output, config, advantages=True, state_in=state_in, services=services)
 
 
+@_task("kl_advantages")
+def kl_advantages_task(config: RLVRTrainConfig, responses: str, logprobs: str, rewarded: str, output: str,
+                       state_in: dict) -> Any:
+    """Token rewards with the KL to the reference and advantages: the step's log-probs are attached to its
+    responses (response-aligned), then the RLVR advantages stage runs on them (spec §2.4, §4.3)."""
+    from schemas.rlvr_config import rlvr_advantage_section
+    from stages.rlvr.stages import AttachLogProbsSection, AttachLogProbsStage, RLVRAdvantagesStage
+    from stages.runner import run_stage
+
+    rows = config.runtime.batch_rows
+    attached = run_stage(AttachLogProbsStage(), AttachLogProbsSection(), {"responses": responses,
+                                                                          "logprobs": logprobs},
+                         f"{output}/responses_logprobs", batch_rows=rows)
+    return run_stage(RLVRAdvantagesStage(), rlvr_advantage_section(config),
+                     {"responses": attached.output, "rlvr_rewarded": rewarded}, f"{output}/advantaged",
+                     batch_rows=rows, state_in={"kl_ctrl": state_in["kl_ctrl"]} if "kl_ctrl" in state_in else {})
+
+
 @flow(name="rlvr-train")  # progress lines go to stdout (Prefect logs at WARNING here)
 def rlvr_train_flow(cfg: dict) -> dict:
     """Run (or resume) the RLVR training run described by ``cfg`` (an :class:`RLVRTrainConfig` as JSON)."""
@@ -91,14 +111,22 @@ def rlvr_train_flow(cfg: dict) -> dict:
                 here = step_dir(run.path, k)
                 gen = generate_task(config, k, prompts.output, checkpoint, pool, f"{here}/responses")
                 record(metrics, k, "generate", gen)
-                chain = score_task(config, gen.output, here, state, pool)
+                kl = config.add_token_level_kl
+                # with the token-level KL, a first chain without it gives the token table the log-probs need
+                first = config.model_copy(update={"add_token_level_kl": False}) if kl else config
+                chain = score_task(first, gen.output, f"{here}/pre_kl" if kl else here, state, pool)
                 scored = record(metrics, k, "rewards", chain["scored"])
                 record(metrics, k, "rlvr_rewards", chain["rlvr_rewarded"])
-                record(metrics, k, "advantages", chain["advantaged"])
-                state = {**chain["rlvr_rewarded"].state, **chain["advantaged"].state}
                 lp = logprobs_task(config, chain["advantaged"].output, checkpoint, base, f"{here}/logprobs")
                 record(metrics, k, "logprobs", lp)
-                tr = train_task(config, lp.output, checkpoint, f"{here}/checkpoint")
+                advantaged, samples = chain["advantaged"], lp.output
+                if kl:
+                    advantaged = kl_advantages_task(config, gen.output, lp.output, chain["rlvr_rewarded"].output,
+                                                    here, state)
+                    samples = advantaged.output  # old/ref log-probs came along through the responses
+                record(metrics, k, "advantages", advantaged)
+                state = {**chain["rlvr_rewarded"].state, **advantaged.state}
+                tr = train_task(config, samples, checkpoint, f"{here}/checkpoint")
                 record(metrics, k, "train", tr)
                 checkpoint = tr.output
                 summary["iterations"].append({"iteration": k, "checkpoint": checkpoint, "train_metrics": tr.metrics,

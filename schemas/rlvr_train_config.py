@@ -72,12 +72,8 @@ class RLVRTrainConfig(RLVRConfig):
 
     @model_validator(mode="after")
     def _rlvr_run_rules(self) -> "RLVRTrainConfig":
-        if self.add_token_level_kl:
-            raise ValueError("add_token_level_kl is not available in the RLVR training flow yet, because its "
-                             "log-prob stage runs after the advantages (the KL reward needs them before); use "
-                             "train.use_kl_loss: true with logprobs.enable_reference: true for a KL term instead")
-        if self.train.use_kl_loss and not self.logprobs.enable_reference:
-            raise ValueError("train.use_kl_loss needs the reference model's log-probs; set "
+        if (self.add_token_level_kl or self.train.use_kl_loss) and not self.logprobs.enable_reference:
+            raise ValueError("add_token_level_kl / train.use_kl_loss need the reference model's log-probs; set "
                              "logprobs.enable_reference: true")
         if self.adv_estimator == "gae":
             raise ValueError("adv_estimator gae needs a critic's values before the advantages, which the RLVR "

@@ -31,7 +31,8 @@ from schemas.errors import ConfigError, InvariantError, RollflowError, SchemaErr
 from schemas.rlvr_config import RewardsConfig, RLVRAdvantageSection, RLVRRewardSection
 from schemas.rlvr_tables import (RESPONSE_ALIGNED, RESPONSES, RLVR_ADVANTAGED, RLVR_REWARDED, SCORED,
                                  check_response_rows)
-from schemas.tables import check_row_invariants
+from schemas.config import Frozen
+from schemas.tables import SAMPLES, check_row_invariants
 from stages.recompute import reward_lookup
 from stages.runner import Stage, StageContext, read_partials, sum_partials, write_partials
 from stages.storage import Location, folder_fingerprint
@@ -416,3 +417,70 @@ class RLVRAdvantagesStage(Stage):
         if "token_reward_clipped" in total:
             metrics["critic/token_reward_clip_frac"] = total["token_reward_clipped"] / tokens if tokens else 0.0
         return metrics, {"kl_ctrl": ctrl.state_dict()}
+
+
+# ---- old/ref log-probs onto the responses (token KL rewards in the RLVR training flow) ----------------------------
+
+class _AttachLogProbs:
+    """Per batch of ``responses``: the response part ``[P − 1, P − 1 + R)`` of the next-token log-prob columns of
+    the same rows in a log-prob table (``(L − 1,)`` a row) as response-aligned ``(R,)`` columns."""
+
+    COLUMNS = ("old_log_probs", "ref_log_probs")
+
+    def __init__(self, files: list[str], fs, where: str):
+        self.files, self.fs, self.where = files, fs, where
+        self._lookup = None
+
+    def _table(self):
+        if self._lookup is None:
+            import pyarrow.dataset as pads
+
+            table = pads.dataset(self.files, filesystem=self.fs).to_table(
+                columns=["row_id", *[c for c in self.COLUMNS if c in pads.dataset(self.files, filesystem=self.fs)
+                                     .schema.names]])
+            self._lookup = ({r: i for i, r in enumerate(table.column("row_id").to_pylist())}, table)
+        return self._lookup
+
+    def __call__(self, batch: pa.Table) -> pa.Table:
+        index, table = self._table()
+        ids = batch.column("row_id").to_pylist()
+        missing = [r for r in ids if r not in index]
+        if missing:
+            raise InvariantError(f"log-prob table {self.where} has no row_id {missing[0]}; compute the log-probs of "
+                                 "this step's responses")
+        rows = table.take(pa.array([index[r] for r in ids], pa.int64()))
+        prompt_len = pc.list_value_length(batch.column("prompt_ids")).to_numpy()
+        response_len = pc.list_value_length(batch.column("response_ids")).to_numpy()
+        for name in self.COLUMNS:
+            if name not in rows.column_names:
+                continue
+            full = rows.column(name).to_pylist()
+            sliced = [np.asarray(v[p - 1:p - 1 + r], np.float32) for v, p, r in zip(full, prompt_len, response_len)]
+            if name in batch.column_names:
+                batch = batch.drop_columns([name])
+            batch = batch.append_column(pa.field(name, pa.list_(pa.float32())), pa.array(sliced,
+                                                                                         pa.list_(pa.float32())))
+        return batch
+
+
+class AttachLogProbsSection(Frozen):
+    """The attach stage has no settings (its inputs' fingerprints say everything)."""
+
+
+class AttachLogProbsStage(Stage):
+    """``responses`` + a log-prob table of the same rows → ``responses`` with response-aligned ``old_log_probs``
+    (and ``ref_log_probs``), so that the RLVR chain can subtract the token-level KL (spec §2.4)."""
+
+    name = "rlvr_attach_logprobs"
+    version = "1"
+    output_spec = RESPONSES
+    section_model = AttachLogProbsSection
+    input_specs = {"responses": RESPONSES, "logprobs": SAMPLES}
+
+    def required_columns(self, section) -> dict[str, tuple[str, ...]]:
+        return {"logprobs": ("old_log_probs",)}
+
+    def build(self, ctx: StageContext):
+        lp = ctx.inputs["logprobs"]
+        fn = _AttachLogProbs(lp.parquet_files(), lp.fs, lp.path)
+        return ctx.read("responses").map_batches(fn, batch_format="pyarrow", batch_size=ctx.batch_rows)

@@ -19,7 +19,8 @@ from schemas.rlvr_train_config import RLVRTrainConfig
 from stages.rlvr.generate import prompts_section, read_prompt_rows, step_prompt_ids
 
 REPO = Path(__file__).resolve().parents[2]
-STAGES = ("responses", "scored", "rlvr_rewarded", "advantaged", "logprobs", "checkpoint")
+STAGES = ("responses", "pre_kl/scored", "pre_kl/rlvr_rewarded", "pre_kl/advantaged", "logprobs",
+          "responses_logprobs", "advantaged", "checkpoint")
 
 
 def test_shipped_rlvr_config_validates():
@@ -30,7 +31,7 @@ def test_shipped_rlvr_config_validates():
 
 
 @pytest.mark.parametrize("data, words", [
-    ({"add_token_level_kl": True}, ["add_token_level_kl", "train.use_kl_loss"]),
+    ({"add_token_level_kl": True, "logprobs": {"enable_reference": False}}, ["enable_reference: true"]),
     ({"adv_estimator": "gae"}, ["critic", "grpo or reinforce"]),
     ({"max_new_tokens": 7, "generating_args": {"max_new_tokens": 9}}, ["differs", "generating_args.max_new_tokens"]),
     ({"train": {"use_kl_loss": True}, "logprobs": {"enable_reference": False}}, ["enable_reference: true"]),
@@ -77,7 +78,9 @@ def _rollflow(*args: str, env: dict) -> subprocess.CompletedProcess:
 
 
 @pytest.mark.slow
-def test_rlvr_run_end_to_end_then_resume_skips_everything(tmp_path):
+def test_rlvr_run_with_token_kl_end_to_end_then_resume_skips_everything(tmp_path):
+    """Two steps with the token-level KL reward: the first chain runs without it, the log-probs (old under the step's
+    policy, ref under the initial one) are attached to the responses, and the advantages are recomputed with it."""
     from stages.generation.model_store import tiny_random_model_dir
 
     env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "PREFECT_API_URL")}
@@ -86,7 +89,8 @@ def test_rlvr_run_end_to_end_then_resume_skips_everything(tmp_path):
             "--set", "max_steps=2", "--set", f"pretrain={tiny_random_model_dir()}", "--set", "engine.backend=hf",
             "--set", "engine.options={}", "--set", "rollout_batch_size=2", "--set", "num_return_sequences_in_group=2",
             "--set", "generating_args.max_new_tokens=8", "--set", "train.actor_train.model_args.dtype=fp32",
-            "--set", "train.actor_train.training_args.per_device_train_batch_size=2"]
+            "--set", "train.actor_train.training_args.per_device_train_batch_size=2",
+            "--set", "add_token_level_kl=true", "--set", "init_kl_coef=0.1", "--set", "logprobs.enable_reference=true"]
     first = _rollflow(*args, env=env)
     assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
     run = tmp_path / "r"
@@ -99,12 +103,21 @@ def test_rlvr_run_end_to_end_then_resume_skips_everything(tmp_path):
         responses = _read(run / f"step_{k:04d}/responses")
         assert responses.num_rows == 4 and len(set(responses.column("prompt_id").to_pylist())) == 2
         assert set(responses.column("prompt_id").to_pylist()) <= set(prompts.column("prompt_id").to_pylist())
-        scored = _read(run / f"step_{k:04d}/scored")
+        scored = _read(run / f"step_{k:04d}/pre_kl/scored")
         assert set(scored.column("reward_worker").to_pylist()) == {"math_rule"}
-        trained = _read(run / f"step_{k:04d}/logprobs")
-        assert {"final_response_mask", "old_log_probs", "advantages"} <= set(trained.column_names)
+        logprobs = _read(run / f"step_{k:04d}/logprobs").sort_by("row_id")
+        trained = _read(run / f"step_{k:04d}/advantaged").sort_by("row_id")
+        assert {"final_response_mask", "old_log_probs", "ref_log_probs", "advantages"} <= set(trained.column_names)
+        assert trained.column("row_id").to_pylist() == logprobs.column("row_id").to_pylist()
+        for name in ("old_log_probs", "ref_log_probs"):  # the response part travelled through the responses intact
+            for full, got, p in zip(logprobs.column(name).to_pylist(), trained.column(name).to_pylist(),
+                                    trained.column("prompt_len").to_pylist()):
+                assert len(got) == len(full) and not any(got[:p - 1])  # zeros on the prompt positions
+                assert got[p - 1:] == pytest.approx(full[p - 1:], abs=1e-6)
     manifest = json.loads((run / "step_0001/checkpoint/manifest.json").read_text())
     assert "actor/pg_loss" in manifest["metrics"]
+    kl = json.loads((run / "step_0001/advantaged/manifest.json").read_text())
+    assert kl["metrics"]["critic/kl_coef"] == pytest.approx(0.1) and "kl_ctrl" in kl["state"]
     metrics = pads.dataset(str(run / "metrics"), format="parquet").to_table().to_pylist()
     assert {m["stage"] for m in metrics} >= {"generate", "rewards", "advantages", "logprobs", "train"}
 
@@ -112,3 +125,4 @@ def test_rlvr_run_end_to_end_then_resume_skips_everything(tmp_path):
     again = _rollflow("train", "--resume", str(run), "--no-report", env=env)
     assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
     assert {p: p.stat().st_mtime_ns for p in run.glob("step_*/*/manifest.json")} == stamps
+    assert len(stamps) == 2 * (len(STAGES) - 3)  # pre_kl/* are one level deeper
