@@ -15,6 +15,7 @@ import logging
 import os
 import shutil
 import tempfile
+from pathlib import Path
 
 import pytest
 
@@ -38,3 +39,20 @@ import prefect.main  # noqa: E402,F401  (runs Prefect's setup_logging() now, out
 def prefect_home() -> str:
     """The temporary ``PREFECT_HOME`` of this test session (the ephemeral database lives there)."""
     return _PREFECT_HOME
+
+
+@pytest.fixture(scope="session")
+def default_model() -> Path:
+    """SmolLM2-135M-Instruct as an HF folder (converted once from the shipped GGUF into the cache)."""
+    from stages.generation.model_store import default_model_dir
+
+    return default_model_dir()
+
+
+@pytest.fixture(scope="session")
+def tiny_model() -> Path:
+    """The tiny random model (plumbing tests)."""
+    from stages.generation.model_store import tiny_random_model_dir
+
+    return tiny_random_model_dir()
+

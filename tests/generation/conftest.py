@@ -1,4 +1,4 @@
-"""Fixtures for the generation engine tests: the cached default model, the tiny random model, modified copies."""
+"""Fixtures for the generation engine tests: modified model copies (the models themselves: tests/conftest.py)."""
 
 from __future__ import annotations
 
@@ -9,20 +9,6 @@ from pathlib import Path
 import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # no network, ever
-
-
-@pytest.fixture(scope="session")
-def default_model() -> Path:
-    from stages.generation.model_store import default_model_dir
-
-    return default_model_dir()
-
-
-@pytest.fixture(scope="session")
-def tiny_model() -> Path:
-    from stages.generation.model_store import tiny_random_model_dir
-
-    return tiny_random_model_dir()
 
 
 def save_perturbed_copy(source: Path, target: Path, relative_scale: float = 0.05, seed: int = 0) -> Path:

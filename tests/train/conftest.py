@@ -1,10 +1,9 @@
-"""Fixtures of the training tests: the cached models, one DeepSpeed world of one in this process, small tables,
+"""Fixtures of the training tests: one DeepSpeed world of one in this process, small tables,
 one local Ray cluster (2 CPUs) shared with the other test folders."""
 
 from __future__ import annotations
 
 import os
-from pathlib import Path
 
 import pytest
 
@@ -12,20 +11,6 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-
-
-@pytest.fixture(scope="session")
-def default_model() -> Path:
-    from stages.generation.model_store import default_model_dir
-
-    return default_model_dir()
-
-
-@pytest.fixture(scope="session")
-def tiny_model() -> Path:
-    from stages.generation.model_store import tiny_random_model_dir
-
-    return tiny_random_model_dir()
 
 
 @pytest.fixture(scope="session")
