@@ -435,9 +435,8 @@ class _AttachLogProbs:
         if self._lookup is None:
             import pyarrow.dataset as pads
 
-            table = pads.dataset(self.files, filesystem=self.fs).to_table(
-                columns=["row_id", *[c for c in self.COLUMNS if c in pads.dataset(self.files, filesystem=self.fs)
-                                     .schema.names]])
+            ds = pads.dataset(self.files, filesystem=self.fs)
+            table = ds.to_table(columns=["row_id", *[c for c in self.COLUMNS if c in ds.schema.names]])
             self._lookup = ({r: i for i, r in enumerate(table.column("row_id").to_pylist())}, table)
         return self._lookup
 
