@@ -6,6 +6,8 @@
 3. otherwise the stage's Ray Data pipeline writes into a temporary sibling folder, the output schema and
    invariants are validated, the manifest is written last, and the folder is renamed into place;
 4. on any failure the temporary folder is removed and a previous output is untouched.
+
+Steps 2-4 are :func:`commit_folder`, which also commits a folder written by other code (a training checkpoint).
 """
 
 from __future__ import annotations
@@ -18,8 +20,9 @@ import re
 import time
 import uuid
 from abc import ABC, abstractmethod
+from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Any, Callable, ClassVar, Iterator
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -177,8 +180,9 @@ def _find_rollflow_error(err: BaseException | None) -> RollflowError | None:
 _RAY_RETRY_NOTE = re.compile(r"\nFailed to .+? after \d+/\d+ attempts \(total backoff .*", re.S)
 
 
-def _unwrap(err: BaseException) -> BaseException:
-    """Find a RollflowError inside Ray's wrappers so users see our message (as its own class, not Ray's)."""
+def unwrap_error(err: BaseException) -> BaseException:
+    """The RollflowError inside Ray's wrappers of ``err``, as its own class and without Ray's retry advice, so users
+    see our message; ``err`` itself when it carries none."""
     found = _find_rollflow_error(err)
     if found is None:
         return err
@@ -186,6 +190,18 @@ def _unwrap(err: BaseException) -> BaseException:
     if args and isinstance(args[0], str):
         args[0] = _RAY_RETRY_NOTE.sub("", args[0])
     return type(found)(*args)
+
+
+@contextmanager
+def unwrapped_errors(find: Callable[[BaseException], BaseException] = unwrap_error) -> Iterator[None]:
+    """Re-raise an error of the block as the user error ``find`` sees in it (default :func:`unwrap_error`)."""
+    try:
+        yield
+    except BaseException as err:
+        real = find(err)
+        if real is not err:
+            raise real from None
+        raise
 
 
 class _HideReportedUserErrors(logging.Filter):
@@ -201,7 +217,7 @@ class _HideReportedUserErrors(logging.Filter):
 
 def _surface_user_errors() -> None:
     """Make Ray Data raise a map function's own exception (not a ``UserCodeException`` that drops it), so that
-    :func:`_unwrap` finds our errors; silence Ray's report of those errors. Idempotent."""
+    :func:`unwrap_error` finds our errors; silence Ray's report of those errors. Idempotent."""
     import ray.data
 
     ray.data.DataContext.get_current().raise_original_map_exception = True
@@ -257,6 +273,106 @@ def _rename_parts(tmp: Location) -> list[dict]:
     return files
 
 
+def _existing_output(output: Location, fingerprint: str, force: bool, who: str, other: str) -> dict | None:
+    """The manifest of ``output`` when it has ``fingerprint`` (nothing to do), None when the output is to be written;
+    raises when ``output`` holds something else and ``force`` is not set."""
+    existing = read_manifest(output) if output.exists() else None
+    if existing is not None and existing.get("fingerprint") == fingerprint and not force:
+        log.info("%s: %s is up to date (fingerprint %s), skipping", who, output.path, fingerprint[:12])
+        return existing
+    if output.exists() and not force:
+        what = f"{other.format_map(existing)} (fingerprint {existing['fingerprint'][:12]})" if existing \
+            else "files without a rollflow manifest"
+        raise RollflowError(f"{who}: {output.path} already holds {what}; pass --force to replace it, or choose "
+                            "another output folder to keep both")
+    return None
+
+
+def _replace(tmp: Location, output: Location, manifest: dict[str, Any]) -> None:
+    """Write ``manifest`` into ``tmp`` (last), then rename ``tmp`` to ``output``; a previous output is moved aside
+    first and removed only after the rename (:func:`_cleanup_leftovers` restores it after a crash in between)."""
+    tmp.child(MANIFEST).write_text(json.dumps(manifest, indent=1, sort_keys=True))
+    if output.exists():
+        old = output.parent.child(f".{output.name}{OLD_MARK}{uuid.uuid4().hex[:8]}")
+        output.rename(old)
+        tmp.rename(output)
+        old.rmtree()
+    else:
+        tmp.rename(output)
+
+
+def commit_folder(output: Location, fingerprint: str, fill: Callable[[Location], dict[str, Any]], *, who: str,
+                  other: str, force: bool = False) -> tuple[dict[str, Any], bool]:
+    """Commit the folder ``output``, written by any code (``fill``), the runner's way; return (its manifest, skipped).
+
+    Leftovers of a crashed run are cleaned first. When the manifest of ``output`` has ``fingerprint`` (and not
+    ``force``), nothing runs and that manifest comes back with ``skipped`` true. Otherwise ``fill(tmp)`` writes the
+    output into ``tmp``, a new empty sibling folder, and returns its manifest (``fingerprint`` is added); the manifest
+    is written last and ``tmp`` renamed to ``output``. On any failure ``tmp`` (and an output parent made for it) is
+    removed, a previous output is untouched, and a RollflowError raised inside Ray's wrappers is raised as itself.
+    ``who`` names the writer in log lines and errors ("stage advantages"); ``other`` says what ``output`` holds when
+    its manifest has another fingerprint, formatted with that manifest's fields ("output of stage {stage}")."""
+    _cleanup_leftovers(output)
+    existing = _existing_output(output, fingerprint, force, who, other)
+    if existing is not None:
+        return existing, True
+    tmp = output.parent.child(f".{output.name}{TMP_MARK}{os.getpid()}-{uuid.uuid4().hex[:8]}")
+    created_parent = not output.parent.exists()
+    with unwrapped_errors():
+        try:
+            tmp.fs.create_dir(tmp.path, recursive=True)
+            manifest = {**fill(tmp), "fingerprint": fingerprint}
+            _replace(tmp, output, manifest)
+        except BaseException:
+            tmp.rmtree()
+            if created_parent and not output.parent.list():  # leave no empty output folder behind either
+                output.parent.rmtree()
+            raise
+    return manifest, False
+
+
+def _input_schemas(stage: Stage, section: BaseModel, inputs: dict[str, Location]) -> dict[str, pa.Schema]:
+    """The schema of each input ``stage`` declares, checked against its spec and the columns ``section`` needs."""
+    schemas = {}
+    needs = stage.required_columns(section)
+    for name, spec in stage.input_specs.items():
+        if name not in inputs:
+            raise SchemaError(f"stage {stage.name}: input '{name}' was not given")
+        schema = read_table_schema(inputs[name], spec.name)
+        spec.check_schema(schema, inputs[name].path, needs.get(name, ()))
+        schemas[name] = schema
+    return schemas
+
+
+def _write_output(stage: Stage, ctx: StageContext, out: Location, start: float) -> dict[str, Any]:
+    """Run ``stage``'s pipeline into ``ctx.output`` (the temporary folder of ``out``), validate what it wrote and
+    return the manifest (all but the fingerprint)."""
+    _surface_user_errors()
+    tmp = ctx.output
+    stage.build(ctx).write_datasink(_ordered_parquet_sink(tmp))
+    files = _rename_parts(tmp)
+    schema = read_table_schema(tmp, stage.output_spec.name) if files else stage.output_spec.arrow_schema()
+    stage.output_spec.check_schema(schema, f"{out.path} (output of {stage.name})")
+    stage.check_output(ctx, tmp)
+    metrics, state = stage.finalize(ctx, tmp)
+    tmp.child(SIDE_DIR).rmtree()
+    return {
+        "stage": stage.name,
+        "version": stage.version,
+        "table": stage.output_spec.name,
+        "section": ctx.section.model_dump(mode="json"),
+        "inputs": {k: {"path": v.path, "fingerprint": folder_fingerprint(v)} for k, v in ctx.inputs.items()},
+        "state_in": ctx.state_in,
+        "rows": sum(f["rows"] for f in files),
+        "files": files,
+        "schema": [f"{f.name}: {f.type}" for f in schema],
+        "metrics": metrics,
+        "state": state,
+        "created_unix": time.time(),
+        "seconds": round(time.time() - start, 3),
+    }
+
+
 def run_stage(stage: Stage, section: BaseModel, inputs: dict[str, str], output: str, *, force: bool = False,
               state_in: dict | None = None, batch_rows: int = 1024) -> StageResult:
     """Run ``stage`` on ``inputs`` (name → folder) into the folder ``output``; skip if already done."""
@@ -264,76 +380,14 @@ def run_stage(stage: Stage, section: BaseModel, inputs: dict[str, str], output: 
     out = Location.of(output)
     in_locs = {k: Location.of(v) for k, v in inputs.items()}
     state_in = state_in or {}
-    _cleanup_leftovers(out)
-
-    schemas = {}
-    needs = stage.required_columns(section)
-    for name, spec in stage.input_specs.items():
-        if name not in in_locs:
-            raise SchemaError(f"stage {stage.name}: input '{name}' was not given")
-        schema = read_table_schema(in_locs[name], spec.name)
-        spec.check_schema(schema, in_locs[name].path, needs.get(name, ()))
-        schemas[name] = schema
-
+    schemas = _input_schemas(stage, section, in_locs)
     fp = stage_fingerprint(stage, section, in_locs, state_in)
-    existing = read_manifest(out) if out.exists() else None
-    if existing is not None and existing.get("fingerprint") == fp and not force:
-        log.info("stage %s: %s is up to date (fingerprint %s), skipping", stage.name, out.path, fp[:12])
-        return StageResult(out.path, fp, True, existing["rows"], time.time() - start,
-                           existing.get("metrics", {}), existing.get("state", {}))
-    if out.exists() and not force:
-        what = f"output of stage {existing['stage']} with another config or input (fingerprint " \
-               f"{existing['fingerprint'][:12]})" if existing else "files without a rollflow manifest"
-        raise RollflowError(f"stage {stage.name}: {out.path} already holds {what}; pass --force to replace it, or "
-                            "choose another output folder to keep both")
-
-    tmp = out.parent.child(f".{out.name}{TMP_MARK}{os.getpid()}-{uuid.uuid4().hex[:8]}")
-    created_parent = not out.parent.exists()
-    out.parent.fs.create_dir(out.parent.path, recursive=True)
-    ctx = StageContext(section, in_locs, schemas, state_in, tmp, batch_rows)
-    _surface_user_errors()
-    try:
-        ds = stage.build(ctx)
-        tmp.fs.create_dir(tmp.path, recursive=True)
-        ds.write_datasink(_ordered_parquet_sink(tmp))
-        files = _rename_parts(tmp)
-        rows = sum(f["rows"] for f in files)
-        schema = read_table_schema(tmp, stage.output_spec.name) if files else stage.output_spec.arrow_schema()
-        stage.output_spec.check_schema(schema, f"{out.path} (output of {stage.name})")
-        stage.check_output(ctx, tmp)
-        metrics, state = stage.finalize(ctx, tmp)
-        tmp.child(SIDE_DIR).rmtree()
-        manifest = {
-            "stage": stage.name,
-            "version": stage.version,
-            "fingerprint": fp,
-            "table": stage.output_spec.name,
-            "section": section.model_dump(mode="json"),
-            "inputs": {k: {"path": v.path, "fingerprint": folder_fingerprint(v)} for k, v in in_locs.items()},
-            "state_in": state_in,
-            "rows": rows,
-            "files": files,
-            "schema": [f"{f.name}: {f.type}" for f in schema],
-            "metrics": metrics,
-            "state": state,
-            "created_unix": time.time(),
-            "seconds": round(time.time() - start, 3),
-        }
-        tmp.child(MANIFEST).write_text(json.dumps(manifest, indent=1, sort_keys=True))
-        if out.exists():
-            old = out.parent.child(f".{out.name}{OLD_MARK}{uuid.uuid4().hex[:8]}")
-            out.rename(old)
-            tmp.rename(out)
-            old.rmtree()
-        else:
-            tmp.rename(out)
-    except BaseException as err:
-        tmp.rmtree()
-        if created_parent and not out.parent.list():  # leave no empty output folder behind either
-            out.parent.rmtree()
-        real = _unwrap(err)
-        if real is not err:
-            raise real from None
-        raise
-    log.info("stage %s: wrote %d rows to %s in %.1fs", stage.name, rows, out.path, time.time() - start)
-    return StageResult(out.path, fp, False, rows, time.time() - start, metrics, state)
+    manifest, skipped = commit_folder(
+        out, fp, lambda tmp: _write_output(stage, StageContext(section, in_locs, schemas, state_in, tmp, batch_rows),
+                                           out, start),
+        who=f"stage {stage.name}", other="output of stage {stage} with another config or input", force=force)
+    if not skipped:
+        log.info("stage %s: wrote %d rows to %s in %.1fs", stage.name, manifest["rows"], out.path,
+                 time.time() - start)
+    return StageResult(out.path, fp, skipped, manifest["rows"], time.time() - start, manifest.get("metrics", {}),
+                       manifest.get("state", {}))

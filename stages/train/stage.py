@@ -1,10 +1,10 @@
 """The Ray side of training: the training step on Ray Train's TorchTrainer, and the log-prob and values stages as
 Ray Data actor pools. The work itself is in ``stages.train.core`` and ``stages.train.forward`` (no Ray).
 
-* :func:`run_train_step` — advantaged table + checkpoint → a new checkpoint folder, with the runner's discipline:
-  fingerprint (stage, version, training section, the table's fingerprint, the input checkpoint's fingerprint), skip
-  when the output's manifest matches, write into a temporary sibling, validate, manifest last, atomic rename; then
-  keep the newest ``max_ckpt_to_keep`` checkpoints.
+* :func:`run_train_step` — advantaged table + checkpoint → a new checkpoint folder, committed by the runner's
+  ``commit_folder``: fingerprint (stage, version, training section, the table's fingerprint, the input checkpoint's
+  fingerprint), skip when the output's manifest matches, write into a temporary sibling, validate, manifest last,
+  atomic rename; then keep the newest ``max_ckpt_to_keep`` checkpoints.
 * :class:`LogProbStage` / :class:`ValuesStage` — ``samples`` → ``samples`` + ``old_log_probs`` / ``ref_log_probs``
   (/ ``entropy``) or + ``values``, run by ``stages.runner.run_stage``; each actor loads its model once and batches
   rows by a token budget.
@@ -26,9 +26,9 @@ import pyarrow as pa
 from schemas.errors import ConfigError, RollflowError, SchemaError
 from schemas.tables import ADVANTAGED, FLOATS, SAMPLES, TableSpec, check_row_invariants
 from schemas.train_config import ForwardConfig, LogProbSection, TrainSection, TrainStepConfig, ValuesSection
-from stages.runner import (OLD_MARK, TMP_MARK, Stage, StageContext, StageResult, _cleanup_leftovers, _unwrap,
-                           read_partials, run_stage, stage_fingerprint, sum_partials, write_partials)
-from stages.storage import MANIFEST, Location, folder_fingerprint, read_manifest, read_table_schema
+from stages.runner import (Stage, StageContext, StageResult, commit_folder, read_partials, run_stage,
+                           stage_fingerprint, sum_partials, unwrap_error, unwrapped_errors, write_partials)
+from stages.storage import Location, folder_fingerprint, read_table_schema
 from stages.train import checkpoint as ckpt
 
 log = logging.getLogger("rollflow.train")
@@ -67,12 +67,12 @@ def _train_loop(config: dict) -> None:
 
 def _worker_error(err: BaseException) -> BaseException:
     """The user error (RollflowError) raised inside a worker, if the Ray Train failure carries one."""
-    found = _unwrap(err)
+    found = unwrap_error(err)
     if found is not err:
         return found
     failures = getattr(err, "worker_failures", None) or {}
     for failure in (failures.values() if isinstance(failures, dict) else failures):
-        found = _unwrap(failure)
+        found = unwrap_error(failure)
         if isinstance(found, RollflowError):
             return found
     return err
@@ -103,13 +103,8 @@ def _fit(samples: Location, checkpoint: str, cfg: TrainStepConfig, tmp: str, sto
         datasets={"train": ds}, dataset_config=DataConfig(datasets_to_split=[]),
         run_config=RunConfig(name=f"train-{uuid.uuid4().hex[:8]}", storage_path=storage,
                              failure_config=FailureConfig(max_failures=0)))
-    try:
+    with unwrapped_errors(_worker_error):
         trainer.fit()
-    except BaseException as err:
-        real = _worker_error(err)
-        if real is not err:
-            raise real from None
-        raise
 
 
 def train_section(cfg: TrainStepConfig) -> TrainSection:
@@ -127,61 +122,47 @@ def run_train_step(samples: str, checkpoint: str, cfg: TrainStepConfig, output: 
     ckpt.local_path(output, "output")
     out = Location.of(output)
     info = ckpt.read_checkpoint(checkpoint)
-    _cleanup_leftovers(out)
     schema = read_table_schema(samples_loc, ADVANTAGED.name)
     needs = ("values",) if section.needs_critic else ()
     ADVANTAGED.check_schema(schema, samples_loc.path, needs)
     state_in = {"checkpoint": ckpt.checkpoint_fingerprint(info.path)}
     fp = stage_fingerprint(TrainStage, section, {"samples": samples_loc}, state_in)
+    manifest, skipped = commit_folder(
+        out, fp, lambda tmp: _train_into(tmp, out, samples_loc, info.path, cfg, state_in, start),
+        who="train_step", other="a checkpoint of another training step", force=force)
+    if not skipped:
+        if cfg.max_ckpt_to_keep:
+            ckpt.prune_checkpoints(out.parent, cfg.max_ckpt_to_keep, protect=out)
+        log.info("train_step: wrote %s (step %d) in %.1fs", out.path, manifest["state"]["global_step"],
+                 time.time() - start)
+    return StageResult(out.path, fp, skipped, manifest["rows"], time.time() - start, manifest.get("metrics", {}),
+                       manifest.get("state", {}))
 
-    existing = read_manifest(out) if out.exists() else None
-    if existing is not None and existing.get("fingerprint") == fp and not force:
-        log.info("train_step: %s is up to date (fingerprint %s), skipping", out.path, fp[:12])
-        return StageResult(out.path, fp, True, existing["rows"], time.time() - start, existing.get("metrics", {}),
-                           existing.get("state", {}))
-    if out.exists() and not force:
-        what = f"a checkpoint of another training step (fingerprint {existing['fingerprint'][:12]})" \
-            if existing else "files without a rollflow manifest"
-        raise RollflowError(f"train_step: {out.path} already holds {what}; pass --force to replace it, or choose "
-                            "another output folder to keep both")
-    if os.path.realpath(out.path) == os.path.realpath(info.path):
+
+def _train_into(tmp: Location, out: Location, samples: Location, checkpoint: str, cfg: TrainStepConfig,
+                state_in: dict, start: float) -> dict[str, Any]:
+    """Run the training step into ``tmp`` (the temporary folder of ``out``; Ray Train's own files go to a sibling
+    folder, removed after), check the checkpoint, and return its manifest (all but the fingerprint)."""
+    if os.path.realpath(out.path) == os.path.realpath(checkpoint):
         raise RollflowError(f"train_step: the output {out.path} is the input checkpoint; write to a new folder")
-
-    tmp = out.parent.child(f".{out.name}{TMP_MARK}{os.getpid()}-{uuid.uuid4().hex[:8]}")
-    out.parent.fs.create_dir(out.parent.path, recursive=True)
-    storage = tempfile.mkdtemp(prefix=".ray-train-", dir=out.parent.path)
+    section = train_section(cfg)
+    storage = tempfile.mkdtemp(prefix=".ray-train-", dir=tmp.parent.path)
     try:
-        _fit(samples_loc, info.path, cfg, tmp.path, storage)
-        ckpt.check_complete(tmp.path, section.needs_critic)
-        state = json.loads(tmp.child(ckpt.TRAIN_STATE).read_text())
-        rows = sum(m.num_rows for m in _parquet_meta(samples_loc))
-        manifest = {
-            "stage": TrainStage.name, "version": TrainStage.version, "fingerprint": fp, "table": "checkpoint",
-            "section": section.model_dump(mode="json"),
-            "inputs": {"samples": {"path": samples_loc.path, "fingerprint": folder_fingerprint(samples_loc)},
-                       "checkpoint": {"path": info.path, "fingerprint": state_in["checkpoint"]}},
-            "state_in": state_in, "rows": rows, "metrics": state["metrics"],
-            "state": {"global_step": state["global_step"], "optimizer_steps": state["optimizer_steps"],
-                      "world_size": state["world_size"]},
-            "created_unix": time.time(), "seconds": round(time.time() - start, 3),
-        }
-        tmp.child(MANIFEST).write_text(json.dumps(manifest, indent=1, sort_keys=True))
-        if out.exists():
-            old = out.parent.child(f".{out.name}{OLD_MARK}{uuid.uuid4().hex[:8]}")
-            out.rename(old)
-            tmp.rename(out)
-            old.rmtree()
-        else:
-            tmp.rename(out)
-    except BaseException:
-        tmp.rmtree()
-        raise
+        _fit(samples, checkpoint, cfg, tmp.path, storage)
     finally:
         Location.of(storage).rmtree()
-    if cfg.max_ckpt_to_keep:
-        ckpt.prune_checkpoints(out.parent, cfg.max_ckpt_to_keep, protect=out)
-    log.info("train_step: wrote %s (step %d) in %.1fs", out.path, state["global_step"], time.time() - start)
-    return StageResult(out.path, fp, False, rows, time.time() - start, manifest["metrics"], manifest["state"])
+    ckpt.check_complete(tmp.path, section.needs_critic)
+    state = json.loads(tmp.child(ckpt.TRAIN_STATE).read_text())
+    return {
+        "stage": TrainStage.name, "version": TrainStage.version, "table": "checkpoint",
+        "section": section.model_dump(mode="json"),
+        "inputs": {"samples": {"path": samples.path, "fingerprint": folder_fingerprint(samples)},
+                   "checkpoint": {"path": checkpoint, "fingerprint": state_in["checkpoint"]}},
+        "state_in": state_in, "rows": sum(m.num_rows for m in _parquet_meta(samples)), "metrics": state["metrics"],
+        "state": {"global_step": state["global_step"], "optimizer_steps": state["optimizer_steps"],
+                  "world_size": state["world_size"]},
+        "created_unix": time.time(), "seconds": round(time.time() - start, 3),
+    }
 
 
 def _parquet_meta(loc: Location):
