@@ -6,49 +6,21 @@ with::
     app.command()(score)
     app.command(name="rlvr-example")(rlvr_example)
 
-The stages run through the one runner (``stages.runner.run_stage``): a re-run with the same input and config skips,
-a changed config needs ``--force`` or another output folder.
+The stages run through the one runner (``flows.rlvr_score.score_responses``, shared with the RLVR training flow):
+a re-run with the same input and config skips, a changed config needs ``--force`` or another output folder.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Optional
+from typing import Optional
 
 import typer
 
 from flows.cli_common import OverrideOpt, fail as _fail, guard as _guard
+from flows.rlvr_score import score_responses
 
 JUDGE_CONTEXT = 2048  # tokens of a judge prompt + verdict
-
-
-def score_responses(input_dir: str, output_dir: str, cfg, *, advantages: bool = False, force: bool = False,
-                    state_in: dict | None = None, services: dict | None = None) -> dict[str, Any]:
-    """Run the reward stage (and with ``advantages`` the RLVR chain) on the responses in ``input_dir``.
-
-    Outputs: ``<output_dir>/scored`` (+ ``rlvr_rewarded``, ``advantaged``). ``state_in``: ``running_moments`` and
-    ``kl_ctrl`` of a previous step (from its manifests' ``state``); ``services``: reward-stage service factories."""
-    from schemas.rlvr_config import reward_section, rlvr_advantage_section, rlvr_reward_section
-    from stages.cluster import ensure_ray
-    from stages.rlvr.stages import RewardStage, RLVRAdvantagesStage, RLVRRewardsStage
-    from stages.runner import run_stage
-
-    ensure_ray(cfg.runtime.ray_address, cfg.runtime.num_cpus, progress=False)
-    out = output_dir.rstrip("/")
-    state_in = state_in or {}
-    rows = cfg.runtime.batch_rows
-    results = {"scored": run_stage(RewardStage(services), reward_section(cfg), {"responses": input_dir},
-                                   f"{out}/scored", force=force, batch_rows=rows)}
-    if advantages:
-        results["rlvr_rewarded"] = run_stage(
-            RLVRRewardsStage(), rlvr_reward_section(cfg), {"responses": input_dir, "scored": f"{out}/scored"},
-            f"{out}/rlvr_rewarded", force=force, batch_rows=rows,
-            state_in={"running_moments": state_in.get("running_moments", {})})
-        results["advantaged"] = run_stage(
-            RLVRAdvantagesStage(), rlvr_advantage_section(cfg),
-            {"responses": input_dir, "rlvr_rewarded": f"{out}/rlvr_rewarded"}, f"{out}/advantaged", force=force,
-            batch_rows=rows, state_in={"kl_ctrl": state_in["kl_ctrl"]} if "kl_ctrl" in state_in else {})
-    return results
 
 
 def score_summary(input_dir: str, scored_dir: str, domain_column: str) -> list[str]:

@@ -68,7 +68,7 @@ def generate_task(config: RLVRTrainConfig, step: int, prompts: str, checkpoint: 
 @_task("rewards_and_advantages")
 def score_task(config: RLVRTrainConfig, responses: str, output: str, state_in: dict, pool) -> dict[str, Any]:
     """Reward workers, then the RLVR chain; an LLM judge route is served by the flow's engines (the policy)."""
-    from flows.cli_rlvr import score_responses
+    from flows.rlvr_score import score_responses
     from stages.rlvr.generate import judge_services
 
     services = judge_services(config.rewards, pool, config.sequence_length)

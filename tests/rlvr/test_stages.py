@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from flows.cli_rlvr import score_responses
+from flows.rlvr_score import score_responses
 from schemas.errors import ConfigError, InvariantError, SchemaError
 from schemas.rlvr_config import rlvr_advantage_section, rlvr_reward_section
 from stages.algos.ragged import Ragged
