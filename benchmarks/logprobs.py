@@ -13,10 +13,7 @@ Prints a table, then the last line ``RESULT stage_tok_per_s=... bare_tok_per_s=.
 
 from __future__ import annotations
 
-import argparse
-import os
 import resource
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -24,10 +21,7 @@ from pathlib import Path
 import numpy as np
 import pyarrow.parquet as pq
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from train import make_table  # noqa: E402
+from _common import Run, make_parser, make_table, model_folder, print_results, set_up_process
 
 
 def bare_forward(table, model_dir: str, budget: int, threads: int, dtype: str) -> tuple[int, float, float]:
@@ -61,25 +55,15 @@ def bare_forward(table, model_dir: str, budget: int, threads: int, dtype: str) -
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default="default", help="default (SmolLM2-135M), tiny, or a model folder")
-    parser.add_argument("--rows", type=int, default=64)
-    parser.add_argument("--min-len", type=int, default=96)
-    parser.add_argument("--max-len", type=int, default=256)
-    parser.add_argument("--budget", type=int, default=4096, help="max_tokens_per_microbatch_in_infer")
-    parser.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
-    parser.add_argument("--threads", type=int, default=2, help="torch threads of the bare pass and the actor")
+    parser = make_parser(__doc__, rows=64, max_len=256, budget=4096, budget_field="max_tokens_per_microbatch_in_infer",
+                         threads_of="the bare pass and the actor")
     args = parser.parse_args()
 
-    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    set_up_process()
     from schemas.train_config import ForwardConfig
-    from stages.generation.model_store import default_model_dir, tiny_random_model_dir
     from stages.train.stage import run_logprobs
 
-    model_dir = str({"default": default_model_dir, "tiny": tiny_random_model_dir}.get(args.model,
-                                                                                      lambda: args.model)())
+    model_dir = model_folder(args.model)
     work = Path(tempfile.mkdtemp(prefix="rollflow-bench-logprobs-"))
     table = make_table(args.rows, (args.min_len, args.max_len), seed=0)
     (work / "samples").mkdir()
@@ -103,19 +87,11 @@ def main() -> None:
     actor_rss = result.metrics["logprobs/peak_rss_mb"]
     assert stage_tokens == bare_tokens, (stage_tokens, bare_tokens)
 
-    stage_tps, bare_tps = stage_tokens / stage_s, bare_tokens / bare_s
     print(f"model {args.model} ({args.dtype}), {args.rows} rows x {args.min_len}-{args.max_len} tokens, "
           f"budget {args.budget} tokens, {args.threads} threads")
-    print(f"{'run':<24}{'tokens':>8}{'wall s':>9}{'tok/s':>9}{'CPU s':>9}{'tok/CPU s':>11}{'peak RSS MB':>13}")
-    print(f"{'bare forward':<24}{bare_tokens:>8}{bare_s:>9.2f}{bare_tps:>9.1f}{bare_cpu:>9.2f}"
-          f"{bare_tokens / bare_cpu:>11.1f}{bare_rss:>13.0f}")
-    print(f"{'stage: actor compute':<24}{int(stage_tokens):>8}{stage_s:>9.2f}{stage_tps:>9.1f}{stage_cpu:>9.2f}"
-          f"{stage_tokens / stage_cpu:>11.1f}{actor_rss:>13.0f}")
-    print(f"{'stage: end to end':<24}{int(stage_tokens):>8}{e2e:>9.2f}{stage_tokens / e2e:>9.1f}"
-          "   (actor start, model load, Parquet I/O)")
-    print(f"CPU-time ratio (robust to other load on the machine): {(stage_tokens / stage_cpu) / (bare_tokens / bare_cpu):.3f}")
-    print(f"RESULT stage_tok_per_s={stage_tps:.1f} bare_tok_per_s={bare_tps:.1f} ratio={stage_tps / bare_tps:.3f} "
-          f"peak_rss_mb={max(actor_rss, bare_rss):.0f}")
+    print_results(Run("bare forward", bare_tokens, bare_s, bare_cpu, bare_rss),
+                  Run("stage: actor compute", stage_tokens, stage_s, stage_cpu, actor_rss), e2e,
+                  "actor start, model load, Parquet I/O")
 
 
 if __name__ == "__main__":

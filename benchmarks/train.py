@@ -14,44 +14,18 @@ Prints a table, then the last line ``RESULT stage_tok_per_s=... bare_tok_per_s=.
 
 from __future__ import annotations
 
-import argparse
 import gc
 import json
-import os
 import resource
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from schemas.tables import ADVANTAGED, FLOATS  # noqa: E402
-
-
-def make_table(rows: int, lengths: tuple[int, int], seed: int, vocab: int = 49152) -> pa.Table:
-    """Advantaged rows of random tokens: a prompt then a response, one advantage (+-1) per row."""
-    rng = np.random.default_rng(seed)
-    data: dict[str, list] = {k: [] for k in ADVANTAGED.required}
-    for i in range(rows):
-        n = int(rng.integers(lengths[0], lengths[1] + 1))
-        prompt = max(2, n // 4)
-        mask = np.r_[np.zeros(prompt, np.int8), np.ones(n - prompt, np.int8)]
-        adv = float(rng.choice([-1.0, 1.0]))
-        loss_mask = mask[1:].astype(np.float32)
-        values = {"row_id": f"r{i:05d}", "group_id": f"g{i // 8}", "traj_id": f"t{i}", "turn_idx": 0,
-                  "num_turns": 1, "tag": "bench", "input_ids": rng.integers(0, vocab, n).astype(np.int32),
-                  "response_mask": mask, "score": float(adv > 0), "episode_score": float(adv > 0),
-                  "response_level_rewards": float(adv > 0), "token_level_rewards": loss_mask * 0,
-                  "advantages": loss_mask * adv, "returns": loss_mask * float(adv > 0),
-                  "raw_advantages": loss_mask * adv}
-        for k, v in values.items():
-            data[k].append(v)
-    return pa.table({k: pa.array(v, type=ADVANTAGED.required[k]) for k, v in data.items()})
+from _common import Run, make_parser, make_table, model_folder, print_results, set_up_process
+from schemas.tables import FLOATS
 
 
 def add_old_log_probs(table: pa.Table, model_dir: str, threads: int) -> pa.Table:
@@ -106,26 +80,16 @@ def bare_loop(table: pa.Table, model_dir: str, cfg, threads: int) -> tuple[int, 
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default="default", help="default (SmolLM2-135M), tiny, or a model folder")
-    parser.add_argument("--rows", type=int, default=16)
-    parser.add_argument("--min-len", type=int, default=96)
-    parser.add_argument("--max-len", type=int, default=192)
+    parser = make_parser(__doc__, rows=16, max_len=192, budget=1024, budget_field="max_tokens_per_microbatch_in_train",
+                         threads_of="the bare loop and the worker")
     parser.add_argument("--epochs", type=int, default=1)
-    parser.add_argument("--budget", type=int, default=1024, help="max_tokens_per_microbatch_in_train")
-    parser.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
-    parser.add_argument("--threads", type=int, default=2, help="torch threads of the bare loop and the worker")
     args = parser.parse_args()
 
-    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    set_up_process()
     from schemas.config import validate_config
     from schemas.train_config import TrainStepConfig
-    from stages.generation.model_store import default_model_dir, tiny_random_model_dir
 
-    model_dir = str({"default": default_model_dir, "tiny": tiny_random_model_dir}.get(args.model,
-                                                                                      lambda: args.model)())
+    model_dir = model_folder(args.model)
     cfg = validate_config(TrainStepConfig, {
         "adv_estimator": "grpo", "ppo_epochs": args.epochs, "compute_entropy_metric": True,
         "actor_train": {"model_args": {"dtype": args.dtype},
@@ -150,19 +114,11 @@ def main() -> None:
     stage_rss = result.metrics.get("system/peak_rss_mb", float("nan"))
     assert stage_tokens == bare_tokens, (stage_tokens, bare_tokens)
 
-    stage_tps, bare_tps = stage_tokens / stage_s, bare_tokens / bare_s
     print(f"model {args.model} ({args.dtype}), {args.rows} rows x {args.min_len}-{args.max_len} tokens, "
           f"{args.epochs} epoch(s), budget {args.budget} tokens, {args.threads} threads")
-    print(f"{'run':<24}{'tokens':>8}{'wall s':>9}{'tok/s':>9}{'CPU s':>9}{'tok/CPU s':>11}{'peak RSS MB':>13}")
-    print(f"{'bare DeepSpeed loop':<24}{bare_tokens:>8}{bare_s:>9.2f}{bare_tps:>9.1f}{bare_cpu:>9.2f}"
-          f"{bare_tokens / bare_cpu:>11.1f}{bare_rss:>13.0f}")
-    print(f"{'stage: training loop':<24}{stage_tokens:>8}{stage_s:>9.2f}{stage_tps:>9.1f}{stage_cpu:>9.2f}"
-          f"{stage_tokens / stage_cpu:>11.1f}{stage_rss:>13.0f}")
-    print(f"{'stage: end to end':<24}{stage_tokens:>8}{e2e:>9.2f}{stage_tokens / e2e:>9.1f}"
-          f"   (Ray Train start, model load, checkpoint write)")
-    print(f"CPU-time ratio (robust to other load on the machine): {(stage_tokens / stage_cpu) / (bare_tokens / bare_cpu):.3f}")
-    print(f"RESULT stage_tok_per_s={stage_tps:.1f} bare_tok_per_s={bare_tps:.1f} ratio={stage_tps / bare_tps:.3f} "
-          f"peak_rss_mb={max(stage_rss, bare_rss):.0f}")
+    print_results(Run("bare DeepSpeed loop", bare_tokens, bare_s, bare_cpu, bare_rss),
+                  Run("stage: training loop", stage_tokens, stage_s, stage_cpu, stage_rss), e2e,
+                  "Ray Train start, model load, checkpoint write")
 
 
 if __name__ == "__main__":
