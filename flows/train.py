@@ -101,15 +101,16 @@ def train_task(config: TrainFlowConfig, samples: str, checkpoint: str, output: s
     return run_train_step(samples, checkpoint, config.train_step_config(), output)
 
 
-def record(metrics, iteration: int, stage: str, result: Any, values: dict | None = None) -> dict[str, float]:
+def record(metrics, iteration: int, stage: str, result: Any, values: dict | None = None, *,
+           label: str | None = None) -> dict[str, float]:
     """Log a stage result's numeric, finite metrics (or ``values``) and its wall time under (iteration, stage),
-    print a progress line, and return the logged values."""
+    print a progress line headed ``[label]`` (default ``[iteration <iteration>]``), and return the logged values."""
     raw = values if values is not None else (getattr(result, "metrics", None) or {})
     logged = {k: float(v) for k, v in raw.items() if isinstance(v, (int, float)) and v == v}
     seconds = getattr(result, "seconds", None)
     metrics.log(iteration, stage, logged, wall_s=seconds)
     done = "committed earlier, skipped" if getattr(result, "skipped", False) else f"{seconds or 0:.0f}s"
-    print(f"[iteration {iteration}] {stage:<16} {done}", flush=True)
+    print(f"[{label or f'iteration {iteration}'}] {stage:<16} {done}", flush=True)
     return logged
 
 
@@ -181,7 +182,7 @@ def train_flow(cfg: dict) -> dict:
             kl_state: dict = {}
             if config.eval.eval_steps:
                 ev = eval_task(config, f"{run.path}/eval_base", checkpoint, pool)
-                record(metrics, 0, "eval", ev, _rollout_metrics(ev))
+                record(metrics, 0, "eval", ev, _rollout_metrics(ev), label="eval before training")
                 summary["base_eval"] = ev.samples.metrics
             for k in range(config.max_steps):
                 here = iter_dir(run.path, k)
@@ -205,7 +206,8 @@ def train_flow(cfg: dict) -> dict:
                 evaluated = None
                 if config.eval.eval_steps and (k + 1) % config.eval.eval_steps == 0:
                     ev = eval_task(config, f"{here}/eval", checkpoint, pool)
-                    record(metrics, k + 1, "eval", ev, _rollout_metrics(ev))
+                    # the metrics table files it under k + 1 (the policy after k + 1 steps); the line says when it ran
+                    record(metrics, k + 1, "eval", ev, _rollout_metrics(ev), label=f"eval after iteration {k}")
                     evaluated = ev.samples.metrics
                 summary["iterations"].append({"iteration": k, "checkpoint": checkpoint, "train_metrics": tr.metrics,
                                               "rollout_metrics": ro.samples.metrics, "eval_metrics": evaluated})

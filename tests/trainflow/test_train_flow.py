@@ -58,6 +58,29 @@ def test_cpu_budget_check_names_the_fix():
         "engine": cfg.rollout.engine.model_copy(update={"num_cpus_per_engine": 0.0})})}), 2.0)
 
 
+class _Logged:
+    """A stand-in for the metrics log: keeps what ``record`` logs."""
+
+    def __init__(self):
+        self.rows: list[tuple[int, str]] = []
+
+    def log(self, iteration: int, stage: str, metrics: dict, wall_s: float | None = None) -> None:
+        self.rows.append((iteration, stage))
+
+
+def test_progress_line_names_the_eval_after_an_iteration_while_the_table_keeps_its_convention(capsys):
+    from types import SimpleNamespace
+
+    from flows.train import record
+
+    logged, result = _Logged(), SimpleNamespace(metrics={"rollout/success_rate": 0.5}, seconds=3.0, skipped=False)
+    record(logged, 1, "train", result)
+    record(logged, 2, "eval", result, label="eval after iteration 1")
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("[iteration 1] train") and lines[1].startswith("[eval after iteration 1] eval")
+    assert logged.rows == [(1, "train"), (2, "eval")]  # the table files the eval under the policy's step count
+
+
 def _rollflow(*args: str, env: dict) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "flows.cli", *args], cwd=REPO, env=env, capture_output=True,
                           text=True, timeout=1500, start_new_session=True)
