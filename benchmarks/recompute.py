@@ -4,9 +4,10 @@
 (b) a single-process padded-tensor implementation of the same chain that pads every batch to its longest row and
     runs ROLL's per-position loops in torch, as ROLL does.
 
-Usage: python benchmarks/recompute.py --samples 200000 [--scale 10] [--data-memory-mb 512] [--skip-padded]
+Usage: python benchmarks/recompute.py --samples 200000 [--scale 10] [--data-memory-mb MB] [--skip-padded]
 With --scale K the chain also runs on K× fewer rows first, to report the peak-RSS growth of K× more rows.
-Last line: RESULT rows_per_s=… tokens_per_s=… peak_rss_mb=… io_floor_ratio=… padded_speedup=… [rss_growth_10x=…]
+Last line: RESULT rows_per_s=… tokens_per_s=… peak_rss_mb=… peak_pss_mb=… io_floor_ratio=… padded_speedup=…
+[rss_growth_10x=… pss_growth_10x=…]
 """
 
 from __future__ import annotations
@@ -35,31 +36,40 @@ from stages.example import ExampleSpec, generate  # noqa: E402
 CONFIG = REPO / "configs/recompute_grpo.yaml"
 
 
-class PeakRSS:
-    """Samples the summed RSS of this process and all its descendants (Ray's raylet and workers) every 0.2 s."""
+class PeakMemory:
+    """Samples the memory of this process and all its descendants (Ray's raylet and workers) every 0.2 s.
+
+    ``rss``: the summed resident sets, which count a page shared by k processes (Ray's object store, mapped by every
+    worker that reads a block) k times; ``pss``: the summed proportional sets, each shared page split among its
+    sharers, i.e. the memory the chain really holds. Both peaks are kept."""
 
     def __init__(self) -> None:
-        self.peak = 0
+        self.rss = self.pss = 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
-    def _sample(self) -> int:
+    def _sample(self) -> tuple[int, int]:
         me = psutil.Process()
-        total = 0
+        rss = pss = 0
         for p in [me] + me.children(recursive=True):
             try:
-                total += p.memory_info().rss
+                m = p.memory_full_info()
             except psutil.Error:
-                pass
-        return total
+                continue
+            rss, pss = rss + m.rss, pss + m.pss
+        return rss, pss
+
+    def _update(self) -> None:
+        rss, pss = self._sample()
+        self.rss, self.pss = max(self.rss, rss), max(self.pss, pss)
 
     def _run(self) -> None:
         while not self._stop.is_set():
-            self.peak = max(self.peak, self._sample())
+            self._update()
             time.sleep(0.2)
 
     def __enter__(self):
-        self.peak = self._sample()
+        self._update()
         self._thread.start()
         return self
 
@@ -184,7 +194,8 @@ def main() -> None:
     ap.add_argument("--scale", type=int, default=0, help="also run on samples/scale rows to measure RSS growth")
     ap.add_argument("--cache", type=Path, default=REPO / ".cache/bench/recompute")
     ap.add_argument("--skip-padded", action="store_true")
-    ap.add_argument("--data-memory-mb", type=float, default=None, help="runtime.data_memory_mb of the chain")
+    ap.add_argument("--data-memory-mb", type=float, default=None,
+                    help="runtime.data_memory_mb of the chain (default: the config's)")
     args = ap.parse_args()
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     from stages.cluster import ensure_ray
@@ -192,18 +203,15 @@ def main() -> None:
     cfg = load_config(RecomputeConfig, CONFIG)
     samples = dataset(args.samples, args.cache)
     tokens = total_tokens(samples)
-    ensure_ray(num_cpus=os.cpu_count(), progress=False, data_memory_mb=args.data_memory_mb)
-    rows_out = {}
-    growth = None
+    ensure_ray(num_cpus=os.cpu_count(), progress=False,
+               data_memory_mb=args.data_memory_mb or cfg.runtime.data_memory_mb)
+    small_mem = None
     if args.scale:
         small = dataset(args.samples // args.scale, args.cache)
-        with PeakRSS() as small_rss:
+        with PeakMemory() as small_mem:
             run_chain(small, args.cache / "out_small", cfg)
-        rows_out["small_peak_mb"] = small_rss.peak / 2**20
-    with PeakRSS() as rss:
+    with PeakMemory() as mem:
         chain_s = run_chain(samples, args.cache / "out_chain", cfg)
-    if args.scale:
-        growth = rss.peak / max(rows_out["small_peak_mb"] * 2**20, 1)
     floor_s = io_floor(samples, args.cache / "out_floor")
     padded_s = None if args.skip_padded else padded_chain(samples, args.cache / "out_padded", cfg)
     print(f"\nmachine: {os.cpu_count()} CPUs, {psutil.virtual_memory().total / 2**30:.0f} GiB; config {CONFIG.name}")
@@ -212,12 +220,16 @@ def main() -> None:
                     ("padded single-process (ROLL-style)", padded_s)):
         if s is not None:
             print(f"{name:<34}{s:>10.1f}{args.samples / s:>12.0f}{tokens / s:>14.0f}")
-    print(f"peak RSS of the chain (driver + Ray processes): {rss.peak / 2**20:.0f} MB"
-          + (f"; with {args.samples // args.scale} rows: {rows_out['small_peak_mb']:.0f} MB" if args.scale else ""))
+    mb = 2**20
+    print(f"peak memory of the chain (driver + Ray processes): summed RSS {mem.rss / mb:.0f} MB, summed PSS "
+          f"{mem.pss / mb:.0f} MB" + (f"; with {args.samples // args.scale} rows: RSS {small_mem.rss / mb:.0f} MB, "
+                                      f"PSS {small_mem.pss / mb:.0f} MB" if small_mem else ""))
     result = (f"RESULT rows_per_s={args.samples / chain_s:.0f} tokens_per_s={tokens / chain_s:.0f} "
-              f"peak_rss_mb={rss.peak / 2**20:.0f} io_floor_ratio={chain_s / floor_s:.2f}")
+              f"peak_rss_mb={mem.rss / mb:.0f} peak_pss_mb={mem.pss / mb:.0f} io_floor_ratio={chain_s / floor_s:.2f}")
     result += f" padded_speedup={padded_s / chain_s:.2f}" if padded_s else ""
-    result += f" rss_growth_{args.scale}x={growth:.2f}" if growth else ""
+    if small_mem:
+        result += (f" rss_growth_{args.scale}x={mem.rss / small_mem.rss:.2f}"
+                   f" pss_growth_{args.scale}x={mem.pss / small_mem.pss:.2f}")
     print(result)
 
 

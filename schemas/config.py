@@ -78,9 +78,10 @@ class RuntimeConfig(Frozen):
     ray_address: str | None = Field(None, description="Ray cluster to join (default: $RAY_ADDRESS, else a local one).")
     num_cpus: int | None = Field(None, gt=0, description="CPUs of the local Ray cluster (default: all).")
     batch_rows: int = Field(1024, gt=0, description="Rows per Ray Data batch for row-level stages.")
-    data_memory_mb: float | None = Field(None, gt=0, description="Bound on the blocks Ray Data keeps in flight in "
-                                                                 "the object store, MiB (null: Ray's default, which "
-                                                                 "grows with the object store).")
+    data_memory_mb: float | None = Field(512, gt=0, description="Bound on the blocks Ray Data keeps in flight in "
+                                                                "the object store, MiB, so that memory does not grow "
+                                                                "with the data (null: Ray's default, a share of the "
+                                                                "object store, i.e. of the machine's memory).")
 
 
 class RecomputeConfig(AlgorithmConfig):
