@@ -4,11 +4,16 @@ Per step ``k`` (policy after ``k`` training steps), every output under ``runs/<r
 responses (``rollout_batch_size`` prompts × ``num_return_sequences_in_group`` samples from the engine pool) →
 scored (reward workers, routed by domain) → rlvr_rewarded (sample masks, reward post-processing) → advantaged
 (token rewards, advantages, ``final_response_mask``) → logprobs (old/ref log-probs under the step's policy) →
-checkpoint (one PPO step; the loss is aggregated over ``final_response_mask``). With ``add_token_level_kl`` the
-first chain runs without the KL under ``pre_kl/``; the log-probs are then attached to the responses
-(``responses_logprobs``) and the advantages recomputed with the KL (``advantaged``), which the step trains on. The prompts table is written once
-under ``runs/<run>/prompts``. Every stage goes through the one runner, so ``--resume`` after a crash continues with
-the first missing output; the running reward moments and the KL controller travel in the manifests' state.
+checkpoint (one PPO step; the loss is aggregated over ``final_response_mask``).
+
+The advantages may need what only exists after the token table: the log-probs (``add_token_level_kl``) or the
+critic's values (``adv_estimator: gae``). Then the first chain runs without them under ``first_pass/`` (without the
+KL; with ``reinforce`` in place of ``gae``, whose reward post-processing is the same), the log-probs and, for GAE,
+the critic's ``values`` of the token table are computed, attached to the responses (``responses_logprobs``) and the
+advantages recomputed with the run's settings (``advantaged``), which the step trains on (actor and, for GAE,
+critic). The prompts table is written once under ``runs/<run>/prompts``. Every stage goes through the one runner,
+so ``--resume`` after a crash continues with the first missing output; the running reward moments and the KL
+controller travel in the manifests' state.
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ from typing import Any
 from prefect import flow, task
 from prefect.cache_policies import NO_CACHE
 
-from flows.train import logprobs_task, record, train_task
+from flows.train import logprobs_task, record, train_task, values_task
 from schemas.config import validate_config
 from schemas.rlvr_train_config import RLVRTrainConfig
 from stages.storage import Location
@@ -75,11 +80,12 @@ def score_task(config: RLVRTrainConfig, responses: str, output: str, state_in: d
     return score_responses(responses, output, config, advantages=True, state_in=state_in, services=services)
 
 
-@_task("kl_advantages")
-def kl_advantages_task(config: RLVRTrainConfig, responses: str, logprobs: str, rewarded: str, output: str,
-                       state_in: dict) -> Any:
-    """Token rewards with the KL to the reference and advantages: the step's log-probs are attached to its
-    responses (response-aligned), then the RLVR advantages stage runs on them (spec §2.4, §4.3)."""
+@_task("second_pass_advantages")
+def second_pass_task(config: RLVRTrainConfig, responses: str, logprobs: str, rewarded: str, output: str,
+                     state_in: dict) -> Any:
+    """Token rewards (with the KL to the reference) and advantages (GAE on the critic's values): the step's
+    log-probs and values are attached to its responses (response-aligned), then the RLVR advantages stage runs on
+    them (spec §2.4, §4.3)."""
     from schemas.rlvr_config import rlvr_advantage_section
     from stages.rlvr.stages import AttachLogProbsSection, AttachLogProbsStage, RLVRAdvantagesStage
     from stages.runner import run_stage
@@ -91,6 +97,15 @@ def kl_advantages_task(config: RLVRTrainConfig, responses: str, logprobs: str, r
     return run_stage(RLVRAdvantagesStage(), rlvr_advantage_section(config),
                      {"responses": attached.output, "rlvr_rewarded": rewarded}, f"{output}/advantaged",
                      batch_rows=rows, state_in={"kl_ctrl": state_in["kl_ctrl"]} if "kl_ctrl" in state_in else {})
+
+
+def first_pass_config(config: RLVRTrainConfig) -> RLVRTrainConfig:
+    """The settings of the first chain of a two-pass step: no token-level KL (no log-probs yet) and, for an
+    estimator that needs a critic, ``reinforce`` (no values yet; its reward post-processing equals GAE's)."""
+    update: dict[str, Any] = {"add_token_level_kl": False}
+    if config.train_step_config().needs_critic:
+        update["adv_estimator"] = "reinforce"
+    return config.model_copy(update=update)
 
 
 @flow(name="rlvr-train")  # progress lines go to stdout (Prefect logs at WARNING here)
@@ -111,19 +126,22 @@ def rlvr_train_flow(cfg: dict) -> dict:
                 here = step_dir(run.path, k)
                 gen = generate_task(config, k, prompts.output, checkpoint, pool, f"{here}/responses")
                 record(metrics, k, "generate", gen)
-                kl = config.add_token_level_kl
-                # with the token-level KL, a first chain without it gives the token table the log-probs need
-                first = config.model_copy(update={"add_token_level_kl": False}) if kl else config
-                chain = score_task(first, gen.output, f"{here}/pre_kl" if kl else here, state, pool)
+                two_pass = config.add_token_level_kl or config.train_step_config().needs_critic
+                chain = score_task(first_pass_config(config) if two_pass else config, gen.output,
+                                   f"{here}/first_pass" if two_pass else here, state, pool)
                 scored = record(metrics, k, "rewards", chain["scored"])
                 record(metrics, k, "rlvr_rewards", chain["rlvr_rewarded"])
                 lp = logprobs_task(config, chain["advantaged"].output, checkpoint, base, f"{here}/logprobs")
                 record(metrics, k, "logprobs", lp)
-                advantaged, samples = chain["advantaged"], lp.output
-                if kl:
-                    advantaged = kl_advantages_task(config, gen.output, lp.output, chain["rlvr_rewarded"].output,
-                                                    here, state)
-                    samples = advantaged.output  # old/ref log-probs came along through the responses
+                advantaged, samples, tokens = chain["advantaged"], lp.output, lp.output
+                if config.train_step_config().needs_critic:
+                    vals = values_task(config, lp.output, checkpoint, f"{here}/values")
+                    record(metrics, k, "values", vals)
+                    tokens = vals.output
+                if two_pass:
+                    advantaged = second_pass_task(config, gen.output, tokens, chain["rlvr_rewarded"].output, here,
+                                                  state)
+                    samples = advantaged.output  # old/ref log-probs (and values) came along through the responses
                 record(metrics, k, "advantages", advantaged)
                 state = {**chain["rlvr_rewarded"].state, **advantaged.state}
                 tr = train_task(config, samples, checkpoint, f"{here}/checkpoint")

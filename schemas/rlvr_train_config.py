@@ -75,7 +75,4 @@ class RLVRTrainConfig(RLVRConfig):
         if (self.add_token_level_kl or self.train.use_kl_loss) and not self.logprobs.enable_reference:
             raise ValueError("add_token_level_kl / train.use_kl_loss need the reference model's log-probs; set "
                              "logprobs.enable_reference: true")
-        if self.adv_estimator == "gae":
-            raise ValueError("adv_estimator gae needs a critic's values before the advantages, which the RLVR "
-                             "training flow does not compute yet; use grpo or reinforce")
         return self

@@ -419,13 +419,13 @@ class RLVRAdvantagesStage(Stage):
         return metrics, {"kl_ctrl": ctrl.state_dict()}
 
 
-# ---- old/ref log-probs onto the responses (token KL rewards in the RLVR training flow) ----------------------------
+# ---- old/ref log-probs and critic values onto the responses (token KL rewards, GAE in the RLVR training flow) -----
 
 class _AttachLogProbs:
-    """Per batch of ``responses``: the response part ``[P − 1, P − 1 + R)`` of the next-token log-prob columns of
-    the same rows in a log-prob table (``(L − 1,)`` a row) as response-aligned ``(R,)`` columns."""
+    """Per batch of ``responses``: the response part ``[P − 1, P − 1 + R)`` of the next-token log-prob (and value)
+    columns of the same rows in a log-prob table (``(L − 1,)`` a row) as response-aligned ``(R,)`` columns."""
 
-    COLUMNS = ("old_log_probs", "ref_log_probs")
+    COLUMNS = ("old_log_probs", "ref_log_probs", "values")
 
     def __init__(self, files: list[str], fs, where: str):
         self.files, self.fs, self.where = files, fs, where
@@ -468,10 +468,11 @@ class AttachLogProbsSection(Frozen):
 
 class AttachLogProbsStage(Stage):
     """``responses`` + a log-prob table of the same rows → ``responses`` with response-aligned ``old_log_probs``
-    (and ``ref_log_probs``), so that the RLVR chain can subtract the token-level KL (spec §2.4)."""
+    (and ``ref_log_probs``, ``values`` where the table has them), so that the RLVR chain can subtract the token-level
+    KL (spec §2.4) and run GAE on the critic's values (§4.3)."""
 
     name = "rlvr_attach_logprobs"
-    version = "1"
+    version = "2"  # 2: values too
     output_spec = RESPONSES
     section_model = AttachLogProbsSection
     input_specs = {"responses": RESPONSES, "logprobs": SAMPLES}

@@ -19,7 +19,7 @@ from schemas.rlvr_train_config import RLVRTrainConfig
 from stages.rlvr.generate import prompts_section, read_prompt_rows, step_prompt_ids
 
 REPO = Path(__file__).resolve().parents[2]
-STAGES = ("responses", "pre_kl/scored", "pre_kl/rlvr_rewarded", "pre_kl/advantaged", "logprobs",
+STAGES = ("responses", "first_pass/scored", "first_pass/rlvr_rewarded", "first_pass/advantaged", "logprobs",
           "responses_logprobs", "advantaged", "checkpoint")
 
 
@@ -32,7 +32,6 @@ def test_shipped_rlvr_config_validates():
 
 @pytest.mark.parametrize("data, words", [
     ({"add_token_level_kl": True, "logprobs": {"enable_reference": False}}, ["enable_reference: true"]),
-    ({"adv_estimator": "gae"}, ["critic", "grpo or reinforce"]),
     ({"max_new_tokens": 7, "generating_args": {"max_new_tokens": 9}}, ["differs", "generating_args.max_new_tokens"]),
     ({"train": {"use_kl_loss": True}, "logprobs": {"enable_reference": False}}, ["enable_reference: true"]),
     ({"num_return_sequences_in_group": 1}, ["at least 2"]),
@@ -77,10 +76,8 @@ def _rollflow(*args: str, env: dict) -> subprocess.CompletedProcess:
                           text=True, timeout=1500, start_new_session=True)
 
 
-@pytest.mark.slow
-def test_rlvr_run_with_token_kl_end_to_end_then_resume_skips_everything(tmp_path):
-    """Two steps with the token-level KL reward: the first chain runs without it, the log-probs (old under the step's
-    policy, ref under the initial one) are attached to the responses, and the advantages are recomputed with it."""
+def _tiny_run(tmp_path: Path, *sets: str) -> tuple[list[str], dict]:
+    """``rollflow train`` arguments and environment of a two-step RLVR run on the tiny random model (HF engine)."""
     from stages.generation.model_store import tiny_random_model_dir
 
     env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "PREFECT_API_URL")}
@@ -89,8 +86,26 @@ def test_rlvr_run_with_token_kl_end_to_end_then_resume_skips_everything(tmp_path
             "--set", "max_steps=2", "--set", f"pretrain={tiny_random_model_dir()}", "--set", "engine.backend=hf",
             "--set", "engine.options={}", "--set", "rollout_batch_size=2", "--set", "num_return_sequences_in_group=2",
             "--set", "generating_args.max_new_tokens=8", "--set", "train.actor_train.model_args.dtype=fp32",
-            "--set", "train.actor_train.training_args.per_device_train_batch_size=2",
-            "--set", "add_token_level_kl=true", "--set", "init_kl_coef=0.1", "--set", "logprobs.enable_reference=true"]
+            "--set", "train.actor_train.training_args.per_device_train_batch_size=2"]
+    for item in sets:
+        args += ["--set", item]
+    return args, env
+
+
+def _response_part_equal(full_table, got_table, name: str) -> None:
+    """``name`` of ``got_table`` (next-token layout, rebuilt from response-aligned values) equals the response part
+    of the same column in ``full_table`` and is zero on the prompt positions; both tables sorted by row_id."""
+    for full, got, p in zip(full_table.column(name).to_pylist(), got_table.column(name).to_pylist(),
+                            got_table.column("prompt_len").to_pylist()):
+        assert len(got) == len(full) and not any(got[:p - 1])
+        assert got[p - 1:] == pytest.approx(full[p - 1:], abs=1e-6)
+
+
+@pytest.mark.slow
+def test_rlvr_run_with_token_kl_end_to_end_then_resume_skips_everything(tmp_path):
+    """Two steps with the token-level KL reward: the first chain runs without it, the log-probs (old under the step's
+    policy, ref under the initial one) are attached to the responses, and the advantages are recomputed with it."""
+    args, env = _tiny_run(tmp_path, "add_token_level_kl=true", "init_kl_coef=0.1", "logprobs.enable_reference=true")
     first = _rollflow(*args, env=env)
     assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
     run = tmp_path / "r"
@@ -103,17 +118,14 @@ def test_rlvr_run_with_token_kl_end_to_end_then_resume_skips_everything(tmp_path
         responses = _read(run / f"step_{k:04d}/responses")
         assert responses.num_rows == 4 and len(set(responses.column("prompt_id").to_pylist())) == 2
         assert set(responses.column("prompt_id").to_pylist()) <= set(prompts.column("prompt_id").to_pylist())
-        scored = _read(run / f"step_{k:04d}/pre_kl/scored")
+        scored = _read(run / f"step_{k:04d}/first_pass/scored")
         assert set(scored.column("reward_worker").to_pylist()) == {"math_rule"}
         logprobs = _read(run / f"step_{k:04d}/logprobs").sort_by("row_id")
         trained = _read(run / f"step_{k:04d}/advantaged").sort_by("row_id")
         assert {"final_response_mask", "old_log_probs", "ref_log_probs", "advantages"} <= set(trained.column_names)
         assert trained.column("row_id").to_pylist() == logprobs.column("row_id").to_pylist()
         for name in ("old_log_probs", "ref_log_probs"):  # the response part travelled through the responses intact
-            for full, got, p in zip(logprobs.column(name).to_pylist(), trained.column(name).to_pylist(),
-                                    trained.column("prompt_len").to_pylist()):
-                assert len(got) == len(full) and not any(got[:p - 1])  # zeros on the prompt positions
-                assert got[p - 1:] == pytest.approx(full[p - 1:], abs=1e-6)
+            _response_part_equal(logprobs, trained, name)
     manifest = json.loads((run / "step_0001/checkpoint/manifest.json").read_text())
     assert "actor/pg_loss" in manifest["metrics"]
     kl = json.loads((run / "step_0001/advantaged/manifest.json").read_text())
@@ -125,4 +137,34 @@ def test_rlvr_run_with_token_kl_end_to_end_then_resume_skips_everything(tmp_path
     again = _rollflow("train", "--resume", str(run), "--no-report", env=env)
     assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
     assert {p: p.stat().st_mtime_ns for p in run.glob("step_*/*/manifest.json")} == stamps
-    assert len(stamps) == 2 * (len(STAGES) - 3)  # pre_kl/* are one level deeper
+    assert len(stamps) == 2 * (len(STAGES) - 3)  # first_pass/* are one level deeper
+
+
+@pytest.mark.slow
+def test_rlvr_run_with_gae_trains_a_critic_on_its_values(tmp_path):
+    """GAE: the first chain runs with reinforce, the critic's values of the token table (a new seeded head at step 0,
+    the trained critic at step 1) are attached to the responses, the advantages are GAE's (returns = raw advantages
+    + values on every response token), and the step trains the actor and the critic."""
+    import numpy as np
+
+    args, env = _tiny_run(tmp_path, "adv_estimator=gae", "train.critic_train.model_args.dtype=fp32",
+                          "train.critic_train.training_args.per_device_train_batch_size=2")
+    done = _rollflow(*args, env=env)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    run = tmp_path / "r"
+    for k in (0, 1):
+        step = run / f"step_{k:04d}"
+        for stage in ("first_pass/advantaged", "logprobs", "values", "responses_logprobs", "advantaged", "checkpoint"):
+            assert (step / stage / "manifest.json").exists(), (k, stage)
+        values = _read(step / "values").sort_by("row_id")
+        trained = _read(step / "advantaged").sort_by("row_id")
+        _response_part_equal(values, trained, "values")
+        for v, ret, raw, mask in zip(*(trained.column(c).to_pylist() for c in ("values", "returns", "raw_advantages",
+                                                                               "final_response_mask"))):
+            on = np.asarray(mask) > 0
+            assert np.allclose(np.asarray(ret)[on], np.asarray(raw)[on] + np.asarray(v)[on], atol=1e-5)
+        manifest = json.loads((step / "checkpoint/manifest.json").read_text())
+        assert {"actor/pg_loss", "critic/loss"} <= set(manifest["metrics"])
+        assert (step / "checkpoint/critic").is_dir()
+    first_values = _read(run / "step_0000/values").sort_by("row_id").column("values")
+    assert first_values.to_pylist() != _read(run / "step_0001/values").sort_by("row_id").column("values").to_pylist()
