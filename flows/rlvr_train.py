@@ -113,12 +113,14 @@ def rlvr_train_flow(cfg: dict) -> dict:
     """Run (or resume) the RLVR training run described by ``cfg`` (an :class:`RLVRTrainConfig` as JSON)."""
     from flows.train import start_run
     from stages.metrics import MetricsLog
+    from stages.train.checkpoint import keep_training_state
 
     config = validate_config(RLVRTrainConfig, cfg)
     run, base, pool = start_run(config, cfg, config.engine.max_model_len or config.sequence_length)
     started = time.time()
     summary: dict[str, Any] = {"run": run.path, "pipeline": "rlvr", "iterations": []}
     checkpoint, state = base, {}
+    trained: list[str] = []  # this run's checkpoints, oldest first
     with MetricsLog(run.path) as metrics:
         try:
             prompts = prompts_task(config, run.child("prompts").path)
@@ -147,6 +149,8 @@ def rlvr_train_flow(cfg: dict) -> dict:
                 tr = train_task(config, samples, checkpoint, f"{here}/checkpoint")
                 record(metrics, k, "train", tr)
                 checkpoint = tr.output
+                trained.append(checkpoint)
+                keep_training_state(trained, config.train_step_config().max_ckpt_to_keep)
                 summary["iterations"].append({"iteration": k, "checkpoint": checkpoint, "train_metrics": tr.metrics,
                                               "score": scored.get("critic/score/mean"),
                                               "generate_metrics": gen.metrics})

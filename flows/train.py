@@ -171,6 +171,7 @@ def check_cpu_budget(config, cluster_cpus: float) -> None:
 def train_flow(cfg: dict) -> dict:
     """Run (or resume) the training run described by ``cfg`` (a :class:`TrainFlowConfig` as JSON)."""
     from stages.metrics import MetricsLog
+    from stages.train.checkpoint import keep_training_state
 
     config = validate_config(TrainFlowConfig, cfg)
     run, base, pool = start_run(config, cfg, config.rollout.engine.max_model_len or config.rollout.sequence_length)
@@ -179,6 +180,7 @@ def train_flow(cfg: dict) -> dict:
     with MetricsLog(run.path) as metrics:
         try:
             checkpoint = base
+            trained: list[str] = []  # this run's checkpoints, oldest first
             kl_state: dict = {}
             if config.eval.eval_steps:
                 ev = eval_task(config, f"{run.path}/eval_base", checkpoint, pool)
@@ -203,6 +205,8 @@ def train_flow(cfg: dict) -> dict:
                 tr = train_task(config, adv.output, checkpoint, f"{here}/checkpoint")
                 record(metrics, k, "train", tr)
                 checkpoint = tr.output
+                trained.append(checkpoint)
+                keep_training_state(trained, config.train_step_config().max_ckpt_to_keep)
                 evaluated = None
                 if config.eval.eval_steps and (k + 1) % config.eval.eval_steps == 0:
                     ev = eval_task(config, f"{here}/eval", checkpoint, pool)

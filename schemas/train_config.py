@@ -171,8 +171,10 @@ class TrainRuntimeConfig(RuntimeConfig):
 class TrainStepConfig(TrainSection):
     """``rollflow train-step --config FILE``: the training section plus where it runs and what it keeps."""
 
-    max_ckpt_to_keep: int | None = Field(None, gt=0, description="Keep only the newest K training checkpoints beside "
-                                                                "the output (null: keep all).")
+    max_ckpt_to_keep: int | None = Field(None, gt=0, description="Keep only the newest K training checkpoints "
+                                          "(null: keep all): rollflow train-step deletes older ones beside the "
+                                          "output; a training run drops the DeepSpeed state of its older "
+                                          "iterations' checkpoints and keeps their weights (evaluation, resume).")
     runtime: TrainRuntimeConfig = Field(default_factory=TrainRuntimeConfig, description="Ray and worker settings.")
 
     @model_validator(mode="after")

@@ -74,16 +74,37 @@ def read_checkpoint(path: str) -> CheckpointInfo:
         state = json.loads((folder / TRAIN_STATE).read_text())
     actor_state = folder / ACTOR_STATE
     critic_dir, critic_state = folder / CRITIC_DIR, folder / CRITIC_STATE
-    if state and not actor_state.is_dir():
-        raise SchemaError(f"checkpoint {folder} has {TRAIN_STATE} but no {ACTOR_STATE}/ folder; it is incomplete — "
-                          "resume from an earlier checkpoint")
     return CheckpointInfo(
         path=str(folder), global_step=int(state.get("global_step", 0)),
         optimizer_steps=int(state.get("optimizer_steps", 0)), world_size=state.get("world_size"),
         zero_stage=state.get("zero_stage"),
-        actor_state=str(actor_state) if state else None,
+        actor_state=str(actor_state) if state and actor_state.is_dir() else None,
         critic_dir=str(critic_dir) if critic_dir.is_dir() and _has_weights(critic_dir) else None,
         critic_state=str(critic_state) if state and critic_state.is_dir() else None)
+
+
+def check_trainable(info: CheckpointInfo) -> None:
+    """Training continues exactly from a trained checkpoint only with its DeepSpeed state (optimizer moments, step
+    counts). Raises RollflowError naming the folder and the fix when the state is gone."""
+    if info.global_step > 0 and info.actor_state is None:
+        raise RollflowError(f"checkpoint {info.path} has no DeepSpeed state ({ACTOR_STATE}/), so training cannot "
+                            "continue exactly from it: a run keeps that state only for its newest "
+                            "train.max_ckpt_to_keep checkpoints (older ones keep their weights for evaluation and "
+                            "resume). Train from the run's newest checkpoint, or raise train.max_ckpt_to_keep")
+
+
+def keep_training_state(checkpoints: list[str], keep: int | None) -> list[str]:
+    """Drop the DeepSpeed state (``deepspeed/``, ~7x the weights with Adam) of all but the newest ``keep`` of a
+    run's checkpoints (``checkpoints`` oldest first; None keeps all). Weights, manifest and train state stay, so
+    every stage fingerprint and a resumed run are unchanged. Returns the folders whose state was dropped now."""
+    dropped = []
+    for path in (checkpoints[:-keep] if keep else []):
+        state = Path(path) / "deepspeed"
+        if state.is_dir():
+            log.info("dropping the DeepSpeed state of %s (train.max_ckpt_to_keep=%d)", path, keep)
+            Location.of(str(state)).rmtree()
+            dropped.append(path)
+    return dropped
 
 
 def checkpoint_fingerprint(path: str) -> str:

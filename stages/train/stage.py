@@ -128,7 +128,7 @@ def run_train_step(samples: str, checkpoint: str, cfg: TrainStepConfig, output: 
     state_in = {"checkpoint": ckpt.checkpoint_fingerprint(info.path)}
     fp = stage_fingerprint(TrainStage, section, {"samples": samples_loc}, state_in)
     manifest, skipped = commit_folder(
-        out, fp, lambda tmp: _train_into(tmp, out, samples_loc, info.path, cfg, state_in, start),
+        out, fp, lambda tmp: _train_into(tmp, out, samples_loc, info, cfg, state_in, start),
         who="train_step", other="a checkpoint of another training step", force=force)
     if not skipped:
         if cfg.max_ckpt_to_keep:
@@ -139,12 +139,14 @@ def run_train_step(samples: str, checkpoint: str, cfg: TrainStepConfig, output: 
                        manifest.get("state", {}))
 
 
-def _train_into(tmp: Location, out: Location, samples: Location, checkpoint: str, cfg: TrainStepConfig,
+def _train_into(tmp: Location, out: Location, samples: Location, info: ckpt.CheckpointInfo, cfg: TrainStepConfig,
                 state_in: dict, start: float) -> dict[str, Any]:
     """Run the training step into ``tmp`` (the temporary folder of ``out``; Ray Train's own files go to a sibling
     folder, removed after), check the checkpoint, and return its manifest (all but the fingerprint)."""
+    checkpoint = info.path
     if os.path.realpath(out.path) == os.path.realpath(checkpoint):
         raise RollflowError(f"train_step: the output {out.path} is the input checkpoint; write to a new folder")
+    ckpt.check_trainable(info)
     section = train_section(cfg)
     storage = tempfile.mkdtemp(prefix=".ray-train-", dir=tmp.parent.path)
     try:

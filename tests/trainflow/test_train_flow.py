@@ -97,7 +97,7 @@ def _tiny_args(runs_dir: Path, name: str) -> list[str]:
             "--set", "rollout.env.num_env_groups=2", "--set", "rollout.env.group_size=2",
             "--set", "rollout_batch_size=4", "--set", "rollout.env.max_steps=2",
             "--set", "rollout.generating_args.max_new_tokens=8", "--set", "eval.num_env_groups=2",
-            "--set", "train.actor_train.model_args.dtype=fp32"]
+            "--set", "train.actor_train.model_args.dtype=fp32", "--set", "train.max_ckpt_to_keep=1"]
 
 
 def _env(tmp: Path) -> dict:
@@ -127,6 +127,9 @@ def test_train_run_end_to_end_then_resume_skips_everything(finished_run, tmp_pat
     assert (run / "report/index.html").exists() and (run / "report/success_rate.png").exists()
     train_manifest = json.loads((run / "iter_0000/checkpoint/manifest.json").read_text())
     assert "actor/pg_loss" in train_manifest["metrics"]
+    # max_ckpt_to_keep=1: only the newest checkpoint keeps its DeepSpeed state; every one keeps its weights
+    assert not (run / "iter_0000/checkpoint/deepspeed").exists() and (run / "iter_0001/checkpoint/deepspeed").is_dir()
+    assert list((run / "iter_0000/checkpoint").glob("*.safetensors"))
     import pyarrow.dataset as pads
 
     metrics = pads.dataset(str(run / "metrics")).to_table().to_pylist()
