@@ -93,6 +93,22 @@ def check_trainable(info: CheckpointInfo) -> None:
                             "resume). Train from the run's newest checkpoint, or raise train.max_ckpt_to_keep")
 
 
+def disk_full_error(folder: str, checkpoint: str, err: BaseException) -> RollflowError | None:
+    """When writing a checkpoint into ``folder`` failed (``err``) and its disk has less room than a checkpoint of
+    the model in ``checkpoint`` needs (about 8x its weights: weights, fp32 master copy and Adam moments), the error
+    that says so and how to fix it; None otherwise (torch reports a full disk as "iostream error")."""
+    import shutil
+
+    weights = sum(p.stat().st_size for p in Path(checkpoint).iterdir() if p.suffix in WEIGHT_SUFFIXES)
+    free = shutil.disk_usage(folder).free
+    if free >= 8 * weights:
+        return None
+    return RollflowError(f"writing the checkpoint into {folder} failed ({type(err).__name__}) with {free / 2**20:.0f} "
+                         f"MiB free on its disk; a checkpoint of this model needs about {8 * weights / 2**20:.0f} MiB "
+                         "(weights and DeepSpeed state). Free disk space, or set train.max_ckpt_to_keep so that a "
+                         "run keeps the training state of fewer checkpoints, then resume")
+
+
 def keep_training_state(checkpoints: list[str], keep: int | None) -> list[str]:
     """Drop the DeepSpeed state (``deepspeed/``, ~7x the weights with Adam) of all but the newest ``keep`` of a
     run's checkpoints (``checkpoints`` oldest first; None keeps all). Weights, manifest and train state stay, so

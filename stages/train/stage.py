@@ -151,6 +151,11 @@ def _train_into(tmp: Location, out: Location, samples: Location, info: ckpt.Chec
     storage = tempfile.mkdtemp(prefix=".ray-train-", dir=tmp.parent.path)
     try:
         _fit(samples, checkpoint, cfg, tmp.path, storage)
+    except Exception as err:
+        full = ckpt.disk_full_error(tmp.path, checkpoint, err)
+        if full is not None:
+            raise full from err
+        raise
     finally:
         Location.of(storage).rmtree()
     ckpt.check_complete(tmp.path, section.needs_critic)

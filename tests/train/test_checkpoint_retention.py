@@ -51,3 +51,17 @@ def test_a_plain_model_folder_trains_from_a_fresh_optimizer(tmp_path):
     info = ckpt.read_checkpoint(str(tmp_path))
     assert info.global_step == 0 and info.actor_state is None
     ckpt.check_trainable(info)
+
+
+def test_a_full_disk_is_named_with_the_fix(tmp_path, monkeypatch):
+    import shutil
+    from collections import namedtuple
+
+    model = Path(_trained_checkpoint(tmp_path / "c", 1))
+    (model / "model.safetensors").write_bytes(b"w" * 1000)
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(10**9, 10**9 - 5000, 5000))
+    err = ckpt.disk_full_error(str(tmp_path), str(model), RuntimeError("basic_ios::clear: iostream error"))
+    assert err is not None and str(tmp_path) in str(err) and "Free disk space" in str(err)
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(10**9, 0, 10**9))
+    assert ckpt.disk_full_error(str(tmp_path), str(model), RuntimeError("other")) is None
