@@ -77,6 +77,16 @@ def response_to_next_token(values: Ragged, prompt_len: np.ndarray) -> Ragged:
     return Ragged(out, offsets)
 
 
+def next_token_to_response(x: Ragged, prompt_len: np.ndarray, response_len: np.ndarray) -> Ragged:
+    """The inverse of :func:`response_to_next_token`: the response part ``[P − 1, P − 1 + R)`` of next-token rows
+    ``(P + R − 1,)`` as per-response-token rows ``(R,)``. The caller checks the row lengths."""
+    prompt_len = np.asarray(prompt_len, dtype=np.int64)
+    response_len = np.asarray(response_len, dtype=np.int64)
+    offsets = np.concatenate([[0], np.cumsum(response_len)]).astype(np.int64)
+    starts = np.repeat(x.offsets[:-1] + prompt_len - 1 - offsets[:-1], response_len)
+    return Ragged(x.values[starts + np.arange(int(offsets[-1]), dtype=np.int64)], offsets)
+
+
 @dataclass(frozen=True)
 class ResponseTokens:
     """``B`` responses in the project's row layout: ``input_ids`` and ``response_mask`` (int8) of ``L = P + R``

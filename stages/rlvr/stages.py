@@ -432,33 +432,44 @@ class _AttachLogProbs:
         self._lookup = None
 
     def _table(self):
+        """(pandas Index over the table's row_id, the table), read once per actor."""
         if self._lookup is None:
+            import pandas as pd
             import pyarrow.dataset as pads
 
             ds = pads.dataset(self.files, filesystem=self.fs)
             table = ds.to_table(columns=["row_id", *[c for c in self.COLUMNS if c in ds.schema.names]])
-            self._lookup = ({r: i for i, r in enumerate(table.column("row_id").to_pylist())}, table)
+            self._lookup = (pd.Index(table.column("row_id").to_numpy(zero_copy_only=False)), table)
         return self._lookup
 
     def __call__(self, batch: pa.Table) -> pa.Table:
+        from stages.algos.ragged import Ragged
+        from stages.rlvr.chain import next_token_to_response
+
         index, table = self._table()
-        ids = batch.column("row_id").to_pylist()
-        missing = [r for r in ids if r not in index]
-        if missing:
-            raise InvariantError(f"log-prob table {self.where} has no row_id {missing[0]}; compute the log-probs of "
-                                 "this step's responses")
-        rows = table.take(pa.array([index[r] for r in ids], pa.int64()))
-        prompt_len = pc.list_value_length(batch.column("prompt_ids")).to_numpy()
-        response_len = pc.list_value_length(batch.column("response_ids")).to_numpy()
+        ids = batch.column("row_id").to_numpy(zero_copy_only=False)
+        pos = index.get_indexer(ids)
+        if (pos < 0).any():
+            raise InvariantError(f"log-prob table {self.where} has no row_id {ids[np.flatnonzero(pos < 0)[0]]}; "
+                                 "compute the log-probs of this step's responses")
+        rows = table.take(pa.array(pos, pa.int64()))
+        prompt_len = pc.list_value_length(batch.column("prompt_ids")).to_numpy().astype(np.int64)
+        response_len = pc.list_value_length(batch.column("response_ids")).to_numpy().astype(np.int64)
         for name in self.COLUMNS:
             if name not in rows.column_names:
                 continue
-            full = rows.column(name).to_pylist()
-            sliced = [np.asarray(v[p - 1:p - 1 + r], np.float32) for v, p, r in zip(full, prompt_len, response_len)]
+            full = Ragged.from_arrow(rows.column(name), np.float32)
+            bad = np.flatnonzero(full.lengths != prompt_len + response_len - 1)
+            if bad.size:
+                i = int(bad[0])
+                raise InvariantError(f"log-prob table {self.where}: column '{name}' has {full.lengths[i]} entries for "
+                                     f"row_id {ids[i]}, whose prompt and response have {prompt_len[i]} + "
+                                     f"{response_len[i]} tokens (one per next token: P + R − 1 expected); compute the "
+                                     "log-probs of this step's responses")
             if name in batch.column_names:
                 batch = batch.drop_columns([name])
-            batch = batch.append_column(pa.field(name, pa.list_(pa.float32())), pa.array(sliced,
-                                                                                         pa.list_(pa.float32())))
+            sliced = next_token_to_response(full, prompt_len, response_len)
+            batch = batch.append_column(pa.field(name, pa.list_(pa.float32())), sliced.to_arrow(pa.float32()))
         return batch
 
 

@@ -319,3 +319,14 @@ def _random_table(rng, prompts: int, n: int, domain: str) -> dict[str, list]:
 
 def _concat(a: dict, b: dict) -> dict:
     return {k: a[k] + b[k] for k in a}
+
+
+def test_next_token_to_response_inverts_response_to_next_token():
+    from stages.algos.ragged import Ragged
+    from stages.rlvr.chain import next_token_to_response, response_to_next_token
+
+    values = Ragged.from_rows([[1.0, 2.0], [], [3.0, 4.0, 5.0]])
+    prompt_len = np.array([1, 3, 2])
+    layout = response_to_next_token(values, prompt_len)
+    back = next_token_to_response(layout, prompt_len, values.lengths)
+    assert np.array_equal(back.offsets, values.offsets) and np.array_equal(back.values, values.values)

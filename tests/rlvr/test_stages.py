@@ -381,3 +381,29 @@ def test_llm_judge_is_served_by_a_generation_engine(tmp_path, ray_cluster):
     assert result.exit_code == 0, result.output
     scored = read_folder(str(tmp_path / "out" / "scored"))
     assert scored.num_rows == 4 and set(scored.column("reward_worker").to_pylist()) == {"llm_judge"}
+
+
+def test_attach_logprobs_takes_the_response_part_of_each_row_by_row_id(tmp_path):
+    """The attach stage's batch function: rows are matched by row_id (any order in the log-prob table), each row's
+    next-token values ``(P + R − 1,)`` give the response part ``[P − 1, P − 1 + R)``; a missing row or a row of the
+    wrong length is an error naming it."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from schemas.errors import InvariantError
+    from stages.rlvr.stages import _AttachLogProbs
+    from stages.storage import Location
+
+    batch = pa.table({"row_id": ["a", "b"], "prompt_ids": [[1, 2], [3]], "response_ids": [[4, 5, 6], [7]]})
+    pq.write_table(pa.table({"row_id": ["b", "a"], "old_log_probs": [[-0.5], [-1.0, -2.0, -3.0, -4.0]],
+                             "values": [[0.7], [0.1, 0.2, 0.3, 0.4]]}), tmp_path / "lp.parquet")
+    loc = Location.of(str(tmp_path))
+    out = _AttachLogProbs(loc.parquet_files(), loc.fs, str(tmp_path))(batch)
+    assert out.column("old_log_probs").to_pylist() == [[-2.0, -3.0, -4.0], [-0.5]]
+    got = out.column("values").to_pylist()
+    assert got[0] == pytest.approx([0.2, 0.3, 0.4]) and got[1] == pytest.approx([0.7])
+    with pytest.raises(InvariantError, match="no row_id c"):
+        _AttachLogProbs(loc.parquet_files(), loc.fs, str(tmp_path))(batch.set_column(0, "row_id", pa.array(["a", "c"])))
+    pq.write_table(pa.table({"row_id": ["a", "b"], "old_log_probs": [[-1.0, -2.0], [-0.5]]}), tmp_path / "lp.parquet")
+    with pytest.raises(InvariantError, match=r"'old_log_probs' has 2 entries for row_id a"):
+        _AttachLogProbs(loc.parquet_files(), loc.fs, str(tmp_path))(batch)
