@@ -13,9 +13,9 @@ def score_responses(input_dir: str, output_dir: str, cfg, *, advantages: bool = 
 
     Outputs: ``<output_dir>/scored`` (+ ``rlvr_rewarded``, ``advantaged``). ``state_in``: ``running_moments`` and
     ``kl_ctrl`` of a previous step (from its manifests' ``state``); ``services``: reward-stage service factories."""
-    from schemas.rlvr_config import reward_section, rlvr_advantage_section, rlvr_reward_section
+    from schemas.rlvr_config import reward_section, rlvr_reward_section
     from stages.cluster import ensure_ray
-    from stages.rlvr.stages import RewardStage, RLVRAdvantagesStage, RLVRRewardsStage
+    from stages.rlvr.stages import RewardStage, RLVRRewardsStage
     from stages.runner import run_stage
 
     ensure_ray(cfg.runtime.ray_address, cfg.runtime.num_cpus, progress=False)
@@ -29,8 +29,19 @@ def score_responses(input_dir: str, output_dir: str, cfg, *, advantages: bool = 
             RLVRRewardsStage(), rlvr_reward_section(cfg), {"responses": input_dir, "scored": f"{out}/scored"},
             f"{out}/rlvr_rewarded", force=force, batch_rows=rows,
             state_in={"running_moments": state_in.get("running_moments", {})})
-        results["advantaged"] = run_stage(
-            RLVRAdvantagesStage(), rlvr_advantage_section(cfg),
-            {"responses": input_dir, "rlvr_rewarded": f"{out}/rlvr_rewarded"}, f"{out}/advantaged", force=force,
-            batch_rows=rows, state_in={"kl_ctrl": state_in["kl_ctrl"]} if "kl_ctrl" in state_in else {})
+        results["advantaged"] = rlvr_advantages(cfg, input_dir, f"{out}/rlvr_rewarded", f"{out}/advantaged",
+                                                state_in, force=force)
     return results
+
+
+def rlvr_advantages(cfg, responses: str, rewarded: str, output: str, state_in: dict, *, force: bool = False):
+    """The RLVR advantages stage (token rewards, advantages, ``final_response_mask``) on ``responses`` and their
+    ``rlvr_rewarded`` rows; ``state_in`` may carry the KL controller (``kl_ctrl``) of a previous step."""
+    from schemas.rlvr_config import rlvr_advantage_section
+    from stages.rlvr.stages import RLVRAdvantagesStage
+    from stages.runner import run_stage
+
+    return run_stage(RLVRAdvantagesStage(), rlvr_advantage_section(cfg),
+                     {"responses": responses, "rlvr_rewarded": rewarded}, output, force=force,
+                     batch_rows=cfg.runtime.batch_rows,
+                     state_in={"kl_ctrl": state_in["kl_ctrl"]} if "kl_ctrl" in state_in else {})

@@ -86,17 +86,14 @@ def second_pass_task(config: RLVRTrainConfig, responses: str, logprobs: str, rew
     """Token rewards (with the KL to the reference) and advantages (GAE on the critic's values): the step's
     log-probs and values are attached to its responses (response-aligned), then the RLVR advantages stage runs on
     them (spec §2.4, §4.3)."""
-    from schemas.rlvr_config import rlvr_advantage_section
-    from stages.rlvr.stages import AttachLogProbsSection, AttachLogProbsStage, RLVRAdvantagesStage
+    from flows.rlvr_score import rlvr_advantages
+    from stages.rlvr.stages import AttachLogProbsSection, AttachLogProbsStage
     from stages.runner import run_stage
 
-    rows = config.runtime.batch_rows
     attached = run_stage(AttachLogProbsStage(), AttachLogProbsSection(), {"responses": responses,
                                                                           "logprobs": logprobs},
-                         f"{output}/responses_logprobs", batch_rows=rows)
-    return run_stage(RLVRAdvantagesStage(), rlvr_advantage_section(config),
-                     {"responses": attached.output, "rlvr_rewarded": rewarded}, f"{output}/advantaged",
-                     batch_rows=rows, state_in={"kl_ctrl": state_in["kl_ctrl"]} if "kl_ctrl" in state_in else {})
+                         f"{output}/responses_logprobs", batch_rows=config.runtime.batch_rows)
+    return rlvr_advantages(config, attached.output, rewarded, f"{output}/advantaged", state_in)
 
 
 def first_pass_config(config: RLVRTrainConfig) -> RLVRTrainConfig:
@@ -121,6 +118,8 @@ def rlvr_train_flow(cfg: dict) -> dict:
     summary: dict[str, Any] = {"run": run.path, "pipeline": "rlvr", "iterations": []}
     checkpoint, state = base, {}
     trained: list[str] = []  # this run's checkpoints, oldest first
+    needs_critic = config.train_step_config().needs_critic
+    two_pass = config.add_token_level_kl or needs_critic  # advantages need the log-probs or values of the tokens
     with MetricsLog(run.path) as metrics:
         try:
             prompts = prompts_task(config, run.child("prompts").path)
@@ -128,7 +127,6 @@ def rlvr_train_flow(cfg: dict) -> dict:
                 here = step_dir(run.path, k)
                 gen = generate_task(config, k, prompts.output, checkpoint, pool, f"{here}/responses")
                 record(metrics, k, "generate", gen)
-                two_pass = config.add_token_level_kl or config.train_step_config().needs_critic
                 chain = score_task(first_pass_config(config) if two_pass else config, gen.output,
                                    f"{here}/first_pass" if two_pass else here, state, pool)
                 scored = record(metrics, k, "rewards", chain["scored"])
@@ -136,7 +134,7 @@ def rlvr_train_flow(cfg: dict) -> dict:
                 lp = logprobs_task(config, chain["advantaged"].output, checkpoint, base, f"{here}/logprobs")
                 record(metrics, k, "logprobs", lp)
                 advantaged, samples, tokens = chain["advantaged"], lp.output, lp.output
-                if config.train_step_config().needs_critic:
+                if needs_critic:
                     vals = values_task(config, lp.output, checkpoint, f"{here}/values")
                     record(metrics, k, "values", vals)
                     tokens = vals.output
