@@ -29,8 +29,9 @@ from stages.storage import MANIFEST, Location, read_manifest
 log = logging.getLogger("rollflow.checkpoint")
 
 CRITIC_DIR = "critic"
-ACTOR_STATE = "deepspeed/actor"
-CRITIC_STATE = "deepspeed/critic"
+TRAINING_STATE = "deepspeed"  # every DeepSpeed engine state of the checkpoint (keep_training_state drops it)
+ACTOR_STATE = f"{TRAINING_STATE}/actor"
+CRITIC_STATE = f"{TRAINING_STATE}/critic"
 TRAIN_STATE = "train_state.json"
 STAGE_NAME = "train_step"
 WEIGHT_SUFFIXES = (".safetensors", ".bin")
@@ -115,7 +116,7 @@ def keep_training_state(checkpoints: list[str], keep: int | None) -> list[str]:
     every stage fingerprint and a resumed run are unchanged. Returns the folders whose state was dropped now."""
     dropped = []
     for path in (checkpoints[:-keep] if keep else []):
-        state = Path(path) / "deepspeed"
+        state = Path(path) / TRAINING_STATE
         if state.is_dir():
             log.info("dropping the DeepSpeed state of %s (train.max_ckpt_to_keep=%d)", path, keep)
             Location.of(str(state)).rmtree()

@@ -31,7 +31,7 @@ def test_only_the_newest_checkpoints_keep_their_training_state(tmp_path):
     for k, path in enumerate(trail):
         folder = Path(path)
         assert (folder / "model.safetensors").exists() and (folder / ckpt.TRAIN_STATE).exists()
-        assert (folder / "deepspeed").exists() == (k >= 2)
+        assert (folder / ckpt.TRAINING_STATE).exists() == (k >= 2)
         info = ckpt.read_checkpoint(path)  # still readable: skipped stages fingerprint it, engines load it
         assert info.global_step == k + 1 and (info.actor_state is None) == (k < 2)
 
