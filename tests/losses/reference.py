@@ -1,6 +1,11 @@
-"""An independent, deliberately plain reference of the CORRECTED actor losses (spec §6.3, §6.5, §6.6 with BUG-7/8/9
-fixed), written row by row in float64 from the spec text. Tests use it where a golden case encodes a ROLL defect,
-and check it against the golden cases that encode none (so the reference itself is validated).
+"""An independent, deliberately plain reference of the actor losses (spec §6.3, §6.5, §6.6), written row by row in
+float64 from the spec text. By default it computes the CORRECTED semantics (BUG-7/8/9 fixed); ``roll=True`` follows
+the spec's description of ROLL, defects included (token-mean numerators over every position, pass rates counting
+padding, difficulty weights never applied, counts taken before the filter).
+
+Tests check ``roll=True`` against every golden case (which validates the reference, defect conditions included) and
+our default implementation against ``roll=False`` on every case. A case encodes a defect exactly when the two modes
+disagree on it: the conditions of §13 evaluated on the case's params and inputs, not a list of names.
 
 It is slow (Python loops over rows, runs and tokens) and only meant for the small golden batches.
 """
@@ -48,10 +53,12 @@ def segment_mean_row(x: torch.Tensor, m: list[int]) -> torch.Tensor:
 
 
 def aggregate(rows: list[torch.Tensor], masks: list[list[int]], mode: str, n_tok: float, n_seq: float,
-              weights: list[float] | None = None) -> torch.Tensor:
-    """Corrected agg_loss: the token-mean numerator only sums masked tokens."""
+              weights: list[float] | None = None, roll: bool = False) -> torch.Tensor:
+    """agg_loss (§6.1). Corrected: the token-mean numerator only sums masked tokens; ``roll``: every position [BUG-7]."""
     w = weights or [1.0] * len(rows)
     if mode == "token-mean":
+        if roll:
+            return sum(w[b] * rows[b].sum() for b in range(len(rows))) / n_tok
         return sum(w[b] * row_sum(rows[b], masks[b]) for b in range(len(rows))) / n_tok
     per_row = row_sum if mode in ("seq-mean-token-sum", "seq-mean-token-sum-norm") else row_mean
     total = sum(w[b] * per_row(rows[b], masks[b]) for b in range(len(rows)) if any(masks[b]))
@@ -72,9 +79,12 @@ def diffs_row(d: torch.Tensor, m: list[int]) -> dict[str, torch.Tensor]:
             "segment": segment_mean_row(d, m)}
 
 
-def correction(cfg: dict, M: list[list[int]], old: torch.Tensor, infer: torch.Tensor, n_seq: float, n_tok: float):
-    """Corrected §6.6: (is_weight rows, filter rows, metrics); rates count masked tokens only."""
+def correction(cfg: dict, M: list[list[int]], old: torch.Tensor, infer: torch.Tensor, n_seq: float, n_tok: float,
+               roll: bool = False):
+    """§6.6: (is_weight rows, filter rows, metrics). Corrected: the rates count masked tokens only; ``roll``: their
+    numerators run over every position, padding included [BUG-9]."""
     B = len(M)
+    counted = (lambda b, t: True) if roll else (lambda b, t: bool(M[b][t]))  # noqa: E731
     ratios = [ratios_row(old[b] - infer[b], M[b]) for b in range(B)]
     diffs = [diffs_row(torch.exp(old[b]) - torch.exp(infer[b]), M[b]) for b in range(B)]
     metrics = {}
@@ -90,7 +100,7 @@ def correction(cfg: dict, M: list[list[int]], old: torch.Tensor, infer: torch.Te
         ub = isw_cfg["upper_bound"]
         if ub is not None:
             metrics["actor/is_weight_clipfrac@sum"] = sum(
-                float(isw[b][t] > ub) for b in range(B) for t in range(T) if M[b][t]) / n_tok
+                float(isw[b][t] > ub) for b in range(B) for t in range(T) if counted(b, t)) / n_tok
             isw = [w.clamp(0, ub) for w in isw]
     else:
         isw = [torch.ones(T, dtype=F64) for _ in range(B)]
@@ -107,7 +117,7 @@ def correction(cfg: dict, M: list[list[int]], old: torch.Tensor, infer: torch.Te
             lo, hi, agg = f[f"{kind}_low"], f[f"{kind}_high"], f["agg_type"]
             passed = [[int(lo <= float(values[b][agg][t]) <= hi) for t in range(T)] for b in range(B)]
             metrics[f"actor/train_infer_{agg}_{kind}_mask_mean@sum"] = sum(
-                passed[b][t] for b in range(B) for t in range(T) if M[b][t]) / n_tok
+                passed[b][t] for b in range(B) for t in range(T) if counted(b, t)) / n_tok
             keep = [[keep[b][t] * passed[b][t] for t in range(T)] for b in range(B)]
     if filters:
         kept = sum(keep[b][t] for b in range(B) for t in range(T) if M[b][t])
@@ -133,35 +143,56 @@ def entropy_rows(logits: torch.Tensor, M: list[list[int]]) -> list[torch.Tensor]
     return rows
 
 
-def reference_actor_loss(inputs: dict[str, np.ndarray], p: dict, kind: str) -> tuple[float, dict, np.ndarray]:
-    """Corrected agentic ('agentic') or RLVR ('rlvr') loss of a golden case: (total, metrics, d total / d logits).
+def _count(mask: list[list[int]]) -> tuple[float, float]:
+    """(tokens, rows with a token), each at least 1 (spec §6.2 / ``loss_normalisers``)."""
+    return float(max(sum(map(sum, mask)), 1)), float(max(sum(any(r) for r in mask), 1))
 
-    ``p``: ROLL's params plus ``recompute`` (IS weight precomputed) and ``final_counts`` for RLVR."""
+
+def reference_actor_loss(inputs: dict[str, np.ndarray], p: dict, kind: str, *, roll: bool = False,
+                         ) -> tuple[float, dict, np.ndarray]:
+    """Agentic ('agentic') or RLVR ('rlvr') actor loss of a golden case: (total, metrics, d total / d logits).
+
+    ``p``: ROLL's params plus ``recompute`` (enable_old_logprobs_recompute: the IS weight comes precomputed) and
+    ``cache`` (ROLL's cache path, §6.3 step 2: old = detach(current log-probs), ratio 1). Inputs ``ref_log_probs``
+    and ``infer_logprobs`` default to old; the global counts to counts of the loss mask (after the filter when
+    corrected, before it with ``roll``); ``final_response_mask`` (RLVR) to the response mask."""
     logits = torch.tensor(inputs["logits"], dtype=F64, requires_grad=True)
     M = inputs["response_mask"][:, 1:].astype(int).tolist()
     B, T = len(M), len(M[0])
-    old = torch.tensor(inputs["old_log_probs"], dtype=F64)
-    ref = torch.tensor(inputs["ref_log_probs"], dtype=F64)
-    infer = torch.tensor(inputs["infer_logprobs"], dtype=F64)
-    adv = torch.tensor(inputs["advantages"], dtype=F64)
     lp = log_probs_rows(logits, inputs["input_ids"], M)
-    n_tok, n_seq = float(inputs["batch_num_tokens"]), float(inputs["global_valid_samples"])
+    old = torch.stack([r.detach() for r in lp]) if p.get("cache") else torch.tensor(inputs["old_log_probs"], dtype=F64)
+    ref = torch.tensor(inputs["ref_log_probs"], dtype=F64) if "ref_log_probs" in inputs else old
+    infer = torch.tensor(inputs["infer_logprobs"], dtype=F64) if "infer_logprobs" in inputs else old
+    adv = torch.tensor(inputs["advantages"], dtype=F64)
+    given_tok = float(inputs["batch_num_tokens"]) if "batch_num_tokens" in inputs else None
+    given_seq = float(inputs["global_valid_samples"]) if "global_valid_samples" in inputs else None
     clip_lo, clip_hi = (p.get("pg_clip_low", 0.2), p.get("pg_clip_high", 0.2)) if p.get("use_pg_clip_range") \
         else (p.get("pg_clip", 0.2), p.get("pg_clip", 0.2))
     mode = p.get("loss_agg_mode", "seq-mean-token-mean")
-    isw_enabled = p.get("train_infer_correction", {}).get("is_weight", {}).get("enabled", False) or \
+    isw_enabled = (p.get("train_infer_correction") or {}).get("is_weight", {}).get("enabled", False) or \
         p.get("is_weight.enabled", False) or p.get("train_infer_correction.is_weight.enabled", False)
     metrics = {}
     if p["recompute"]:
         isw = [torch.tensor(inputs["train_infer_is_weight"][b], dtype=F64) for b in range(B)]
         keep = [[1] * T for _ in range(B)]
     else:
-        isw, keep, metrics = correction(p.get("train_infer_correction", {}), M, old, infer, n_seq, n_tok)
+        pre_tok, pre_seq = _count(M)
+        isw, keep, metrics = correction(p.get("train_infer_correction") or {}, M, old, infer,
+                                        pre_seq if given_seq is None else given_seq,
+                                        pre_tok if given_tok is None else given_tok, roll=roll)
     m = [[M[b][t] * keep[b][t] for t in range(T)] for b in range(B)]
-    fm = inputs["final_response_mask"].astype(int).tolist() if kind == "rlvr" else m
-    fm = [[fm[b][t] * keep[b][t] for t in range(T)] for b in range(B)]
-    f_tok = float(sum(map(sum, fm))) if kind == "rlvr" else n_tok
-    f_seq = float(sum(any(r) for r in fm)) if kind == "rlvr" else n_seq
+    given_final = kind == "rlvr" and "final_response_mask" in inputs
+    fm_given = inputs["final_response_mask"].astype(int).tolist() if given_final else M
+    fm = [[fm_given[b][t] * keep[b][t] for t in range(T)] for b in range(B)]
+    n_tok, n_seq = _count(M if roll else m)
+    n_tok, n_seq = (n_tok if given_tok is None else given_tok), (n_seq if given_seq is None else given_seq)
+    if kind == "rlvr":
+        f_tok, f_seq = _count(fm_given if roll else fm)
+    else:
+        f_tok, f_seq = n_tok, n_seq
+
+    def masked(x: torch.Tensor, mask_row: list[int]) -> torch.Tensor:
+        return x * torch.tensor(mask_row, dtype=F64)
 
     ratio = []
     for b in range(B):
@@ -186,7 +217,7 @@ def reference_actor_loss(inputs: dict[str, np.ndarray], p: dict, kind: str) -> t
     weights = None
     if kind == "rlvr":
         w = np.ones(B)
-        if p.get("difficulty_loss_weight"):
+        if p.get("difficulty_loss_weight") and not roll:            # ROLL never applies it [BUG-8]
             w = w * (0.5 + 1.5 * np.clip(np.asarray(inputs["difficulty"], dtype=float), 0, 1))
         if p.get("length_loss_weight"):
             L = np.array([sum(r) for r in m], dtype=float)
@@ -196,24 +227,28 @@ def reference_actor_loss(inputs: dict[str, np.ndarray], p: dict, kind: str) -> t
                         "actor/sample_weights_min@min": float(np.min(weights)),
                         "actor/sample_weights_max@max": float(np.max(weights))})
 
-    pg = aggregate(loss_rows, fm, mode, f_tok, f_seq)
-    weighted_pg = aggregate(loss_rows, fm, mode, f_tok, f_seq, weights)
+    pg = aggregate(loss_rows, fm, mode, f_tok, f_seq, roll=roll)
+    weighted_pg = aggregate(loss_rows, fm, mode, f_tok, f_seq, weights, roll=roll)
     kl_rows = []
     for b in range(B):
         k = ref[b] - lp[b]
-        kl_rows.append((torch.exp(k) - k - 1).clamp(-10, 10))
-    kl = aggregate(kl_rows, fm, mode, f_tok, f_seq)
+        kl_rows.append(masked((torch.exp(k) - k - 1).clamp(-10, 10), fm[b]))
+    kl = aggregate(kl_rows, fm, mode, f_tok, f_seq, roll=roll)
     total = weighted_pg + p.get("kl_loss_coef", 0.0) * kl if p.get("use_kl_loss") else weighted_pg
     total = total * p.get("rl_loss_coef", 1.0)
     if p.get("entropy_loss_coef", 0.0) > 0:
-        total = total - p["entropy_loss_coef"] * aggregate(entropy_rows(logits, M), m, mode, n_tok, n_seq)
+        entropy_mask = M if roll and kind == "rlvr" else m            # RLVR: ROLL's unfiltered response mask
+        total = total - p["entropy_loss_coef"] * aggregate(entropy_rows(logits, M), entropy_mask, mode, n_tok, n_seq,
+                                                           roll=roll)
     total.backward()
 
     ratio = [r.detach() for r in ratio]
+    counted = (lambda b, t: True) if roll else (lambda b, t: bool(fm[b][t]))  # noqa: E731
 
     def rate(pred) -> float:
-        return sum(float(pred(b, t)) for b in range(B) for t in range(T) if fm[b][t]) / f_tok
+        return sum(float(pred(b, t)) for b in range(B) for t in range(T) if counted(b, t)) / f_tok
 
+    lpd = [r.detach() for r in lp]
     metrics.update({
         "actor/pg_loss@sum": float(pg.detach()), "actor/kl_loss@sum": float(kl.detach()),
         "actor/total_loss@sum": float(total.detach()),
@@ -224,10 +259,11 @@ def reference_actor_loss(inputs: dict[str, np.ndarray], p: dict, kind: str) -> t
         "actor/ratio_min@min": min(float(ratio[b][t]) if m[b][t] else 1e10 for b in range(B) for t in range(T)),
         "actor/ratio_mean@sum": float(aggregate(ratio, m, "seq-mean-token-mean", n_tok, n_seq)),
         "actor/clipfrac@sum": float(aggregate([(s2_rows[b] < s1_rows[b]).to(F64) for b in range(B)], m, mode,
-                                              f_tok, n_seq)),
-        "actor/approxkl@sum": float(aggregate([0.5 * (lp[b].detach() - old[b]) ** 2 for b in range(B)], m, mode,
-                                              n_tok, n_seq)),
-        "actor/policykl@sum": float(aggregate([lp[b].detach() - old[b] for b in range(B)], m, mode, n_tok, n_seq)),
+                                              f_tok, n_seq, roll=roll)),
+        "actor/approxkl@sum": float(aggregate([masked(0.5 * (lpd[b] - old[b]) ** 2, m[b]) for b in range(B)], m,
+                                              mode, n_tok, n_seq, roll=roll)),
+        "actor/policykl@sum": float(aggregate([masked(lpd[b] - old[b], m[b]) for b in range(B)], m, mode, n_tok,
+                                              n_seq, roll=roll)),
     })
     if kind == "rlvr":
         valid = sum(any(r) for r in fm)
