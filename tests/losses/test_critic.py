@@ -5,17 +5,18 @@ import torch
 
 from schemas.errors import ConfigError, InvariantError
 from stages.losses import critic_loss
-from tests.golden import assert_close, case_names, load
+from tests.golden import assert_close, family, load
 from tests.losses.golden_adapter import golden_metrics
 
 
-@pytest.mark.parametrize("name", case_names("critic_loss__"))
+@pytest.mark.parametrize("name", family("roll.pipeline.base_worker.CriticWorker.loss_func"))
 def test_critic_loss_golden(name):
     c = load(name)
+    p = c.check_params(("value_clip",))
     output = torch.tensor(c.inputs["output_tensor"], requires_grad=True)
     values = output[:, :-1, 0]
     loss, metrics = critic_loss(values, torch.tensor(c.inputs["values"]), torch.tensor(c.inputs["returns"]),
-                                torch.tensor(c.inputs["response_mask"])[:, 1:], c.params["value_clip"])
+                                torch.tensor(c.inputs["response_mask"])[:, 1:], p.get("value_clip"))
     loss.backward()
     assert_close(loss.detach(), c.outputs["vf_loss"], atol=1e-4)
     assert_close(output.grad, c.outputs["grad_output"], atol=1e-4)
