@@ -1,23 +1,57 @@
-"""§6.1 agg_loss: golden conformance, BUG-7 fixed with compat, Q-14 constant, weights, bad mode."""
+"""§6.1 agg_loss: golden conformance (ROLL with compat, the corrected reference by default: BUG-7 wherever a case puts
+non-zero losses off the mask in token-mean), Q-14 constant, weights, bad mode."""
 
+import numpy as np
 import pytest
 import torch
 
 from schemas.errors import ConfigError
 from stages.losses import LOSS_AGG_MODES, agg_loss
-from tests.golden import assert_close, case_names, load
+from tests.golden import assert_close, family, load
+from tests.losses.reference import F64, aggregate
+
+AGG_LOSS = family("roll.utils.functionals.agg_loss")
+# params "variant" names what the inputs hold; each is checked against the inputs below
+VARIANTS = ("defaults", "weights", "unmasked_lossmat", "global_counts")
 
 
-@pytest.mark.parametrize("name", case_names("agg_loss__"))
+def agg_case(c):
+    """(loss_mat, loss_mask, mode, batch_num_tokens, global_valid_samples, weights) of a golden agg_loss case."""
+    p = c.check_params(("loss_agg_mode", "variant", "batch_num_tokens", "global_valid_samples"))
+    loss_mat, mask, w = c.inputs["loss_mat"], c.inputs["loss_mask"], c.inputs.get("weights")
+    variant = p.get("variant", "defaults")
+    assert variant in VARIANTS, f"{c.name}: unknown variant {variant!r}; known {VARIANTS}"
+    assert (w is not None) == (variant == "weights"), f"{c.name}: variant {variant!r} vs weights input"
+    if variant == "unmasked_lossmat":
+        assert np.any(loss_mat * (1 - mask) != 0), f"{c.name}: variant unmasked_lossmat but the loss is masked"
+    if variant == "global_counts":
+        assert p.get("batch_num_tokens") is not None or p.get("global_valid_samples") is not None
+    return loss_mat, mask, p["loss_agg_mode"], p.get("batch_num_tokens"), p.get("global_valid_samples"), w
+
+
+def reference_agg(loss_mat, mask, mode, n_tok, n_seq, w, roll: bool) -> float:
+    """§6.1 from tests/losses/reference.py: ``roll`` = ROLL's unmasked token-mean numerator [BUG-7]; the defaults
+    N_tok = Σ mask, N_seq = B."""
+    rows = [torch.tensor(r, dtype=F64) for r in np.asarray(loss_mat, dtype=np.float64)]
+    masks = np.asarray(mask).astype(int).tolist()
+    n_tok = float(np.sum(mask)) if n_tok is None else float(n_tok)
+    n_seq = float(len(masks)) if n_seq is None else float(n_seq)
+    return float(aggregate(rows, masks, mode, n_tok, n_seq, None if w is None else list(map(float, w)), roll=roll))
+
+
+@pytest.mark.parametrize("name", AGG_LOSS)
 @pytest.mark.parametrize("roll_compat", [True, False])
 def test_agg_loss_golden(name, roll_compat):
-    """No golden agg_loss case puts non-zero losses off the mask in token-mean, so both modes agree with ROLL."""
+    """compat = ROLL; default = the corrected reference (which equals ROLL unless token-mean meets losses off the mask);
+    the reference's ROLL mode reproduces the golden value too."""
     c = load(name)
-    w = c.inputs.get("weights")
-    out = agg_loss(torch.tensor(c.inputs["loss_mat"]), torch.tensor(c.inputs["loss_mask"]),
-                   c.params["loss_agg_mode"], c.params["batch_num_tokens"], c.params["global_valid_samples"],
+    loss_mat, mask, mode, n_tok, n_seq, w = agg_case(c)
+    out = agg_loss(torch.tensor(loss_mat), torch.tensor(mask), mode, n_tok, n_seq,
                    None if w is None else torch.tensor(w), roll_compat=roll_compat)
-    assert_close(out, c.outputs["loss"], atol=1e-4)
+    assert_close(reference_agg(loss_mat, mask, mode, n_tok, n_seq, w, roll=True), c.outputs["loss"], atol=1e-4,
+                 what="reference (ROLL mode)")
+    expected = c.outputs["loss"] if roll_compat else reference_agg(loss_mat, mask, mode, n_tok, n_seq, w, roll=False)
+    assert_close(out, expected, atol=1e-4)
 
 
 LOSS = torch.tensor([[1.0, 2.0, 9.0], [4.0, 8.0, 16.0], [5.0, 5.0, 5.0]])
