@@ -8,6 +8,7 @@ Golden inputs are ROLL's padded ``(B, S)`` / ``(B, S-1)`` arrays. Functions that
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 
@@ -27,9 +28,29 @@ from stages.algos.returns import (agentic_reinforce_returns, gae, reinforce_retu
                                   segment_masked_mean)
 from stages.algos.token_rewards import (apply_kl_penalty, compute_token_reward, current_kl_from_partials,
                                         expand_to_token_level, kl_partials)
-from tests.golden import assert_close, case_names, load
+from tests.algos.reference import (loop_agentic_reinforce, loop_gae_fixed, loop_gae_roll, loop_reward_to_go,
+                                   loop_segment_mean, ref_approx_kl, reference_compute_advantage)
+from tests.golden import assert_close, family, load, magnitude, mean_scale, sum_scale
 
 WHITENED_ATOL = 1e-4
+F = "roll.utils.functionals."
+MASKED_OPS = family(F + "{masked_mean,masked_sum,masked_var,masked_whiten,masked_normalize,"
+                    "response_level_masked_whiten}")
+CLIP_FRACTION = family(F + "compute_clip_fraction")
+APPROX_KL = family(F + "compute_approx_kl")
+KL_CONTROLLERS = family("roll.utils.kl_controller.{AdaptiveKLController,FixedKLController,get_kl_controller}")
+TOKEN_REWARD = family(F + "compute_token_reward")
+APPLY_KL_PENALTY = family(F + "apply_kl_penalty")
+REINFORCE_RETURN = family(F + "compute_reinforce_return")
+GAE = family(F + "compute_gae_advantage_return")
+AGENTIC_REINFORCE_RETURN = family("roll.pipeline.agentic.utils.compute_agentic_reinforce_return")
+SEGMENT_MEAN = family("roll.pipeline.agentic.utils.compute_segment_masked_mean")
+ADVANTAGE_CASES = family(F + "compute_advantage", "roll.pipeline.agentic.utils.agentic_compute_advantage")
+
+
+def row_sum_scale(*arrays) -> np.ndarray:
+    """(B, 1): per row, Σ_t of |x| over the given (B, T) arrays — the largest partial sum of a recursion over it."""
+    return sum(np.abs(np.asarray(a, dtype=np.float64)).sum(axis=-1, keepdims=True) for a in arrays)
 
 
 # ---- conversions -----------------------------------------------------------------------------------------------------
@@ -60,65 +81,13 @@ def controller_from_param(text: str):
     if fixed:
         return get_kl_controller(float(fixed.group(1)))
     kv = dict(re.findall(r"(\w+)=([-\d.e]+)", text))
+    if not text.startswith("AdaptiveKLController(") or set(kv) != {"init", "target", "horizon"}:
+        pytest.fail(f"kl_ctrl param {text!r}: expected FixedKLController(c) or "
+                    f"AdaptiveKLController(init=..,target=..,horizon=..)", pytrace=False)
     return get_kl_controller(float(kv["init"]), float(kv["target"]), float(kv["horizon"]))
 
 
-# ---- independent per-row loop references ---------------------------------------------------------------------------
-def loop_reward_to_go(r: np.ndarray, gamma: float) -> np.ndarray:
-    out, g = np.zeros(len(r)), 0.0
-    for t in reversed(range(len(r))):
-        g = r[t] + gamma * g
-        out[t] = g
-    return out
-
-
-def loop_gae_roll(r: np.ndarray, v: np.ndarray, gamma: float, lambd: float) -> tuple[np.ndarray, np.ndarray]:
-    adv, a, next_v = np.zeros(len(r)), 0.0, 0.0
-    for t in reversed(range(len(r))):
-        a = r[t] + gamma * next_v - v[t] + gamma * lambd * a
-        adv[t], next_v = a, v[t]
-    return adv, adv + np.asarray(v, dtype=np.float64)
-
-
-def loop_gae_fixed(r: np.ndarray, v: np.ndarray, m: np.ndarray, gamma: float,
-                   lambd: float) -> tuple[np.ndarray, np.ndarray]:
-    """GAE over the response positions of one row only (BUG-4 fixed)."""
-    adv, ret = np.zeros(len(r)), np.zeros(len(r))
-    a, next_v = 0.0, 0.0
-    for t in reversed([t for t in range(len(r)) if m[t] > 0]):
-        a = r[t] + gamma * next_v - v[t] + gamma * lambd * a
-        adv[t], ret[t], next_v = a, a + v[t], v[t]
-    return adv, ret
-
-
-def loop_segments(m: np.ndarray) -> list[tuple[int, int]]:
-    segs, t = [], 0
-    while t < len(m):
-        if m[t] > 0:
-            s = t
-            while t < len(m) and m[t] > 0:
-                t += 1
-            segs.append((s, t))
-        else:
-            t += 1
-    return segs
-
-
-def loop_agentic_reinforce(r: np.ndarray, m: np.ndarray, gamma: float) -> np.ndarray:
-    out, g = np.zeros(len(r)), 0.0
-    for s, e in reversed(loop_segments(m)):
-        g = r[e - 1] + gamma * g
-        out[s:e] = g
-    return out
-
-
-def loop_segment_mean(x: np.ndarray, m: np.ndarray) -> np.ndarray:
-    out = np.zeros(len(x))
-    for s, e in loop_segments(m):
-        out[s:e] = np.sum(x[s:e], dtype=np.float64) / (e - s + 1e-8)
-    return out
-
-
+# ---- independent per-row loop references: tests/algos/reference.py ---------------------------------------------------
 def per_row(fn, *rows_and_args):
     """Apply a per-row loop reference to every row of ``Ragged`` inputs; flat float64 result."""
     raggeds = [a for a in rows_and_args if isinstance(a, Ragged)]
@@ -138,18 +107,21 @@ def random_rows(rng: np.random.Generator, n_rows: int = 9, max_len: int = 23) ->
 
 
 # ---- §1 primitives -------------------------------------------------------------------------------------------------
-def test_masked_ops_golden():
-    case = load("masked_ops")
+@pytest.mark.parametrize("name", MASKED_OPS)
+def test_masked_ops_golden(name):
+    case = load(name)
+    case.check_params(())
     x, m = case.inputs["values"], case.inputs["mask"]
     out = case.outputs
     rows = full_rows(x)
     flat_m = full_rows(m).values
-    assert_close(masked_mean(x, m), out["masked_mean_all"])
-    assert_close(row_masked_mean(rows, flat_m), out["masked_mean_dim_-1"])
-    assert_close(masked_sum(x, m), out["masked_sum_all"])
-    assert_close(row_masked_sum(rows, flat_m), out["masked_sum_dim_-1"])
-    assert_close(masked_var(x, m, unbiased=True), out["masked_var_unbiased"])
-    assert_close(masked_var(x, m, unbiased=False), out["masked_var_biased"])
+    assert_close(masked_mean(x, m), out["masked_mean_all"], scale=mean_scale(x, m))
+    assert_close(row_masked_mean(rows, flat_m), out["masked_mean_dim_-1"], scale=mean_scale(x, m, -1))
+    assert_close(masked_sum(x, m), out["masked_sum_all"], scale=sum_scale(x, m))
+    assert_close(row_masked_sum(rows, flat_m), out["masked_sum_dim_-1"], scale=sum_scale(x, m, -1))
+    squares = mean_scale(np.asarray(x, dtype=np.float64) ** 2, m)          # Σ(x − μ)² ≤ Σx² (+ rounding of μ)
+    assert_close(masked_var(x, m, unbiased=True), out["masked_var_unbiased"], scale=squares)
+    assert_close(masked_var(x, m, unbiased=False), out["masked_var_biased"], scale=squares)
     assert_close(masked_whiten(x, m), out["masked_whiten_shift"], atol=WHITENED_ATOL)
     assert_close(masked_whiten(x, m, shift_mean=False), out["masked_whiten_noshift"], atol=WHITENED_ATOL)
     assert_close(padded(rows.with_values(masked_normalize(rows, flat_m)), x.shape[1]), out["masked_normalize_dim1"],
@@ -194,9 +166,11 @@ def test_whitening_across_chunks_equals_whole_batch():
     np.testing.assert_allclose([mean, var], [sel.mean(), sel.var(ddof=1)], rtol=1e-9)
 
 
-def test_clip_fraction_golden():
-    case = load("compute_clip_fraction")
-    frac = clip_fraction(case.inputs["values"], low=case.params["clip_min"], high=case.params["clip_max"])
+@pytest.mark.parametrize("name", CLIP_FRACTION)
+def test_clip_fraction_golden(name):
+    case = load(name)
+    p = case.check_params(("clip_max", "clip_min"))
+    frac = clip_fraction(case.inputs["values"], low=p["clip_min"], high=p["clip_max"])
     assert_close(frac, case.outputs["clipfrac"])
 
 
@@ -210,13 +184,16 @@ def test_clip_fraction_all_vs_masked():
 
 
 # ---- §2.1, §2.2 KL --------------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("name", case_names("approx_kl__"))
+@pytest.mark.parametrize("name", APPROX_KL)
 def test_approx_kl_golden(name):
+    from tests.losses.test_primitives import approx_kl_case
+
     case = load(name)
-    mask = case.inputs.get("action_mask")
-    kl = approx_kl(case.inputs["log_probs"], case.inputs["log_probs_base"], case.params["kl_penalty"], mask)
+    lp, lb, mask, kl_penalty, scale = approx_kl_case(case)
+    kl = approx_kl(lp, lb, kl_penalty, mask)
     assert kl.dtype == np.float32
-    assert_close(kl, case.outputs["kl"])
+    assert_close(kl, case.outputs["kl"], scale=scale)
+    assert_close(kl, ref_approx_kl(lp, lb, kl_penalty, mask), scale=scale, what="vs reference")
 
 
 def test_approx_kl_hand_values_and_full():
@@ -238,9 +215,12 @@ def test_approx_kl_hand_values_and_full():
         approx_kl(lp, lb, "forward")
 
 
-def test_kl_controllers_golden():
-    case = load("kl_controllers__sequence")
-    ad, fx = case.params["adaptive"], case.params["fixed"]
+@pytest.mark.parametrize("name", KL_CONTROLLERS)
+def test_kl_controllers_golden(name):
+    case = load(name)
+    p = case.check_params(("adaptive", "fixed"))
+    ad, fx = p["adaptive"], p["fixed"]
+    assert set(ad) <= {"init_kl_coef", "target", "horizon"} and set(fx) <= {"kl_coef"}, (ad, fx)
     adaptive = get_kl_controller(ad["init_kl_coef"], ad["target"], ad["horizon"])
     fixed = get_kl_controller(fx["kl_coef"])
     assert [type(adaptive).__name__, type(fixed).__name__] == list(case.outputs["controller_types"])
@@ -292,18 +272,27 @@ def _token_reward_inputs(case):
     return case.inputs["response_level_rewards"], mask, old, ref
 
 
-@pytest.mark.parametrize("name", case_names("compute_token_reward__"))
+def _token_reward_scale(case, kl_coef: float, kl_penalty: str) -> tuple[float, float]:
+    """(scale of r − β·kl, scale of the kl) for the float32 tolerance."""
+    i = case.inputs
+    kl = magnitude(ref_approx_kl(i["old_log_probs"], i.get("ref_log_probs", i["old_log_probs"]), kl_penalty),
+                   i["old_log_probs"], i.get("ref_log_probs", 0.0))
+    return magnitude(i["response_level_rewards"]) + kl_coef * kl, kl
+
+
+@pytest.mark.parametrize("name", TOKEN_REWARD)
 def test_compute_token_reward_golden(name):
     case = load(name)
-    p = case.params
+    p = case.check_params(("kl_penalty", "add_token_level_kl", "reward_clip", "kl_ctrl"))
     rewards, mask, old, ref = _token_reward_inputs(case)
     ctrl = controller_from_param(p["kl_ctrl"])
+    scale, kl_scale = _token_reward_scale(case, ctrl.value, p["kl_penalty"])
     res = compute_token_reward(rewards, mask, old, ref, kl_coef=ctrl.value, kl_penalty=p["kl_penalty"],
                                add_token_level_kl=p["add_token_level_kl"], reward_clip=p["reward_clip"])
     ctrl.update(res.current_kl, n_steps=res.kl_partials[1])
     width = case.outputs["token_level_rewards"].shape[1]
-    assert_close(padded(res.token_level_rewards, width), case.outputs["token_level_rewards"])
-    assert_close(res.metrics["critic/kl"], case.metric("critic/kl"))
+    assert_close(padded(res.token_level_rewards, width), case.outputs["token_level_rewards"], scale=scale)
+    assert_close(res.metrics["critic/kl"], case.metric("critic/kl"), scale=kl_scale)
     assert_close(res.metrics["critic/kl_coef"], case.metric("critic/kl_coef"))
     assert_close(ctrl.value, case.outputs["kl_ctrl_value_after"])
     if p["reward_clip"]:
@@ -314,16 +303,18 @@ def test_compute_token_reward_golden(name):
         assert "critic/token_reward_clip_frac" not in res.metrics
 
 
-@pytest.mark.parametrize("name", case_names("apply_kl_penalty__"))
+@pytest.mark.parametrize("name", APPLY_KL_PENALTY)
 def test_apply_kl_penalty_golden(name):
     case = load(name)
+    p = case.check_params(("kl_penalty", "kl_ctrl"))
     rewards, mask, old, ref = _token_reward_inputs(case)
-    ctrl = controller_from_param(case.params["kl_ctrl"])
-    res = apply_kl_penalty(rewards, mask, old, ref, kl_coef=ctrl.value, kl_penalty=case.params["kl_penalty"])
+    ctrl = controller_from_param(p["kl_ctrl"])
+    scale, kl_scale = _token_reward_scale(case, ctrl.value, p["kl_penalty"])
+    res = apply_kl_penalty(rewards, mask, old, ref, kl_coef=ctrl.value, kl_penalty=p["kl_penalty"])
     ctrl.update(res.current_kl, n_steps=old.num_rows)
     width = case.outputs["token_level_rewards"].shape[1]
-    assert_close(padded(res.token_level_rewards, width), case.outputs["token_level_rewards"])
-    assert_close(res.metrics["critic/kl"], case.metric("critic/kl"))
+    assert_close(padded(res.token_level_rewards, width), case.outputs["token_level_rewards"], scale=scale)
+    assert_close(res.metrics["critic/kl"], case.metric("critic/kl"), scale=kl_scale)
     assert_close(res.metrics["critic/kl_coef"], case.metric("critic/kl_coef"))
     assert_close(ctrl.value, case.outputs["kl_ctrl_value_after"])
 
@@ -362,36 +353,62 @@ def test_token_reward_hand_case_with_kl_and_clip():
 
 
 # ---- §4.1, §4.2, §4.5, §4.6 recursions ------------------------------------------------------------------------------
-@pytest.mark.parametrize("name", case_names("reinforce_return__"))
+@pytest.mark.parametrize("name", REINFORCE_RETURN)
 def test_reinforce_return_golden(name):
     case = load(name)
+    p = case.check_params(("gamma", "lambd"))   # lambd: ROLL's reinforce ignores it (§4.1); so does ours
     r = case.inputs["token_level_rewards"]
-    g = reinforce_returns(full_rows(r), case.params["gamma"])
-    assert_close(padded(g, r.shape[1]), case.outputs["advantages"])
-    assert_close(padded(g, r.shape[1]), case.outputs["returns"])
+    g = reinforce_returns(full_rows(r), p["gamma"])
+    scale = row_sum_scale(r)
+    assert_close(padded(g, r.shape[1]), case.outputs["advantages"], scale=scale)
+    assert_close(padded(g, r.shape[1]), case.outputs["returns"], scale=scale)
 
 
-@pytest.mark.parametrize("name", case_names("gae__"))
+def _gae_mask(case) -> np.ndarray | None:
+    """A gae case's response mask, when it carries one ((B,T) ``mask``, or ``response_mask`` (B,T) / (B,T+1))."""
+    i, width = case.inputs, case.inputs["token_level_rewards"].shape[1]
+    for key in ("mask", "response_mask"):
+        if key in i:
+            return i[key] if i[key].shape[1] == width else i[key][:, 1:]
+    return None
+
+
+@pytest.mark.parametrize("name", GAE)
 def test_gae_golden_roll_compat(name):
+    """ROLL's compute_gae_advantage_return (§4.2) has no mask; ``roll_compat`` reproduces it. The corrected GAE
+    (BUG-4) needs the response mask: where a case carries one, it is checked against the per-row loop reference."""
     case = load(name)
+    p = case.check_params(("gamma", "lambd"))
     r, v = case.inputs["token_level_rewards"], case.inputs["values"]
-    adv, ret = gae(full_rows(r), full_rows(v), None, case.params["gamma"], case.params["lambd"], roll_compat=True)
-    assert_close(padded(adv, r.shape[1]), case.outputs["advantages"])
-    assert_close(padded(ret, r.shape[1]), case.outputs["returns"])
+    adv, ret = gae(full_rows(r), full_rows(v), None, p["gamma"], p["lambd"], roll_compat=True)
+    scale = row_sum_scale(r, v, v)
+    assert_close(padded(adv, r.shape[1]), case.outputs["advantages"], scale=scale)
+    assert_close(padded(ret, r.shape[1]), case.outputs["returns"], scale=scale)
+    m = _gae_mask(case)
+    if m is not None:
+        fixed_adv, fixed_ret = gae(full_rows(r), full_rows(v), full_rows(m).values, p["gamma"], p["lambd"])
+        for b in range(r.shape[0]):
+            ref_adv, ref_ret = loop_gae_fixed(r[b], v[b], m[b], p["gamma"], p["lambd"])
+            assert_close(padded(fixed_adv, r.shape[1])[b], ref_adv, scale=scale[b], what=f"fixed row {b}")
+            assert_close(padded(fixed_ret, r.shape[1])[b], ref_ret, scale=scale[b], what=f"fixed row {b}")
 
 
-def test_agentic_reinforce_return_golden():
-    case = load("compute_agentic_reinforce_return__gamma0.0")
+@pytest.mark.parametrize("name", AGENTIC_REINFORCE_RETURN)
+def test_agentic_reinforce_return_golden(name):
+    case = load(name)
+    p = case.check_params(("gamma", "lambd"))   # lambd: ignored by §4.5
     r, m = case.inputs["token_level_rewards"], case.inputs["mask"]
-    g = agentic_reinforce_returns(full_rows(r), full_rows(m).values, case.params["gamma"])
-    assert_close(padded(g, r.shape[1]), case.outputs["advantages"])
+    g = agentic_reinforce_returns(full_rows(r), full_rows(m).values, p["gamma"])
+    assert_close(padded(g, r.shape[1]), case.outputs["advantages"], scale=row_sum_scale(r))
 
 
-def test_segment_masked_mean_golden():
-    case = load("compute_segment_masked_mean")
+@pytest.mark.parametrize("name", SEGMENT_MEAN)
+def test_segment_masked_mean_golden(name):
+    case = load(name)
+    case.check_params(())
     x, m = case.inputs["tensor"], case.inputs["mask"]
     out = segment_masked_mean(full_rows(x), full_rows(m).values)
-    assert_close(padded(out, x.shape[1]), case.outputs["result"])
+    assert_close(padded(out, x.shape[1]), case.outputs["result"], scale=magnitude(x))
 
 
 def test_gae_fixed_hand_computed_two_turns():
@@ -488,79 +505,174 @@ def test_gae_single_turn_right_padded_rows_agree_with_roll_when_values_masked():
 
 
 # ---- §4.3, §4.4 compute_advantage ----------------------------------------------------------------------------------
-ADVANTAGE_CASES = case_names("compute_advantage__") + case_names("agentic_compute_advantage__")
+ADVANTAGE_PARAMS = ("adv_estimator", "gamma", "lambd", "whiten_rewards", "whiten_advantages", "advantage_clip",
+                    "response_mask", "pipeline_config")
+PIPELINE_CONFIG_KEYS = ("is_pure_opd", "use_opd", "reference_configs", "enable_old_logprobs_recompute", "kl_penalty")
+TEACHER_KEYS = ("opd_kl_coef",)
 
 
-def _advantage_inputs(case):
-    r = case.inputs["token_level_rewards"]
-    full_mask = case.inputs["response_mask"]
-    # edge cases pass response_mask already in the (B, S-1) layout; the others give (B, S) → response_mask[:, 1:]
-    m = full_mask if full_mask.shape == r.shape else full_mask[:, 1:]
-    values = full_rows(case.inputs["values"]) if "values" in case.inputs else None
-    return full_rows(r), full_rows(m).values, values, m
+def advantage_case(case) -> dict:
+    """Every params entry of a compute_advantage / agentic_compute_advantage case, dispatched (spec §4.3):
+
+    * ``response_mask``: absent or ``"default_mask"`` → M = ``response_mask[:, 1:]`` (an input already (B, T), as in
+      ROLL's own edge tests, is M); ``"final_response_mask"`` → the case's ``final_response_mask`` input (the RLVR
+      pipeline's call); anything else is refused;
+    * ``pipeline_config``: OPD switches; the student log-probs are ``old_log_probs`` when
+      ``enable_old_logprobs_recompute`` else ``infer_logprobs``; one teacher per ``reference_configs`` entry
+      (``ref_log_probs_<name>`` input, optional ``ref_log_probs_<name>_mask`` row routing, ``opd_kl_coef``);
+    * the estimator, γ, λ, whitening switches and clip → the options of the same name."""
+    p = case.check_params(ADVANTAGE_PARAMS)
+    i = case.inputs
+    r = i["token_level_rewards"]
+    which = p.get("response_mask") or "default_mask"
+    if which == "default_mask":
+        m = i["response_mask"] if i["response_mask"].shape == r.shape else i["response_mask"][:, 1:]
+    elif which == "final_response_mask":
+        assert "final_response_mask" in i, f"{case.name}: response_mask=final_response_mask but no such input"
+        m = i["final_response_mask"]
+    else:
+        pytest.fail(f"{case.name}: response_mask param {which!r} is not default_mask / final_response_mask",
+                    pytrace=False)
+    assert m.shape == r.shape, f"{case.name}: advantage mask {m.shape} vs rewards {r.shape}"
+    opd = dict(p.get("pipeline_config") or {})
+    unknown = sorted(set(opd) - set(PIPELINE_CONFIG_KEYS))
+    assert not unknown, f"{case.name}: pipeline_config keys {unknown} not honoured"
+    out = dict(rewards=r, mask=m.astype(np.int64), values=i.get("values"), estimator=p["adv_estimator"],
+               gamma=p["gamma"], lambd=p["lambd"], whiten_rewards=bool(p.get("whiten_rewards", False)),
+               whiten_advantages=bool(p.get("whiten_advantages", False)), advantage_clip=p.get("advantage_clip"),
+               use_opd=bool(opd.get("use_opd", False)), is_pure_opd=bool(opd.get("is_pure_opd", False)))
+    if p["adv_estimator"] == "gae":
+        assert out["values"] is not None, f"{case.name}: gae needs the values input"
+    if out["use_opd"] or out["is_pure_opd"]:
+        student = i["old_log_probs" if opd.get("enable_old_logprobs_recompute") else "infer_logprobs"]
+        teachers, coefs, routes = {}, {}, {}
+        for name, teacher_cfg in (opd.get("reference_configs") or {"default": None}).items():
+            teacher_cfg = dict(teacher_cfg or {})
+            assert set(teacher_cfg) <= set(TEACHER_KEYS), f"{case.name}: teacher {name} keys {sorted(teacher_cfg)}"
+            teachers[name] = i[f"ref_log_probs_{name}"]
+            coefs[name] = float(teacher_cfg.get("opd_kl_coef", 1.0))
+            if f"ref_log_probs_{name}_mask" in i:
+                routes[name] = np.asarray(i[f"ref_log_probs_{name}_mask"], dtype=bool)
+        out.update(student=student, teachers=teachers, coefs=coefs, routes=routes,
+                   kl_penalty=opd.get("kl_penalty", "kl"))
+    return out
 
 
-def _reference_advantages(case, m: np.ndarray):
-    """Corrected GAE pipeline, written independently per row, from ROLL's whitened+masked rewards."""
-    p = case.params
-    r = case.outputs["token_level_rewards"].astype(np.float64)
-    v = case.inputs["values"].astype(np.float64)
-    raw = np.zeros_like(r)
-    ret = np.zeros_like(r)
-    for b in range(r.shape[0]):
-        raw[b], ret[b] = loop_gae_fixed(r[b], v[b], m[b], p["gamma"], p["lambd"])
-    a = raw.copy()
-    if p["whiten_advantages"] and m.sum() > 1:
-        sel = a[m > 0]
-        a = (a - sel.mean()) / np.sqrt(sel.var(ddof=1) + 1e-8)
-    a = a * m
-    frac = None
-    if p.get("advantage_clip") is not None:
-        c = p["advantage_clip"]
-        frac = float(np.mean((a > c) | (a < -c)))
-        a = np.clip(a, -c, c)
-    return a, ret, raw, frac
+def run_compute_advantage(a: dict, roll_compat: bool):
+    """Our compute_advantage on the case's rows at full width (ROLL's recursions ran over every column)."""
+    mask = full_rows(a["mask"]).values
+    opd_kl = None
+    if a["use_opd"] or a["is_pure_opd"]:
+        opd_kl = opd_kl_penalty(full_rows(a["student"]), {n: full_rows(t) for n, t in a["teachers"].items()}, mask,
+                                kl_penalty=a["kl_penalty"], coefs=a["coefs"], row_masks=a["routes"] or None)
+    values = None if a["values"] is None else full_rows(a["values"])
+    return compute_advantage(full_rows(a["rewards"]), mask, a["estimator"], gamma=a["gamma"], lambd=a["lambd"],
+                             values=values, whiten_rewards=a["whiten_rewards"],
+                             whiten_advantages=a["whiten_advantages"], advantage_clip=a["advantage_clip"],
+                             opd_kl=opd_kl, use_opd=a["use_opd"], is_pure_opd=a["is_pure_opd"],
+                             roll_compat_gae=roll_compat)
+
+
+def reference_advantage(a: dict, roll: bool) -> dict:
+    """tests/algos/reference.py's §4.3 for the case (``roll``: ROLL's GAE, BUG-4)."""
+    opd_kl = None
+    if a["use_opd"] or a["is_pure_opd"]:
+        opd_kl = sum(a["coefs"][n] * ref_approx_kl(a["student"], t, a["kl_penalty"], a["mask"])
+                     * (a["routes"][n][:, None] if n in a["routes"] and not a["routes"][n].all() else 1.0)
+                     for n, t in a["teachers"].items())
+    p = dict(adv_estimator=a["estimator"], gamma=a["gamma"], lambd=a["lambd"], whiten_rewards=a["whiten_rewards"],
+             whiten_advantages=a["whiten_advantages"], advantage_clip=a["advantage_clip"], use_opd=a["use_opd"],
+             is_pure_opd=a["is_pure_opd"])
+    return reference_compute_advantage(a["rewards"], a["mask"], p, values=a["values"], opd_kl=opd_kl, roll=roll)
+
+
+def _advantage_tolerance(a: dict, ref: dict) -> dict:
+    """Floor: 1e-4 for whitened values (golden README), else 1e-6; scale: per row, Σ|r| (+ 2Σ|V| for GAE) of the
+    rewards the recursion ran over, and |OPD KL|."""
+    whitened = a["whiten_rewards"] or a["whiten_advantages"]
+    scale = row_sum_scale(ref["token_level_rewards"], *(() if a["values"] is None else (a["values"], a["values"])))
+    if a["use_opd"] or a["is_pure_opd"]:
+        scale = scale + magnitude(ref["raw_advantages"] if a["is_pure_opd"] else ref["advantages"])
+    return dict(atol=WHITENED_ATOL if whitened else 1e-6, scale=scale)
+
+
+def _compare_advantage(res, expected: dict, a: dict, tol: dict, what: str) -> None:
+    width = a["rewards"].shape[1]
+    assert_close(padded(res.advantages, width), expected["advantages"], **tol, what=f"{what} advantages")
+    for key in ("returns", "raw_advantages", "token_level_rewards", "values"):
+        if expected.get(key) is not None:
+            got = getattr(res, key)
+            assert got is not None, f"{what}: {key} missing"
+            assert_close(padded(got, width), expected[key], **tol, what=f"{what} {key}")
 
 
 @pytest.mark.parametrize("name", ADVANTAGE_CASES)
-def test_compute_advantage_golden(name):
+def test_compute_advantage_golden_roll_compat(name):
+    """``roll_compat_gae`` reproduces ROLL's outputs and clip metric on every case."""
     case = load(name)
-    p = case.params
-    rewards, mask, values, m2d = _advantage_inputs(case)
-    opd = p.get("pipeline_config") or {}
-    opd_kl = None
-    if opd.get("is_pure_opd") or opd.get("use_opd"):
-        student = full_rows(case.inputs["infer_logprobs"])  # enable_old_logprobs_recompute is False here
-        teachers = {n: full_rows(case.inputs[f"ref_log_probs_{n}"]) for n in opd["reference_configs"]}
-        opd_kl = opd_kl_penalty(student, teachers, mask, kl_penalty=opd["kl_penalty"])
-    kwargs = dict(gamma=p["gamma"], lambd=p["lambd"], values=values, whiten_rewards=p.get("whiten_rewards", False),
-                  whiten_advantages=p.get("whiten_advantages", False), advantage_clip=p.get("advantage_clip"),
-                  opd_kl=opd_kl, use_opd=opd.get("use_opd", False), is_pure_opd=opd.get("is_pure_opd", False))
-    is_gae = p["adv_estimator"] == "gae"
-    res = compute_advantage(rewards, mask, p["adv_estimator"], roll_compat_gae=is_gae, **kwargs)
-    width = rewards.lengths.max()
-    whitened = p.get("whiten_rewards") or p.get("whiten_advantages")
-    atol = WHITENED_ATOL if whitened else 1e-6
-    out = case.outputs
-    assert_close(padded(res.advantages, width), out["advantages"], atol=atol, what="advantages")
-    for key in ("returns", "raw_advantages", "token_level_rewards", "values"):
-        if key in out:
-            got = getattr(res, key)
-            assert_close(padded(got, width), out[key], atol=atol, what=key)
-    if "metric:critic|advantage_clip_frac" in out:
+    a = advantage_case(case)
+    res = run_compute_advantage(a, roll_compat=True)
+    expected = {k: v for k, v in case.outputs.items() if not k.startswith("metric:")}
+    _compare_advantage(res, expected, a, _advantage_tolerance(a, reference_advantage(a, roll=True)), "compat")
+    if "metric:critic|advantage_clip_frac" in case.outputs:
         assert_close(res.metrics["critic/advantage_clip_frac"], case.metric("critic/advantage_clip_frac"))
     else:
         assert "critic/advantage_clip_frac" not in res.metrics
-    if is_gae:  # BUG-4: the default (fixed) GAE differs from ROLL; check it against the per-row loop reference
-        fixed = compute_advantage(rewards, mask, "gae", **kwargs)
-        a, ret, raw, frac = _reference_advantages(case, m2d)
-        assert not np.allclose(padded(fixed.advantages, width), out["advantages"], atol=1e-3)
-        assert_close(padded(fixed.advantages, width), a, atol=atol, what="fixed advantages")
-        assert_close(padded(fixed.returns, width), ret, atol=atol, what="fixed returns")
-        assert_close(padded(fixed.raw_advantages, width), raw, atol=atol, what="fixed raw advantages")
-        assert_close(padded(fixed.token_level_rewards, width), out["token_level_rewards"], atol=atol)
-        if frac is not None:
-            assert_close(fixed.metrics["critic/advantage_clip_frac"], frac)
+
+
+@pytest.mark.parametrize("name", ADVANTAGE_CASES)
+def test_compute_advantage_reference_in_roll_mode_reproduces_golden(name):
+    """Validates the reference (and its encoding of BUG-4) on every case."""
+    case = load(name)
+    a = advantage_case(case)
+    ref = reference_advantage(a, roll=True)
+    expected = {k: v for k, v in case.outputs.items() if not k.startswith("metric:")}
+    for key, value in expected.items():
+        assert_close(ref[key], value, **_advantage_tolerance(a, ref), what=key)
+    if "metric:critic|advantage_clip_frac" in case.outputs:
+        assert ref["clip_frac"] == pytest.approx(case.metric("critic/advantage_clip_frac"))
+
+
+@pytest.mark.parametrize("name", ADVANTAGE_CASES)
+def test_compute_advantage_default_matches_corrected_reference(name):
+    """Default (BUG-4 fixed): the corrected reference on every case; it equals ROLL wherever the reference's two
+    modes agree (every non-GAE case; a GAE case whose values and rewards make no difference)."""
+    case = load(name)
+    a = advantage_case(case)
+    res = run_compute_advantage(a, roll_compat=False)
+    ref = reference_advantage(a, roll=False)
+    tol = _advantage_tolerance(a, ref)
+    _compare_advantage(res, ref, a, tol, "default")
+    if ref["clip_frac"] is not None:
+        assert res.metrics["critic/advantage_clip_frac"] == pytest.approx(ref["clip_frac"])
+    roll_ref = reference_advantage(a, roll=True)
+    for key, value in case.outputs.items():
+        if not key.startswith("metric:") and np.allclose(ref[key], roll_ref[key], rtol=0, atol=1e-9):
+            assert_close(padded(getattr(res, key), a["rewards"].shape[1]), value, **tol, what=f"{key} = ROLL")
+
+
+def _with_final_response_mask(case):
+    """The case as the RLVR pipeline calls it (§0.4): ``response_mask=final_response_mask``, every third row removed
+    by the sample mask."""
+    m = case.inputs["response_mask"][:, 1:].copy()
+    m[::3] = 0
+    return dataclasses.replace(case, name=f"{case.name}[final_response_mask]",
+                               inputs={**case.inputs, "final_response_mask": m},
+                               params={**case.params, "response_mask": "final_response_mask"})
+
+
+@pytest.mark.parametrize("name", [n for n in ADVANTAGE_CASES
+                                  if load(n).params.get("response_mask") == "default_mask"])
+def test_compute_advantage_honours_response_mask_final_response_mask(name):
+    """A case naming ``response_mask: final_response_mask`` computes with that mask: removed rows get advantage 0,
+    whitening statistics leave them out; equal to the corrected reference under that mask."""
+    case = _with_final_response_mask(load(name))
+    a = advantage_case(case)
+    assert np.array_equal(a["mask"], case.inputs["final_response_mask"])
+    res = run_compute_advantage(a, roll_compat=False)
+    ref = reference_advantage(a, roll=False)
+    _compare_advantage(res, ref, a, _advantage_tolerance(a, ref), "final mask")
+    assert not padded(res.advantages, a["rewards"].shape[1])[::3].any()
 
 
 @pytest.mark.parametrize("mask, expected", [([0, 0, 0], [0, 0, 0]), ([0, 1, 0], [0, 3, 0]),
