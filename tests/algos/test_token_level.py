@@ -269,7 +269,7 @@ def _token_reward_inputs(case):
     mask = trimmed_rows(case.inputs["response_mask"][:, 1:], next_len).values
     old = trimmed_rows(case.inputs["old_log_probs"], next_len)
     ref = trimmed_rows(case.inputs["ref_log_probs"], next_len) if "ref_log_probs" in case.inputs else None
-    return case.inputs["response_level_rewards"], mask, old, ref
+    return case.inputs.get("response_level_rewards"), mask, old, ref
 
 
 def _token_reward_scale(case, kl_coef: float, kl_penalty: str) -> tuple[float, float]:

@@ -25,14 +25,21 @@ def config(path: str | None = None, **fields) -> RLVRConfig:
     return load_config(RLVRConfig, path, data)
 
 
+# manifest params of ROLL's RLVR chain → RLVRConfig fields (same name unless listed here)
+CHAIN_PARAM_FIELDS = {"num_return_sequences": "num_return_sequences_in_group"}
+_NOT_FROM_PARAMS = {"rewards", "runtime", "domain_column", "roll_compat", "max_new_tokens",
+                    "num_return_sequences_in_group"}
+
+
+def chain_params(case) -> dict:
+    """The params of a golden RLVR chain case, each one an RLVRConfig option (an unknown one fails the test)."""
+    return case.check_params((set(RLVRConfig.model_fields) - _NOT_FROM_PARAMS) | set(CHAIN_PARAM_FIELDS))
+
+
 def golden_config(case, **fields) -> RLVRConfig:
-    p = case.params
-    return config(num_return_sequences_in_group=p["num_return_sequences"], adv_estimator=p["adv_estimator"],
-                  norm_mean_type=p["norm_mean_type"], norm_std_type=p["norm_std_type"], reward_clip=p["reward_clip"],
-                  advantage_clip=p["advantage_clip"], whiten_advantages=p["whiten_advantages"],
-                  add_token_level_kl=p["add_token_level_kl"], init_kl_coef=p["init_kl_coef"],
-                  difficulty_mask=p["difficulty_mask"], max_len_mask=p["max_len_mask"],
-                  max_new_tokens=int(case.inputs["responses_width"]), gamma=p["gamma"], lambd=p["lambd"], **fields)
+    """RLVRConfig of a golden chain case: every param mapped; max_new_tokens = the case's responses width."""
+    mapped = {CHAIN_PARAM_FIELDS.get(k, k): v for k, v in chain_params(case).items()}
+    return config(max_new_tokens=int(case.inputs["responses_width"]), **{**mapped, **fields})
 
 
 def golden_rows(case, domain: str = "golden", prefix: str = "g") -> dict[str, list]:
