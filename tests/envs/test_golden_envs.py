@@ -11,6 +11,7 @@ from __future__ import annotations
 import inspect
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -18,52 +19,78 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from stages.envs import retry_seed
-from stages.envs.frozen_lake import FrozenLakeEnv, generate_random_map
+from stages.envs import ENVIRONMENTS, retry_seed
+from stages.envs.frozen_lake import generate_random_map
 from stages.envs.sokoban import SokobanEnv
 from stages.envs.sokoban_levels import NoSolvableLevel, NotEnoughSpace, generate_room, num_gen_steps
 from tests import golden
 
 ROOT = Path(__file__).resolve().parents[2]
-ENV_CLASSES = {"FrozenLakeEnv": FrozenLakeEnv, "SokobanEnv": SokobanEnv}
+ENV_FUNCTION = ".agentic.env."
+# params that configure the golden run rather than the environment: the class to build, the hash seed ROLL ran
+# with (Q-16), the derived generation-step count (checked against ours)
+META_PARAMS = ("env_class", "PYTHONHASHSEED", "num_gen_steps")
+
+
+def _kind(name: str) -> str:
+    """An env case's kind, from its ROLL function and outputs (never its name)."""
+    meta = golden.manifest()[name]
+    fn, outputs = meta["roll_function"], meta.get("outputs", {})
+    if fn.endswith("generate_random_map"):
+        return "map"
+    if fn.endswith("default_parser_action_func"):
+        return "parser"                                   # tests/envs/test_parser.py
+    if fn.endswith(("get_instructions", "get_instruction")) or any("instruction" in k for k in outputs):
+        return "instruction"
+    if fn.endswith(".{reset,step}"):
+        return "episodes"
+    if fn.endswith(".reset"):
+        return "reset"
+    return "other"
 
 
 def _env_cases(kind: str) -> list[str]:
-    names = []
-    for name, meta in golden.manifest().items():
-        fn = meta["roll_function"]
-        if ".agentic.env." not in fn:
-            continue
-        if kind == "map" and fn.endswith("generate_random_map"):
-            names.append(name)
-        elif kind == "episodes" and fn.endswith(".{reset,step}"):
-            names.append(name)
-        elif kind == "reset" and fn.endswith("SokobanEnv.reset") and "instruction" not in name:
-            names.append(name)
-        elif kind == "instruction" and "instruction" in name:
-            names.append(name)
-        elif kind == "other" and not (fn.endswith(("generate_random_map", ".{reset,step}", "SokobanEnv.reset",
-                                                   "default_parser_action_func")) or "instruction" in name):
-            names.append(name)
-    return sorted(names)
+    return sorted(n for n, meta in golden.manifest().items()
+                  if ENV_FUNCTION in meta["roll_function"] and _kind(n) == kind)
+
+
+def registered_env_classes() -> dict[str, type]:
+    """Class name → class of every environment in the registry (and registry tag → class)."""
+    out = {}
+    for tag in ENVIRONMENTS:
+        cls = ENVIRONMENTS.get(tag).env_class
+        out.setdefault(cls.__name__, cls)
+        out[tag] = cls
+    return out
 
 
 def _env_class(case: golden.GoldenCase) -> type:
-    for class_name, cls in ENV_CLASSES.items():
-        if class_name in case.function:
-            return cls
-    raise AssertionError(f"golden case {case.name}: unknown env in {case.function}")
+    """The environment class a case names — its ``env_class`` param (a class name, a dotted path or a registry
+    tag), else the class in its ROLL function (``...frozen_lake.FrozenLakeEnv.{reset,step}``) — looked up in the
+    environment registry."""
+    named = case.params.get("env_class")
+    if named is None:
+        found = re.search(r"\.([A-Za-z_]\w*)\.(?:\{[\w,]+\}|reset|step|get_instructions?)$", case.function)
+        named = found.group(1) if found else None
+    classes = registered_env_classes()
+    name = None if named is None else str(named).rsplit(".", 1)[-1]
+    if name not in classes:
+        pytest.fail(f"golden case {case.name}: environment class {named!r} (from {case.function}) is not registered; "
+                    f"registered: {sorted(classes)}", pytrace=False)
+    return classes[name]
 
 
-def _make(cls: type, params: dict):
-    allowed = inspect.signature(cls.__init__).parameters
-    return cls(**{k: v for k, v in params.items() if k in allowed})
+def _make(cls: type, case: golden.GoldenCase):
+    """The environment built from the case's params with ROLL's class defaults for the rest (not a registry tag's
+    defaults); a param that is neither a constructor argument nor a meta param fails the test."""
+    allowed = set(inspect.signature(cls.__init__).parameters) - {"self"}
+    case.check_params(allowed | set(META_PARAMS))
+    return cls(**{k: v for k, v in case.params.items() if k in allowed})
 
 
 def _hash_seed(case: golden.GoldenCase) -> str:
     """The ``PYTHONHASHSEED`` ROLL ran the env cases with (case params, else the manifest's ``generated_with``)."""
-    generated = json.loads((golden.GOLDEN_DIR / "manifest.json").read_text()).get("generated_with", {})
-    return str(case.params.get("PYTHONHASHSEED", generated.get("PYTHONHASHSEED_for_env_cases", 0)))
+    return str(case.params.get("PYTHONHASHSEED", golden.generated_with().get("PYTHONHASHSEED_for_env_cases", 0)))
 
 
 def test_env_cases_present():
@@ -72,10 +99,37 @@ def test_env_cases_present():
     assert _env_cases("map") and _env_cases("episodes") and _env_cases("reset")
 
 
+def test_every_registered_env_class_is_resolvable_by_name():
+    classes = registered_env_classes()
+    for tag in ENVIRONMENTS:
+        cls = ENVIRONMENTS.get(tag).env_class
+        assert classes[cls.__name__] is cls and classes[tag] is cls
+
+
+@pytest.mark.parametrize("name", _env_cases("episodes"))
+def test_a_case_naming_its_env_class_dispatches_through_the_registry(name):
+    """The same case with its class named in params (bare, dotted as in ROLL, or a registry tag) builds the same
+    environment class; an unknown class or an unknown param fails loudly."""
+    import dataclasses
+
+    case = golden.load(name)
+    cls = _env_class(case)
+    tags = [t for t in ENVIRONMENTS if ENVIRONMENTS.get(t).env_class is cls]
+    for named in (cls.__name__, f"roll.pipeline.agentic.env.{cls.__module__}.{cls.__name__}", *tags[:1]):
+        named_case = dataclasses.replace(case, function="roll.env_case", params={**case.params, "env_class": named})
+        assert _env_class(named_case) is cls
+        assert isinstance(_make(cls, named_case), cls)
+    with pytest.raises(pytest.fail.Exception, match="not registered"):
+        _env_class(dataclasses.replace(case, params={**case.params, "env_class": "NoSuchEnv"}))
+    with pytest.raises(pytest.fail.Exception, match="not honoured"):
+        _make(cls, dataclasses.replace(case, params={**case.params, "no_such_option": 1}))
+
+
 @pytest.mark.parametrize("name", _env_cases("map"))
 def test_golden_frozen_lake_maps(name):
     case = golden.load(name)
-    size, p = int(case.params["size"]), float(case.params["p"])
+    params = case.check_params(("size", "p"))
+    size, p = int(params["size"]), float(params["p"])
     for seed, rows in zip(case.inputs["seeds"].tolist(), case.outputs["maps"].tolist()):
         assert generate_random_map(size, p, seed) == rows, f"seed {seed}"
 
@@ -95,14 +149,15 @@ def _first_generating_seed(params: dict, seed: int, roll_compat: bool = False) -
 def test_golden_episodes(name):
     case = golden.load(name)
     cls = _env_class(case)
-    env = _make(cls, case.params)
+    env = _make(cls, case)
     ins, outs = case.inputs, case.outputs
     compared, skipped_seed = 0, None
     for i, (seed, t, text) in enumerate(zip(ins["seed"].tolist(), ins["t"].tolist(), ins["action_text"].tolist())):
         if t == 0:
             obs, _ = env.reset(seed)
             skipped_seed = None
-            if cls is SokobanEnv and env.seed != seed:  # ROLL retried with a hash-dependent seed (Q-16)
+            if getattr(env, "seed", seed) != seed:  # ROLL retried with a hash-dependent seed (Q-16)
+                assert issubclass(cls, SokobanEnv), f"{cls.__name__} retried seed {seed}"
                 assert env.seed == _first_generating_seed(case.params, seed)
                 skipped_seed = seed
                 continue
@@ -126,14 +181,21 @@ def test_golden_episodes(name):
 
 
 @pytest.mark.parametrize("name", _env_cases("reset"))
-def test_golden_sokoban_resets(name):
+def test_golden_resets(name):
+    """Reset observations of every seed; Sokoban's rooms, shortest solution and Q-16 retries where recorded."""
     case = golden.load(name)
     params = case.params
+    cls = _env_class(case)
+    env = _make(cls, case)
+    outs = case.outputs
+    if not issubclass(cls, SokobanEnv):
+        seeds = case.inputs.get("seeds", case.inputs.get("seed"))
+        for i, seed in enumerate(np.ravel(seeds).tolist()):
+            assert env.reset(seed)[0] == outs["obs"][i], f"reset obs, seed {seed}"
+        return
     dim = tuple(params["dim_room"])
     if "num_gen_steps" in params:
         assert num_gen_steps(dim) == params["num_gen_steps"]
-    env = _make(SokobanEnv, params)
-    outs = case.outputs
     retried = outs.get("retried", np.zeros(len(case.inputs["seeds"]), dtype=bool))
     for i, seed in enumerate(case.inputs["seeds"].tolist()):
         obs, _ = env.reset(seed)
@@ -170,7 +232,7 @@ def _check_roll_compat_retries(case: golden.GoldenCase, seeds: list[int]) -> Non
 @pytest.mark.parametrize("name", _env_cases("instruction"))
 def test_golden_instructions(name):
     case = golden.load(name)
-    env = _make(_env_class(case), case.params)
+    env = _make(_env_class(case), case)
     compared = 0
     seeds = case.inputs.get("seed", case.inputs.get("seeds"))
     env.reset(int(np.ravel(seeds)[0]) if seeds is not None else 0)
@@ -190,4 +252,5 @@ def test_golden_instructions(name):
 
 @pytest.mark.parametrize("name", _env_cases("other"))
 def test_no_unhandled_env_cases(name):
-    pytest.skip(f"golden env case {name} ({golden.manifest()[name]['roll_function']}) has no conformance test yet")
+    pytest.fail(f"golden env case {name} ({golden.manifest()[name]['roll_function']}) is of a kind no test here "
+                f"checks; add its conformance test", pytrace=False)

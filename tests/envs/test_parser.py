@@ -15,13 +15,17 @@ LOOKUPS = {"frozen": FROZEN_LOOKUP, "sokoban": SOKOBAN_LOOKUP, "none": None}
 SPECIAL = ["<|im_start|>", "<|im_end|>"]
 
 
-@pytest.mark.parametrize("name", golden.case_names("default_parser_action_func"))
+PARSER = golden.family("roll.pipeline.agentic.env.parse_action_utils.default_parser_action_func")
+
+
+@pytest.mark.parametrize("name", PARSER)
 def test_golden_parser_table(name):
     case = golden.load(name)
-    tokens = case.params.get("special_token_list", SPECIAL)
+    tokens = case.check_params(("special_token_list",)).get("special_token_list", SPECIAL)
     rows = case.outputs["table"]
     assert len(rows) > 0
     for text, pattern, lookup_name, action, content, think in rows.tolist():
+        assert lookup_name in LOOKUPS, f"{name}: action lookup {lookup_name!r} unknown here (known {sorted(LOOKUPS)})"
         got = default_parser_action_func(text, pattern, LOOKUPS[lookup_name], tokens)
         assert (str(got["action"]), got["action_content"], got["think_content"]) == (action, content, think), \
             (text, pattern, lookup_name)
