@@ -54,7 +54,7 @@ def segment_mean_row(x: torch.Tensor, m: list[int]) -> torch.Tensor:
 
 def aggregate(rows: list[torch.Tensor], masks: list[list[int]], mode: str, n_tok: float, n_seq: float,
               weights: list[float] | None = None, roll: bool = False) -> torch.Tensor:
-    """agg_loss (§6.1). Corrected: the token-mean numerator sums masked tokens only; ``roll``: every position [BUG-7]."""
+    """agg_loss (§6.1). Corrected: the token-mean numerator sums masked tokens only; ``roll``: all positions [BUG-7]."""
     w = weights or [1.0] * len(rows)
     if mode == "token-mean":
         if roll:
