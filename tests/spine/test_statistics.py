@@ -20,7 +20,7 @@ from stages.algos.functional import masked_whiten
 from stages.algos.ragged import Ragged
 from stages.algos.response_rewards import RewardNormSettings, compute_response_level_rewards, discounted_returns
 from stages.algos.token_rewards import compute_token_reward
-from tests.golden import assert_close, case_names, load
+from tests.golden import assert_close, family, load
 from tests.spine.helpers import config, read_table, run_recompute, write_samples
 
 WHITENED_ATOL = 1e-4
@@ -167,10 +167,17 @@ def _padded(table: pa.Table, name: str, width: int) -> np.ndarray:
     return Ragged.from_arrow(table.column(name), np.float32).to_padded(width)
 
 
-@pytest.mark.parametrize("name", case_names("chain_agentic__"))
+CHAIN_AGENTIC = family("agentic pipeline chain: compute_discounted_returns -> get_agentic_response_level_mask -> "
+                       "compute_response_level_rewards -> compute_token_reward -> agentic_compute_advantage")
+CHAIN_PARAMS = ("adv_estimator", "reward_normalization", "resolved_norm", "step_reward_gamma", "episode_reward_weight",
+                "step_reward_weight", "reward_clip", "advantage_clip", "whiten_advantages", "add_token_level_kl",
+                "init_kl_coef", "kl_penalty", "gamma", "lambd")
+
+
+@pytest.mark.parametrize("name", CHAIN_AGENTIC)
 def test_golden_agentic_chain_through_the_stages(name, tmp_path, ray_cluster):
     case = load(name)
-    p = case.params
+    p = case.check_params(CHAIN_PARAMS)      # resolved_norm: checked in tests/algos/test_response_level.py
     samples = golden_samples(case)
     folder = write_samples(samples, tmp_path / "samples", rows_per_file=10)  # blocks split groups
     cfg = config(None, adv_estimator=p["adv_estimator"], reward_normalization=p["reward_normalization"],
