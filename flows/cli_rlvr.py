@@ -61,8 +61,7 @@ def _judge_pool(cfg, judge_model: Path | None, backend: str):
     if not needs_model(cfg.rewards):
         return None
     ensure_ray(cfg.runtime.ray_address, cfg.runtime.num_cpus, progress=False)
-    engine = EngineConfig(backend=backend, dtype="bfloat16" if backend == "vllm" else "float32",
-                          num_cpus_per_engine=0)
+    engine = EngineConfig(backend=backend, dtype="auto", num_cpus_per_engine=0)
     return EnginePool(engine, resolve_model_dir(str(judge_model) if judge_model else None), JUDGE_CONTEXT)
 
 

