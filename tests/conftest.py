@@ -42,6 +42,27 @@ def prefect_home() -> str:
 
 
 @pytest.fixture(scope="session")
+def prefect_server(tmp_path_factory):
+    """ONE real ``prefect server`` (127.0.0.1, a free port, its own home) for the whole session: the tests that run
+    flows in child processes report to it instead of each starting an ephemeral server (about 30 s each on two
+    loaded cores). Ephemeral mode keeps its own tests (tests/spine/test_flow.py, tests/spine/test_resume.py)."""
+    from flows.serving import free_port, start_server
+
+    server = start_server("127.0.0.1", free_port(), tmp_path_factory.mktemp("prefect-server"), timeout_s=300)
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="session")
+def cli_env(prefect_server, tmp_path_factory) -> dict:
+    """Environment of a ``rollflow`` child process: this one without a developer's RAY_ADDRESS, reporting to the
+    session's Prefect server, with the project's model cache."""
+    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "PREFECT_API_URL")}
+    return {**env, "PREFECT_API_URL": prefect_server.api_url, "PREFECT_HOME": str(tmp_path_factory.mktemp("client")),
+            "ROLLFLOW_CACHE": os.environ.get("ROLLFLOW_CACHE", str(Path(__file__).resolve().parents[1] / ".cache"))}
+
+
+@pytest.fixture(scope="session")
 def default_model() -> Path:
     """SmolLM2-135M-Instruct as an HF folder (converted once from the shipped GGUF into the cache)."""
     from stages.generation.model_store import default_model_dir

@@ -120,7 +120,7 @@ def _serve(args: list[str], server, tmp_path: Path, serve_log: Path) -> subproce
 
 
 @pytest.mark.server
-def test_scheduled_deployment_runs_on_a_local_server(tmp_path):
+def test_scheduled_deployment_runs_on_a_local_server(tmp_path, prefect_server):
     from prefect.client.orchestration import get_client
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
@@ -128,7 +128,7 @@ def test_scheduled_deployment_runs_on_a_local_server(tmp_path):
 
     samples, output = tmp_path / "samples", tmp_path / "nightly"
     generate(ExampleSpec(samples=200, response_len=(8, 16)), str(samples))
-    server = start_server("127.0.0.1", free_port(), tmp_path / "server", timeout_s=120)
+    server = prefect_server  # the session's (tests/conftest.py)
     serve_log = tmp_path / "serve.log"
     serve = None
     try:
@@ -154,13 +154,11 @@ def test_scheduled_deployment_runs_on_a_local_server(tmp_path):
     finally:
         if serve is not None:
             _stop(serve)
-        server.stop()
-    assert not server.running()
 
 
 @pytest.mark.server
 @pytest.mark.slow
-def test_scheduled_training_run_on_a_local_server(tmp_path):
+def test_scheduled_training_run_on_a_local_server(tmp_path, prefect_server):
     """``rollflow deploy --flow train``: the server's scheduler starts the training flow (tiny model, one
     iteration); its stage outputs are committed in the config's run folder."""
     from prefect.client.orchestration import get_client
@@ -168,7 +166,7 @@ def test_scheduled_training_run_on_a_local_server(tmp_path):
 
     from stages.generation.model_store import tiny_random_model_dir
 
-    server = start_server("127.0.0.1", free_port(), tmp_path / "server", timeout_s=120)
+    server = prefect_server  # the session's (tests/conftest.py)
     serve_log = tmp_path / "serve.log"
     serve = None
     tiny = ["--set", "run_name=nightly", "--set", f"runs_dir={tmp_path}", "--set", "max_steps=1",
@@ -192,4 +190,3 @@ def test_scheduled_training_run_on_a_local_server(tmp_path):
     finally:
         if serve is not None:
             _stop(serve)
-        server.stop()

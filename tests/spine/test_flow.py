@@ -1,15 +1,11 @@
 """The Prefect recompute flow: ephemeral mode (no server; the default) and against a real ``prefect server`` that
-the test starts on 127.0.0.1 and stops."""
+the test session starts on 127.0.0.1 and stops (tests/conftest.py)."""
 
 from __future__ import annotations
 
 import os
-import signal
-import socket
 import subprocess
 import sys
-import time
-import urllib.request
 from pathlib import Path
 
 import pytest
@@ -77,51 +73,6 @@ def test_flow_failure_raises_our_error_and_marks_the_run_failed(step_set, tmp_pa
         assert _flow_runs(client)[0].state.is_failed()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _wait_healthy(url: str, server: subprocess.Popen, log: Path, seconds: float) -> None:
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        assert server.poll() is None, f"prefect server exited ({server.returncode}): {log.read_text()[-3000:]}"
-        try:
-            with urllib.request.urlopen(f"{url}/health", timeout=5) as r:
-                if r.status == 200:
-                    return
-        except OSError:
-            pass
-        time.sleep(1)
-    raise AssertionError(f"prefect server not healthy after {seconds}s: {log.read_text()[-3000:]}")
-
-
-@pytest.fixture
-def prefect_server(tmp_path):
-    """``prefect server start`` on 127.0.0.1 and a free port with its own PREFECT_HOME; stopped afterwards."""
-    port = _free_port()
-    url = f"http://127.0.0.1:{port}/api"
-    env = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"}
-    env.update(PREFECT_HOME=str(tmp_path / "server-home"), PREFECT_SERVER_ANALYTICS_ENABLED="false",
-               PREFECT_UI_ENABLED="false")
-    log = tmp_path / "server.log"
-    with open(log, "w") as f:
-        server = subprocess.Popen([str(BIN / "prefect"), "server", "start", "--host", "127.0.0.1", "--port",
-                                   str(port)], env=env, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
-    try:
-        _wait_healthy(url, server, log, 300)
-        yield url
-    finally:
-        if server.poll() is None:
-            os.killpg(server.pid, signal.SIGTERM)
-            try:
-                server.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                os.killpg(server.pid, signal.SIGKILL)
-                server.wait(timeout=30)
-
-
 @pytest.mark.server
 @pytest.mark.slow
 def test_flow_against_a_real_prefect_server(prefect_server, step_set, tmp_path):
@@ -130,7 +81,7 @@ def test_flow_against_a_real_prefect_server(prefect_server, step_set, tmp_path):
 
     out = tmp_path / "out"
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    env.update(PREFECT_API_URL=prefect_server, PREFECT_HOME=str(tmp_path / "client-home"))
+    env.update(PREFECT_API_URL=prefect_server.api_url, PREFECT_HOME=str(tmp_path / "client-home"))
     cmd = [str(BIN / "rollflow"), "recompute", "--input", step_set, "--config", GIGPO, "--output", str(out),
            "--set", "runtime.num_cpus=2"]
     result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
@@ -138,10 +89,10 @@ def test_flow_against_a_real_prefect_server(prefect_server, step_set, tmp_path):
     assert (out / "advantaged" / "manifest.json").exists()
     assert not (tmp_path / "client-home" / "prefect.db").exists(), "no ephemeral server was used"
 
-    with temporary_settings(updates={PREFECT_API_URL: prefect_server}):
+    with temporary_settings(updates={PREFECT_API_URL: prefect_server.api_url}):
         with get_client(sync_client=True) as client:
             assert client.api_url.host == "127.0.0.1"
-            runs = _flow_runs(client)
+            runs = [r for r in _flow_runs(client) if r.parameters.get("output_dir") == str(out)]  # a shared server
             assert len(runs) == 1 and runs[0].state.is_completed(), runs
             assert runs[0].parameters["input_dir"] == step_set
             tasks = _task_runs(client, runs[0].id)

@@ -5,7 +5,6 @@ every stage skipped."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -76,12 +75,10 @@ def _rollflow(*args: str, env: dict) -> subprocess.CompletedProcess:
                           text=True, timeout=1500, start_new_session=True)
 
 
-def _tiny_run(tmp_path: Path, *sets: str) -> tuple[list[str], dict]:
-    """``rollflow train`` arguments and environment of a two-step RLVR run on the tiny random model (HF engine)."""
+def _tiny_run(tmp_path: Path, *sets: str) -> list[str]:
+    """``rollflow train`` arguments of a two-step RLVR run on the tiny random model (HF engine)."""
     from stages.generation.model_store import tiny_random_model_dir
 
-    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "PREFECT_API_URL")}
-    env.update(PREFECT_HOME=str(tmp_path / "prefect"), ROLLFLOW_CACHE=str(REPO / ".cache"))
     args = ["train", "--config", "configs/rlvr_train_math.yaml", "--set", "run_name=r", "--set", f"runs_dir={tmp_path}",
             "--set", "max_steps=2", "--set", f"pretrain={tiny_random_model_dir()}", "--set", "engine.backend=hf",
             "--set", "engine.options={}", "--set", "rollout_batch_size=2", "--set", "num_return_sequences_in_group=2",
@@ -89,7 +86,7 @@ def _tiny_run(tmp_path: Path, *sets: str) -> tuple[list[str], dict]:
             "--set", "train.actor_train.training_args.per_device_train_batch_size=2"]
     for item in sets:
         args += ["--set", item]
-    return args, env
+    return args
 
 
 def _response_part_equal(full_table, got_table, name: str) -> None:
@@ -102,10 +99,11 @@ def _response_part_equal(full_table, got_table, name: str) -> None:
 
 
 @pytest.mark.slow
-def test_rlvr_run_with_token_kl_end_to_end_then_resume_skips_everything(tmp_path):
+def test_rlvr_run_with_token_kl_end_to_end_then_resume_skips_everything(tmp_path, cli_env):
     """Two steps with the token-level KL reward: the first chain runs without it, the log-probs (old under the step's
     policy, ref under the initial one) are attached to the responses, and the advantages are recomputed with it."""
-    args, env = _tiny_run(tmp_path, "add_token_level_kl=true", "init_kl_coef=0.1", "logprobs.enable_reference=true")
+    env = cli_env
+    args = _tiny_run(tmp_path, "add_token_level_kl=true", "init_kl_coef=0.1", "logprobs.enable_reference=true")
     first = _rollflow(*args, env=env)
     assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
     run = tmp_path / "r"
@@ -141,13 +139,14 @@ def test_rlvr_run_with_token_kl_end_to_end_then_resume_skips_everything(tmp_path
 
 
 @pytest.mark.slow
-def test_rlvr_run_with_gae_trains_a_critic_on_its_values(tmp_path):
+def test_rlvr_run_with_gae_trains_a_critic_on_its_values(tmp_path, cli_env):
     """GAE: the first chain runs with reinforce, the critic's values of the token table (a new seeded head at step 0,
     the trained critic at step 1) are attached to the responses, the advantages are GAE's (returns = raw advantages
     + values on every response token), and the step trains the actor and the critic."""
     import numpy as np
 
-    args, env = _tiny_run(tmp_path, "adv_estimator=gae", "train.critic_train.model_args.dtype=fp32",
+    env = cli_env
+    args = _tiny_run(tmp_path, "adv_estimator=gae", "train.critic_train.model_args.dtype=fp32",
                           "train.critic_train.training_args.per_device_train_batch_size=2")
     done = _rollflow(*args, env=env)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]

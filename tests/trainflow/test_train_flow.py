@@ -106,10 +106,10 @@ def _env(tmp: Path) -> dict:
 
 
 @pytest.fixture(scope="module")
-def finished_run(tmp_path_factory) -> Path:
-    """One uninterrupted tiny run (the reference of the kill test)."""
+def finished_run(tmp_path_factory, cli_env) -> Path:
+    """One uninterrupted tiny run (the reference of the kill test), reporting to the session's Prefect server."""
     root = tmp_path_factory.mktemp("trainflow")
-    first = _rollflow(*_tiny_args(root, "t"), env=_env(root))
+    first = _rollflow(*_tiny_args(root, "t"), env=cli_env)
     assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
     return root / "t"
 
@@ -118,7 +118,7 @@ STAGES = ("rollout/samples", "logprobs", "rewarded", "advantaged", "checkpoint",
 
 
 @pytest.mark.slow
-def test_train_run_end_to_end_then_resume_skips_everything(finished_run, tmp_path):
+def test_train_run_end_to_end_then_resume_skips_everything(finished_run, cli_env, tmp_path):
     run = finished_run
     for k in (0, 1):
         for stage in STAGES:
@@ -136,7 +136,7 @@ def test_train_run_end_to_end_then_resume_skips_everything(finished_run, tmp_pat
     assert {m["stage"] for m in metrics} >= {"rollout", "logprobs", "advantages", "train", "eval"}
     assert {m["iteration"] for m in metrics if m["stage"] == "train"} == {0, 1}
 
-    env = _env(tmp_path)
+    env = cli_env
     stamps = {p: p.stat().st_mtime_ns for p in run.glob("iter_*/*/manifest.json")}
     again = _rollflow("train", "--resume", str(run), "--no-report", env=env)
     assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
@@ -172,7 +172,7 @@ def test_sigkilled_run_resumes_to_the_uninterrupted_result(finished_run, tmp_pat
     kill_after = "iter_0000/advantaged/manifest.json"
     import numpy as np
 
-    env = _env(tmp_path)
+    env = _env(tmp_path)  # Prefect's ephemeral mode: the kill takes the run's own API server down with it
     run = tmp_path / "t"
     sigkill_when([sys.executable, "-m", "flows.cli", *_tiny_args(tmp_path, "t")], (run / kill_after).exists,
                  tmp_path / "killed.log", env=env, cwd=str(REPO), what=kill_after, whole_group=True)
