@@ -26,7 +26,7 @@ import pyarrow as pa
 from schemas.errors import ConfigError, RollflowError, SchemaError
 from schemas.tables import ADVANTAGED, FLOATS, SAMPLES, TableSpec, check_row_invariants
 from schemas.train_config import ForwardConfig, LogProbSection, TrainSection, TrainStepConfig, ValuesSection
-from stages.runner import (Stage, StageContext, StageResult, commit_folder, read_partials, run_stage,
+from stages.runner import (ACTOR_POOL, Stage, StageContext, StageResult, commit_folder, read_partials, run_stage,
                            stage_fingerprint, sum_partials, unwrap_error, unwrapped_errors, write_partials)
 from stages.storage import Location, folder_fingerprint, read_table_schema
 from stages.train import checkpoint as ckpt
@@ -279,7 +279,7 @@ class _ForwardStage(Stage):
                                    "max_tokens": ctx.section.max_tokens_per_microbatch_in_infer,
                                    "threads": c.torch_threads(), "output": ctx.output,
                                    "spec": self.output_spec, "where": ctx.inputs["samples"].path},
-            compute=ActorPoolStrategy(min_size=1, max_size=c.num_actors), num_cpus=c.cpus_per_actor)
+            compute=ActorPoolStrategy(min_size=1, max_size=c.num_actors), num_cpus=c.cpus_per_actor, **ACTOR_POOL)
 
     def finalize(self, ctx: StageContext, written: Location) -> tuple[dict[str, float], dict[str, Any]]:
         parts = read_partials(written)
