@@ -63,6 +63,7 @@ SIDE_DIR = "_partials"
 # context and the map function) live in the object store, so Ray core logs an error line on the console for every
 # such actor ("has constructor arguments in the object store and max_restarts > 0"). A stage whose actor dies should
 # fail instead (the runner keeps the committed stages; ``--resume`` runs it again), not restart without bound.
+# Ray 2.60 takes it only as a Ray remote argument, which it deprecates for 2.64 (a warning in the log file).
 ACTOR_POOL = {"max_restarts": 0}
 
 
