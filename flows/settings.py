@@ -32,6 +32,9 @@ def configure() -> dict[str, str]:
     defaults = {
         "PREFECT_HOME": str(cache_dir() / "prefect"),
         "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+        # Prefect 3.7's client telemetry is off only with DO_NOT_TRACK; without it Prefect prints a notice about it
+        # on the first run in a terminal
+        "DO_NOT_TRACK": "1",
         # the ephemeral server's first start runs the database migrations: Prefect's 20 s default is too short on
         # a loaded 2-core machine ("Timed out while attempting to connect to ephemeral Prefect API server")
         "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "180",
@@ -45,6 +48,9 @@ def configure() -> dict[str, str]:
     }
     for key, value in defaults.items():
         os.environ.setdefault(key, value)
+    # Prefect 3.7 puts the memo store under ~/.prefect whatever PREFECT_HOME says (its server settings do not see the
+    # home setting), and its server warns on the console when ~/.prefect does not exist
+    os.environ.setdefault("PREFECT_SERVER_MEMO_STORE_PATH", str(Path(os.environ["PREFECT_HOME"]) / "memo_store.toml"))
     for name in ("prefect.task_runs", "prefect.flow_runs"):
         if not any(isinstance(f, UserErrorWithoutTraceback) for f in logging.getLogger(name).filters):
             logging.getLogger(name).addFilter(UserErrorWithoutTraceback())
