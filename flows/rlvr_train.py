@@ -105,7 +105,7 @@ def first_pass_config(config: RLVRTrainConfig) -> RLVRTrainConfig:
     return config.model_copy(update=update)
 
 
-@flow(name="rlvr-train")  # progress lines go to stdout (Prefect logs at WARNING here)
+@flow(name="rlvr-train")  # progress lines go to stdout; Prefect logs to the log file (flows/console.py)
 def rlvr_train_flow(cfg: dict) -> dict:
     """Run (or resume) the RLVR training run described by ``cfg`` (an :class:`RLVRTrainConfig` as JSON)."""
     from flows.train import start_run

@@ -38,7 +38,8 @@ def configure() -> dict[str, str]:
         # the ephemeral server's first start runs the database migrations: Prefect's 20 s default is too short on
         # a loaded 2-core machine ("Timed out while attempting to connect to ephemeral Prefect API server")
         "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "180",
-        "PREFECT_LOGGING_LEVEL": os.environ.get("PREFECT_LOGGING_LEVEL", "WARNING"),
+        # Prefect's flow and task run records go to the command's log file, not the console (flows/console.py)
+        "PREFECT_LOGGING_LEVEL": os.environ.get("PREFECT_LOGGING_LEVEL", "INFO"),
         "RAY_USAGE_STATS_ENABLED": "0",
         "RAY_AUTH_MODE": "disabled",
         "TOKENIZERS_PARALLELISM": "false",

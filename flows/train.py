@@ -25,6 +25,21 @@ from stages.storage import Location
 
 log = logging.getLogger("rollflow.train")
 CONFIG_FILE = "config.json"
+RUN_LOG = "logs/rollflow.log"  # the command's log (flows/console.py), appended by every resume
+
+
+def run_folder(config) -> Location:
+    """The run folder ``<runs_dir>/<run_name>`` of a training config (either pipeline)."""
+    return Location.of(f"{config.runs_dir}/{config.run_name}")
+
+
+def run_log(config) -> tuple[str, str | None]:
+    """The run folder and its log file (None when the run folder is not local: the log stays in the cache)."""
+    import pyarrow.fs as pafs
+
+    run = run_folder(config)
+    local = isinstance(run.fs, pafs.LocalFileSystem)
+    return run.uri(), (f"{run.path}/{RUN_LOG}" if local else None)
 
 
 def iter_dir(run: str, iteration: int) -> str:
@@ -122,7 +137,7 @@ def start_run(config, cfg: dict, max_model_len: int):
     from stages.rollout.driver import resolve_model_dir
     from stages.rollout.engine_pool import EnginePool
 
-    run = Location.of(f"{config.runs_dir}/{config.run_name}")
+    run = run_folder(config)
     save_run_config(run, cfg)
     settings = ensure_ray(config.runtime.ray_address, config.runtime.num_cpus)
     check_cpu_budget(config, float(settings["cpus"] or 0))
@@ -167,7 +182,7 @@ def check_cpu_budget(config, cluster_cpus: float) -> None:
             "generation), or lower train.runtime.num_workers / cpus_per_worker, or logprobs.cpus_per_actor")
 
 
-@flow(name="train")  # progress lines go to stdout (Prefect logs at WARNING here)
+@flow(name="train")  # progress lines go to stdout; Prefect logs to the log file (flows/console.py)
 def train_flow(cfg: dict) -> dict:
     """Run (or resume) the training run described by ``cfg`` (a :class:`TrainFlowConfig` as JSON)."""
     from stages.metrics import MetricsLog
