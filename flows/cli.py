@@ -25,8 +25,10 @@ def _main(ctx: typer.Context,
                                                                      "to the log file (runs/<run>/logs/rollflow.log "
                                                                      "for train).")) -> None:
     from flows import console
+    from stages import progress
 
     console.setup(verbose, ctx.invoked_subcommand)
+    progress.enable(sys.stderr.isatty(), ray_data=verbose)
     settings.configure()
 
 

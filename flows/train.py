@@ -55,14 +55,16 @@ def rollout_task(config: TrainFlowConfig, iteration: int, output: str, checkpoin
     from stages.rollout.driver import run_rollout
 
     return run_rollout(config.rollout_for(iteration), output, checkpoint, pool=pool,
-                       on_event=_turn_progress(f"iteration {iteration}", "rollout"))
+                       on_event=_turn_progress(f"iteration {iteration}", "rollout"),
+                       label=f"[iteration {iteration}] rollout")
 
 
 @_stage_task("eval")
 def eval_task(config: TrainFlowConfig, output: str, checkpoint: str, pool) -> Any:
     from stages.rollout.driver import run_rollout
 
-    return run_rollout(config.eval_rollout(), output, checkpoint, pool=pool, on_event=_turn_progress("eval", "eval"))
+    return run_rollout(config.eval_rollout(), output, checkpoint, pool=pool, on_event=_turn_progress("eval", "eval"),
+                       label="[eval] eval")
 
 
 def _turn_progress(label: str, what: str):
@@ -110,10 +112,10 @@ def advantages_task(config: TrainFlowConfig, samples: str, rewarded: str, output
 
 
 @_stage_task("train")
-def train_task(config: TrainFlowConfig, samples: str, checkpoint: str, output: str) -> Any:
+def train_task(config: TrainFlowConfig, samples: str, checkpoint: str, output: str, label: str = "train") -> Any:
     from stages.train.stage import run_train_step
 
-    return run_train_step(samples, checkpoint, config.train_step_config(), output)
+    return run_train_step(samples, checkpoint, config.train_step_config(), output, label=label)
 
 
 def record(metrics, iteration: int, stage: str, result: Any, values: dict | None = None, *,
@@ -217,7 +219,7 @@ def train_flow(cfg: dict) -> dict:
                 adv = advantages_task(config, samples, rw.output, f"{here}/advantaged", kl_state)
                 record(metrics, k, "advantages", adv)
                 kl_state = adv.state
-                tr = train_task(config, adv.output, checkpoint, f"{here}/checkpoint")
+                tr = train_task(config, adv.output, checkpoint, f"{here}/checkpoint", f"[iteration {k}] train")
                 record(metrics, k, "train", tr)
                 checkpoint = tr.output
                 trained.append(checkpoint)

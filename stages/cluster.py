@@ -70,13 +70,16 @@ def route_ray_logs() -> None:
         dataset_logger.addFilter(_HideSpuriousCpuWarning())
 
 
-def ensure_ray(address: str | None = None, num_cpus: int | None = None, progress: bool = True,
+def ensure_ray(address: str | None = None, num_cpus: int | None = None, progress: bool | None = None,
                data_memory_mb: float | None = None) -> dict:
     """Connect to (or start) Ray and set the Ray Data context. Returns the settings used, for logging.
+    ``progress``: Ray Data's own progress bars (None: only with ``--verbose`` on a terminal, see stages/progress.py).
     ``data_memory_mb``: bound on the blocks Ray Data keeps in flight in the object store (None: Ray's default, which
     grows with the object store)."""
     import ray
     import ray.data
+
+    from stages import progress as bars
 
     configure_threads()
     route_ray_logs()
@@ -95,7 +98,7 @@ def ensure_ray(address: str | None = None, num_cpus: int | None = None, progress
         from ray.data._internal.execution.interfaces import ExecutionResources
 
         ctx.execution_options.resource_limits = ExecutionResources(object_store_memory=float(data_memory_mb) * 2**20)
-    ctx.enable_progress_bars = progress
+    ctx.enable_progress_bars = bars.ray_data_bars() if progress is None else progress
     ctx.print_on_execution_start = False
     settings = {"ray_address": address or "local", "cpus": ray.cluster_resources().get("CPU"),
                 "preserve_order": True, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS"),

@@ -1,5 +1,6 @@
 """A quiet console (flows/console.py): rollflow's own lines on the console, every log record in the command's log
-file; Ray's loggers handed to the root logger (stages/cluster.py)."""
+file; Ray's loggers handed to the root logger (stages/cluster.py); progress bars only when enabled
+(stages/progress.py)."""
 
 from __future__ import annotations
 
@@ -73,3 +74,18 @@ def test_ray_loggers_propagate_without_console_handlers_and_the_spurious_cpu_war
     assert dataset.filter(spurious) and spurious.hide
     assert dataset.filter(other) and not getattr(other, "hide", False)
 
+
+def test_progress_bars_are_off_unless_enabled_and_late_counts_of_a_closed_bar_are_dropped():
+    from stages import progress
+
+    assert not progress.enabled()
+    with progress.bar("train", "micro-batches") as ticker:
+        assert ticker is None
+    counter = progress._Counter()
+    counter.reset(1, None)
+    counter.add(1, 2)
+    counter.set_total(1, 5)
+    counter.reset(2, 3)
+    counter.add(1, 4)  # from the closed bar 1
+    counter.add(2, 1)
+    assert counter.read() == (1, 3)
