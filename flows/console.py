@@ -56,11 +56,11 @@ class ConsoleHandler(logging.StreamHandler):
 
 
 class LogFileHandler(logging.FileHandler):
-    """The command's log file (appended; created on the first record)."""
+    """The command's log file (created on the first record)."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, append: bool) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
-        super().__init__(path, mode="a", encoding="utf-8", delay=True)
+        super().__init__(path, mode="a" if append else "w", encoding="utf-8", delay=True)
         self.setLevel(logging.INFO)
         self.setFormatter(logging.Formatter(LOG_FORMAT))
 
@@ -70,7 +70,8 @@ _state: dict = {"log": None}
 
 def setup(verbose: bool, command: str | None) -> None:
     """Route the process's logging for one ``rollflow`` command (idempotent: a second call replaces the handlers
-    of the first). The log file is ``<cache>/logs/<command>.log`` until :func:`log_to` names another."""
+    of the first). The log file is ``<cache>/logs/<command>.log`` (the command's last run) until :func:`log_to`
+    names another."""
     root = logging.getLogger()
     for handler in list(root.handlers):
         if isinstance(handler, (ConsoleHandler, LogFileHandler)) or type(handler).__name__ == "PrefectConsoleHandler":
@@ -83,18 +84,18 @@ def setup(verbose: bool, command: str | None) -> None:
     logging.captureWarnings(True)  # a library's warnings.warn(...) goes to the "py.warnings" logger, i.e. the file
     root.addHandler(ConsoleHandler(verbose))
     _state["log"] = None
-    log_to(settings.cache_dir() / "logs" / f"{command or 'rollflow'}.log")
+    log_to(settings.cache_dir() / "logs" / f"{command or 'rollflow'}.log", append=False)
 
 
-def log_to(path: str | Path) -> Path:
-    """Send the log records to ``path`` (appended) from now on; returns the path."""
+def log_to(path: str | Path, append: bool = True) -> Path:
+    """Send the log records to ``path`` (appended, or from scratch) from now on; returns the path."""
     path = Path(path).absolute()
     root = logging.getLogger()
     for handler in list(root.handlers):
         if isinstance(handler, LogFileHandler):
             root.removeHandler(handler)
             handler.close()
-    root.addHandler(LogFileHandler(path))
+    root.addHandler(LogFileHandler(path, append))
     _state["log"] = path
     logging.getLogger("rollflow").info("rollflow %s", " ".join(sys.argv[1:]))
     return path

@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import logging
 
-import pytest
-
 from flows import console
 
 
@@ -28,23 +26,10 @@ def test_quiet_console_shows_rollflow_warnings_only_and_verbose_shows_the_librar
     assert not verbose.filter(hidden)
 
 
-@pytest.fixture
-def root_logging():
-    """The root logger's handlers and level as they were (the CLI's set-up is process-wide)."""
-    root = logging.getLogger()
-    handlers, level = list(root.handlers), root.level
-    yield root
-    for handler in list(root.handlers):
-        if handler not in handlers:
-            root.removeHandler(handler)
-            handler.close()
-    root.setLevel(level)
-    logging.captureWarnings(False)
-
-
-def test_every_record_goes_to_the_log_file_and_a_second_setup_replaces_the_handlers(tmp_path, monkeypatch,
-                                                                                   root_logging):
+def test_every_record_goes_to_the_log_file_and_a_second_setup_replaces_the_handlers(tmp_path, monkeypatch):
+    """(tests/conftest.py puts the root logger back afterwards.)"""
     monkeypatch.setenv("ROLLFLOW_CACHE", str(tmp_path / "cache"))
+    root_logging = logging.getLogger()
     console.setup(False, "example")
     console.setup(False, "train")
     ours = [h for h in root_logging.handlers if isinstance(h, (console.ConsoleHandler, console.LogFileHandler))]
