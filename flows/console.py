@@ -56,11 +56,14 @@ class ConsoleHandler(logging.StreamHandler):
 
 
 class LogFileHandler(logging.FileHandler):
-    """The command's log file (created on the first record)."""
+    """The command's log file. Opened for appending even when it starts empty: Prefect's logging set-up (on import)
+    closes every existing handler, and a closed handler of mode "w" drops its records, one of mode "a" reopens."""
 
     def __init__(self, path: Path, append: bool) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
-        super().__init__(path, mode="a" if append else "w", encoding="utf-8", delay=True)
+        if not append:
+            path.write_text("")
+        super().__init__(path, mode="a", encoding="utf-8", delay=True)
         self.setLevel(logging.INFO)
         self.setFormatter(logging.Formatter(LOG_FORMAT))
 

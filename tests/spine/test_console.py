@@ -42,6 +42,18 @@ def test_every_record_goes_to_the_log_file_and_a_second_setup_replaces_the_handl
     assert "INFO some.library: library detail" in text and "WARNING rollflow.test: our warning" in text
 
 
+def test_the_log_file_keeps_its_records_after_prefect_closes_every_handler(tmp_path, monkeypatch):
+    """Prefect's logging set-up (dictConfig, on import) closes all existing handlers; the command's log, started
+    empty, must still get the records that follow."""
+    monkeypatch.setenv("ROLLFLOW_CACHE", str(tmp_path / "cache"))
+    console.setup(False, "recompute")
+    for handler in logging.getLogger().handlers:
+        if isinstance(handler, console.LogFileHandler):
+            handler.close()  # what logging.config.dictConfig does to existing handlers
+    logging.getLogger("ray.data").warning("after the set-up")
+    assert "after the set-up" in console.log_path().read_text()
+
+
 def test_ray_loggers_propagate_without_console_handlers_and_the_spurious_cpu_warning_is_hidden():
     from stages.cluster import route_ray_logs
 
