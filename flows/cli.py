@@ -4,7 +4,6 @@ print one message naming what, where and the fix, and exit with status 2."""
 from __future__ import annotations
 
 import json
-import logging
 import sys
 from pathlib import Path
 from typing import Optional
@@ -20,10 +19,16 @@ from flows.cli_common import OverrideOpt, announce_precision, fail as _fail, gua
 
 
 @app.callback()
-def _main(verbose: bool = typer.Option(False, "--verbose", "-v", help="Log stage progress.")) -> None:
-    logging.basicConfig(level=logging.INFO if verbose else logging.WARNING,
-                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    logging.getLogger("httpx").setLevel(logging.WARNING)
+def _main(ctx: typer.Context,
+          verbose: bool = typer.Option(False, "--verbose", "-v", help="Also show the log (rollflow's, Ray's, "
+                                                                     "Prefect's, ...) on the console; it always goes "
+                                                                     "to the log file (runs/<run>/logs/rollflow.log "
+                                                                     "for train).")) -> None:
+    from flows import console
+    from stages import progress
+
+    console.setup(verbose, ctx.invoked_subcommand)
+    progress.enable(sys.stderr.isatty(), ray_data=verbose)
     settings.configure()
 
 
@@ -82,6 +87,13 @@ def train(config: Optional[Path] = typer.Option(None, "--config", help="YAML con
         where = str(config)
     pipeline = _guard(lambda: pipeline_of(data, where))
     cfg = _guard(lambda: validate_config(pipeline.config_model(), data, where))
+    from flows import console
+    from flows.train import run_log
+
+    run, log = run_log(cfg)
+    if log is not None:
+        console.log_to(log)
+    typer.echo(f"run {run}  (log: {console.log_path()})")
     announce_precision()
     summary = _guard(lambda: pipeline.flow()(cfg.model_dump(mode="json")))
     for line in pipeline.summary_lines()(summary):
@@ -192,6 +204,17 @@ def main() -> None:
         app()
     except KeyboardInterrupt:
         sys.exit(130)
+    except Exception:  # a bug, not a user error (those end in cli_common.fail): the traceback, and where the log is
+        import logging
+        import traceback
+
+        from flows import console
+
+        traceback.print_exc()
+        if console.log_path() is not None:
+            logging.getLogger("rollflow").exception("the command failed", extra={"hide": True})  # the file only
+            print(f"the log of this command: {console.log_path()}", file=sys.stderr)
+        sys.exit(1)
 
 
 if __name__ == "__main__":

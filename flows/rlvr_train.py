@@ -52,6 +52,7 @@ def generate_task(config: RLVRTrainConfig, step: int, prompts: str, checkpoint: 
     import pyarrow.dataset as pads
 
     from schemas.rollout_config import EngineIdentity
+    from stages import progress
     from stages.rlvr.generate import GenerateSection, GenerateStage, step_prompt_ids
     from stages.rollout.engine_pool import checkpoint_fingerprint
     from stages.runner import run_stage
@@ -66,8 +67,9 @@ def generate_task(config: RLVRTrainConfig, step: int, prompts: str, checkpoint: 
                               system_prompt=config.prompts.system_prompt, sequence_length=config.sequence_length,
                               generating_args=config.generating_args, engine=engine)
     pool.use_checkpoint(checkpoint)
-    return run_stage(GenerateStage(pool), section, {"prompts": prompts}, output,
-                     state_in={"checkpoint": checkpoint_fingerprint(checkpoint)})
+    with progress.bar(f"[iteration {step}] generate", "responses", total=len(section.prompt_ids) * section.n) as ticker:
+        return run_stage(GenerateStage(pool, ticker), section, {"prompts": prompts}, output,
+                         state_in={"checkpoint": checkpoint_fingerprint(checkpoint)})
 
 
 @_task("rewards_and_advantages")
@@ -105,7 +107,7 @@ def first_pass_config(config: RLVRTrainConfig) -> RLVRTrainConfig:
     return config.model_copy(update=update)
 
 
-@flow(name="rlvr-train")  # progress lines go to stdout (Prefect logs at WARNING here)
+@flow(name="rlvr-train")  # progress lines go to stdout; Prefect logs to the log file (flows/console.py)
 def rlvr_train_flow(cfg: dict) -> dict:
     """Run (or resume) the RLVR training run described by ``cfg`` (an :class:`RLVRTrainConfig` as JSON)."""
     from flows.train import start_run
@@ -144,7 +146,7 @@ def rlvr_train_flow(cfg: dict) -> dict:
                     samples = advantaged.output  # old/ref log-probs (and values) came along through the responses
                 record(metrics, k, "advantages", advantaged)
                 state = {**chain["rlvr_rewarded"].state, **advantaged.state}
-                tr = train_task(config, samples, checkpoint, f"{here}/checkpoint")
+                tr = train_task(config, samples, checkpoint, f"{here}/checkpoint", f"[iteration {k}] train")
                 record(metrics, k, "train", tr)
                 checkpoint = tr.output
                 trained.append(checkpoint)

@@ -32,10 +32,14 @@ def configure() -> dict[str, str]:
     defaults = {
         "PREFECT_HOME": str(cache_dir() / "prefect"),
         "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+        # Prefect 3.7's client telemetry is off only with DO_NOT_TRACK; without it Prefect prints a notice about it
+        # on the first run in a terminal
+        "DO_NOT_TRACK": "1",
         # the ephemeral server's first start runs the database migrations: Prefect's 20 s default is too short on
         # a loaded 2-core machine ("Timed out while attempting to connect to ephemeral Prefect API server")
         "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "180",
-        "PREFECT_LOGGING_LEVEL": os.environ.get("PREFECT_LOGGING_LEVEL", "WARNING"),
+        # Prefect's flow and task run records go to the command's log file, not the console (flows/console.py)
+        "PREFECT_LOGGING_LEVEL": os.environ.get("PREFECT_LOGGING_LEVEL", "INFO"),
         "RAY_USAGE_STATS_ENABLED": "0",
         "RAY_AUTH_MODE": "disabled",
         "TOKENIZERS_PARALLELISM": "false",
@@ -45,6 +49,9 @@ def configure() -> dict[str, str]:
     }
     for key, value in defaults.items():
         os.environ.setdefault(key, value)
+    # Prefect 3.7 puts the memo store under ~/.prefect whatever PREFECT_HOME says (its server settings do not see the
+    # home setting), and its server warns on the console when ~/.prefect does not exist
+    os.environ.setdefault("PREFECT_SERVER_MEMO_STORE_PATH", str(Path(os.environ["PREFECT_HOME"]) / "memo_store.toml"))
     for name in ("prefect.task_runs", "prefect.flow_runs"):
         if not any(isinstance(f, UserErrorWithoutTraceback) for f in logging.getLogger(name).filters):
             logging.getLogger(name).addFilter(UserErrorWithoutTraceback())

@@ -25,6 +25,21 @@ from stages.storage import Location
 
 log = logging.getLogger("rollflow.train")
 CONFIG_FILE = "config.json"
+RUN_LOG = "logs/rollflow.log"  # the command's log (flows/console.py), appended by every resume
+
+
+def run_folder(config) -> Location:
+    """The run folder ``<runs_dir>/<run_name>`` of a training config (either pipeline)."""
+    return Location.of(f"{config.runs_dir}/{config.run_name}")
+
+
+def run_log(config) -> tuple[str, str | None]:
+    """The run folder and its log file (None when the run folder is not local: the log stays in the cache)."""
+    import pyarrow.fs as pafs
+
+    run = run_folder(config)
+    local = isinstance(run.fs, pafs.LocalFileSystem)
+    return run.uri(), (f"{run.path}/{RUN_LOG}" if local else None)
 
 
 def iter_dir(run: str, iteration: int) -> str:
@@ -40,14 +55,16 @@ def rollout_task(config: TrainFlowConfig, iteration: int, output: str, checkpoin
     from stages.rollout.driver import run_rollout
 
     return run_rollout(config.rollout_for(iteration), output, checkpoint, pool=pool,
-                       on_event=_turn_progress(f"iteration {iteration}", "rollout"))
+                       on_event=_turn_progress(f"iteration {iteration}", "rollout"),
+                       label=f"[iteration {iteration}] rollout")
 
 
 @_stage_task("eval")
 def eval_task(config: TrainFlowConfig, output: str, checkpoint: str, pool) -> Any:
     from stages.rollout.driver import run_rollout
 
-    return run_rollout(config.eval_rollout(), output, checkpoint, pool=pool, on_event=_turn_progress("eval", "eval"))
+    return run_rollout(config.eval_rollout(), output, checkpoint, pool=pool, on_event=_turn_progress("eval", "eval"),
+                       label="[eval] eval")
 
 
 def _turn_progress(label: str, what: str):
@@ -95,10 +112,10 @@ def advantages_task(config: TrainFlowConfig, samples: str, rewarded: str, output
 
 
 @_stage_task("train")
-def train_task(config: TrainFlowConfig, samples: str, checkpoint: str, output: str) -> Any:
+def train_task(config: TrainFlowConfig, samples: str, checkpoint: str, output: str, label: str = "train") -> Any:
     from stages.train.stage import run_train_step
 
-    return run_train_step(samples, checkpoint, config.train_step_config(), output)
+    return run_train_step(samples, checkpoint, config.train_step_config(), output, label=label)
 
 
 def record(metrics, iteration: int, stage: str, result: Any, values: dict | None = None, *,
@@ -122,7 +139,7 @@ def start_run(config, cfg: dict, max_model_len: int):
     from stages.rollout.driver import resolve_model_dir
     from stages.rollout.engine_pool import EnginePool
 
-    run = Location.of(f"{config.runs_dir}/{config.run_name}")
+    run = run_folder(config)
     save_run_config(run, cfg)
     settings = ensure_ray(config.runtime.ray_address, config.runtime.num_cpus)
     check_cpu_budget(config, float(settings["cpus"] or 0))
@@ -167,7 +184,7 @@ def check_cpu_budget(config, cluster_cpus: float) -> None:
             "generation), or lower train.runtime.num_workers / cpus_per_worker, or logprobs.cpus_per_actor")
 
 
-@flow(name="train")  # progress lines go to stdout (Prefect logs at WARNING here)
+@flow(name="train")  # progress lines go to stdout; Prefect logs to the log file (flows/console.py)
 def train_flow(cfg: dict) -> dict:
     """Run (or resume) the training run described by ``cfg`` (a :class:`TrainFlowConfig` as JSON)."""
     from stages.metrics import MetricsLog
@@ -202,7 +219,7 @@ def train_flow(cfg: dict) -> dict:
                 adv = advantages_task(config, samples, rw.output, f"{here}/advantaged", kl_state)
                 record(metrics, k, "advantages", adv)
                 kl_state = adv.state
-                tr = train_task(config, adv.output, checkpoint, f"{here}/checkpoint")
+                tr = train_task(config, adv.output, checkpoint, f"{here}/checkpoint", f"[iteration {k}] train")
                 record(metrics, k, "train", tr)
                 checkpoint = tr.output
                 trained.append(checkpoint)

@@ -33,15 +33,56 @@ def local_read_settings(num_cpus: int) -> dict[str, str]:
             "RAY_DATA_PARQUET_BIN_PACKING_BYTES": str(READ_UNIT_MB * 2**20)}
 
 
-def ensure_ray(address: str | None = None, num_cpus: int | None = None, progress: bool = True,
+class _HideSpuriousCpuWarning(logging.Filter):
+    """Ray Data warns "The Ray cluster currently does not have any available CPUs. The Dataset job will hang unless
+    more CPUs are freed up" whenever ``ray.available_resources()`` shows no free CPU as a dataset executes. Every stage
+    write runs ``materialize()``, which checks again on its already computed result (no task left to run) right after
+    the stage's actors and write tasks held every CPU of a 2-CPU machine, before Ray has released them, so the warning
+    appears after a stage that finished. The real case — actors that hold the CPUs for good — is refused before any
+    stage runs, with the fix (``check_cpu_budget`` in flows/train.py, the forward stages' ``cpus_per_actor`` check).
+    The record is marked ``hide``: it stays in the log file, off the console."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if "does not have any available CPUs" in str(record.msg):
+            record.hide = True
+        return True
+
+
+def route_ray_logs() -> None:
+    """Ray's driver-side loggers print to stderr through their own handlers and do not propagate ("ray" since
+    ``import ray``, "ray.data" since ``import ray.data``): drop those console handlers (Ray Data's file in the Ray
+    session folder stays) and let the records propagate to the root logger, whose handlers decide where they go (the
+    CLI: the command's log file; the console with ``--verbose``, see flows/console.py). Idempotent."""
+    import ray.data  # noqa: F401  (configures the "ray.data" logger on import)
+
+    for name in ("ray", "ray.data"):
+        logger = logging.getLogger(name)
+        for handler in list(logger.handlers):
+            if isinstance(handler, logging.StreamHandler) and not isinstance(handler, logging.FileHandler):
+                logger.removeHandler(handler)
+        logger.propagate = True
+    # Ray Data logs at DEBUG into its session file; propagated, DEBUG records would reach handlers without a level
+    data_logger = logging.getLogger("ray.data")
+    if data_logger.level < logging.INFO:
+        data_logger.setLevel(logging.INFO)
+    dataset_logger = logging.getLogger("ray.data.dataset")
+    if not any(isinstance(f, _HideSpuriousCpuWarning) for f in dataset_logger.filters):
+        dataset_logger.addFilter(_HideSpuriousCpuWarning())
+
+
+def ensure_ray(address: str | None = None, num_cpus: int | None = None, progress: bool | None = None,
                data_memory_mb: float | None = None) -> dict:
     """Connect to (or start) Ray and set the Ray Data context. Returns the settings used, for logging.
+    ``progress``: Ray Data's own progress bars (None: only with ``--verbose`` on a terminal, see stages/progress.py).
     ``data_memory_mb``: bound on the blocks Ray Data keeps in flight in the object store (None: Ray's default, which
     grows with the object store)."""
     import ray
     import ray.data
 
+    from stages import progress as bars
+
     configure_threads()
+    route_ray_logs()
     address = address or os.environ.get("RAY_ADDRESS")
     if not ray.is_initialized():
         if address:
@@ -57,7 +98,7 @@ def ensure_ray(address: str | None = None, num_cpus: int | None = None, progress
         from ray.data._internal.execution.interfaces import ExecutionResources
 
         ctx.execution_options.resource_limits = ExecutionResources(object_store_memory=float(data_memory_mb) * 2**20)
-    ctx.enable_progress_bars = progress
+    ctx.enable_progress_bars = bars.ray_data_bars() if progress is None else progress
     ctx.print_on_execution_start = False
     settings = {"ray_address": address or "local", "cpus": ray.cluster_resources().get("CPU"),
                 "preserve_order": True, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS"),

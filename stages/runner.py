@@ -58,6 +58,14 @@ class StageContext:
 
 SIDE_DIR = "_partials"
 
+# Ray options of a stage's Ray Data actor pool (``map_batches(..., compute=ActorPoolStrategy(...), **ACTOR_POOL)``).
+# Ray Data restarts a dead pool actor forever by default (max_restarts=-1); its constructor arguments (the data
+# context and the map function) live in the object store, so Ray core logs an error line on the console for every
+# such actor ("has constructor arguments in the object store and max_restarts > 0"). A stage whose actor dies should
+# fail instead (the runner keeps the committed stages; ``--resume`` runs it again), not restart without bound.
+# Ray 2.60 takes it only as a Ray remote argument, which it deprecates for 2.64 (a warning in the log file).
+ACTOR_POOL = {"max_restarts": 0}
+
 
 def write_partials(output: Location, key: str, partials: dict[str, Any]) -> None:
     """From inside a Ray task: record a batch's additive partials (metrics sums, counts) next to the output.

@@ -35,6 +35,23 @@ import prefect.main  # noqa: E402,F401  (runs Prefect's setup_logging() now, out
 
 
 
+@pytest.fixture(autouse=True)
+def _root_logging():
+    """A command run in-process (Typer's runner) routes the root logger for itself (flows/console.py: a console
+    handler, the command's log file, INFO, Python warnings as records); the next test gets the set-up above back."""
+    import warnings
+
+    root = logging.getLogger()
+    handlers, level, showwarning = list(root.handlers), root.level, warnings.showwarning
+    yield
+    for handler in list(root.handlers):
+        if handler not in handlers:
+            root.removeHandler(handler)
+            handler.close()
+    root.setLevel(level)
+    warnings.showwarning = showwarning
+
+
 @pytest.fixture(scope="session")
 def prefect_home() -> str:
     """The temporary ``PREFECT_HOME`` of this test session (the ephemeral database lives there)."""

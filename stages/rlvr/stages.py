@@ -34,7 +34,7 @@ from schemas.rlvr_tables import (RESPONSE_ALIGNED, RESPONSES, RLVR_ADVANTAGED, R
 from schemas.config import Frozen
 from schemas.tables import SAMPLES, check_row_invariants
 from stages.recompute import reward_lookup
-from stages.runner import Stage, StageContext, read_partials, sum_partials, write_partials
+from stages.runner import ACTOR_POOL, Stage, StageContext, read_partials, sum_partials, write_partials
 from stages.storage import Location, folder_fingerprint
 
 log = logging.getLogger("rollflow.rlvr")
@@ -145,7 +145,8 @@ class RewardStage(Stage):
             ScoreBatch, batch_size=ctx.batch_rows, batch_format="pyarrow",
             fn_constructor_kwargs={"routes": routes, "domain_column": section.domain_column,
                                    "services": self.services, "where": ctx.inputs["responses"].path},
-            compute=ActorPoolStrategy(min_size=1, max_size=self.max_actors), num_cpus=self.cpus_per_actor)
+            compute=ActorPoolStrategy(min_size=1, max_size=self.max_actors), num_cpus=self.cpus_per_actor,
+            **ACTOR_POOL)
 
     def finalize(self, ctx: StageContext, written: Location):
         import pyarrow.dataset as pads

@@ -19,6 +19,7 @@ from typing import Any, Callable
 
 from schemas.errors import ConfigError
 from schemas.rollout_config import RolloutConfig, samples_section, turn_section
+from stages import progress
 from stages.rollout.engine_pool import EnginePool, checkpoint_fingerprint
 from stages.rollout.stages import ResetStage, SamplesStage, TurnStage
 from stages.runner import StageResult, run_stage
@@ -83,12 +84,14 @@ def _remove_stale_turns(out: Location, last_turn: int) -> None:
 
 def run_rollout(config: RolloutConfig, output: str, checkpoint: str | None = None, *, force: bool = False,
                 pool: EnginePool | None = None,
-                on_event: Callable[[str, dict[str, Any]], None] | None = None) -> RolloutResult:
+                on_event: Callable[[str, dict[str, Any]], None] | None = None,
+                label: str = "rollout") -> RolloutResult:
     """Play ``config.num_episodes`` episodes with the policy in ``checkpoint`` and write the tables under ``output``.
 
     ``pool``: an engine pool to reuse (it is pointed at ``checkpoint`` with in-place weight loading and left open);
     without one a pool is created and closed here. ``on_event(name, info)`` is called after each committed stage
-    (names ``episodes``, ``turn``, ``samples``) — for progress output.
+    (names ``episodes``, ``turn``, ``samples``) — for progress output. ``label`` heads each turn's progress bar (on a
+    terminal, see :mod:`stages.progress`).
     """
     from stages.cluster import ensure_ray
 
@@ -118,10 +121,10 @@ def run_rollout(config: RolloutConfig, output: str, checkpoint: str | None = Non
             active = int(previous.metrics.get("active", 0))
             if active == 0:
                 break
-            stage = TurnStage(turn, pool, active)
-            result = run_stage(stage, section, {"previous": previous.output},
-                               out.child(TURNS_DIR).child(turn_dir_name(turn)).path, force=force,
-                               state_in={**state, "turn": turn}, batch_rows=config.runtime.batch_rows)
+            with progress.bar(f"{label} turn {turn}", "episodes", total=active) as ticker:
+                result = run_stage(TurnStage(turn, pool, active, ticker), section, {"previous": previous.output},
+                                   out.child(TURNS_DIR).child(turn_dir_name(turn)).path, force=force,
+                                   state_in={**state, "turn": turn}, batch_rows=config.runtime.batch_rows)
             turns.append(result)
             notify("turn", {"turn": turn, "result": result})
             previous = result

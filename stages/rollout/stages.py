@@ -110,8 +110,9 @@ class TurnStage(Stage):
     section_model = TurnSection
     input_specs = {"previous": TURNS}
 
-    def __init__(self, turn: int, pool, active: int) -> None:
+    def __init__(self, turn: int, pool, active: int, ticker=None) -> None:
         self.turn, self.pool, self.active = turn, pool, active
+        self.ticker = ticker  # a stages.progress.Ticker (episodes played) or None
 
     def _batch_size(self) -> int:
         configured = self.pool.config.batch_size
@@ -119,7 +120,7 @@ class TurnStage(Stage):
 
     def build(self, ctx: StageContext):
         section: TurnSection = ctx.section
-        handles, output, turn = self.pool.handles(), ctx.output, self.turn
+        handles, output, turn, ticker = self.pool.handles(), ctx.output, self.turn, self.ticker
         total = section.env.num_env_groups * section.env.group_size
         where = ctx.inputs["previous"].path
 
@@ -138,6 +139,8 @@ class TurnStage(Stage):
             write_partials(output, batch.column("traj_id")[0].as_py(),
                            {**_count_partials(table), **seconds, "actor_seconds": time.time() - start,
                             "batches": 1})
+            if ticker is not None:
+                ticker.add(batch.num_rows)
             return table
 
         active = read_table(ctx.inputs["previous"], where=pc.field("done") == False)  # noqa: E712

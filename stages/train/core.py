@@ -342,7 +342,7 @@ def batching_policy(worker: WorkerTrainConfig) -> BatchingPolicy:
 
 
 def run_engine(engine: Engine, objective, rows: TokenRows, plans: list[MiniBatchPlan], pad_token_id: int,
-               dist: DistInfo) -> tuple[list[list[Metrics]], list[Metrics], int, int]:
+               dist: DistInfo, progress=None) -> tuple[list[list[Metrics]], list[Metrics], int, int]:
     """Every optimizer step of ``plans`` on this rank → (micro-batch metrics per step, step metrics, tokens,
     padded tokens). The loss is scaled by the world size: DeepSpeed averages gradients over ranks, while the global
     normalisers already make the sum over ranks the mini-batch loss."""
@@ -361,6 +361,8 @@ def run_engine(engine: Engine, objective, rows: TokenRows, plans: list[MiniBatch
             mine.append(metrics)
             tokens += mb.real_tokens
             padded += mb.padded_tokens if not mb.padding_step else 0
+            if progress is not None:
+                progress.add(1)
         step_metrics.append(engine.step())
         micro_metrics.append(mine)
     return micro_metrics, step_metrics, tokens, padded
@@ -399,10 +401,11 @@ def mean_metrics(steps: list[Metrics]) -> Metrics:
 
 
 def train_step(rows: TokenRows, actor: Engine | None, critic: Engine | None, cfg: TrainSection, dist: DistInfo,
-               step: int, pad_token_id: int) -> StepReport:
+               step: int, pad_token_id: int, progress=None) -> StepReport:
     """One training step over the whole table ``rows`` (every rank holds all rows and takes its share by the plan).
 
-    ``step``: training steps done before this one (seeds the shuffle; the actor waits for ``critic_warmup``)."""
+    ``step``: training steps done before this one (seeds the shuffle; the actor waits for ``critic_warmup``).
+    ``progress``: a :class:`stages.progress.Ticker` told this rank's micro-batches (total, then one by one), or None."""
     start, cpu_start = time.perf_counter(), time.process_time()
     rows = apply_train_infer_correction(rows, cfg)
     lengths, loss_tokens, final_tokens = rows.lengths, rows.loss_tokens(), rows.final_tokens()
@@ -417,11 +420,14 @@ def train_step(rows: TokenRows, actor: Engine | None, critic: Engine | None, cfg
         jobs.append((critic, CriticObjective(cfg.value_clip), cfg.critic_train))
     if actor is not None and step >= cfg.critic_warmup:
         jobs.append((actor, ActorObjective.from_section(cfg), cfg.actor_train))
-    for engine, objective, worker in jobs:
-        plans = plan_step(lengths, loss_tokens, policy=batching_policy(worker), world_size=dist.world_size,
-                          rank=dist.rank, ppo_epochs=cfg.ppo_epochs, seed=worker.training_args.seed, step=step,
-                          final_tokens=final_tokens)
-        micro, steps, n_tok, n_pad = run_engine(engine, objective, rows, plans, pad_token_id, dist)
+    planned = [(engine, objective, plan_step(lengths, loss_tokens, policy=batching_policy(worker),
+                                             world_size=dist.world_size, rank=dist.rank, ppo_epochs=cfg.ppo_epochs,
+                                             seed=worker.training_args.seed, step=step, final_tokens=final_tokens))
+               for engine, objective, worker in jobs]
+    if progress is not None:
+        progress.total(sum(len(plan.micro_batches) for _, _, plans in planned for plan in plans))
+    for engine, objective, plans in planned:
+        micro, steps, n_tok, n_pad = run_engine(engine, objective, rows, plans, pad_token_id, dist, progress)
         combined = combine_metrics(_gather(micro, dist))
         for i, s in enumerate(steps):
             combined[i].update(s)
@@ -484,9 +490,10 @@ def rows_of_table(table, where: str) -> TokenRows:
 
 
 def run_training(table, where: str, checkpoint: str, cfg: TrainSection, output: str, dist: DistInfo,
-                 ) -> StepReport:
+                 progress=None) -> StepReport:
     """Load the actor (and critic) from ``checkpoint`` (resuming DeepSpeed's state when it has one), run one
-    training step over ``table``, and write the new checkpoint folder ``output`` (all but the manifest)."""
+    training step over ``table``, and write the new checkpoint folder ``output`` (all but the manifest).
+    ``progress``: see :func:`train_step`."""
     from stages.train.checkpoint import (ACTOR_STATE, CRITIC_DIR, CRITIC_STATE, copy_tokenizer, read_checkpoint,
                                          write_train_state)
 
@@ -505,7 +512,7 @@ def run_training(table, where: str, checkpoint: str, cfg: TrainSection, output: 
         critic = Engine(model, cfg.critic_train, dist, "critic")
         if info.critic_state:
             critic.load_state(info.critic_state)
-    report = train_step(rows, actor, critic, cfg, dist, info.global_step, pad_token_id=0)
+    report = train_step(rows, actor, critic, cfg, dist, info.global_step, pad_token_id=0, progress=progress)
 
     save_start = time.perf_counter()
     out = Path(output)

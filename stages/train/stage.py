@@ -26,7 +26,7 @@ import pyarrow as pa
 from schemas.errors import ConfigError, RollflowError, SchemaError
 from schemas.tables import ADVANTAGED, FLOATS, SAMPLES, TableSpec, check_row_invariants
 from schemas.train_config import ForwardConfig, LogProbSection, TrainSection, TrainStepConfig, ValuesSection
-from stages.runner import (Stage, StageContext, StageResult, commit_folder, read_partials, run_stage,
+from stages.runner import (ACTOR_POOL, Stage, StageContext, StageResult, commit_folder, read_partials, run_stage,
                            stage_fingerprint, sum_partials, unwrap_error, unwrapped_errors, write_partials)
 from stages.storage import Location, folder_fingerprint, read_table_schema
 from stages.train import checkpoint as ckpt
@@ -62,7 +62,8 @@ def _train_loop(config: dict) -> None:
     if table is None or table.num_rows == 0:
         raise SchemaError(f"advantaged table at {config['samples']} has no rows; nothing to train on")
     cfg = TrainSection.model_validate(config["section"])
-    run_training(table, config["samples"], config["checkpoint"], cfg, config["output"], dist)
+    run_training(table, config["samples"], config["checkpoint"], cfg, config["output"], dist,
+                 progress=config.get("progress") if dist.rank == 0 else None)
 
 
 def _worker_error(err: BaseException) -> BaseException:
@@ -78,11 +79,12 @@ def _worker_error(err: BaseException) -> BaseException:
     return err
 
 
-def _fit(samples: Location, checkpoint: str, cfg: TrainStepConfig, tmp: str, storage: str) -> None:
+def _fit(samples: Location, checkpoint: str, cfg: TrainStepConfig, tmp: str, storage: str, label: str) -> None:
     import ray.data
     from ray.train import DataConfig, FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
 
+    from stages import progress
     from stages.cluster import ensure_ray
 
     rt = cfg.runtime
@@ -93,18 +95,19 @@ def _fit(samples: Location, checkpoint: str, cfg: TrainStepConfig, tmp: str, sto
     ds = ray.data.read_parquet(samples.parquet_files(), columns=columns,
                                filesystem=samples.ray_filesystem()).materialize()
     threads = rt.torch_threads()
-    trainer = TorchTrainer(
-        _train_loop,
-        train_loop_config={"section": train_section(cfg).model_dump(mode="json"), "checkpoint": checkpoint,
-                           "output": tmp, "samples": samples.path, "threads": threads},
-        scaling_config=ScalingConfig(num_workers=rt.num_workers, use_gpu=rt.use_gpu,
-                                     resources_per_worker={"CPU": rt.cpus_per_worker}),
-        torch_config=TorchConfig(backend="nccl" if rt.use_gpu else "gloo"),
-        datasets={"train": ds}, dataset_config=DataConfig(datasets_to_split=[]),
-        run_config=RunConfig(name=f"train-{uuid.uuid4().hex[:8]}", storage_path=storage,
-                             failure_config=FailureConfig(max_failures=0)))
-    with unwrapped_errors(_worker_error):
-        trainer.fit()
+    with progress.bar(label, "micro-batches") as ticker:  # rank 0 counts its micro-batches
+        trainer = TorchTrainer(
+            _train_loop,
+            train_loop_config={"section": train_section(cfg).model_dump(mode="json"), "checkpoint": checkpoint,
+                               "output": tmp, "samples": samples.path, "threads": threads, "progress": ticker},
+            scaling_config=ScalingConfig(num_workers=rt.num_workers, use_gpu=rt.use_gpu,
+                                         resources_per_worker={"CPU": rt.cpus_per_worker}),
+            torch_config=TorchConfig(backend="nccl" if rt.use_gpu else "gloo"),
+            datasets={"train": ds}, dataset_config=DataConfig(datasets_to_split=[]),
+            run_config=RunConfig(name=f"train-{uuid.uuid4().hex[:8]}", storage_path=storage,
+                                 failure_config=FailureConfig(max_failures=0)))
+        with unwrapped_errors(_worker_error):
+            trainer.fit()
 
 
 def train_section(cfg: TrainStepConfig) -> TrainSection:
@@ -112,10 +115,11 @@ def train_section(cfg: TrainStepConfig) -> TrainSection:
 
 
 def run_train_step(samples: str, checkpoint: str, cfg: TrainStepConfig, output: str, *, force: bool = False,
-                   ) -> StageResult:
+                   label: str = "train") -> StageResult:
     """Train the checkpoint one step on the advantaged table ``samples``; write the new checkpoint to ``output``.
 
-    Skips when ``output`` already holds this exact step (same table, checkpoint and training section)."""
+    Skips when ``output`` already holds this exact step (same table, checkpoint and training section). ``label``
+    heads the progress bar of the micro-batches (on a terminal, see :mod:`stages.progress`)."""
     start = time.time()
     section = train_section(cfg)
     samples_loc = Location.of(samples)
@@ -128,7 +132,7 @@ def run_train_step(samples: str, checkpoint: str, cfg: TrainStepConfig, output: 
     state_in = {"checkpoint": ckpt.checkpoint_fingerprint(info.path)}
     fp = stage_fingerprint(TrainStage, section, {"samples": samples_loc}, state_in)
     manifest, skipped = commit_folder(
-        out, fp, lambda tmp: _train_into(tmp, out, samples_loc, info, cfg, state_in, start),
+        out, fp, lambda tmp: _train_into(tmp, out, samples_loc, info, cfg, state_in, start, label),
         who="train_step", other="a checkpoint of another training step", force=force)
     if not skipped:
         if cfg.max_ckpt_to_keep:
@@ -140,7 +144,7 @@ def run_train_step(samples: str, checkpoint: str, cfg: TrainStepConfig, output: 
 
 
 def _train_into(tmp: Location, out: Location, samples: Location, info: ckpt.CheckpointInfo, cfg: TrainStepConfig,
-                state_in: dict, start: float) -> dict[str, Any]:
+                state_in: dict, start: float, label: str) -> dict[str, Any]:
     """Run the training step into ``tmp`` (the temporary folder of ``out``; Ray Train's own files go to a sibling
     folder, removed after), check the checkpoint, and return its manifest (all but the fingerprint)."""
     checkpoint = info.path
@@ -150,7 +154,7 @@ def _train_into(tmp: Location, out: Location, samples: Location, info: ckpt.Chec
     section = train_section(cfg)
     storage = tempfile.mkdtemp(prefix=".ray-train-", dir=tmp.parent.path)
     try:
-        _fit(samples, checkpoint, cfg, tmp.path, storage)
+        _fit(samples, checkpoint, cfg, tmp.path, storage, label)
     except Exception as err:
         full = ckpt.disk_full_error(tmp.path, checkpoint, err)
         if full is not None:
@@ -279,7 +283,7 @@ class _ForwardStage(Stage):
                                    "max_tokens": ctx.section.max_tokens_per_microbatch_in_infer,
                                    "threads": c.torch_threads(), "output": ctx.output,
                                    "spec": self.output_spec, "where": ctx.inputs["samples"].path},
-            compute=ActorPoolStrategy(min_size=1, max_size=c.num_actors), num_cpus=c.cpus_per_actor)
+            compute=ActorPoolStrategy(min_size=1, max_size=c.num_actors), num_cpus=c.cpus_per_actor, **ACTOR_POOL)
 
     def finalize(self, ctx: StageContext, written: Location) -> tuple[dict[str, float], dict[str, Any]]:
         parts = read_partials(written)

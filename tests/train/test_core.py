@@ -102,15 +102,32 @@ def test_engine_step_equals_bare_torch_on_one_padded_batch(zero_stage, dist, tin
     assert_same_weights(engine.module, model)
 
 
+class _Ticker:
+    """Records what the training step tells its progress bar (stages.progress.Ticker's interface)."""
+
+    def __init__(self):
+        self.announced, self.done = None, 0
+
+    def total(self, n: int) -> None:
+        self.announced = n
+
+    def add(self, n: int = 1) -> None:
+        self.done += n
+
+
 def test_epochs_and_mini_batches_follow_the_plan_like_a_bare_loop(dist, tiny_model, table):
     cfg = section(**{"ppo_epochs": 2, "actor_train.training_args.per_device_train_batch_size": 3,
                      "actor_train.training_args.lr_scheduler_type": "cosine",
                      "actor_train.training_args.warmup_steps": 2, "actor_train.training_args.max_steps": 6})
     rows = rows_of_table(table, "t")
     engine = Engine(load_actor_model(str(tiny_model), None), cfg.actor_train, dist, "actor")
-    report = train_step(rows, engine, None, cfg, dist, step=0, pad_token_id=0)
+    ticker = _Ticker()
+    report = train_step(rows, engine, None, cfg, dist, step=0, pad_token_id=0, progress=ticker)
     reference, model = bare_torch_loop(tiny_model, rows, cfg)
     assert len(report.per_step) == len(reference) == 6  # 2 epochs x ceil(8 / 3)
+    plans = plan_step(rows.lengths, rows.loss_tokens(), policy=batching_policy(cfg.actor_train), world_size=1,
+                      rank=0, ppo_epochs=2, seed=cfg.actor_train.training_args.seed, step=0)
+    assert ticker.announced == ticker.done == sum(len(p.micro_batches) for p in plans)  # the bar counts micro-batches
     for got, (loss, norm, lr) in zip(report.per_step, reference):
         assert got["actor/pg_loss"] == pytest.approx(loss, abs=1e-5)
         assert got["actor/grad_norm"] == pytest.approx(norm, rel=1e-3)
