@@ -746,14 +746,7 @@ def test_chain_rlvr_mask_and_postprocess_part(name):
     case = load(name)
     p = chain_params(case)
     i = case.inputs
-    token_mask = i["response_mask"][:, 1:]
-    s, metrics = get_sample_level_mask(
-        token_mask.sum(-1), int(i["responses_width"]), i["scores"], p["num_return_sequences"],
-        max_len_mask=p.get("max_len_mask", False), use_difficulty_mask=p.get("difficulty_mask", False),
-        difficulty_low_threshold=p.get("difficulty_low_threshold", 0.0),
-        difficulty_high_threshold=p.get("difficulty_high_threshold", 1.0),
-        error_max_len_clip=p.get("error_max_len_clip", False),
-        error_max_len_threshold=p.get("error_max_len_threshold", 9999999999))
+    token_mask, s, metrics = _sample_mask_of_case(i, p)
     np.testing.assert_array_equal(token_mask * s[:, None], case.outputs["final_response_mask"])
     rewards, post_metrics = reward_postprocess(i["response_level_rewards"], p["adv_estimator"], p.get("norm_mean_type"),
                                                p.get("norm_std_type"), p["num_return_sequences"],
@@ -852,18 +845,25 @@ SAMPLE_MASK_PARAMS = ("max_len_mask", "difficulty_mask", "error_max_len_clip", "
                       "difficulty_low_threshold", "difficulty_high_threshold", "num_return_sequences")
 
 
-@pytest.mark.parametrize("name", SAMPLE_LEVEL_MASK)
-def test_get_sample_level_mask_golden(name):
-    case = load(name)
-    p, i = case.check_params(SAMPLE_MASK_PARAMS), case.inputs
+def _sample_mask_of_case(i: dict, p: dict):
+    """get_sample_level_mask on a golden case's inputs and params, ROLL's defaults (§3.5) for a param the case leaves
+    out. Returns (token mask (B, S-1), sample mask (B,), metrics)."""
     token_mask = i["response_mask"][:, 1:]
-    s, metrics = get_sample_level_mask(                  # ROLL's defaults (§3.5) for a param a case leaves out
+    s, metrics = get_sample_level_mask(
         token_mask.sum(-1), int(i["responses_width"]), i["scores"], p["num_return_sequences"],
         max_len_mask=p.get("max_len_mask", False), use_difficulty_mask=p.get("difficulty_mask", False),
         difficulty_low_threshold=p.get("difficulty_low_threshold", 0.0),
         difficulty_high_threshold=p.get("difficulty_high_threshold", 1.0),
         error_max_len_clip=p.get("error_max_len_clip", False),
         error_max_len_threshold=p.get("error_max_len_threshold", 9999999999))
+    return token_mask, s, metrics
+
+
+@pytest.mark.parametrize("name", SAMPLE_LEVEL_MASK)
+def test_get_sample_level_mask_golden(name):
+    case = load(name)
+    p, i = case.check_params(SAMPLE_MASK_PARAMS), case.inputs
+    token_mask, s, metrics = _sample_mask_of_case(i, p)
     assert s.shape == (len(token_mask),) and s.dtype == np.float32
     np.testing.assert_array_equal(token_mask * s[:, None], case.outputs["final_response_mask"])
     golden = {k.split("metric:", 1)[1].replace("|", "/"): float(v) for k, v in case.outputs.items() if "metric:" in k}
