@@ -99,11 +99,19 @@ def _response_part_equal(full_table, got_table, name: str) -> None:
 
 
 @pytest.mark.slow
-def test_rlvr_run_with_token_kl_end_to_end_then_resume_skips_everything(tmp_path, cli_env):
-    """Two steps with the token-level KL reward: the first chain runs without it, the log-probs (old under the step's
-    policy, ref under the initial one) are attached to the responses, and the advantages are recomputed with it."""
+def test_rlvr_run_with_gae_and_token_kl_end_to_end_then_resume_skips_everything(tmp_path, cli_env):
+    """One two-step run that takes both RLVR paths which need a token table: the token-level KL reward (the first
+    chain runs without it, the log-probs — old under the step's policy, ref under the initial one — are attached to
+    the responses and the advantages recomputed with it) and GAE (the first chain runs with reinforce, the critic's
+    values — a new seeded head at step 0, the trained critic at step 1 — are attached, returns = raw advantages +
+    values on every response token, and the step trains the actor and the critic). A second call resumes with every
+    stage skipped."""
+    import numpy as np
+
     env = cli_env
-    args = _tiny_run(tmp_path, "add_token_level_kl=true", "init_kl_coef=0.1", "logprobs.enable_reference=true")
+    args = _tiny_run(tmp_path, "adv_estimator=gae", "add_token_level_kl=true", "init_kl_coef=0.1",
+                     "logprobs.enable_reference=true", "train.critic_train.model_args.dtype=fp32",
+                     "train.critic_train.training_args.per_device_train_batch_size=2")
     first = _rollflow(*args, env=env)
     assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
     run = tmp_path / "r"
@@ -111,52 +119,21 @@ def test_rlvr_run_with_token_kl_end_to_end_then_resume_skips_everything(tmp_path
     prompts = _read(run / "prompts")
     assert prompts.num_rows == 50 and set(prompts.column("domain").to_pylist()) == {"math"}
     for k in (0, 1):
-        for stage in STAGES:
-            assert (run / f"step_{k:04d}" / stage / "manifest.json").exists(), (k, stage)
-        responses = _read(run / f"step_{k:04d}/responses")
+        step = run / f"step_{k:04d}"
+        for stage in (*STAGES, "values"):
+            assert (step / stage / "manifest.json").exists(), (k, stage)
+        responses = _read(step / "responses")
         assert responses.num_rows == 4 and len(set(responses.column("prompt_id").to_pylist())) == 2
         assert set(responses.column("prompt_id").to_pylist()) <= set(prompts.column("prompt_id").to_pylist())
-        scored = _read(run / f"step_{k:04d}/first_pass/scored")
+        scored = _read(step / "first_pass/scored")
         assert set(scored.column("reward_worker").to_pylist()) == {"math_rule"}
-        logprobs = _read(run / f"step_{k:04d}/logprobs").sort_by("row_id")
-        trained = _read(run / f"step_{k:04d}/advantaged").sort_by("row_id")
+        logprobs = _read(step / "logprobs").sort_by("row_id")
+        values = _read(step / "values").sort_by("row_id")
+        trained = _read(step / "advantaged").sort_by("row_id")
         assert {"final_response_mask", "old_log_probs", "ref_log_probs", "advantages"} <= set(trained.column_names)
         assert trained.column("row_id").to_pylist() == logprobs.column("row_id").to_pylist()
         for name in ("old_log_probs", "ref_log_probs"):  # the response part travelled through the responses intact
             _response_part_equal(logprobs, trained, name)
-    manifest = json.loads((run / "step_0001/checkpoint/manifest.json").read_text())
-    assert "actor/pg_loss" in manifest["metrics"]
-    kl = json.loads((run / "step_0001/advantaged/manifest.json").read_text())
-    assert kl["metrics"]["critic/kl_coef"] == pytest.approx(0.1) and "kl_ctrl" in kl["state"]
-    metrics = pads.dataset(str(run / "metrics"), format="parquet").to_table().to_pylist()
-    assert {m["stage"] for m in metrics} >= {"generate", "rewards", "advantages", "logprobs", "train"}
-
-    stamps = {p: p.stat().st_mtime_ns for p in run.glob("step_*/*/manifest.json")}
-    again = _rollflow("train", "--resume", str(run), "--no-report", env=env)
-    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
-    assert {p: p.stat().st_mtime_ns for p in run.glob("step_*/*/manifest.json")} == stamps
-    assert len(stamps) == 2 * (len(STAGES) - 3)  # first_pass/* are one level deeper
-
-
-@pytest.mark.slow
-def test_rlvr_run_with_gae_trains_a_critic_on_its_values(tmp_path, cli_env):
-    """GAE: the first chain runs with reinforce, the critic's values of the token table (a new seeded head at step 0,
-    the trained critic at step 1) are attached to the responses, the advantages are GAE's (returns = raw advantages
-    + values on every response token), and the step trains the actor and the critic."""
-    import numpy as np
-
-    env = cli_env
-    args = _tiny_run(tmp_path, "adv_estimator=gae", "train.critic_train.model_args.dtype=fp32",
-                          "train.critic_train.training_args.per_device_train_batch_size=2")
-    done = _rollflow(*args, env=env)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    run = tmp_path / "r"
-    for k in (0, 1):
-        step = run / f"step_{k:04d}"
-        for stage in ("first_pass/advantaged", "logprobs", "values", "responses_logprobs", "advantaged", "checkpoint"):
-            assert (step / stage / "manifest.json").exists(), (k, stage)
-        values = _read(step / "values").sort_by("row_id")
-        trained = _read(step / "advantaged").sort_by("row_id")
         _response_part_equal(values, trained, "values")
         for v, ret, raw, mask in zip(*(trained.column(c).to_pylist() for c in ("values", "returns", "raw_advantages",
                                                                                "final_response_mask"))):
@@ -167,3 +144,13 @@ def test_rlvr_run_with_gae_trains_a_critic_on_its_values(tmp_path, cli_env):
         assert (step / "checkpoint/critic").is_dir()
     first_values = _read(run / "step_0000/values").sort_by("row_id").column("values")
     assert first_values.to_pylist() != _read(run / "step_0001/values").sort_by("row_id").column("values").to_pylist()
+    kl = json.loads((run / "step_0001/advantaged/manifest.json").read_text())
+    assert kl["metrics"]["critic/kl_coef"] == pytest.approx(0.1) and "kl_ctrl" in kl["state"]
+    metrics = pads.dataset(str(run / "metrics"), format="parquet").to_table().to_pylist()
+    assert {m["stage"] for m in metrics} >= {"generate", "rewards", "advantages", "logprobs", "train"}
+
+    stamps = {p: p.stat().st_mtime_ns for p in run.glob("step_*/*/manifest.json")}
+    again = _rollflow("train", "--resume", str(run), "--no-report", env=env)
+    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
+    assert {p: p.stat().st_mtime_ns for p in run.glob("step_*/*/manifest.json")} == stamps
+    assert len(stamps) == 2 * (len(STAGES) + 1 - 3)  # the values too; first_pass/* are one level deeper
