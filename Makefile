@@ -40,8 +40,12 @@ run: setup
 demo: setup
 	$(BIN)/rollflow demo
 
+# two workers (pytest-xdist): the end-to-end tests mostly wait on child processes, so a second worker runs the other
+# modules meanwhile; modules that load every core run one after another (tests/groups.py, tests/conftest.py).
+# TEST_WORKERS=0 runs everything in this process.
+TEST_WORKERS ?= 2
 test: setup
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder)
 
 bench: setup
 	$(BIN)/python benchmarks/recompute.py --samples 20000

@@ -94,3 +94,28 @@ def tiny_model() -> Path:
 
     return tiny_random_model_dir()
 
+
+
+# ---- running on several workers (pytest-xdist; `make test` runs `-n 2 --dist loadgroup`) ----------------------------
+# Each module runs whole on one worker, so its module fixtures (a tiny finished run, a Ray cluster) are built once.
+# Modules that share a machine-wide resource name a group of tests/groups.py and run one after another on one worker.
+# The groups that hold slow tests go first, so that the longest work starts at once and the short modules fill in.
+def _group(item: pytest.Item) -> str:
+    mark = item.get_closest_marker("xdist_group")
+    return str(mark.args[0]) if mark is not None else item.nodeid.split("::", 1)[0]
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if not (getattr(config.option, "loadgroup", False) or config.getoption("dist", "no") == "loadgroup"):
+        return  # a worker sees loadgroup; the controller (and `--collect-only --dist loadgroup`) sees dist
+    groups: dict[str, list[pytest.Item]] = {}
+    for item in items:
+        groups.setdefault(_group(item), []).append(item)
+    for name, members in groups.items():
+        for item in members:
+            if item.get_closest_marker("xdist_group") is None:
+                item.add_marker(pytest.mark.xdist_group(name))
+    slow = {name: sum(1 for i in members if i.get_closest_marker("slow") or i.get_closest_marker("vllm"))
+            for name, members in groups.items()}
+    ordered = sorted(groups, key=lambda name: -slow[name])  # stable: equal groups keep the collection order
+    items[:] = [item for name in ordered for item in groups[name]]
