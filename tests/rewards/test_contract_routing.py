@@ -12,9 +12,6 @@ from schemas.errors import ConfigError, InvariantError, SchemaError
 from stages.rewards.base import FunctionWorker, check_outputs, token_level_zeros
 from stages.rewards.registry import REWARD_WORKERS, build_worker, resolve_worker
 from stages.rewards.routing import RewardRoute, RewardRouter, split_by_domain
-from tests.groups import SANDBOX
-
-pytestmark = SANDBOX
 
 BUILT_INS = ["code_sandbox", "crossthinkqa", "detection", "general_val_rule", "ifeval", "llm_judge", "math_rule",
              "multiple_choice_boxed"]

@@ -19,9 +19,6 @@ import pytest
 
 from stages.rewards.code_sandbox import CodeSandboxWorker
 from stages.rewards.sandbox import UID_RANGE, SandboxLimits
-from tests.groups import SANDBOX
-
-pytestmark = SANDBOX
 
 FAST = SandboxLimits(cpu_seconds=2, wall_seconds=4, memory_mb=256, max_processes=16)
 REPO = Path(__file__).resolve().parents[2]

@@ -11,9 +11,6 @@ import pytest
 from schemas.rlvr_tables import RESPONSES, check_response_rows
 from stages.rlvr.example import KINDS, RESPONSE_WRITERS, RLVRExampleSpec, example_table, write_rlvr_example
 from tests.rlvr.helpers import REPO
-from tests.groups import SANDBOX
-
-pytestmark = SANDBOX
 
 WORKERS = {"math": "math_rule", "mcq": "multiple_choice_boxed", "ifeval": "ifeval", "code": "code_sandbox"}
 

@@ -18,9 +18,6 @@ from stages.algos.ragged import Ragged
 from stages.rlvr.chain import response_tokens, rlvr_response_rewards, rlvr_token_batch
 from tests.golden import assert_close, case_names, load
 from tests.rlvr.helpers import GOLDEN_ROUTE, golden_config, golden_rows, padded, read_folder, write_responses
-from tests.groups import SANDBOX
-
-pytestmark = SANDBOX
 
 NORM_TOL = dict(atol=1e-4, rtol=1e-5)
 GOLDEN = case_names("chain_rlvr__")[0] if case_names("chain_rlvr__") else None

