@@ -184,10 +184,16 @@ def parse_overrides(items: list[str] | tuple[str, ...]) -> dict[str, Any]:
     return out
 
 
+def _field_path(loc: tuple[int | str, ...]) -> str:
+    """``("train", "filters", 0, "agg_type")`` → ``train.filters[0].agg_type``."""
+    path = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in loc).lstrip(".")
+    return path or "(top level)"
+
+
 def format_validation_error(err: ValidationError, source: str) -> str:
     lines = [f"invalid config {source}:"]
     for e in err.errors():
-        loc = ".".join(str(p) for p in e["loc"]) or "(top level)"
+        loc = _field_path(e["loc"])
         msg = e["msg"].removeprefix("Value error, ")
         if e["type"] == "extra_forbidden":
             msg = "unknown option; check the spelling against configs/ and docs (ROLL option names)"
