@@ -35,31 +35,33 @@ class RewardNormalizationConfig(Frozen):
     norm_std_type: Literal["batch", "group"] | None = Field(None, description="Explicit std type; wins over method.")
 
 
-class AlgorithmConfig(Frozen):
-    """The data-side algorithm options of ROLL's PPOConfig / AgenticConfig, with ROLL's defaults."""
+class AdvantageOptions(Frozen):
+    """The token-reward and advantage options both pipelines share (ROLL's PPOConfig names and defaults), declared
+    once with their rules; the agentic :class:`AlgorithmConfig` and the RLVR ``RLVRConfig`` add their own."""
 
-    adv_estimator: AdvEstimator = Field("gae", description="Advantage estimator (ROLL names).")
+    adv_estimator: AdvEstimator = Field("gae", description="Advantage estimator (ROLL names). RLVR forces group "
+                                                           "mean/std reward normalisation for grpo and refuses the "
+                                                           "agentic-only estimators.")
     gamma: float = Field(1.0, ge=0.0, le=1.0, description="Token-level discount of the advantage recursion.")
     lambd: float = Field(0.95, ge=0.0, le=1.0, description="GAE lambda.")
-    step_reward_gamma: float = Field(0.95, ge=0.0, le=1.0, description="Discount of step rewards across turns "
-                                                                       "(gigpo, step_reinforce).")
-    reward_normalization: RewardNormalizationConfig = Field(default_factory=RewardNormalizationConfig,
-                                                            description="Agentic reward normalisation.")
-    episode_reward_weight: float = Field(1.0, description="GiGPO weight of the episode-level normalised reward.")
-    step_reward_weight: float = Field(1.0, description="GiGPO weight of the step-level normalised reward.")
-    reward_clip: float | None = Field(None, description="Clip response-level and token rewards to ±reward_clip.")
+    reward_clip: float | None = Field(None, description="Clip the response-level (normalised) rewards and the token "
+                                                        "rewards to ±reward_clip (null: no clipping).")
     advantage_clip: float | None = Field(None, description="Clip advantages to ±advantage_clip.")
-    whiten_rewards: bool = Field(False, description="Whiten token rewards over all valid tokens of the batch.")
-    whiten_advantages: bool = Field(False, description="Whiten advantages over all valid tokens of the batch.")
+    whiten_rewards: bool = Field(False, description="Whiten token rewards over the valid tokens of the batch "
+                                                    "(agentic) or of each domain (RLVR).")
+    whiten_advantages: bool = Field(False, description="Whiten advantages over the valid tokens of the batch "
+                                                       "(agentic) or of each domain (RLVR).")
     add_token_level_kl: bool = Field(False, description="Subtract beta·KL(old‖ref) from the token rewards.")
     kl_penalty: KLPenalty = Field("kl", description="KL estimator for token rewards: kl, abs, mse, k3, full.")
     init_kl_coef: float = Field(0.2, ge=0.0, description="Initial KL coefficient beta.")
     target_kl: float | None = Field(None, description="Adaptive KL controller target (None: fixed controller).")
     kl_horizon: int = Field(10000, gt=0, description="Adaptive KL controller horizon.")
-    roll_compat: bool = Field(False, description="Reproduce ROLL's defects BUG-4/5/6 (for comparison runs only).")
+    roll_compat: bool = Field(False, description="Reproduce ROLL's defects, for comparison runs only: GAE over "
+                                                 "unmasked values (BUG-4) and, agentic, BUG-5/6.")
 
+    # a distinct name: a subclass's validator of the same name would replace this one instead of running after it
     @model_validator(mode="after")
-    def _rules(self) -> "AlgorithmConfig":
+    def _advantage_option_rules(self) -> "AdvantageOptions":
         if self.reward_clip is not None and self.reward_clip <= 0:
             raise ValueError(f"reward_clip ({self.reward_clip}) must be null or > 0, because ROLL treats 0 as 'off' "
                              "and a negative bound is meaningless; set reward_clip: null to disable clipping")
@@ -70,6 +72,18 @@ class AlgorithmConfig(Frozen):
             raise ValueError(f"target_kl ({self.target_kl}) must be > 0, because the adaptive controller divides by "
                              "it; set target_kl: null for a fixed KL coefficient")
         return self
+
+
+class AlgorithmConfig(AdvantageOptions):
+    """The data-side algorithm options of ROLL's PPOConfig / AgenticConfig, with ROLL's defaults: the shared
+    advantage options plus the agentic reward options."""
+
+    step_reward_gamma: float = Field(0.95, ge=0.0, le=1.0, description="Discount of step rewards across turns "
+                                                                       "(gigpo, step_reinforce).")
+    reward_normalization: RewardNormalizationConfig = Field(default_factory=RewardNormalizationConfig,
+                                                            description="Agentic reward normalisation.")
+    episode_reward_weight: float = Field(1.0, description="GiGPO weight of the episode-level normalised reward.")
+    step_reward_weight: float = Field(1.0, description="GiGPO weight of the step-level normalised reward.")
 
 
 class RuntimeConfig(Frozen):
@@ -119,7 +133,7 @@ class ResponseRewardSection(Frozen):
 
 
 class AdvantageSection(Frozen):
-    """What the advantages stage reads."""
+    """What the advantages stage reads (the RLVR one adds ``domain_column``)."""
 
     adv_estimator: AdvEstimator
     gamma: float
@@ -170,10 +184,16 @@ def parse_overrides(items: list[str] | tuple[str, ...]) -> dict[str, Any]:
     return out
 
 
+def _field_path(loc: tuple[int | str, ...]) -> str:
+    """``("train", "filters", 0, "agg_type")`` → ``train.filters[0].agg_type``."""
+    path = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in loc).lstrip(".")
+    return path or "(top level)"
+
+
 def format_validation_error(err: ValidationError, source: str) -> str:
     lines = [f"invalid config {source}:"]
     for e in err.errors():
-        loc = ".".join(str(p) for p in e["loc"]) or "(top level)"
+        loc = _field_path(e["loc"])
         msg = e["msg"].removeprefix("Value error, ")
         if e["type"] == "extra_forbidden":
             msg = "unknown option; check the spelling against configs/ and docs (ROLL option names)"

@@ -12,7 +12,7 @@ from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from schemas.config import AdvEstimator, Frozen, KLPenalty, RuntimeConfig
+from schemas.config import AdvantageOptions, AdvantageSection, AdvEstimator, Frozen, RuntimeConfig
 
 RLVRNormType = Literal["batch", "group", "running"]
 # §3.3: estimators whose RLVR reward normalisation is forced to (group, group).
@@ -48,8 +48,9 @@ class RewardsConfig(Frozen):
         return routes
 
 
-class RLVRConfig(Frozen):
-    """``rollflow score`` and the RLVR chain (ROLL's RLVRConfig / PPOConfig data-side options, ROLL's defaults)."""
+class RLVRConfig(AdvantageOptions):
+    """``rollflow score`` and the RLVR chain (ROLL's RLVRConfig / PPOConfig data-side options, ROLL's defaults): the
+    shared advantage options plus the RLVR reward routing, sample masks and reward normalisation."""
 
     rewards: RewardsConfig = Field(..., description="Reward routing by domain.")
     num_return_sequences_in_group: int = Field(1, ge=1, description="Responses per prompt (the group size n); every "
@@ -65,30 +66,15 @@ class RLVRConfig(Frozen):
     error_max_len_clip: bool = Field(False, description="Keep rows with score 1, or score 0 and length < "
                                                         "error_max_len_threshold.")
     error_max_len_threshold: int = Field(9999999999, gt=0, description="Length bound of error_max_len_clip.")
-    # §3.3 reward post-processing
-    adv_estimator: AdvEstimator = Field("gae", description="Advantage estimator (ROLL names; grpo forces group "
-                                                           "mean/std normalisation; agentic-only ones are refused).")
+    # §3.3 reward post-processing (adv_estimator, reward_clip and the §2.4 token-reward / §4.3 advantage options come
+    # from AdvantageOptions)
     norm_mean_type: RLVRNormType | None = Field(None, description="Mean of the reward normalisation: batch, group "
                                                                   "(per prompt), running (per domain), or none.")
     norm_std_type: RLVRNormType | None = Field(None, description="Std of the reward normalisation (same choices).")
-    reward_clip: float | None = Field(None, description="Clip normalised and token rewards to ±reward_clip.")
-    # §2.4 token rewards, §2.2 KL controller
-    add_token_level_kl: bool = Field(False, description="Subtract beta·KL(old‖ref) from the token rewards.")
-    kl_penalty: KLPenalty = Field("kl", description="KL estimator for token rewards: kl, abs, mse, k3, full.")
-    init_kl_coef: float = Field(0.2, ge=0.0, description="Initial KL coefficient beta.")
-    target_kl: float | None = Field(None, description="Adaptive KL controller target (None: fixed controller).")
-    kl_horizon: int = Field(10000, gt=0, description="Adaptive KL controller horizon.")
-    # §4.3 advantages
-    gamma: float = Field(1.0, ge=0.0, le=1.0, description="Token-level discount of the advantage recursion.")
-    lambd: float = Field(0.95, ge=0.0, le=1.0, description="GAE lambda.")
-    whiten_rewards: bool = Field(False, description="Whiten token rewards over the valid tokens of each domain.")
-    whiten_advantages: bool = Field(False, description="Whiten advantages over the valid tokens of each domain.")
-    advantage_clip: float | None = Field(None, description="Clip advantages to ±advantage_clip.")
-    roll_compat: bool = Field(False, description="GAE over unmasked values as ROLL does (BUG-4), for comparisons.")
     runtime: RuntimeConfig = Field(default_factory=RuntimeConfig, description="Execution settings.")
 
     @model_validator(mode="after")
-    def _rules(self) -> "RLVRConfig":
+    def _rlvr_rules(self) -> "RLVRConfig":
         from stages.algos.estimators import ADVANTAGE_ESTIMATORS  # the registry's capabilities (lazy: schemas → algos)
 
         if ADVANTAGE_ESTIMATORS.get(self.adv_estimator).agentic_only:
@@ -111,15 +97,6 @@ class RLVRConfig(Frozen):
             raise ValueError(f"difficulty_low_threshold ({self.difficulty_low_threshold}) must be below "
                              f"difficulty_high_threshold ({self.difficulty_high_threshold}), because the kept pass "
                              "rates lie strictly between them and an empty interval masks every row; e.g. 0.0 and 1.0")
-        if self.reward_clip is not None and self.reward_clip <= 0:
-            raise ValueError(f"reward_clip ({self.reward_clip}) must be null or > 0, because ROLL treats 0 as 'off' "
-                             "and a negative bound is meaningless; set reward_clip: null to disable clipping")
-        if self.advantage_clip is not None and self.advantage_clip <= 0:
-            raise ValueError(f"advantage_clip ({self.advantage_clip}) must be null or > 0, because clamping to "
-                             f"±{self.advantage_clip} would zero every advantage; set advantage_clip: null to disable")
-        if self.target_kl is not None and self.target_kl <= 0:
-            raise ValueError(f"target_kl ({self.target_kl}) must be > 0, because the adaptive controller divides by "
-                             "it; set target_kl: null for a fixed KL coefficient")
         return self
 
 
@@ -143,23 +120,11 @@ class RLVRRewardSection(Frozen):
     reward_clip: float | None
 
 
-class RLVRAdvantageSection(Frozen):
-    """What the rlvr_advantages stage reads (§2.4 token rewards, §4.3 advantages)."""
+class RLVRAdvantageSection(AdvantageSection):
+    """What the rlvr_advantages stage reads (§2.4 token rewards, §4.3 advantages): the agentic advantages stage's
+    section plus ``domain_column`` (rows are whitened per domain)."""
 
     domain_column: str
-    adv_estimator: AdvEstimator
-    gamma: float
-    lambd: float
-    reward_clip: float | None
-    advantage_clip: float | None
-    whiten_rewards: bool
-    whiten_advantages: bool
-    add_token_level_kl: bool
-    kl_penalty: KLPenalty
-    init_kl_coef: float
-    target_kl: float | None
-    kl_horizon: int
-    roll_compat: bool
 
 
 def _fill(config: RLVRConfig, model: type[Frozen]) -> Any:

@@ -1,11 +1,12 @@
 """Config models of the training, log-prob and values stages, with ROLL's option names (spec §6, §7.1).
 
-A ROLL user recognises the layout: loss options (``pg_clip``, ``loss_agg_mode``, ``use_kl_loss``, ...) and
-``ppo_epochs`` at the top level; per-worker sections ``actor_train`` / ``critic_train`` with ``model_args``,
-``training_args`` (Hugging Face TrainingArguments names: ``learning_rate``, ``per_device_train_batch_size``,
-``gradient_accumulation_steps``, ``lr_scheduler_type``, ``warmup_steps``, ``max_grad_norm``), ``strategy_args``
-(``strategy_name: deepspeed_train`` and the ZeRO stage), and the dynamic-batching switches
-``use_dynamic_batching_in_train`` / ``max_tokens_per_microbatch_in_train`` / ``max_tokens_per_microbatch_in_infer``.
+A ROLL user recognises the layout: loss options (``pg_clip``, ``loss_agg_mode``, ``use_kl_loss``, ..., declared in
+schemas/loss_config.py) and ``ppo_epochs`` at the top level; per-worker sections ``actor_train`` / ``critic_train``
+with ``model_args``, ``training_args`` (Hugging Face TrainingArguments names: ``learning_rate``,
+``per_device_train_batch_size``, ``gradient_accumulation_steps``, ``lr_scheduler_type``, ``warmup_steps``,
+``max_grad_norm``), ``strategy_args`` (``strategy_name: deepspeed_train`` and the ZeRO stage), and the
+dynamic-batching switches ``use_dynamic_batching_in_train`` / ``max_tokens_per_microbatch_in_train`` /
+``max_tokens_per_microbatch_in_infer``.
 
 Each model is frozen with ``extra="forbid"``; the fingerprint of a stage hashes its section (``runtime`` excluded).
 """
@@ -17,13 +18,12 @@ from typing import Annotated, Any, Literal
 from pydantic import BeforeValidator, Field, model_validator
 
 from schemas.config import AdvEstimator, Frozen, RuntimeConfig
-from schemas.errors import ConfigError
+from schemas.loss_config import LossOptions
 from schemas.precision import short_validator
 
 # ``auto`` (accepted on input) becomes bf16 where the hardware computes bf16 natively, else fp32 (schemas/precision.py)
 Precision = Annotated[Literal["fp32", "bf16", "fp16"], BeforeValidator(short_validator)]
 ForwardPrecision = Annotated[Literal["fp32", "bf16"], BeforeValidator(short_validator)]
-LossAggMode = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
 
 
 class ModelArgs(Frozen):
@@ -95,50 +95,19 @@ class WorkerTrainConfig(Frozen):
                                                     "(rows x padded length); a longer single row gets its own.")
 
 
-class TrainSection(Frozen):
-    """What one PPO training step of the actor (and the critic for gae) reads: the section its fingerprint hashes."""
+class TrainSection(LossOptions):
+    """What one PPO training step of the actor (and the critic for gae) reads: the section its fingerprint hashes.
+    The loss options (``pg_clip``, ``loss_agg_mode``, ``train_infer_correction``, ...) are :class:`LossOptions`'s."""
 
     adv_estimator: AdvEstimator = Field("gae", description="Only to know whether a critic is trained (gae).")
     policy_loss: Literal["agentic", "base", "rlvr"] = Field("agentic", description="Actor loss (registry "
                                                             "POLICY_LOSSES): agentic §6.3, base §6.4, rlvr §6.5.")
     ppo_epochs: int = Field(1, gt=0, description="Passes over the table per training step.")
-    pg_clip: float = Field(0.2, gt=0, description="PPO ratio clip epsilon.")
-    use_pg_clip_range: bool = Field(False, description="Use pg_clip_low / pg_clip_high instead of pg_clip.")
-    pg_clip_low: float = Field(0.2, gt=0, description="Lower ratio clip epsilon (use_pg_clip_range).")
-    pg_clip_high: float = Field(0.2, gt=0, description="Upper ratio clip epsilon (use_pg_clip_range).")
-    dual_clip_loss: bool = Field(False, description="Dual-clip PPO for negative advantages.")
-    dual_clip_c: float | None = Field(None, description="Dual-clip constant (null: ROLL's 1 + 2*pg_clip).")
-    loss_agg_mode: LossAggMode = Field("seq-mean-token-mean", description="Loss aggregation (spec §6.1).")
-    sum_norm_constant: float | None = Field(None, description="Constant of seq-mean-token-sum-norm (null: ROLL's "
-                                                              "padded length).")
-    use_kl_loss: bool = Field(False, description="Add kl_loss_coef x KL(pi || ref) to the loss.")
-    kl_loss_coef: float = Field(0.0, ge=0, description="KL loss coefficient.")
-    kl_loss_type: Literal["kl", "abs", "mse", "k3"] = Field("k3", description="KL estimator of the KL loss.")
-    entropy_loss_coef: float = Field(0.0, ge=0, description="Entropy bonus coefficient.")
-    ratio_type: Literal["token", "segment"] = Field("token", description="Agentic ratio: per token or per turn.")
-    importance_sampling: Literal["token", "seq"] = Field("token", description="RLVR ratio: per token or sequence.")
-    rl_loss_coef: float = Field(1.0, description="RLVR scale of pg + KL terms.")
-    difficulty_loss_weight: bool = Field(False, description="RLVR difficulty sample weights.")
-    length_loss_weight: bool = Field(False, description="RLVR length sample weights.")
-    train_infer_correction: dict[str, Any] = Field(default_factory=dict, description="ROLL's train/infer mismatch "
-                                                   "correction {is_weight: {...}, filters: [...]} (spec §6.6).")
     value_clip: float | None = Field(None, description="Critic value clipping (null: off).")
     critic_warmup: int = Field(0, ge=0, description="Train only the critic while the step count is below this.")
-    roll_compat: bool = Field(False, description="Reproduce ROLL's loss defects (comparison runs only).")
     compute_entropy_metric: bool = Field(True, description="Report actor/entropy (one more pass over the logits).")
     actor_train: WorkerTrainConfig = Field(default_factory=WorkerTrainConfig, description="The trained policy.")
     critic_train: WorkerTrainConfig = Field(default_factory=WorkerTrainConfig, description="The critic (gae only).")
-
-    @model_validator(mode="after")
-    def _rules(self) -> "TrainSection":
-        if self.dual_clip_c is not None and self.dual_clip_c <= 1:
-            raise ValueError(f"dual_clip_c ({self.dual_clip_c}) must be > 1, because the dual clip bounds a negative "
-                             "advantage's loss at c*|A|; use e.g. 3.0, or null for ROLL's 1 + 2*pg_clip")
-        try:
-            self.loss_config()
-        except ConfigError as err:
-            raise ValueError(str(err)) from None
-        return self
 
     @property
     def needs_critic(self) -> bool:
@@ -147,15 +116,9 @@ class TrainSection(Frozen):
 
         return ADVANTAGE_ESTIMATORS.get(self.adv_estimator).needs_critic
 
-    def loss_config(self):
-        """The pure loss options (``stages.losses.LossConfig``)."""
-        from stages.losses import LossConfig
-
-        names = ("pg_clip", "use_pg_clip_range", "pg_clip_low", "pg_clip_high", "dual_clip_loss", "dual_clip_c",
-                 "loss_agg_mode", "sum_norm_constant", "use_kl_loss", "kl_loss_coef", "kl_loss_type",
-                 "entropy_loss_coef", "ratio_type", "importance_sampling", "rl_loss_coef", "difficulty_loss_weight",
-                 "length_loss_weight", "train_infer_correction", "roll_compat")
-        return LossConfig.from_dict({n: getattr(self, n) for n in names})
+    def loss_config(self) -> LossOptions:
+        """The loss options alone (what ``stages.losses`` reads), without the section's own fields."""
+        return LossOptions.model_validate({name: getattr(self, name) for name in LossOptions.model_fields})
 
 
 class TrainRuntimeConfig(RuntimeConfig):

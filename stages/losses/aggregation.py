@@ -9,9 +9,8 @@ from __future__ import annotations
 import torch
 
 from schemas.errors import ConfigError
+from schemas.loss_config import LOSS_AGG_MODES
 from stages.losses.primitives import EPS, masked_mean, masked_sum
-
-LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 
 
 def agg_loss(loss_mat: torch.Tensor, loss_mask: torch.Tensor, mode: str, num_tokens: float | None = None,

@@ -1,84 +1,24 @@
 """The two arguments every policy loss takes: ``LossInputs`` (tensors of one padded micro-batch) and ``LossConfig``
-(ROLL's option names, spec §7.1). Every policy loss is ``loss(inputs, cfg) -> (total_loss, metrics)``."""
+(ROLL's option names, spec §7.1: :class:`schemas.loss_config.LossOptions`). Every policy loss is
+``loss(inputs, cfg) -> (total_loss, metrics)``."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any, Mapping
+from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
 
-from schemas.errors import ConfigError, InvariantError
-from stages.losses.aggregation import LOSS_AGG_MODES
-from stages.losses.primitives import KL_TYPES, check_same_shape
-from stages.losses.train_infer import TrainInferCorrectionConfig
+from schemas.errors import InvariantError
+from schemas.loss_config import LossOptions
+from stages.losses.primitives import check_same_shape
 
 
-@dataclass(frozen=True)
-class LossConfig:
-    """Options of the actor losses, named as in ROLL (spec §6.3–6.5, §7.1).
-
-    Ours: ``dual_clip_c`` (None → ROLL's 1 + 2·pg_clip, [Q-15]); ``kl_loss_type`` (ROLL hard-wires k3);
-    ``sum_norm_constant`` (None → ROLL's padded length T, [Q-14]); ``roll_compat`` (reproduce ROLL's BUG-7/8/9).
-    """
-    pg_clip: float = 0.2
-    use_pg_clip_range: bool = False
-    pg_clip_low: float = 0.2
-    pg_clip_high: float = 0.2
-    dual_clip_loss: bool = False
-    dual_clip_c: float | None = None
-    loss_agg_mode: str = "seq-mean-token-mean"
-    sum_norm_constant: float | None = None
-    use_kl_loss: bool = False
-    kl_loss_coef: float = 0.0
-    kl_loss_type: str = "k3"
-    entropy_loss_coef: float = 0.0
-    ratio_type: str = "token"
-    importance_sampling: str = "token"
-    rl_loss_coef: float = 1.0
-    difficulty_loss_weight: bool = False
-    length_loss_weight: bool = False
-    train_infer_correction: TrainInferCorrectionConfig = field(default_factory=TrainInferCorrectionConfig)
-    roll_compat: bool = False
-
-    def __post_init__(self) -> None:
-        choices = {"loss_agg_mode": LOSS_AGG_MODES, "kl_loss_type": KL_TYPES[:-1],
-                   "ratio_type": ("token", "segment"), "importance_sampling": ("token", "seq")}
-        for name, allowed in choices.items():
-            if getattr(self, name) not in allowed:
-                raise ConfigError(f"loss config {name} = '{getattr(self, name)}' is unknown; use one of "
-                                  f"{', '.join(allowed)}")
-        if self.dual_clip_c is not None and self.dual_clip_c <= 1.0:
-            raise ConfigError(f"loss config dual_clip_c = {self.dual_clip_c} must be > 1 (the dual clip bounds the "
-                              f"loss of a negative advantage at c·|A|); use e.g. 3.0, or None for ROLL's 1 + 2·pg_clip")
-        if self.sum_norm_constant is not None and self.sum_norm_constant <= 0:
-            raise ConfigError(f"loss config sum_norm_constant = {self.sum_norm_constant} must be > 0 (e.g. the "
-                              f"maximum response length), or None for ROLL's padded length")
-
-    @property
-    def clip_range(self) -> tuple[float, float]:
-        """(ε_low, ε_high) of the ratio clip (spec §6.3 step 6)."""
-        if self.use_pg_clip_range:
-            return self.pg_clip_low, self.pg_clip_high
-        return self.pg_clip, self.pg_clip
-
-    @property
-    def dual_clip_constant(self) -> float:
-        """c of the dual clip: ``dual_clip_c`` or ROLL's fixed 1 + 2·pg_clip [Q-15]."""
-        return 1.0 + 2.0 * self.pg_clip if self.dual_clip_c is None else self.dual_clip_c
-
-    @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> "LossConfig":
-        """From ROLL-style flat options; ``train_infer_correction`` may be a nested dict."""
-        d = dict(d)
-        unknown = set(d) - set(cls.__dataclass_fields__)
-        if unknown:
-            raise ConfigError(f"loss config has unknown options {sorted(unknown)}; known: "
-                              f"{', '.join(sorted(cls.__dataclass_fields__))}")
-        if isinstance(d.get("train_infer_correction"), Mapping):
-            d["train_infer_correction"] = TrainInferCorrectionConfig.from_dict(d["train_infer_correction"])
-        return cls(**d)
+# The loss options are one pydantic model, declared once in schemas/ (the training section inherits it); the losses
+# keep calling it LossConfig: ``LossConfig(pg_clip=0.1)``, ``LossConfig.from_dict(roll_options)`` (ConfigError on a bad
+# option), ``.clip_range``, ``.dual_clip_constant``, ``.train_infer_correction.is_weight``.
+LossConfig = LossOptions
 
 
 @dataclass

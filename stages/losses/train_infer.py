@@ -7,61 +7,17 @@ Neither output depends on the current policy, so the correction can run once per
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Mapping
 
 import torch
 
-from schemas.errors import ConfigError
+from schemas.loss_config import AGG_TYPES, FilterConfig, IsWeightConfig, TrainInferCorrectionConfig
 from stages.losses.aggregation import agg_loss
 from stages.losses.primitives import masked_mean, masked_sum, segment_masked_mean
 
-AGG_TYPES = ("token", "geometric", "sequence", "segment")
-
-
-@dataclass(frozen=True)
-class IsWeightConfig:
-    """ROLL's ``train_infer_correction.is_weight``: weight = ratio[weight_type], clamped to [0, upper_bound]."""
-    enabled: bool = False
-    weight_type: str = "token"
-    upper_bound: float | None = 1.2
-    detach: bool = True
-
-
-@dataclass(frozen=True)
-class FilterConfig:
-    """One entry of ROLL's ``train_infer_correction.filters``: keep tokens with low ≤ ratio/diff[agg_type] ≤ high."""
-    enabled: bool = False
-    agg_type: str = "token"
-    ratio_enabled: bool = True
-    ratio_low: float = 0.8
-    ratio_high: float = 1.2
-    diff_enabled: bool = False
-    diff_low: float = -0.2
-    diff_high: float = 0.2
-
-
-@dataclass(frozen=True)
-class TrainInferCorrectionConfig:
-    is_weight: IsWeightConfig = field(default_factory=IsWeightConfig)
-    filters: tuple[FilterConfig, ...] = ()
-
-    def __post_init__(self) -> None:
-        kinds = [("train_infer_correction.is_weight.weight_type", self.is_weight.weight_type)]
-        kinds += [(f"train_infer_correction.filters[{i}].agg_type", f.agg_type) for i, f in enumerate(self.filters)]
-        for where, kind in kinds:
-            if kind not in AGG_TYPES:
-                raise ConfigError(f"{where} = '{kind}' is unknown; use one of {', '.join(AGG_TYPES)}")
-
-    @classmethod
-    def from_dict(cls, d: Mapping[str, Any] | None) -> "TrainInferCorrectionConfig":
-        """Build from ROLL's nested YAML dict ``{is_weight: {...}, filters: [{...}, ...]}``."""
-        d = dict(d or {})
-        unknown = set(d) - {"is_weight", "filters"}
-        if unknown:
-            raise ConfigError(f"train_infer_correction has unknown keys {sorted(unknown)}; allowed: is_weight, filters")
-        return cls(IsWeightConfig(**dict(d.get("is_weight") or {})),
-                   tuple(FilterConfig(**dict(f)) for f in d.get("filters") or ()))
+# the option models live in schemas/ (the training section holds them); imported here under their old names
+__all__ = ["AGG_TYPES", "FilterConfig", "IsWeightConfig", "TrainInferCorrectionConfig", "mismatch_ratios",
+           "mismatch_diffs", "compute_train_infer_correction", "apply_train_infer_correction_to_batch"]
 
 
 def mismatch_ratios(log_gap: torch.Tensor, mask: torch.Tensor) -> dict[str, torch.Tensor]:

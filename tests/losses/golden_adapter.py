@@ -18,14 +18,11 @@ Every ``params`` entry of a loss case is dispatched here (an unknown one fails t
 
 from __future__ import annotations
 
-import dataclasses
-
 import numpy as np
 import pytest
 import torch
 
 from stages.losses import LossConfig, LossInputs, TrainInferCorrectionConfig, op_compute_entropy, op_compute_log_probs
-from stages.losses.train_infer import IsWeightConfig
 from tests.golden import GoldenCase, family
 
 AGENTIC_LOSS = "roll.pipeline.agentic.agentic_actor_worker.ActorWorker.loss_func"
@@ -33,8 +30,7 @@ BASE_LOSS = "roll.pipeline.base_worker.ActorWorker.loss_func"
 RLVR_LOSS = "roll.pipeline.rlvr.actor_worker.ActorWorker.loss_func"
 KIND_OF = {AGENTIC_LOSS: "agentic", BASE_LOSS: "base", RLVR_LOSS: "rlvr"}
 
-_ROLL_OPTIONS = {f.name for f in dataclasses.fields(LossConfig)} - {"dual_clip_c", "sum_norm_constant",
-                                                                     "kl_loss_type", "roll_compat"}
+_ROLL_OPTIONS = set(LossConfig.model_fields) - {"dual_clip_c", "sum_norm_constant", "kl_loss_type", "roll_compat"}
 _COMMON = _ROLL_OPTIONS | {"enable_old_logprobs_recompute", "ppo_epochs", "batch_num_tokens", "global_valid_samples",
                            "train_infer_correction.is_weight.enabled", "is_weight.enabled"}
 KNOWN_PARAMS = {"agentic": _COMMON, "base": _COMMON, "rlvr": _COMMON | {"final_response_mask", "difficulty_dtype"}}
@@ -57,8 +53,8 @@ def loss_config(case: GoldenCase, **overrides) -> LossConfig:
     correction = TrainInferCorrectionConfig.from_dict(p.get("train_infer_correction"))
     for key in ("train_infer_correction.is_weight.enabled", "is_weight.enabled"):
         if key in p:
-            correction = dataclasses.replace(correction, is_weight=dataclasses.replace(correction.is_weight,
-                                                                                       enabled=bool(p[key])))
+            is_weight = correction.is_weight.model_copy(update={"enabled": bool(p[key])})
+            correction = correction.model_copy(update={"is_weight": is_weight})
     opts.update(overrides)
     return LossConfig(train_infer_correction=correction, **opts)
 

@@ -2,12 +2,12 @@
 = token ratio on one-token segments, the cache path, the dual-clip constant (Q-15), SGD decreases the loss,
 the registry, and bad input."""
 
-import dataclasses
 import math
 
 import numpy as np
 import pytest
 import torch
+from pydantic import ValidationError
 
 from schemas.errors import ConfigError, InvariantError
 from stages.losses import (LOSS_AGG_MODES, POLICY_LOSSES, FilterConfig, IsWeightConfig, LossConfig, LossInputs,
@@ -209,8 +209,9 @@ def test_micro_batches_with_global_counts_sum_to_the_mini_batch(kind, opts, mode
 
 def test_micro_batches_with_in_loss_filter_and_is_weight():
     c = material()
-    correction = TrainInferCorrectionConfig(IsWeightConfig(True, "segment", 1.5),
-                                            (FilterConfig(True, "token", True, 0.85, 1.15),))
+    correction = TrainInferCorrectionConfig(
+        is_weight=IsWeightConfig(enabled=True, weight_type="segment", upper_bound=1.5),
+        filters=(FilterConfig(enabled=True, agg_type="token", ratio_enabled=True, ratio_low=0.85, ratio_high=1.15),))
     for mode in ("token-mean", "seq-mean-token-mean"):
         cfg = LossConfig(loss_agg_mode=mode, train_infer_correction=correction)
         all_rows, split = halves(c, 7 / 12)
@@ -234,7 +235,8 @@ def test_missing_counts_default_to_the_filtered_mask():
     lp = torch.tensor([[-1.0, -1.0, -1.0, 0.0]])
     inputs = LossInputs(log_probs=lp, mask=mask, advantages=torch.tensor([[1.0, 2.0, 4.0, 0.0]]), old_log_probs=lp,
                         infer_log_probs=torch.tensor([[-1.0, -3.0, -1.0, 0.0]]))
-    drop_second = TrainInferCorrectionConfig(filters=(FilterConfig(True, "token", True, 0.9, 1.1),))
+    drop_second = TrainInferCorrectionConfig(filters=(FilterConfig(enabled=True, agg_type="token", ratio_enabled=True,
+                                                                   ratio_low=0.9, ratio_high=1.1),))
     total, _ = agentic_actor_loss(inputs, LossConfig(loss_agg_mode="token-mean", train_infer_correction=drop_second))
     assert_close(total, -(1.0 + 4.0) / 2)                                        # fixed: 2 kept tokens
     total, _ = agentic_actor_loss(inputs, LossConfig(loss_agg_mode="token-mean", train_infer_correction=drop_second,
@@ -329,13 +331,15 @@ def test_bad_input():
         agentic_actor_loss(LossInputs(log_probs=lp, mask=torch.ones(1, 2), advantages=torch.ones(1, 2)),
                            LossConfig(entropy_loss_coef=0.1))
     with pytest.raises(ConfigError, match="loss_agg_mode"):
-        LossConfig(loss_agg_mode="mean")
+        LossConfig.from_dict({"loss_agg_mode": "mean"})
     with pytest.raises(ConfigError, match="ratio_type"):
-        LossConfig(ratio_type="sequence")
+        LossConfig.from_dict({"ratio_type": "sequence"})
     with pytest.raises(ConfigError, match="dual_clip_c"):
+        LossConfig.from_dict({"dual_clip_c": 0.5})
+    with pytest.raises(ValidationError, match="dual_clip_c"):                   # built in code: pydantic's error
         LossConfig(dual_clip_c=0.5)
     with pytest.raises(ConfigError, match="unknown options"):
         LossConfig.from_dict({"pg_clip_hi": 0.3})
     cfg = LossConfig.from_dict({"pg_clip": 0.1, "train_infer_correction": {"is_weight": {"enabled": True}}})
     assert cfg.train_infer_correction.is_weight.enabled and cfg.clip_range == (0.1, 0.1)
-    assert dataclasses.replace(cfg, use_pg_clip_range=True, pg_clip_high=0.3).clip_range == (0.2, 0.3)
+    assert cfg.model_copy(update={"use_pg_clip_range": True, "pg_clip_high": 0.3}).clip_range == (0.2, 0.3)

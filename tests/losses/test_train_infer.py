@@ -4,6 +4,7 @@ reference), the batch-level application, weight types, upper bound, detach, filt
 import numpy as np
 import pytest
 import torch
+from pydantic import ValidationError
 
 from schemas.errors import ConfigError
 from stages.losses import (FilterConfig, IsWeightConfig, TrainInferCorrectionConfig,
@@ -153,15 +154,17 @@ def test_hand_case_weights_filters_and_detach():
         ("sequence", torch.tensor([[0.4] * 4, [0.1] * 4]).exp()),
         ("segment", torch.tensor([[0.25, 0.25, 0.0, -0.1], [0.1 / 3] * 3 + [0.0]]).exp()),
     ]:
-        cfg = TrainInferCorrectionConfig(IsWeightConfig(True, weight_type, None, detach=False))
+        cfg = TrainInferCorrectionConfig(is_weight=IsWeightConfig(enabled=True, weight_type=weight_type, upper_bound=None,
+                                                                  detach=False))
         isw, keep, _ = compute_train_infer_correction(cfg, mask, old, infer)
         assert_close(isw.detach(), expected, atol=1e-6, what=weight_type)
         assert isw.requires_grad and torch.all(keep == 1)
-    isw, _, metrics = compute_train_infer_correction(TrainInferCorrectionConfig(IsWeightConfig(True, "token", 1.2)),
-                                                     mask, old, infer)
+    clamped = TrainInferCorrectionConfig(is_weight=IsWeightConfig(enabled=True, weight_type="token", upper_bound=1.2))
+    isw, _, metrics = compute_train_infer_correction(clamped, mask, old, infer)
     assert not isw.requires_grad and float(isw.max()) == pytest.approx(1.2)
     assert metrics["actor/is_weight_clipfrac@sum"] == pytest.approx(1 / 6)     # one of 6 tokens above 1.2
-    cfg = TrainInferCorrectionConfig(filters=(FilterConfig(True, "token", True, 0.95, 1.05),))
+    cfg = TrainInferCorrectionConfig(filters=(FilterConfig(enabled=True, agg_type="token", ratio_enabled=True,
+                                                           ratio_low=0.95, ratio_high=1.05),))
     _, keep, metrics = compute_train_infer_correction(cfg, mask, old, infer)
     assert keep.tolist() == [[0, 1, 1, 0], [1, 0, 1, 1]]
     assert metrics["actor/train_infer_token_ratio_mask_mean@sum"] == pytest.approx(3 / 6)
@@ -178,7 +181,9 @@ def test_disabled_correction_is_ones():
 
 def test_config_errors():
     with pytest.raises(ConfigError, match="weight_type"):
-        TrainInferCorrectionConfig(IsWeightConfig(True, "tokens"))
+        TrainInferCorrectionConfig.from_dict({"is_weight": {"enabled": True, "weight_type": "tokens"}})
+    with pytest.raises(ValidationError, match="weight_type"):                   # built in code: pydantic's error
+        IsWeightConfig(enabled=True, weight_type="tokens")
     with pytest.raises(ConfigError, match=r"filters\[0\].agg_type"):
         TrainInferCorrectionConfig.from_dict({"filters": [{"agg_type": "row"}]})
     with pytest.raises(ConfigError, match="unknown keys"):

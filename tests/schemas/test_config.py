@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
 from pydantic import ValidationError
 
-from schemas.config import (AdvantageSection, AlgorithmConfig, RecomputeConfig, ResponseRewardSection, load_config,
-                            parse_overrides, section, validate_config)
+from schemas.config import (AdvantageOptions, AdvantageSection, AlgorithmConfig, RecomputeConfig, ResponseRewardSection,
+                            load_config, parse_overrides, section, validate_config)
 from schemas.errors import ConfigError
+from schemas.rlvr_config import RLVRConfig
+from schemas.rlvr_train_config import RLVRTrainConfig
+from schemas.train_flow_config import TrainFlowConfig
 
 REPO = Path(__file__).resolve().parents[2]
 CONFIGS = sorted((REPO / "configs").glob("recompute_*.yaml"))
@@ -81,6 +85,24 @@ def test_rule_violations_name_field_rule_and_fix(data, phrases):
     assert text.startswith("invalid config my.yaml:")
     for phrase in phrases:
         assert phrase in text, text
+
+
+SHARED_RULES = [({"reward_clip": 0}, "reward_clip (0.0) must be null or > 0"),
+                ({"advantage_clip": -2}, "advantage_clip (-2.0) must be null or > 0"),
+                ({"target_kl": 0}, "target_kl (0.0) must be > 0")]
+
+
+@pytest.mark.parametrize("override,phrase", SHARED_RULES, ids=lambda v: str(v)[:16])
+@pytest.mark.parametrize("model,path", [
+    (RecomputeConfig, "recompute_grpo.yaml"), (TrainFlowConfig, "train_frozenlake_grpo.yaml"),
+    (RLVRConfig, "rlvr_math.yaml"), (RLVRTrainConfig, "rlvr_train_math.yaml")], ids=lambda v: getattr(v, "__name__", v))
+def test_shared_advantage_rules_run_in_every_pipeline(model, path, override, phrase):
+    """AdvantageOptions declares these rules once; each pipeline's own rules must run beside them, not replace them
+    (a pydantic validator of the same name in a subclass would)."""
+    assert issubclass(model, AdvantageOptions)
+    load_config(model, REPO / "configs" / path)
+    with pytest.raises(ConfigError, match=re.escape(phrase)):
+        load_config(model, REPO / "configs" / path, override)
 
 
 def test_several_violations_are_reported_together():

@@ -1,0 +1,42 @@
+"""The loss options (schemas/loss_config.py): declared once, inherited by the training section, dumped as written."""
+
+from __future__ import annotations
+
+import pytest
+
+from schemas.config import validate_config
+from schemas.errors import ConfigError
+from schemas.loss_config import LossOptions, TrainInferCorrectionConfig
+from schemas.train_config import TrainSection, TrainStepConfig
+
+
+def test_the_training_section_is_the_loss_options_plus_its_own():
+    assert issubclass(TrainSection, LossOptions)
+    cfg = validate_config(TrainStepConfig, {"pg_clip": 0.1, "loss_agg_mode": "token-mean",
+                                            "train_infer_correction": {"is_weight": {"enabled": True}}})
+    loss = cfg.loss_config()
+    assert type(loss) is LossOptions and set(loss.model_dump()) == set(LossOptions.model_fields)
+    assert (loss.pg_clip, loss.loss_agg_mode, loss.clip_range) == (0.1, "token-mean", (0.1, 0.1))
+    assert loss.train_infer_correction.is_weight.enabled and loss.train_infer_correction.is_weight.upper_bound == 1.2
+
+
+@pytest.mark.parametrize("written", [
+    {},
+    {"is_weight": {"enabled": True}},
+    {"is_weight": {"enabled": True, "upper_bound": 1.5}, "filters": [{"enabled": True, "agg_type": "segment"}]},
+])
+def test_train_infer_correction_dumps_as_written(written):
+    """The section's dump (its fingerprint, a run's config.json) holds the mapping as written, as it did when the
+    field was a plain dict, so existing run folders resume; loading the dump gives the same options back."""
+    cfg = validate_config(TrainStepConfig, {"train_infer_correction": written})
+    dumped = cfg.model_dump(mode="json")
+    assert dumped["train_infer_correction"] == written
+    assert validate_config(TrainStepConfig, dumped) == cfg
+
+
+def test_bad_correction_entries_name_the_entry():
+    with pytest.raises(ConfigError, match=r"field 'train_infer_correction.filters\[1\].agg_type'"):
+        validate_config(TrainStepConfig, {"train_infer_correction": {"filters": [{}, {"agg_type": "row"}]}})
+    with pytest.raises(ConfigError, match=r"sum_norm_constant \(0.0\) must be > 0"):
+        validate_config(TrainStepConfig, {"sum_norm_constant": 0})
+    assert TrainInferCorrectionConfig.from_dict({"is_weight": None, "filters": None}) == TrainInferCorrectionConfig()
