@@ -95,7 +95,6 @@ def tiny_model() -> Path:
     return tiny_random_model_dir()
 
 
-
 # ---- running on several workers (pytest-xdist; `make test` runs `-n 2 --dist loadgroup`) ----------------------------
 def _loadgroup(config: pytest.Config) -> bool:
     """A worker sees ``loadgroup``; the controller sees ``dist``."""

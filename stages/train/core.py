@@ -453,7 +453,7 @@ def apply_train_infer_correction(rows: TokenRows, cfg: TrainSection) -> TokenRow
     mask before the normalisers are counted. Per-row math, so it runs on the whole table at once."""
     from stages.losses import apply_train_infer_correction_to_batch
 
-    c = cfg.loss_config().train_infer_correction
+    c = cfg.train_infer_correction  # the section is a LossOptions: the typed correction itself
     configured = c.is_weight.enabled or any(f.enabled for f in c.filters)
     if not configured or "old_log_probs" not in rows.next_token or "infer_logprobs" not in rows.next_token:
         return rows
