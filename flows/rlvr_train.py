@@ -110,12 +110,13 @@ def first_pass_config(config: RLVRTrainConfig) -> RLVRTrainConfig:
 @flow(name="rlvr-train")  # progress lines go to stdout; Prefect logs to the log file (flows/console.py)
 def rlvr_train_flow(cfg: dict) -> dict:
     """Run (or resume) the RLVR training run described by ``cfg`` (an :class:`RLVRTrainConfig` as JSON)."""
-    from flows.train import start_run
+    from flows.train import start_run, trainer_group
     from stages.metrics import MetricsLog
     from stages.train.checkpoint import keep_training_state
 
     config = validate_config(RLVRTrainConfig, cfg)
     run, base, pool = start_run(config, cfg, config.engine.max_model_len or config.sequence_length)
+    trainer = trainer_group(config, run.path)
     started = time.time()
     summary: dict[str, Any] = {"run": run.path, "pipeline": "rlvr", "iterations": []}
     checkpoint, state = base, {}
@@ -146,7 +147,7 @@ def rlvr_train_flow(cfg: dict) -> dict:
                     samples = advantaged.output  # old/ref log-probs (and values) came along through the responses
                 record(metrics, k, "advantages", advantaged)
                 state = {**chain["rlvr_rewarded"].state, **advantaged.state}
-                tr = train_task(config, samples, checkpoint, f"{here}/checkpoint", f"[iteration {k}] train")
+                tr = train_task(config, samples, checkpoint, f"{here}/checkpoint", f"[iteration {k}] train", trainer)
                 record(metrics, k, "train", tr)
                 checkpoint = tr.output
                 trained.append(checkpoint)
@@ -155,6 +156,7 @@ def rlvr_train_flow(cfg: dict) -> dict:
                                               "score": scored.get("critic/score/mean"),
                                               "generate_metrics": gen.metrics})
         finally:
+            trainer.close()
             pool.close()
     summary["seconds"] = time.time() - started
     summary["checkpoint"] = checkpoint

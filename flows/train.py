@@ -112,10 +112,19 @@ def advantages_task(config: TrainFlowConfig, samples: str, rewarded: str, output
 
 
 @_stage_task("train")
-def train_task(config: TrainFlowConfig, samples: str, checkpoint: str, output: str, label: str = "train") -> Any:
+def train_task(config: TrainFlowConfig, samples: str, checkpoint: str, output: str, label: str = "train",
+               trainer=None) -> Any:
     from stages.train.stage import run_train_step
 
-    return run_train_step(samples, checkpoint, config.train_step_config(), output, label=label)
+    return run_train_step(samples, checkpoint, config.train_step_config(), output, label=label, trainer=trainer)
+
+
+def trainer_group(config, run: str):
+    """The run's training workers, started on the first step and kept across steps (``train.runtime.keep_workers``);
+    the flow closes them at its end, with the engine pool."""
+    from stages.train.group import TrainerGroup
+
+    return TrainerGroup(config.train_step_config().runtime, storage=run)
 
 
 def record(metrics, iteration: int, stage: str, result: Any, values: dict | None = None, *,
@@ -192,6 +201,7 @@ def train_flow(cfg: dict) -> dict:
 
     config = validate_config(TrainFlowConfig, cfg)
     run, base, pool = start_run(config, cfg, config.rollout.engine.max_model_len or config.rollout.sequence_length)
+    trainer = trainer_group(config, run.path)
     started = time.time()
     summary: dict[str, Any] = {"run": run.path, "iterations": []}
     with MetricsLog(run.path) as metrics:
@@ -219,7 +229,7 @@ def train_flow(cfg: dict) -> dict:
                 adv = advantages_task(config, samples, rw.output, f"{here}/advantaged", kl_state)
                 record(metrics, k, "advantages", adv)
                 kl_state = adv.state
-                tr = train_task(config, adv.output, checkpoint, f"{here}/checkpoint", f"[iteration {k}] train")
+                tr = train_task(config, adv.output, checkpoint, f"{here}/checkpoint", f"[iteration {k}] train", trainer)
                 record(metrics, k, "train", tr)
                 checkpoint = tr.output
                 trained.append(checkpoint)
@@ -233,6 +243,7 @@ def train_flow(cfg: dict) -> dict:
                 summary["iterations"].append({"iteration": k, "checkpoint": checkpoint, "train_metrics": tr.metrics,
                                               "rollout_metrics": ro.samples.metrics, "eval_metrics": evaluated})
         finally:
+            trainer.close()
             pool.close()
     summary["seconds"] = time.time() - started
     summary["checkpoint"] = checkpoint

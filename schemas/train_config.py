@@ -130,6 +130,12 @@ class TrainRuntimeConfig(RuntimeConfig):
     threads: int | None = Field(None, gt=0, description="torch threads per worker (default: max(1, floor("
                                                        "cpus_per_worker))). More threads than reserved CPUs borrow CPUs "
                                                        "that idle during this stage (e.g. the idle engine's).")
+    keep_workers: bool = Field(True, description="A training flow keeps its worker group and their DeepSpeed engines "
+                                                 "across steps (started once; a step that starts from the checkpoint "
+                                                 "the previous one wrote reuses the engines in memory). Kept workers "
+                                                 "reserve no Ray CPUs: they compute only inside the training step, "
+                                                 "when the flow runs no other stage. false: a group per step that "
+                                                 "reserves cpus_per_worker.")
 
     def torch_threads(self) -> int:
         return self.threads or max(1, int(self.cpus_per_worker))

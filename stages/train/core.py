@@ -489,20 +489,23 @@ def rows_of_table(table, where: str) -> TokenRows:
     return TokenRows.from_arrow(table, where)
 
 
-def run_training(table, where: str, checkpoint: str, cfg: TrainSection, output: str, dist: DistInfo,
-                 progress=None) -> StepReport:
-    """Load the actor (and critic) from ``checkpoint`` (resuming DeepSpeed's state when it has one), run one
-    training step over ``table``, and write the new checkpoint folder ``output`` (all but the manifest).
-    ``progress``: see :func:`train_step`."""
-    from stages.train.checkpoint import (ACTOR_STATE, CRITIC_DIR, CRITIC_STATE, copy_tokenizer, read_checkpoint,
-                                         write_train_state)
+@dataclass
+class HeldEngines:
+    """The engines a long-lived training worker keeps between steps, and what they equal: the checkpoint folder
+    ``checkpoint`` (real path) they would load, under the training section ``section`` (its JSON dump)."""
 
-    info = read_checkpoint(checkpoint)
+    actor: Engine
+    critic: Engine | None
+    checkpoint: str
+    section: dict
+
+
+def load_engines(info, cfg: TrainSection, dist: DistInfo) -> tuple[Engine, Engine | None]:
+    """The actor (and critic) engines of checkpoint ``info``, with DeepSpeed's state when it has one."""
     stage = cfg.actor_train.strategy_args.zero_stage
     if info.actor_state and info.world_size not in (None, dist.world_size) and stage > 0:
-        raise ConfigError(f"checkpoint {checkpoint} was trained by {info.world_size} workers with ZeRO stage {stage}, "
+        raise ConfigError(f"checkpoint {info.path} was trained by {info.world_size} workers with ZeRO stage {stage}, "
                           f"whose optimizer state is split per rank; resume with num_workers: {info.world_size}")
-    rows = rows_of_table(table, where)
     actor = Engine(load_actor_model(info.path, cfg.actor_train), cfg.actor_train, dist, "actor")
     if info.actor_state:
         actor.load_state(info.actor_state)
@@ -512,7 +515,40 @@ def run_training(table, where: str, checkpoint: str, cfg: TrainSection, output: 
         critic = Engine(model, cfg.critic_train, dist, "critic")
         if info.critic_state:
             critic.load_state(info.critic_state)
+    return actor, critic
+
+
+def run_training(table, where: str, checkpoint: str, cfg: TrainSection, output: str, dist: DistInfo,
+                 progress=None) -> StepReport:
+    """Load the actor (and critic) from ``checkpoint`` (resuming DeepSpeed's state when it has one), run one
+    training step over ``table``, and write the new checkpoint folder ``output`` (all but the manifest).
+    ``progress``: see :func:`train_step`."""
+    report, _ = train_and_save(table, where, checkpoint, cfg, output, dist, progress=progress)
+    return report
+
+
+def train_and_save(table, where: str, checkpoint: str, cfg: TrainSection, output: str, dist: DistInfo, *,
+                   progress=None, held: HeldEngines | None = None, committed_as: str | None = None,
+                   ) -> tuple[StepReport, HeldEngines | None]:
+    """:func:`run_training` for a worker that lives across steps: the engines of ``held`` are used when they equal
+    ``checkpoint`` under this section (the step that wrote ``checkpoint`` ran here), else they are loaded from it.
+    Returns the report and the engines to keep, which equal ``committed_as`` (the folder ``output`` becomes once
+    committed; None: keep nothing). In-memory state and the saved DeepSpeed state are the same state, so a step on
+    kept engines equals a step on engines loaded from the checkpoint (tests/trainflow: the resumed run)."""
+    from stages.train.checkpoint import ACTOR_STATE, CRITIC_DIR, CRITIC_STATE, copy_tokenizer, read_checkpoint
+
+    info = read_checkpoint(checkpoint)
+    section = cfg.model_dump(mode="json")
+    setup_start = time.perf_counter()
+    kept = held is not None and held.checkpoint == os.path.realpath(info.path) and held.section == section
+    actor, critic = (held.actor, held.critic) if kept else load_engines(info, cfg, dist)
+    if kept:
+        held.checkpoint = ""  # the engines move on from that checkpoint: this record of them no longer holds
+    setup_s = time.perf_counter() - setup_start
+    rows = rows_of_table(table, where)
     report = train_step(rows, actor, critic, cfg, dist, info.global_step, pad_token_id=0, progress=progress)
+    report.metrics["time/engine_setup_s"] = setup_s
+    report.metrics["train/engines_kept"] = float(kept)
 
     save_start = time.perf_counter()
     out = Path(output)
@@ -529,16 +565,24 @@ def run_training(table, where: str, checkpoint: str, cfg: TrainSection, output: 
         critic.save_state(str(out / CRITIC_STATE))
     torch.distributed.barrier()
     report.metrics["time/save_s"] = time.perf_counter() - save_start
+    _write_state(out, info, report, actor, dist, cfg.actor_train.strategy_args.zero_stage)
+    keep = HeldEngines(actor, critic, os.path.realpath(committed_as), section) if committed_as else None
+    return report, keep
+
+
+def _write_state(out: Path, info, report: StepReport, actor: Engine, dist: DistInfo, zero_stage: int) -> None:
+    """Rank 0 writes the step's train state (counters, metrics) beside the weights."""
+    from stages.train.checkpoint import write_train_state
+
     report.metrics["time/train_s"] = report.seconds
     report.metrics.update(peak_memory(dist))
     if dist.rank == 0:
         write_train_state(str(out), {
             "global_step": info.global_step + 1, "optimizer_steps": actor.optimizer_steps,
-            "world_size": dist.world_size, "zero_stage": stage, "input_checkpoint": info.path,
+            "world_size": dist.world_size, "zero_stage": zero_stage, "input_checkpoint": info.path,
             "metrics": report.metrics, "per_step": report.per_step,
             "tokens": report.tokens, "padded_tokens": report.padded_tokens, "train_seconds": report.seconds,
             "train_cpu_seconds": report.cpu_seconds})
-    return report
 
 
 # ---- a single process without Ray ------------------------------------------------------------------------------

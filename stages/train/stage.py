@@ -15,28 +15,22 @@ from __future__ import annotations
 import json
 import logging
 import os
-import tempfile
 import time
-import uuid
 from dataclasses import dataclass
 from typing import Any
 
 import pyarrow as pa
 
-from schemas.errors import ConfigError, RollflowError, SchemaError
+from schemas.errors import ConfigError, RollflowError
 from schemas.tables import ADVANTAGED, FLOATS, SAMPLES, TableSpec, check_row_invariants
 from schemas.train_config import ForwardConfig, LogProbSection, TrainSection, TrainStepConfig, ValuesSection
 from stages.runner import (ACTOR_POOL, Stage, StageContext, StageResult, commit_folder, read_partials, run_stage,
-                           stage_fingerprint, sum_partials, unwrap_error, unwrapped_errors, write_partials)
+                           stage_fingerprint, sum_partials, unwrap_error, write_partials)
 from stages.storage import Location, folder_fingerprint, read_table_schema
 from stages.train import checkpoint as ckpt
+from stages.train.group import TrainerGroup
 
 log = logging.getLogger("rollflow.train")
-
-# Columns the training step reads (the rest of the advantaged table stays on disk).
-TRAIN_COLUMNS = ("row_id", "input_ids", "response_mask", "advantages", "returns", "values", "old_log_probs",
-                 "ref_log_probs", "infer_logprobs", "final_response_mask")
-
 
 # ---- the training step on Ray Train ----------------------------------------------------------------------------
 
@@ -47,67 +41,33 @@ class TrainStage:
     version = "1"
 
 
-def _train_loop(config: dict) -> None:
-    """One Ray Train worker: join the process group, read the whole table (every rank takes its share by the
-    deterministic plan), train, write the checkpoint folder (rank 0: HF weights; every rank: DeepSpeed state)."""
-    import pyarrow as pa
-    import ray.train
-
-    from stages.train.core import init_distributed, run_training
-
-    dist = init_distributed(config["threads"])
-    shard = ray.train.get_dataset_shard("train")
-    batches = list(shard.iter_batches(batch_format="pyarrow", batch_size=None))
-    table = pa.concat_tables(batches) if batches else None
-    if table is None or table.num_rows == 0:
-        raise SchemaError(f"advantaged table at {config['samples']} has no rows; nothing to train on")
-    cfg = TrainSection.model_validate(config["section"])
-    run_training(table, config["samples"], config["checkpoint"], cfg, config["output"], dist,
-                 progress=config.get("progress") if dist.rank == 0 else None)
-
-
 def _worker_error(err: BaseException) -> BaseException:
-    """The user error (RollflowError) raised inside a worker, if the Ray Train failure carries one."""
+    """The user error (RollflowError) raised inside a worker, if the Ray Train failure carries one (also when the
+    failure arrives wrapped by the Ray task that ran the fit)."""
     found = unwrap_error(err)
     if found is not err:
         return found
-    failures = getattr(err, "worker_failures", None) or {}
-    for failure in (failures.values() if isinstance(failures, dict) else failures):
-        found = unwrap_error(failure)
-        if isinstance(found, RollflowError):
-            return found
+    for outer in (err, getattr(err, "cause", None)):
+        failures = getattr(outer, "worker_failures", None) or {}
+        for failure in (failures.values() if isinstance(failures, dict) else failures):
+            found = unwrap_error(failure)
+            if isinstance(found, RollflowError):
+                return found
     return err
 
 
-def _fit(samples: Location, checkpoint: str, cfg: TrainStepConfig, tmp: str, storage: str, label: str) -> None:
-    import ray.data
-    from ray.train import DataConfig, FailureConfig, RunConfig, ScalingConfig
-    from ray.train.torch import TorchConfig, TorchTrainer
-
+def _step(group: TrainerGroup, samples: Location, checkpoint: str, cfg: TrainStepConfig, tmp: str, final: str,
+          label: str) -> None:
+    """One step on ``group``: the workers read the table themselves and write the checkpoint into ``tmp``."""
     from stages import progress
     from stages.cluster import ensure_ray
 
-    rt = cfg.runtime
-    ensure_ray(rt.ray_address, rt.num_cpus, progress=False)
-    schema = read_table_schema(samples, "advantaged")
-    columns = [c for c in TRAIN_COLUMNS if c in schema.names]
-    # read before the workers hold the CPUs, so the read tasks cannot starve behind them (STACK.md)
-    ds = ray.data.read_parquet(samples.parquet_files(), columns=columns,
-                               filesystem=samples.ray_filesystem()).materialize()
-    threads = rt.torch_threads()
+    ensure_ray(cfg.runtime.ray_address, cfg.runtime.num_cpus, progress=False)
+    names = read_table_schema(samples, "advantaged").names
     with progress.bar(label, "micro-batches") as ticker:  # rank 0 counts its micro-batches
-        trainer = TorchTrainer(
-            _train_loop,
-            train_loop_config={"section": train_section(cfg).model_dump(mode="json"), "checkpoint": checkpoint,
-                               "output": tmp, "samples": samples.path, "threads": threads, "progress": ticker},
-            scaling_config=ScalingConfig(num_workers=rt.num_workers, use_gpu=rt.use_gpu,
-                                         resources_per_worker={"CPU": rt.cpus_per_worker}),
-            torch_config=TorchConfig(backend="nccl" if rt.use_gpu else "gloo"),
-            datasets={"train": ds}, dataset_config=DataConfig(datasets_to_split=[]),
-            run_config=RunConfig(name=f"train-{uuid.uuid4().hex[:8]}", storage_path=storage,
-                                 failure_config=FailureConfig(max_failures=0)))
-        with unwrapped_errors(_worker_error):
-            trainer.fit()
+        group.step({"samples": samples, "columns": names, "checkpoint": checkpoint, "output": tmp,
+                    "committed_as": final, "section": train_section(cfg).model_dump(mode="json"),
+                    "progress": ticker}, _worker_error)
 
 
 def train_section(cfg: TrainStepConfig) -> TrainSection:
@@ -115,11 +75,12 @@ def train_section(cfg: TrainStepConfig) -> TrainSection:
 
 
 def run_train_step(samples: str, checkpoint: str, cfg: TrainStepConfig, output: str, *, force: bool = False,
-                   label: str = "train") -> StageResult:
+                   label: str = "train", trainer: TrainerGroup | None = None) -> StageResult:
     """Train the checkpoint one step on the advantaged table ``samples``; write the new checkpoint to ``output``.
 
     Skips when ``output`` already holds this exact step (same table, checkpoint and training section). ``label``
-    heads the progress bar of the micro-batches (on a terminal, see :mod:`stages.progress`)."""
+    heads the progress bar of the micro-batches (on a terminal, see :mod:`stages.progress`). ``trainer``: the
+    run's kept worker group (default: a group started for this step and closed after it)."""
     start = time.time()
     section = train_section(cfg)
     samples_loc = Location.of(samples)
@@ -132,7 +93,7 @@ def run_train_step(samples: str, checkpoint: str, cfg: TrainStepConfig, output: 
     state_in = {"checkpoint": ckpt.checkpoint_fingerprint(info.path)}
     fp = stage_fingerprint(TrainStage, section, {"samples": samples_loc}, state_in)
     manifest, skipped = commit_folder(
-        out, fp, lambda tmp: _train_into(tmp, out, samples_loc, info, cfg, state_in, start, label),
+        out, fp, lambda tmp: _train_into(tmp, out, samples_loc, info, cfg, state_in, start, label, trainer),
         who="train_step", other="a checkpoint of another training step", force=force)
     if not skipped:
         if cfg.max_ckpt_to_keep:
@@ -144,24 +105,22 @@ def run_train_step(samples: str, checkpoint: str, cfg: TrainStepConfig, output: 
 
 
 def _train_into(tmp: Location, out: Location, samples: Location, info: ckpt.CheckpointInfo, cfg: TrainStepConfig,
-                state_in: dict, start: float, label: str) -> dict[str, Any]:
-    """Run the training step into ``tmp`` (the temporary folder of ``out``; Ray Train's own files go to a sibling
-    folder, removed after), check the checkpoint, and return its manifest (all but the fingerprint)."""
+                state_in: dict, start: float, label: str, trainer: TrainerGroup | None) -> dict[str, Any]:
+    """Run the training step into ``tmp`` (the temporary folder of ``out``; a one-step group's Ray Train files go
+    to a sibling folder, removed after), check the checkpoint, and return its manifest (all but the fingerprint)."""
     checkpoint = info.path
     if os.path.realpath(out.path) == os.path.realpath(checkpoint):
         raise RollflowError(f"train_step: the output {out.path} is the input checkpoint; write to a new folder")
     ckpt.check_trainable(info)
     section = train_section(cfg)
-    storage = tempfile.mkdtemp(prefix=".ray-train-", dir=tmp.parent.path)
     try:
-        _fit(samples, checkpoint, cfg, tmp.path, storage, label)
+        _step(trainer or TrainerGroup(cfg.runtime, storage=tmp.parent.path, keep=False), samples, checkpoint, cfg,
+              tmp.path, out.path, label)
     except Exception as err:
         full = ckpt.disk_full_error(tmp.path, checkpoint, err)
         if full is not None:
             raise full from err
         raise
-    finally:
-        Location.of(storage).rmtree()
     ckpt.check_complete(tmp.path, section.needs_critic)
     state = json.loads(tmp.child(ckpt.TRAIN_STATE).read_text())
     return {

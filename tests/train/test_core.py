@@ -18,7 +18,7 @@ from schemas.train_config import TrainSection, TrainStepConfig
 from stages.train.batching import TokenRows, pad_micro_batch, plan_step
 from stages.train.checkpoint import read_checkpoint
 from stages.train.core import (ActorObjective, Engine, batching_policy, load_actor_model, load_critic_model,
-                               lr_lambda, rows_of_table, run_training, train_step)
+                               lr_lambda, rows_of_table, run_training, train_and_save, train_step)
 from stages.train.forward import forward_rows
 from tests.train.tables import advantaged_rows
 
@@ -237,6 +237,36 @@ def test_resume_from_checkpoint_reproduces_the_next_step(dist, tiny_model, table
     assert info.global_step == 2 and info.optimizer_steps == 8 and info.critic_state and info.actor_state
     state = json.loads((tmp_path / "c2" / "train_state.json").read_text())
     assert state["world_size"] == 1 and len(state["per_step"]) == 4
+
+
+def test_engines_kept_across_steps_equal_engines_loaded_from_the_checkpoint(dist, tiny_model, table, tmp_path):
+    """A kept worker's second step (engines still in memory) equals a step on engines loaded from the first step's
+    checkpoint — DeepSpeed's saved state is the whole state; kept engines are used only for the checkpoint they
+    wrote, under the same section."""
+    from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
+
+    cfg = section(**{"adv_estimator": "gae", "actor_train.training_args.per_device_train_batch_size": 4,
+                     "actor_train.training_args.lr_scheduler_type": "linear",
+                     "actor_train.training_args.max_steps": 8, "actor_train.training_args.warmup_steps": 1,
+                     "critic_train.training_args.per_device_train_batch_size": 4})
+    k1 = str(tmp_path / "k1")
+    first, held = train_and_save(table, "t", str(tiny_model), cfg, k1, dist, committed_as=k1)
+    kept, _ = train_and_save(table, "t", k1, cfg, str(tmp_path / "k2"), dist, held=held)
+    loaded = run_training(table, "t", k1, cfg, str(tmp_path / "l2"), dist)
+    assert (first.metrics["train/engines_kept"], kept.metrics["train/engines_kept"],
+            loaded.metrics["train/engines_kept"]) == (0.0, 1.0, 0.0)
+    for got, want in zip(kept.per_step, loaded.per_step, strict=True):
+        for key in ("actor/pg_loss", "critic/loss", "actor/lr", "actor/grad_norm", "critic/grad_norm"):
+            assert got[key] == pytest.approx(want[key], rel=1e-5, abs=1e-7), key
+    assert_same_weights(AutoModelForCausalLM.from_pretrained(tmp_path / "k2"),
+                        AutoModelForCausalLM.from_pretrained(tmp_path / "l2"), atol=1e-6)
+    assert_same_weights(AutoModelForTokenClassification.from_pretrained(tmp_path / "k2" / "critic"),
+                        AutoModelForTokenClassification.from_pretrained(tmp_path / "l2" / "critic"), atol=1e-6)
+    # not reused for another input checkpoint, nor under another section
+    other, _ = train_and_save(table, "t", str(tiny_model), cfg, str(tmp_path / "o"), dist, held=held)
+    lr = section(**{"adv_estimator": "gae", "actor_train.training_args.learning_rate": 1e-4})
+    changed, _ = train_and_save(table, "t", k1, lr, str(tmp_path / "c"), dist, held=held)
+    assert other.metrics["train/engines_kept"] == changed.metrics["train/engines_kept"] == 0.0
 
 
 def test_checkpoint_is_an_hf_folder_with_tokenizer(dist, tiny_model, table, tmp_path):

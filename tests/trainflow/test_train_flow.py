@@ -127,6 +127,9 @@ def test_train_run_end_to_end_then_resume_skips_everything(finished_run, cli_env
     assert (run / "report/index.html").exists() and (run / "report/success_rate.png").exists()
     train_manifest = json.loads((run / "iter_0000/checkpoint/manifest.json").read_text())
     assert "actor/pg_loss" in train_manifest["metrics"]
+    # the worker group lives across steps: the second step trains the engines the first one left in memory
+    assert train_manifest["metrics"]["train/engines_kept"] == 0.0
+    assert json.loads((run / "iter_0001/checkpoint/manifest.json").read_text())["metrics"]["train/engines_kept"] == 1
     # max_ckpt_to_keep=1: only the newest checkpoint keeps its DeepSpeed state; every one keeps its weights
     assert not (run / "iter_0000/checkpoint/deepspeed").exists() and (run / "iter_0001/checkpoint/deepspeed").is_dir()
     assert list((run / "iter_0000/checkpoint").glob("*.safetensors"))

@@ -1,0 +1,198 @@
+"""The training workers of a run: one Ray Train worker group (``TorchTrainer``) that lives across training steps.
+
+A training flow keeps its workers the way it keeps its generation engines: the group starts on the first step, each
+step is a request sent to every rank, and the DeepSpeed engines stay in memory between steps when the next step
+starts from the checkpoint the previous one wrote (:func:`stages.train.core.train_and_save`). Starting a group and
+its engines costs 15-30 s of a CPU iteration (Ray Train's controller and worker processes, imports, DeepSpeed set-up,
+loading the checkpoint); a kept group pays it once per run. Every step still writes the whole checkpoint, so a
+resumed run loads exactly what the kept engines held.
+
+The protocol: one request queue per rank (each rank blocks on its own queue between steps, so no collective waits
+on a timeout), one reply queue that rank 0 answers on once the checkpoint is written. A failed step raises out of
+the worker loop, which ends the group; the error reaches the caller as the fit's error and the next step starts a
+fresh group. ``keep_workers: false`` (or a one-off ``rollflow train-step``) makes a group for one step.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import tempfile
+import time
+import uuid
+from typing import Any
+
+from stages.storage import Location
+
+log = logging.getLogger("rollflow.train")
+
+# Columns the training step reads (the rest of the advantaged table stays on disk).
+TRAIN_COLUMNS = ("row_id", "input_ids", "response_mask", "advantages", "returns", "values", "old_log_probs",
+                 "ref_log_probs", "infer_logprobs", "final_response_mask")
+_POLL_S = 0.5
+_KEPT_WORKER_MEMORY = 64 * 2**20
+
+
+def read_train_table(samples: Location, names: list[str]):
+    """The columns of the advantaged table that training reads, every Parquet part in order."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    columns = [c for c in TRAIN_COLUMNS if c in names]
+    parts = [pq.read_table(p, columns=columns, filesystem=samples.fs) for p in samples.parquet_files()]
+    return pa.concat_tables(parts) if parts else None
+
+
+def _serve(config: dict) -> None:
+    """One Ray Train worker: join the process group once, then run every step request of this rank's queue until
+    ``None`` (the group closes). Rank 0 replies with the request's id once the checkpoint folder is written."""
+    from schemas.errors import SchemaError
+    from schemas.train_config import TrainSection
+    from stages.train.core import init_distributed, train_and_save
+
+    dist = init_distributed(config["threads"])
+    inbox = config["inboxes"][dist.rank]
+    held = None
+    while (request := inbox.get(block=True)) is not None:
+        samples: Location = request["samples"]
+        table = read_train_table(samples, request["columns"])
+        if table is None or table.num_rows == 0:
+            raise SchemaError(f"advantaged table at {samples.path} has no rows; nothing to train on")
+        cfg = TrainSection.model_validate(request["section"])
+        _, held = train_and_save(table, samples.path, request["checkpoint"], cfg, request["output"], dist,
+                                 progress=request["progress"] if dist.rank == 0 else None, held=held,
+                                 committed_as=request["committed_as"] if config["keep"] else None)
+        if dist.rank == 0:
+            config["replies"].put(request["id"])
+
+
+def _fit(trainer_kwargs: dict) -> None:
+    """Runs in a Ray task: the worker group's whole life (``TorchTrainer.fit`` returns when the group closes)."""
+    from ray.train.torch import TorchTrainer
+
+    TorchTrainer(_serve, **trainer_kwargs).fit()
+
+
+class TrainerGroup:
+    """The run's training workers (Ray Train, DeepSpeed), started on the first :meth:`step` and kept until
+    :meth:`close` when ``keep``; else started and closed around each step.
+
+    ``runtime``: a :class:`schemas.train_config.TrainRuntimeConfig`. ``storage``: a folder for Ray Train's own run
+    files (removed on close). A kept group reserves no Ray CPUs: it computes only inside a training step, when the
+    flow runs no other stage (the rule of an engine with ``num_cpus_per_engine: 0``), so the log-prob actors and
+    Ray Data's tasks can use the CPUs between steps; its torch threads stay ``cpus_per_worker``."""
+
+    def __init__(self, runtime, storage: str | None = None, keep: bool = True):
+        self.runtime, self.keep = runtime, keep and runtime.keep_workers
+        self._storage_root = storage
+        self._fit_ref = None
+        self._inboxes: list = []
+        self._replies = None
+        self._storage: str | None = None
+
+    def step(self, request: dict[str, Any], unwrap) -> None:
+        """Run one training step (``request``: samples Location, columns, checkpoint, output, committed_as, section,
+        progress) on every rank and wait until rank 0 reports the checkpoint written. A failure of the group is
+        raised as ``unwrap`` sees it (the user error inside Ray's wrappers) and the group is dropped."""
+        import ray
+
+        if self._fit_ref is None:
+            self._start()
+        request = {**request, "id": uuid.uuid4().hex}
+        for inbox in self._inboxes:
+            inbox.put(request)
+        try:
+            while True:
+                done, _ = ray.wait([self._fit_ref], timeout=0)
+                if done:
+                    ray.get(self._fit_ref)
+                    raise RuntimeError("the training workers stopped before finishing the step")
+                if self._reply(request["id"]):
+                    break
+        except BaseException as err:
+            self._drop()
+            real = unwrap(err)
+            if real is not err:
+                raise real from None
+            raise
+        if not self.keep:
+            self.close()
+
+    def _reply(self, want: str) -> bool:
+        from ray.util.queue import Empty
+
+        try:
+            got = self._replies.get(block=True, timeout=_POLL_S)
+        except Empty:
+            return False
+        return got == want
+
+    def _start(self) -> None:
+        import ray
+        from ray.train import FailureConfig, RunConfig, ScalingConfig
+        from ray.train.torch import TorchConfig
+        from ray.util.queue import Queue
+
+        rt = self.runtime
+        root = self._storage_root if self._storage_root and "://" not in self._storage_root else None
+        if root is not None:  # a run folder on object storage: Ray Train's few files go to a local temporary folder
+            os.makedirs(root, exist_ok=True)
+        self._storage = tempfile.mkdtemp(prefix=".ray-train-", dir=root)
+        queue_options = {"num_cpus": 0}
+        self._inboxes = [Queue(actor_options=queue_options) for _ in range(rt.num_workers)]
+        self._replies = Queue(actor_options=queue_options)
+        # a kept worker reserves no CPU; Ray refuses a bundle of zeros, so it names a token of memory (no other task of
+        # a run reserves memory, so this blocks nothing)
+        resources = {"CPU": 0, "memory": _KEPT_WORKER_MEMORY} if self.keep else {"CPU": rt.cpus_per_worker}
+        kwargs = {
+            "train_loop_config": {"inboxes": self._inboxes, "replies": self._replies, "threads": rt.torch_threads(),
+                                  "keep": self.keep},
+            "scaling_config": ScalingConfig(num_workers=rt.num_workers, use_gpu=rt.use_gpu,
+                                            resources_per_worker=resources),
+            "torch_config": TorchConfig(backend="nccl" if rt.use_gpu else "gloo"),
+            "run_config": RunConfig(name=f"train-{uuid.uuid4().hex[:8]}", storage_path=self._storage,
+                                    failure_config=FailureConfig(max_failures=0)),
+        }
+        self._fit_ref = ray.remote(num_cpus=0, max_retries=0)(_fit).remote(kwargs)
+        log.info("training workers: %d (%s), kept across steps: %s", rt.num_workers,
+                 "GPU" if rt.use_gpu else "CPU", self.keep)
+
+    def close(self) -> None:
+        """Stop the workers (each rank leaves its loop, the fit returns) and remove Ray Train's run files."""
+        import ray
+
+        if self._fit_ref is not None:
+            for inbox in self._inboxes:
+                inbox.put(None)
+            deadline = time.time() + 60
+            done: list = []
+            while not done and time.time() < deadline:
+                done, _ = ray.wait([self._fit_ref], timeout=1)
+            if done:
+                try:
+                    ray.get(self._fit_ref)
+                except Exception as err:  # the step that failed already raised its error
+                    log.info("training workers ended with: %s", err)
+        self._drop()
+
+    def _drop(self) -> None:
+        import ray
+
+        if self._fit_ref is not None:
+            ray.cancel(self._fit_ref, force=True, recursive=True)
+        for queue in [*self._inboxes, *([self._replies] if self._replies is not None else [])]:
+            try:
+                ray.kill(queue.actor)
+            except Exception:  # already gone with its owner
+                pass
+        self._fit_ref, self._inboxes, self._replies = None, [], None
+        if self._storage is not None:
+            shutil.rmtree(self._storage, ignore_errors=True)
+            self._storage = None
+
+    def __enter__(self) -> "TrainerGroup":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
