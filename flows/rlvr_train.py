@@ -110,13 +110,13 @@ def first_pass_config(config: RLVRTrainConfig) -> RLVRTrainConfig:
 @flow(name="rlvr-train")  # progress lines go to stdout; Prefect logs to the log file (flows/console.py)
 def rlvr_train_flow(cfg: dict) -> dict:
     """Run (or resume) the RLVR training run described by ``cfg`` (an :class:`RLVRTrainConfig` as JSON)."""
-    from flows.train import start_run, trainer_group
+    from flows.train import KeptWorkers, start_run
     from stages.metrics import MetricsLog
     from stages.train.checkpoint import keep_training_state
 
     config = validate_config(RLVRTrainConfig, cfg)
     run, base, pool = start_run(config, cfg, config.engine.max_model_len or config.sequence_length)
-    trainer = trainer_group(config, run.path)
+    workers = KeptWorkers.of(config, run.path)
     started = time.time()
     summary: dict[str, Any] = {"run": run.path, "pipeline": "rlvr", "iterations": []}
     checkpoint, state = base, {}
@@ -134,11 +134,11 @@ def rlvr_train_flow(cfg: dict) -> dict:
                                    f"{here}/first_pass" if two_pass else here, state, pool)
                 scored = record(metrics, k, "rewards", chain["scored"])
                 record(metrics, k, "rlvr_rewards", chain["rlvr_rewarded"])
-                lp = logprobs_task(config, chain["advantaged"].output, checkpoint, base, f"{here}/logprobs")
+                lp = logprobs_task(config, chain["advantaged"].output, checkpoint, base, f"{here}/logprobs", workers)
                 record(metrics, k, "logprobs", lp)
                 advantaged, samples, tokens = chain["advantaged"], lp.output, lp.output
                 if needs_critic:
-                    vals = values_task(config, lp.output, checkpoint, f"{here}/values")
+                    vals = values_task(config, lp.output, checkpoint, f"{here}/values", workers)
                     record(metrics, k, "values", vals)
                     tokens = vals.output
                 if two_pass:
@@ -147,7 +147,7 @@ def rlvr_train_flow(cfg: dict) -> dict:
                     samples = advantaged.output  # old/ref log-probs (and values) came along through the responses
                 record(metrics, k, "advantages", advantaged)
                 state = {**chain["rlvr_rewarded"].state, **advantaged.state}
-                tr = train_task(config, samples, checkpoint, f"{here}/checkpoint", f"[iteration {k}] train", trainer)
+                tr = train_task(config, samples, checkpoint, f"{here}/checkpoint", f"[iteration {k}] train", workers)
                 record(metrics, k, "train", tr)
                 checkpoint = tr.output
                 trained.append(checkpoint)
@@ -156,7 +156,7 @@ def rlvr_train_flow(cfg: dict) -> dict:
                                               "score": scored.get("critic/score/mean"),
                                               "generate_metrics": gen.metrics})
         finally:
-            trainer.close()
+            workers.close()
             pool.close()
     summary["seconds"] = time.time() - started
     summary["checkpoint"] = checkpoint

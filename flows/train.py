@@ -5,7 +5,8 @@ Per iteration ``k`` (policy after ``k`` training steps), every output under ``ru
 rollout (episodes, turns, samples) → logprobs (old/ref) → values (GAE only) → rewarded → advantaged → checkpoint →
 eval. Every stage goes through the one runner, so ``rollflow train --resume RUN`` after a crash (SIGKILL included)
 skips what is committed and continues with the first missing output. The generation engines are built once per
-flow run and load each new checkpoint in place.
+flow run and load each new checkpoint in place; so do the forward (log-prob, values) workers, and the training
+workers keep their DeepSpeed engines from one step to the next (:class:`KeptWorkers`).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+from dataclasses import dataclass
 from typing import Any
 
 from prefect import flow, task
@@ -44,6 +46,27 @@ def run_log(config) -> tuple[str, str | None]:
 
 def iter_dir(run: str, iteration: int) -> str:
     return f"{run}/iter_{iteration:04d}"
+
+
+@dataclass
+class KeptWorkers:
+    """The workers a training flow keeps from one iteration to the next, besides the generation engines: the
+    forward workers (models loaded once, new checkpoints copied in place) and the training worker group (DeepSpeed
+    engines kept in memory). Started on first use; the flow closes them at its end."""
+
+    trainer: Any  # stages.train.group.TrainerGroup
+    forward: Any  # stages.train.stage.ForwardWorkers
+
+    @classmethod
+    def of(cls, config, run: str) -> "KeptWorkers":
+        from stages.train.group import TrainerGroup
+        from stages.train.stage import ForwardWorkers
+
+        return cls(TrainerGroup(config.train_step_config().runtime, storage=run), ForwardWorkers(config.logprobs))
+
+    def close(self) -> None:
+        self.trainer.close()
+        self.forward.close()
 
 
 def _stage_task(name: str):
@@ -80,17 +103,20 @@ def _turn_progress(label: str, what: str):
 
 
 @_stage_task("logprobs")
-def logprobs_task(config: TrainFlowConfig, samples: str, checkpoint: str, reference: str, output: str) -> Any:
+def logprobs_task(config: TrainFlowConfig, samples: str, checkpoint: str, reference: str, output: str,
+                  workers: KeptWorkers | None = None) -> Any:
     from stages.train.stage import run_logprobs
 
-    return run_logprobs(samples, checkpoint, config.logprobs, output, reference=reference)
+    return run_logprobs(samples, checkpoint, config.logprobs, output, reference=reference,
+                        workers=workers.forward if workers else None)
 
 
 @_stage_task("values")
-def values_task(config: TrainFlowConfig, samples: str, checkpoint: str, output: str) -> Any:
+def values_task(config: TrainFlowConfig, samples: str, checkpoint: str, output: str,
+                workers: KeptWorkers | None = None) -> Any:
     from stages.train.stage import run_values
 
-    return run_values(samples, checkpoint, config.logprobs, output)
+    return run_values(samples, checkpoint, config.logprobs, output, workers=workers.forward if workers else None)
 
 
 @_stage_task("response_rewards")
@@ -113,18 +139,11 @@ def advantages_task(config: TrainFlowConfig, samples: str, rewarded: str, output
 
 @_stage_task("train")
 def train_task(config: TrainFlowConfig, samples: str, checkpoint: str, output: str, label: str = "train",
-               trainer=None) -> Any:
+               workers: KeptWorkers | None = None) -> Any:
     from stages.train.stage import run_train_step
 
-    return run_train_step(samples, checkpoint, config.train_step_config(), output, label=label, trainer=trainer)
-
-
-def trainer_group(config, run: str):
-    """The run's training workers, started on the first step and kept across steps (``train.runtime.keep_workers``);
-    the flow closes them at its end, with the engine pool."""
-    from stages.train.group import TrainerGroup
-
-    return TrainerGroup(config.train_step_config().runtime, storage=run)
+    return run_train_step(samples, checkpoint, config.train_step_config(), output, label=label,
+                          trainer=workers.trainer if workers else None)
 
 
 def record(metrics, iteration: int, stage: str, result: Any, values: dict | None = None, *,
@@ -201,7 +220,7 @@ def train_flow(cfg: dict) -> dict:
 
     config = validate_config(TrainFlowConfig, cfg)
     run, base, pool = start_run(config, cfg, config.rollout.engine.max_model_len or config.rollout.sequence_length)
-    trainer = trainer_group(config, run.path)
+    workers = KeptWorkers.of(config, run.path)
     started = time.time()
     summary: dict[str, Any] = {"run": run.path, "iterations": []}
     with MetricsLog(run.path) as metrics:
@@ -217,11 +236,11 @@ def train_flow(cfg: dict) -> dict:
                 here = iter_dir(run.path, k)
                 ro = rollout_task(config, k, f"{here}/rollout", checkpoint, pool)
                 record(metrics, k, "rollout", ro, _rollout_metrics(ro))
-                lp = logprobs_task(config, ro.samples.output, checkpoint, base, f"{here}/logprobs")
+                lp = logprobs_task(config, ro.samples.output, checkpoint, base, f"{here}/logprobs", workers)
                 record(metrics, k, "logprobs", lp)
                 samples = lp.output
                 if config.train_step_config().needs_critic:
-                    vals = values_task(config, samples, checkpoint, f"{here}/values")
+                    vals = values_task(config, samples, checkpoint, f"{here}/values", workers)
                     record(metrics, k, "values", vals)
                     samples = vals.output
                 rw = rewards_task(config, samples, f"{here}/rewarded")
@@ -229,7 +248,8 @@ def train_flow(cfg: dict) -> dict:
                 adv = advantages_task(config, samples, rw.output, f"{here}/advantaged", kl_state)
                 record(metrics, k, "advantages", adv)
                 kl_state = adv.state
-                tr = train_task(config, adv.output, checkpoint, f"{here}/checkpoint", f"[iteration {k}] train", trainer)
+                tr = train_task(config, adv.output, checkpoint, f"{here}/checkpoint", f"[iteration {k}] train",
+                                workers)
                 record(metrics, k, "train", tr)
                 checkpoint = tr.output
                 trained.append(checkpoint)
@@ -243,7 +263,7 @@ def train_flow(cfg: dict) -> dict:
                 summary["iterations"].append({"iteration": k, "checkpoint": checkpoint, "train_metrics": tr.metrics,
                                               "rollout_metrics": ro.samples.metrics, "eval_metrics": evaluated})
         finally:
-            trainer.close()
+            workers.close()
             pool.close()
     summary["seconds"] = time.time() - started
     summary["checkpoint"] = checkpoint

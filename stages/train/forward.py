@@ -96,3 +96,69 @@ def load_forward_model(path: str, kind: str, dtype: str = "fp32", *, actor_dir: 
 
         model = load_actor_model(path)
     return model.to(device=device, dtype=torch_dtype).eval()
+
+
+def _same_architecture(a: str, b: str) -> bool:
+    """Two HF model folders whose config.json describe the same architecture (weights may differ)."""
+    import json
+    from pathlib import Path
+
+    def arch(folder: str) -> dict:
+        config = json.loads((Path(folder) / "config.json").read_text())
+        return {k: v for k, v in config.items() if k not in ("_name_or_path", "transformers_version", "torch_dtype",
+                                                              "dtype", "use_cache")}
+    return arch(a) == arch(b)
+
+
+@torch.no_grad()
+def load_weights_in_place(model: torch.nn.Module, path: str) -> bool:
+    """Copy the safetensors weights of the HF folder ``path`` into ``model`` (same architecture, already in its
+    dtype and device) — a new checkpoint of the same policy without building the model again. Returns False (and
+    changes nothing) when the folder's tensors do not match the model's: then load it afresh."""
+    from pathlib import Path
+
+    from safetensors.torch import load_file
+
+    files = sorted(Path(path).glob("*.safetensors"))
+    if not files:
+        return False
+    weights: dict[str, torch.Tensor] = {}
+    for f in files:
+        weights.update(load_file(str(f)))
+    own = model.state_dict()
+    tied = {k for k in own if k not in weights and getattr(model.config, "tie_word_embeddings", False)
+            and k.endswith("lm_head.weight")}
+    if set(weights) != set(own) - tied or any(weights[k].shape != own[k].shape for k in weights):
+        return False
+    for name, value in weights.items():
+        own[name].copy_(value)
+    return True
+
+
+class ForwardModels:
+    """The models a long-lived forward worker keeps: one per role (``old_log_probs``, ``ref_log_probs``,
+    ``values``), each with the identity of what it holds (path, content fingerprint, dtype, ...). A new checkpoint
+    of the same architecture is copied into the kept log-prob model in place (:func:`load_weights_in_place`);
+    anything else is loaded afresh (:func:`load_forward_model`). Equal to a fresh load: tests/train/test_stage.py."""
+
+    def __init__(self) -> None:
+        self._held: dict[str, tuple[tuple, torch.nn.Module]] = {}
+        self.loads = {"fresh": 0, "in_place": 0, "kept": 0}
+
+    def get(self, role: str, path: str, kind: str, dtype: str, *, fingerprint: str = "", actor_dir: str | None = None,
+            seed: int = 42) -> torch.nn.Module:
+        ident = (path, fingerprint, kind, dtype, actor_dir, seed)
+        held = self._held.get(role)
+        if held is not None and held[0] == ident and fingerprint:
+            self.loads["kept"] += 1
+            return held[1]
+        if (held is not None and kind == "log_probs" and held[0][2:] == ident[2:]
+                and _same_architecture(held[0][0], path) and load_weights_in_place(held[1], path)):
+            self.loads["in_place"] += 1
+        else:
+            self._held.pop(role, None)  # free the old model before loading the new one
+            self._held[role] = (ident, load_forward_model(path, kind, dtype, actor_dir=actor_dir, seed=seed))
+            self.loads["fresh"] += 1
+            return self._held[role][1]
+        self._held[role] = (ident, held[1])
+        return held[1]

@@ -7,8 +7,8 @@ its engines costs 15-30 s of a CPU iteration (Ray Train's controller and worker 
 loading the checkpoint); a kept group pays it once per run. Every step still writes the whole checkpoint, so a
 resumed run loads exactly what the kept engines held.
 
-The protocol: one request queue per rank (each rank blocks on its own queue between steps, so no collective waits
-on a timeout), one reply queue that rank 0 answers on once the checkpoint is written. A failed step raises out of
+The protocol: a :class:`Mailbox` actor with one inbox per rank (each rank waits on its own inbox between steps, so
+no collective waits on a timeout) and the replies rank 0 sends once the checkpoint is written. A failed step raises out of
 the worker loop, which ends the group; the error reaches the caller as the fit's error and the next step starts a
 fresh group. ``keep_workers: false`` (or a one-off ``rollflow train-step``) makes a group for one step.
 """
@@ -19,7 +19,6 @@ import logging
 import os
 import shutil
 import tempfile
-import time
 import uuid
 from typing import Any
 
@@ -44,17 +43,66 @@ def read_train_table(samples: Location, names: list[str]):
     return pa.concat_tables(parts) if parts else None
 
 
+class Mailbox:
+    """The requests of a worker group (one inbox per rank) and rank 0's replies, in one threaded Ray actor (a single
+    process; blocking gets wait at most ``timeout`` seconds and return None when nothing came)."""
+
+    def __init__(self, ranks: int):
+        import queue
+
+        self._inboxes = [queue.Queue() for _ in range(ranks)]
+        self._replies = queue.Queue()
+
+    def send(self, request: Any) -> None:
+        for inbox in self._inboxes:
+            inbox.put(request)
+
+    def receive(self, rank: int, timeout: float) -> Any:
+        import queue
+
+        try:
+            return self._inboxes[rank].get(timeout=timeout)
+        except queue.Empty:
+            return _NOTHING
+
+    def reply(self, answer: str) -> None:
+        self._replies.put(answer)
+
+    def answer(self, timeout: float) -> str | None:
+        import queue
+
+        try:
+            return self._replies.get(timeout=timeout)
+        except queue.Empty:
+            return None
+
+
+_NOTHING = "<nothing>"
+
+
+def _requests(mailbox, rank: int):
+    """The step requests of ``rank``, in order, until the group closes (a ``None`` request)."""
+    import ray
+
+    while True:
+        request = ray.get(mailbox.receive.remote(rank, 30.0))
+        if request is None:
+            return
+        if request != _NOTHING:
+            yield request
+
+
 def _serve(config: dict) -> None:
-    """One Ray Train worker: join the process group once, then run every step request of this rank's queue until
-    ``None`` (the group closes). Rank 0 replies with the request's id once the checkpoint folder is written."""
+    """One Ray Train worker: join the process group once, then run every step request sent to this rank until the
+    group closes. Rank 0 replies with the request's id once the checkpoint folder is written."""
     from schemas.errors import SchemaError
     from schemas.train_config import TrainSection
     from stages.train.core import init_distributed, train_and_save
 
     dist = init_distributed(config["threads"])
-    inbox = config["inboxes"][dist.rank]
+    mailbox = config["mailbox"]
     held = None
-    while (request := inbox.get(block=True)) is not None:
+    for request in _requests(mailbox, dist.rank):
         samples: Location = request["samples"]
         table = read_train_table(samples, request["columns"])
         if table is None or table.num_rows == 0:
@@ -64,7 +112,7 @@ def _serve(config: dict) -> None:
                                  progress=request["progress"] if dist.rank == 0 else None, held=held,
                                  committed_as=request["committed_as"] if config["keep"] else None)
         if dist.rank == 0:
-            config["replies"].put(request["id"])
+            mailbox.reply.remote(request["id"])
 
 
 def _fit(trainer_kwargs: dict) -> None:
@@ -87,8 +135,7 @@ class TrainerGroup:
         self.runtime, self.keep = runtime, keep and runtime.keep_workers
         self._storage_root = storage
         self._fit_ref = None
-        self._inboxes: list = []
-        self._replies = None
+        self._mailbox = None
         self._storage: str | None = None
 
     def step(self, request: dict[str, Any], unwrap) -> None:
@@ -100,8 +147,7 @@ class TrainerGroup:
         if self._fit_ref is None:
             self._start()
         request = {**request, "id": uuid.uuid4().hex}
-        for inbox in self._inboxes:
-            inbox.put(request)
+        ray.get(self._mailbox.send.remote(request))
         try:
             while True:
                 done, _ = ray.wait([self._fit_ref], timeout=0)
@@ -120,34 +166,26 @@ class TrainerGroup:
             self.close()
 
     def _reply(self, want: str) -> bool:
-        from ray.util.queue import Empty
+        import ray
 
-        try:
-            got = self._replies.get(block=True, timeout=_POLL_S)
-        except Empty:
-            return False
-        return got == want
+        return ray.get(self._mailbox.answer.remote(_POLL_S)) == want
 
     def _start(self) -> None:
         import ray
         from ray.train import FailureConfig, RunConfig, ScalingConfig
         from ray.train.torch import TorchConfig
-        from ray.util.queue import Queue
 
         rt = self.runtime
         root = self._storage_root if self._storage_root and "://" not in self._storage_root else None
         if root is not None:  # a run folder on object storage: Ray Train's few files go to a local temporary folder
             os.makedirs(root, exist_ok=True)
         self._storage = tempfile.mkdtemp(prefix=".ray-train-", dir=root)
-        queue_options = {"num_cpus": 0}
-        self._inboxes = [Queue(actor_options=queue_options) for _ in range(rt.num_workers)]
-        self._replies = Queue(actor_options=queue_options)
+        self._mailbox = ray.remote(num_cpus=0, max_concurrency=rt.num_workers + 2)(Mailbox).remote(rt.num_workers)
         # a kept worker reserves no CPU; Ray refuses a bundle of zeros, so it names a token of memory (no other task of
         # a run reserves memory, so this blocks nothing)
         resources = {"CPU": 0, "memory": _KEPT_WORKER_MEMORY} if self.keep else {"CPU": rt.cpus_per_worker}
         kwargs = {
-            "train_loop_config": {"inboxes": self._inboxes, "replies": self._replies, "threads": rt.torch_threads(),
-                                  "keep": self.keep},
+            "train_loop_config": {"mailbox": self._mailbox, "threads": rt.torch_threads(), "keep": self.keep},
             "scaling_config": ScalingConfig(num_workers=rt.num_workers, use_gpu=rt.use_gpu,
                                             resources_per_worker=resources),
             "torch_config": TorchConfig(backend="nccl" if rt.use_gpu else "gloo"),
@@ -163,12 +201,8 @@ class TrainerGroup:
         import ray
 
         if self._fit_ref is not None:
-            for inbox in self._inboxes:
-                inbox.put(None)
-            deadline = time.time() + 60
-            done: list = []
-            while not done and time.time() < deadline:
-                done, _ = ray.wait([self._fit_ref], timeout=1)
+            ray.get(self._mailbox.send.remote(None))
+            done, _ = ray.wait([self._fit_ref], timeout=60)
             if done:
                 try:
                     ray.get(self._fit_ref)
@@ -177,16 +211,14 @@ class TrainerGroup:
         self._drop()
 
     def _drop(self) -> None:
+        """Forget the group; a fit still running (a failed step, or a close that timed out) is cancelled."""
         import ray
 
-        if self._fit_ref is not None:
-            ray.cancel(self._fit_ref, force=True, recursive=True)
-        for queue in [*self._inboxes, *([self._replies] if self._replies is not None else [])]:
-            try:
-                ray.kill(queue.actor)
-            except Exception:  # already gone with its owner
-                pass
-        self._fit_ref, self._inboxes, self._replies = None, [], None
+        if self._fit_ref is not None and not ray.wait([self._fit_ref], timeout=0)[0]:
+            ray.cancel(self._fit_ref, force=True)
+        if self._mailbox is not None:
+            ray.kill(self._mailbox)
+        self._fit_ref, self._mailbox = None, None
         if self._storage is not None:
             shutil.rmtree(self._storage, ignore_errors=True)
             self._storage = None

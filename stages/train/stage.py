@@ -169,11 +169,45 @@ class ForwardJob:
     entropy: bool = False
     actor_dir: str | None = None
     seed: int = 42
+    fingerprint: str = ""  # the model's content fingerprint: a kept worker reuses a model only for the same one
+
+
+def forward_batch(models: list, jobs: list[ForwardJob], batch: pa.Table, max_tokens: int, output: Location,
+                  spec: TableSpec, where: str) -> pa.Table:
+    """The rows of ``batch`` plus each job's result columns (ragged in, ragged out; row order kept), checked against
+    ``spec``; the batch's counters are recorded beside ``output`` (:func:`stages.runner.write_partials`)."""
+    import resource
+
+    from stages.train.batching import TokenRows
+    from stages.train.forward import forward_rows
+
+    cpu_start = time.process_time()
+    rows = TokenRows.from_arrow(batch, where, columns=())
+    counters = {"tokens": 0.0, "padded_tokens": 0.0, "seconds": 0.0, "rows": float(batch.num_rows)}
+    for job, model in zip(jobs, models):
+        result = forward_rows(model, rows, max_tokens, kind=job.kind, entropy=job.entropy)
+        produced = {job.column: result.columns["values" if job.kind == "values" else "log_probs"]}
+        produced.update({c: produced[job.column] for c in job.copies})
+        if job.entropy:
+            produced["entropy"] = result.columns["entropy"]
+        for name, ragged in produced.items():
+            if name in batch.column_names:
+                batch = batch.drop_columns([name])
+            batch = batch.append_column(pa.field(name, FLOATS), ragged.to_arrow(pa.float32()))
+        counters["tokens"] += result.tokens
+        counters["padded_tokens"] += result.padded_tokens
+        counters["seconds"] += result.seconds
+    counters["cpu_seconds"] = time.process_time() - cpu_start
+    counters["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+    check_row_invariants(spec, batch, f"{where} (forward output)")
+    key = batch.column("row_id")[0].as_py() if batch.num_rows else "empty"
+    write_partials(output, key, counters)
+    return batch
 
 
 class ForwardActor:
-    """A Ray Data actor: loads its models once, then turns each batch of rows into the same rows plus the result
-    columns (ragged in, ragged out; row order kept)."""
+    """A Ray Data actor of one stage: loads its models once, then turns each batch of rows into the same rows plus
+    the result columns (:func:`forward_batch`)."""
 
     def __init__(self, jobs: list[ForwardJob], dtype: str, max_tokens: int, threads: int, output: Location,
                  spec: TableSpec, where: str):
@@ -186,33 +220,79 @@ class ForwardActor:
         self.models = [load_forward_model(j.path, j.kind, dtype, actor_dir=j.actor_dir, seed=j.seed) for j in jobs]
 
     def __call__(self, batch: pa.Table) -> pa.Table:
-        from stages.train.batching import TokenRows
-        from stages.train.forward import forward_rows
+        return forward_batch(self.models, self.jobs, batch, self.max_tokens, self.output, self.spec, self.where)
 
-        cpu_start = time.process_time()
-        rows = TokenRows.from_arrow(batch, self.where, columns=())
-        counters = {"tokens": 0.0, "padded_tokens": 0.0, "seconds": 0.0, "rows": float(batch.num_rows)}
-        for job, model in zip(self.jobs, self.models):
-            result = forward_rows(model, rows, self.max_tokens, kind=job.kind, entropy=job.entropy)
-            produced = {job.column: result.columns["values" if job.kind == "values" else "log_probs"]}
-            produced.update({c: produced[job.column] for c in job.copies})
-            if job.entropy:
-                produced["entropy"] = result.columns["entropy"]
-            for name, ragged in produced.items():
-                if name in batch.column_names:
-                    batch = batch.drop_columns([name])
-                batch = batch.append_column(pa.field(name, FLOATS), ragged.to_arrow(pa.float32()))
-            counters["tokens"] += result.tokens
-            counters["padded_tokens"] += result.padded_tokens
-            counters["seconds"] += result.seconds
-        import resource
 
-        counters["cpu_seconds"] = time.process_time() - cpu_start
-        counters["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
-        check_row_invariants(self.spec, batch, f"{self.where} (forward output)")
-        key = batch.column("row_id")[0].as_py() if batch.num_rows else "empty"
-        write_partials(self.output, key, counters)
-        return batch
+class ForwardServer:
+    """A forward worker that a training flow keeps across iterations (a Ray actor of :class:`ForwardWorkers`): its
+    models stay loaded and take each new checkpoint in place (:class:`stages.train.forward.ForwardModels`)."""
+
+    def __init__(self, threads: int):
+        import torch
+
+        from stages.train.forward import ForwardModels
+
+        torch.set_num_threads(max(1, threads))
+        self.models = ForwardModels()
+
+    def run(self, jobs: list[ForwardJob], dtype: str, batch: pa.Table, max_tokens: int, output: Location,
+            spec: TableSpec, where: str) -> pa.Table:
+        models = [self.models.get(j.column, j.path, j.kind, dtype, fingerprint=j.fingerprint, actor_dir=j.actor_dir,
+                                  seed=j.seed) for j in jobs]
+        return forward_batch(models, jobs, batch, max_tokens, output, spec, where)
+
+    def loads(self) -> dict[str, int]:
+        return dict(self.models.loads)
+
+
+class ForwardWorkers:
+    """The forward workers of a training run (``num_actors`` :class:`ForwardServer` actors), started on first use and
+    kept until :meth:`close`. Like a kept trainer, they reserve no Ray CPUs: they compute only inside the log-prob
+    and values stages, whose Ray Data tasks hand them the batches and wait."""
+
+    def __init__(self, config: ForwardConfig):
+        self.config = config
+        self._actors: list = []
+
+    def actors(self) -> list:
+        import ray
+
+        if not self._actors:
+            server = ray.remote(num_cpus=0, max_restarts=0)(ForwardServer)
+            self._actors = [server.remote(self.config.torch_threads()) for _ in range(self.config.num_actors)]
+        return self._actors
+
+    def loads(self) -> dict[str, int]:
+        """Model loads so far, summed over the workers: fresh, in place, kept."""
+        import ray
+
+        total: dict[str, int] = {}
+        for counts in ray.get([a.loads.remote() for a in self._actors]):
+            for k, v in counts.items():
+                total[k] = total.get(k, 0) + v
+        return total
+
+    def close(self) -> None:
+        import ray
+
+        for actor in self._actors:
+            try:
+                ray.kill(actor)
+            except Exception:  # already gone with its owner
+                pass
+        self._actors = []
+
+
+def _forward_on_worker(batch: pa.Table, actors: list, **kwargs) -> pa.Table:
+    """A Ray Data map task: hand ``batch`` to one kept forward worker (chosen by the batch's first row id, so the
+    assignment is deterministic) and return its result."""
+    import ray
+
+    import zlib
+
+    key = batch.column("row_id")[0].as_py() if batch.num_rows else 0
+    actor = actors[zlib.crc32(str(key).encode()) % len(actors)]
+    return ray.get(actor.run.remote(batch=batch, **kwargs))
 
 
 class _ForwardStage(Stage):
@@ -220,8 +300,9 @@ class _ForwardStage(Stage):
 
     input_specs = {"samples": SAMPLES}
 
-    def __init__(self, config: ForwardConfig):
-        self.config = config
+    def __init__(self, config: ForwardConfig, fingerprints: dict[str, str] | None = None,
+                 workers: ForwardWorkers | None = None):
+        self.config, self.fingerprints, self.workers = config, fingerprints or {}, workers
 
     def jobs(self, section) -> list[ForwardJob]:
         raise NotImplementedError
@@ -236,12 +317,18 @@ class _ForwardStage(Stage):
             raise ConfigError(f"cpus_per_actor ({c.cpus_per_actor}) leaves less than 1 of the cluster's {cpus:g} CPUs "
                               "for reading and writing the table, so the stage would wait forever; set "
                               f"cpus_per_actor to at most {max(cpus - 1, 0.5):g} (threads per actor follow it)")
+        work = {"jobs": self.jobs(ctx.section), "max_tokens": ctx.section.max_tokens_per_microbatch_in_infer,
+                "output": ctx.output, "spec": self.output_spec, "where": ctx.inputs["samples"].path}
+        if self.workers is not None:  # the run's kept workers; the map tasks hand them the batches
+            actors = self.workers.actors()
+            # a task waiting in ray.get gives its CPU back: without a cap, Ray Data would start a task (and a worker
+            # process) per batch while the forward workers are busy
+            return ctx.read("samples").map_batches(
+                _forward_on_worker, batch_size=c.rows_per_batch, batch_format="pyarrow", concurrency=len(actors),
+                fn_kwargs={"actors": actors, "dtype": ctx.section.dtype, **work})
         return ctx.read("samples").map_batches(
             ForwardActor, batch_size=c.rows_per_batch, batch_format="pyarrow",
-            fn_constructor_kwargs={"jobs": self.jobs(ctx.section), "dtype": ctx.section.dtype,
-                                   "max_tokens": ctx.section.max_tokens_per_microbatch_in_infer,
-                                   "threads": c.torch_threads(), "output": ctx.output,
-                                   "spec": self.output_spec, "where": ctx.inputs["samples"].path},
+            fn_constructor_kwargs={"dtype": ctx.section.dtype, "threads": c.torch_threads(), **work},
             compute=ActorPoolStrategy(min_size=1, max_size=c.num_actors), num_cpus=c.cpus_per_actor, **ACTOR_POOL)
 
     def finalize(self, ctx: StageContext, written: Location) -> tuple[dict[str, float], dict[str, Any]]:
@@ -265,16 +352,18 @@ class LogProbStage(_ForwardStage):
     output_spec = LOGPROBS
     section_model = LogProbSection
 
-    def __init__(self, config: ForwardConfig, same_reference: bool = False):
-        super().__init__(config)
+    def __init__(self, config: ForwardConfig, same_reference: bool = False, fingerprints: dict[str, str] | None = None,
+                 workers: ForwardWorkers | None = None):
+        super().__init__(config, fingerprints, workers)
         self.same_reference = same_reference
 
     def jobs(self, s: LogProbSection) -> list[ForwardJob]:
         same = s.reference is not None and self.same_reference
+        fp = self.fingerprints
         jobs = [ForwardJob("log_probs", s.checkpoint, "old_log_probs", ("ref_log_probs",) if same else (),
-                           entropy=s.compute_entropy)]
+                           entropy=s.compute_entropy, fingerprint=fp.get("checkpoint", ""))]
         if s.reference is not None and not same:
-            jobs.append(ForwardJob("log_probs", s.reference, "ref_log_probs"))
+            jobs.append(ForwardJob("log_probs", s.reference, "ref_log_probs", fingerprint=fp.get("reference", "")))
         return jobs
 
 
@@ -288,13 +377,14 @@ class ValuesStage(_ForwardStage):
 
     def jobs(self, s: ValuesSection) -> list[ForwardJob]:
         info = ckpt.read_checkpoint(s.critic)
+        fp = self.fingerprints.get("critic", "")
         if info.critic_dir is not None:
-            return [ForwardJob("values", info.critic_dir, "values")]
-        return [ForwardJob("values", info.path, "values", actor_dir=info.path, seed=s.seed)]
+            return [ForwardJob("values", info.critic_dir, "values", fingerprint=fp)]
+        return [ForwardJob("values", info.path, "values", actor_dir=info.path, seed=s.seed, fingerprint=fp)]
 
 
 def run_logprobs(samples: str, checkpoint: str, config: ForwardConfig, output: str, *, reference: str | None = None,
-                 force: bool = False) -> StageResult:
+                 force: bool = False, workers: ForwardWorkers | None = None) -> StageResult:
     """``samples`` + ``old_log_probs`` (+ ``ref_log_probs`` under ``reference``, default: the checkpoint, when
     ``enable_reference``; + ``entropy``) → ``output``, via the runner (skip when up to date)."""
     from stages.cluster import ensure_ray
@@ -310,13 +400,14 @@ def run_logprobs(samples: str, checkpoint: str, config: ForwardConfig, output: s
                              compute_entropy=config.compute_entropy, dtype=config.dtype,
                              max_tokens_per_microbatch_in_infer=config.max_tokens_per_microbatch_in_infer)
     ensure_ray(config.runtime.ray_address, config.runtime.num_cpus, progress=False)
-    stage = LogProbStage(config, same_reference=state_in.get("reference") == state_in["checkpoint"])
+    stage = LogProbStage(config, same_reference=state_in.get("reference") == state_in["checkpoint"],
+                         fingerprints=state_in, workers=workers)
     return run_stage(stage, section, {"samples": samples}, output, force=force, state_in=state_in,
                      batch_rows=config.rows_per_batch)
 
 
 def run_values(samples: str, checkpoint: str, config: ForwardConfig, output: str, *, force: bool = False,
-               ) -> StageResult:
+               workers: ForwardWorkers | None = None) -> StageResult:
     """``samples`` + ``values`` under the critic of ``checkpoint`` (its ``critic/`` folder, or a new value head on
     its actor seeded with ``config.seed`` before the first training step) → ``output``."""
     from stages.cluster import ensure_ray
@@ -325,5 +416,6 @@ def run_values(samples: str, checkpoint: str, config: ForwardConfig, output: str
     section = ValuesSection(critic=info.path, seed=config.seed, dtype=config.dtype,
                             max_tokens_per_microbatch_in_infer=config.max_tokens_per_microbatch_in_infer)
     ensure_ray(config.runtime.ray_address, config.runtime.num_cpus, progress=False)
-    return run_stage(ValuesStage(config), section, {"samples": samples}, output, force=force,
-                     state_in={"critic": ckpt.checkpoint_fingerprint(info.path)}, batch_rows=config.rows_per_batch)
+    state_in = {"critic": ckpt.checkpoint_fingerprint(info.path)}
+    return run_stage(ValuesStage(config, state_in, workers), section, {"samples": samples}, output, force=force,
+                     state_in=state_in, batch_rows=config.rows_per_batch)

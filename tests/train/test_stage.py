@@ -17,7 +17,7 @@ from schemas.train_config import ForwardConfig
 from stages.train.batching import TokenRows
 from stages.train.core import load_actor_model, load_critic_model
 from stages.train.forward import forward_rows
-from stages.train.stage import run_logprobs, run_values
+from stages.train.stage import ForwardWorkers, run_logprobs, run_values
 from tests.train.tables import advantaged_rows, read_folder, write_table
 
 pytestmark = pytest.mark.usefixtures("ray_cluster")
@@ -35,9 +35,9 @@ def direct(model, table: pa.Table, kind="log_probs"):
     return forward_rows(model.eval(), rows, 10000, kind=kind).columns["values" if kind == "values" else "log_probs"]
 
 
-def perturbed_copy(source: Path, target: Path) -> Path:
+def perturbed_copy(source: Path, target: Path, seed: int = 0) -> Path:
     model = load_actor_model(str(source))
-    generator = torch.Generator().manual_seed(0)
+    generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for p in model.parameters():
             p.add_(0.05 * p.std() * torch.randn(p.shape, generator=generator))
@@ -78,6 +78,32 @@ def test_reference_model_is_run_separately(tiny_model, samples, tmp_path):
     no_ref = FORWARD.model_copy(update={"enable_reference": False})
     run_logprobs(str(samples), str(tiny_model), no_ref, str(tmp_path / "lp2"))
     assert "ref_log_probs" not in pq.read_schema(next((tmp_path / "lp2").glob("*.parquet"))).names
+
+
+def test_kept_forward_workers_take_a_new_checkpoint_in_place_and_equal_a_fresh_pool(tiny_model, samples, tmp_path):
+    """A training flow's forward workers keep their models: the reference stays loaded, the next checkpoint of the
+    policy is copied into the loaded model in place — and the table equals the one of a fresh actor pool."""
+    reference = perturbed_copy(tiny_model, tmp_path / "ref")
+    policy = perturbed_copy(tiny_model, tmp_path / "policy", seed=1)
+    workers = ForwardWorkers(FORWARD)
+    try:
+        run_logprobs(str(samples), str(tiny_model), FORWARD, str(tmp_path / "lp0"), reference=str(reference),
+                     workers=workers)
+        first = workers.loads()
+        run_logprobs(str(samples), str(policy), FORWARD, str(tmp_path / "lp1"), reference=str(reference),
+                     workers=workers)
+        second = workers.loads()
+    finally:
+        workers.close()
+    assert first["in_place"] == 0 and first["fresh"] >= 2  # counts per batch: a batch's models are fresh, in place or kept
+    assert second["fresh"] == first["fresh"] and second["in_place"] >= 1 and second["kept"] > first["kept"]
+    run_logprobs(str(samples), str(policy), FORWARD, str(tmp_path / "fresh"), reference=str(reference))
+    kept, fresh = read_folder(tmp_path / "lp1"), read_folder(tmp_path / "fresh")
+    assert kept.column_names == fresh.column_names and kept.column("row_id") == fresh.column("row_id")
+    assert kept.column("old_log_probs") != read_folder(tmp_path / "lp0").column("old_log_probs")
+    for name in ("old_log_probs", "ref_log_probs"):
+        for got, want in zip(kept.column(name).to_pylist(), fresh.column(name).to_pylist(), strict=True):
+            np.testing.assert_allclose(got, want, atol=2e-5)
 
 
 def test_bad_input_fails_before_writing(tiny_model, samples, tmp_path):
