@@ -149,12 +149,16 @@ def train_task(config: TrainFlowConfig, samples: str, checkpoint: str, output: s
 def record(metrics, iteration: int, stage: str, result: Any, values: dict | None = None, *,
            label: str | None = None) -> dict[str, float]:
     """Log a stage result's numeric, finite metrics (or ``values``) and its wall time under (iteration, stage),
-    print a progress line headed ``[label]`` (default ``[iteration <iteration>]``), and return the logged values."""
+    print a progress line headed ``[label]`` (default ``[iteration <iteration>]``), and return the logged values.
+    A stage skipped on resume keeps the record of the run that computed it (its real wall time); it is logged only
+    when that record is missing (killed between the commit and the metrics)."""
     raw = values if values is not None else (getattr(result, "metrics", None) or {})
     logged = {k: float(v) for k, v in raw.items() if isinstance(v, (int, float)) and v == v}
     seconds = getattr(result, "seconds", None)
-    metrics.log(iteration, stage, logged, wall_s=seconds)
-    done = "committed earlier, skipped" if getattr(result, "skipped", False) else f"{seconds or 0:.0f}s"
+    skipped = getattr(result, "skipped", False)
+    if not (skipped and metrics.has(iteration, stage)):
+        metrics.log(iteration, stage, logged, wall_s=seconds)
+    done = "committed earlier, skipped" if skipped else f"{seconds or 0:.0f}s"
     print(f"[{label or f'iteration {iteration}'}] {stage:<16} {done}", flush=True)
     return logged
 

@@ -139,6 +139,10 @@ class MetricsLog:
             self._mirror(iteration, table)
         return path
 
+    def has(self, iteration: int, stage: str) -> bool:
+        """Whether the metrics of ``stage`` in ``iteration`` are recorded."""
+        return (self.metrics_dir / part_file_name(iteration, stage)).exists()
+
     def drop_after(self, iteration: int) -> int:
         """Delete the parts of iterations after ``iteration`` (a run resumed from the checkpoint of ``iteration``
         recomputes them). Returns how many parts were deleted. TensorBoard drops them at the next log()."""

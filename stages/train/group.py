@@ -19,6 +19,7 @@ import logging
 import os
 import shutil
 import tempfile
+import threading
 import uuid
 from typing import Any
 
@@ -115,13 +116,6 @@ def _serve(config: dict) -> None:
             mailbox.reply.remote(request["id"])
 
 
-def _fit(trainer_kwargs: dict) -> None:
-    """Runs in a Ray task: the worker group's whole life (``TorchTrainer.fit`` returns when the group closes)."""
-    from ray.train.torch import TorchTrainer
-
-    TorchTrainer(_serve, **trainer_kwargs).fit()
-
-
 class TrainerGroup:
     """The run's training workers (Ray Train, DeepSpeed), started on the first :meth:`step` and kept until
     :meth:`close` when ``keep``; else started and closed around each step.
@@ -134,7 +128,8 @@ class TrainerGroup:
     def __init__(self, runtime, storage: str | None = None, keep: bool = True):
         self.runtime, self.keep = runtime, keep and runtime.keep_workers
         self._storage_root = storage
-        self._fit_ref = None
+        self._fit: threading.Thread | None = None
+        self._failure: BaseException | None = None
         self._mailbox = None
         self._storage: str | None = None
 
@@ -144,18 +139,14 @@ class TrainerGroup:
         raised as ``unwrap`` sees it (the user error inside Ray's wrappers) and the group is dropped."""
         import ray
 
-        if self._fit_ref is None:
+        if self._fit is None:
             self._start()
         request = {**request, "id": uuid.uuid4().hex}
         ray.get(self._mailbox.send.remote(request))
         try:
-            while True:
-                done, _ = ray.wait([self._fit_ref], timeout=0)
-                if done:
-                    ray.get(self._fit_ref)
-                    raise RuntimeError("the training workers stopped before finishing the step")
-                if self._reply(request["id"]):
-                    break
+            while not self._reply(request["id"]):
+                if not self._fit.is_alive():
+                    raise self._failure or RuntimeError("the training workers stopped before finishing the step")
         except BaseException as err:
             self._drop()
             real = unwrap(err)
@@ -192,33 +183,41 @@ class TrainerGroup:
             "run_config": RunConfig(name=f"train-{uuid.uuid4().hex[:8]}", storage_path=self._storage,
                                     failure_config=FailureConfig(max_failures=0)),
         }
-        self._fit_ref = ray.remote(num_cpus=0, max_retries=0)(_fit).remote(kwargs)
+        self._failure = None
+        self._fit = threading.Thread(target=self._run, args=(kwargs,), name="rollflow-train-group", daemon=True)
+        self._fit.start()
         log.info("training workers: %d (%s), kept across steps: %s", rt.num_workers,
                  "GPU" if rt.use_gpu else "CPU", self.keep)
+
+    def _run(self, kwargs: dict) -> None:
+        """The worker group's whole life, in a thread of this process (``TorchTrainer.fit`` returns when the group
+        closes; Ray Train supports a fit outside the main thread). A failure is kept for :meth:`step`."""
+        from ray.train.torch import TorchTrainer
+
+        try:
+            TorchTrainer(_serve, **kwargs).fit()
+        except BaseException as err:  # noqa: BLE001 (handed to the caller's thread)
+            self._failure = err
 
     def close(self) -> None:
         """Stop the workers (each rank leaves its loop, the fit returns) and remove Ray Train's run files."""
         import ray
 
-        if self._fit_ref is not None:
+        if self._fit is not None:
             ray.get(self._mailbox.send.remote(None))
-            done, _ = ray.wait([self._fit_ref], timeout=60)
-            if done:
-                try:
-                    ray.get(self._fit_ref)
-                except Exception as err:  # the step that failed already raised its error
-                    log.info("training workers ended with: %s", err)
+            self._fit.join(timeout=60)
+            if self._failure is not None:  # the step that failed already raised its error
+                log.info("training workers ended with: %s", self._failure)
         self._drop()
 
     def _drop(self) -> None:
-        """Forget the group; a fit still running (a failed step, or a close that timed out) is cancelled."""
+        """Forget the group. A fit still running (a close that timed out) ends with this process: Ray Train's
+        controller and workers belong to it."""
         import ray
 
-        if self._fit_ref is not None and not ray.wait([self._fit_ref], timeout=0)[0]:
-            ray.cancel(self._fit_ref, force=True)
         if self._mailbox is not None:
             ray.kill(self._mailbox)
-        self._fit_ref, self._mailbox = None, None
+        self._fit, self._mailbox = None, None
         if self._storage is not None:
             shutil.rmtree(self._storage, ignore_errors=True)
             self._storage = None

@@ -163,3 +163,22 @@ def test_without_tensorboard_no_event_files(tmp_path):
         log.log(0, "train", {"actor/pg_loss": 1.0})
     assert not (tmp_path / "tensorboard").exists()
     assert read_metrics(tmp_path).num_rows == 1
+
+
+def test_a_stage_skipped_on_resume_keeps_the_record_of_the_run_that_computed_it(tmp_path, capsys):
+    """``record`` (flows/train.py): a resumed run skips committed stages; their metrics and real wall time stay as
+    the computing run logged them, and a record lost to a kill between the commit and the log is written again."""
+    from types import SimpleNamespace
+
+    from flows.train import record
+
+    with MetricsLog(tmp_path, tensorboard=False) as log:
+        record(log, 0, "train", SimpleNamespace(metrics={"actor/pg_loss": 0.5}, seconds=31.0, skipped=False))
+        record(log, 0, "train", SimpleNamespace(metrics={"actor/pg_loss": 0.5}, seconds=0.01, skipped=True))
+        record(log, 1, "train", SimpleNamespace(metrics={"actor/pg_loss": 0.25}, seconds=0.02, skipped=True))
+        table = log.table()
+    rows = table.to_pylist()
+    walls = {(r["iteration"], r["stage"]): r["wall_s"] for r in rows}
+    assert walls == {(0, "train"): 31.0, (1, "train"): 0.02}
+    assert _rows(table)[(1, "train", "actor/pg_loss")] == 0.25
+    assert "committed earlier, skipped" in capsys.readouterr().out

@@ -49,8 +49,18 @@ def batch(default_model, tmp_path_factory) -> Path:
     return root / "adv_lp"
 
 
-def test_two_workers_train_the_default_model_and_resume_exactly(default_model, batch, tmp_path):
-    a = run_train_step(str(batch), str(default_model), config(3), str(tmp_path / "a"))
+@pytest.fixture
+def trainer(tmp_path):
+    """One kept group of the two workers for the test's three steps (a training flow's way), so the workers start
+    once; each step loads its checkpoint (their sections differ)."""
+    from stages.train.group import TrainerGroup
+
+    with TrainerGroup(config(1).runtime, storage=str(tmp_path)) as group:
+        yield group
+
+
+def test_two_workers_train_the_default_model_and_resume_exactly(default_model, batch, tmp_path, trainer):
+    a = run_train_step(str(batch), str(default_model), config(3), str(tmp_path / "a"), trainer=trainer)
     steps_a = per_step(tmp_path / "a")
     losses = [s["actor/pg_loss"] for s in steps_a]
     assert len(losses) == 3 and losses[2] < losses[1] < losses[0], losses
@@ -79,10 +89,11 @@ def test_two_workers_train_the_default_model_and_resume_exactly(default_model, b
     assert steps_a[0]["actor/pg_loss"] == pytest.approx(float(loss.detach()), abs=1e-5)
 
     # resume: 2 epochs, checkpoint, then 1 more epoch from the checkpoint = the 3rd optimizer step of run a
-    run_train_step(str(batch), str(default_model), config(2), str(tmp_path / "b"))
+    run_train_step(str(batch), str(default_model), config(2), str(tmp_path / "b"), trainer=trainer)
     assert [s["actor/pg_loss"] for s in per_step(tmp_path / "b")] == pytest.approx(losses[:2], rel=1e-6)
-    c = run_train_step(str(batch), str(tmp_path / "b"), config(1), str(tmp_path / "c"))
+    c = run_train_step(str(batch), str(tmp_path / "b"), config(1), str(tmp_path / "c"), trainer=trainer)
     (resumed,) = per_step(tmp_path / "c")
     assert resumed["actor/pg_loss"] == pytest.approx(losses[2], rel=1e-5, abs=1e-7)
     assert resumed["actor/grad_norm"] == pytest.approx(steps_a[2]["actor/grad_norm"], rel=1e-4)
     assert c.state["global_step"] == 2 and c.state["optimizer_steps"] == 3
+    assert c.metrics["train/engines_kept"] == 0.0  # another section than the step that wrote b: loaded from b

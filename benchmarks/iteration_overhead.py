@@ -1,0 +1,87 @@
+"""Where a training iteration's wall time goes: compute (generation, forward passes, forward+backward) against
+everything else (process and engine start-up, model loads, Ray scheduling, table reads and writes, rewards and
+advantages, checkpoint writes) — issue 16's fixed-overhead share, from the stage timings a run records.
+
+    python benchmarks/iteration_overhead.py --run runs/quickstart        # a finished run folder
+    python benchmarks/iteration_overhead.py --max-steps 3                # runs the CPU quickstart first (minutes)
+
+Per training iteration k, from ``runs/<run>/metrics``:
+
+* wall = the wall seconds of its stages (rollout, logprobs, values, response_rewards, advantages, train; the
+  evaluation is reported apart, it is not part of the training iteration);
+* compute = ``time/rollout/generate`` (generation calls) + ``logprobs/compute_seconds`` (+ ``values/...``: forward
+  passes) + ``time/train_s`` (forward, backward and optimizer steps of the training step);
+* overhead = wall - compute.
+
+Iteration 0 pays the run's start-up (engines, workers, first model loads); the steady state is the mean over the
+later iterations. The last line is ``RESULT overhead_share=<steady> overhead_share_iter0=... iteration_s=...``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+ITERATION_STAGES = ("rollout", "logprobs", "values", "response_rewards", "advantages", "train")
+COMPUTE = {"rollout": ("time/rollout/generate",), "logprobs": ("logprobs/compute_seconds",),
+           "values": ("values/compute_seconds",), "train": ("time/train_s",)}
+
+
+def iteration_times(run: Path) -> dict[int, dict[str, float]]:
+    """Per training iteration: wall, compute and eval seconds from the run's metrics table. Give a run that was not
+    resumed: a resumed run logs its skipped stages again, with the seconds of the skip."""
+    import pyarrow.dataset as pads
+
+    rows = pads.dataset(str(run / "metrics")).to_table().to_pylist()
+    walls = {(r["iteration"], r["stage"]): float(r["wall_s"] or 0.0) for r in rows}
+    values = {(r["iteration"], r["stage"], r["name"]): float(r["value"]) for r in rows}
+    out: dict[int, dict[str, float]] = {}
+    for k in sorted({i for i, s in walls if s == "train"}):
+        wall = sum(walls.get((k, s), 0.0) for s in ITERATION_STAGES)
+        compute = sum(values.get((k, s, n), 0.0) for s, names in COMPUTE.items() for n in names)
+        out[k] = {"wall_s": wall, "compute_s": compute, "overhead_s": wall - compute,
+                  "train_wall_s": walls.get((k, "train"), 0.0),
+                  "train_setup_s": values.get((k, "train", "time/engine_setup_s"), float("nan")),
+                  "logprobs_wall_s": walls.get((k, "logprobs"), 0.0),
+                  "eval_s": walls.get((k + 1, "eval"), 0.0)}
+    return out
+
+
+def run_quickstart(max_steps: int) -> Path:
+    name = f"bench-overhead-{int(time.time())}"
+    cmd = [sys.executable, "-m", "flows.cli", "train", "--config", "configs/train_frozenlake_quickstart.yaml",
+           "--set", f"run_name={name}", "--set", f"max_steps={max_steps}", "--no-report"]
+    subprocess.run(cmd, cwd=REPO, check=True)
+    return REPO / "runs" / name
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--run", type=Path, help="a finished training run folder (default: run the quickstart)")
+    parser.add_argument("--max-steps", type=int, default=3, help="iterations of the quickstart run")
+    args = parser.parse_args()
+    run = args.run or run_quickstart(args.max_steps)
+    times = iteration_times(run)
+    if not times:
+        sys.exit(f"error: {run} has no training iteration in its metrics; give a run folder that trained")
+    print(f"run {run}")
+    print(f"{'iteration':>9} {'wall_s':>8} {'compute_s':>9} {'overhead':>8} {'share':>6} {'train_s':>8} "
+          f"{'setup_s':>7} {'logprobs_s':>10} {'eval_s':>7}")
+    for k, t in times.items():
+        print(f"{k:>9} {t['wall_s']:>8.1f} {t['compute_s']:>9.1f} {t['overhead_s']:>8.1f} "
+              f"{t['overhead_s'] / t['wall_s']:>6.1%} {t['train_wall_s']:>8.1f} {t['train_setup_s']:>7.1f} "
+              f"{t['logprobs_wall_s']:>10.1f} {t['eval_s']:>7.1f}")
+    steady = [t for k, t in times.items() if k > 0] or list(times.values())
+    share = sum(t["overhead_s"] for t in steady) / sum(t["wall_s"] for t in steady)
+    first = times[min(times)]
+    print(f"RESULT overhead_share={share:.3f} overhead_share_iter0={first['overhead_s'] / first['wall_s']:.3f} "
+          f"iteration_s={sum(t['wall_s'] for t in steady) / len(steady):.1f} "
+          f"overhead_s={sum(t['overhead_s'] for t in steady) / len(steady):.1f} iterations={len(times)}")
+
+
+if __name__ == "__main__":
+    main()
