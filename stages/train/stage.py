@@ -16,6 +16,7 @@ import json
 import logging
 import os
 import time
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -322,7 +323,10 @@ class _ForwardStage(Stage):
         if self.workers is not None:  # the run's kept workers; the map tasks hand them the batches
             actors = self.workers.actors()
             # a task waiting in ray.get gives its CPU back: without a cap, Ray Data would start a task (and a worker
-            # process) per batch while the forward workers are busy
+            # process) per batch while the forward workers are busy. The cap is an upper bound, so Ray Data's
+            # warning that a table of fewer blocks cannot use all of it says nothing here.
+            warnings.filterwarnings("ignore", category=UserWarning, message=r"The maximum number of concurrent tasks "
+                                    r"for 'MapBatches\(_forward_on_worker\)'")
             return ctx.read("samples").map_batches(
                 _forward_on_worker, batch_size=c.rows_per_batch, batch_format="pyarrow", concurrency=len(actors),
                 fn_kwargs={"actors": actors, "dtype": ctx.section.dtype, **work})
