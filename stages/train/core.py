@@ -481,6 +481,22 @@ def peak_memory(dist: DistInfo) -> Metrics:
     return out
 
 
+# Columns the training step reads (the rest of the advantaged table stays on disk).
+TRAIN_COLUMNS = ("row_id", "input_ids", "response_mask", "advantages", "returns", "values", "old_log_probs",
+                 "ref_log_probs", "infer_logprobs", "final_response_mask")
+
+
+def read_train_table(samples, names: list[str]):
+    """The columns of the advantaged table that training reads (of ``names``, the table's columns), every Parquet
+    part of the stage folder ``samples`` (a :class:`stages.storage.Location`) in order; None when it has no part."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    columns = [c for c in TRAIN_COLUMNS if c in names]
+    parts = [pq.read_table(p, columns=columns, filesystem=samples.fs) for p in samples.parquet_files()]
+    return pa.concat_tables(parts) if parts else None
+
+
 def rows_of_table(table, where: str) -> TokenRows:
     """The token columns of an advantaged table in a fixed order (sorted by ``row_id``), whatever order the files
     or the data loader delivered them in: every rank and every resume sees the same rows at the same indices."""
@@ -565,6 +581,8 @@ def train_and_save(table, where: str, checkpoint: str, cfg: TrainSection, output
         critic.save_state(str(out / CRITIC_STATE))
     torch.distributed.barrier()
     report.metrics["time/save_s"] = time.perf_counter() - save_start
+    report.metrics["time/train_s"] = report.seconds
+    report.metrics.update(peak_memory(dist))
     _write_state(out, info, report, actor, dist, cfg.actor_train.strategy_args.zero_stage)
     keep = HeldEngines(actor, critic, os.path.realpath(committed_as), section) if committed_as else None
     return report, keep
@@ -574,8 +592,6 @@ def _write_state(out: Path, info, report: StepReport, actor: Engine, dist: DistI
     """Rank 0 writes the step's train state (counters, metrics) beside the weights."""
     from stages.train.checkpoint import write_train_state
 
-    report.metrics["time/train_s"] = report.seconds
-    report.metrics.update(peak_memory(dist))
     if dist.rank == 0:
         write_train_state(str(out), {
             "global_step": info.global_step + 1, "optimizer_steps": actor.optimizer_steps,
@@ -593,8 +609,6 @@ def main(argv: list[str] | None = None) -> None:
     (no manifest: that is the stage's job) and prints the metrics as JSON on rank 0."""
     import argparse
 
-    import pyarrow.parquet as pq
-
     from schemas.config import load_config
 
     parser = argparse.ArgumentParser(description=main.__doc__)
@@ -604,12 +618,10 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     cfg = load_config(TrainStepConfig, args.config)
     dist = init_distributed(args.threads)
-    import pyarrow as pa
-
-    from stages.storage import Location
+    from stages.storage import Location, read_table_schema
 
     loc = Location.of(args.samples)  # the Parquet parts only (a stage output folder also holds its manifest)
-    table = pa.concat_tables([pq.read_table(p, filesystem=loc.fs) for p in loc.parquet_files()])
+    table = read_train_table(loc, read_table_schema(loc, "advantaged").names)
     report = run_training(table, args.samples, args.checkpoint, cfg, args.output, dist)
     if dist.rank == 0:
         print(json.dumps(report.metrics, indent=1, sort_keys=True))

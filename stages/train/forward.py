@@ -151,14 +151,15 @@ class ForwardModels:
         held = self._held.get(role)
         if held is not None and held[0] == ident and fingerprint:
             self.loads["kept"] += 1
-            return held[1]
-        if (held is not None and kind == "log_probs" and held[0][2:] == ident[2:]
-                and _same_architecture(held[0][0], path) and load_weights_in_place(held[1], path)):
+            model = held[1]
+        elif (held is not None and kind == "log_probs" and held[0][2:] == ident[2:]  # same kind, dtype, head
+              and _same_architecture(held[0][0], path) and load_weights_in_place(held[1], path)):
             self.loads["in_place"] += 1
+            model = held[1]
         else:
             self._held.pop(role, None)  # free the old model before loading the new one
-            self._held[role] = (ident, load_forward_model(path, kind, dtype, actor_dir=actor_dir, seed=seed))
+            held = None
+            model = load_forward_model(path, kind, dtype, actor_dir=actor_dir, seed=seed)
             self.loads["fresh"] += 1
-            return self._held[role][1]
-        self._held[role] = (ident, held[1])
-        return held[1]
+        self._held[role] = (ident, model)
+        return model

@@ -8,9 +8,9 @@ loading the checkpoint); a kept group pays it once per run. Every step still wri
 resumed run loads exactly what the kept engines held.
 
 The protocol: a :class:`Mailbox` actor with one inbox per rank (each rank waits on its own inbox between steps, so
-no collective waits on a timeout) and the replies rank 0 sends once the checkpoint is written. A failed step raises out of
-the worker loop, which ends the group; the error reaches the caller as the fit's error and the next step starts a
-fresh group. ``keep_workers: false`` (or a one-off ``rollflow train-step``) makes a group for one step.
+no collective waits on a timeout) and the replies rank 0 sends once the checkpoint is written. A failed step raises
+out of the worker loop, which ends the group; the error reaches the caller as the fit's error and the next step
+starts a fresh group. ``keep_workers: false`` (or a one-off ``rollflow train-step``) makes a group for one step.
 """
 
 from __future__ import annotations
@@ -27,26 +27,14 @@ from stages.storage import Location
 
 log = logging.getLogger("rollflow.train")
 
-# Columns the training step reads (the rest of the advantaged table stays on disk).
-TRAIN_COLUMNS = ("row_id", "input_ids", "response_mask", "advantages", "returns", "values", "old_log_probs",
-                 "ref_log_probs", "infer_logprobs", "final_response_mask")
 _POLL_S = 0.5
 _KEPT_WORKER_MEMORY = 64 * 2**20
 
 
-def read_train_table(samples: Location, names: list[str]):
-    """The columns of the advantaged table that training reads, every Parquet part in order."""
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
-    columns = [c for c in TRAIN_COLUMNS if c in names]
-    parts = [pq.read_table(p, columns=columns, filesystem=samples.fs) for p in samples.parquet_files()]
-    return pa.concat_tables(parts) if parts else None
-
-
 class Mailbox:
     """The requests of a worker group (one inbox per rank) and rank 0's replies, in one threaded Ray actor (a single
-    process; blocking gets wait at most ``timeout`` seconds and return None when nothing came)."""
+    process). Blocking gets wait at most ``timeout`` seconds: :meth:`receive` then returns ``_NOTHING`` (``None`` is
+    the request to stop), :meth:`answer` returns None."""
 
     def __init__(self, ranks: int):
         import queue
@@ -98,7 +86,7 @@ def _serve(config: dict) -> None:
     group closes. Rank 0 replies with the request's id once the checkpoint folder is written."""
     from schemas.errors import SchemaError
     from schemas.train_config import TrainSection
-    from stages.train.core import init_distributed, train_and_save
+    from stages.train.core import init_distributed, read_train_table, train_and_save
 
     dist = init_distributed(config["threads"])
     mailbox = config["mailbox"]

@@ -43,17 +43,15 @@ class TrainStage:
 
 
 def _worker_error(err: BaseException) -> BaseException:
-    """The user error (RollflowError) raised inside a worker, if the Ray Train failure carries one (also when the
-    failure arrives wrapped by the Ray task that ran the fit)."""
+    """The user error (RollflowError) raised inside a worker, if the Ray Train failure carries one."""
     found = unwrap_error(err)
     if found is not err:
         return found
-    for outer in (err, getattr(err, "cause", None)):
-        failures = getattr(outer, "worker_failures", None) or {}
-        for failure in (failures.values() if isinstance(failures, dict) else failures):
-            found = unwrap_error(failure)
-            if isinstance(found, RollflowError):
-                return found
+    failures = getattr(err, "worker_failures", None) or {}
+    for failure in (failures.values() if isinstance(failures, dict) else failures):
+        found = unwrap_error(failure)
+        if isinstance(found, RollflowError):
+            return found
     return err
 
 
