@@ -147,7 +147,7 @@ def rlvr_train_flow(cfg: dict) -> dict:
                     samples = advantaged.output  # old/ref log-probs (and values) came along through the responses
                 record(metrics, k, "advantages", advantaged)
                 state = {**chain["rlvr_rewarded"].state, **advantaged.state}
-                tr = train_task(config, samples, checkpoint, f"{here}/checkpoint", f"[iteration {k}] train", workers)
+                tr = train_task(config, k, samples, checkpoint, f"{here}/checkpoint", workers)
                 record(metrics, k, "train", tr)
                 checkpoint = tr.output
                 trained.append(checkpoint)

@@ -138,12 +138,16 @@ def advantages_task(config: TrainFlowConfig, samples: str, rewarded: str, output
 
 
 @_stage_task("train")
-def train_task(config: TrainFlowConfig, samples: str, checkpoint: str, output: str, label: str = "train",
+def train_task(config: TrainFlowConfig, iteration: int, samples: str, checkpoint: str, output: str,
                workers: KeptWorkers | None = None) -> Any:
+    """The training step of ``iteration``: DeepSpeed's state is written every ``train.save_steps`` iterations and at
+    the last, weights and a replay record otherwise."""
     from stages.train.stage import run_train_step
 
-    return run_train_step(samples, checkpoint, config.train_step_config(), output, label=label,
-                          trainer=workers.trainer if workers else None)
+    train = config.train_step_config()
+    return run_train_step(samples, checkpoint, train, output, label=f"[iteration {iteration}] train",
+                          trainer=workers.trainer if workers else None,
+                          full_state=train.full_state_at(iteration, config.max_steps))
 
 
 def record(metrics, iteration: int, stage: str, result: Any, values: dict | None = None, *,
@@ -252,8 +256,7 @@ def train_flow(cfg: dict) -> dict:
                 adv = advantages_task(config, samples, rw.output, f"{here}/advantaged", kl_state)
                 record(metrics, k, "advantages", adv)
                 kl_state = adv.state
-                tr = train_task(config, adv.output, checkpoint, f"{here}/checkpoint", f"[iteration {k}] train",
-                                workers)
+                tr = train_task(config, k, adv.output, checkpoint, f"{here}/checkpoint", workers)
                 record(metrics, k, "train", tr)
                 checkpoint = tr.output
                 trained.append(checkpoint)

@@ -148,7 +148,16 @@ class TrainStepConfig(TrainSection):
                                           "(null: keep all): rollflow train-step deletes older ones beside the "
                                           "output; a training run drops the DeepSpeed state of its older "
                                           "iterations' checkpoints and keeps their weights (evaluation, resume).")
+    save_steps: int = Field(10, gt=0, description="A training run writes DeepSpeed's state (optimizer moments, ~7x "
+                            "the weights with Adam) every save_steps iterations and at its last (ROLL's name); the "
+                            "checkpoints between hold the weights and a replay record, from which a resumed run "
+                            "rebuilds the state exactly by replaying at most save_steps - 1 training steps. "
+                            "rollflow train-step always writes the state.")
     runtime: TrainRuntimeConfig = Field(default_factory=TrainRuntimeConfig, description="Ray and worker settings.")
+
+    def full_state_at(self, iteration: int, iterations: int) -> bool:
+        """Whether a run's 0-based ``iteration`` (of ``iterations``) writes DeepSpeed's state."""
+        return (iteration + 1) % self.save_steps == 0 or iteration + 1 == iterations
 
     @model_validator(mode="after")
     def _device_rules(self) -> "TrainStepConfig":

@@ -6,10 +6,19 @@ A checkpoint folder is itself a Hugging Face folder of the actor, so the generat
     <ckpt>/config.json, model.safetensors, tokenizer files   the actor (HF format)
     <ckpt>/critic/                                           the critic, HF token-classification folder (gae)
     <ckpt>/deepspeed/actor/state/, deepspeed/critic/state/   DeepSpeed's engine state: resumes training exactly
-    <ckpt>/train_state.json                                  training steps done, optimizer steps, world size
+    <ckpt>/train_state.json                                  training steps done, optimizer steps, world size,
+                                                             the replay record of a weights-only checkpoint
     <ckpt>/manifest.json                                     written last by the stage (fingerprint, metrics)
 
 A plain HF folder (the default model) is a valid input checkpoint: training starts at step 0 with a fresh optimizer.
+
+A run writes DeepSpeed's state (about 7x the weights with Adam) only every ``save_steps`` iterations and at its
+last one; the checkpoints between are *weights-only*. Their ``train_state.json`` holds a replay record: the newest
+checkpoint with a state (``from``) and, per training step since, the advantaged table it trained on (path and
+fingerprint) and its training section. Training from a weights-only checkpoint first replays those steps on the
+engines of ``from`` (stages/train/core.py ``load_engines``): the same inputs from the same state give the same
+engines, so a resumed run equals an uninterrupted one (tests/trainflow), while the steps between write only
+their weights.
 Checkpoints are written into a temporary sibling and renamed into place with the manifest last, like every stage
 output (stages/runner.py). Checkpoint folders must be on a filesystem every worker can write (local or shared):
 DeepSpeed and Hugging Face write files with local paths.
@@ -50,6 +59,12 @@ class CheckpointInfo:
     actor_state: str | None
     critic_dir: str | None
     critic_state: str | None
+    replay: dict | None = None  # weights-only: {"from": path, "steps": [{"samples", "fingerprint", "section"}]}
+
+    @property
+    def has_state(self) -> bool:
+        """Training continues from this checkpoint without replaying: it holds its state, or it is untrained."""
+        return self.actor_state is not None or self.global_step == 0
 
 
 def local_path(path: str, what: str) -> Path:
@@ -81,17 +96,39 @@ def read_checkpoint(path: str) -> CheckpointInfo:
         zero_stage=state.get("zero_stage"),
         actor_state=str(actor_state) if state and actor_state.is_dir() else None,
         critic_dir=str(critic_dir) if critic_dir.is_dir() and _has_weights(critic_dir) else None,
-        critic_state=str(critic_state) if state and critic_state.is_dir() else None)
+        critic_state=str(critic_state) if state and critic_state.is_dir() else None,
+        replay=state.get("replay") if not actor_state.is_dir() else None)
 
 
 def check_trainable(info: CheckpointInfo) -> None:
     """Training continues exactly from a trained checkpoint only with its DeepSpeed state (optimizer moments, step
-    counts). Raises RollflowError naming the folder and the fix when the state is gone."""
-    if info.global_step > 0 and info.actor_state is None:
+    counts), or, for a weights-only checkpoint, by replaying its steps from the state it names. Raises
+    RollflowError naming the folder and the fix when neither is there."""
+    if info.has_state:
+        return
+    if info.replay is None:
         raise RollflowError(f"checkpoint {info.path} has no DeepSpeed state ({ACTOR_STATE}/), so training cannot "
                             "continue exactly from it: a run keeps that state only for its newest "
                             "train.max_ckpt_to_keep checkpoints (older ones keep their weights for evaluation and "
                             "resume). Train from the run's newest checkpoint, or raise train.max_ckpt_to_keep")
+    origin = info.replay["from"]
+    if not read_checkpoint(origin).has_state:
+        raise RollflowError(f"checkpoint {info.path} holds weights only and is rebuilt by replaying its training "
+                            f"steps from {origin}, whose DeepSpeed state is gone (train.max_ckpt_to_keep). Train "
+                            "from a checkpoint of the run that holds its state, or raise train.max_ckpt_to_keep")
+    for step in info.replay["steps"]:
+        if not Location.of(step["samples"]).exists():
+            raise RollflowError(f"checkpoint {info.path} holds weights only and is rebuilt by replaying its training "
+                                f"steps, but the table {step['samples']} one of them trained on is gone. Keep a "
+                                "run's iteration folders, or train from a checkpoint that holds its state")
+
+
+def replay_record(info: CheckpointInfo, samples: str, fingerprint: str, section: dict) -> dict:
+    """The replay record of a weights-only checkpoint trained from ``info`` on the table ``samples``."""
+    step = {"samples": samples, "fingerprint": fingerprint, "section": section}
+    if info.has_state:
+        return {"from": info.path, "steps": [step]}
+    return {"from": info.replay["from"], "steps": [*info.replay["steps"], step]}
 
 
 def disk_full_error(folder: str, checkpoint: str, err: BaseException) -> RollflowError | None:
@@ -112,15 +149,15 @@ def disk_full_error(folder: str, checkpoint: str, err: BaseException) -> Rollflo
 
 def keep_training_state(checkpoints: list[str], keep: int | None) -> list[str]:
     """Drop the DeepSpeed state (``deepspeed/``, ~7x the weights with Adam) of all but the newest ``keep`` of a
-    run's checkpoints (``checkpoints`` oldest first; None keeps all). Weights, manifest and train state stay, so
-    every stage fingerprint and a resumed run are unchanged. Returns the folders whose state was dropped now."""
+    run's checkpoints that hold one (``checkpoints`` oldest first; None keeps all): the newest one with a state is
+    what the weights-only checkpoints after it replay from. Weights, manifest and train state stay, so every stage
+    fingerprint and a resumed run are unchanged. Returns the folders whose state was dropped now."""
+    holders = [path for path in checkpoints if (Path(path) / TRAINING_STATE).is_dir()]
     dropped = []
-    for path in (checkpoints[:-keep] if keep else []):
-        state = Path(path) / TRAINING_STATE
-        if state.is_dir():
-            log.info("dropping the DeepSpeed state of %s (train.max_ckpt_to_keep=%d)", path, keep)
-            Location.of(str(state)).rmtree()
-            dropped.append(path)
+    for path in (holders[:-keep] if keep else []):
+        log.info("dropping the DeepSpeed state of %s (train.max_ckpt_to_keep=%d)", path, keep)
+        Location.of(str(Path(path) / TRAINING_STATE)).rmtree()
+        dropped.append(path)
     return dropped
 
 
@@ -154,13 +191,17 @@ def write_train_state(folder: str, state: dict) -> None:
 
 
 def check_complete(folder: str, with_critic: bool) -> None:
-    """The invariants of a freshly written checkpoint, before its manifest is written."""
+    """The invariants of a freshly written checkpoint, before its manifest is written: weights, train state, and
+    DeepSpeed's state or a replay record."""
     f = Path(folder)
-    missing = [p for p in ("config.json", TRAIN_STATE, ACTOR_STATE) if not (f / p).exists()]
+    missing = [p for p in ("config.json", TRAIN_STATE) if not (f / p).exists()]
     if not any(p.suffix == ".safetensors" for p in f.iterdir()):
         missing.append("*.safetensors")
     if with_critic and not (f / CRITIC_DIR / "config.json").exists():
         missing.append(f"{CRITIC_DIR}/config.json")
+    if (f / TRAIN_STATE).exists() and not (f / ACTOR_STATE).exists() \
+            and not json.loads((f / TRAIN_STATE).read_text()).get("replay"):
+        missing.append(f"{ACTOR_STATE} (or a replay record)")
     if missing:
         raise RollflowError(f"training wrote an incomplete checkpoint in {folder}: missing {', '.join(missing)}")
 

@@ -24,7 +24,7 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from schemas.errors import ConfigError, InvariantError
+from schemas.errors import ConfigError, InvariantError, RollflowError
 from schemas.train_config import TrainSection, TrainStepConfig, WorkerTrainConfig
 from stages.algos.ragged import Ragged
 from stages.train.batching import (BatchingPolicy, MicroBatch, MiniBatchPlan, TokenRows, pad_micro_batch, plan_step,
@@ -517,7 +517,10 @@ class HeldEngines:
 
 
 def load_engines(info, cfg: TrainSection, dist: DistInfo) -> tuple[Engine, Engine | None]:
-    """The actor (and critic) engines of checkpoint ``info``, with DeepSpeed's state when it has one."""
+    """The actor (and critic) engines of checkpoint ``info``, with DeepSpeed's state when it has one; a weights-only
+    checkpoint's engines are rebuilt by replaying its steps (:func:`replay_engines`)."""
+    if not info.has_state and info.replay:
+        return replay_engines(info, cfg, dist)
     stage = cfg.actor_train.strategy_args.zero_stage
     if info.actor_state and info.world_size not in (None, dist.world_size) and stage > 0:
         raise ConfigError(f"checkpoint {info.path} was trained by {info.world_size} workers with ZeRO stage {stage}, "
@@ -534,6 +537,75 @@ def load_engines(info, cfg: TrainSection, dist: DistInfo) -> tuple[Engine, Engin
     return actor, critic
 
 
+def replay_engines(info, cfg: TrainSection, dist: DistInfo) -> tuple[Engine, Engine | None]:
+    """The engines of the weights-only checkpoint ``info``: those of the checkpoint its replay record starts from,
+    trained again on each recorded step's table under that step's section. The same state and inputs give the same
+    engines; the replayed actor's weights are compared with the checkpoint's (a difference is logged: a GPU's
+    non-deterministic kernels may give one). Under a section other than the recorded one, the replayed state is
+    handed over through a temporary DeepSpeed checkpoint, as a resume under a new section would load it."""
+    import tempfile
+
+    from stages.storage import Location, folder_fingerprint, read_table_schema
+    from stages.train.checkpoint import read_checkpoint
+
+    steps = info.replay["steps"]
+    sections = [TrainSection.model_validate(step["section"]) for step in steps]
+    if any(s != sections[0] for s in sections):
+        raise RollflowError(f"checkpoint {info.path} holds weights only, and the steps that led to it ran under "
+                            "different training sections, so it cannot be replayed; train from the checkpoint its "
+                            f"replay starts from ({info.replay['from']})")
+    origin = read_checkpoint(info.replay["from"])
+    actor, critic = load_engines(origin, sections[0], dist)
+    for k, step in enumerate(steps):
+        loc = Location.of(step["samples"])
+        if folder_fingerprint(loc) != step["fingerprint"]:
+            raise RollflowError(f"checkpoint {info.path} holds weights only; replaying it needs the table "
+                                f"{loc.path} as step {origin.global_step + k} trained on it, but the table changed "
+                                f"since. Train from {info.replay['from']}, which holds its state")
+        table = read_train_table(loc, read_table_schema(loc, "advantaged").names)
+        train_step(rows_of_table(table, loc.path), actor, critic, sections[k], dist, origin.global_step + k,
+                   pad_token_id=0)
+    drift = weight_drift(actor, info.path)
+    log.info("replayed %d training steps from %s to rebuild the state of %s (largest weight difference %.3g)",
+             len(steps), origin.path, info.path, drift)
+    if drift > 0:
+        log.warning("the replayed weights differ from %s by up to %.3g", info.path, drift)
+    if section_dump(sections[0]) == section_dump(cfg):
+        return actor, critic
+    with tempfile.TemporaryDirectory(prefix="rollflow-replay-") as tmp:
+        actor.save_state(f"{tmp}/actor")
+        if critic is not None:
+            critic.save_state(f"{tmp}/critic")
+        handed = Engine(load_actor_model(info.path, cfg.actor_train), cfg.actor_train, dist, "actor")
+        handed.load_state(f"{tmp}/actor")
+        handed_critic = None
+        if cfg.needs_critic:
+            handed_critic = Engine(load_critic_model(info.critic_dir, info.path, cfg.critic_train.training_args.seed),
+                                   cfg.critic_train, dist, "critic")
+            if critic is not None:
+                handed_critic.load_state(f"{tmp}/critic")
+    return handed, handed_critic
+
+
+def section_dump(cfg: TrainSection) -> dict:
+    """The training section's options as JSON (a :class:`TrainStepConfig` without its run-only ones)."""
+    return {k: v for k, v in cfg.model_dump(mode="json").items() if k in TrainSection.model_fields}
+
+
+def weight_drift(engine: Engine, folder: str) -> float:
+    """The largest absolute difference between ``engine``'s weights and the safetensors weights in ``folder``."""
+    from safetensors.torch import load_file
+
+    saved: dict[str, torch.Tensor] = {}
+    for path in sorted(Path(folder).glob("*.safetensors")):
+        saved.update(load_file(str(path)))
+    drift = 0.0
+    for name, tensor in engine.state_dict_for_save().items():
+        if name in saved:
+            drift = max(drift, float((tensor.detach().float().cpu() - saved[name].float()).abs().max()))
+    return drift
+
+
 def run_training(table, where: str, checkpoint: str, cfg: TrainSection, output: str, dist: DistInfo,
                  progress=None) -> StepReport:
     """Load the actor (and critic) from ``checkpoint`` (resuming DeepSpeed's state when it has one), run one
@@ -545,13 +617,17 @@ def run_training(table, where: str, checkpoint: str, cfg: TrainSection, output: 
 
 def train_and_save(table, where: str, checkpoint: str, cfg: TrainSection, output: str, dist: DistInfo, *,
                    progress=None, held: HeldEngines | None = None, committed_as: str | None = None,
-                   ) -> tuple[StepReport, HeldEngines | None]:
+                   full_state: bool = True) -> tuple[StepReport, HeldEngines | None]:
     """:func:`run_training` for a worker that lives across steps: the engines of ``held`` are used when they equal
     ``checkpoint`` under this section (the step that wrote ``checkpoint`` ran here), else they are loaded from it.
     Returns the report and the engines to keep, which equal ``committed_as`` (the folder ``output`` becomes once
     committed; None: keep nothing). In-memory state and the saved DeepSpeed state are the same state, so a step on
-    kept engines equals a step on engines loaded from the checkpoint (tests/trainflow: the resumed run)."""
-    from stages.train.checkpoint import ACTOR_STATE, CRITIC_DIR, CRITIC_STATE, copy_tokenizer, read_checkpoint
+    kept engines equals a step on engines loaded from the checkpoint (tests/trainflow: the resumed run).
+    ``full_state``: write DeepSpeed's state; else the weights and a replay record only (stages/train/checkpoint.py).
+    """
+    from stages.storage import Location, folder_fingerprint
+    from stages.train.checkpoint import (ACTOR_STATE, CRITIC_DIR, CRITIC_STATE, copy_tokenizer, read_checkpoint,
+                                         replay_record)
 
     info = read_checkpoint(checkpoint)
     section = cfg.model_dump(mode="json")
@@ -561,10 +637,14 @@ def train_and_save(table, where: str, checkpoint: str, cfg: TrainSection, output
     if kept:
         held.checkpoint = ""  # the engines move on from that checkpoint: this record of them no longer holds
     setup_s = time.perf_counter() - setup_start
+    replay = None if full_state else replay_record(info, where, folder_fingerprint(Location.of(where)),
+                                                   section_dump(cfg))
     rows = rows_of_table(table, where)
     report = train_step(rows, actor, critic, cfg, dist, info.global_step, pad_token_id=0, progress=progress)
     report.metrics["time/engine_setup_s"] = setup_s
     report.metrics["train/engines_kept"] = float(kept)
+    report.metrics["train/replayed_steps"] = 0.0 if kept or info.has_state else float(len(info.replay["steps"]))
+    report.metrics["train/full_state_saved"] = float(full_state)
 
     save_start = time.perf_counter()
     out = Path(output)
@@ -576,20 +656,23 @@ def train_and_save(table, where: str, checkpoint: str, cfg: TrainSection, output
             critic.module.save_pretrained(out / CRITIC_DIR, state_dict=critic.state_dict_for_save(),
                                           safe_serialization=True)
     torch.distributed.barrier()
-    actor.save_state(str(out / ACTOR_STATE))
-    if critic is not None:
-        critic.save_state(str(out / CRITIC_STATE))
-    torch.distributed.barrier()
+    if full_state:
+        actor.save_state(str(out / ACTOR_STATE))
+        if critic is not None:
+            critic.save_state(str(out / CRITIC_STATE))
+        torch.distributed.barrier()
     report.metrics["time/save_s"] = time.perf_counter() - save_start
     report.metrics["time/train_s"] = report.seconds
     report.metrics.update(peak_memory(dist))
-    _write_state(out, info, report, actor, dist, cfg.actor_train.strategy_args.zero_stage)
+    _write_state(out, info, report, actor, dist, cfg.actor_train.strategy_args.zero_stage, replay)
     keep = HeldEngines(actor, critic, os.path.realpath(committed_as), section) if committed_as else None
     return report, keep
 
 
-def _write_state(out: Path, info, report: StepReport, actor: Engine, dist: DistInfo, zero_stage: int) -> None:
-    """Rank 0 writes the step's train state (counters, metrics) beside the weights."""
+def _write_state(out: Path, info, report: StepReport, actor: Engine, dist: DistInfo, zero_stage: int,
+                 replay: dict | None) -> None:
+    """Rank 0 writes the step's train state (counters, metrics, the replay record of a weights-only checkpoint)
+    beside the weights."""
     from stages.train.checkpoint import write_train_state
 
     if dist.rank == 0:
@@ -598,7 +681,7 @@ def _write_state(out: Path, info, report: StepReport, actor: Engine, dist: DistI
             "world_size": dist.world_size, "zero_stage": zero_stage, "input_checkpoint": info.path,
             "metrics": report.metrics, "per_step": report.per_step,
             "tokens": report.tokens, "padded_tokens": report.padded_tokens, "train_seconds": report.seconds,
-            "train_cpu_seconds": report.cpu_seconds})
+            "train_cpu_seconds": report.cpu_seconds, "replay": replay})
 
 
 # ---- a single process without Ray ------------------------------------------------------------------------------

@@ -4,8 +4,9 @@ A training flow keeps its workers the way it keeps its generation engines: the g
 step is a request sent to every rank, and the DeepSpeed engines stay in memory between steps when the next step
 starts from the checkpoint the previous one wrote (:func:`stages.train.core.train_and_save`). Starting a group and
 its engines costs 15-30 s of a CPU iteration (Ray Train's controller and worker processes, imports, DeepSpeed set-up,
-loading the checkpoint); a kept group pays it once per run. Every step still writes the whole checkpoint, so a
-resumed run loads exactly what the kept engines held.
+loading the checkpoint); a kept group pays it once per run. A step writes its weights, and DeepSpeed's state every
+``save_steps`` steps and at the run's last; a resumed run rebuilds the engines from the newest state by replaying
+the steps since (stages/train/checkpoint.py), so it trains exactly what the kept engines held.
 
 The protocol: a :class:`Mailbox` actor with one inbox per rank (each rank waits on its own inbox between steps, so
 no collective waits on a timeout) and the replies rank 0 sends once the checkpoint is written. A failed step raises
@@ -99,7 +100,8 @@ def _serve(config: dict) -> None:
         cfg = TrainSection.model_validate(request["section"])
         _, held = train_and_save(table, samples.path, request["checkpoint"], cfg, request["output"], dist,
                                  progress=request["progress"] if dist.rank == 0 else None, held=held,
-                                 committed_as=request["committed_as"] if config["keep"] else None)
+                                 committed_as=request["committed_as"] if config["keep"] else None,
+                                 full_state=request["full_state"])
         if dist.rank == 0:
             mailbox.reply.remote(request["id"])
 
@@ -123,7 +125,7 @@ class TrainerGroup:
 
     def step(self, request: dict[str, Any], unwrap) -> None:
         """Run one training step (``request``: samples Location, columns, checkpoint, output, committed_as, section,
-        progress) on every rank and wait until rank 0 reports the checkpoint written. A failure of the group is
+        full_state, progress) on every rank and wait until rank 0 reports the checkpoint written. A failure of the group is
         raised as ``unwrap`` sees it (the user error inside Ray's wrappers) and the group is dropped."""
         import ray
 

@@ -56,7 +56,7 @@ def _worker_error(err: BaseException) -> BaseException:
 
 
 def _step(group: TrainerGroup, samples: Location, checkpoint: str, cfg: TrainStepConfig, tmp: str, final: str,
-          label: str) -> None:
+          label: str, full_state: bool) -> None:
     """One step on ``group``: the workers read the table themselves and write the checkpoint into ``tmp``."""
     from stages import progress
     from stages.cluster import ensure_ray
@@ -66,7 +66,7 @@ def _step(group: TrainerGroup, samples: Location, checkpoint: str, cfg: TrainSte
     with progress.bar(label, "micro-batches") as ticker:  # rank 0 counts its micro-batches
         group.step({"samples": samples, "columns": names, "checkpoint": checkpoint, "output": tmp,
                     "committed_as": final, "section": train_section(cfg).model_dump(mode="json"),
-                    "progress": ticker}, _worker_error)
+                    "full_state": full_state, "progress": ticker}, _worker_error)
 
 
 def train_section(cfg: TrainStepConfig) -> TrainSection:
@@ -74,12 +74,14 @@ def train_section(cfg: TrainStepConfig) -> TrainSection:
 
 
 def run_train_step(samples: str, checkpoint: str, cfg: TrainStepConfig, output: str, *, force: bool = False,
-                   label: str = "train", trainer: TrainerGroup | None = None) -> StageResult:
+                   label: str = "train", trainer: TrainerGroup | None = None, full_state: bool = True) -> StageResult:
     """Train the checkpoint one step on the advantaged table ``samples``; write the new checkpoint to ``output``.
 
     Skips when ``output`` already holds this exact step (same table, checkpoint and training section). ``label``
     heads the progress bar of the micro-batches (on a terminal, see :mod:`stages.progress`). ``trainer``: the
-    run's kept worker group (default: a group started for this step and closed after it)."""
+    run's kept worker group (default: a group started for this step and closed after it). ``full_state``: write
+    DeepSpeed's state, else weights and a replay record (a run's steps between ``save_steps``; not part of the
+    fingerprint: the state is a cache of what replay rebuilds)."""
     start = time.time()
     section = train_section(cfg)
     samples_loc = Location.of(samples)
@@ -92,7 +94,8 @@ def run_train_step(samples: str, checkpoint: str, cfg: TrainStepConfig, output: 
     state_in = {"checkpoint": ckpt.checkpoint_fingerprint(info.path)}
     fp = stage_fingerprint(TrainStage, section, {"samples": samples_loc}, state_in)
     manifest, skipped = commit_folder(
-        out, fp, lambda tmp: _train_into(tmp, out, samples_loc, info, cfg, state_in, start, label, trainer),
+        out, fp, lambda tmp: _train_into(tmp, out, samples_loc, info, cfg, state_in, start, label, trainer,
+                                full_state),
         who="train_step", other="a checkpoint of another training step", force=force)
     if not skipped:
         if cfg.max_ckpt_to_keep:
@@ -104,7 +107,8 @@ def run_train_step(samples: str, checkpoint: str, cfg: TrainStepConfig, output: 
 
 
 def _train_into(tmp: Location, out: Location, samples: Location, info: ckpt.CheckpointInfo, cfg: TrainStepConfig,
-                state_in: dict, start: float, label: str, trainer: TrainerGroup | None) -> dict[str, Any]:
+                state_in: dict, start: float, label: str, trainer: TrainerGroup | None,
+                full_state: bool) -> dict[str, Any]:
     """Run the training step into ``tmp`` (the temporary folder of ``out``; a one-step group's Ray Train files go
     to a sibling folder, removed after), check the checkpoint, and return its manifest (all but the fingerprint)."""
     checkpoint = info.path
@@ -114,7 +118,7 @@ def _train_into(tmp: Location, out: Location, samples: Location, info: ckpt.Chec
     section = train_section(cfg)
     try:
         _step(trainer or TrainerGroup(cfg.runtime, storage=tmp.parent.path, keep=False), samples, checkpoint, cfg,
-              tmp.path, out.path, label)
+              tmp.path, out.path, label, full_state)
     except Exception as err:
         full = ckpt.disk_full_error(tmp.path, checkpoint, err)
         if full is not None:

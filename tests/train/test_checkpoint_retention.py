@@ -45,6 +45,39 @@ def test_training_from_a_checkpoint_without_its_state_names_the_fix(tmp_path):
     assert trail[0] in str(err.value) and "max_ckpt_to_keep" in str(err.value) and "newest" in str(err.value)
 
 
+def _weights_only_checkpoint(folder: Path, step: int, origin: str, samples: list[str]) -> str:
+    """A weights-only checkpoint's files: weights and a replay record from ``origin`` over ``samples``."""
+    folder.mkdir(parents=True)
+    (folder / "config.json").write_text("{}")
+    (folder / "model.safetensors").write_bytes(b"w")
+    replay = {"from": origin, "steps": [{"samples": s, "fingerprint": "f", "section": {}} for s in samples]}
+    (folder / ckpt.TRAIN_STATE).write_text(json.dumps({"global_step": step, "optimizer_steps": step,
+                                                       "world_size": 1, "replay": replay}))
+    return str(folder)
+
+
+def test_weights_only_checkpoints_keep_the_state_they_replay_from(tmp_path):
+    """The newest K checkpoints *with* a state keep it (the weights-only ones after them replay from it); a
+    weights-only checkpoint whose origin lost its state, or whose table is gone, is refused with the fix."""
+    table = tmp_path / "advantaged"
+    table.mkdir()
+    full = [_trained_checkpoint(tmp_path / f"f{k}", k + 1) for k in range(2)]
+    light = _weights_only_checkpoint(tmp_path / "w", 3, full[1], [str(table)])
+    assert ckpt.keep_training_state([*full, light], 1) == full[:1]
+    info = ckpt.read_checkpoint(light)
+    assert info.actor_state is None and not info.has_state and info.replay["from"] == full[1]
+    ckpt.check_trainable(info)
+    ckpt.check_complete(light, with_critic=False)
+    orphan = _weights_only_checkpoint(tmp_path / "o", 2, full[0], [str(table)])
+    with pytest.raises(RollflowError, match="state is gone") as err:
+        ckpt.check_trainable(ckpt.read_checkpoint(orphan))
+    assert full[0] in str(err.value) and "max_ckpt_to_keep" in str(err.value)
+    lost = _weights_only_checkpoint(tmp_path / "l", 3, full[1], [str(tmp_path / "gone")])
+    with pytest.raises(RollflowError, match="is gone") as err:
+        ckpt.check_trainable(ckpt.read_checkpoint(lost))
+    assert str(tmp_path / "gone") in str(err.value)
+
+
 def test_a_plain_model_folder_trains_from_a_fresh_optimizer(tmp_path):
     (tmp_path / "config.json").write_text("{}")
     (tmp_path / "model.safetensors").write_bytes(b"w")

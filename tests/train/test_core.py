@@ -73,7 +73,7 @@ def bare_torch_loop(model_dir, rows: TokenRows, cfg: TrainSection, step: int = 0
         lr = sched.get_last_lr()[0]
         opt.step()
         sched.step()
-        out.append((float(loss), float(norm), lr))
+        out.append((float(loss.detach()), float(norm), lr))
     return out, model
 
 
@@ -267,6 +267,56 @@ def test_engines_kept_across_steps_equal_engines_loaded_from_the_checkpoint(dist
     lr = section(**{"adv_estimator": "gae", "actor_train.training_args.learning_rate": 1e-4})
     changed, _ = train_and_save(table, "t", k1, lr, str(tmp_path / "c"), dist, held=held)
     assert other.metrics["train/engines_kept"] == changed.metrics["train/engines_kept"] == 0.0
+
+
+def test_a_weights_only_checkpoint_is_rebuilt_by_replay_and_trains_like_a_full_one(dist, tiny_model, table,
+                                                                                    tmp_path):
+    """Steps that write weights and a replay record only: training from such a checkpoint replays its steps from
+    the newest state and then equals training from a checkpoint that holds its state (losses, LR, weights of actor
+    and critic); the replayed weights equal the saved ones; a changed table is refused."""
+    import pyarrow.parquet as pq
+    from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
+
+    from schemas.errors import RollflowError
+    from stages.train.checkpoint import check_complete, check_trainable
+
+    samples = tmp_path / "advantaged"
+    samples.mkdir()
+    pq.write_table(table, samples / "part-0.parquet")
+    where = str(samples)
+    cfg = section(**{"adv_estimator": "gae", "actor_train.training_args.per_device_train_batch_size": 4,
+                     "actor_train.training_args.lr_scheduler_type": "linear",
+                     "actor_train.training_args.max_steps": 12, "actor_train.training_args.warmup_steps": 1,
+                     "critic_train.training_args.per_device_train_batch_size": 4})
+    path = {name: str(tmp_path / name) for name in ("f1", "f2", "f3", "w1", "w2", "r3")}
+    run_training(table, where, str(tiny_model), cfg, path["f1"], dist)
+    run_training(table, where, path["f1"], cfg, path["f2"], dist)
+    full = run_training(table, where, path["f2"], cfg, path["f3"], dist)
+    train_and_save(table, where, str(tiny_model), cfg, path["w1"], dist, full_state=False)
+    second, _ = train_and_save(table, where, path["w1"], cfg, path["w2"], dist, full_state=False)
+    w2 = read_checkpoint(path["w2"])
+    assert w2.actor_state is None and w2.critic_state is None and not (tmp_path / "w2" / "deepspeed").exists()
+    assert w2.replay["from"] == str(tiny_model) and [s["samples"] for s in w2.replay["steps"]] == [where, where]
+    check_complete(path["w2"], with_critic=True)
+    check_trainable(w2)
+    assert second.metrics["train/replayed_steps"] == 1.0 and second.metrics["train/full_state_saved"] == 0.0
+    assert_same_weights(AutoModelForCausalLM.from_pretrained(path["w2"]),
+                        AutoModelForCausalLM.from_pretrained(path["f2"]), atol=1e-6)
+
+    replayed = run_training(table, where, path["w2"], cfg, path["r3"], dist)
+    assert replayed.metrics["train/replayed_steps"] == 2.0 and replayed.metrics["train/engines_kept"] == 0.0
+    for got, want in zip(replayed.per_step, full.per_step, strict=True):
+        for key in ("actor/pg_loss", "critic/loss", "actor/lr", "actor/grad_norm", "critic/grad_norm"):
+            assert got[key] == pytest.approx(want[key], rel=1e-5, abs=1e-7), key
+    assert_same_weights(AutoModelForCausalLM.from_pretrained(path["r3"]),
+                        AutoModelForCausalLM.from_pretrained(path["f3"]), atol=1e-6)
+    assert_same_weights(AutoModelForTokenClassification.from_pretrained(tmp_path / "r3" / "critic"),
+                        AutoModelForTokenClassification.from_pretrained(tmp_path / "f3" / "critic"), atol=1e-6)
+    assert read_checkpoint(path["r3"]).optimizer_steps == read_checkpoint(path["f3"]).optimizer_steps
+
+    pq.write_table(table.slice(0, 4), samples / "part-0.parquet")  # the table the replay needs changed
+    with pytest.raises(RollflowError, match="changed since"):
+        run_training(table, where, path["w2"], cfg, str(tmp_path / "x"), dist)
 
 
 def test_checkpoint_is_an_hf_folder_with_tokenizer(dist, tiny_model, table, tmp_path):

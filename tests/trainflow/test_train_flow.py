@@ -130,8 +130,10 @@ def test_train_run_end_to_end_then_resume_skips_everything(finished_run, cli_env
     # the worker group lives across steps: the second step trains the engines the first one left in memory
     assert train_manifest["metrics"]["train/engines_kept"] == 0.0
     assert json.loads((run / "iter_0001/checkpoint/manifest.json").read_text())["metrics"]["train/engines_kept"] == 1
-    # max_ckpt_to_keep=1: only the newest checkpoint keeps its DeepSpeed state; every one keeps its weights
+    # save_steps (10) > max_steps: iteration 0 writes weights and a replay record, the last iteration the state too
     assert not (run / "iter_0000/checkpoint/deepspeed").exists() and (run / "iter_0001/checkpoint/deepspeed").is_dir()
+    assert json.loads((run / "iter_0000/checkpoint/train_state.json").read_text())["replay"]["steps"]
+    assert train_manifest["metrics"]["train/full_state_saved"] == 0.0
     assert list((run / "iter_0000/checkpoint").glob("*.safetensors"))
     import pyarrow.dataset as pads
 
@@ -168,11 +170,12 @@ def _weights(folder: Path) -> dict:
 
 @pytest.mark.slow
 def test_sigkilled_run_resumes_to_the_uninterrupted_result(finished_run, tmp_path):
-    """SIGKILL the whole run (CLI, Ray, Prefect) while iteration 0 trains, then ``rollflow train --resume``: every
-    stage output of both iterations equals the uninterrupted run's (the resumed engines load the new checkpoint) —
-    nothing lost or duplicated. (Killing at other points was checked by hand the same way: after iteration 1's
-    rollout, while its log-probs ran.)"""
-    kill_after = "iter_0000/advantaged/manifest.json"
+    """SIGKILL the whole run (CLI, Ray, Prefect) once iteration 0's weights-only checkpoint is committed, then
+    ``rollflow train --resume``: iteration 1 trains engines rebuilt by replaying step 0 from the initial model, and
+    every stage output of both iterations equals the uninterrupted run's (kept engines) — nothing lost or
+    duplicated. (Killing at other points was checked by hand the same way: while iteration 0 trained, after
+    iteration 1's rollout, while its log-probs ran.)"""
+    kill_after = "iter_0000/checkpoint/manifest.json"
     import numpy as np
 
     env = _env(tmp_path)  # Prefect's ephemeral mode: the kill takes the run's own API server down with it
@@ -199,6 +202,8 @@ def test_sigkilled_run_resumes_to_the_uninterrupted_result(finished_run, tmp_pat
             np.testing.assert_allclose(got[name], want[name], rtol=1e-5, atol=1e-6, err_msg=f"iter {k} {name}")
     import pyarrow.dataset as pads
 
+    replayed = json.loads((run / "iter_0001/checkpoint/manifest.json").read_text())["metrics"]
+    assert replayed["train/replayed_steps"] == 1.0 and replayed["train/engines_kept"] == 0.0
     metrics = pads.dataset(str(run / "metrics")).to_table().to_pylist()
     keys = [(m["iteration"], m["stage"], m["name"]) for m in metrics]
     assert len(keys) == len(set(keys)), "no metric is logged twice"
