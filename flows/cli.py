@@ -54,7 +54,9 @@ def recompute(input: Path = typer.Option(..., "--input", help="Folder of stored 
 
     cfg = _guard(lambda: load_config(RecomputeConfig, config, parse_overrides(overrides or [])))
     from flows.recompute import recompute_flow
+    from flows.services import start_services
 
+    _guard(lambda: start_services(cfg.runtime.ray_address, cfg.runtime.num_cpus))
     result = _guard(lambda: recompute_flow(str(input), str(output), cfg.model_dump(mode="json"), force))
     _print_recompute(result)
 
@@ -95,6 +97,9 @@ def train(config: Optional[Path] = typer.Option(None, "--config", help="YAML con
         console.log_to(log)
     typer.echo(f"run {run}  (log: {console.log_path()})")
     announce_precision()
+    from flows.services import start_services
+
+    _guard(lambda: start_services(cfg.runtime.ray_address, cfg.runtime.num_cpus))
     summary = _guard(lambda: pipeline.flow()(cfg.model_dump(mode="json")))
     for line in pipeline.summary_lines()(summary):
         typer.echo(line)

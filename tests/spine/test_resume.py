@@ -17,7 +17,7 @@ from tests.spine.helpers import GIGPO, assert_tables_equal, config, read_table, 
 from tests.processes import sigkill_when
 
 ROLLFLOW = str(Path(sys.executable).parent / "rollflow")
-BATCH_ROWS = 500
+BATCH_ROWS = 100  # 40 batches a stage: a kill lands mid-stage, as with bigger tables
 
 
 def _child_env(prefect_home: Path) -> dict[str, str]:
@@ -39,7 +39,7 @@ def _in_progress(out: Path) -> bool:
 @pytest.mark.slow
 def test_sigkill_mid_run_then_rerun_gives_the_uninterrupted_output(data_root, tmp_path, ray_cluster):
     samples = str(data_root / "big")
-    generate(ExampleSpec(samples=20000, seed=11, rows_per_file=2500, **SMALL), samples)
+    generate(ExampleSpec(samples=4000, seed=11, rows_per_file=500, **SMALL), samples)
     out = tmp_path / "out"
     cmd = [ROLLFLOW, "recompute", "--input", samples, "--config", GIGPO, "--output", str(out),
            "--set", f"runtime.batch_rows={BATCH_ROWS}", "--set", "runtime.num_cpus=2"]
@@ -64,5 +64,5 @@ def test_sigkill_mid_run_then_rerun_gives_the_uninterrupted_output(data_root, tm
         resumed = json.loads((out / name / "manifest.json").read_text())
         fresh = json.loads((reference / name / "manifest.json").read_text())
         assert resumed["fingerprint"] == fresh["fingerprint"]
-        assert resumed["rows"] == fresh["rows"] >= 20000
+        assert resumed["rows"] == fresh["rows"] >= 4000
         assert resumed["metrics"] == pytest.approx(fresh["metrics"], rel=1e-12, abs=1e-15)

@@ -1,0 +1,56 @@
+"""Start the two services a command's flow needs side by side: Prefect's ephemeral API server (a subprocess; about
+10-15 s on two cores, its database migrating on a new PREFECT_HOME) and the local Ray cluster (about 5 s). The flow
+would start them one after the other; started here, the flow finds both running. A flow started any other way (a
+deployment, a test calling it) starts them itself, so this is only a head start."""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+
+log = logging.getLogger("rollflow")
+
+
+def _ephemeral_prefect() -> bool:
+    """Whether this process's flows will start Prefect's ephemeral server (no PREFECT_API_URL, ephemeral allowed)."""
+    from prefect.settings import PREFECT_API_URL, PREFECT_SERVER_ALLOW_EPHEMERAL_MODE
+
+    return not PREFECT_API_URL.value() and bool(PREFECT_SERVER_ALLOW_EPHEMERAL_MODE.value())
+
+
+class _PrefectStart(threading.Thread):
+    """Prefect's own ephemeral server object, started on a thread; the flow's client later gets the same (running)
+    instance, as Prefect keeps one per process."""
+
+    def __init__(self):
+        super().__init__(name="prefect-ephemeral-start", daemon=True)
+        self.error: BaseException | None = None
+
+    def run(self) -> None:
+        try:
+            from prefect.server.api.server import SubprocessASGIServer
+
+            SubprocessASGIServer().start()
+        except BaseException as err:  # re-raised on the command's thread by start_services
+            self.error = err
+
+
+def start_services(ray_address: str | None, num_cpus: int | None) -> None:
+    """Start Prefect's ephemeral server (when the flows will use one) on a thread while Ray starts on this one
+    (``ray_address``/``num_cpus`` as the config's ``runtime`` says); return once both are up. A failure of either
+    is raised here, as the flow would have raised it."""
+    from stages.cluster import ensure_ray
+
+    prefect = _PrefectStart() if _ephemeral_prefect() else None
+    if prefect is not None:
+        prefect.start()
+    try:
+        ensure_ray(ray_address, num_cpus)
+    finally:
+        if prefect is not None:
+            prefect.join()
+    if prefect is not None and prefect.error is not None:
+        raise prefect.error
+    log.info("services up: Prefect %s, Ray %s", "ephemeral" if prefect else os.environ.get("PREFECT_API_URL"),
+             ray_address or os.environ.get("RAY_ADDRESS") or "local")
