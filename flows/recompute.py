@@ -12,6 +12,7 @@ from prefect import flow, task
 
 from schemas.config import AdvantageSection, RecomputeConfig, ResponseRewardSection, section, validate_config
 from stages.cluster import ensure_ray
+from stages.preflight import Step, check_steps
 from stages.recompute import AdvantagesStage, ResponseRewardsStage
 from stages.runner import StageResult, run_stage
 
@@ -37,13 +38,29 @@ def advantages_task(samples: str, rewarded: str, output: str, cfg: dict, force: 
                               batch_rows=config.runtime.batch_rows))
 
 
+def outputs(output_dir: str) -> tuple[str, str]:
+    """The folders of the two tables the flow writes under ``output_dir``: rewarded, advantaged."""
+    return f"{output_dir.rstrip('/')}/rewarded", f"{output_dir.rstrip('/')}/advantaged"
+
+
+def recompute_steps(input_dir: str, output_dir: str, config: RecomputeConfig) -> list[Step]:
+    """The flow's two stages with their inputs and outputs, for the pre-flight check (stages/preflight.py)."""
+    rewarded_dir, advantaged_dir = outputs(output_dir)
+    return [Step(ResponseRewardsStage(), section(config, ResponseRewardSection), {"samples": input_dir}, rewarded_dir),
+            Step(AdvantagesStage(), section(config, AdvantageSection),
+                 {"samples": input_dir, "rewarded": rewarded_dir}, advantaged_dir)]
+
+
 @flow(name="recompute", log_prints=True)
-def recompute_flow(input_dir: str, output_dir: str, cfg: dict, force: bool = False) -> dict:
-    """Recompute response-level rewards, token rewards and advantages of the samples in ``input_dir``."""
+def recompute_flow(input_dir: str, output_dir: str, cfg: dict, force: bool = False, preflight: bool = True) -> dict:
+    """Recompute response-level rewards, token rewards and advantages of the samples in ``input_dir``. First the
+    input is checked for everything both stages need (``preflight``; the CLI checks before it starts the flow and
+    passes False), so bad input commits neither table."""
     config = validate_config(RecomputeConfig, cfg)
+    if preflight:
+        check_steps(recompute_steps(input_dir, output_dir, config))
     ensure_ray(config.runtime.ray_address, config.runtime.num_cpus, data_memory_mb=config.runtime.data_memory_mb)
-    rewarded_dir = f"{output_dir.rstrip('/')}/rewarded"
-    advantaged_dir = f"{output_dir.rstrip('/')}/advantaged"
+    rewarded_dir, advantaged_dir = outputs(output_dir)
     rewarded = response_rewards_task(input_dir, rewarded_dir, cfg, force)
     advantaged = advantages_task(input_dir, rewarded_dir, advantaged_dir, cfg, force)
     return {"rewarded": rewarded, "advantaged": advantaged}

@@ -12,7 +12,7 @@ import pyarrow.compute as pc
 import pyarrow.dataset as pads
 
 from schemas.errors import SchemaError
-from schemas.tables import TABLES, TableSpec, check_row_invariants, check_structure
+from schemas.tables import TABLES, TableSpec
 from stages.storage import Location, read_manifest, read_table_schema
 
 IDENTITY_COLUMNS = ["row_id", "group_id", "traj_id", "turn_idx"]
@@ -137,7 +137,10 @@ def render(summary: TableSummary) -> str:
 
 
 def validate(path: str, group_size: int | None = None) -> str:
-    """Check the schema, every row's invariants and the whole-table structure; raise on the first problem."""
+    """Check the schema, every row's invariants (reading all the data) and the whole-table structure; raise on the
+    first problem. The same checks a command runs on its inputs before its first stage (stages/preflight.py)."""
+    from stages.preflight import check_table_data
+
     loc = Location.of(path)
     schema = read_table_schema(loc, "table")
     spec = detect_spec(loc, schema)
@@ -145,17 +148,10 @@ def validate(path: str, group_size: int | None = None) -> str:
     manifest = read_manifest(loc) or {}
     if group_size is None:
         group_size = (manifest.get("params") or {}).get("group_size") or (manifest.get("section") or {}).get("group_size")
-    dataset = pads.dataset(loc.parquet_files(), filesystem=loc.fs)
-    rows = 0
-    for batch in dataset.to_batches(batch_size=4096):
-        check_row_invariants(spec, pa.Table.from_batches([batch]), f"{loc.path} (rows from {rows})")
-        rows += batch.num_rows
+    rows = check_table_data(spec, loc, group_size, allow_empty=True)
     structure = all(c in schema.names for c in IDENTITY_COLUMNS)
-    if structure:
-        turns = ["num_turns"] if "num_turns" in schema.names else []
-        check_structure(dataset.to_table(columns=IDENTITY_COLUMNS + turns), loc.path, group_size)
-    elif "row_id" in schema.names:
-        ids = dataset.to_table(columns=["row_id"]).column(0)
+    if not structure and "row_id" in schema.names:
+        ids = pads.dataset(loc.parquet_files(), filesystem=loc.fs).to_table(columns=["row_id"]).column(0)
         if pc.count_distinct(ids).as_py() != len(ids):
             raise SchemaError(f"{loc.path}: row_id values are not unique")
     # name only the checks that ran (a narrow table has no turns or groups to check)

@@ -68,6 +68,10 @@ class AdvantageOptions(Frozen):
         if self.advantage_clip is not None and self.advantage_clip <= 0:
             raise ValueError(f"advantage_clip ({self.advantage_clip}) must be null or > 0, because clamping to "
                              f"±{self.advantage_clip} would zero every advantage; set advantage_clip: null to disable")
+        if self.kl_penalty == "full":
+            raise ValueError("kl_penalty 'full' needs each token's whole log-distribution over the vocabulary, but the "
+                             "tables store only the sampled tokens' log-probs (old_log_probs, ref_log_probs); set "
+                             "kl_penalty to kl, abs, mse or k3")
         if self.target_kl is not None and self.target_kl <= 0:
             raise ValueError(f"target_kl ({self.target_kl}) must be > 0, because the adaptive controller divides by "
                              "it; set target_kl: null for a fixed KL coefficient")
@@ -180,7 +184,12 @@ def parse_overrides(items: list[str] | tuple[str, ...]) -> dict[str, Any]:
         if "=" not in item:
             raise ConfigError(f"override '{item}' must look like key=value (e.g. adv_estimator=grpo)")
         key, raw = item.split("=", 1)
-        out[key.strip()] = yaml.safe_load(raw)
+        try:
+            out[key.strip()] = yaml.safe_load(raw)
+        except yaml.YAMLError as err:
+            mark = getattr(err, "problem", None) or str(err).splitlines()[0]
+            raise ConfigError(f"override '{item}': the value {raw!r} is not valid YAML ({mark}); quote it as a "
+                              f"string (--set '{key.strip()}=\"...\"') or fix the brackets/quotes") from None
     return out
 
 

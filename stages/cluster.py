@@ -70,6 +70,32 @@ def route_ray_logs() -> None:
         dataset_logger.addFilter(_HideSpuriousCpuWarning())
 
 
+# session dir -> the pipe's write end, held open for this process's lifetime (stages/watchdog.py)
+_WATCHDOG_PIPES: dict[str, int] = {}
+
+
+def watch_local_cluster() -> None:
+    """Start stages/watchdog.py on the local Ray cluster this process just started: when this process dies (SIGKILL
+    included) the cluster's processes and workers are killed, not left behind. Linux only; a cluster joined through
+    an address is never watched (it is not ours to stop)."""
+    import subprocess
+    import sys
+
+    import ray
+
+    node = getattr(ray._private.worker, "_global_node", None)
+    if node is None or node.get_session_dir_path() in _WATCHDOG_PIPES or not os.path.isdir("/proc"):
+        return
+    pids = [str(info.process.pid) for infos in node.all_processes.values() for info in infos if info.process]
+    read_end, write_end = os.pipe()
+    subprocess.Popen([sys.executable, "-m", "stages.watchdog", str(read_end), *pids], pass_fds=(read_end,),
+                     start_new_session=True, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                     stderr=subprocess.DEVNULL, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    os.close(read_end)
+    _WATCHDOG_PIPES[node.get_session_dir_path()] = write_end
+    log.info("watchdog on the local Ray cluster (processes %s)", " ".join(pids))
+
+
 def ensure_ray(address: str | None = None, num_cpus: int | None = None, progress: bool | None = None,
                data_memory_mb: float | None = None) -> dict:
     """Connect to (or start) Ray and set the Ray Data context. Returns the settings used, for logging.
@@ -92,6 +118,7 @@ def ensure_ray(address: str | None = None, num_cpus: int | None = None, progress
                 os.environ.setdefault(var, value)
             ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, log_to_driver=False,
                      runtime_env={"env_vars": WORKER_ENV})
+            watch_local_cluster()
     ctx = ray.data.DataContext.get_current()
     ctx.execution_options.preserve_order = True
     if data_memory_mb:

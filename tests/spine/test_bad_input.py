@@ -1,9 +1,9 @@
 """Bad input through the CLI: each case exits with status 2 and one message naming the file/folder, column, row or
 config field, what was expected and how to fix it; no output folder is committed and the input files are untouched.
 
-Errors found before any stage runs (config, schema, unreadable files) leave no output folder at all. Errors found by
-the second stage (token columns: mask lengths, NaN log-probs) leave the first stage's committed, valid ``rewarded``
-table and no ``advantaged`` table.
+Everything knowable from the input and the config — including what only the second stage uses (token columns: mask
+lengths, NaN log-probs, ``values`` for GAE) — is checked before any stage runs (stages/preflight.py), so a bad input
+leaves no output folder at all.
 """
 
 from __future__ import annotations
@@ -111,9 +111,18 @@ DATA_CASES = {
     "turn_missing_at_end": (drop_last_turn, [], ["rows but num_turns", "one row per turn"], None),
     "duplicate_row_id": (duplicate_row_id, [], ["occurs more than once", "must be unique"], None),
     "mask_length": (short_mask, [], ["column 'response_mask' has", "entries in row 5 (row_id", "input_ids has",
-                                     "Fix the producer"], "rewarded"),
+                                     "Fix the producer"], None),
     "nan_log_prob": (nan_log_prob, [], ["column 'old_log_probs' has a NaN or infinite value in row 9 (row_id",
-                                        "must be finite"], "rewarded"),
+                                        "must be finite"], None),
+    "gae_without_values": (lambda t: t.drop_columns(["values"]), ["--set", "adv_estimator=gae"],
+                           ["missing column 'values'", "Produce it upstream"], None),
+    "empty_table": (lambda t: t.slice(0, 0), [], ["has no rows", "at least one row"], None),
+    "null_row_id": (lambda t: replace_value(t, "row_id", 3, None), [],
+                    ["identity column 'row_id' is null in row 3", "must be set on every row"], None),
+    "null_turn_idx": (lambda t: replace_value(t, "turn_idx", 6, None), [],
+                      ["identity column 'turn_idx' is null in row 6"], None),
+    "null_group_id": (lambda t: replace_value(t, "group_id", 0, None), [],
+                      ["identity column 'group_id' is null in row 0"], None),
 }
 
 runner = CliRunner()
@@ -174,6 +183,24 @@ def test_corrupt_parquet_file(tiny, tmp_path, ray_cluster):
     assert tree_digest(bad) == before
 
 
+def test_corrupt_data_pages_behind_a_good_footer(tiny, tmp_path, ray_cluster):
+    """The footer (and so the schema) reads fine, the data does not decode: named before any stage commits."""
+    bad = modified_copy(tiny, tmp_path / "bad", lambda t: t, rows_per_file=40)
+    victim = Path(bad) / "part-00001.parquet"
+    data = bytearray(victim.read_bytes())
+    import pyarrow.parquet as pq
+
+    pq.read_schema(victim)  # the footer is intact
+    start = 4 + (len(data) - 8 - int.from_bytes(data[-8:-4], "little")) // 4
+    data[start:start + 64] = b"\xff" * 64  # inside the column chunks, before the footer
+    victim.write_bytes(bytes(data))
+    pq.read_schema(victim)
+    out = tmp_path / "out"
+    for result in (recompute(bad, out), runner.invoke(app, ["validate", bad])):  # validate reads the data too
+        assert_user_error(result, [str(victim), "cannot be decoded", "re-run that stage"])
+    assert not out.exists()
+
+
 def test_files_with_different_schemas(tiny, tmp_path, ray_cluster):
     bad = modified_copy(tiny, tmp_path / "bad", lambda t: t, rows_per_file=40)
     extra = read_table(bad).slice(0, 3).drop_columns(["prompt_len"])
@@ -214,6 +241,8 @@ CONFIG_CASES = {
                        "  method: mean_std\n", ["group_size (1) must be at least 2", "set group_size"]),
     "not_a_mapping": ("- adv_estimator\n", ["must hold a mapping"]),
     "not_yaml": ("adv_estimator: [grpo\n", ["is not valid YAML"]),
+    "kl_penalty_full": ("kl_penalty: full\n", ["kl_penalty 'full'", "only the sampled tokens' log-probs",
+                                               "set kl_penalty to kl, abs, mse or k3"]),
 }
 
 
@@ -236,3 +265,18 @@ def test_bad_override_and_missing_config(tiny, tmp_path):
     assert_user_error(recompute(tiny, tmp_path / "out", config=tmp_path / "none.yaml"),
                       ["none.yaml does not exist"])
     assert not (tmp_path / "out").exists()
+
+
+def test_override_that_is_not_yaml(tiny, tmp_path):
+    assert_user_error(recompute(tiny, tmp_path / "out", "--set", "gamma=[1"),
+                      ["override 'gamma=[1'", "is not valid YAML", "quote it"])
+    assert not (tmp_path / "out").exists()
+
+
+def test_output_that_is_a_file_or_under_one(tiny, tmp_path):
+    """Refused before any stage, with the path named (the cleanup of a failed commit never hides the cause)."""
+    afile = tmp_path / "afile"
+    afile.write_text("keep me")
+    assert_user_error(recompute(tiny, afile), [str(afile), "which is a file", "pass a folder"])
+    assert_user_error(recompute(tiny, afile / "sub" / "out"), [str(afile), "which is a file"])
+    assert afile.read_text() == "keep me"

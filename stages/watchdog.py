@@ -1,0 +1,105 @@
+"""Stops the local Ray cluster a command started when that command dies, SIGKILL included (no orphans).
+
+``python -m stages.watchdog FD PID...`` runs in its own session. It blocks reading FD, the read end of a pipe whose
+only write end the command holds. The read returns when the command exits, however it ends. The watchdog then kills
+the given processes (the cluster's GCS, raylet and agents) and their descendants (the Ray workers), checking each
+process's start time so that a reused process id is never touched. After a clean exit they are gone already and
+nothing is killed. Linux only (/proc); elsewhere the watchdog is not started.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+
+
+def start_time(pid: int) -> int | None:
+    """The start time of ``pid`` (clock ticks since boot, /proc/PID/stat field 22), None if it is gone or a zombie
+    (dead, waiting for a parent to reap it: in a container whose init never reaps, that can be forever)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return None if fields[0] in ("Z", "X") else int(fields[19])
+
+
+def children_of() -> dict[int, list[int]]:
+    """Parent pid -> child pids, for every process visible in /proc."""
+    out: dict[int, list[int]] = {}
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+        out.setdefault(ppid, []).append(int(name))
+    return out
+
+
+def tree(roots: list[int]) -> list[int]:
+    """``roots`` and all their descendants (parents first)."""
+    kids = children_of()
+    out, todo = [], list(roots)
+    while todo:
+        pid = todo.pop(0)
+        out.append(pid)
+        todo.extend(kids.get(pid, []))
+    return out
+
+
+def kill_known(known: dict[int, int]) -> int:
+    """SIGKILL every process of ``known`` (pid -> start time) still alive with that start time; return how many."""
+    killed = 0
+    for pid, started in known.items():
+        if start_time(pid) == started:
+            try:
+                os.kill(pid, signal.SIGKILL)
+                killed += 1
+            except ProcessLookupError:
+                pass
+    return killed
+
+
+def watch(fd: int, roots: list[int], every: float = 0.5) -> int:
+    """Wait for EOF on ``fd``, then kill ``roots`` and their descendants; return how many were killed.
+
+    The descendants are recorded while waiting (every ``every`` seconds), not only at the end: Ray starts its GCS
+    and raylet to die with the command (PR_SET_PDEATHSIG), so by the time the watchdog wakes, the raylet may be gone
+    and its agents and workers already handed to init, out of reach of a tree walk."""
+    import select
+
+    known = {pid: t for pid in roots if (t := start_time(pid)) is not None}
+    while True:
+        ready, _, _ = select.select([fd], [], [], every)
+        if ready and not os.read(fd, 1):
+            break
+        known = _record_tree(known)
+    known = _record_tree(known)
+    killed = kill_known(known)
+    time.sleep(1.0)  # anything forked meanwhile (a worker being started) goes too
+    return killed + kill_known({pid: t for pid in tree(list(known)) if (t := start_time(pid)) is not None})
+
+
+def _record_tree(known: dict[int, int]) -> dict[int, int]:
+    """``known`` (pid -> start time) without the processes that ended, with the living descendants added."""
+    alive = {pid: t for pid, t in known.items() if start_time(pid) == t}
+    for pid in tree(list(alive)):
+        if pid not in alive and (t := start_time(pid)) is not None:
+            alive[pid] = t
+    return alive
+
+
+def main(argv: list[str]) -> int:
+    fd, roots = int(argv[0]), [int(p) for p in argv[1:]]
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C of the command's terminal is the command's to handle
+    watch(fd, roots)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
