@@ -81,6 +81,9 @@ class StrategyArgs(Frozen):
                                                         "parameter gathering at save time and is not offered).")
     deepspeed_config: dict[str, Any] = Field(default_factory=dict, description="Extra DeepSpeed config keys merged "
                                              "over the generated one (e.g. offload settings); expert use.")
+    torch_compile: bool = Field(False, description="Compile each decoder layer with torch.compile (fuses the "
+                                "norm, rotary and gated-MLP element-wise work; the first micro-batches of a new shape "
+                                "pay the compile). For GPU runs; on CPU it needs a C++ compiler.")
 
 
 class WorkerTrainConfig(Frozen):

@@ -56,10 +56,89 @@ def segment_masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return out.reshape(x.shape)
 
 
+CHUNK_ELEMENTS = 1 << 28  # float32 temporaries of one chunk of positions: at most 1 GiB
+
+
+def _position_chunks(x: torch.Tensor, vocab: int):
+    """Views ``(n, k)`` covering the positions of ``(..., k)`` in order, ``n * vocab`` at most CHUNK_ELEMENTS (the
+    same cut for the logits and their per-position companions): a ``(B, T, k)`` slice such as ``logits[:, :-1]``
+    is walked row by row, so no copy of it is made."""
+    rows = max(1, CHUNK_ELEMENTS // max(1, vocab))
+    blocks = list(x) if x.dim() == 3 else [x.reshape(-1, x.shape[-1])]
+    for block in blocks:
+        yield from block.split(rows)
+
+
+def _chunk_log_probs(z: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(n, V) logits, (n, 1) labels → float32 log p(label) and log-sum-exp, (n,) each."""
+    z = z.float()
+    s = torch.logsumexp(z, dim=-1)
+    return z.gather(-1, y.long()).squeeze(-1) - s, s
+
+
+def _chunk_grad(z: torch.Tensor, y: torch.Tensor, s: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    """d(g · log p(y)) / dz = g (onehot(y) − softmax(z)) for (n, V) logits, in the logits' dtype."""
+    dz = torch.exp(z.float() - s) * -g.float()
+    return dz.scatter_add(-1, y.long(), g.float()).to(z.dtype)
+
+
+_COMPILED: dict = {}
+
+
+def _kernel(fn, device: torch.device):
+    """``fn`` itself on CPU; on a GPU, ``fn`` through torch.compile (one fused pass over the chunk instead of one
+    kernel per operation; dynamic shapes, compiled once per process)."""
+    if device.type != "cuda":
+        return fn
+    if fn not in _COMPILED:
+        _COMPILED[fn] = torch.compile(fn, dynamic=True)
+    return _COMPILED[fn]
+
+
+def _label_log_probs(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(..., V), (...) → float32 log p(label) and log-sum-exp, both (...), computed a chunk of positions at a time."""
+    lp, lse = [], []
+    v = logits.shape[-1]
+    chunk = _kernel(_chunk_log_probs, logits.device)
+    for z, y in zip(_position_chunks(logits, v), _position_chunks(labels.unsqueeze(-1), v)):
+        p, s = chunk(z, y)
+        lp.append(p)
+        lse.append(s)
+    shape = labels.shape
+    return torch.cat(lp).reshape(shape), torch.cat(lse).reshape(shape)
+
+
+class _LogProbsFromLogits(torch.autograd.Function):
+    """log p(label) with a lean backward: only the logits (in their own dtype) and the log-sum-exp are kept, and the
+    gradient ``g * (onehot(label) - softmax(z))`` is formed a chunk of positions at a time in float32, then written
+    in the logits' dtype. Equal to log_softmax + gather (spec §1.8) up to float32 rounding, without the float32 copy,
+    log-distribution and scatter buffers of the vocabulary that autograd would otherwise hold."""
+
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        lp, lse = _label_log_probs(logits, labels)
+        ctx.save_for_backward(logits, labels, lse)
+        return lp
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        logits, labels, lse = ctx.saved_tensors
+        out = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
+        v = logits.shape[-1]
+        chunks = zip(*(_position_chunks(x, v) for x in (logits, out, labels.unsqueeze(-1), lse.unsqueeze(-1),
+                                                         grad.unsqueeze(-1))))
+        chunk = _kernel(_chunk_grad, logits.device)
+        for z, o, y, s, g in chunks:
+            o.copy_(chunk(z, y, s, g))
+        return out, None
+
+
 def log_probs_from_logits(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """(..., V) logits, (...) labels → (...) float32 log p(label) (spec §1.8)."""
-    log_dist = torch.log_softmax(logits.float(), dim=-1)
-    return torch.gather(log_dist, -1, labels.long().unsqueeze(-1)).squeeze(-1)
+    """(..., V) logits, (...) labels → (...) float32 log p(label) = z_label − logsumexp(z) in float32 (spec §1.8:
+    ROLL's log_softmax + gather), a chunk of positions at a time."""
+    if torch.is_grad_enabled() and logits.requires_grad:
+        return _LogProbsFromLogits.apply(logits, labels)
+    return _label_log_probs(logits, labels)[0]
 
 
 def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:

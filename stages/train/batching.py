@@ -199,7 +199,10 @@ def pad_micro_batch(rows: TokenRows, index: np.ndarray, pad_token_id: int = 0) -
     width = max(int(lengths.max()), 2)
     ids = torch.from_numpy(sub.input_ids.to_padded(width, fill=pad_token_id))
     attention = torch.from_numpy((np.arange(width)[None, :] < lengths[:, None]).astype(np.int64))
-    positions = torch.clamp(attention.cumsum(dim=1) - 1, min=0)
+    # 0..S-1 on every row: real tokens get 0..L-1 and the right padding (invisible to them under causal attention)
+    # continues the count. Positions that restart or repeat would read as packed sequences to Hugging Face's mask
+    # builder, which then materialises a (b, 1, S, S) mask and leaves SDPA's fused causal kernels.
+    positions = torch.arange(width, dtype=torch.int64).expand(len(lengths), width).contiguous()
     response = torch.from_numpy(sub.response_mask.to_padded(width, fill=0).astype(np.int64))
     next_token = {k: torch.from_numpy(v.to_padded(width - 1, fill=0.0).astype(np.float32))
                   for k, v in sub.next_token.items()}

@@ -65,6 +65,8 @@ def init_distributed(threads: int | None = None) -> DistInfo:
     on_gpu = torch.cuda.is_available()
     if not on_gpu:
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    elif os.environ.get("TORCH_CUDA_ARCH_LIST"):
+        os.environ["TORCH_CUDA_ARCH_LIST"] = deepspeed_arch_list(os.environ["TORCH_CUDA_ARCH_LIST"])
     if not torch.distributed.is_initialized():
         defaults = {"MASTER_ADDR": "127.0.0.1", "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1"}
         for key, value in defaults.items():
@@ -81,6 +83,15 @@ def init_distributed(threads: int | None = None) -> DistInfo:
     if on_gpu:
         torch.cuda.set_device(device)
     return DistInfo(torch.distributed.get_rank(), torch.distributed.get_world_size(), local_rank, device)
+
+
+def deepspeed_arch_list(value: str) -> str:
+    """``TORCH_CUDA_ARCH_LIST`` as DeepSpeed's op builder can read it. Its JIT build of FusedAdam parses every entry
+    as numbers, so an architecture-specific entry such as ``9.0a`` (set by Hopper images) stops the build with
+    "invalid literal for int()"; the optimizer kernels need only the base architecture: ``9.0a`` -> ``9.0``."""
+    import re
+
+    return re.sub(r"(\d+\.\d+)[a-z]+", r"\1", value)
 
 
 # ---- the engine ---------------------------------------------------------------------------------------------------
@@ -135,6 +146,8 @@ class Engine:
         self.role, self.worker, self.dist = role, worker, dist
         if not worker.model_args.disable_gradient_checkpointing:
             model.gradient_checkpointing_enable()
+        if worker.strategy_args.torch_compile:
+            compile_decoder_layers(model)
         t = worker.training_args
         schedule = lr_lambda(t.lr_scheduler_type, t.warmup_steps, t.max_steps)
         self.engine, _, _, self.scheduler = deepspeed.initialize(
@@ -187,6 +200,19 @@ class Engine:
     def state_dict_for_save(self) -> dict[str, torch.Tensor]:
         """Full weights on this rank (ZeRO 0-2 keep every parameter on every rank)."""
         return {k: v.detach().to("cpu") for k, v in self.module.state_dict().items()}
+
+
+def compile_decoder_layers(model: torch.nn.Module) -> None:
+    """``torch.compile`` each decoder layer in place (regional compilation: one graph, reused by every layer, with
+    dynamic shapes, since micro-batches differ in rows and length). The embedding, head and loss stay eager."""
+    base = getattr(model, getattr(model, "base_model_prefix", ""), None)
+    layers = getattr(base, "layers", None)
+    if not isinstance(layers, torch.nn.ModuleList):
+        raise ConfigError(f"strategy_args.torch_compile: {type(model).__name__} has no decoder layers at "
+                          f"model.{getattr(model, 'base_model_prefix', '?')}.layers to compile; set torch_compile: "
+                          "false for this model")
+    for layer in layers:
+        layer.compile(dynamic=True)
 
 
 def disable_dropout(model: torch.nn.Module) -> torch.nn.Module:

@@ -37,6 +37,32 @@ def test_log_probs_upcast_half_logits():
     assert entropy_from_logits(logits).dtype == torch.float32
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("chunk", [1 << 28, 3 * 50])  # one chunk; chunks of 3 positions (across rows too)
+def test_log_probs_chunked_equal_log_softmax_gather(dtype, chunk, monkeypatch):
+    """The lean log-prob (chunks of positions, own backward) against log_softmax + gather on a sliced (B, S-1, V)
+    view: values and the gradient reaching the full logits, whose last position gets exactly 0. Tolerance: float32
+    ulps of the log-sum-exp (values) and of the softmax (gradient; bf16 gradients: one bf16 ulp)."""
+    from stages.losses import primitives
+
+    monkeypatch.setattr(primitives, "CHUNK_ELEMENTS", chunk)
+    torch.manual_seed(0)
+    base = (torch.randn(3, 9, 50) * 4).to(dtype)
+    labels, weights = torch.randint(0, 50, (3, 8)), torch.randn(3, 8)
+    ours, ref = base.clone().requires_grad_(), base.clone().requires_grad_()
+    lean = log_probs_from_logits(ours[:, :-1], labels)
+    plain = torch.log_softmax(ref[:, :-1].float(), -1).gather(-1, labels[..., None]).squeeze(-1)
+    (lean * weights).sum().backward()
+    (plain * weights).sum().backward()
+    scale = float(torch.logsumexp(base.float(), -1).abs().max())
+    assert_close(lean.detach(), plain.detach().numpy(), scale=scale, what="log_probs")
+    grad_tol = 8 * torch.finfo(dtype).eps * float(weights.abs().max())
+    assert torch.allclose(ours.grad.float(), ref.grad.float(), atol=grad_tol, rtol=0)
+    assert ours.grad.dtype == dtype and bool((ours.grad[:, -1] == 0).all())
+    with torch.inference_mode():
+        assert_close(log_probs_from_logits(base[:, :-1], labels), plain.detach().numpy(), scale=scale)
+
+
 def test_entropy_uniform_is_log_vocab():
     assert_close(entropy_from_logits(torch.zeros(1, 7)), [np.log(7)])
 
