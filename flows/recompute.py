@@ -14,7 +14,8 @@ from schemas.config import AdvantageSection, RecomputeConfig, ResponseRewardSect
 from stages.cluster import ensure_ray
 from stages.preflight import Step, check_steps
 from stages.recompute import AdvantagesStage, ResponseRewardsStage
-from stages.runner import StageResult, run_stage
+from stages.runner import StageResult, cleanup_leftovers, run_stage
+from stages.storage import Location
 
 
 def _summary(result: StageResult) -> dict[str, Any]:
@@ -59,8 +60,10 @@ def recompute_flow(input_dir: str, output_dir: str, cfg: dict, force: bool = Fal
     config = validate_config(RecomputeConfig, cfg)
     if preflight:
         check_steps(recompute_steps(input_dir, output_dir, config))
-    ensure_ray(config.runtime.ray_address, config.runtime.num_cpus, data_memory_mb=config.runtime.data_memory_mb)
     rewarded_dir, advantaged_dir = outputs(output_dir)
+    for out in (rewarded_dir, advantaged_dir):  # a killed attempt's temporary folders, whichever stage refuses
+        cleanup_leftovers(Location.of(out))
+    ensure_ray(config.runtime.ray_address, config.runtime.num_cpus, data_memory_mb=config.runtime.data_memory_mb)
     rewarded = response_rewards_task(input_dir, rewarded_dir, cfg, force)
     advantaged = advantages_task(input_dir, rewarded_dir, advantaged_dir, cfg, force)
     return {"rewarded": rewarded, "advantaged": advantaged}

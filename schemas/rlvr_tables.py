@@ -53,6 +53,7 @@ RESPONSES = TableSpec(
     },
     optional={name: FLOATS for name in RESPONSE_ALIGNED},
     finite=RESPONSE_ALIGNED,
+    nullable=("ground_truth", "finish_reason"),
 )
 
 SCORED = TableSpec(
@@ -63,6 +64,7 @@ SCORED = TableSpec(
         "response_level_rewards": pa.float32(),  # null together with scores (or on its own)
         "reward_worker": pa.string(),
     },
+    nullable=("scores", "response_level_rewards"),
 )
 
 RLVR_REWARDED = TableSpec(

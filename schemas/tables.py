@@ -37,6 +37,7 @@ class TableSpec:
     token_aligned: tuple[str, ...] = ()
     next_token_aligned: tuple[str, ...] = ()
     finite: tuple[str, ...] = ()
+    nullable: tuple[str, ...] = ()  # required columns whose null is a value (e.g. "the worker cannot score this row")
 
     def arrow_schema(self, present: list[str] | None = None) -> pa.Schema:
         """The schema with all required columns and the optional ones named in ``present``."""
@@ -149,6 +150,11 @@ def check_row_invariants(spec: TableSpec, batch: pa.Table, where: str) -> None:
     def rid(i: int) -> str:
         return f"row {i} (row_id {row_ids[i].as_py()})" if row_ids is not None else f"row {i}"
 
+    for col in spec.required:
+        if col in names and col not in spec.finite + spec.nullable and batch.column(col).null_count:
+            i = _first_bad_row(batch.column(col).is_null().to_numpy(zero_copy_only=False))
+            raise InvariantError(f"{spec.name} table at {where}: column '{col}' is null in {rid(i)}; every row needs a "
+                                 f"value there. Fix the producer of the data or drop the row.")
     if "input_ids" in names:
         base = pc.list_value_length(batch.column("input_ids")).to_numpy(zero_copy_only=False)
         for col in spec.token_aligned + spec.next_token_aligned:

@@ -91,7 +91,7 @@ def check_output_location(output: str) -> None:
 
 
 def _columns_to_check(spec: TableSpec, names: list[str]) -> list[str]:
-    wanted = {"row_id", "input_ids", *spec.token_aligned, *spec.next_token_aligned, *spec.finite, *IDENTITY, "num_turns"}
+    wanted = {*spec.required, *spec.token_aligned, *spec.next_token_aligned, *spec.finite, *IDENTITY, "num_turns"}
     return [c for c in names if c in wanted]
 
 

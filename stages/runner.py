@@ -145,7 +145,7 @@ def stage_fingerprint(stage: Stage, section: BaseModel, inputs: dict[str, Locati
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()
 
 
-def _cleanup_leftovers(output: Location) -> None:
+def cleanup_leftovers(output: Location) -> None:
     """Remove temporary folders of crashed runs; restore an output moved aside by a crashed replace."""
     parent = output.parent
     if not parent.exists():
@@ -298,7 +298,7 @@ def _existing_output(output: Location, fingerprint: str, force: bool, who: str, 
 
 def _replace(tmp: Location, output: Location, manifest: dict[str, Any]) -> None:
     """Write ``manifest`` into ``tmp`` (last), then rename ``tmp`` to ``output``; a previous output is moved aside
-    first and removed only after the rename (:func:`_cleanup_leftovers` restores it after a crash in between)."""
+    first and removed only after the rename (:func:`cleanup_leftovers` restores it after a crash in between)."""
     tmp.child(MANIFEST).write_text(json.dumps(manifest, indent=1, sort_keys=True))
     if output.exists():
         old = output.parent.child(f".{output.name}{OLD_MARK}{uuid.uuid4().hex[:8]}")
@@ -320,7 +320,7 @@ def commit_folder(output: Location, fingerprint: str, fill: Callable[[Location],
     removed, a previous output is untouched, and a RollflowError raised inside Ray's wrappers is raised as itself.
     ``who`` names the writer in log lines and errors ("stage advantages"); ``other`` says what ``output`` holds when
     its manifest has another fingerprint, formatted with that manifest's fields ("output of stage {stage}")."""
-    _cleanup_leftovers(output)
+    cleanup_leftovers(output)
     existing = _existing_output(output, fingerprint, force, who, other)
     if existing is not None:
         return existing, True

@@ -105,6 +105,9 @@ def _label_log_probs(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.
         lp.append(p)
         lse.append(s)
     shape = labels.shape
+    if not lp:  # no positions at all
+        empty = torch.zeros(shape, dtype=torch.float32, device=logits.device)
+        return empty, empty.clone()
     return torch.cat(lp).reshape(shape), torch.cat(lse).reshape(shape)
 
 

@@ -123,6 +123,10 @@ DATA_CASES = {
                       ["identity column 'turn_idx' is null in row 6"], None),
     "null_group_id": (lambda t: replace_value(t, "group_id", 0, None), [],
                       ["identity column 'group_id' is null in row 0"], None),
+    "null_tag": (lambda t: replace_value(t, "tag", 11, None), [],
+                 ["column 'tag' is null in row 11 (row_id", "every row needs a value", "drop the row"], None),
+    "null_input_ids": (lambda t: replace_value(t, "input_ids", 4, None), [],
+                       ["column 'input_ids' is null in row 4 (row_id", "every row needs a value"], None),
 }
 
 runner = CliRunner()
@@ -141,6 +145,10 @@ def assert_user_error(result, phrases: list[str]) -> str:
         assert phrase in text, f"{phrase!r} not in:\n{result.output}"
     assert "Traceback" not in result.output and "Logging error" not in result.output
     assert "Failed to apply UDF" not in result.output, "Ray's retry advice is not for user errors"
+    lines = result.output.splitlines()
+    assert sum(line.startswith("error: ") for line in lines) == 1, f"the error is printed once:\n{result.output}"
+    assert not any(w in result.output for w in ("Finished in state", "Task run", "Flow run")), \
+        f"Prefect's copies of the error go to the log file, not the console:\n{result.output}"
     return text
 
 
@@ -161,7 +169,8 @@ def test_bad_samples_through_recompute(case, tiny, tmp_path, ray_cluster):
 
 
 @pytest.mark.parametrize("case", ["missing_column", "score_float64", "nan_score", "incomplete_group", "turn_gap",
-                                  "turn_repeated", "turn_missing_at_end", "mask_length", "nan_log_prob"])
+                                  "turn_repeated", "turn_missing_at_end", "mask_length", "nan_log_prob",
+                                  "null_row_id", "null_tag", "null_input_ids"])
 def test_bad_samples_through_validate(case, tiny, tmp_path):
     change, extra, phrases, _ = DATA_CASES[case]
     bad = modified_copy(tiny, tmp_path / "bad", change, rows_per_file=40)

@@ -135,6 +135,21 @@ def test_recompute_with_changed_config_needs_force(cli_run, step_set):
           "already holds output of stage advantages with another config", "pass --force")
 
 
+def test_refused_rerun_clears_a_killed_attempts_temporary_folder(cli_run, step_set):
+    """A run killed inside its second stage leaves that stage's temporary folder; a rerun with a changed config is
+    refused at the first stage, and still removes it (it belongs to no run any more), touching no committed table."""
+    out, _ = cli_run
+    leftover = out / ".advantaged.tmp-99999-deadbeef"
+    leftover.mkdir()
+    (leftover / "part-00000.parquet").write_bytes(b"half a file")
+    before = {name: tree_digest(out / name) for name in ("rewarded", "advantaged")}
+    fails(["recompute", "--input", step_set, "--config", GIGPO, "--output", out,
+           "--set", "reward_normalization.method=mean"], "already holds output of stage response_rewards",
+          "pass --force")
+    assert not leftover.exists()
+    assert {name: tree_digest(out / name) for name in ("rewarded", "advantaged")} == before
+
+
 def test_inspect(cli_run, step_set):
     out, _ = cli_run
     text = ok(["inspect", out / "advantaged"])
