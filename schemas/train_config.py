@@ -185,6 +185,10 @@ class ForwardConfig(Frozen):
     rows_per_batch: int = Field(64, gt=0, description="Rows handed to an actor at once (Ray Data batch).")
     num_actors: int = Field(1, gt=0, description="Most actors in the pool (each loads the model).")
     cpus_per_actor: float = Field(1.0, gt=0, description="CPUs reserved per actor; torch threads = max(1, floor).")
+    device: Literal["cpu", "cuda"] = Field("cpu", description="Where the forward models run: cpu, or cuda (each "
+                                           "actor reserves gpus_per_actor of a Ray GPU and uses the one Ray assigns).")
+    gpus_per_actor: float = Field(1.0, gt=0, le=1, description="GPU share reserved per actor with device: cuda (a "
+                                  "fraction lets actors, or other stages, share one GPU).")
     threads: int | None = Field(None, gt=0, description="torch threads per actor (default: max(1, floor("
                                                        "cpus_per_actor))). More threads than reserved CPUs borrow CPUs "
                                                        "that idle during this stage (e.g. the idle engine's).")
@@ -193,6 +197,10 @@ class ForwardConfig(Frozen):
 
     def torch_threads(self) -> int:
         return self.threads or max(1, int(self.cpus_per_actor))
+
+    def gpus_per_actor_reserved(self) -> float | None:
+        """The Ray GPU share an actor asks for: gpus_per_actor with device cuda, none on cpu."""
+        return self.gpus_per_actor if self.device == "cuda" else None
 
 
 class LogProbSection(Frozen):

@@ -89,6 +89,14 @@ def load_forward_model(path: str, kind: str, dtype: str = "fp32", *, actor_dir: 
     from stages.train.core import load_critic_model
 
     torch_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype]
+    if torch.device(device).type == "cuda" and not torch.cuda.is_available():
+        import os
+
+        from schemas.errors import ConfigError
+
+        raise ConfigError(f"device: cuda, but this process (pid {os.getpid()}) sees no CUDA device (torch "
+                          f"{torch.__version__}, CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r}); "
+                          "set device: cpu, or install a CUDA build of torch on the GPU nodes")
     if kind == "values":
         model = load_critic_model(path if actor_dir is None else None, actor_dir or path, seed)
     else:
@@ -146,20 +154,20 @@ class ForwardModels:
         self.loads = {"fresh": 0, "in_place": 0, "kept": 0}
 
     def get(self, role: str, path: str, kind: str, dtype: str, *, fingerprint: str = "", actor_dir: str | None = None,
-            seed: int = 42) -> torch.nn.Module:
-        ident = (path, fingerprint, kind, dtype, actor_dir, seed)
+            seed: int = 42, device: str = "cpu") -> torch.nn.Module:
+        ident = (path, fingerprint, kind, dtype, actor_dir, seed, device)
         held = self._held.get(role)
         if held is not None and held[0] == ident and fingerprint:
             self.loads["kept"] += 1
             model = held[1]
-        elif (held is not None and kind == "log_probs" and held[0][2:] == ident[2:]  # same kind, dtype, head
+        elif (held is not None and kind == "log_probs" and held[0][2:] == ident[2:]  # same kind, dtype, head, device
               and _same_architecture(held[0][0], path) and load_weights_in_place(held[1], path)):
             self.loads["in_place"] += 1
             model = held[1]
         else:
             self._held.pop(role, None)  # free the old model before loading the new one
             held = None
-            model = load_forward_model(path, kind, dtype, actor_dir=actor_dir, seed=seed)
+            model = load_forward_model(path, kind, dtype, actor_dir=actor_dir, seed=seed, device=device)
             self.loads["fresh"] += 1
         self._held[role] = (ident, model)
         return model

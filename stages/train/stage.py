@@ -176,7 +176,7 @@ class ForwardJob:
 
 
 def forward_batch(models: list, jobs: list[ForwardJob], batch: pa.Table, max_tokens: int, output: Location,
-                  spec: TableSpec, where: str) -> pa.Table:
+                  spec: TableSpec, where: str, device: str = "cpu") -> pa.Table:
     """The rows of ``batch`` plus each job's result columns (ragged in, ragged out; row order kept), checked against
     ``spec``; the batch's counters are recorded beside ``output`` (:func:`stages.runner.write_partials`)."""
     import resource
@@ -188,7 +188,7 @@ def forward_batch(models: list, jobs: list[ForwardJob], batch: pa.Table, max_tok
     rows = TokenRows.from_arrow(batch, where, columns=())
     counters = {"tokens": 0.0, "padded_tokens": 0.0, "seconds": 0.0, "rows": float(batch.num_rows)}
     for job, model in zip(jobs, models):
-        result = forward_rows(model, rows, max_tokens, kind=job.kind, entropy=job.entropy)
+        result = forward_rows(model, rows, max_tokens, kind=job.kind, entropy=job.entropy, device=device)
         produced = {job.column: result.columns["values" if job.kind == "values" else "log_probs"]}
         produced.update({c: produced[job.column] for c in job.copies})
         if job.entropy:
@@ -209,21 +209,28 @@ def forward_batch(models: list, jobs: list[ForwardJob], batch: pa.Table, max_tok
 
 
 class ForwardActor:
-    """A Ray Data actor of one stage: loads its models once, then turns each batch of rows into the same rows plus
-    the result columns (:func:`forward_batch`)."""
+    """A Ray Data actor of one stage: loads its models on its first batch (an error raised in an actor's constructor
+    reaches the driver as a message only, so a user error such as "no CUDA here" is raised in a task instead), then
+    turns each batch of rows into the same rows plus the result columns (:func:`forward_batch`)."""
 
     def __init__(self, jobs: list[ForwardJob], dtype: str, max_tokens: int, threads: int, output: Location,
-                 spec: TableSpec, where: str):
+                 spec: TableSpec, where: str, device: str = "cpu"):
         import torch
 
-        from stages.train.forward import load_forward_model
-
         torch.set_num_threads(max(1, threads))
-        self.jobs, self.max_tokens, self.output, self.spec, self.where = jobs, max_tokens, output, spec, where
-        self.models = [load_forward_model(j.path, j.kind, dtype, actor_dir=j.actor_dir, seed=j.seed) for j in jobs]
+        self.jobs, self.dtype, self.max_tokens, self.output, self.spec, self.where = (jobs, dtype, max_tokens, output,
+                                                                                      spec, where)
+        self.device = device
+        self.models: list | None = None
 
     def __call__(self, batch: pa.Table) -> pa.Table:
-        return forward_batch(self.models, self.jobs, batch, self.max_tokens, self.output, self.spec, self.where)
+        from stages.train.forward import load_forward_model
+
+        if self.models is None:
+            self.models = [load_forward_model(j.path, j.kind, self.dtype, actor_dir=j.actor_dir, seed=j.seed,
+                                              device=self.device) for j in self.jobs]
+        return forward_batch(self.models, self.jobs, batch, self.max_tokens, self.output, self.spec, self.where,
+                             self.device)
 
 
 class ForwardServer:
@@ -239,10 +246,10 @@ class ForwardServer:
         self.models = ForwardModels()
 
     def run(self, jobs: list[ForwardJob], dtype: str, batch: pa.Table, max_tokens: int, output: Location,
-            spec: TableSpec, where: str) -> pa.Table:
+            spec: TableSpec, where: str, device: str = "cpu") -> pa.Table:
         models = [self.models.get(j.column, j.path, j.kind, dtype, fingerprint=j.fingerprint, actor_dir=j.actor_dir,
-                                  seed=j.seed) for j in jobs]
-        return forward_batch(models, jobs, batch, max_tokens, output, spec, where)
+                                  seed=j.seed, device=device) for j in jobs]
+        return forward_batch(models, jobs, batch, max_tokens, output, spec, where, device)
 
     def loads(self) -> dict[str, int]:
         return dict(self.models.loads)
@@ -261,7 +268,8 @@ class ForwardWorkers:
         import ray
 
         if not self._actors:
-            server = ray.remote(num_cpus=0, max_restarts=0)(ForwardServer)
+            server = ray.remote(num_cpus=0, num_gpus=self.config.gpus_per_actor_reserved(), max_restarts=0)(
+                ForwardServer)
             self._actors = [server.remote(self.config.torch_threads()) for _ in range(self.config.num_actors)]
         return self._actors
 
@@ -315,13 +323,19 @@ class _ForwardStage(Stage):
         from ray.data import ActorPoolStrategy
 
         c = self.config
-        cpus = ray.cluster_resources().get("CPU", 0.0)
+        resources = ray.cluster_resources()
+        cpus, gpus = resources.get("CPU", 0.0), resources.get("GPU", 0.0)
+        if c.device == "cuda" and gpus < c.gpus_per_actor:
+            raise ConfigError(f"device: cuda reserves gpus_per_actor={c.gpus_per_actor:g} GPU per forward actor, and "
+                              f"the Ray cluster has {gpus:g} GPUs; set device: cpu, or run on a cluster with a GPU "
+                              "(RAY_ADDRESS), or lower gpus_per_actor to share one")
         if cpus - c.cpus_per_actor < 1:  # the actor would hold every CPU and the read tasks would wait forever
             raise ConfigError(f"cpus_per_actor ({c.cpus_per_actor}) leaves less than 1 of the cluster's {cpus:g} CPUs "
                               "for reading and writing the table, so the stage would wait forever; set "
                               f"cpus_per_actor to at most {max(cpus - 1, 0.5):g} (threads per actor follow it)")
         work = {"jobs": self.jobs(ctx.section), "max_tokens": ctx.section.max_tokens_per_microbatch_in_infer,
-                "output": ctx.output, "spec": self.output_spec, "where": ctx.inputs["samples"].path}
+                "output": ctx.output, "spec": self.output_spec, "where": ctx.inputs["samples"].path,
+                "device": c.device}
         if self.workers is not None:  # the run's kept workers; the map tasks hand them the batches
             actors = self.workers.actors()
             # a task waiting in ray.get gives its CPU back: without a cap, Ray Data would start a task (and a worker
@@ -335,7 +349,8 @@ class _ForwardStage(Stage):
         return ctx.read("samples").map_batches(
             ForwardActor, batch_size=c.rows_per_batch, batch_format="pyarrow",
             fn_constructor_kwargs={"dtype": ctx.section.dtype, "threads": c.torch_threads(), **work},
-            compute=ActorPoolStrategy(min_size=1, max_size=c.num_actors), num_cpus=c.cpus_per_actor, **ACTOR_POOL)
+            compute=ActorPoolStrategy(min_size=1, max_size=c.num_actors), num_cpus=c.cpus_per_actor,
+            num_gpus=c.gpus_per_actor_reserved(), **ACTOR_POOL)
 
     def finalize(self, ctx: StageContext, written: Location) -> tuple[dict[str, float], dict[str, Any]]:
         parts = read_partials(written)
