@@ -32,13 +32,13 @@ def _agentic_model():
 
 
 def _agentic_flow():
-    from flows.train import train_flow
+    from flows.agentic import train_flow
 
     return train_flow
 
 
 def _agentic_summary():
-    from flows.train import train_summary_lines
+    from flows.agentic import train_summary_lines
 
     return train_summary_lines
 
@@ -50,13 +50,13 @@ def _rlvr_model():
 
 
 def _rlvr_flow():
-    from flows.rlvr_train import rlvr_train_flow
+    from flows.rlvr import rlvr_train_flow
 
     return rlvr_train_flow
 
 
 def _rlvr_summary():
-    from flows.rlvr_train import rlvr_summary_lines
+    from flows.rlvr import rlvr_summary_lines
 
     return rlvr_summary_lines
 

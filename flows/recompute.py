@@ -1,6 +1,6 @@
 """The ``recompute`` flow: stored trajectories + a config → ``rewarded`` and ``advantaged`` tables.
 
-Each stage is a Prefect task calling the one runner, so a re-run skips what is done and a killed run resumes at the
+Each stage is a Prefect task of the run kit (flows/runkit.py, shared with the agentic flow) calling the one runner, so a re-run skips what is done and a killed run resumes at the
 first stage without a committed output.
 """
 
@@ -8,35 +8,20 @@ from __future__ import annotations
 
 from typing import Any
 
-from prefect import flow, task
+from prefect import flow
 
+from flows.runkit import advantages_task, rewards_task
 from schemas.config import AdvantageSection, RecomputeConfig, ResponseRewardSection, section, validate_config
 from stages.cluster import ensure_ray
 from stages.preflight import Step, check_steps
 from stages.recompute import AdvantagesStage, ResponseRewardsStage
-from stages.runner import StageResult, cleanup_leftovers, run_stage
+from stages.runner import StageResult, cleanup_leftovers
 from stages.storage import Location
 
 
 def _summary(result: StageResult) -> dict[str, Any]:
     return {"output": result.output, "rows": result.rows, "skipped": result.skipped,
             "seconds": round(result.seconds, 2), "metrics": result.metrics, "state": result.state}
-
-
-@task(name="response_rewards", retries=0)
-def response_rewards_task(samples: str, output: str, cfg: dict, force: bool) -> dict:
-    config = validate_config(RecomputeConfig, cfg)
-    return _summary(run_stage(ResponseRewardsStage(), section(config, ResponseRewardSection),
-                              {"samples": samples}, output, force=force, batch_rows=config.runtime.batch_rows))
-
-
-@task(name="advantages", retries=0)
-def advantages_task(samples: str, rewarded: str, output: str, cfg: dict, force: bool,
-                    state_in: dict | None = None) -> dict:
-    config = validate_config(RecomputeConfig, cfg)
-    return _summary(run_stage(AdvantagesStage(), section(config, AdvantageSection),
-                              {"samples": samples, "rewarded": rewarded}, output, force=force, state_in=state_in,
-                              batch_rows=config.runtime.batch_rows))
 
 
 def outputs(output_dir: str) -> tuple[str, str]:
@@ -64,6 +49,9 @@ def recompute_flow(input_dir: str, output_dir: str, cfg: dict, force: bool = Fal
     for out in (rewarded_dir, advantaged_dir):  # a killed attempt's temporary folders, whichever stage refuses
         cleanup_leftovers(Location.of(out))
     ensure_ray(config.runtime.ray_address, config.runtime.num_cpus, data_memory_mb=config.runtime.data_memory_mb)
-    rewarded = response_rewards_task(input_dir, rewarded_dir, cfg, force)
-    advantaged = advantages_task(input_dir, rewarded_dir, advantaged_dir, cfg, force)
-    return {"rewarded": rewarded, "advantaged": advantaged}
+    rows = config.runtime.batch_rows
+    rewarded = rewards_task(section(config, ResponseRewardSection), input_dir, rewarded_dir, force=force,
+                            batch_rows=rows)
+    advantaged = advantages_task(section(config, AdvantageSection), input_dir, rewarded_dir, advantaged_dir, None,
+                                 force=force, batch_rows=rows)
+    return {"rewarded": _summary(rewarded), "advantaged": _summary(advantaged)}

@@ -50,9 +50,6 @@ def rerun_stage(name: str, old_output: str, overrides: list[str], output: str | 
 
     fp = stage_fingerprint(stage, section, {k: Location.of(v) for k, v in inputs.items()}, manifest["state_in"])
     target = output or f"{old.path}@{fp[:8]}"
-    from stages.cluster import ensure_ray
-
-    ensure_ray()
     result = run_stage(stage, section, inputs, target, force=force, state_in=manifest["state_in"])
     lines = [f"{name}: {'up to date' if result.skipped else 'wrote'} {result.rows:,} rows to {result.output} "
              f"(old output kept at {old.path})"]

@@ -1,7 +1,10 @@
 """Process-wide execution settings, set in one place at flow start and logged (DESIGN.md "Code").
 
 ``ensure_ray`` joins the cluster named by the config or ``$RAY_ADDRESS`` (an existing Ray cluster: the code runs
-there unchanged) or starts a local one. Ray Data keeps row order so stage outputs are deterministic.
+there unchanged) or starts a local one. Ray Data keeps row order so stage outputs are deterministic. It is called once
+where a command or a flow starts (the ``rollflow`` commands, ``start_run`` of the training flows, the recompute flow);
+the stage entry points only check that it was (:func:`require_ray`), so a stage never starts a cluster with other
+settings than its command's.
 """
 
 from __future__ import annotations
@@ -39,7 +42,7 @@ class _HideSpuriousCpuWarning(logging.Filter):
     write runs ``materialize()``, which checks again on its already computed result (no task left to run) right after
     the stage's actors and write tasks held every CPU of a 2-CPU machine, before Ray has released them, so the warning
     appears after a stage that finished. The real case — actors that hold the CPUs for good — is refused before any
-    stage runs, with the fix (``check_cpu_budget`` in flows/train.py, the forward stages' ``cpus_per_actor`` check).
+    stage runs, with the fix (``check_cpu_budget`` in flows/runkit.py, the forward stages' ``cpus_per_actor`` check).
     The record is marked ``hide``: it stays in the log file, off the console."""
 
     def filter(self, record: logging.LogRecord) -> bool:
@@ -132,3 +135,16 @@ def ensure_ray(address: str | None = None, num_cpus: int | None = None, progress
                 "parquet_read_unit_bytes": os.environ.get("RAY_DATA_PARQUET_BIN_PACKING_BYTES", "ray default")}
     log.info("execution settings: %s", settings)
     return settings
+
+
+def require_ray(who: str) -> None:
+    """Raise a clear error when this process has no Ray connection: the stage entry points run on the cluster their
+    command or flow started (:func:`ensure_ray`), never on one that Ray Data would start by itself."""
+    import ray
+
+    from schemas.errors import RollflowError
+
+    if not ray.is_initialized():
+        raise RollflowError(f"{who} runs its work on a Ray cluster, and this process has not connected to one; call "
+                            "stages.cluster.ensure_ray(address, num_cpus) first (the rollflow commands and flows do "
+                            "it when they start)")

@@ -95,6 +95,24 @@ def tiny_model() -> Path:
     return tiny_random_model_dir()
 
 
+@pytest.fixture(scope="session")
+def ray_cluster():
+    """ONE local Ray cluster (2 CPUs) for the whole session of this worker, started as the rollflow commands start
+    theirs (``ensure_ray``); the stage entry points run on it. Ray Data's DEBUG execution reports are silenced: they
+    would flood the captured output of a failing test."""
+    import ray
+    import ray.data  # noqa: F401  (configures its loggers on import)
+
+    from stages.cluster import ensure_ray
+
+    settings = ensure_ray(num_cpus=2, progress=False)
+    for name in list(logging.root.manager.loggerDict):
+        if name.startswith(("ray", "prefect", "httpx", "filelock", "asyncio")):
+            logging.getLogger(name).setLevel(logging.WARNING)
+    yield settings
+    ray.shutdown()
+
+
 # ---- running on several workers (pytest-xdist; `make test` runs `-n 2 --dist loadgroup`) ----------------------------
 def _loadgroup(config: pytest.Config) -> bool:
     """A worker sees ``loadgroup``; the controller sees ``dist``."""

@@ -93,13 +93,13 @@ def run_rollout(config: RolloutConfig, output: str, checkpoint: str | None = Non
     (names ``episodes``, ``turn``, ``samples``) — for progress output. ``label`` heads each turn's progress bar (on a
     terminal, see :mod:`stages.progress`).
     """
-    from stages.cluster import ensure_ray
+    from stages.cluster import require_ray
 
     start = time.time()
     notify = on_event or (lambda name, info: None)
     _check_env(config)
     model_dir = resolve_model_dir(checkpoint)
-    ensure_ray(config.runtime.ray_address, config.runtime.num_cpus, progress=False)
+    require_ray("the rollout")
     section = turn_section(config)
     state = {"checkpoint": checkpoint_fingerprint(model_dir)}
     out = Location.of(output)

@@ -59,9 +59,9 @@ def _step(group: TrainerGroup, samples: Location, checkpoint: str, cfg: TrainSte
           label: str, full_state: bool) -> None:
     """One step on ``group``: the workers read the table themselves and write the checkpoint into ``tmp``."""
     from stages import progress
-    from stages.cluster import ensure_ray
+    from stages.cluster import require_ray
 
-    ensure_ray(cfg.runtime.ray_address, cfg.runtime.num_cpus, progress=False)
+    require_ray("the training step")
     names = read_table_schema(samples, "advantaged").names
     with progress.bar(label, "micro-batches") as ticker:  # rank 0 counts its micro-batches
         group.step({"samples": samples, "columns": names, "checkpoint": checkpoint, "output": tmp,
@@ -408,7 +408,7 @@ def run_logprobs(samples: str, checkpoint: str, config: ForwardConfig, output: s
                  force: bool = False, workers: ForwardWorkers | None = None) -> StageResult:
     """``samples`` + ``old_log_probs`` (+ ``ref_log_probs`` under ``reference``, default: the checkpoint, when
     ``enable_reference``; + ``entropy``) → ``output``, via the runner (skip when up to date)."""
-    from stages.cluster import ensure_ray
+    from stages.cluster import require_ray
 
     info = ckpt.read_checkpoint(checkpoint)
     ref_info = ckpt.read_checkpoint(reference) if (reference and config.enable_reference) else None
@@ -420,7 +420,7 @@ def run_logprobs(samples: str, checkpoint: str, config: ForwardConfig, output: s
     section = LogProbSection(checkpoint=info.path, reference=ref_info.path if ref_info else None,
                              compute_entropy=config.compute_entropy, dtype=config.dtype,
                              max_tokens_per_microbatch_in_infer=config.max_tokens_per_microbatch_in_infer)
-    ensure_ray(config.runtime.ray_address, config.runtime.num_cpus, progress=False)
+    require_ray("the log-prob stage")
     stage = LogProbStage(config, same_reference=state_in.get("reference") == state_in["checkpoint"],
                          fingerprints=state_in, workers=workers)
     return run_stage(stage, section, {"samples": samples}, output, force=force, state_in=state_in,
@@ -431,12 +431,12 @@ def run_values(samples: str, checkpoint: str, config: ForwardConfig, output: str
                workers: ForwardWorkers | None = None) -> StageResult:
     """``samples`` + ``values`` under the critic of ``checkpoint`` (its ``critic/`` folder, or a new value head on
     its actor seeded with ``config.seed`` before the first training step) → ``output``."""
-    from stages.cluster import ensure_ray
+    from stages.cluster import require_ray
 
     info = ckpt.read_checkpoint(checkpoint)
     section = ValuesSection(critic=info.path, seed=config.seed, dtype=config.dtype,
                             max_tokens_per_microbatch_in_infer=config.max_tokens_per_microbatch_in_infer)
-    ensure_ray(config.runtime.ray_address, config.runtime.num_cpus, progress=False)
+    require_ray("the values stage")
     state_in = {"critic": ckpt.checkpoint_fingerprint(info.path)}
     return run_stage(ValuesStage(config, state_in, workers), section, {"samples": samples}, output, force=force,
                      state_in=state_in, batch_rows=config.rows_per_batch)

@@ -166,11 +166,11 @@ def test_without_tensorboard_no_event_files(tmp_path):
 
 
 def test_a_stage_skipped_on_resume_keeps_the_record_of_the_run_that_computed_it(tmp_path, capsys):
-    """``record`` (flows/train.py): a resumed run skips committed stages; their metrics and real wall time stay as
+    """``record`` (flows/runkit.py): a resumed run skips committed stages; their metrics and real wall time stay as
     the computing run logged them, and a record lost to a kill between the commit and the log is written again."""
     from types import SimpleNamespace
 
-    from flows.train import record
+    from flows.runkit import record
 
     with MetricsLog(tmp_path, tensorboard=False) as log:
         record(log, 0, "train", SimpleNamespace(metrics={"actor/pg_loss": 0.5}, seconds=31.0, skipped=False))

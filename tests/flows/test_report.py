@@ -158,9 +158,9 @@ def test_report_finds_the_last_rollouts_turn_tables(tmp_path):
 def test_report_command(run_dir, tmp_path):
     from typer.testing import CliRunner
 
-    from flows.cli_ops import _app
+    from flows.cli import app
 
-    result = CliRunner().invoke(_app(), ["report", str(run_dir), "--output", str(tmp_path / "out")])
+    result = CliRunner().invoke(app, ["report", str(run_dir), "--output", str(tmp_path / "out")])
     assert result.exit_code == 0, result.output
     assert f"report: {tmp_path / 'out' / 'index.html'}" in result.output
     assert "missing: Entropy" in result.output
@@ -172,8 +172,8 @@ def test_report_command(run_dir, tmp_path):
 def test_report_command_on_a_missing_run_exits_2(tmp_path):
     from typer.testing import CliRunner
 
-    from flows.cli_ops import _app
+    from flows.cli import app
 
-    result = CliRunner().invoke(_app(), ["report", str(tmp_path / "nope")])
+    result = CliRunner().invoke(app, ["report", str(tmp_path / "nope")])
     assert result.exit_code == 2
     assert "does not exist" in result.output

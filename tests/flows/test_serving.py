@@ -61,7 +61,7 @@ def test_deploy_command_refuses_bad_input_before_serving(tmp_path):
     """The CLI exits 2 with one message when there is no server (no Prefect run is started)."""
     env = {**os.environ, "PREFECT_HOME": str(tmp_path / "home")}
     env.pop("PREFECT_API_URL", None)
-    result = subprocess.run([sys.executable, "-m", "flows.cli_ops", "deploy", "--config", str(GIGPO), "--input",
+    result = subprocess.run([sys.executable, "-m", "flows.cli", "deploy", "--config", str(GIGPO), "--input",
                              str(tmp_path), "--output", str(tmp_path / "out"), "--cron", "0 3 * * *"],
                             cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
     assert result.returncode == 2, result.stderr
@@ -114,7 +114,7 @@ def _serve(args: list[str], server, tmp_path: Path, serve_log: Path) -> subproce
     env = {**os.environ, "PREFECT_HOME": str(tmp_path / "client"), "PREFECT_API_URL": server.api_url,
            "PREFECT_RUNNER_POLL_FREQUENCY": "2", "PREFECT_LOGGING_LEVEL": "INFO"}
     with open(serve_log, "wb") as log_file:
-        return subprocess.Popen([sys.executable, "-m", "flows.cli_ops", "deploy", *args], cwd=REPO, env=env,
+        return subprocess.Popen([sys.executable, "-m", "flows.cli", "deploy", *args], cwd=REPO, env=env,
                                 stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                 start_new_session=True)
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from flows.rlvr_score import score_responses
+from flows.rlvr import score_responses
 from schemas.errors import ConfigError, InvariantError, SchemaError
 from schemas.rlvr_config import rlvr_advantage_section, rlvr_reward_section
 from stages.algos.ragged import Ragged
@@ -42,14 +42,9 @@ def flaky_rows(n: int = 4) -> dict[str, list]:
 
 
 def cli_app():
-    """The two RLVR commands on their own Typer app, registered as flows/cli.py registers them."""
-    import typer
+    """The rollflow command line (score and rlvr-example among its commands)."""
+    from flows.cli import app
 
-    from flows.cli_rlvr import rlvr_example, score
-
-    app = typer.Typer()
-    app.command()(score)
-    app.command(name="rlvr-example")(rlvr_example)
     return app
 
 

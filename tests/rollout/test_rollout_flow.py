@@ -21,11 +21,13 @@ import typer
 import yaml
 from typer.testing import CliRunner
 
-from flows.cli_rollout import rollout, show
+from flows.cli import app as rollflow_app
 from schemas.config import load_config
 from schemas.rollout_config import RolloutConfig
 from schemas.tables import SAMPLES, check_row_invariants, check_structure
 from stages.storage import Location, read_manifest
+
+pytestmark = pytest.mark.usefixtures("ray_cluster")  # the CLI commands join it, as they join a running one
 
 CONFIG = {"sample_level": "step", "sequence_length": 1024, "seed": 7,
           "env": {"num_env_groups": 2, "group_size": 2, "max_steps": 3},
@@ -39,17 +41,16 @@ from flows import settings
 settings.configure()
 from schemas.config import load_config
 from schemas.rollout_config import RolloutConfig
+from stages.cluster import ensure_ray
 from stages.rollout.driver import run_rollout
 if __name__ == "__main__":
+    ensure_ray(num_cpus=2, progress=False)
     run_rollout(load_config(RolloutConfig, sys.argv[1]), sys.argv[3], sys.argv[2])
 """
 
 
 def _app() -> typer.Typer:
-    app = typer.Typer()
-    app.command()(rollout)
-    app.command()(show)
-    return app
+    return rollflow_app
 
 
 def _table(folder: Path) -> pa.Table:

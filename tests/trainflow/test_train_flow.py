@@ -47,7 +47,7 @@ def test_agentic_rules_give_rule_reason_and_fix(data, words):
 
 
 def test_cpu_budget_check_names_the_fix():
-    from flows.train import check_cpu_budget
+    from flows.runkit import check_cpu_budget
     from schemas.errors import RollflowError
 
     cfg = validate_config(TrainFlowConfig, {"rollout": {"engine": {"num_cpus_per_engine": 1}},
@@ -71,7 +71,7 @@ class _Logged:
 def test_progress_line_names_the_eval_after_an_iteration_while_the_table_keeps_its_convention(capsys):
     from types import SimpleNamespace
 
-    from flows.train import record
+    from flows.runkit import record
 
     logged, result = _Logged(), SimpleNamespace(metrics={"rollout/success_rate": 0.5}, seconds=3.0, skipped=False)
     record(logged, 1, "train", result)

@@ -1,4 +1,6 @@
-"""``rollflow train`` for configs with ``pipeline: rlvr``: the RLVR run as a Prefect flow of stage calls.
+"""The RLVR pipeline: ``rollflow train`` for configs with ``pipeline: rlvr`` (a Prefect flow of stage calls), and the
+scoring of stored responses that ``rollflow score`` runs offline and the flow runs once per step
+(:func:`score_responses`: the reward stage, then optionally the RLVR chain up to advantages).
 
 Per step ``k`` (policy after ``k`` training steps), every output under ``runs/<run>/step_<k>/<stage>/``:
 responses (``rollout_batch_size`` prompts × ``num_return_sequences_in_group`` samples from the engine pool) →
@@ -21,10 +23,9 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from prefect import flow, task
-from prefect.cache_policies import NO_CACHE
+from prefect import flow
 
-from flows.train import logprobs_task, record, train_task, values_task
+from flows.runkit import KeptWorkers, logprobs_task, record, stage_task, start_run, train_task, values_task
 from schemas.config import validate_config
 from schemas.rlvr_train_config import RLVRTrainConfig
 from stages.storage import Location
@@ -34,11 +35,46 @@ def step_dir(run: str, step: int) -> str:
     return f"{run}/step_{step:04d}"
 
 
-def _task(name: str):
-    return task(name=name, cache_policy=NO_CACHE, retries=0)
+def score_responses(input_dir: str, output_dir: str, cfg, *, advantages: bool = False, force: bool = False,
+                    state_in: dict | None = None, services: dict | None = None) -> dict[str, Any]:
+    """Run the reward stage (and with ``advantages`` the RLVR chain) on the responses in ``input_dir``.
+
+    Outputs: ``<output_dir>/scored`` (+ ``rlvr_rewarded``, ``advantaged``). ``state_in``: ``running_moments`` and
+    ``kl_ctrl`` of a previous step (from its manifests' ``state``); ``services``: reward-stage service factories.
+    Runs on the Ray cluster its caller connected to (``rollflow score``, the RLVR flow)."""
+    from schemas.rlvr_config import reward_section, rlvr_reward_section
+    from stages.rlvr.stages import RewardStage, RLVRRewardsStage
+    from stages.runner import run_stage
+
+    out = output_dir.rstrip("/")
+    state_in = state_in or {}
+    rows = cfg.runtime.batch_rows
+    results = {"scored": run_stage(RewardStage(services), reward_section(cfg), {"responses": input_dir},
+                                   f"{out}/scored", force=force, batch_rows=rows)}
+    if advantages:
+        results["rlvr_rewarded"] = run_stage(
+            RLVRRewardsStage(), rlvr_reward_section(cfg), {"responses": input_dir, "scored": f"{out}/scored"},
+            f"{out}/rlvr_rewarded", force=force, batch_rows=rows,
+            state_in={"running_moments": state_in.get("running_moments", {})})
+        results["advantaged"] = rlvr_advantages(cfg, input_dir, f"{out}/rlvr_rewarded", f"{out}/advantaged",
+                                                state_in, force=force)
+    return results
 
 
-@_task("prompts")
+def rlvr_advantages(cfg, responses: str, rewarded: str, output: str, state_in: dict, *, force: bool = False):
+    """The RLVR advantages stage (token rewards, advantages, ``final_response_mask``) on ``responses`` and their
+    ``rlvr_rewarded`` rows; ``state_in`` may carry the KL controller (``kl_ctrl``) of a previous step."""
+    from schemas.rlvr_config import rlvr_advantage_section
+    from stages.rlvr.stages import RLVRAdvantagesStage
+    from stages.runner import run_stage
+
+    return run_stage(RLVRAdvantagesStage(), rlvr_advantage_section(cfg),
+                     {"responses": responses, "rlvr_rewarded": rewarded}, output, force=force,
+                     batch_rows=cfg.runtime.batch_rows,
+                     state_in={"kl_ctrl": state_in["kl_ctrl"]} if "kl_ctrl" in state_in else {})
+
+
+@stage_task("prompts")
 def prompts_task(config: RLVRTrainConfig, output: str) -> Any:
     from stages.rlvr.generate import PromptsStage, prompts_section
     from stages.runner import run_stage
@@ -47,7 +83,7 @@ def prompts_task(config: RLVRTrainConfig, output: str) -> Any:
     return run_stage(PromptsStage(), prompts_section(p.data_dir, p.domains, p.limit), {}, output)
 
 
-@_task("generate")
+@stage_task("generate")
 def generate_task(config: RLVRTrainConfig, step: int, prompts: str, checkpoint: str, pool, output: str) -> Any:
     import pyarrow.dataset as pads
 
@@ -72,23 +108,21 @@ def generate_task(config: RLVRTrainConfig, step: int, prompts: str, checkpoint: 
                          state_in={"checkpoint": checkpoint_fingerprint(checkpoint)})
 
 
-@_task("rewards_and_advantages")
+@stage_task("rewards_and_advantages")
 def score_task(config: RLVRTrainConfig, responses: str, output: str, state_in: dict, pool) -> dict[str, Any]:
     """Reward workers, then the RLVR chain; an LLM judge route is served by the flow's engines (the policy)."""
-    from flows.rlvr_score import score_responses
     from stages.rlvr.generate import judge_services
 
     services = judge_services(config.rewards, pool, config.sequence_length)
     return score_responses(responses, output, config, advantages=True, state_in=state_in, services=services)
 
 
-@_task("second_pass_advantages")
+@stage_task("second_pass_advantages")
 def second_pass_task(config: RLVRTrainConfig, responses: str, logprobs: str, rewarded: str, output: str,
                      state_in: dict) -> Any:
     """Token rewards (with the KL to the reference) and advantages (GAE on the critic's values): the step's
     log-probs and values are attached to its responses (response-aligned), then the RLVR advantages stage runs on
     them (spec §2.4, §4.3)."""
-    from flows.rlvr_score import rlvr_advantages
     from stages.rlvr.stages import AttachLogProbsSection, AttachLogProbsStage
     from stages.runner import run_stage
 
@@ -110,7 +144,6 @@ def first_pass_config(config: RLVRTrainConfig) -> RLVRTrainConfig:
 @flow(name="rlvr-train")  # progress lines go to stdout; Prefect logs to the log file (flows/console.py)
 def rlvr_train_flow(cfg: dict) -> dict:
     """Run (or resume) the RLVR training run described by ``cfg`` (an :class:`RLVRTrainConfig` as JSON)."""
-    from flows.train import KeptWorkers, start_run
     from stages.metrics import MetricsLog
     from stages.train.checkpoint import keep_training_state
 

@@ -1,9 +1,4 @@
-"""``rollflow rollout`` and ``rollflow show``. Registered in flows/cli.py with::
-
-    from flows.cli_rollout import rollout, show
-    app.command()(rollout)
-    app.command()(show)
-"""
+"""The rollout commands: ``rollout`` (play episodes, write samples) and ``show`` (render a rollout's episodes)."""
 
 from __future__ import annotations
 
@@ -12,7 +7,8 @@ from typing import Optional
 
 import typer
 
-from flows.cli_common import OverrideOpt, announce_precision, fail as _fail, guard as _guard
+from flows.cli.app import app
+from flows.cli.common import OverrideOpt, announce_precision, connect, guard as _guard
 
 
 def _progress(name: str, info: dict) -> None:
@@ -45,6 +41,7 @@ def _print_summary(result) -> None:
     typer.echo(f"  samples: {result.samples.output}  (rollflow show {result.output} to read the episodes)")
 
 
+@app.command()
 def rollout(config: Optional[Path] = typer.Option(None, "--config", help="YAML config (configs/rollout_*.yaml)."),
             checkpoint: Optional[Path] = typer.Option(None, "--checkpoint", help="HF checkpoint folder of the "
                                                                                   "policy (default: the default "
@@ -58,6 +55,7 @@ def rollout(config: Optional[Path] = typer.Option(None, "--config", help="YAML c
 
     cfg = _guard(lambda: load_config(RolloutConfig, config, parse_overrides(overrides or [])))
     announce_precision()
+    connect(cfg.runtime)
     from stages.rollout.driver import run_rollout
 
     typer.echo(f"rollout: {cfg.num_episodes} {cfg.env.tag} episodes ({cfg.env.num_env_groups} groups x "
@@ -68,6 +66,7 @@ def rollout(config: Optional[Path] = typer.Option(None, "--config", help="YAML c
     _print_summary(result)
 
 
+@app.command()
 def show(path: Path = typer.Argument(..., help="A rollout output folder."),
          episodes: int = typer.Option(3, "--episodes", "-n", help="How many episodes to show (in episode order)."),
          traj_id: Optional[str] = typer.Option(None, "--traj", help="Show only this episode (a traj_id)."),

@@ -1,35 +1,16 @@
-"""The ``rollflow`` command line. Every command prints a readable result; user errors (bad input, bad config)
-print one message naming what, where and the fix, and exit with status 2."""
+"""The table commands: ``recompute`` (rewards and advantages of stored trajectories), ``stage`` (re-run one stage),
+``inspect``, ``validate``, ``example`` and ``demo``."""
 
 from __future__ import annotations
 
-import json
-import sys
 from pathlib import Path
 from typing import Optional
 
 import typer
 
 from flows import settings
-
-app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
-                  help="rollflow: ROLL's RL post-training algorithms as Prefect flows of Ray Data stages.")
-
-from flows.cli_common import OverrideOpt, announce_precision, fail as _fail, guard as _guard  # noqa: E402
-
-
-@app.callback()
-def _main(ctx: typer.Context,
-          verbose: bool = typer.Option(False, "--verbose", "-v", help="Also show the log (rollflow's, Ray's, "
-                                                                     "Prefect's, ...) on the console; it always goes "
-                                                                     "to the log file (runs/<run>/logs/rollflow.log "
-                                                                     "for train).")) -> None:
-    from flows import console
-    from stages import progress
-
-    console.setup(verbose, ctx.invoked_subcommand)
-    progress.enable(sys.stderr.isatty(), ray_data=verbose)
-    settings.configure()
+from flows.cli.app import app
+from flows.cli.common import OverrideOpt, connect, fail as _fail, guard as _guard
 
 
 def _print_recompute(result: dict) -> None:
@@ -65,55 +46,6 @@ def recompute(input: Path = typer.Option(..., "--input", help="Folder of stored 
 
 
 @app.command()
-def train(config: Optional[Path] = typer.Option(None, "--config", help="YAML config (configs/train_*.yaml)."),
-          resume: Optional[Path] = typer.Option(None, "--resume", help="Continue the run in this run folder "
-                                                                       "(runs/<run>) from its last committed stage."),
-          overrides: Optional[list[str]] = OverrideOpt,
-          report: bool = typer.Option(True, "--report/--no-report", help="Write the run's report at the end.")) -> None:
-    """Run (or resume) an agentic RL training run: a Prefect flow of rollout, log-prob, reward, advantage, training
-    and evaluation stages per iteration."""
-    from flows.pipelines import pipeline_of
-    from schemas.config import load_config_data, parse_overrides, validate_config
-
-    if (config is None) == (resume is None):
-        _fail(ValueError("pass either --config FILE (a new run) or --resume RUN_DIR (continue a run)"))
-    if resume is not None:
-        from flows.train import CONFIG_FILE
-
-        frozen = resume / CONFIG_FILE
-        if not frozen.exists():
-            _fail(FileNotFoundError(f"{resume} has no {CONFIG_FILE}; pass the folder of a run started by "
-                                    "`rollflow train --config`"))
-        if overrides:
-            _fail(ValueError("--set cannot change a run being resumed; start a new run (another run_name) instead"))
-        data, where = json.loads(frozen.read_text()), str(frozen)
-    else:
-        data = _guard(lambda: load_config_data(config, parse_overrides(overrides or [])))
-        where = str(config)
-    pipeline = _guard(lambda: pipeline_of(data, where))
-    cfg = _guard(lambda: validate_config(pipeline.config_model(), data, where))
-    from flows import console
-    from flows.train import run_log
-
-    run, log = run_log(cfg)
-    if log is not None:
-        console.log_to(log)
-    typer.echo(f"run {run}  (log: {console.log_path()})")
-    announce_precision()
-    from flows.services import start_services
-
-    _guard(lambda: start_services(cfg.runtime.ray_address, cfg.runtime.num_cpus))
-    summary = _guard(lambda: pipeline.flow()(cfg.model_dump(mode="json")))
-    for line in pipeline.summary_lines()(summary):
-        typer.echo(line)
-    if report:
-        from flows.report import write_report
-
-        rep = write_report(summary["run"])
-        typer.echo(f"report: {rep.html}")
-
-
-@app.command()
 def stage(name: str = typer.Argument(..., help="Stage name: response_rewards or advantages."),
           run_dir: Path = typer.Option(..., "--from", help="An existing output folder of that stage (its manifest "
                                                             "records the inputs and config)."),
@@ -124,7 +56,9 @@ def stage(name: str = typer.Argument(..., help="Stage name: response_rewards or 
           force: bool = typer.Option(False, "--force")) -> None:
     """Re-run one stage on its recorded inputs with changed settings, keeping the old output."""
     from flows.rerun import rerun_stage
+    from schemas.config import RuntimeConfig
 
+    connect(RuntimeConfig())  # the stage's recorded section holds no runtime settings: $RAY_ADDRESS or a local cluster
     for line in _guard(lambda: rerun_stage(name, str(run_dir), overrides or [], output and str(output),
                                            downstream, force)):
         typer.echo(line)
@@ -185,45 +119,3 @@ def demo(run_dir: Path = typer.Option(Path("runs/demo"), "--run-dir"),
     result = _guard(lambda: recompute_flow(str(samples_dir), str(run_dir / "recompute"), cfg.model_dump(mode="json")))
     _print_recompute(result)
     typer.echo(f"\nconfig {config}; outputs under {run_dir / 'recompute'} (rollflow inspect DIR to look again)")
-
-
-def _register_commands() -> None:
-    """Commands that live in their own modules (one module per capability)."""
-    from flows.cli_ops import deploy, report, server
-    from flows.cli_rlvr import rlvr_example, score
-
-    for command in (server, deploy, report, score):
-        app.command()(command)
-    app.command(name="rlvr-example")(rlvr_example)
-    from flows.cli_train import register as register_training
-
-    register_training(app)
-    from flows.cli_rollout import rollout, show
-
-    app.command()(rollout)
-    app.command()(show)
-
-
-_register_commands()
-
-
-def main() -> None:
-    try:
-        app()
-    except KeyboardInterrupt:
-        sys.exit(130)
-    except Exception:  # a bug, not a user error (those end in cli_common.fail): the traceback, and where the log is
-        import logging
-        import traceback
-
-        from flows import console
-
-        traceback.print_exc()
-        if console.log_path() is not None:
-            logging.getLogger("rollflow").exception("the command failed", extra={"hide": True})  # the file only
-            print(f"the log of this command: {console.log_path()}", file=sys.stderr)
-        sys.exit(1)
-
-
-if __name__ == "__main__":
-    main()

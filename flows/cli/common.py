@@ -32,3 +32,11 @@ def announce_precision() -> None:
     line = choices_line()
     if line:
         typer.echo(f"[setup] {line}")
+
+
+def connect(runtime) -> None:
+    """Join or start the Ray cluster a command's config names (its ``runtime`` section): once, when the command
+    starts; the stages it runs use that cluster."""
+    from stages.cluster import ensure_ray
+
+    guard(lambda: ensure_ray(runtime.ray_address, runtime.num_cpus))

@@ -1,12 +1,6 @@
 """``rollflow score`` (offline scoring of stored responses, optionally the whole RLVR chain) and
-``rollflow rlvr-example`` (a responses table from data/rlvr with hand-written answers). Registered in flows/cli.py
-with::
-
-    from flows.cli_rlvr import rlvr_example, score
-    app.command()(score)
-    app.command(name="rlvr-example")(rlvr_example)
-
-The stages run through the one runner (``flows.rlvr_score.score_responses``, shared with the RLVR training flow):
+``rollflow rlvr-example`` (a responses table from data/rlvr with hand-written answers). 
+The stages run through the one runner (``flows.rlvr.score_responses``, shared with the RLVR training flow):
 a re-run with the same input and config skips, a changed config needs ``--force`` or another output folder.
 """
 
@@ -17,8 +11,9 @@ from typing import Optional
 
 import typer
 
-from flows.cli_common import OverrideOpt, fail as _fail, guard as _guard
-from flows.rlvr_score import score_responses
+from flows.cli.app import app
+from flows.cli.common import OverrideOpt, connect, fail as _fail, guard as _guard
+from flows.rlvr import score_responses
 
 JUDGE_CONTEXT = 2048  # tokens of a judge prompt + verdict
 
@@ -53,18 +48,17 @@ def score_summary(input_dir: str, scored_dir: str, domain_column: str) -> list[s
 def _judge_pool(cfg, judge_model: Path | None, backend: str):
     """An engine pool over the judge model when a route of ``cfg`` needs one (the caller closes it), else None."""
     from schemas.rollout_config import EngineConfig
-    from stages.cluster import ensure_ray
     from stages.rlvr.generate import needs_model
     from stages.rollout.driver import resolve_model_dir
     from stages.rollout.engine_pool import EnginePool
 
     if not needs_model(cfg.rewards):
         return None
-    ensure_ray(cfg.runtime.ray_address, cfg.runtime.num_cpus, progress=False)
     engine = EngineConfig(backend=backend, dtype="auto", num_cpus_per_engine=0)
     return EnginePool(engine, resolve_model_dir(str(judge_model) if judge_model else None), JUDGE_CONTEXT)
 
 
+@app.command()
 def score(input: Path = typer.Option(..., "--input", help="Folder of stored responses (a responses table)."),
           config: Path = typer.Option(..., "--config", help="YAML config (configs/rlvr_*.yaml)."),
           output: Path = typer.Option(..., "--output", help="Folder for scored/ (and rlvr_rewarded/, advantaged/)."),
@@ -82,6 +76,7 @@ def score(input: Path = typer.Option(..., "--input", help="Folder of stored resp
     from schemas.rlvr_config import RLVRConfig
 
     cfg = _guard(lambda: load_config(RLVRConfig, config, parse_overrides(overrides or [])))
+    connect(cfg.runtime)
     pool = _guard(lambda: _judge_pool(cfg, judge_model, judge_backend))
     try:
         from stages.rlvr.generate import judge_services
@@ -107,6 +102,7 @@ def score(input: Path = typer.Option(..., "--input", help="Folder of stored resp
                 typer.echo(f"  {key:<26} {m[key]:.6g}")
 
 
+@app.command("rlvr-example")
 def rlvr_example(output: Path = typer.Option(..., "--output", help="New folder for the responses table."),
                  samples_per_prompt: int = typer.Option(8, "--samples-per-prompt", help="Responses per prompt (n)."),
                  limit: Optional[int] = typer.Option(None, "--limit", help="Prompts per domain (default: all)."),

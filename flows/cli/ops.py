@@ -1,23 +1,16 @@
-"""``rollflow server``, ``rollflow deploy`` and ``rollflow report``. Registered in flows/cli.py with::
-
-    from flows.cli_ops import deploy, report, server
-    app.command()(server)
-    app.command()(deploy)
-    app.command()(report)
-
-``python -m flows.cli_ops COMMAND ...`` runs the same commands without the main CLI (the tests use it).
-"""
+"""The operations commands: ``server`` (a local Prefect server), ``deploy`` (a scheduled deployment) and ``report``
+(plots and an HTML page of a run)."""
 
 from __future__ import annotations
 
-import logging
 import signal
 from pathlib import Path
 from typing import Optional
 
 import typer
 
-from flows.cli_common import OverrideOpt, fail as _fail, guard as _guard
+from flows.cli.app import app
+from flows.cli.common import OverrideOpt, fail as _fail, guard as _guard
 FLOWS = ("recompute", "train")  # deployable flows
 
 
@@ -31,6 +24,7 @@ def _default_server_home() -> Path:
     return settings.cache_dir() / "prefect-server"  # apart from the ephemeral runs' database in $PREFECT_HOME
 
 
+@app.command()
 def server(host: str = typer.Option("127.0.0.1", "--host", help="Address to listen on."),
            port: int = typer.Option(4200, "--port", help="Port of the API and UI."),
            home: Optional[Path] = typer.Option(None, "--home", help="Folder of the server's database and log "
@@ -54,6 +48,7 @@ def server(host: str = typer.Option("127.0.0.1", "--host", help="Address to list
         srv.stop()
 
 
+@app.command()
 def deploy(config: Optional[Path] = typer.Option(None, "--config", help="YAML config of the flow."),
            input: Optional[Path] = typer.Option(None, "--input", help="recompute: folder of stored samples."),
            output: Optional[Path] = typer.Option(None, "--output", help="recompute: folder the flow writes "
@@ -122,6 +117,7 @@ def _train_deployment(config, input, output, overrides, force):
 _DEPLOYMENTS = {"recompute": _recompute_deployment, "train": _train_deployment}  # keys: FLOWS
 
 
+@app.command()
 def report(run: Path = typer.Argument(..., help="A run folder (runs/<run>) with a metrics/ table."),
            output: Optional[Path] = typer.Option(None, "--output", help="Folder for the plots and index.html "
                                                                        "(default RUN/report)."),
@@ -136,23 +132,3 @@ def report(run: Path = typer.Argument(..., help="A run folder (runs/<run>) with 
     for line in result.missing:
         typer.echo(f"missing: {line}")
     typer.echo(f"\nreport: {result.html}")
-
-
-def _app() -> typer.Typer:
-    from flows import settings
-
-    app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False)
-
-    @app.callback()
-    def _main(verbose: bool = typer.Option(False, "--verbose", "-v")) -> None:
-        logging.basicConfig(level=logging.INFO if verbose else logging.WARNING,
-                            format="%(asctime)s %(name)s %(levelname)s %(message)s")
-        settings.configure()
-
-    for command in (server, deploy, report):
-        app.command()(command)
-    return app
-
-
-if __name__ == "__main__":
-    _app()()

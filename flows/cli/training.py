@@ -1,18 +1,65 @@
-"""The training commands of the ``rollflow`` CLI: ``train-step``, ``logprobs`` and ``values``.
-
-Register them on the main app with :func:`register` (``flows/cli.py``: ``from flows.cli_train import register;
-register(app)``). Each prints a readable result; user errors (bad input, bad config) print one message naming what,
-where and the fix, and exit with status 2.
-"""
+"""The training commands: ``train`` (a whole run, either pipeline), ``train-step``, ``logprobs`` and ``values``."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Optional
 
 import typer
 
-from flows.cli_common import OverrideOpt, announce_precision, guard as _guarded
+from flows.cli.app import app
+from flows.cli.common import OverrideOpt, announce_precision, connect, fail as _fail, guard as _guard
+
+
+@app.command()
+def train(config: Optional[Path] = typer.Option(None, "--config", help="YAML config (configs/train_*.yaml)."),
+          resume: Optional[Path] = typer.Option(None, "--resume", help="Continue the run in this run folder "
+                                                                       "(runs/<run>) from its last committed stage."),
+          overrides: Optional[list[str]] = OverrideOpt,
+          report: bool = typer.Option(True, "--report/--no-report", help="Write the run's report at the end.")) -> None:
+    """Run (or resume) an agentic RL training run: a Prefect flow of rollout, log-prob, reward, advantage, training
+    and evaluation stages per iteration."""
+    from flows.pipelines import pipeline_of
+    from schemas.config import load_config_data, parse_overrides, validate_config
+
+    if (config is None) == (resume is None):
+        _fail(ValueError("pass either --config FILE (a new run) or --resume RUN_DIR (continue a run)"))
+    if resume is not None:
+        from flows.runkit import CONFIG_FILE
+
+        frozen = resume / CONFIG_FILE
+        if not frozen.exists():
+            _fail(FileNotFoundError(f"{resume} has no {CONFIG_FILE}; pass the folder of a run started by "
+                                    "`rollflow train --config`"))
+        if overrides:
+            _fail(ValueError("--set cannot change a run being resumed; start a new run (another run_name) instead"))
+        data, where = json.loads(frozen.read_text()), str(frozen)
+    else:
+        data = _guard(lambda: load_config_data(config, parse_overrides(overrides or [])))
+        where = str(config)
+    pipeline = _guard(lambda: pipeline_of(data, where))
+    cfg = _guard(lambda: validate_config(pipeline.config_model(), data, where))
+    from flows import console
+    from flows.runkit import run_log
+
+    run, log = run_log(cfg)
+    if log is not None:
+        console.log_to(log)
+    typer.echo(f"run {run}  (log: {console.log_path()})")
+    announce_precision()
+    from flows.services import start_services
+
+    _guard(lambda: start_services(cfg.runtime.ray_address, cfg.runtime.num_cpus))
+    summary = _guard(lambda: pipeline.flow()(cfg.model_dump(mode="json")))
+    for line in pipeline.summary_lines()(summary):
+        typer.echo(line)
+    if report:
+        from flows.report import write_report
+
+        rep = write_report(summary["run"])
+        typer.echo(f"report: {rep.html}")
+
 
 
 def _state(result) -> str:
@@ -25,6 +72,7 @@ def _print_metrics(metrics: dict[str, float], prefixes: tuple[str, ...]) -> None
             typer.echo(f"  {key:<34} {metrics[key]:.6g}")
 
 
+@app.command("train-step")
 def train_step(samples: Path = typer.Option(..., "--samples", help="Advantaged table folder (Parquet)."),
                checkpoint: Path = typer.Option(..., "--checkpoint", help="Model folder: the default model or an "
                                                                          "earlier train-step output."),
@@ -37,16 +85,18 @@ def train_step(samples: Path = typer.Option(..., "--samples", help="Advantaged t
     from schemas.config import load_config, parse_overrides
     from schemas.train_config import TrainStepConfig
 
-    cfg = _guarded(lambda: load_config(TrainStepConfig, config, parse_overrides(overrides or [])))
+    cfg = _guard(lambda: load_config(TrainStepConfig, config, parse_overrides(overrides or [])))
     announce_precision()
+    connect(cfg.runtime)
     from stages.train.stage import run_train_step
 
-    result = _guarded(lambda: run_train_step(str(samples), str(checkpoint), cfg, str(output), force=force))
+    result = _guard(lambda: run_train_step(str(samples), str(checkpoint), cfg, str(output), force=force))
     typer.echo(f"checkpoint  {result.output}  (step {result.state.get('global_step')}, {result.rows:,} rows, "
                f"{_state(result)})")
     _print_metrics(result.metrics, ("actor/", "critic/", "system/", "time/"))
 
 
+@app.command()
 def logprobs(samples: Path = typer.Option(..., "--samples", help="Samples table folder (Parquet)."),
              checkpoint: Path = typer.Option(..., "--checkpoint", help="Model folder for old_log_probs."),
              reference: Optional[Path] = typer.Option(None, "--reference", help="Model folder for ref_log_probs "
@@ -59,16 +109,18 @@ def logprobs(samples: Path = typer.Option(..., "--samples", help="Samples table 
     from schemas.config import load_config, parse_overrides
     from schemas.train_config import ForwardConfig
 
-    cfg = _guarded(lambda: load_config(ForwardConfig, config, parse_overrides(overrides or [])))
+    cfg = _guard(lambda: load_config(ForwardConfig, config, parse_overrides(overrides or [])))
     announce_precision()
+    connect(cfg.runtime)
     from stages.train.stage import run_logprobs
 
-    result = _guarded(lambda: run_logprobs(str(samples), str(checkpoint), cfg, str(output),
+    result = _guard(lambda: run_logprobs(str(samples), str(checkpoint), cfg, str(output),
                                            reference=str(reference) if reference else None, force=force))
     typer.echo(f"logprobs  {result.output}  ({result.rows:,} rows, {_state(result)})")
     _print_metrics(result.metrics, ("logprobs/",))
 
 
+@app.command()
 def values(samples: Path = typer.Option(..., "--samples", help="Samples table folder (Parquet)."),
            checkpoint: Path = typer.Option(..., "--checkpoint", help="Checkpoint whose critic/ gives the values (a "
                                                                      "new seeded value head before the first step)."),
@@ -80,17 +132,11 @@ def values(samples: Path = typer.Option(..., "--samples", help="Samples table fo
     from schemas.config import load_config, parse_overrides
     from schemas.train_config import ForwardConfig
 
-    cfg = _guarded(lambda: load_config(ForwardConfig, config, parse_overrides(overrides or [])))
+    cfg = _guard(lambda: load_config(ForwardConfig, config, parse_overrides(overrides or [])))
     announce_precision()
+    connect(cfg.runtime)
     from stages.train.stage import run_values
 
-    result = _guarded(lambda: run_values(str(samples), str(checkpoint), cfg, str(output), force=force))
+    result = _guard(lambda: run_values(str(samples), str(checkpoint), cfg, str(output), force=force))
     typer.echo(f"values  {result.output}  ({result.rows:,} rows, {_state(result)})")
     _print_metrics(result.metrics, ("values/",))
-
-
-def register(app: typer.Typer) -> None:
-    """Add ``train-step``, ``logprobs`` and ``values`` to ``app``."""
-    app.command("train-step")(train_step)
-    app.command("logprobs")(logprobs)
-    app.command("values")(values)

@@ -1,0 +1,150 @@
+"""``rollflow train``: the agentic RL run as a Prefect flow of stage calls (DESIGN.md: the loop is a flow, a new
+algorithm adds a registry entry or a stage, never a branch here).
+
+Per iteration ``k`` (policy after ``k`` training steps), every output under ``runs/<run>/iter_<k>/<stage>/``:
+rollout (episodes, turns, samples) → logprobs (old/ref) → values (GAE only) → rewarded → advantaged → checkpoint →
+eval. Every stage goes through the one runner, so ``rollflow train --resume RUN`` after a crash (SIGKILL included)
+skips what is committed and continues with the first missing output. The generation engines are built once per
+flow run and load each new checkpoint in place; so do the forward (log-prob, values) workers, and the training
+workers keep their DeepSpeed engines from one step to the next (:class:`KeptWorkers`).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from prefect import flow
+
+from flows.runkit import (KeptWorkers, advantages_task, logprobs_task, record, rewards_task, stage_task, start_run,
+                          train_task, values_task)
+from schemas.config import AdvantageSection, ResponseRewardSection, section, validate_config
+from schemas.train_flow_config import TrainFlowConfig
+
+
+def iter_dir(run: str, iteration: int) -> str:
+    return f"{run}/iter_{iteration:04d}"
+
+
+@stage_task("rollout")
+def rollout_task(config: TrainFlowConfig, iteration: int, output: str, checkpoint: str, pool) -> Any:
+    from stages.rollout.driver import run_rollout
+
+    return run_rollout(config.rollout_for(iteration), output, checkpoint, pool=pool,
+                       on_event=_turn_progress(f"iteration {iteration}", "rollout"),
+                       label=f"[iteration {iteration}] rollout")
+
+
+@stage_task("eval")
+def eval_task(config: TrainFlowConfig, output: str, checkpoint: str, pool) -> Any:
+    from stages.rollout.driver import run_rollout
+
+    return run_rollout(config.eval_rollout(), output, checkpoint, pool=pool, on_event=_turn_progress("eval", "eval"),
+                       label="[eval] eval")
+
+
+def _turn_progress(label: str, what: str):
+    """A rollout event callback that prints one progress line per committed turn."""
+    def notify(name: str, info: dict) -> None:
+        if name == "turn":
+            r = info["result"]
+            state = "committed earlier, skipped" if r.skipped else f"{r.seconds:.0f}s"
+            print(f"[{label}] {what} turn {info['turn']}: {int(r.metrics.get('rows', 0))} episodes played, "
+                  f"{int(r.metrics.get('active', 0))} still active ({state})", flush=True)
+
+    return notify
+
+
+def rewards_section(config: TrainFlowConfig) -> ResponseRewardSection:
+    """The response-rewards section of an agentic run: the algorithm's options and the rollout's group size."""
+    return section(config, ResponseRewardSection).model_copy(update={"group_size": config.rollout.env.group_size})
+
+
+def _rollout_metrics(result: Any) -> dict[str, float]:
+    """Rollout metrics: the samples stage's (success, valid actions, lengths, tokens) plus the timing split."""
+    out = dict(result.samples.metrics)
+    out.update({f"time/rollout/{k.removesuffix('_seconds')}": v for k, v in result.timings.items()})
+    return out
+
+
+@flow(name="train")  # progress lines go to stdout; Prefect logs to the log file (flows/console.py)
+def train_flow(cfg: dict) -> dict:
+    """Run (or resume) the training run described by ``cfg`` (a :class:`TrainFlowConfig` as JSON)."""
+    from stages.metrics import MetricsLog
+    from stages.train.checkpoint import keep_training_state
+
+    config = validate_config(TrainFlowConfig, cfg)
+    run, base, pool = start_run(config, cfg, config.rollout.engine.max_model_len or config.rollout.sequence_length)
+    workers = KeptWorkers.of(config, run.path)
+    started = time.time()
+    summary: dict[str, Any] = {"run": run.path, "iterations": []}
+    with MetricsLog(run.path) as metrics:
+        try:
+            checkpoint = base
+            trained: list[str] = []  # this run's checkpoints, oldest first
+            kl_state: dict = {}
+            if config.eval.eval_steps:
+                ev = eval_task(config, f"{run.path}/eval_base", checkpoint, pool)
+                record(metrics, 0, "eval", ev, _rollout_metrics(ev), label="eval before training")
+                summary["base_eval"] = ev.samples.metrics
+            for k in range(config.max_steps):
+                here = iter_dir(run.path, k)
+                ro = rollout_task(config, k, f"{here}/rollout", checkpoint, pool)
+                record(metrics, k, "rollout", ro, _rollout_metrics(ro))
+                lp = logprobs_task(config, ro.samples.output, checkpoint, base, f"{here}/logprobs", workers)
+                record(metrics, k, "logprobs", lp)
+                samples = lp.output
+                if config.train_step_config().needs_critic:
+                    vals = values_task(config, samples, checkpoint, f"{here}/values", workers)
+                    record(metrics, k, "values", vals)
+                    samples = vals.output
+                rw = rewards_task(rewards_section(config), samples, f"{here}/rewarded",
+                                  batch_rows=config.runtime.batch_rows)
+                record(metrics, k, "response_rewards", rw)
+                adv = advantages_task(section(config, AdvantageSection), samples, rw.output, f"{here}/advantaged",
+                                      kl_state, batch_rows=config.runtime.batch_rows)
+                record(metrics, k, "advantages", adv)
+                kl_state = adv.state
+                tr = train_task(config, k, adv.output, checkpoint, f"{here}/checkpoint", workers)
+                record(metrics, k, "train", tr)
+                checkpoint = tr.output
+                trained.append(checkpoint)
+                keep_training_state(trained, config.train_step_config().max_ckpt_to_keep)
+                evaluated = None
+                if config.eval.eval_steps and (k + 1) % config.eval.eval_steps == 0:
+                    ev = eval_task(config, f"{here}/eval", checkpoint, pool)
+                    # the metrics table files it under k + 1 (the policy after k + 1 steps); the line says when it ran
+                    record(metrics, k + 1, "eval", ev, _rollout_metrics(ev), label=f"eval after iteration {k}")
+                    evaluated = ev.samples.metrics
+                summary["iterations"].append({"iteration": k, "checkpoint": checkpoint, "train_metrics": tr.metrics,
+                                              "rollout_metrics": ro.samples.metrics, "eval_metrics": evaluated})
+        finally:
+            workers.close()
+            pool.close()
+    summary["seconds"] = time.time() - started
+    summary["checkpoint"] = checkpoint
+    return summary
+
+
+def train_summary_lines(summary: dict) -> list[str]:
+    """A readable table of a finished run: per iteration the rollout's and the evaluation's success and valid-action
+    rates, the policy loss and the KL to the old policy."""
+    def rate(m: dict | None, key: str) -> str:
+        return f"{m[key]:.3f}" if m and key in m else "-"
+
+    lines = [f"{'':>14} {'rollout':>17} {'evaluation':>17}",
+             f"{'':>14} {'success':>8} {'valid':>8} {'success':>8} {'valid':>8} {'pg_loss':>9} {'approx_kl':>9}"]
+    base = summary.get("base_eval")
+    if base:
+        lines.append(f"{'untrained':>14} {'':>8} {'':>8} {rate(base, 'rollout/success_rate'):>8} "
+                     f"{rate(base, 'rollout/valid_action_rate'):>8}")
+    for it in summary["iterations"]:
+        ro, ev, tr = it["rollout_metrics"], it.get("eval_metrics"), it["train_metrics"]
+        loss, kl = tr.get("actor/pg_loss"), tr.get("actor/approxkl", tr.get("actor/ppo_kl"))
+        lines.append(f"{'iteration ' + str(it['iteration']):>14} {rate(ro, 'rollout/success_rate'):>8} "
+                     f"{rate(ro, 'rollout/valid_action_rate'):>8} {rate(ev, 'rollout/success_rate'):>8} "
+                     f"{rate(ev, 'rollout/valid_action_rate'):>8} "
+                     f"{'-' if loss is None else f'{loss:.4g}':>9} {'-' if kl is None else f'{kl:.3g}':>9}")
+    lines.append(f"run {summary['run']} finished in {summary['seconds']:.0f}s; last checkpoint "
+                 f"{summary['checkpoint']}")
+    return lines

@@ -1,0 +1,33 @@
+"""The ``rollflow`` command line: one Typer app (:mod:`flows.cli.app`) whose commands live in the modules of this
+package, one per capability — tables (recompute, stage, inspect, validate, example, demo), training (train,
+train-step, logprobs, values), rollout (rollout, show), RLVR (score, rlvr-example), operations (server, deploy,
+report). Every command prints a readable result; user errors (bad input, bad config) print one message naming what,
+where and the fix, and exit with status 2."""
+
+from __future__ import annotations
+
+import sys
+
+from flows.cli import tables, training, rollout, rlvr, ops  # noqa: F401,I001  (each adds its commands; --help order)
+from flows.cli.app import app
+
+__all__ = ["app", "main"]
+
+
+def main() -> None:
+    try:
+        app()
+    except KeyboardInterrupt:
+        sys.exit(130)
+    except Exception:  # a bug, not a user error (those end in flows.cli.common.fail): the traceback, and where the log is
+        import logging
+        import traceback
+
+        from flows import console
+
+        traceback.print_exc()
+        if console.log_path() is not None:
+            logging.getLogger("rollflow").exception("the command failed", extra={"hide": True})  # the file only
+            print(f"the log of this command: {console.log_path()}", file=sys.stderr)
+        sys.exit(1)
+

@@ -1,0 +1,5 @@
+"""``python -m flows.cli COMMAND ...``: the rollflow command line."""
+
+from flows.cli import main
+
+main()

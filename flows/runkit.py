@@ -1,0 +1,177 @@
+"""The run kit both training flows (flows/agentic.py, flows/rlvr.py) and the recompute flow share: the run folder
+and its frozen config, the CPU budget, the kept workers, the stage tasks they have in common (log-probs, values,
+response-level rewards, advantages, the training step) and the metrics record of a stage. ``config`` in these
+functions is a training config of either pipeline (``TrainFlowConfig`` or ``RLVRTrainConfig``)."""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+from prefect import task
+from prefect.cache_policies import NO_CACHE
+
+from schemas.config import AdvantageSection, ResponseRewardSection
+from schemas.errors import RollflowError
+from stages.storage import Location
+
+log = logging.getLogger("rollflow.train")
+CONFIG_FILE = "config.json"
+RUN_LOG = "logs/rollflow.log"  # the command's log (flows/console.py), appended by every resume
+
+
+def run_folder(config) -> Location:
+    """The run folder ``<runs_dir>/<run_name>`` of a training config (either pipeline)."""
+    return Location.of(f"{config.runs_dir}/{config.run_name}")
+
+
+def run_log(config) -> tuple[str, str | None]:
+    """The run folder and its log file (None when the run folder is not local: the log stays in the cache)."""
+    import pyarrow.fs as pafs
+
+    run = run_folder(config)
+    local = isinstance(run.fs, pafs.LocalFileSystem)
+    return run.uri(), (f"{run.path}/{RUN_LOG}" if local else None)
+
+
+@dataclass
+class KeptWorkers:
+    """The workers a training flow keeps from one iteration to the next, besides the generation engines: the
+    forward workers (models loaded once, new checkpoints copied in place) and the training worker group (DeepSpeed
+    engines kept in memory). Started on first use; the flow closes them at its end."""
+
+    trainer: Any  # stages.train.group.TrainerGroup
+    forward: Any  # stages.train.stage.ForwardWorkers
+
+    @classmethod
+    def of(cls, config, run: str) -> "KeptWorkers":
+        from stages.train.group import TrainerGroup
+        from stages.train.stage import ForwardWorkers
+
+        return cls(TrainerGroup(config.train_step_config().runtime, storage=run), ForwardWorkers(config.logprobs))
+
+    def close(self) -> None:
+        self.trainer.close()
+        self.forward.close()
+
+
+def stage_task(name: str):
+    """A Prefect task around one stage call: no Prefect caching (the runner's manifests decide what is done)."""
+    return task(name=name, cache_policy=NO_CACHE, retries=0)
+
+
+@stage_task("logprobs")
+def logprobs_task(config, samples: str, checkpoint: str, reference: str, output: str,
+                  workers: KeptWorkers | None = None) -> Any:
+    from stages.train.stage import run_logprobs
+
+    return run_logprobs(samples, checkpoint, config.logprobs, output, reference=reference,
+                        workers=workers.forward if workers else None)
+
+
+@stage_task("values")
+def values_task(config, samples: str, checkpoint: str, output: str,
+                workers: KeptWorkers | None = None) -> Any:
+    from stages.train.stage import run_values
+
+    return run_values(samples, checkpoint, config.logprobs, output, workers=workers.forward if workers else None)
+
+
+@stage_task("response_rewards")
+def rewards_task(rewards: ResponseRewardSection, samples: str, output: str, *, force: bool = False,
+                 batch_rows: int = 1024) -> Any:
+    """Response-level rewards of a samples table (agentic flow and recompute flow)."""
+    from stages.recompute import ResponseRewardsStage
+    from stages.runner import run_stage
+
+    return run_stage(ResponseRewardsStage(), rewards, {"samples": samples}, output, force=force, batch_rows=batch_rows)
+
+
+@stage_task("advantages")
+def advantages_task(advantages: AdvantageSection, samples: str, rewarded: str, output: str, state_in: dict | None,
+                    *, force: bool = False, batch_rows: int = 1024) -> Any:
+    """Token rewards and advantages of a samples table and its rewarded rows; ``state_in`` carries the KL
+    controller of the previous iteration (agentic flow and recompute flow)."""
+    from stages.recompute import AdvantagesStage
+    from stages.runner import run_stage
+
+    return run_stage(AdvantagesStage(), advantages, {"samples": samples, "rewarded": rewarded}, output,
+                     state_in=state_in, force=force, batch_rows=batch_rows)
+
+
+@stage_task("train")
+def train_task(config, iteration: int, samples: str, checkpoint: str, output: str,
+               workers: KeptWorkers | None = None) -> Any:
+    """The training step of ``iteration``: DeepSpeed's state is written every ``train.save_steps`` iterations and at
+    the last, weights and a replay record otherwise."""
+    from stages.train.stage import run_train_step
+
+    train = config.train_step_config()
+    return run_train_step(samples, checkpoint, train, output, label=f"[iteration {iteration}] train",
+                          trainer=workers.trainer if workers else None,
+                          full_state=train.full_state_at(iteration, config.max_steps))
+
+
+def record(metrics, iteration: int, stage: str, result: Any, values: dict | None = None, *,
+           label: str | None = None) -> dict[str, float]:
+    """Log a stage result's numeric, finite metrics (or ``values``) and its wall time under (iteration, stage),
+    print a progress line headed ``[label]`` (default ``[iteration <iteration>]``), and return the logged values.
+    A stage skipped on resume keeps the record of the run that computed it (its real wall time); it is logged only
+    when that record is missing (killed between the commit and the metrics)."""
+    raw = values if values is not None else (getattr(result, "metrics", None) or {})
+    logged = {k: float(v) for k, v in raw.items() if isinstance(v, (int, float)) and v == v}
+    seconds = getattr(result, "seconds", None)
+    skipped = getattr(result, "skipped", False)
+    if not (skipped and metrics.has(iteration, stage)):
+        metrics.log(iteration, stage, logged, wall_s=seconds)
+    done = "committed earlier, skipped" if skipped else f"{seconds or 0:.0f}s"
+    print(f"[{label or f'iteration {iteration}'}] {stage:<16} {done}", flush=True)
+    return logged
+
+
+def start_run(config, cfg: dict, max_model_len: int):
+    """The set-up both training flows share: freeze ``cfg`` in the run folder (refusing a different one), start or
+    join Ray, check the CPU budget, resolve the initial policy, and make the engine pool (built on first use).
+    Returns (run folder, initial policy folder, pool)."""
+    from stages.cluster import ensure_ray
+    from stages.rollout.driver import resolve_model_dir
+    from stages.rollout.engine_pool import EnginePool
+
+    run = run_folder(config)
+    save_run_config(run, cfg)
+    settings = ensure_ray(config.runtime.ray_address, config.runtime.num_cpus)
+    check_cpu_budget(config, float(settings["cpus"] or 0))
+    base = resolve_model_dir(config.pretrain)
+    return run, base, EnginePool(config.generation_engine(), base, max_model_len)
+
+
+def save_run_config(run: Location, cfg: dict) -> None:
+    """Freeze the run's config next to its outputs (what ``--resume`` reads). Refuses a different config."""
+    path = run.child(CONFIG_FILE)
+    if path.exists():
+        old = json.loads(path.read_text())
+        if old != cfg:
+            raise RollflowError(f"run folder {run.path} was started with another config; resume it with "
+                                f"`rollflow train --resume {run.path}`, or choose a new run_name")
+        return
+    run.fs.create_dir(run.path, recursive=True)
+    path.write_text(json.dumps(cfg, indent=1, sort_keys=True))
+
+
+def check_cpu_budget(config, cluster_cpus: float) -> None:
+    """The engine actors live for the whole run, so the log-prob actors and the training workers must fit beside
+    them with a CPU left for Ray Data's read/write tasks; otherwise Ray Data waits forever (STACK.md). ``config``:
+    a training config (:class:`TrainFlowConfig` or ``RLVRTrainConfig``)."""
+    engine = config.generation_engine()
+    engines = engine.num_cpus_per_engine * engine.num_engines
+    forward = config.logprobs.cpus_per_actor
+    train = config.train.runtime.cpus_per_worker * config.train.runtime.num_workers
+    need = engines + max(forward + 0.5, train)  # log-prob actors run next to Ray Data's read/write tasks
+    if need > cluster_cpus:
+        raise RollflowError(
+            f"the run needs {need:g} CPUs of Ray's {cluster_cpus:g}: engines hold {engines:g} for the whole run, "
+            f"log-prob actors {forward:g} plus a share for Ray Data's tasks, training workers {train:g}; otherwise "
+            "a stage would wait forever. Set num_cpus_per_engine: 0 in the engine section (the engine idles outside "
+            "generation), or lower train.runtime.num_workers / cpus_per_worker, or logprobs.cpus_per_actor")
