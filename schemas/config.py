@@ -13,9 +13,11 @@ from typing import Any, Literal, TypeVar
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from schemas.capabilities import ESTIMATOR_CAPABILITIES, estimator_capabilities
 from schemas.errors import ConfigError
 
-AdvEstimator = Literal["gae", "reinforce", "grpo", "gigpo", "step_reinforce", "agentic_reinforce"]
+# the names of the capability table's rows (gae, reinforce, grpo, gigpo, step_reinforce, agentic_reinforce)
+AdvEstimator = Literal[tuple(ESTIMATOR_CAPABILITIES)]  # type: ignore[valid-type]
 NormType = Literal["batch", "group", "running"]
 KLPenalty = Literal["kl", "abs", "mse", "k3", "full"]
 
@@ -113,7 +115,7 @@ class RecomputeConfig(AlgorithmConfig):
     def _group_rules(self) -> "RecomputeConfig":
         rn = self.reward_normalization
         grouped = rn.grouping != "batch" and (rn.method != "identity" or rn.norm_mean_type or rn.norm_std_type)
-        if self.adv_estimator in ("grpo", "gigpo") and grouped and rn.grouping == "traj_group_id" \
+        if estimator_capabilities(self.adv_estimator).group_relative and grouped and rn.grouping == "traj_group_id" \
                 and self.group_size is not None and self.group_size < 2:
             raise ValueError(f"group_size ({self.group_size}) must be at least 2 with adv_estimator "
                              f"{self.adv_estimator} and grouping traj_group_id, because a group of one has no "

@@ -12,11 +12,10 @@ from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
+from schemas.capabilities import estimator_capabilities
 from schemas.config import AdvantageOptions, AdvantageSection, AdvEstimator, Frozen, RuntimeConfig
 
 RLVRNormType = Literal["batch", "group", "running"]
-# §3.3: estimators whose RLVR reward normalisation is forced to (group, group).
-GROUP_NORM_ESTIMATORS = frozenset({"grpo"})
 
 
 class RewardRouteConfig(Frozen):
@@ -75,17 +74,15 @@ class RLVRConfig(AdvantageOptions):
 
     @model_validator(mode="after")
     def _rlvr_rules(self) -> "RLVRConfig":
-        from stages.algos.estimators import ADVANTAGE_ESTIMATORS  # the registry's capabilities (lazy: schemas → algos)
-
-        if ADVANTAGE_ESTIMATORS.get(self.adv_estimator).agentic_only:
+        est = estimator_capabilities(self.adv_estimator)
+        if est.agentic_only:
             raise ValueError(f"adv_estimator '{self.adv_estimator}' is agentic-only, because its returns follow the "
                              "turn segments of multi-turn trajectories and an RLVR response has one segment; use "
                              "grpo, reinforce or gae")
         n = self.num_return_sequences_in_group
-        group_norm = self.adv_estimator in GROUP_NORM_ESTIMATORS or "group" in (self.norm_mean_type,
-                                                                                self.norm_std_type)
+        group_norm = est.forces_group_norm or "group" in (self.norm_mean_type, self.norm_std_type)
         if group_norm and n < 2:
-            why = (f"adv_estimator {self.adv_estimator} normalises" if self.adv_estimator in GROUP_NORM_ESTIMATORS
+            why = (f"adv_estimator {self.adv_estimator} normalises" if est.forces_group_norm
                    else "norm_mean_type/norm_std_type 'group' normalises")
             raise ValueError(f"num_return_sequences_in_group ({n}) must be at least 2, because {why} each prompt's "
                              "rewards by their group mean/std and a group of one has no spread; set "

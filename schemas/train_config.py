@@ -17,6 +17,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BeforeValidator, Field, model_validator
 
+from schemas.capabilities import POLICY_LOSS_CAPABILITIES, estimator_capabilities
 from schemas.config import AdvEstimator, Frozen, RuntimeConfig
 from schemas.loss_config import LossOptions
 from schemas.precision import short_validator
@@ -103,8 +104,8 @@ class TrainSection(LossOptions):
     The loss options (``pg_clip``, ``loss_agg_mode``, ``train_infer_correction``, ...) are :class:`LossOptions`'s."""
 
     adv_estimator: AdvEstimator = Field("gae", description="Only to know whether a critic is trained (gae).")
-    policy_loss: Literal["agentic", "base", "rlvr"] = Field("agentic", description="Actor loss (registry "
-                                                            "POLICY_LOSSES): agentic §6.3, base §6.4, rlvr §6.5.")
+    policy_loss: Literal[tuple(POLICY_LOSS_CAPABILITIES)] = Field(  # type: ignore[valid-type]
+        "agentic", description="Actor loss (registry POLICY_LOSSES): agentic §6.3, base §6.4, rlvr §6.5.")
     ppo_epochs: int = Field(1, gt=0, description="Passes over the table per training step.")
     value_clip: float | None = Field(None, description="Critic value clipping (null: off).")
     critic_warmup: int = Field(0, ge=0, description="Train only the critic while the step count is below this.")
@@ -114,10 +115,8 @@ class TrainSection(LossOptions):
 
     @property
     def needs_critic(self) -> bool:
-        """Whether the estimator uses critic values (the registry's capability, not a name test)."""
-        from stages.algos.estimators import ADVANTAGE_ESTIMATORS
-
-        return ADVANTAGE_ESTIMATORS.get(self.adv_estimator).needs_critic
+        """Whether the estimator uses critic values (the table's capability, not a name test)."""
+        return estimator_capabilities(self.adv_estimator).needs_critic
 
     def loss_config(self) -> LossOptions:
         """The loss options alone (what ``stages.losses`` reads), without the section's own fields."""

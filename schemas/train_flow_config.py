@@ -11,6 +11,7 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
+from schemas.capabilities import estimator_capabilities, policy_loss_capabilities
 from schemas.config import AlgorithmConfig, Frozen, RuntimeConfig
 from schemas.rollout_config import RolloutConfig
 from schemas.train_config import ForwardConfig, TrainStepConfig, estimator_into_train
@@ -68,15 +69,13 @@ class TrainFlowConfig(AlgorithmConfig):
                 raise ValueError(f"rollout_batch_size ({self.rollout_batch_size}) must equal rollout.env.num_env_groups"
                                  f" x group_size ({episodes}), because every group is rolled out once per iteration; "
                                  f"set rollout.env.num_env_groups to {self.rollout_batch_size // env.group_size}")
-        from stages.algos.estimators import ADVANTAGE_ESTIMATORS
-
-        est = ADVANTAGE_ESTIMATORS.get(self.adv_estimator)
+        est = estimator_capabilities(self.adv_estimator)
         if est.needs_step_rows and self.rollout.sample_level != "step":
             raise ValueError(f"adv_estimator {self.adv_estimator} needs one sample per environment step (discounted "
                              f"step returns, anchor states), but rollout.sample_level is "
                              f"'{self.rollout.sample_level}'; set rollout.sample_level: step")
-        if self.adv_estimator == "agentic_reinforce" and self.rollout.sample_level != "trajectory":
-            raise ValueError("adv_estimator agentic_reinforce computes returns over the turns (segments) of one "
+        if est.needs_trajectory_rows and self.rollout.sample_level != "trajectory":
+            raise ValueError(f"adv_estimator {self.adv_estimator} computes returns over the turns (segments) of one "
                              "trajectory row; set rollout.sample_level: trajectory")
         rn = self.reward_normalization
         grouped = rn.grouping == "traj_group_id" and (rn.method != "identity" or rn.norm_std_type == "group")
@@ -84,13 +83,13 @@ class TrainFlowConfig(AlgorithmConfig):
             raise ValueError(f"rollout.env.group_size ({env.group_size}) must be at least 2 when rewards are "
                              "normalised per traj_group_id, because a group of one has no spread and every reward "
                              "would become 0; set rollout.env.group_size: 8")
-        if self.adv_estimator == "gigpo" and self.episode_reward_weight == 0 and self.step_reward_weight == 0:
+        if est.response_reward == "gigpo" and self.episode_reward_weight == 0 and self.step_reward_weight == 0:
             raise ValueError("episode_reward_weight and step_reward_weight are both 0, so GiGPO rewards would be 0; "
                              "set episode_reward_weight: 1.0")
         if self.episode_reward_weight < 0 or self.step_reward_weight < 0:
             raise ValueError("episode_reward_weight and step_reward_weight must be >= 0, because a negative weight "
                              "rewards failure; use 0 to switch a part off")
-        if self.train.ratio_type == "segment" and self.train.policy_loss != "agentic":
+        if not policy_loss_capabilities(self.train.policy_loss).offers_level("ratio_type", self.train.ratio_type):
             raise ValueError("train.ratio_type segment (GSPO-style per-turn ratio) is a feature of the agentic loss; "
                              "set train.policy_loss: agentic")
         if (self.add_token_level_kl or self.train.use_kl_loss) and not self.logprobs.enable_reference:

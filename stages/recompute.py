@@ -26,21 +26,16 @@ GROUPING_COLUMNS = {"traj_group_id": "group_id", "tags": "tag", "traj_id": "traj
 NARROW = ["row_id", "group_id", "traj_id", "turn_idx", "num_turns", "tag", "score", "episode_score"]
 
 
-def _estimator(name: str):
-    from stages.algos.estimators import ADVANTAGE_ESTIMATORS
-
-    return ADVANTAGE_ESTIMATORS.get(name)
-
-
 # ---- response-level rewards -------------------------------------------------------------------------------------
 
 def response_rewards_table(table: pa.Table, section: ResponseRewardSection, where: str) -> tuple[pa.Table, dict]:
     """Whole narrow ``samples`` table → ``rewarded`` table (row_id + reward columns) and metrics (spec §5.1, §5.4)."""
+    from stages.algos.estimators import estimator
     from stages.algos.response_rewards import RewardNormSettings, compute_response_level_rewards, discounted_returns
 
     check_row_invariants(SAMPLES, table, where)
     check_structure(table, where, section.group_size)
-    est = _estimator(section.adv_estimator)
+    est = estimator(section.adv_estimator)
     col = {name: table.column(name).to_numpy(zero_copy_only=False) for name in table.column_names}
     if est.needs_step_rows and ("state_hash" not in col and est.response_reward == "gigpo"):
         raise SchemaError(f"samples table at {where}: adv_estimator {section.adv_estimator} groups steps by anchor "
@@ -243,7 +238,9 @@ class AdvantagesStage(Stage):
     input_specs = {"samples": SAMPLES, "rewarded": REWARDED}
 
     def required_columns(self, section: AdvantageSection) -> dict[str, tuple[str, ...]]:
-        needs: tuple[str, ...] = ("values",) if _estimator(section.adv_estimator).needs_critic else ()
+        from stages.algos.estimators import estimator
+
+        needs: tuple[str, ...] = ("values",) if estimator(section.adv_estimator).needs_critic else ()
         if section.add_token_level_kl:
             needs += ("old_log_probs", "ref_log_probs")
         return {"samples": needs}

@@ -20,7 +20,7 @@ from typing import Mapping
 import numpy as np
 
 from schemas.errors import ConfigError, InvariantError
-from stages.algos.estimators import ADVANTAGE_ESTIMATORS
+from stages.algos.estimators import estimator as get_estimator
 from stages.algos.functional import (as_mask, can_whiten, clip_fraction, masked_clip_fraction, whiten_partials,
                                      whiten_stats_from_partials, whiten_with)
 from stages.algos.kl import approx_kl
@@ -90,7 +90,7 @@ def advantage_recursion(token_level_rewards: Ragged, mask: np.ndarray, estimator
     if is_pure_opd:  # step 3: advantages = returns = raw_advantages = −K; rewards untouched
         minus_k = rewards.with_values(-np.asarray(opd_kl, dtype=np.float32))
         return AdvantageResult(minus_k, minus_k, minus_k, rewards, None)
-    entry = ADVANTAGE_ESTIMATORS.get(estimator)
+    entry = get_estimator(estimator)
     r = rewards.values
     if whiten_rewards:
         stats = reward_stats if reward_stats is not None else _local_stats(r, m)

@@ -1,7 +1,10 @@
-"""The advantage-estimator registry: one entry per ``adv_estimator`` with its capabilities (spec §4.3-4.5, §5.4).
+"""The advantage-estimator registry: one entry per ``adv_estimator`` (spec §4.3-4.5, §5.4).
 
-Callers look an estimator up once (``ADVANTAGE_ESTIMATORS.get(name)``) and read its fields; nobody branches on the
-name. The token recursion of every entry has one signature::
+An entry is the estimator's row of the capability table (:data:`schemas.capabilities.ESTIMATOR_CAPABILITIES`:
+``needs_critic``, ``needs_step_rows``, ``response_reward``, ...) plus its token recursion; this module adds only the
+recursions, so the registry and the table the config validates against cannot disagree. Code gets an estimator
+through :func:`estimator` (the one lookup) and reads its fields; nobody branches on the name. The token recursion of
+every entry has one signature::
 
     token_recursion(rewards, mask, values, gamma, lambd, roll_compat) -> (advantages, returns)
 
@@ -11,39 +14,35 @@ GAE compatibility switch (ignored by the others).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Callable, Literal
+from dataclasses import asdict, dataclass, field
+from typing import Callable
 
 import numpy as np
 
+from schemas.capabilities import ESTIMATOR_CAPABILITIES, EstimatorCapabilities, ResponseReward
 from schemas.errors import InvariantError
 from stages.algos.ragged import Ragged
 from stages.algos.returns import agentic_reinforce_returns, gae, reinforce_returns
 from stages.registry import Registry
 
 TokenRecursion = Callable[[Ragged, np.ndarray, "Ragged | None", float, float, bool], tuple[Ragged, Ragged]]
-ResponseReward = Literal["episode", "step_return", "gigpo"]
+
+__all__ = ["ADVANTAGE_ESTIMATORS", "AdvantageEstimator", "ResponseReward", "TokenRecursion", "estimator"]
 
 
 @dataclass(frozen=True)
-class AdvantageEstimator:
-    """What an ``adv_estimator`` needs and does.
+class AdvantageEstimator(EstimatorCapabilities):
+    """An estimator's capabilities (its table row) and its ``token_recursion``."""
 
-    ``needs_critic``: uses critic values (GAE). ``needs_step_rows``: needs one row per env step with discounted step
-    returns (§5.1). ``response_reward``: which response-level reward it trains on (§5.4): ``episode`` (normalised
-    episode/response score), ``step_return`` (normalised discounted step return), ``gigpo`` (episode + step mix).
-    ``agentic_only``: not available in the RLVR pipeline (ROLL's RLVR ``compute_advantage`` rejects it).
-    """
-
-    name: str
-    needs_critic: bool
-    token_recursion: TokenRecursion
-    needs_step_rows: bool
-    response_reward: ResponseReward
-    agentic_only: bool = False
+    token_recursion: TokenRecursion = field(kw_only=True)
 
 
 ADVANTAGE_ESTIMATORS: Registry[AdvantageEstimator] = Registry("advantage estimator")
+
+
+def estimator(name: str) -> AdvantageEstimator:
+    """The registered estimator ``name`` (the one lookup; KeyError names the known estimators)."""
+    return ADVANTAGE_ESTIMATORS.get(name)
 
 
 def _gae_recursion(rewards: Ragged, mask: np.ndarray, values: Ragged | None, gamma: float, lambd: float,
@@ -66,19 +65,15 @@ def _segment_returns(rewards: Ragged, mask: np.ndarray, values: Ragged | None, g
     return g, g
 
 
-def _register(entry: AdvantageEstimator) -> None:
-    ADVANTAGE_ESTIMATORS.register(entry.name)(entry)
+def _register(name: str, token_recursion: TokenRecursion) -> None:
+    """Register ``name``'s table row with its recursion (a name without a row is a KeyError here)."""
+    ADVANTAGE_ESTIMATORS.register(name)(AdvantageEstimator(**asdict(ESTIMATOR_CAPABILITIES[name]),
+                                                           token_recursion=token_recursion))
 
 
-_register(AdvantageEstimator("gae", needs_critic=True, token_recursion=_gae_recursion, needs_step_rows=False,
-                             response_reward="episode"))
-_register(AdvantageEstimator("reinforce", needs_critic=False, token_recursion=_reward_to_go, needs_step_rows=False,
-                             response_reward="episode"))
-_register(AdvantageEstimator("grpo", needs_critic=False, token_recursion=_reward_to_go, needs_step_rows=False,
-                             response_reward="episode"))
-_register(AdvantageEstimator("gigpo", needs_critic=False, token_recursion=_reward_to_go, needs_step_rows=True,
-                             response_reward="gigpo"))
-_register(AdvantageEstimator("step_reinforce", needs_critic=False, token_recursion=_reward_to_go,
-                             needs_step_rows=True, response_reward="step_return"))
-_register(AdvantageEstimator("agentic_reinforce", needs_critic=False, token_recursion=_segment_returns,
-                             needs_step_rows=False, response_reward="episode", agentic_only=True))
+_register("gae", _gae_recursion)
+_register("reinforce", _reward_to_go)
+_register("grpo", _reward_to_go)
+_register("gigpo", _reward_to_go)
+_register("step_reinforce", _reward_to_go)
+_register("agentic_reinforce", _segment_returns)

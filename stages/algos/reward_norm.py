@@ -18,14 +18,13 @@ from typing import NamedTuple
 
 import numpy as np
 
+from schemas.capabilities import estimator_capabilities
 from schemas.errors import ConfigError, InvariantError
 
 STD_EPS = 1e-6  # added to every std before dividing (§0.3)
 KNOWN_METHODS = ("identity", "mean", "mean_std", "asym_clip")
 AGENTIC_NORM_TYPES = (None, "batch", "group")
 RLVR_NORM_TYPES = (None, "batch", "group", "running")
-# §3.3: RLVR estimators whose reward normalisation is forced to per-prompt group mean/std.
-_FORCES_GROUP_NORM = frozenset({"grpo"})
 
 
 class NormTypes(NamedTuple):
@@ -63,8 +62,9 @@ def resolve_norm_types(grouping: str = "batch", method: str | None = "identity",
 
 def resolve_rlvr_norm_types(adv_estimator: str, norm_mean_type: str | None,
                             norm_std_type: str | None) -> NormTypes:
-    """§3.3 step 1 as a resolved value (the config is never mutated): ``grpo`` forces ``(group, group)``."""
-    if adv_estimator in _FORCES_GROUP_NORM:
+    """§3.3 step 1 as a resolved value (the config is never mutated): an estimator whose table row says
+    ``forces_group_norm`` (``grpo``) forces ``(group, group)``."""
+    if estimator_capabilities(adv_estimator).forces_group_norm:
         return NormTypes("group", "group")
     return NormTypes(norm_mean_type, norm_std_type)
 

@@ -6,9 +6,12 @@ Imports numpy and the standard library only. Use :func:`make_env` to build an en
 
 from stages.envs.base import METRICS_AGG_MODE, EnvStateError, TextEnv, retry_seed
 from stages.envs.parser import ParsedAction, default_parser_action_func, parse_action
-from stages.envs.registry import (ENVIRONMENTS, EnvSpec, make_demo_env, make_env, preview, register_env,
+from stages.envs.registry import (ENVIRONMENTS, EnvSpec, env_spec, make_demo_env, make_env, preview, register_env,
                                   restore_env)
 
-__all__ = ["ENVIRONMENTS", "EnvSpec", "EnvStateError", "METRICS_AGG_MODE", "ParsedAction", "TextEnv",
+# the built-in environments: each module registers its own tags at import (GEM's only when gem-llm is installed)
+from stages.envs import frozen_lake, gem_adapter, single_turn, sokoban, webshop  # noqa: F401
+
+__all__ = ["ENVIRONMENTS", "EnvSpec", "EnvStateError", "env_spec", "METRICS_AGG_MODE", "ParsedAction", "TextEnv",
            "default_parser_action_func", "make_demo_env", "make_env", "parse_action", "preview", "register_env",
            "restore_env", "retry_seed"]

@@ -15,6 +15,7 @@ from schemas.errors import ConfigError
 from stages.envs.base import (EnvStateError, TextEnv, check_seed, fresh_seed, int_keyed, retry_seed,
                               step_info)
 from stages.envs.parser import DEFAULT_ACTION_PATTERN, DEFAULT_SPECIAL_TOKENS, ActionParser
+from stages.envs.registry import ROLL_MAX_STEPS, EnvSpec, register_env
 
 LEFT, DOWN, RIGHT, UP = 0, 1, 2, 3
 ACTION_LOOKUP = {LEFT: "Left", DOWN: "Down", RIGHT: "Right", UP: "Up"}
@@ -275,3 +276,12 @@ class FrozenLakeEnv(TextEnv):
                                 "the string get_state() returned by an env with the same size")
         self._set_map(desc)
         self.s, self.seed, self.step_count, self._rng = pos, seed, steps, (rng_state, inc)
+
+
+# ---- registration (spec §9; ROLL example configs) -----------------------------------------------------------------
+register_env("FrozenLake", EnvSpec(
+    FrozenLakeEnv, {"is_slippery": False, "max_steps": ROLL_MAX_STEPS, "format_penalty": -0.01},
+    ends_at_max_steps=False, description="4x4 FrozenLake, not slippery (ROLL example config)"))
+register_env("FrozenLakeSlippery", EnvSpec(
+    FrozenLakeEnv, {"is_slippery": True, "max_steps": ROLL_MAX_STEPS, "format_penalty": -0.01},
+    ends_at_max_steps=False, stochastic=True, description="4x4 FrozenLake, slippery (gymnasium 1/3 dynamics)"))

@@ -44,6 +44,7 @@ import numpy as np
 from schemas.errors import ConfigError
 from stages.envs.base import (STATE_VERSION, EnvStateError, TextEnv, check_seed, dumps_compact, fresh_seed, jsonable,
                               step_info)
+from stages.envs.registry import ENVIRONMENTS, EnvSpec, register_env
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 GEM_DATA_DIR = REPO_ROOT / "data" / "gem"
@@ -614,10 +615,10 @@ def gem_installed() -> bool:
 
 
 def register_gem_envs() -> list[str]:
-    """Register the GEM environments in rollflow's registry (nothing if gem-llm is not installed); returns the tags."""
+    """Register the GEM environments in rollflow's registry (nothing if gem-llm is not installed); returns the tags.
+    Runs at import of this module; calling it again registers nothing new."""
     if not gem_installed():
         return []
-    from stages.envs.registry import ENVIRONMENTS, EnvSpec, register_env
 
     def add(tag: str, spec: EnvSpec) -> None:
         if tag not in ENVIRONMENTS:
@@ -642,3 +643,6 @@ def register_gem_envs() -> list[str]:
                        description="any GEM env by id: env_config {env_id: 'game:Sudoku-v0-hard'} or 'rg:<task>'"))
     tags.append("gem")
     return tags
+
+
+register_gem_envs()

@@ -24,6 +24,7 @@ from typing import Any, Mapping, Sequence
 from schemas.errors import ConfigError
 from stages.envs.base import EnvStateError, TextEnv, check_seed, fresh_seed, step_info
 from stages.envs.parser import DEFAULT_ACTION_PATTERN, DEFAULT_SPECIAL_TOKENS, ActionParser
+from stages.envs.registry import EnvSpec, register_env
 
 TERMINAL_STATE = "TERMINAL_STATE"  # GEM's observation after a single-turn episode ended
 MATH_INSTRUCTION = ("Solve the math problem. Reason step by step, then put the final answer within \\boxed{}.")
@@ -285,3 +286,18 @@ class GemQAEnv(_SingleTurnEnv):
     def _is_correct(self, answer: str) -> bool:
         predicted = normalize_qa_answer(answer)
         return any(predicted == normalize_qa_answer(gold) for gold in self._gold_answers())
+
+
+# ---- registration (demo data: a self-contained instance for ``rollflow show`` and the contract test) --------------
+_DEMO_MATH = ({"question": "What is 2 + 3?", "answer": "5"},
+              {"question": "Compute 12 / 4.", "answer": "3"},
+              {"question": "Simplify 6/8 to lowest terms.", "answer": "\\frac{3}{4}"})
+_DEMO_QA = ({"question": "What is the capital of France?", "answer": "Paris"},
+            {"question": "Which planet is known as the Red Planet?", "answer": ["Mars", "planet Mars"]})
+
+register_env("GemMath", EnvSpec(
+    GemMathEnv, {}, multi_turn=False, needs_data=True, demo_kwargs={"data": _DEMO_MATH},
+    description="single-turn math, answer in \\boxed{}, reward 1/0 (data: data=[...] or data_path=.jsonl)"))
+register_env("GemQA", EnvSpec(
+    GemQAEnv, {}, multi_turn=False, needs_data=True, demo_kwargs={"data": _DEMO_QA},
+    description="single-turn QA, answer in <answer></answer>, reward 1/0 (data: data=[...] or data_path=.jsonl)"))

@@ -16,6 +16,7 @@ import numpy as np
 from schemas.errors import ConfigError
 from stages.envs.base import EnvStateError, TextEnv, check_seed, fresh_seed, int_keyed, retry_seed, step_info
 from stages.envs.parser import DEFAULT_ACTION_PATTERN, DEFAULT_SPECIAL_TOKENS, ActionParser
+from stages.envs.registry import ROLL_MAX_STEPS, EnvSpec, register_env
 from stages.envs.sokoban_levels import (BOX, BOX_ON_TARGET, FLOOR, PLAYER, TARGET, NoSolvableLevel, NotEnoughSpace,
                                         generate_room, num_gen_steps)
 
@@ -266,3 +267,20 @@ def shortest_solution(room_fixed: Sequence[int], room_state: Sequence[int], widt
                 return path[::-1]
             frontier.append((node, depth + 1))
     return None
+
+
+# ---- registration (spec §9; ROLL example configs) -----------------------------------------------------------------
+register_env("SimpleSokoban", EnvSpec(
+    SokobanEnv, {"dim_room": (6, 6), "num_boxes": 1, "max_steps": ROLL_MAX_STEPS, "format_penalty": -0.15},
+    description="6x6 Sokoban, 1 box"))
+register_env("LargerSokoban", EnvSpec(
+    SokobanEnv, {"dim_room": (10, 10), "num_boxes": 2, "search_depth": 10, "max_steps": ROLL_MAX_STEPS,
+                 "format_penalty": -0.15},
+    description="10x10 Sokoban, 2 boxes, search_depth 10"))
+register_env("SokobanDifferentGridVocab", EnvSpec(
+    SokobanEnv, {"dim_room": (6, 6), "num_boxes": 1, "search_depth": 30, "max_steps": ROLL_MAX_STEPS,
+                 "format_penalty": -0.15,
+                 "grid_lookup": {0: "W", 1: ".", 2: "G", 3: "C", 4: "B", 5: "A", 6: "@"},
+                 "grid_vocab": {"W": "wall", ".": "empty", "G": "target", "C": "box on target", "B": "box",
+                                "A": "player", "@": "player on target"}},
+    description="6x6 Sokoban, 1 box, alternative symbols"))

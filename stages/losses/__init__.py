@@ -6,7 +6,7 @@ stream; normalisers are global counts over the mini-batch (``loss_normalisers``,
 """
 
 from stages.losses.actor import (POLICY_LOSSES, PolicyLoss, agentic_actor_loss, base_actor_loss, clipped_surrogate,
-                                 rlvr_actor_loss, sample_weights)
+                                 policy_loss, rlvr_actor_loss, sample_weights)
 from stages.losses.aggregation import LOSS_AGG_MODES, agg_loss
 from stages.losses.config import LossConfig, LossInputs
 from stages.losses.critic import critic_loss
@@ -17,7 +17,7 @@ from stages.losses.train_infer import (FilterConfig, IsWeightConfig, TrainInferC
                                        apply_train_infer_correction_to_batch, compute_train_infer_correction)
 
 __all__ = [
-    "POLICY_LOSSES", "PolicyLoss", "agentic_actor_loss", "base_actor_loss", "rlvr_actor_loss", "clipped_surrogate",
+    "POLICY_LOSSES", "PolicyLoss", "policy_loss", "agentic_actor_loss", "base_actor_loss", "rlvr_actor_loss", "clipped_surrogate",
     "sample_weights", "critic_loss", "LOSS_AGG_MODES", "agg_loss", "LossConfig", "LossInputs", "approx_kl",
     "entropy_from_logits", "log_probs_from_logits", "loss_normalisers", "masked_mean", "masked_sum",
     "op_compute_entropy", "op_compute_log_probs", "segment_masked_mean", "token_entropy", "token_log_probs",

@@ -1,9 +1,10 @@
 """Actor (policy) losses: agentic (spec §6.3), base (§6.4) and RLVR (§6.5), and the policy-loss registry.
 
 Every entry of ``POLICY_LOSSES`` is ``loss(inputs: LossInputs, cfg: LossConfig) -> (total_loss, metrics)``: a scalar
-tensor to back-propagate and a dict of floats under ROLL's metric names. Entries carry their capabilities: ``levels``
-(the importance-ratio granularities they offer and the config field choosing one) and ``uses_final_mask`` (RLVR:
-pass ``final_mask`` and its global counts).
+tensor to back-propagate and a dict of floats under ROLL's metric names. An entry is the loss's row of the capability
+table (:data:`schemas.capabilities.POLICY_LOSS_CAPABILITIES`: ``levels``, the importance-ratio granularities it offers,
+and ``level_field``, the config field choosing one; ``uses_final_mask``, RLVR: pass ``final_mask`` and its global
+counts) plus the loss function; :func:`policy_loss` is the one lookup.
 
 Train/infer correction: when ``inputs.train_infer_is_weight`` is given, the correction ran upstream
 (``apply_train_infer_correction_to_batch``, ROLL's recompute-on path) and the loss only applies the weight;
@@ -12,11 +13,12 @@ otherwise the loss runs it (ROLL's recompute-off path). The base loss has no cor
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Callable
 
 import torch
 
+from schemas.capabilities import POLICY_LOSS_CAPABILITIES, PolicyLossCapabilities
 from schemas.errors import InvariantError
 from stages.losses.aggregation import agg_loss
 from stages.losses.config import LossConfig, LossInputs, difficulty_array
@@ -28,18 +30,21 @@ Metrics = dict[str, float]
 
 
 @dataclass(frozen=True)
-class PolicyLoss:
-    """A registered policy loss and its capabilities."""
-    fn: Callable[[LossInputs, LossConfig], tuple[torch.Tensor, Metrics]]
-    levels: tuple[str, ...]
-    level_field: str | None = None
-    uses_final_mask: bool = False
+class PolicyLoss(PolicyLossCapabilities):
+    """A registered policy loss: its capabilities (its table row) and its function ``fn``."""
+
+    fn: Callable[[LossInputs, LossConfig], tuple[torch.Tensor, Metrics]] = field(kw_only=True)
 
     def __call__(self, inputs: LossInputs, cfg: LossConfig) -> tuple[torch.Tensor, Metrics]:
         return self.fn(inputs, cfg)
 
 
 POLICY_LOSSES: Registry[PolicyLoss] = Registry("policy loss")
+
+
+def policy_loss(name: str) -> PolicyLoss:
+    """The registered policy loss ``name`` (the one lookup; KeyError names the known losses)."""
+    return POLICY_LOSSES.get(name)
 
 
 # ---- building blocks ------------------------------------------------------------------------------------------
@@ -304,7 +309,11 @@ def rlvr_actor_loss(inputs: LossInputs, cfg: LossConfig) -> tuple[torch.Tensor, 
 
 # ---- registry ---------------------------------------------------------------------------------------------------
 
-POLICY_LOSSES.register("agentic")(PolicyLoss(agentic_actor_loss, ("token", "segment"), "ratio_type"))
-POLICY_LOSSES.register("base")(PolicyLoss(base_actor_loss, ("token",)))
-POLICY_LOSSES.register("rlvr")(PolicyLoss(rlvr_actor_loss, ("token", "seq"), "importance_sampling",
-                                          uses_final_mask=True))
+def _register(name: str, fn: Callable[[LossInputs, LossConfig], tuple[torch.Tensor, Metrics]]) -> None:
+    """Register ``name``'s table row with its function (a name without a row is a KeyError here)."""
+    POLICY_LOSSES.register(name)(PolicyLoss(**asdict(POLICY_LOSS_CAPABILITIES[name]), fn=fn))
+
+
+_register("agentic", agentic_actor_loss)
+_register("base", base_actor_loss)
+_register("rlvr", rlvr_actor_loss)

@@ -371,9 +371,9 @@ class RLVRAdvantagesStage(Stage):
     input_specs = {"responses": RESPONSES, "rlvr_rewarded": RLVR_REWARDED}
 
     def required_columns(self, section: RLVRAdvantageSection) -> dict[str, tuple[str, ...]]:
-        from stages.algos.estimators import ADVANTAGE_ESTIMATORS
+        from stages.algos.estimators import estimator
 
-        needs: tuple[str, ...] = ("values",) if ADVANTAGE_ESTIMATORS.get(section.adv_estimator).needs_critic else ()
+        needs: tuple[str, ...] = ("values",) if estimator(section.adv_estimator).needs_critic else ()
         if section.add_token_level_kl:
             needs += ("old_log_probs", "ref_log_probs")
         return {"responses": needs}

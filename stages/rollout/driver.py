@@ -61,12 +61,13 @@ def resolve_model_dir(checkpoint: str | None) -> str:
 
 
 def _check_env(config: RolloutConfig) -> None:
-    from stages.envs import ENVIRONMENTS
+    from stages.envs import ENVIRONMENTS, env_spec
 
-    if config.env.tag not in ENVIRONMENTS:
+    try:
+        spec = env_spec(config.env.tag)
+    except KeyError:
         raise ConfigError(f"env.tag '{config.env.tag}' is not a registered environment; known: "
-                          f"{', '.join(ENVIRONMENTS.names())}")
-    spec = ENVIRONMENTS.get(config.env.tag)
+                          f"{', '.join(ENVIRONMENTS.names())}") from None
     if spec.needs_data and not ({"data", "data_path"} & config.env.env_config.keys()):
         raise ConfigError(f"environment '{config.env.tag}' needs data: set env.env_config.data_path to a .jsonl file")
 

@@ -262,9 +262,9 @@ class ActorObjective:
     for later epochs (ROLL's cache path, spec §6.3 step 2)."""
 
     def __init__(self, policy_loss: str, loss_cfg, entropy_metric: bool = True):
-        from stages.losses import POLICY_LOSSES
+        from stages.losses import policy_loss as lookup_policy_loss
 
-        self.loss_fn = POLICY_LOSSES.get(policy_loss)
+        self.loss_fn = lookup_policy_loss(policy_loss)
         self.loss_cfg = loss_cfg
         self.entropy_metric = entropy_metric
         self.old_cache: dict[int, np.ndarray] = {}

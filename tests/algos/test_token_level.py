@@ -759,3 +759,18 @@ def test_estimator_registry():
     assert ADVANTAGE_ESTIMATORS.get("agentic_reinforce").agentic_only
     with pytest.raises(KeyError, match="known: agentic_reinforce"):
         compute_advantage(Ragged.from_rows([[1.0]]), np.array([1]), "ppo", gamma=1.0, lambd=1.0)
+
+
+def test_estimator_registry_is_built_from_the_capability_table():
+    """Every registered estimator has a row of schemas/capabilities.py and every row is registered, with the same
+    capabilities (the registry adds only the token recursion)."""
+    from dataclasses import fields
+
+    from schemas.capabilities import ESTIMATOR_CAPABILITIES, EstimatorCapabilities
+    from stages.algos.estimators import estimator
+
+    assert ADVANTAGE_ESTIMATORS.names() == sorted(ESTIMATOR_CAPABILITIES)
+    for name, row in ESTIMATOR_CAPABILITIES.items():
+        entry = estimator(name)
+        assert entry is ADVANTAGE_ESTIMATORS.get(name) and callable(entry.token_recursion)
+        assert {f.name: getattr(entry, f.name) for f in fields(EstimatorCapabilities)} == vars(row)

@@ -343,3 +343,18 @@ def test_bad_input():
     cfg = LossConfig.from_dict({"pg_clip": 0.1, "train_infer_correction": {"is_weight": {"enabled": True}}})
     assert cfg.train_infer_correction.is_weight.enabled and cfg.clip_range == (0.1, 0.1)
     assert cfg.model_copy(update={"use_pg_clip_range": True, "pg_clip_high": 0.3}).clip_range == (0.2, 0.3)
+
+
+def test_loss_registry_is_built_from_the_capability_table():
+    """Every registered loss has a row of schemas/capabilities.py and every row is registered, with the same
+    capabilities (the registry adds only the function)."""
+    from dataclasses import fields
+
+    from schemas.capabilities import POLICY_LOSS_CAPABILITIES, PolicyLossCapabilities
+    from stages.losses import policy_loss
+
+    assert POLICY_LOSSES.names() == sorted(POLICY_LOSS_CAPABILITIES)
+    for name, row in POLICY_LOSS_CAPABILITIES.items():
+        entry = policy_loss(name)
+        assert entry is POLICY_LOSSES.get(name) and callable(entry.fn)
+        assert {f.name: getattr(entry, f.name) for f in fields(PolicyLossCapabilities)} == vars(row)

@@ -5,6 +5,7 @@ Modules: :mod:`.catalogue` (the product generator), :mod:`.search` (the cached f
 the :class:`WebShopEnv` text environment).
 """
 
+from stages.envs.registry import ENVIRONMENTS, EnvSpec, register_env
 from stages.envs.webshop.env import WebShopEnv
 from stages.envs.webshop.search import open_catalogue
 
@@ -12,9 +13,8 @@ __all__ = ["WebShopEnv", "open_catalogue", "register_webshop_envs"]
 
 
 def register_webshop_envs() -> list[str]:
-    """Register ``WebShop`` (6000 products, 15 steps) and ``WebShopSmall`` (1000 products) in the env registry."""
-    from stages.envs.registry import ENVIRONMENTS, EnvSpec, register_env
-
+    """Register ``WebShop`` (6000 products, 15 steps) and ``WebShopSmall`` (1000 products) in the env registry.
+    Runs at import of this package; calling it again registers nothing new."""
     specs = {
         "WebShop": EnvSpec(WebShopEnv, {"num_products": 6000, "max_steps": 15},
                            description="WebShop on a generated 6000-product catalogue (30 categories), BM25 search"),
@@ -25,3 +25,6 @@ def register_webshop_envs() -> list[str]:
         if tag not in ENVIRONMENTS:
             register_env(tag, spec)
     return list(specs)
+
+
+register_webshop_envs()
