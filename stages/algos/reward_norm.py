@@ -202,18 +202,48 @@ def consecutive_groups(num_rows: int, n_sample: int) -> np.ndarray:
     return np.arange(num_rows, dtype=np.int64) // n_sample
 
 
-def reward_norm(r: np.ndarray, n_sample: int, mean_type: str | None, std_type: str | None,
+def rlvr_group_index(num_rows: int, n_sample: int | None, group: np.ndarray | None) -> np.ndarray:
+    """``(B,)`` dense group index: ``group (B,)`` keys when given (rows sharing a prompt id, in any order), else
+    consecutive blocks of ``n_sample`` rows (ROLL, on a table sorted by prompt id); ``n_sample ≤ 0`` or None without
+    keys: the whole batch is one group."""
+    if group is not None:
+        return group_index(group, num_rows)
+    if n_sample is not None and n_sample > 0:
+        return consecutive_groups(num_rows, n_sample)
+    return np.zeros(num_rows, dtype=np.int64)
+
+
+def _scored_rows(num_rows: int, scored: np.ndarray | None) -> np.ndarray:
+    if scored is None:
+        return np.ones(num_rows, dtype=bool)
+    mask = np.asarray(scored, dtype=bool)
+    if mask.shape != (num_rows,):
+        raise InvariantError(f"scored mask has shape {mask.shape}, expected ({num_rows},) like the rewards")
+    return mask
+
+
+def reward_norm(r: np.ndarray, n_sample: int | None, mean_type: str | None, std_type: str | None,
                 running: RunningMoments | None = None, *, batch_mean: float | None = None,
-                batch_std: float | None = None) -> np.ndarray:
+                batch_std: float | None = None, group: np.ndarray | None = None, scored: np.ndarray | None = None,
+                zero_without_spread: bool = False) -> np.ndarray:
     """RLVR normalisation (§3.2). ``r (B,)`` → ``(B,)`` float32, ``(r − mean)/(std + 1e-6)`` or ``r − mean``.
 
-    Groups are consecutive blocks of ``n_sample`` rows (``n_sample ≤ 0``: the whole batch is one group). ``running``
-    is updated with ``r`` before it is read (pass the domain's own tracker: BUG-2). BUG-3 fixed: a group std with a
-    non-group mean divides each row by its own group's std, output stays ``(B,)``. Singleton groups give NaN (ROLL).
+    Groups: ``group (B,)`` keys when given (the pipeline keys by prompt id), else consecutive blocks of ``n_sample``
+    rows (``n_sample ≤ 0``: the whole batch is one group). ``running`` is updated with the scored values before it is
+    read (pass the domain's own tracker: BUG-2). BUG-3 fixed: a group std with a non-group mean divides each row by
+    its own group's std, output stays ``(B,)``. ``scored (B,)`` bool: rows where it is False ("cannot score") are left
+    out of every statistic (group, batch, running) and get 0; with no scored row the result is all 0 and ``running``
+    is untouched. A group (or batch) of one value has no std: NaN as ROLL, or 0 with ``zero_without_spread``.
     """
     _check_type(mean_type, RLVR_NORM_TYPES, "norm_mean_type")
     _check_type(std_type, RLVR_NORM_TYPES, "norm_std_type")
-    x = _as_values(r, "response_level_rewards")
+    r = _as_values(r, "response_level_rewards")
+    keep = _scored_rows(len(r), scored)
+    index_all = rlvr_group_index(len(r), n_sample, group)
+    out = np.zeros(len(r), dtype=np.float32)
+    if scored is not None and not keep.any():
+        return out
+    x, index = r[keep], np.unique(index_all[keep], return_inverse=True)[1].reshape(-1).astype(np.int64)
     if "running" in (mean_type, std_type):
         if running is None:
             raise ConfigError("norm_mean_type/norm_std_type = 'running' needs the domain's RunningMoments; "
@@ -223,7 +253,6 @@ def reward_norm(r: np.ndarray, n_sample: int, mean_type: str | None, std_type: s
         own_mean, own_std = batch_moments(x)
         batch_mean = own_mean if batch_mean is None else batch_mean
         batch_std = own_std if batch_std is None else batch_std
-    index = consecutive_groups(len(x), n_sample) if n_sample > 0 else np.zeros(len(x), dtype=np.int64)
     groups = group_moments(x, index) if "group" in (mean_type, std_type) else None
     stat_by_type = {
         None: lambda moment: 0.0,
@@ -233,9 +262,15 @@ def reward_norm(r: np.ndarray, n_sample: int, mean_type: str | None, std_type: s
     }
     centred = x - stat_by_type[mean_type]("mean")
     if std_type is None:
-        return centred.astype(np.float32)
+        out[keep] = centred.astype(np.float32)
+        return out
+    std = np.broadcast_to(np.asarray(stat_by_type[std_type]("std"), dtype=np.float64), x.shape)
     with np.errstate(invalid="ignore", divide="ignore"):
-        return (centred / (stat_by_type[std_type]("std") + STD_EPS)).astype(np.float32)
+        normalised = (centred / (std + STD_EPS)).astype(np.float32)
+    if zero_without_spread:
+        normalised[np.isnan(std)] = 0.0
+    out[keep] = normalised
+    return out
 
 
 # ---- §1.7 / §3.3 ---------------------------------------------------------------------------------------------------
@@ -256,17 +291,23 @@ def clip_rewards(rewards: np.ndarray, reward_clip: float | None) -> tuple[np.nda
 
 
 def reward_postprocess(r: np.ndarray, adv_estimator: str, norm_mean_type: str | None, norm_std_type: str | None,
-                       n_sample: int, reward_clip: float | None = None,
-                       running: RunningMoments | None = None) -> tuple[np.ndarray, dict[str, float]]:
+                       n_sample: int | None, reward_clip: float | None = None,
+                       running: RunningMoments | None = None, *, group: np.ndarray | None = None,
+                       scored: np.ndarray | None = None,
+                       zero_without_spread: bool = False) -> tuple[np.ndarray, dict[str, float]]:
     """RLVR per-domain reward post-processing (§3.3): normalise then clip. ``r (B,)`` → ``(B,)`` float32, metrics.
 
-    ``grpo`` uses ``(group, group)`` (see :func:`resolve_rlvr_norm_types`); nothing is mutated. The metric
-    ``critic/reward_clip_frac`` is 0.0 when no clip is set.
+    ``grpo`` uses ``(group, group)`` (see :func:`resolve_rlvr_norm_types`); nothing is mutated. ``group``,
+    ``scored`` and ``zero_without_spread`` are :func:`reward_norm`'s. The metric ``critic/reward_clip_frac`` is over
+    the scored rows (0.0 when no clip is set or no row is scored).
     """
     types = resolve_rlvr_norm_types(adv_estimator, norm_mean_type, norm_std_type)
-    normalised = reward_norm(r, n_sample, types.mean_type, types.std_type, running)
-    clipped, metrics = clip_rewards(normalised, reward_clip)
-    return clipped, {"critic/reward_clip_frac": 0.0, **metrics}
+    normalised = reward_norm(r, n_sample, types.mean_type, types.std_type, running, group=group, scored=scored,
+                             zero_without_spread=zero_without_spread)
+    keep = _scored_rows(len(normalised), scored)
+    clipped, metrics = clip_rewards(normalised[keep], reward_clip)
+    normalised[keep] = clipped
+    return normalised, {"critic/reward_clip_frac": 0.0, **metrics}
 
 
 # ---- §3.4 group_reward_norm (helper; unused by ROLL's pipelines) -----------------------------------------------------

@@ -14,7 +14,7 @@ import numpy as np
 
 from schemas.errors import InvariantError
 from stages.algos.ragged import Ragged
-from stages.algos.reward_norm import consecutive_groups, group_moments
+from stages.algos.reward_norm import rlvr_group_index
 
 TokenRows = np.ndarray | Ragged | Sequence[Sequence[int]]
 
@@ -72,31 +72,39 @@ def get_pad_mask(response_ids: TokenRows, pad_token: int, eos_token: int) -> np.
     return _like_input(x.with_values(keep.astype(np.int64)), padded)
 
 
-def difficulty_mask(scores: np.ndarray, n_sample: int, low_threshold: float, high_threshold: float) -> np.ndarray:
+def difficulty_mask(scores: np.ndarray, n_sample: int, low_threshold: float, high_threshold: float, *,
+                    group: np.ndarray | None = None) -> np.ndarray:
     """``(B,)`` bool: the mean score of the row's prompt group lies strictly inside ``(low, high)`` (§3.5).
 
-    Groups are consecutive blocks of ``n_sample`` rows; ``n_sample ≤ 1`` keeps every row.
+    Groups are the rows sharing a ``group (B,)`` key when given (the pipeline keys by prompt id), else consecutive
+    blocks of ``n_sample`` rows (ROLL on a table sorted by prompt id); ``n_sample ≤ 1`` keeps every row. A NaN score
+    ("cannot score") is left out of its group's mean; a group without a scored row is dropped.
     """
     s = np.asarray(scores, dtype=np.float64)
     if n_sample <= 1:
         return np.ones(len(s), dtype=bool)
-    index = consecutive_groups(len(s), n_sample)
-    pass_rate = group_moments(s, index).mean[index]
-    return (pass_rate > low_threshold) & (pass_rate < high_threshold)
+    index = rlvr_group_index(len(s), n_sample, group)
+    scored = ~np.isnan(s)
+    count = np.bincount(index[scored], minlength=int(index.max(initial=-1)) + 1).astype(np.float64)
+    total = np.bincount(index[scored], weights=s[scored], minlength=len(count))
+    with np.errstate(invalid="ignore", divide="ignore"):
+        pass_rate = (total / count)[index]
+    return (pass_rate > low_threshold) & (pass_rate < high_threshold)  # no scored row: NaN → False
 
 
 def get_sample_level_mask(response_lengths: np.ndarray, max_new_tokens: int, scores: np.ndarray, n_sample: int, *,
                           max_len_mask: bool = False, use_difficulty_mask: bool = False,
                           difficulty_low_threshold: float = 0.0, difficulty_high_threshold: float = 1.0,
-                          error_max_len_clip: bool = False,
-                          error_max_len_threshold: int = 9999999999) -> tuple[np.ndarray, dict[str, float]]:
+                          error_max_len_clip: bool = False, error_max_len_threshold: int = 9999999999,
+                          group: np.ndarray | None = None) -> tuple[np.ndarray, dict[str, float]]:
     """RLVR per-sample mask ``s (B,)`` float32 and ROLL's metrics (§3.5).
 
     ``response_lengths (B,)`` = number of response tokens ``Σ response_mask[1:]``; ``max_new_tokens`` = ``Lmax``.
     1. ``max_len_mask``: drop rows with ``L = Lmax`` (truncated). 2. ``use_difficulty_mask``: keep rows whose prompt
-    group's mean score is in ``(low, high)``. 3. ``error_max_len_clip``: keep ``(score = 0 ∧ L < threshold) ∨ score
-    = 1``. Each ratio metric is its own mask's mean (1.0 when off); ``final_mask_ratio``, ``samples_used`` and
-    ``samples_total`` describe ``s``.
+    group's mean score is in ``(low, high)`` (groups: ``group`` keys, else consecutive blocks of ``n_sample``, see
+    :func:`difficulty_mask`). 3. ``error_max_len_clip``: keep ``(score = 0 ∧ L < threshold) ∨ score = 1``. Rows with a
+    NaN score ("cannot score") get 0. Each ratio metric is its own mask's mean over all rows (1.0 when off);
+    ``final_mask_ratio``, ``samples_used`` and ``samples_total`` describe ``s``. Equal to ROLL on scored rows.
     """
     lengths = np.asarray(response_lengths)
     s_scores = np.asarray(scores, dtype=np.float64)
@@ -106,7 +114,8 @@ def get_sample_level_mask(response_lengths: np.ndarray, max_new_tokens: int, sco
     filters = [
         ("actor/max_len_mask_ratio", max_len_mask, lambda: lengths != max_new_tokens),
         ("actor/difficulty_mask_ratio", use_difficulty_mask,
-         lambda: difficulty_mask(s_scores, n_sample, difficulty_low_threshold, difficulty_high_threshold)),
+         lambda: difficulty_mask(s_scores, n_sample, difficulty_low_threshold, difficulty_high_threshold,
+                                 group=group)),
         ("actor/error_len_mask_ratio", error_max_len_clip,
          lambda: ((s_scores == 0) & (lengths < error_max_len_threshold)) | (s_scores == 1)),
     ]
@@ -119,6 +128,7 @@ def get_sample_level_mask(response_lengths: np.ndarray, max_new_tokens: int, sco
         keep = build().astype(np.float32)
         metrics[metric_name] = float(keep.mean()) if num_rows else 1.0
         sample_mask *= keep
+    sample_mask *= (~np.isnan(s_scores)).astype(np.float32)
     metrics["actor/final_mask_ratio"] = float(sample_mask.mean()) if num_rows else 1.0
     metrics["actor/samples_used"] = float(sample_mask.sum())
     metrics["actor/samples_total"] = float(num_rows)

@@ -32,8 +32,7 @@ from schemas.errors import InvariantError
 from stages.algos.advantages import AdvantageResult, WhitenStats, compute_advantage
 from stages.algos.functional import can_whiten, whiten_partials, whiten_stats_from_partials
 from stages.algos.ragged import Ragged
-from stages.algos.reward_norm import (STD_EPS, RunningMoments, batch_moments, clip_rewards, group_moments,
-                                      resolve_rlvr_norm_types)
+from stages.algos.reward_norm import RunningMoments, resolve_rlvr_norm_types, reward_postprocess
 from stages.algos.sample_masks import get_sample_level_mask
 from stages.algos.token_rewards import TokenRewardResult, compute_token_reward
 
@@ -154,77 +153,26 @@ def check_groups(prompt_id: np.ndarray, domain: np.ndarray, n: int, where: str) 
                              "domains; a prompt's group must have one domain (its reward route). Fix the domain column")
 
 
-def keyed_difficulty_mask(scores: np.ndarray, group: np.ndarray, n_sample: int, low: float,
-                          high: float) -> np.ndarray:
-    """§3.5 ``difficulty_mask`` with groups given by ``group (B,)``: keep rows whose group's mean score over its
-    *scored* rows lies strictly inside ``(low, high)``; ``n_sample ≤ 1`` keeps every row. NaN score = unscored."""
-    s = np.asarray(scores, dtype=np.float64)
-    if n_sample <= 1:
-        return np.ones(len(s), dtype=bool)
-    scored = ~np.isnan(s)
-    count = np.bincount(group[scored], minlength=int(group.max(initial=-1)) + 1).astype(np.float64)
-    total = np.bincount(group[scored], weights=s[scored], minlength=len(count))
-    with np.errstate(invalid="ignore", divide="ignore"):
-        pass_rate = (total / count)[group]
-    return (pass_rate > low) & (pass_rate < high)  # a group without scored rows: NaN → False
-
-
 def sample_level_mask(response_len: np.ndarray, scores: np.ndarray, group: np.ndarray,
                       s: Any) -> tuple[np.ndarray, dict[str, float]]:
-    """§3.5 ``get_sample_level_mask`` for one domain with unscored rows (NaN) masked and left out of pass rates.
-
-    ``s`` has the RLVRConfig fields. Returns ``(B,)`` float32 and ROLL's metrics (equal to ROLL's on a fully scored
-    table of complete, sorted groups)."""
-    n = s.num_return_sequences_in_group
-    lmax = s.max_new_tokens if s.max_new_tokens is not None else -1
-    mask, metrics = get_sample_level_mask(
-        response_len, lmax, scores, 1, max_len_mask=s.max_len_mask, use_difficulty_mask=False,
-        error_max_len_clip=s.error_max_len_clip, error_max_len_threshold=s.error_max_len_threshold)
-    if s.difficulty_mask:
-        keep = keyed_difficulty_mask(scores, group, n, s.difficulty_low_threshold, s.difficulty_high_threshold)
-        metrics["actor/difficulty_mask_ratio"] = float(keep.mean()) if len(keep) else 1.0
-        mask = mask * keep.astype(np.float32)
-    mask = mask * (~np.isnan(np.asarray(scores, dtype=np.float64))).astype(np.float32)
-    metrics["actor/final_mask_ratio"] = float(mask.mean()) if len(mask) else 1.0
-    metrics["actor/samples_used"] = float(mask.sum())
-    metrics["actor/samples_total"] = float(len(mask))
-    return mask, metrics
+    """§3.5 ``get_sample_level_mask`` for one domain, with the RLVRConfig fields ``s`` and groups keyed by ``group
+    (B,)``; unscored rows (NaN) are masked and left out of pass rates. ``(B,)`` float32 and ROLL's metrics."""
+    return get_sample_level_mask(
+        response_len, s.max_new_tokens if s.max_new_tokens is not None else -1, scores,
+        s.num_return_sequences_in_group, group=group, max_len_mask=s.max_len_mask,
+        use_difficulty_mask=s.difficulty_mask, difficulty_low_threshold=s.difficulty_low_threshold,
+        difficulty_high_threshold=s.difficulty_high_threshold, error_max_len_clip=s.error_max_len_clip,
+        error_max_len_threshold=s.error_max_len_threshold)
 
 
 def normalise_rewards(rewards: np.ndarray, group: np.ndarray, s: Any,
                       running: RunningMoments | None) -> tuple[np.ndarray, dict[str, float]]:
-    """§3.2/§3.3 ``reward_postprocess`` for one domain, groups keyed by ``group (B,)``; NaN rewards are unscored rows:
-    left out of every statistic (and of ``running``'s update), output 0. ``(B,)`` → ``(B,)`` float32, metrics."""
-    types = resolve_rlvr_norm_types(s.adv_estimator, s.norm_mean_type, s.norm_std_type)
+    """§3.2/§3.3 ``reward_postprocess`` for one domain with the RLVRConfig fields ``s``, groups keyed by ``group
+    (B,)``. NaN rewards are unscored rows: left out of every statistic (and of ``running``'s update), output 0; a
+    group or batch left with one scored value gives 0 (no spread), not ROLL's NaN. ``(B,)`` → ``(B,)`` f32, metrics."""
     r = np.asarray(rewards, dtype=np.float64)
-    scored = ~np.isnan(r)
-    x, gi = r[scored], dense_index(group[scored]) if scored.any() else np.zeros(0, np.int64)
-    out = np.zeros(len(r), dtype=np.float32)
-    if x.size == 0:
-        return out, {"critic/reward_clip_frac": 0.0}
-    if "running" in types:
-        if running is None:
-            raise InvariantError("norm type 'running' needs the domain's RunningMoments; pass the domain's tracker")
-        running.update(x)  # before reading, current batch included (§3.2)
-    groups = group_moments(x, gi)
-    batch_mean, batch_std = batch_moments(x) if "batch" in types else (0.0, 1.0)
-    stat = {
-        None: lambda moment: 0.0,
-        "batch": lambda moment: batch_mean if moment == "mean" else batch_std,
-        "group": lambda moment: getattr(groups, moment)[gi],
-        "running": lambda moment: getattr(running, moment),
-    }
-    centred = x - stat[types.mean_type]("mean")
-    if types.std_type is None:
-        normalised = centred.astype(np.float32)
-    else:
-        std = np.broadcast_to(np.asarray(stat[types.std_type]("std"), dtype=np.float64), x.shape)
-        with np.errstate(invalid="ignore", divide="ignore"):
-            normalised = (centred / (std + STD_EPS)).astype(np.float32)
-        normalised[np.isnan(std)] = 0.0  # one scored value (group or batch) has no spread: 0, not ROLL's NaN
-    clipped, metrics = clip_rewards(normalised, s.reward_clip)
-    out[scored] = clipped
-    return out, {"critic/reward_clip_frac": 0.0, **metrics}
+    return reward_postprocess(r, s.adv_estimator, s.norm_mean_type, s.norm_std_type, None, s.reward_clip, running,
+                              group=group, scored=~np.isnan(r), zero_without_spread=True)
 
 
 @dataclass(frozen=True)

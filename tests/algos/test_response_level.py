@@ -299,6 +299,23 @@ def _running_warmup(case):
     return case.inputs.get("running_warmup")
 
 
+def as_the_rlvr_chain_calls(fn, r, n_sample):
+    """``fn(rewards, group=, scored=, zero_without_spread=True)`` called the way the RLVR chain calls it
+    (stages/rlvr/chain.py): groups keyed by prompt id in shuffled row order, plus two unscored (NaN) rows in the first
+    and the last group. Returns (output on the original rows, in their order; output on the two unscored rows; fn's
+    whole result)."""
+    r = np.asarray(r, dtype=np.float64)
+    groups = np.arange(len(r)) // n_sample if n_sample is not None and n_sample > 0 else np.zeros(len(r), int)
+    keys = np.char.add("prompt-", groups.astype(str))
+    rewards, keys = np.concatenate([r, [np.nan, np.nan]]), np.concatenate([keys, keys[[0, -1]]])
+    order = np.random.default_rng(len(r)).permutation(len(rewards))
+    result = fn(rewards[order], group=keys[order], scored=~np.isnan(rewards[order]), zero_without_spread=True)
+    out = result[0] if isinstance(result, tuple) else result
+    back = np.empty_like(out)
+    back[order] = out
+    return back[:len(r)], back[len(r):], result
+
+
 @pytest.mark.parametrize("name", REWARD_NORM)
 def test_reward_norm_golden(name):
     """Corrected (BUG-3 fixed) = the per-row reference on every case; ROLL's output where the case does not meet
@@ -309,7 +326,8 @@ def test_reward_norm_golden(name):
     warmup = _running_warmup(case)
     r = case.inputs["response_level_rewards"]
     mean_type, std_type = p["norm_mean_type"], p["norm_std_type"]
-    out = reward_norm(r, p["n_sample"], mean_type, std_type, _running_tracker(warmup))
+    tracker = _running_tracker(warmup)
+    out = reward_norm(r, p["n_sample"], mean_type, std_type, tracker)
     assert out.shape == r.shape and out.dtype == np.float32
     assert_close(out, ref_rlvr_norm_fixed(r, p["n_sample"], mean_type, std_type, warmup), **NORM_TOL,
                  what=f"{name} vs reference")
@@ -319,6 +337,13 @@ def test_reward_norm_golden(name):
         assert expected.shape == (len(r) // p["n_sample"], len(r))
         expected = expected[np.arange(len(r)) // p["n_sample"], np.arange(len(r))]
     assert_close(out, expected, **NORM_TOL, what=name)
+    # the production call (groups keyed by prompt id, unscored rows): the same on the scored rows, 0 on the others
+    chain_tracker = _running_tracker(warmup)
+    keyed, unscored, _ = as_the_rlvr_chain_calls(
+        lambda x, **kw: reward_norm(x, None, mean_type, std_type, chain_tracker, **kw), r, p["n_sample"])
+    assert_close(keyed, expected, **NORM_TOL, what=f"{name} as the RLVR chain calls it")
+    assert unscored.tolist() == [0.0, 0.0]
+    assert chain_tracker.state_dict() == pytest.approx(tracker.state_dict())
 
 
 def test_reward_norm_bug3_hand_case():
@@ -345,6 +370,31 @@ def test_reward_norm_edges_and_running_domain_keying():
         reward_norm(np.arange(4.0), 2, "median", None)
 
 
+def test_reward_norm_keyed_groups_unscored_rows_and_one_scored_value():
+    r = np.array([1.0, np.nan, 0.0, 3.0, 5.0, np.nan, 2.0])
+    keys = np.array(["a", "a", "b", "b", "c", "c", "b"])  # groups by key, not by position
+    scored = ~np.isnan(r)
+    b = np.array([0.0, 3.0, 2.0])
+    expected_b = (b - b.mean()) / (b.std(ddof=1) + 1e-6)
+    out = reward_norm(r, None, "group", "group", group=keys, scored=scored, zero_without_spread=True)
+    assert_close(out, [0.0, 0.0, expected_b[0], expected_b[1], 0.0, 0.0, expected_b[2]], **NORM_TOL)
+    roll_like = reward_norm(r, None, "group", "group", group=keys, scored=scored)  # one value: NaN, as ROLL
+    assert np.isnan(roll_like[[0, 4]]).all() and roll_like[[1, 5]].tolist() == [0.0, 0.0]
+    tracker = RunningMoments()
+    out = reward_norm(r, None, "running", "batch", tracker, scored=scored, zero_without_spread=True)
+    reference = RunningMoments()
+    reference.update(r[scored])
+    assert tracker.state_dict() == pytest.approx(reference.state_dict())
+    x = r[scored]
+    assert_close(out[scored], (x - reference.mean) / (x.std(ddof=1) + 1e-6), **NORM_TOL)
+    assert out[~scored].tolist() == [0.0, 0.0]
+    untouched = RunningMoments()
+    nothing = reward_norm(np.full(3, np.nan), 3, "running", "running", untouched, scored=np.zeros(3, bool))
+    assert nothing.tolist() == [0.0, 0.0, 0.0] and untouched.count == 1e-24
+    with pytest.raises(InvariantError, match="scored"):
+        reward_norm(r, None, None, None, scored=scored[:3])
+
+
 @pytest.mark.parametrize("name", REWARD_POSTPROCESS)
 def test_reward_postprocess_golden(name):
     case = load(name)
@@ -368,6 +418,15 @@ def test_reward_postprocess_golden(name):
         assert_close(out, case.outputs["response_level_rewards"], **NORM_TOL, what=name)
         assert metrics["critic/reward_clip_frac"] == pytest.approx(case.metric("critic/reward_clip_frac"))
     assert json.dumps(p, sort_keys=True) == params_before  # nothing mutated
+    # the production call (groups keyed by prompt id, unscored rows): the same on the scored rows, 0 on the others,
+    # the clip fraction over the scored rows
+    keyed, unscored, (_, keyed_metrics) = as_the_rlvr_chain_calls(
+        lambda x, **kw: reward_postprocess(x, p["adv_estimator"], p["norm_mean_type"], p["norm_std_type"], None,
+                                           p["reward_clip"], _running_tracker(warmup), **kw),
+        r, p["num_return_sequences"])
+    assert_close(keyed, ref, **NORM_TOL, what=f"{name} as the RLVR chain calls it")
+    assert unscored.tolist() == [0.0, 0.0]
+    assert keyed_metrics == pytest.approx(metrics)
 
 
 def test_clip_fraction_counts_both_sides():
@@ -845,9 +904,10 @@ SAMPLE_MASK_PARAMS = ("max_len_mask", "difficulty_mask", "error_max_len_clip", "
                       "difficulty_low_threshold", "difficulty_high_threshold", "num_return_sequences")
 
 
-def _sample_mask_of_case(i: dict, p: dict):
+def _sample_mask_of_case(i: dict, p: dict, group=None):
     """get_sample_level_mask on a golden case's inputs and params, ROLL's defaults (§3.5) for a param the case leaves
-    out. Returns (token mask (B, S-1), sample mask (B,), metrics)."""
+    out (``group``: prompt keys, as the RLVR chain passes them). Returns (token mask (B, S-1), sample mask (B,),
+    metrics); with ``group``, (sample mask, metrics)."""
     token_mask = i["response_mask"][:, 1:]
     s, metrics = get_sample_level_mask(
         token_mask.sum(-1), int(i["responses_width"]), i["scores"], p["num_return_sequences"],
@@ -855,8 +915,8 @@ def _sample_mask_of_case(i: dict, p: dict):
         difficulty_low_threshold=p.get("difficulty_low_threshold", 0.0),
         difficulty_high_threshold=p.get("difficulty_high_threshold", 1.0),
         error_max_len_clip=p.get("error_max_len_clip", False),
-        error_max_len_threshold=p.get("error_max_len_threshold", 9999999999))
-    return token_mask, s, metrics
+        error_max_len_threshold=p.get("error_max_len_threshold", 9999999999), group=group)
+    return (s, metrics) if group is not None else (token_mask, s, metrics)
 
 
 @pytest.mark.parametrize("name", SAMPLE_LEVEL_MASK)
@@ -868,6 +928,17 @@ def test_get_sample_level_mask_golden(name):
     np.testing.assert_array_equal(token_mask * s[:, None], case.outputs["final_response_mask"])
     golden = {k.split("metric:", 1)[1].replace("|", "/"): float(v) for k, v in case.outputs.items() if "metric:" in k}
     assert metrics == pytest.approx(golden)
+    # the production call (groups keyed by prompt id, rows shuffled): the same mask and metrics, difficulty on or off
+    order = np.random.default_rng(0).permutation(len(token_mask))
+    keys = np.char.add("prompt-", (np.arange(len(token_mask)) // p["num_return_sequences"]).astype(str))
+    for difficulty in (p.get("difficulty_mask", False), not p.get("difficulty_mask", False)):
+        shown = {**p, "difficulty_mask": difficulty}
+        _, consecutive, consecutive_metrics = _sample_mask_of_case(i, shown)
+        keyed, keyed_metrics = _sample_mask_of_case({**i, "scores": i["scores"][order],
+                                                     "response_mask": i["response_mask"][order]}, shown,
+                                                    group=keys[order])
+        np.testing.assert_array_equal(keyed, consecutive[order])
+        assert keyed_metrics == pytest.approx(consecutive_metrics)
 
 
 def test_difficulty_and_error_len_masks_hand_case():
@@ -891,6 +962,23 @@ def test_difficulty_and_error_len_masks_hand_case():
     assert metrics["actor/samples_used"] == s.sum() and metrics["actor/samples_total"] == 16.0
     with pytest.raises(InvariantError):
         get_sample_level_mask(lengths, 20, scores[:3], 4)
+
+
+def test_difficulty_mask_keyed_groups_and_unscored_rows():
+    scores = np.array([1, 1, 1, 1, 0, 1, 0, 0, 0, 0, 0, 0, 1, 0.5, 1, 0], dtype=np.float64)
+    order = np.random.default_rng(4).permutation(16)
+    keys = np.char.add("p", (np.arange(16) // 4).astype(str))
+    np.testing.assert_array_equal(difficulty_mask(scores[order], 4, 0.1, 0.95, group=keys[order]),
+                                  difficulty_mask(scores, 4, 0.1, 0.95)[order])
+    # a NaN score is left out of its group's pass rate; a group without a scored row is dropped
+    with_none = np.array([1.0, np.nan, 0.0, np.nan, np.nan])
+    np.testing.assert_array_equal(difficulty_mask(with_none, 2, 0.1, 0.95, group=np.array([0, 0, 1, 1, 2])),
+                                  [False, False, False, False, False])
+    np.testing.assert_array_equal(difficulty_mask(with_none, 2, -0.1, 0.95, group=np.array([0, 0, 1, 1, 2])),
+                                  [False, False, True, True, False])
+    s, metrics = get_sample_level_mask(np.full(5, 3), 10, with_none, 2, group=np.array([0, 0, 1, 1, 2]))
+    np.testing.assert_array_equal(s, [1, 0, 1, 0, 0])                   # unscored rows get 0
+    assert metrics["actor/samples_used"] == 2.0 and metrics["actor/final_mask_ratio"] == pytest.approx(0.4)
 
 
 @pytest.mark.parametrize("name", AGENTIC_RESPONSE_MASK)
