@@ -1,8 +1,9 @@
 """Response-level reward normalisation over narrow columns (one value per row), ROLL's numerics.
 
 Spec: ALGORITHMS.md §5.2 (agentic ``agentic_reward_norm`` and ``RewardNormalizationConfig`` resolution), §3.1
-(``RunningMoments``), §3.2 (RLVR ``reward_norm``), §3.3 (``reward_postprocess``), §3.4 (``group_reward_norm``),
-§1.7 (clip fraction).
+(``RunningMoments``), §3.2 (RLVR ``reward_norm``), §3.3 (``reward_postprocess``), §1.7 (clip fraction). ROLL's §3.4
+``group_reward_norm`` helper (unused by its pipelines) is :func:`reward_norm` with ``norm_mean_type: group`` and
+``norm_std_type: group | None``; its ``div_std_global`` variant is not offered.
 
 Every function takes ``(B,)`` arrays and returns ``(B,)`` float32 in the input row order. Statistics are computed in
 float64 and cast at the end. Batch-scope statistics can be injected (``batch_mean`` / ``batch_std``) so that a stage
@@ -308,22 +309,3 @@ def reward_postprocess(r: np.ndarray, adv_estimator: str, norm_mean_type: str | 
     clipped, metrics = clip_rewards(normalised[keep], reward_clip)
     normalised[keep] = clipped
     return normalised, {"critic/reward_clip_frac": 0.0, **metrics}
-
-
-# ---- §3.4 group_reward_norm (helper; unused by ROLL's pipelines) -----------------------------------------------------
-def group_reward_norm(r: np.ndarray, n_sample: int, div_std: bool = True,
-                      div_std_global: bool = False) -> np.ndarray:
-    """Centre each consecutive group of ``n_sample`` rows; optionally divide by the std of the centred values.
-
-    ``div_std_global``: one std over all centred values; else per group. Unbiased std, ``+1e-6``. ``(B,)`` f32.
-    """
-    if n_sample <= 1:
-        raise ConfigError(f"group_reward_norm needs groups of more than one sample, got n_sample={n_sample}; "
-                          "raise num_return_sequences")
-    x = _as_values(r, "response_level_rewards")
-    index = consecutive_groups(len(x), n_sample)
-    centred = x - group_moments(x, index).mean[index]
-    if not div_std:
-        return centred.astype(np.float32)
-    std = batch_moments(centred)[1] if div_std_global else group_moments(centred, index).std[index]
-    return (centred / (std + STD_EPS)).astype(np.float32)

@@ -18,7 +18,6 @@ from stages.algos.reward_norm import (
     batch_moments,
     canonical_method,
     clip_fraction,
-    group_reward_norm,
     resolve_norm_types,
     resolve_rlvr_norm_types,
     reward_norm,
@@ -436,19 +435,31 @@ def test_clip_fraction_counts_both_sides():
 
 @pytest.mark.parametrize("name", GROUP_REWARD_NORM)
 def test_group_reward_norm_golden(name):
+    """ROLL's group_reward_norm (§3.4, a helper its pipelines never call) centres each group and, with ``div_std``,
+    divides by the group std of the centred values (= the values' group std): reward_norm with group types, which
+    is what the RLVR chain calls. ``div_std_global`` (one std over all centred values) has no option of ours."""
     case = load(name)
     p = case.check_params(("n_sample", "div_std", "div_std_global"))
-    out = group_reward_norm(case.inputs["response_level_rewards"], p["n_sample"], p["div_std"], p["div_std_global"])
-    assert_close(out, case.outputs["response_level_rewards"], **NORM_TOL, what=name)
+    if p["div_std_global"]:
+        pytest.fail(f"{name}: div_std_global is not offered (no norm type divides by the std of the centred values); "
+                    "add it to reward_norm if a pipeline needs it", pytrace=False)
+    r, expected = case.inputs["response_level_rewards"], case.outputs["response_level_rewards"]
+    std_type = "group" if p["div_std"] else None
+    out = reward_norm(r, p["n_sample"], "group", std_type)
+    assert_close(out, expected, **NORM_TOL, what=name)
+    keyed, unscored, _ = as_the_rlvr_chain_calls(lambda x, **kw: reward_norm(x, None, "group", std_type, **kw), r,
+                                                 p["n_sample"])
+    assert_close(keyed, expected, **NORM_TOL, what=f"{name} as the RLVR chain calls it")
+    assert unscored.tolist() == [0.0, 0.0]
 
 
 def test_group_reward_norm_hand_cases():
+    """§3.4's per-group variant through reward_norm: centring, then the group std of the centred values."""
     r = np.array([1.0, 3.0, 10.0, 14.0])
     centred = np.array([-1.0, 1.0, -2.0, 2.0])
-    assert_close(group_reward_norm(r, 2), centred / (np.array([2**0.5] * 2 + [8**0.5] * 2) + 1e-6), **NORM_TOL)
-    assert_close(group_reward_norm(r, 2, div_std_global=True), centred / (centred.std(ddof=1) + 1e-6), **NORM_TOL)
-    with pytest.raises(ConfigError):
-        group_reward_norm(r, 1)
+    assert_close(reward_norm(r, 2, "group", "group"), centred / (np.array([2**0.5] * 2 + [8**0.5] * 2) + 1e-6),
+                 **NORM_TOL)
+    assert_close(reward_norm(r, 2, "group", None), centred, **NORM_TOL)
 
 
 # ======================================================================================================================
