@@ -21,8 +21,7 @@ import numpy as np
 
 from schemas.errors import ConfigError, InvariantError
 from stages.algos.estimators import estimator as get_estimator
-from stages.algos.functional import (as_mask, can_whiten, clip_fraction, masked_clip_fraction, whiten_partials,
-                                     whiten_stats_from_partials, whiten_with)
+from stages.algos.functional import as_mask, can_whiten, clip_fraction, masked_clip_fraction, masked_whiten
 from stages.algos.kl import approx_kl
 from stages.algos.ragged import Ragged
 
@@ -68,10 +67,12 @@ def opd_kl_penalty(log_probs: Ragged, teacher_log_probs: Mapping[str, Ragged], m
     return total.astype(np.float32)
 
 
-def _local_stats(x: np.ndarray, m: np.ndarray) -> WhitenStats | None:
-    """Whitening statistics of one block, or ``None`` when ROLL would skip whitening (``Σm ≤ 1``)."""
-    parts = whiten_partials(x, m)
-    return whiten_stats_from_partials(*parts) if can_whiten(parts[0]) else None
+def _whiten(x: np.ndarray, m: np.ndarray, stats: WhitenStats | None) -> np.ndarray:
+    """:func:`masked_whiten` with the whole batch's ``stats``, or with ``x``'s own when None; ``x`` unchanged when
+    ROLL would skip whitening (its own ``Σm ≤ 1``; a multi-block caller checks the global count)."""
+    if stats is None and not can_whiten(float(np.sum(m))):
+        return x
+    return masked_whiten(x, m, stats=stats)
 
 
 def advantage_recursion(token_level_rewards: Ragged, mask: np.ndarray, estimator: str, *, gamma: float,
@@ -93,8 +94,7 @@ def advantage_recursion(token_level_rewards: Ragged, mask: np.ndarray, estimator
     entry = get_estimator(estimator)
     r = rewards.values
     if whiten_rewards:
-        stats = reward_stats if reward_stats is not None else _local_stats(r, m)
-        r = whiten_with(r, *stats) if stats is not None else r
+        r = _whiten(r, m, reward_stats)
     rewards = rewards.with_values((r * m).astype(np.float32))
     adv, returns = entry.token_recursion(rewards, m, values, gamma, lambd, roll_compat_gae)
     masked_values = values.with_values((values.values * m).astype(np.float32)) if entry.needs_critic else None
@@ -110,8 +110,7 @@ def finalize_advantages(advantages: np.ndarray, mask: np.ndarray, *, whiten_adva
     m = as_mask(mask, np.shape(advantages))
     a = np.asarray(advantages, dtype=np.float32)
     if whiten_advantages:
-        stats = advantage_stats if advantage_stats is not None else _local_stats(a, m)
-        a = whiten_with(a, *stats) if stats is not None else a
+        a = _whiten(a, m, advantage_stats)
     a = (a * m).astype(np.float32)
     metrics: dict[str, float] = {}
     if advantage_clip is not None:

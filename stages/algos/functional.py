@@ -10,7 +10,8 @@ Whitening is split in three so that a stage can compute the statistics across Ra
     mean, var = whiten_stats_from_partials(*parts)                       # unbiased variance
     y_k = whiten_with(x_k, mean, var)                                    # per block
 
-``masked_whiten(x, m)`` is exactly those three steps on one block. Accumulation is float64; outputs are float32.
+``masked_whiten(x, m)`` is exactly those three steps on one block (``masked_whiten(x_k, m_k, stats=(mean, var))`` the
+last one on block ``k``). Accumulation is float64; outputs are float32.
 """
 
 from __future__ import annotations
@@ -96,14 +97,15 @@ def whiten_with(x: np.ndarray, mean: float, var: float, shift_mean: bool = True)
     return y.astype(np.float32)
 
 
-def masked_var(x: np.ndarray, m: np.ndarray, unbiased: bool = True) -> float:
-    """Variance of the masked elements about their masked mean (§1.3); unbiased needs ``Σm ≥ 2``."""
-    return whiten_stats_from_partials(*whiten_partials(x, m), unbiased=unbiased)[1]
+def masked_whiten(x: np.ndarray, m: np.ndarray, shift_mean: bool = True,
+                  stats: tuple[float, float] | None = None) -> np.ndarray:
+    """Batch-wide whitening with pooled statistics of the masked elements, applied to all elements (§1.4).
 
-
-def masked_whiten(x: np.ndarray, m: np.ndarray, shift_mean: bool = True) -> np.ndarray:
-    """Batch-wide whitening with pooled statistics of the masked elements, applied to all elements (§1.4)."""
-    mean, var = whiten_stats_from_partials(*whiten_partials(x, m))
+    ``stats``: the whole batch's ``(μ, σ²)`` when ``x`` is one block of it (:func:`whiten_stats_from_partials` of the
+    summed :func:`whiten_partials` of every block); default: those of ``x`` itself. ROLL's ``masked_var`` (§1.3) is
+    ``whiten_stats_from_partials(*whiten_partials(x, m), unbiased)[1]``.
+    """
+    mean, var = stats if stats is not None else whiten_stats_from_partials(*whiten_partials(x, m))
     return whiten_with(x, mean, var, shift_mean=shift_mean)
 
 
@@ -125,11 +127,6 @@ def masked_normalize(x: Ragged, m: np.ndarray, eps: float = 1e-8) -> np.ndarray:
     mean = np.where(count > 0, row_sum(x.with_values(xm)) / denominator, 0.0)[rows]
     var = np.where(count > 0, row_sum(x.with_values((xm - mean) ** 2 * mf)) / denominator, 0.0)[rows]
     return ((xm - mean) / np.sqrt(np.maximum(var, eps))).astype(np.float32)
-
-
-def row_masked_sum(x: Ragged, m: np.ndarray) -> np.ndarray:
-    """``(B,)`` float64 ``Σ_t x·m`` per row, 0 for rows without a masked element (§1.2, ``dim=-1``)."""
-    return row_sum(x, as_mask(m, x.values.shape))
 
 
 # ---- §1.7 ----------------------------------------------------------------------------------------------------------

@@ -1,7 +1,9 @@
 """Token-level rewards: response reward at the last token minus an optional KL penalty (spec ALGORITHMS.md §2.3-2.5).
 
 All token columns are next-token ``Ragged`` rows (``L − 1`` entries for a row of ``L`` tokens) sharing one
-``offsets``; ``mask (N,)`` is the token mask ``response_mask[1:]`` of each row.
+``offsets``; ``mask (N,)`` is the token mask ``response_mask[1:]`` of each row. ROLL's ``apply_kl_penalty`` (§2.5,
+kept but not called by its pipelines) is :func:`compute_token_reward` with ``add_token_level_kl`` set when there is a
+reference and no ``reward_clip``.
 
 The KL controller is **not** updated here, so that a row-parallel stage can run these functions block by block:
 each result carries its KL partials ``(Σ_rows masked row mean of the KL, number of rows)``; the stage adds them over
@@ -88,12 +90,13 @@ def _token_reward(response_level_rewards: np.ndarray, mask: np.ndarray, old_log_
 
 
 def compute_token_reward(response_level_rewards: np.ndarray, mask: np.ndarray, old_log_probs: Ragged,
-                         ref_log_probs: Ragged, *, kl_coef: float, kl_penalty: str = "kl",
+                         ref_log_probs: Ragged | None, *, kl_coef: float, kl_penalty: str = "kl",
                          add_token_level_kl: bool = False, reward_clip: float | None = None,
                          masked_clip_metric: bool = False) -> TokenRewardResult:
     """ROLL's ``compute_token_reward`` without the controller update (§2.4).
 
-    ``r = expand(R) − β·approx_kl(old, ref, kl_penalty)·m`` with ``β = kl_coef`` if ``add_token_level_kl`` else 0;
+    ``r = expand(R) − β·approx_kl(old, ref, kl_penalty)·m`` with ``β = kl_coef`` if ``add_token_level_kl`` else 0
+    (``ref_log_probs`` None: no reference, the KL is 0);
     then, if ``reward_clip`` is truthy (0 and None disable it), ``critic/token_reward_clip_frac`` over all next-token
     positions (over the mask with ``masked_clip_metric``, the [Q-3] fix) and ``r ← clip(r, ±reward_clip)``.
     Metrics: ``critic/kl`` (this block's ``current_kl``), ``critic/kl_coef = β``.
@@ -110,11 +113,3 @@ def compute_token_reward(response_level_rewards: np.ndarray, mask: np.ndarray, o
     clipped = result.token_level_rewards.with_values(np.clip(r, -bound, bound).astype(np.float32))
     metrics = {**result.metrics, "critic/token_reward_clip_frac": frac}
     return TokenRewardResult(clipped, result.kl, result.kl_coef, result.kl_partials, metrics)
-
-
-def apply_kl_penalty(response_level_rewards: np.ndarray, mask: np.ndarray, old_log_probs: Ragged,
-                     ref_log_probs: Ragged | None, *, kl_coef: float, kl_penalty: str = "kl") -> TokenRewardResult:
-    """ROLL's ``apply_kl_penalty`` without the controller update (§2.5): the KL is always subtracted with
-    ``β = kl_coef`` when ``ref_log_probs`` is given, else ``β = 0`` and the KL is 0; no reward clip."""
-    beta = float(kl_coef) if ref_log_probs is not None else 0.0
-    return _token_reward(response_level_rewards, mask, old_log_probs, ref_log_probs, beta, kl_penalty)

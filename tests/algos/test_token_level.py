@@ -19,14 +19,14 @@ from schemas.errors import ConfigError, InvariantError
 from stages.algos.advantages import compute_advantage, finalize_advantages, advantage_recursion, opd_kl_penalty
 from stages.algos.estimators import ADVANTAGE_ESTIMATORS
 from stages.algos.functional import (clip_fraction, masked_clip_fraction, masked_mean, masked_normalize, masked_sum,
-                                     masked_var, masked_whiten, row_masked_sum, sum_partials, whiten_partials,
+                                     masked_whiten, sum_partials, whiten_partials,
                                      whiten_stats_from_partials, whiten_with)
 from stages.algos.kl import (AdaptiveKLController, FixedKLController, approx_kl, get_kl_controller,
                              kl_controller_from_state)
-from stages.algos.ragged import Ragged, row_masked_mean
+from stages.algos.ragged import Ragged, row_masked_mean, row_sum
 from stages.algos.returns import (agentic_reinforce_returns, gae, reinforce_returns, reverse_linear_scan,
                                   segment_masked_mean)
-from stages.algos.token_rewards import (apply_kl_penalty, compute_token_reward, current_kl_from_partials,
+from stages.algos.token_rewards import (compute_token_reward, current_kl_from_partials,
                                         expand_to_token_level, kl_partials)
 from tests.algos.reference import (loop_agentic_reinforce, loop_gae_fixed, loop_gae_roll, loop_reward_to_go,
                                    loop_segment_mean, ref_approx_kl, reference_compute_advantage)
@@ -118,8 +118,9 @@ def test_masked_ops_golden(name):
     assert_close(masked_mean(x, m), out["masked_mean_all"], scale=mean_scale(x, m))
     assert_close(row_masked_mean(rows, flat_m), out["masked_mean_dim_-1"], scale=mean_scale(x, m, -1))
     assert_close(masked_sum(x, m), out["masked_sum_all"], scale=sum_scale(x, m))
-    assert_close(row_masked_sum(rows, flat_m), out["masked_sum_dim_-1"], scale=sum_scale(x, m, -1))
+    assert_close(row_sum(rows, flat_m), out["masked_sum_dim_-1"], scale=sum_scale(x, m, -1))
     squares = mean_scale(np.asarray(x, dtype=np.float64) ** 2, m)          # Σ(x − μ)² ≤ Σx² (+ rounding of μ)
+    # ROLL's masked_var is the variance of the whitening statistics the stages compute from block partials
     assert_close(masked_var(x, m, unbiased=True), out["masked_var_unbiased"], scale=squares)
     assert_close(masked_var(x, m, unbiased=False), out["masked_var_biased"], scale=squares)
     assert_close(masked_whiten(x, m), out["masked_whiten_shift"], atol=WHITENED_ATOL)
@@ -129,6 +130,11 @@ def test_masked_ops_golden(name):
     # response_level_masked_whiten is broken in ROLL (BUG-1, out["response_level_masked_whiten_raises"] = 1) and is
     # deliberately not provided.
     assert int(out["response_level_masked_whiten_raises"]) == 1
+
+
+def masked_var(x: np.ndarray, m: np.ndarray, unbiased: bool = True) -> float:
+    """ROLL's ``masked_var`` (§1.3) as the production code computes it: the variance of the whitening statistics."""
+    return whiten_stats_from_partials(*whiten_partials(x, m), unbiased=unbiased)[1]
 
 
 def test_masked_var_needs_two_elements():
@@ -160,7 +166,7 @@ def test_whitening_across_chunks_equals_whole_batch():
     cuts = [0, 1, 137, 138, 600, 1000]  # includes an empty and a one-element chunk
     parts = [whiten_partials(x[a:b], m[a:b]) for a, b in zip(cuts[:-1], cuts[1:])]
     mean, var = whiten_stats_from_partials(*sum_partials(parts))
-    chunked = np.concatenate([whiten_with(x[a:b], mean, var) for a, b in zip(cuts[:-1], cuts[1:])])
+    chunked = np.concatenate([masked_whiten(x[a:b], m[a:b], stats=(mean, var)) for a, b in zip(cuts[:-1], cuts[1:])])
     np.testing.assert_allclose(chunked, masked_whiten(x, m), rtol=1e-6, atol=1e-6)
     sel = x[m > 0].astype(np.float64)
     np.testing.assert_allclose([mean, var], [sel.mean(), sel.var(ddof=1)], rtol=1e-9)
@@ -305,12 +311,17 @@ def test_compute_token_reward_golden(name):
 
 @pytest.mark.parametrize("name", APPLY_KL_PENALTY)
 def test_apply_kl_penalty_golden(name):
+    """ROLL's apply_kl_penalty (§2.5, kept but not called by its pipelines): the KL always subtracted when there is a
+    reference (β = 0 and KL 0 without one), no clip — compute_token_reward, which the pipelines call, with
+    ``add_token_level_kl`` = a reference is given and no ``reward_clip``."""
     case = load(name)
     p = case.check_params(("kl_penalty", "kl_ctrl"))
     rewards, mask, old, ref = _token_reward_inputs(case)
     ctrl = controller_from_param(p["kl_ctrl"])
     scale, kl_scale = _token_reward_scale(case, ctrl.value, p["kl_penalty"])
-    res = apply_kl_penalty(rewards, mask, old, ref, kl_coef=ctrl.value, kl_penalty=p["kl_penalty"])
+    res = compute_token_reward(rewards, mask, old, ref, kl_coef=ctrl.value, kl_penalty=p["kl_penalty"],
+                               add_token_level_kl=ref is not None, reward_clip=None)
+    assert "critic/token_reward_clip_frac" not in res.metrics
     ctrl.update(res.current_kl, n_steps=old.num_rows)
     width = case.outputs["token_level_rewards"].shape[1]
     assert_close(padded(res.token_level_rewards, width), case.outputs["token_level_rewards"], scale=scale)
