@@ -141,6 +141,16 @@ def next_token_mask(batch: pa.Table) -> np.ndarray:
     return rm.values[keep]
 
 
+def final_response_mask(batch: pa.Table) -> np.ndarray:
+    """``(N',)`` float32 ``final_response_mask``: the token mask ``response_mask[1:]`` of each row times the row's
+    sample mask from ``agentic_response_level_mask`` (spec §5.5; ROLL's is all ones)."""
+    from stages.algos.response_rewards import agentic_response_level_mask
+
+    next_token_lengths = np.maximum(pc.list_value_length(batch.column("response_mask")).to_numpy() - 1, 0)
+    sample_mask, _ = agentic_response_level_mask(len(batch))
+    return (next_token_mask(batch) * np.repeat(sample_mask, next_token_lengths)).astype(np.float32)
+
+
 class _AdvantageBatch:
     """The per-batch computation of the advantages stage, shared by its statistics passes and its output pass."""
 
@@ -162,7 +172,7 @@ class _AdvantageBatch:
             raise InvariantError(f"samples table at {self.where}: row_id {rid} has no response-level reward in the "
                                  "rewarded table; re-run the response_rewards stage on this input")
         rewards = {c: v[pos] for c, v in cols.items()}
-        mask = next_token_mask(batch)
+        mask = final_response_mask(batch)
         old = _ragged(batch, "old_log_probs") or _ragged(batch, "infer_logprobs")
         if old is None:
             lengths = np.maximum(pc.list_value_length(batch.column("input_ids")).to_numpy() - 1, 0)

@@ -189,7 +189,8 @@ def compute_response_level_rewards(response_reward: str, columns: Mapping[str, n
 def agentic_response_level_mask(num_rows: int) -> tuple[np.ndarray, dict[str, float]]:
     """ROLL's agentic sample mask is a no-op (§5.5): ``s = 1 (B,)`` float32 and its metrics.
 
-    The caller's ``final_response_mask`` is the token mask ``response_mask[1:]`` times ``s``.
+    The caller's ``final_response_mask`` is the token mask ``response_mask[1:]`` times ``s`` (the advantages stage,
+    ``stages.recompute.final_response_mask``).
     """
     metrics = {
         "actor/max_len_mask_ratio": 1.0,
