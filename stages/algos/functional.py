@@ -1,8 +1,9 @@
 """Masked primitives over flat token arrays (spec ALGORITHMS.md §1, conventions §0.3).
 
-Global reductions (``masked_mean``, ``masked_var``, whitening, clip fractions) take flat arrays: ``x (N,)`` and a
+Global reductions (``masked_mean``, ``masked_sum``, whitening statistics, clip fractions) take flat arrays: ``x (N,)`` and a
 same-shaped 0/1 mask ``m (N,)`` (bool, int or float). They also accept any matching shapes, since they never look at
-rows. Per-row operations (``masked_normalize``) take a :class:`~stages.algos.ragged.Ragged`.
+rows; per-row reductions are in :mod:`stages.algos.ragged`. ROLL's ``masked_normalize`` (§1.5) is used by neither
+ROLL's RL pipelines nor ours and is not provided.
 
 Whitening is split in three so that a stage can compute the statistics across Ray Data blocks::
 
@@ -21,7 +22,6 @@ from typing import Iterable
 import numpy as np
 
 from schemas.errors import InvariantError
-from stages.algos.ragged import Ragged, row_sum
 
 MEAN_EPS = 1e-8  # masked mean denominator Σm + 1e-8 (§0.3)
 WHITEN_EPS = 1e-8  # (σ² + 1e-8)^(-1/2) (§1.4)
@@ -112,21 +112,6 @@ def masked_whiten(x: np.ndarray, m: np.ndarray, shift_mean: bool = True,
 def can_whiten(count: float) -> bool:
     """ROLL disables whitening when ``Σm ≤ 1`` over the whole batch (§4.3 step 1)."""
     return count > 1
-
-
-# ---- §1.5 ----------------------------------------------------------------------------------------------------------
-def masked_normalize(x: Ragged, m: np.ndarray, eps: float = 1e-8) -> np.ndarray:
-    """Per-row ``(x·m − μ_row)·max(v_row, eps)^(-1/2)`` with biased row variance; ``(N,)`` float32 (§1.5)."""
-    mf = as_mask(m, x.values.shape)
-    xm = x.values.astype(np.float64) * mf
-    rows = x.row_index()
-    count = row_sum(x.with_values(mf))
-    # ROLL adds 1e-8 to a float32 count, which leaves any count ≥ 1 unchanged; do the same so that a row with
-    # one masked element normalises to exactly 0 instead of (x·1e-8)/1e-4.
-    denominator = np.where(count > 0, count.astype(np.float32) + np.float32(MEAN_EPS), 1.0).astype(np.float64)
-    mean = np.where(count > 0, row_sum(x.with_values(xm)) / denominator, 0.0)[rows]
-    var = np.where(count > 0, row_sum(x.with_values((xm - mean) ** 2 * mf)) / denominator, 0.0)[rows]
-    return ((xm - mean) / np.sqrt(np.maximum(var, eps))).astype(np.float32)
 
 
 # ---- §1.7 ----------------------------------------------------------------------------------------------------------
