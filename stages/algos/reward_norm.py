@@ -1,9 +1,10 @@
 """Response-level reward normalisation over narrow columns (one value per row), ROLL's numerics.
 
 Spec: ALGORITHMS.md §5.2 (agentic ``agentic_reward_norm`` and ``RewardNormalizationConfig`` resolution), §3.1
-(``RunningMoments``), §3.2 (RLVR ``reward_norm``), §3.3 (``reward_postprocess``), §1.7 (clip fraction). ROLL's §3.4
-``group_reward_norm`` helper (unused by its pipelines) is :func:`reward_norm` with ``norm_mean_type: group`` and
-``norm_std_type: group | None``; its ``div_std_global`` variant is not offered.
+(``RunningMoments``), §3.2 (RLVR ``reward_norm``), §3.3 (``reward_postprocess``; its clip fraction is §1.7's
+:func:`stages.algos.functional.clip_fraction`). ROLL's §3.4 ``group_reward_norm`` helper (unused by its pipelines) is
+:func:`reward_norm` with ``norm_mean_type: group`` and ``norm_std_type: group | None``; its ``div_std_global``
+variant is not offered.
 
 Every function takes ``(B,)`` arrays and returns ``(B,)`` float32 in the input row order. Statistics are computed in
 float64 and cast at the end. Batch-scope statistics can be injected (``batch_mean`` / ``batch_std``) so that a stage
@@ -21,6 +22,7 @@ import numpy as np
 
 from schemas.capabilities import estimator_capabilities
 from schemas.errors import ConfigError, InvariantError
+from stages.algos.functional import clip_fraction
 
 STD_EPS = 1e-6  # added to every std before dividing (§0.3)
 KNOWN_METHODS = ("identity", "mean", "mean_std", "asym_clip")
@@ -274,20 +276,13 @@ def reward_norm(r: np.ndarray, n_sample: int | None, mean_type: str | None, std_
     return out
 
 
-# ---- §1.7 / §3.3 ---------------------------------------------------------------------------------------------------
-def clip_fraction(values: np.ndarray, clip_max: float, clip_min: float) -> float:
-    """``(#{v > max} + #{v < min}) / numel`` (0 for no values), §1.7."""
-    v = np.asarray(values)
-    if v.size == 0:
-        return 0.0
-    return float((np.count_nonzero(v > clip_max) + np.count_nonzero(v < clip_min)) / v.size)
-
-
+# ---- §3.3 -----------------------------------------------------------------------------------------------------------
 def clip_rewards(rewards: np.ndarray, reward_clip: float | None) -> tuple[np.ndarray, dict[str, float]]:
-    """Clamp to ``±reward_clip`` when it is truthy; metric ``critic/reward_clip_frac`` (empty dict otherwise)."""
+    """Clamp to ``±reward_clip`` when it is truthy; metric ``critic/reward_clip_frac``, ROLL's clip fraction over
+    all of ``rewards`` (§1.7; empty dict when not clipping)."""
     if not reward_clip:
         return rewards, {}
-    frac = clip_fraction(rewards, reward_clip, -reward_clip)
+    frac = clip_fraction(rewards, low=-reward_clip, high=reward_clip)
     return np.clip(rewards, -reward_clip, reward_clip).astype(rewards.dtype), {"critic/reward_clip_frac": frac}
 
 

@@ -11,13 +11,14 @@ import numpy as np
 import pytest
 
 from schemas.errors import ConfigError, InvariantError, SchemaError
+from stages.algos.functional import clip_fraction
 from stages.algos.ragged import Ragged
 from stages.algos.reward_norm import (
     RunningMoments,
     agentic_reward_norm,
     batch_moments,
     canonical_method,
-    clip_fraction,
+    clip_rewards,
     resolve_norm_types,
     resolve_rlvr_norm_types,
     reward_norm,
@@ -429,8 +430,9 @@ def test_reward_postprocess_golden(name):
 
 
 def test_clip_fraction_counts_both_sides():
-    assert clip_fraction(np.array([-2.0, -1.0, 0.0, 1.0, 3.0]), 1.0, -1.0) == pytest.approx(0.4)
-    assert clip_fraction(np.zeros(0), 1.0, -1.0) == 0.0
+    assert clip_fraction(np.array([-2.0, -1.0, 0.0, 1.0, 3.0]), low=-1.0, high=1.0) == pytest.approx(0.4)
+    assert clip_fraction(np.zeros(0), low=-1.0, high=1.0) == 0.0
+    assert clip_rewards(np.array([-2.0, 0.5, 3.0]), 1.0)[1] == {"critic/reward_clip_frac": pytest.approx(2 / 3)}
 
 
 @pytest.mark.parametrize("name", GROUP_REWARD_NORM)
