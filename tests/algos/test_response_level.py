@@ -944,11 +944,11 @@ def test_get_sample_level_mask_golden(name):
     # the production call (groups keyed by prompt id, rows shuffled): the same mask and metrics, difficulty on or off
     order = np.random.default_rng(0).permutation(len(token_mask))
     keys = np.char.add("prompt-", (np.arange(len(token_mask)) // p["num_return_sequences"]).astype(str))
-    for difficulty in (p.get("difficulty_mask", False), not p.get("difficulty_mask", False)):
-        shown = {**p, "difficulty_mask": difficulty}
-        _, consecutive, consecutive_metrics = _sample_mask_of_case(i, shown)
+    for difficulty in (False, True):
+        params = {**p, "difficulty_mask": difficulty}
+        _, consecutive, consecutive_metrics = _sample_mask_of_case(i, params)
         keyed, keyed_metrics = _sample_mask_of_case({**i, "scores": i["scores"][order],
-                                                     "response_mask": i["response_mask"][order]}, shown,
+                                                     "response_mask": i["response_mask"][order]}, params,
                                                     group=keys[order])
         np.testing.assert_array_equal(keyed, consecutive[order])
         assert keyed_metrics == pytest.approx(consecutive_metrics)
