@@ -140,19 +140,24 @@ def start_run(config, cfg: dict, max_model_len: int):
     from stages.rollout.engine_pool import EnginePool
 
     run = run_folder(config)
-    save_run_config(run, cfg)
-    settings = ensure_ray(config.runtime.ray_address, config.runtime.num_cpus)
+    save_run_config(run, config, cfg)
+    rt = config.runtime
+    settings = ensure_ray(rt.ray_address, rt.num_cpus, data_memory_mb=rt.data_memory_mb)
     check_cpu_budget(config, float(settings["cpus"] or 0))
     base = resolve_model_dir(config.pretrain)
     return run, base, EnginePool(config.generation_engine(), base, max_model_len)
 
 
-def save_run_config(run: Location, cfg: dict) -> None:
-    """Freeze the run's config next to its outputs (what ``--resume`` reads). Refuses a different config."""
+def save_run_config(run: Location, config, cfg: dict) -> None:
+    """Freeze the run's config ``cfg`` (``config`` validated) next to its outputs (what ``--resume`` reads). Refuses
+    a different config; a frozen config that validates to the same one is the same run (an earlier version may have
+    written it with other defaults spelled out)."""
+    from schemas.config import validate_config
+
     path = run.child(CONFIG_FILE)
     if path.exists():
         old = json.loads(path.read_text())
-        if old != cfg:
+        if old != cfg and validate_config(type(config), old, path.path) != config:
             raise RollflowError(f"run folder {run.path} was started with another config; resume it with "
                                 f"`rollflow train --resume {run.path}`, or choose a new run_name")
         return

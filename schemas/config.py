@@ -104,6 +104,29 @@ class RuntimeConfig(Frozen):
                                                                 "object store, i.e. of the machine's memory).")
 
 
+def one_runtime(data: dict, sections: tuple[str, ...]) -> dict:
+    """A run config's raw mapping with its top-level ``runtime`` (the cluster and batch settings of
+    :class:`RuntimeConfig`) copied into the ``runtime`` of each of ``sections``, so that every stage of the run uses
+    the run's settings. A run has one runtime section: a section's value that differs from the top-level one is an
+    error naming the field and the fix (its default is accepted: a run's frozen config, written by earlier versions
+    too, holds every section's runtime)."""
+    defaults = RuntimeConfig().model_dump()
+    top = {**defaults, **(data.get("runtime") or {})}
+    out = dict(data)
+    for name in sections:
+        section = data.get(name) or {}
+        if not isinstance(section, dict):
+            continue  # the model reports the wrong type
+        nested = section.get("runtime") or {}
+        for field in defaults:
+            if field in nested and nested[field] not in (top[field], defaults[field]):
+                raise ValueError(f"{name}.runtime.{field} ({nested[field]!r}) differs from runtime.{field} "
+                                 f"({top[field]!r}); a run has one runtime section, read by all its stages: set "
+                                 f"runtime.{field} at the top level and remove {name}.runtime.{field}")
+        out[name] = {**section, "runtime": {**nested, **{field: top[field] for field in defaults}}}
+    return out
+
+
 class RecomputeConfig(AlgorithmConfig):
     """``rollflow recompute``: stored trajectories → rewarded and advantaged tables."""
 

@@ -12,7 +12,7 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
-from schemas.config import Frozen
+from schemas.config import Frozen, one_runtime
 from schemas.rlvr_config import RLVRConfig
 from schemas.rollout_config import EngineConfig, GeneratingArgs
 from schemas.train_config import ForwardConfig, TrainStepConfig, estimator_into_train
@@ -69,6 +69,13 @@ class RLVRTrainConfig(RLVRConfig):
             raise ValueError(f"max_new_tokens ({data['max_new_tokens']}) differs from generating_args.max_new_tokens "
                              f"({budget}); set generating_args.max_new_tokens only")
         return {**data, "max_new_tokens": budget}
+
+    @model_validator(mode="before")
+    @classmethod
+    def _one_runtime(cls, data: dict) -> dict:
+        """One runtime section per run: the top-level ``runtime`` reaches the log-prob and training sections (see
+        :func:`schemas.config.one_runtime`)."""
+        return one_runtime(data, ("logprobs", "train")) if isinstance(data, dict) else data
 
     @model_validator(mode="after")
     def _rlvr_run_rules(self) -> "RLVRTrainConfig":

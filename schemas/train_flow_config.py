@@ -12,7 +12,7 @@ from typing import Literal
 from pydantic import Field, model_validator
 
 from schemas.capabilities import estimator_capabilities, policy_loss_capabilities
-from schemas.config import AlgorithmConfig, Frozen, RuntimeConfig
+from schemas.config import AlgorithmConfig, Frozen, RuntimeConfig, one_runtime
 from schemas.rollout_config import RolloutConfig
 from schemas.train_config import ForwardConfig, TrainStepConfig, estimator_into_train
 
@@ -44,7 +44,8 @@ class TrainFlowConfig(AlgorithmConfig):
     logprobs: ForwardConfig = Field(default_factory=ForwardConfig, description="old/ref log-prob stage.")
     train: TrainStepConfig = Field(default_factory=TrainStepConfig, description="Actor (and critic) training.")
     eval: EvalConfig = Field(default_factory=EvalConfig, description="Held-out evaluation.")
-    runtime: RuntimeConfig = Field(default_factory=RuntimeConfig, description="Ray execution settings.")
+    runtime: RuntimeConfig = Field(default_factory=RuntimeConfig, description="The run's Ray cluster and batch "
+                                   "settings, read by all its stages (a section's own runtime may only repeat them).")
 
     @model_validator(mode="before")
     @classmethod
@@ -54,6 +55,13 @@ class TrainFlowConfig(AlgorithmConfig):
         if not isinstance(data, dict):
             return data
         return estimator_into_train(data, cls.model_fields["adv_estimator"].default)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _one_runtime(cls, data: dict) -> dict:
+        """One runtime section per run: the top-level ``runtime`` reaches the rollout, log-prob and training
+        sections (see :func:`schemas.config.one_runtime`)."""
+        return one_runtime(data, ("rollout", "logprobs", "train")) if isinstance(data, dict) else data
 
     @model_validator(mode="after")
     def _agentic_rules(self) -> "TrainFlowConfig":

@@ -1,0 +1,63 @@
+"""One runtime section per run (issue 12): the top-level ``runtime`` of a training config is what every stage of the
+run reads; a section's own ``runtime`` may only repeat it, and a frozen config of an earlier version (which spells
+out every section's default runtime) still validates to the same run."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from schemas.config import RuntimeConfig, load_config, validate_config
+from schemas.errors import ConfigError
+from schemas.rlvr_train_config import RLVRTrainConfig
+from schemas.train_flow_config import TrainFlowConfig
+
+REPO = Path(__file__).resolve().parents[2]
+RUNTIME = {"num_cpus": 2, "batch_rows": 256, "data_memory_mb": 128.0, "ray_address": "ray://head:10001"}
+CLUSTER_FIELDS = tuple(RuntimeConfig.model_fields)
+
+
+def _sections(config) -> dict:
+    """Every runtime a stage of the run reads, by section."""
+    found = {"logprobs": config.logprobs.runtime, "train": config.train.runtime}
+    if isinstance(config, TrainFlowConfig):
+        found["rollout"] = config.rollout.runtime
+    return found
+
+
+@pytest.mark.parametrize("model, path", [(TrainFlowConfig, "configs/train_frozenlake_quickstart.yaml"),
+                                         (RLVRTrainConfig, "configs/rlvr_train_math.yaml")])
+def test_the_top_level_runtime_reaches_every_section(model, path):
+    config = load_config(model, REPO / path, {"runtime": RUNTIME})
+    for name, runtime in _sections(config).items():
+        assert {f: getattr(runtime, f) for f in CLUSTER_FIELDS} == RUNTIME, name
+    assert config.train.runtime.num_workers == 1  # the training section keeps its own worker settings
+    assert validate_config(model, config.model_dump(mode="json")) == config  # the frozen copy round-trips
+
+
+@pytest.mark.parametrize("model, path", [(TrainFlowConfig, "configs/train_frozenlake_quickstart.yaml"),
+                                         (RLVRTrainConfig, "configs/rlvr_train_math.yaml")])
+def test_a_frozen_config_with_default_section_runtimes_is_the_same_run(model, path):
+    """Earlier versions froze each section's own (default) runtime beside a top-level one that differed."""
+    config = load_config(model, REPO / path, {"runtime": RUNTIME})
+    frozen = config.model_dump(mode="json")
+    for name in _sections(config):
+        frozen[name] = {**frozen[name], "runtime": {**frozen[name]["runtime"], **RuntimeConfig().model_dump()}}
+    assert validate_config(model, frozen) == config
+
+
+@pytest.mark.parametrize("section", ["rollout", "logprobs", "train"])
+def test_a_section_runtime_that_differs_is_refused_with_the_fix(section):
+    with pytest.raises(ConfigError) as err:
+        validate_config(TrainFlowConfig, {"runtime": {"num_cpus": 2}, section: {"runtime": {"num_cpus": 4}}})
+    for words in (f"{section}.runtime.num_cpus (4) differs from runtime.num_cpus (2)",
+                  "set runtime.num_cpus at the top level"):
+        assert words in str(err.value)
+
+
+def test_rlvr_section_runtime_that_differs_is_refused():
+    data = load_config(RLVRTrainConfig, REPO / "configs/rlvr_train_math.yaml").model_dump(mode="json")
+    data["train"]["runtime"]["batch_rows"] = 7
+    with pytest.raises(ConfigError, match=r"train.runtime.batch_rows \(7\) differs from runtime.batch_rows"):
+        validate_config(RLVRTrainConfig, data)
