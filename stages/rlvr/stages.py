@@ -193,7 +193,7 @@ class RLVRRewardsStage(Stage):
             import pyarrow.dataset as pads
 
             from stages.algos.reward_norm import RunningMoments
-            from stages.rlvr.chain import rlvr_response_rewards
+            from stages.algos.rlvr_chain import rlvr_response_rewards
 
             # Ray Data does not promise the block order after repartition; sorting (as ROLL sorts by prompt id)
             # makes the statistics' float sums and the output independent of it.
@@ -266,7 +266,7 @@ class _TokenBatchFn:
 
     def _inputs(self, batch: pa.Table):
         from stages.algos.ragged import Ragged
-        from stages.rlvr.chain import response_tokens
+        from stages.algos.rlvr_chain import response_tokens
 
         check_response_rows(batch, self.where)
         index, cols = reward_lookup(*self.rewarded)
@@ -283,7 +283,7 @@ class _TokenBatchFn:
         return narrow, tokens
 
     def _compute(self, batch: pa.Table, final: bool):
-        from stages.rlvr.chain import rlvr_token_batch
+        from stages.algos.rlvr_chain import rlvr_token_batch
 
         narrow, tokens = self._inputs(batch)
         result = rlvr_token_batch(tokens, narrow["response_level_rewards"], narrow["sample_mask"], narrow["domain"],
@@ -292,7 +292,7 @@ class _TokenBatchFn:
         return narrow, tokens, result
 
     def reward_partials(self, batch: pa.Table) -> pa.Table:
-        from stages.rlvr.chain import final_response_mask, token_rewards, whiten_partials_by_domain
+        from stages.algos.rlvr_chain import final_response_mask, token_rewards, whiten_partials_by_domain
 
         narrow, tokens = self._inputs(batch)
         tok = token_rewards(tokens, narrow["response_level_rewards"], self.s, self.kl_coef)
@@ -301,7 +301,7 @@ class _TokenBatchFn:
                                                          tok.token_level_rewards.offsets, narrow["domain"]))
 
     def advantage_partials(self, batch: pa.Table) -> pa.Table:
-        from stages.rlvr.chain import whiten_partials_by_domain
+        from stages.algos.rlvr_chain import whiten_partials_by_domain
 
         narrow, _, result = self._compute(batch, final=False)
         return _partials_table(whiten_partials_by_domain(result.advantages.values, result.final_mask,
@@ -350,7 +350,7 @@ def _partials_table(parts: dict[str, tuple[float, float, float]]) -> pa.Table:
 
 def _domain_stats(ds, fn) -> dict:
     """Sum per-domain whitening partials over all blocks → ``{domain: (mean, var) | None}``."""
-    from stages.rlvr.chain import stats_from_partials
+    from stages.algos.rlvr_chain import stats_from_partials
 
     total: dict[str, list[float]] = {}
     for row in ds.map_batches(fn, batch_format="pyarrow").take_all():
@@ -445,7 +445,7 @@ class _AttachLogProbs:
 
     def __call__(self, batch: pa.Table) -> pa.Table:
         from stages.algos.ragged import Ragged
-        from stages.rlvr.chain import next_token_to_response
+        from stages.algos.rlvr_chain import next_token_to_response
 
         index, table = self._table()
         ids = batch.column("row_id").to_numpy(zero_copy_only=False)

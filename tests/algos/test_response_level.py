@@ -301,7 +301,7 @@ def _running_warmup(case):
 
 def as_the_rlvr_chain_calls(fn, r, n_sample):
     """``fn(rewards, group=, scored=, zero_without_spread=True)`` called the way the RLVR chain calls it
-    (stages/rlvr/chain.py): groups keyed by prompt id in shuffled row order, plus two unscored (NaN) rows in the first
+    (stages/algos/rlvr_chain.py): groups keyed by prompt id in shuffled row order, plus two unscored (NaN) rows in the first
     and the last group. Returns (output on the original rows, in their order; output on the two unscored rows; fn's
     whole result)."""
     r = np.asarray(r, dtype=np.float64)

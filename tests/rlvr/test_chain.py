@@ -1,4 +1,4 @@
-"""The RLVR chain as pure functions (stages/rlvr/chain.py, no Ray): golden conformance with ROLL's chain, equality
+"""The RLVR chain as pure functions (stages/algos/rlvr_chain.py, no Ray): golden conformance with ROLL's chain, equality
 with the stages/algos functions it is built from, None rows left out of group statistics with zero advantage,
 per-domain whitening from block partials, invariances and bad input."""
 
@@ -16,7 +16,7 @@ from stages.algos.ragged import Ragged
 from stages.algos.reward_norm import RunningMoments, reward_postprocess
 from stages.algos.sample_masks import get_sample_level_mask
 from stages.algos.token_rewards import compute_token_reward
-from stages.rlvr.chain import (concat_rows, normalise_rewards, response_to_next_token, response_tokens,
+from stages.algos.rlvr_chain import (concat_rows, normalise_rewards, response_to_next_token, response_tokens,
                                rlvr_response_rewards, rlvr_token_batch, sample_level_mask, stats_from_partials,
                                take_rows, whiten_partials_by_domain)
 from tests.golden import assert_close, family, load
@@ -342,7 +342,7 @@ def _concat(a: dict, b: dict) -> dict:
 
 def test_next_token_to_response_inverts_response_to_next_token():
     from stages.algos.ragged import Ragged
-    from stages.rlvr.chain import next_token_to_response, response_to_next_token
+    from stages.algos.rlvr_chain import next_token_to_response, response_to_next_token
 
     values = Ragged.from_rows([[1.0, 2.0], [], [3.0, 4.0, 5.0]])
     prompt_len = np.array([1, 3, 2])

@@ -15,7 +15,7 @@ from flows.rlvr import score_responses
 from schemas.errors import ConfigError, InvariantError, SchemaError
 from schemas.rlvr_config import rlvr_advantage_section, rlvr_reward_section
 from stages.algos.ragged import Ragged
-from stages.rlvr.chain import response_tokens, rlvr_response_rewards, rlvr_token_batch
+from stages.algos.rlvr_chain import response_tokens, rlvr_response_rewards, rlvr_token_batch
 from tests.golden import assert_close, case_names, load
 from tests.rlvr.helpers import GOLDEN_ROUTE, golden_config, golden_rows, padded, read_folder, write_responses
 

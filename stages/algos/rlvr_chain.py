@@ -1,4 +1,5 @@
-"""The RLVR chain over a ``responses`` table, as pure numpy over ragged columns (no Ray; spec §0.4 "RLVR pipeline").
+"""The RLVR chain over a ``responses`` table, as pure numpy over ragged columns (the pure layer: no Ray; spec §0.4
+"RLVR pipeline"). The RLVR stages (stages/rlvr/stages.py) run it over Arrow blocks.
 
 ROLL, per step, per domain (order of first appearance): ``get_sample_level_mask`` (§3.5) → ``reward_postprocess``
 (§3.3) → ``compute_token_reward`` (§2.4) → ``compute_advantage(response_mask=final_response_mask)`` (§4.3).
@@ -32,7 +33,7 @@ from schemas.errors import InvariantError
 from stages.algos.advantages import AdvantageResult, WhitenStats, compute_advantage
 from stages.algos.functional import can_whiten, whiten_partials, whiten_stats_from_partials
 from stages.algos.ragged import Ragged
-from stages.algos.reward_norm import RunningMoments, resolve_rlvr_norm_types, reward_postprocess
+from stages.algos.reward_norm import RunningMoments, group_index, resolve_rlvr_norm_types, reward_postprocess
 from stages.algos.sample_masks import get_sample_level_mask
 from stages.algos.token_rewards import TokenRewardResult, compute_token_reward
 
@@ -122,11 +123,6 @@ def response_tokens(prompt_ids: Ragged, response_ids: Ragged,
 # ---- whole-table part: sample masks and response-level rewards per domain ------------------------------------------
 
 
-def dense_index(keys: np.ndarray) -> np.ndarray:
-    """``(B,)`` int64 dense id of each row's key (any hashable/sortable keys)."""
-    return np.unique(np.asarray(keys), return_inverse=True)[1].reshape(-1).astype(np.int64)
-
-
 def domain_rows(domains: np.ndarray) -> dict[str, np.ndarray]:
     """Row indices per domain, domains in order of first appearance (ROLL's ``group_by("domain")``)."""
     domains = np.asarray(domains).astype(str)
@@ -144,7 +140,7 @@ def check_groups(prompt_id: np.ndarray, domain: np.ndarray, n: int, where: str) 
                              f"num_return_sequences_in_group={n}, because rewards are normalised over complete "
                              "groups; drop incomplete groups or set num_return_sequences_in_group to the number "
                              "generated per prompt")
-    dom = dense_index(domain) if len(ids) else np.zeros(0, np.int64)
+    dom = group_index(np.asarray(domain), len(domain)) if len(ids) else np.zeros(0, np.int64)
     width = int(dom.max(initial=0)) + 1
     per_prompt = np.bincount(np.unique(inverse.reshape(-1) * width + dom) // width, minlength=len(ids))
     if (per_prompt > 1).any():
@@ -197,7 +193,7 @@ def rlvr_response_rewards(prompt_id: np.ndarray, domain: np.ndarray, scores: np.
     scores = np.asarray(scores, dtype=np.float64)
     rewards = np.asarray(rewards, dtype=np.float64)
     check_groups(prompt_id, domain, s.num_return_sequences_in_group, where)
-    group = dense_index(prompt_id) if len(prompt_id) else np.zeros(0, np.int64)
+    group = group_index(prompt_id, len(prompt_id)) if len(prompt_id) else np.zeros(0, np.int64)
     partly = np.isnan(rewards) != np.isnan(scores)
     unscored_rows = np.isnan(rewards) | np.isnan(scores)  # None in either column: the row cannot be scored
     scores = np.where(unscored_rows, np.nan, scores)
