@@ -1,5 +1,5 @@
 """The table commands: ``recompute`` (rewards and advantages of stored trajectories), ``stage`` (re-run one stage),
-``inspect``, ``validate``, ``example`` and ``demo``."""
+``lineage``, ``inspect``, ``validate``, ``example`` and ``demo``."""
 
 from __future__ import annotations
 
@@ -61,6 +61,17 @@ def stage(name: str = typer.Argument(..., help="Stage name: response_rewards or 
     connect(RuntimeConfig())  # the stage's recorded section holds no runtime settings: $RAY_ADDRESS or a local cluster
     for line in _guard(lambda: rerun_stage(name, str(run_dir), overrides or [], output and str(output),
                                            downstream, force)):
+        typer.echo(line)
+
+
+@app.command()
+def lineage(path: Path = typer.Argument(..., help="A stage output (a folder with manifest.json) or a run folder.")
+            ) -> None:
+    """Show where a table came from (the inputs its manifest records, and theirs) and which stage outputs under the
+    folder are stale (an input changed or went away since they were written)."""
+    from flows.lineage import lineage_lines
+
+    for line in _guard(lambda: lineage_lines(str(path))):
         typer.echo(line)
 
 
