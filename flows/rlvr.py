@@ -36,11 +36,14 @@ def step_dir(run: str, step: int) -> str:
 
 
 def score_responses(input_dir: str, output_dir: str, cfg, *, advantages: bool = False, force: bool = False,
-                    state_in: dict | None = None, services: dict | None = None) -> dict[str, Any]:
+                    state_in: dict | None = None, services: dict | None = None,
+                    training_progress: float | None = None) -> dict[str, Any]:
     """Run the reward stage (and with ``advantages`` the RLVR chain) on the responses in ``input_dir``.
 
     Outputs: ``<output_dir>/scored`` (+ ``rlvr_rewarded``, ``advantaged``). ``state_in``: ``running_moments`` and
-    ``kl_ctrl`` of a previous step (from its manifests' ``state``); ``services``: reward-stage service factories.
+    ``kl_ctrl`` of a previous step (from its manifests' ``state``); ``services``: reward-stage service factories;
+    ``training_progress``: step / max_steps of a training run (workers that read it, e.g. the detection worker's
+    dynamic IoU threshold; offline scoring has none).
     Runs on the Ray cluster its caller connected to (``rollflow score``, the RLVR flow)."""
     from schemas.rlvr_config import reward_section, rlvr_reward_section
     from stages.rlvr.stages import RewardStage, RLVRRewardsStage
@@ -49,8 +52,9 @@ def score_responses(input_dir: str, output_dir: str, cfg, *, advantages: bool = 
     out = output_dir.rstrip("/")
     state_in = state_in or {}
     rows = cfg.runtime.batch_rows
+    context = {} if training_progress is None else {"training_progress": training_progress}
     results = {"scored": run_stage(RewardStage(services), reward_section(cfg), {"responses": input_dir},
-                                   f"{out}/scored", force=force, batch_rows=rows)}
+                                   f"{out}/scored", force=force, batch_rows=rows, state_in=context)}
     if advantages:
         results["rlvr_rewarded"] = run_stage(
             RLVRRewardsStage(), rlvr_reward_section(cfg), {"responses": input_dir, "scored": f"{out}/scored"},
@@ -109,12 +113,16 @@ def generate_task(config: RLVRTrainConfig, step: int, prompts: str, checkpoint: 
 
 
 @stage_task("rewards_and_advantages")
-def score_task(config: RLVRTrainConfig, responses: str, output: str, state_in: dict, pool) -> dict[str, Any]:
-    """Reward workers, then the RLVR chain; an LLM judge route is served by the flow's engines (the policy)."""
-    from stages.rlvr.generate import judge_services
+def score_task(config: RLVRTrainConfig, step: int, responses: str, output: str, state_in: dict,
+               pool) -> dict[str, Any]:
+    """Reward workers, then the RLVR chain; an LLM judge route is served by the flow's engines (the policy). Workers
+    that read the training progress get ``step / max_steps`` (ROLL's global_step / max_steps)."""
+    from stages.rlvr.generate import judge_services, reads_context
 
     services = judge_services(config.rewards, pool, config.sequence_length)
-    return score_responses(responses, output, config, advantages=True, state_in=state_in, services=services)
+    progress = step / config.max_steps if reads_context(config.rewards, "training_progress") else None
+    return score_responses(responses, output, config, advantages=True, state_in=state_in, services=services,
+                           training_progress=progress)
 
 
 @stage_task("second_pass_advantages")
@@ -163,7 +171,7 @@ def rlvr_train_flow(cfg: dict) -> dict:
                 here = step_dir(run.path, k)
                 gen = generate_task(config, k, prompts.output, checkpoint, pool, f"{here}/responses")
                 record(metrics, k, "generate", gen)
-                chain = score_task(first_pass_config(config) if two_pass else config, gen.output,
+                chain = score_task(first_pass_config(config) if two_pass else config, k, gen.output,
                                    f"{here}/first_pass" if two_pass else here, state, pool)
                 scored = record(metrics, k, "rewards", chain["scored"])
                 record(metrics, k, "rlvr_rewards", chain["rlvr_rewarded"])

@@ -9,7 +9,7 @@
   label), each the fraction of ground-truth boxes matched with IoU ≥ threshold; ``map`` (COCO-style AP averaged
   over IoU 0.50:0.05:0.95), ``map50``, ``map75``. Predictions carry no confidence, so their listed order ranks
   them. ``iou_threshold``: a number, ``"average"`` (mean over 0.50:0.05:0.95) or ``"dynamic"`` (0.5 rising
-  linearly to 0.95 with ``training_progress`` in [0, 1], a kwarg set by the stage).
+  linearly to 0.95 with ``training_progress`` in [0, 1], which the reward stage passes as run-time context).
 * No ground-truth boxes: accuracy 1 if there are no predictions, else 0. A ground truth that does not parse cannot
   be scored (None).
 """
@@ -134,9 +134,11 @@ class IoUThreshold:
 @REWARD_WORKERS.register("detection")
 class DetectionWorker:
     """Columns: ``response``, ``ground_truth`` (boxes). Kwargs: ``accuracy_ratio`` (1.0), ``format_ratio`` (0.1),
-    ``accuracy_weights`` (kind → weight over :data:`ACCURACY_KINDS`), ``iou_threshold``, ``training_progress``."""
+    ``accuracy_weights`` (kind → weight over :data:`ACCURACY_KINDS`), ``iou_threshold``, ``training_progress``
+    (run-time context: the RLVR training flow's reward stage passes step / max_steps; offline scoring leaves 0)."""
 
     columns = (RESPONSE, GROUND_TRUTH)
+    context = ("training_progress",)
 
     def __init__(self, accuracy_ratio: float = 1.0, format_ratio: float = 0.1,
                  accuracy_weights: Mapping[str, float] | None = None, iou_threshold: float | str = 0.5,

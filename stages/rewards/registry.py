@@ -58,13 +58,23 @@ def required_services(entry: Any) -> tuple[str, ...]:
     return tuple(name for name in ("generate",) if name in names)
 
 
+def run_context(entry: Any) -> tuple[str, ...]:
+    """The run-time values a worker class reads when the stage knows them (``("training_progress",)`` for the
+    detection worker's dynamic IoU threshold); unlike services they are optional (a worker has a default)."""
+    return tuple(getattr(entry, "context", ())) if isinstance(entry, type) else ()
+
+
 def build_worker(spec: str, kwargs: Mapping[str, Any] | None = None,
-                 services: Mapping[str, Any] | None = None) -> RewardWorker:
-    """Instantiate the worker named by ``spec`` with its config ``kwargs`` and the run-time ``services`` it requires
-    (``generate`` for judges). A function becomes a :class:`FunctionWorker`."""
+                 services: Mapping[str, Any] | None = None, context: Mapping[str, Any] | None = None) -> RewardWorker:
+    """Instantiate the worker named by ``spec`` with its config ``kwargs``, the run-time ``services`` it requires
+    (``generate`` for judges) and the run-time ``context`` values it reads (:func:`run_context`; a value set in the
+    config's kwargs wins). A function becomes a :class:`FunctionWorker`."""
     entry = resolve_worker(spec)
     kwargs = dict(kwargs or {})
     services = dict(services or {})
+    for name in run_context(entry):
+        if name in (context or {}) and name not in kwargs:
+            kwargs[name] = context[name]
     for name in required_services(entry):
         if name in kwargs:
             raise ConfigError(f"reward worker '{spec}': '{name}' is a run-time service given by the stage, not a "

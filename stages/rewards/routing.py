@@ -47,17 +47,18 @@ class RewardRoute:
 
 class RewardRouter:
     """Scores batches whose rows belong to several domains. ``services`` (e.g. ``generate``) go to workers that
-    declare them in ``requires``."""
+    declare them in ``requires``; ``context`` values (e.g. ``training_progress``) to workers that read them."""
 
     def __init__(self, routes: Mapping[str, RewardRoute | Mapping[str, Any] | str], domain_column: str = DOMAIN,
-                 services: Mapping[str, Any] | None = None) -> None:
+                 services: Mapping[str, Any] | None = None, context: Mapping[str, Any] | None = None) -> None:
         if not routes:
             raise ConfigError("reward routes are empty; map at least one domain to a worker, e.g. "
                               "{'math': {'worker': 'math_rule'}}")
         self.domain_column = domain_column
         self.routes = {str(d): RewardRoute.parse(str(d), r) for d, r in routes.items()}
         self.workers: dict[str, RewardWorker] = {
-            domain: build_worker(route.worker, route.kwargs, services) for domain, route in self.routes.items()}
+            domain: build_worker(route.worker, route.kwargs, services, context)
+            for domain, route in self.routes.items()}
 
     def worker_for(self, domain: str) -> tuple[str, RewardWorker]:
         """The route key and worker that score ``domain`` (the fallback ``*`` when it has no route of its own)."""

@@ -248,6 +248,16 @@ def needs_model(rewards) -> bool:
     return any("generate" in required_services(resolve_worker(r.worker)) for r in rewards.routes.values())
 
 
+def reads_context(rewards, name: str) -> bool:
+    """Whether a route of ``rewards`` names a worker that reads the run-time context value ``name`` (e.g. the
+    detection worker's ``training_progress``). A run passes the value only then, so the reward stage's fingerprint
+    changes only where the value changes its scores."""
+    import stages.rewards  # noqa: F401  (registers the built-in workers)
+    from stages.rewards.registry import resolve_worker, run_context
+
+    return any(name in run_context(resolve_worker(r.worker)) for r in rewards.routes.values())
+
+
 def judge_services(rewards, pool, sequence_length: int) -> dict:
     """``{"generate": EngineGenerate(...)}`` over ``pool`` when a route of ``rewards`` needs a model, else {}."""
     return {"generate": EngineGenerate(pool.handles(), sequence_length=sequence_length)} if needs_model(rewards) \

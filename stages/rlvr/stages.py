@@ -85,15 +85,26 @@ def _check_routed(responses: Location, section: RewardsConfig) -> None:
                           "fallback route")
 
 
+# run-time values the reward stage hands to the workers that read them (stages.rewards.registry.run_context); they
+# travel in the stage's state_in, so they enter its fingerprint (a step at another training progress scores anew)
+RUN_CONTEXT = ("training_progress",)
+
+
+def run_context(state_in: Mapping[str, Any]) -> dict[str, Any]:
+    """The reward workers' run-time context from a reward stage's ``state_in``."""
+    return {name: state_in[name] for name in RUN_CONTEXT if name in state_in}
+
+
 class ScoreBatch:
     """The reward actor: one router per actor process, scoring ``pyarrow`` batches of ``responses``."""
 
-    def __init__(self, routes: dict, domain_column: str, services: Mapping[str, ServiceFactory], where: str):
+    def __init__(self, routes: dict, domain_column: str, services: Mapping[str, ServiceFactory], where: str,
+                 context: Mapping[str, Any] | None = None):
         import stages.rewards  # noqa: F401  (registers the built-in workers)
         from stages.rewards import RewardRouter
 
         self.where = where
-        self.router = RewardRouter(routes, domain_column, {name: make() for name, make in services.items()})
+        self.router = RewardRouter(routes, domain_column, {name: make() for name, make in services.items()}, context)
 
     def __call__(self, batch: pa.Table) -> pa.Table:
         check_response_rows(batch, self.where)
@@ -144,7 +155,8 @@ class RewardStage(Stage):
         return ctx.read("responses", columns=columns).map_batches(
             ScoreBatch, batch_size=ctx.batch_rows, batch_format="pyarrow",
             fn_constructor_kwargs={"routes": routes, "domain_column": section.domain_column,
-                                   "services": self.services, "where": ctx.inputs["responses"].path},
+                                   "services": self.services, "where": ctx.inputs["responses"].path,
+                                   "context": run_context(ctx.state_in)},
             compute=ActorPoolStrategy(min_size=1, max_size=self.max_actors), num_cpus=self.cpus_per_actor,
             **ACTOR_POOL)
 

@@ -106,3 +106,26 @@ def test_parse_boxes_accepts_bare_lists_and_rejects_malformed():
     assert boxes.tolist() == [[1, 2, 3, 4]] and labels == [""]
     assert parse_boxes("[[1, 2, 3]]") is None and parse_boxes("[[3, 3, 1, 1]]") is None
     assert parse_boxes('{"bbox_2d": [1, 2, 3, 4]}') is None
+
+
+def test_the_reward_stage_hands_the_training_progress_to_the_dynamic_threshold():
+    """The router passes the run-time context (the RLVR training flow's step / max_steps) to the workers that read
+    it; a value set in the route's kwargs wins; without context the worker keeps its default (offline scoring)."""
+    from schemas.rlvr_config import RewardsConfig
+    from stages.rewards import RewardRouter
+    from stages.rlvr.generate import reads_context
+    from stages.rlvr.stages import ScoreBatch, run_context
+
+    dynamic = {"detection": {"worker": "detection", "kwargs": {"iou_threshold": "dynamic"}}}
+    router = RewardRouter(dynamic, context={"training_progress": 1.0})
+    assert router.workers["detection"].threshold.values.tolist() == pytest.approx([0.95])
+    assert RewardRouter(dynamic).workers["detection"].threshold.values.tolist() == pytest.approx([0.5])
+    fixed = {"detection": {"worker": "detection", "kwargs": {"iou_threshold": "dynamic", "training_progress": 0.2}}}
+    assert RewardRouter(fixed, context={"training_progress": 1.0}).workers["detection"].threshold.values.tolist() \
+        == pytest.approx([0.59])
+    # workers that read no context are built as before; the stage's actor takes the context from its state_in
+    assert RewardRouter({"math": {"worker": "math_rule"}}, context={"training_progress": 1.0}).workers["math"]
+    actor = ScoreBatch(dynamic, "domain", {}, "(test)", run_context({"training_progress": 0.5, "kl_ctrl": {}}))
+    assert actor.router.workers["detection"].threshold.values.tolist() == pytest.approx([0.725])
+    assert reads_context(RewardsConfig(routes=dynamic), "training_progress")
+    assert not reads_context(RewardsConfig(routes={"math": {"worker": "math_rule"}}), "training_progress")
