@@ -114,12 +114,13 @@ def generate_task(config: RLVRTrainConfig, step: int, prompts: str, checkpoint: 
 
 @stage_task("rewards_and_advantages")
 def score_task(config: RLVRTrainConfig, step: int, responses: str, output: str, state_in: dict,
-               pool) -> dict[str, Any]:
-    """Reward workers, then the RLVR chain; an LLM judge route is served by the flow's engines (the policy). Workers
-    that read the training progress get ``step / max_steps`` (ROLL's global_step / max_steps)."""
+               judge) -> dict[str, Any]:
+    """Reward workers, then the RLVR chain; an LLM judge route is served by the run's judge engine (``judge``: its
+    pool, None without such a route). Workers that read the training progress get ``step / max_steps`` (ROLL's
+    global_step / max_steps)."""
     from stages.rlvr.generate import judge_services, reads_context
 
-    services = judge_services(config.rewards, pool, config.sequence_length)
+    services = judge_services(config, judge)
     progress = step / config.max_steps if reads_context(config.rewards, "training_progress") else None
     return score_responses(responses, output, config, advantages=True, state_in=state_in, services=services,
                            training_progress=progress)
@@ -156,7 +157,12 @@ def rlvr_train_flow(cfg: dict) -> dict:
     from stages.train.checkpoint import keep_training_state
 
     config = validate_config(RLVRTrainConfig, cfg)
-    run, base, pool = start_run(config, cfg, config.engine.max_model_len or config.sequence_length)
+    from stages.rlvr.generate import judge_pool, needs_model
+
+    judged = config.judge.engine if needs_model(config.rewards) else None
+    run, base, pool = start_run(config, cfg, config.engine.max_model_len or config.sequence_length,
+                                judged.num_cpus_per_engine * judged.num_engines if judged else 0.0)
+    judge = judge_pool(config)  # the judge's own engine, when a route needs one (built on first use)
     workers = KeptWorkers.of(config, run.path)
     started = time.time()
     summary: dict[str, Any] = {"run": run.path, "pipeline": "rlvr", "iterations": []}
@@ -172,7 +178,7 @@ def rlvr_train_flow(cfg: dict) -> dict:
                 gen = generate_task(config, k, prompts.output, checkpoint, pool, f"{here}/responses")
                 record(metrics, k, "generate", gen)
                 chain = score_task(first_pass_config(config) if two_pass else config, k, gen.output,
-                                   f"{here}/first_pass" if two_pass else here, state, pool)
+                                   f"{here}/first_pass" if two_pass else here, state, judge)
                 scored = record(metrics, k, "rewards", chain["scored"])
                 record(metrics, k, "rlvr_rewards", chain["rlvr_rewarded"])
                 lp = logprobs_task(config, chain["advantaged"].output, checkpoint, base, f"{here}/logprobs", workers)
@@ -199,6 +205,8 @@ def rlvr_train_flow(cfg: dict) -> dict:
         finally:
             workers.close()
             pool.close()
+            if judge is not None:
+                judge.close()
     summary["seconds"] = time.time() - started
     summary["checkpoint"] = checkpoint
     return summary

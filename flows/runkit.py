@@ -131,10 +131,11 @@ def record(metrics, iteration: int, stage: str, result: Any, values: dict | None
     return logged
 
 
-def start_run(config, cfg: dict, max_model_len: int):
+def start_run(config, cfg: dict, max_model_len: int, other_engines: float = 0.0):
     """The set-up both training flows share: freeze ``cfg`` in the run folder (refusing a different one), start or
-    join Ray, check the CPU budget, resolve the initial policy, and make the engine pool (built on first use).
-    Returns (run folder, initial policy folder, pool)."""
+    join Ray, check the CPU budget (``other_engines``: CPUs held by engines beside the policy's, e.g. an LLM judge),
+    resolve the initial policy, and make the engine pool (built on first use). Returns (run folder, initial policy
+    folder, pool)."""
     from stages.cluster import ensure_ray
     from stages.rollout.driver import resolve_model_dir
     from stages.rollout.engine_pool import EnginePool
@@ -143,7 +144,7 @@ def start_run(config, cfg: dict, max_model_len: int):
     save_run_config(run, config, cfg)
     rt = config.runtime
     settings = ensure_ray(rt.ray_address, rt.num_cpus, data_memory_mb=rt.data_memory_mb)
-    check_cpu_budget(config, float(settings["cpus"] or 0))
+    check_cpu_budget(config, float(settings["cpus"] or 0), other_engines)
     base = resolve_model_dir(config.pretrain)
     return run, base, EnginePool(config.generation_engine(), base, max_model_len)
 
@@ -165,12 +166,13 @@ def save_run_config(run: Location, config, cfg: dict) -> None:
     path.write_text(json.dumps(cfg, indent=1, sort_keys=True))
 
 
-def check_cpu_budget(config, cluster_cpus: float) -> None:
+def check_cpu_budget(config, cluster_cpus: float, other_engines: float = 0.0) -> None:
     """The engine actors live for the whole run, so the log-prob actors and the training workers must fit beside
     them with a CPU left for Ray Data's read/write tasks; otherwise Ray Data waits forever (STACK.md). ``config``:
-    a training config (:class:`TrainFlowConfig` or ``RLVRTrainConfig``)."""
+    a training config (:class:`TrainFlowConfig` or ``RLVRTrainConfig``); ``other_engines``: CPUs of further engines
+    that live for the whole run (an LLM judge's)."""
     engine = config.generation_engine()
-    engines = engine.num_cpus_per_engine * engine.num_engines
+    engines = engine.num_cpus_per_engine * engine.num_engines + other_engines
     forward = config.logprobs.cpus_per_actor
     train = config.train.runtime.cpus_per_worker * config.train.runtime.num_workers
     need = engines + max(forward + 0.5, train)  # log-prob actors run next to Ray Data's read/write tasks
@@ -178,5 +180,5 @@ def check_cpu_budget(config, cluster_cpus: float) -> None:
         raise RollflowError(
             f"the run needs {need:g} CPUs of Ray's {cluster_cpus:g}: engines hold {engines:g} for the whole run, "
             f"log-prob actors {forward:g} plus a share for Ray Data's tasks, training workers {train:g}; otherwise "
-            "a stage would wait forever. Set num_cpus_per_engine: 0 in the engine section (the engine idles outside "
-            "generation), or lower train.runtime.num_workers / cpus_per_worker, or logprobs.cpus_per_actor")
+            "a stage would wait forever. Set num_cpus_per_engine: 0 in the engine sections (an engine idles outside "
+            "generation or judging), or lower train.runtime.num_workers / cpus_per_worker, or logprobs.cpus_per_actor")

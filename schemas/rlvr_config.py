@@ -14,6 +14,7 @@ from pydantic import Field, field_validator, model_validator
 
 from schemas.capabilities import estimator_capabilities
 from schemas.config import AdvantageOptions, AdvantageSection, AdvEstimator, Frozen, RuntimeConfig
+from schemas.rollout_config import EngineConfig
 
 RLVRNormType = Literal["batch", "group", "running"]
 
@@ -47,11 +48,46 @@ class RewardsConfig(Frozen):
         return routes
 
 
+class JudgeEngineConfig(EngineConfig):
+    """The judge's engine: an :class:`EngineConfig` that reserves no CPU unless told to (it idles outside the reward
+    stage, and an engine holding a CPU for the whole run starves the reward stage's actors on a small machine)."""
+
+    num_cpus_per_engine: float = Field(0.0, ge=0.0, description="CPUs reserved by the judge's engine actor in Ray "
+                                                                "(default 0: it computes only while the reward stage "
+                                                                "waits for it).")
+
+
+class JudgeConfig(Frozen):
+    """The model behind ``llm_judge`` routes, in an engine of its own (ROLL's judge model of LLMJudgeRewardWorker): never
+    the policy being trained. Not part of any fingerprint (the judge's replies are; a changed judge scores anew only
+    with ``--force`` or a new output)."""
+
+    model: str | None = Field(None, description="HF checkpoint folder of the judge (null: the default model, "
+                                                "SmolLM2-135M-Instruct converted from the shipped GGUF).")
+    engine: JudgeEngineConfig = Field(default_factory=JudgeEngineConfig, description="The judge's engine (vllm or "
+                                      "hf; it idles outside the reward stage, so it reserves no CPU by default).")
+    max_new_tokens: int = Field(256, gt=0, description="Reply budget of a verdict. The judge prompts ask for the "
+                                                       "verdict line first and a brief explanation after it, so a reply "
+                                                       "cut at the budget keeps its verdict.")
+    sequence_length: int = Field(2048, gt=0, description="Judge prompt + reply tokens; a longer prompt is not judged "
+                                                         "(its row cannot be scored).")
+
+    @model_validator(mode="after")
+    def _reply_fits(self) -> "JudgeConfig":
+        if self.max_new_tokens >= self.sequence_length:
+            raise ValueError(f"judge.max_new_tokens ({self.max_new_tokens}) must be below judge.sequence_length "
+                             f"({self.sequence_length}), because the judge prompt needs room too; raise "
+                             "judge.sequence_length or lower judge.max_new_tokens")
+        return self
+
+
 class RLVRConfig(AdvantageOptions):
     """``rollflow score`` and the RLVR chain (ROLL's RLVRConfig / PPOConfig data-side options, ROLL's defaults): the
     shared advantage options plus the RLVR reward routing, sample masks and reward normalisation."""
 
     rewards: RewardsConfig = Field(..., description="Reward routing by domain.")
+    judge: JudgeConfig = Field(default_factory=JudgeConfig, description="The model of llm_judge routes (read only "
+                                                                        "when a route uses that worker).")
     num_return_sequences_in_group: int = Field(1, ge=1, description="Responses per prompt (the group size n); every "
                                                                     "prompt_id must have exactly n rows.")
     # §3.5 sample masks

@@ -15,7 +15,6 @@ from flows.cli.app import app
 from flows.cli.common import OverrideOpt, connect, fail as _fail, guard as _guard
 from flows.rlvr import score_responses
 
-JUDGE_CONTEXT = 2048  # tokens of a judge prompt + verdict
 
 
 def score_summary(input_dir: str, scored_dir: str, domain_column: str) -> list[str]:
@@ -45,17 +44,14 @@ def score_summary(input_dir: str, scored_dir: str, domain_column: str) -> list[s
     return lines
 
 
-def _judge_pool(cfg, judge_model: Path | None, backend: str):
-    """An engine pool over the judge model when a route of ``cfg`` needs one (the caller closes it), else None."""
-    from schemas.rollout_config import EngineConfig
-    from stages.rlvr.generate import needs_model
-    from stages.rollout.driver import resolve_model_dir
-    from stages.rollout.engine_pool import EnginePool
-
-    if not needs_model(cfg.rewards):
-        return None
-    engine = EngineConfig(backend=backend, dtype="auto", num_cpus_per_engine=0)
-    return EnginePool(engine, resolve_model_dir(str(judge_model) if judge_model else None), JUDGE_CONTEXT)
+def _with_judge(cfg, judge_model: Path | None, backend: str | None):
+    """``cfg`` with the judge model / engine backend given on the command line (they win over the config's)."""
+    judge = cfg.judge
+    if judge_model is not None:
+        judge = judge.model_copy(update={"model": str(judge_model)})
+    if backend is not None:
+        judge = judge.model_copy(update={"engine": judge.engine.model_copy(update={"backend": backend})})
+    return cfg.model_copy(update={"judge": judge})
 
 
 @app.command()
@@ -68,8 +64,11 @@ def score(input: Path = typer.Option(..., "--input", help="Folder of stored resp
                                                                       "advantages (the training table)."),
           force: bool = typer.Option(False, "--force", help="Recompute even if outputs are up to date."),
           judge_model: Optional[Path] = typer.Option(None, "--judge-model", help="HF checkpoint of the LLM judge "
-                                                                                 "(default: the default model)."),
-          judge_backend: str = typer.Option("vllm", "--judge-backend", help="Engine of the judge: vllm or hf.")) -> None:
+                                                                                 "(default: the config's judge.model, "
+                                                                                 "else the default model)."),
+          judge_backend: Optional[str] = typer.Option(None, "--judge-backend", help="Engine of the judge: vllm or hf "
+                                                                                    "(default: judge.engine.backend)."
+                                                      )) -> None:
     """Score stored responses with the reward workers of the config (offline), optionally up to advantages. An
     llm_judge route runs its judge model in a generation engine started here."""
     from schemas.config import load_config, parse_overrides
@@ -77,11 +76,14 @@ def score(input: Path = typer.Option(..., "--input", help="Folder of stored resp
 
     cfg = _guard(lambda: load_config(RLVRConfig, config, parse_overrides(overrides or [])))
     connect(cfg.runtime)
-    pool = _guard(lambda: _judge_pool(cfg, judge_model, judge_backend))
-    try:
-        from stages.rlvr.generate import judge_services
+    if judge_backend not in (None, "vllm", "hf"):
+        _fail(ValueError(f"--judge-backend {judge_backend!r} must be vllm or hf"))
+    cfg = _with_judge(cfg, judge_model, judge_backend)
+    from stages.rlvr.generate import judge_pool, judge_services
 
-        services = judge_services(cfg.rewards, pool, JUDGE_CONTEXT) if pool is not None else {}
+    pool = _guard(lambda: judge_pool(cfg))
+    try:
+        services = judge_services(cfg, pool)
         results = _guard(lambda: score_responses(str(input), str(output), cfg, advantages=advantages, force=force,
                                                  services=services))
     finally:

@@ -5,6 +5,9 @@ injects (the generation stage owns the engine; this worker only builds prompts a
 looked for the substrings "yes"/"no" ("no" matches "know", "yes" matches "eyes") while its default prompt asked for a
 0–10 score [BUG-10]; and if every API retry failed it returned an undefined variable [BUG-11]. Here:
 
+Both prompts ask for the verdict line first and a brief explanation after it, so a reply cut at the judge's token
+budget (``judge.max_new_tokens``) keeps its verdict.
+
 * ``verdict_format="verdict"``: the reply must contain a line ``VERDICT: CORRECT`` or ``VERDICT: INCORRECT``
   (case-insensitive, whole words, optional markdown emphasis); the last such line wins → 1.0 / 0.0;
 * ``verdict_format="score"``: a line ``Score: N`` or ``Score: N/10`` with ``0 <= N <= max_score`` → N / max_score;
@@ -38,11 +41,12 @@ Reference answer:
 Answer to grade:
 {response}
 
-Decide whether the answer to grade is correct, i.e. equivalent to the reference answer. Explain briefly, then end \
-your reply with exactly one line of the form
+Decide whether the answer to grade is correct, i.e. equivalent to the reference answer. Begin your reply with \
+exactly one line of the form
 VERDICT: CORRECT
 or
-VERDICT: INCORRECT"""
+VERDICT: INCORRECT
+then explain briefly on the following lines."""
 
 SCORE_PROMPT = """You are grading an answer to a question against a reference answer.
 
@@ -55,9 +59,9 @@ Reference answer:
 Answer to grade:
 {response}
 
-Rate the answer to grade from 0 (wrong) to 10 (fully correct). Explain briefly, then end your reply with exactly \
-one line of the form
-Score: N/10"""
+Rate the answer to grade from 0 (wrong) to 10 (fully correct). Begin your reply with exactly one line of the form
+Score: N/10
+then explain briefly on the following lines."""
 
 _DECORATION = r"[\s*_#>`]*"
 _VERDICT_LINE = re.compile(rf"^{_DECORATION}verdict{_DECORATION}:{_DECORATION}(correct|incorrect)\b{_DECORATION}\.?"

@@ -258,7 +258,37 @@ def reads_context(rewards, name: str) -> bool:
     return any(name in run_context(resolve_worker(r.worker)) for r in rewards.routes.values())
 
 
-def judge_services(rewards, pool, sequence_length: int) -> dict:
-    """``{"generate": EngineGenerate(...)}`` over ``pool`` when a route of ``rewards`` needs a model, else {}."""
-    return {"generate": EngineGenerate(pool.handles(), sequence_length=sequence_length)} if needs_model(rewards) \
-        else {}
+def judge_pool(cfg):
+    """An engine pool over the judge model of ``cfg`` (an RLVRConfig: its ``judge`` section) when a route needs a
+    model, else None; the caller closes it. The judge has its own engine: it is never the policy being trained."""
+    from stages.rollout.driver import resolve_model_dir
+    from stages.rollout.engine_pool import EnginePool
+
+    if not needs_model(cfg.rewards):
+        return None
+    check_judge_cpus(cfg.judge.engine)
+    return EnginePool(cfg.judge.engine, resolve_model_dir(cfg.judge.model), cfg.judge.sequence_length)
+
+
+def check_judge_cpus(engine) -> None:
+    """The judge's engines hold their CPUs while the reward stage runs beside them: at least one CPU of the cluster
+    must stay free for the stage's actors and Ray Data's tasks, otherwise the stage waits forever (STACK.md)."""
+    import ray
+
+    from schemas.errors import ConfigError
+
+    held = engine.num_cpus_per_engine * engine.num_engines
+    cpus = ray.cluster_resources().get("CPU", 0.0)
+    if held and cpus - held < 1:
+        raise ConfigError(f"judge.engine reserves {held:g} of the Ray cluster's {cpus:g} CPUs, which leaves less than "
+                          "one for the reward stage, so it would wait forever; set judge.engine.num_cpus_per_engine: "
+                          "0 (the judge computes only while the reward stage waits for it)")
+
+
+def judge_services(cfg, pool) -> dict:
+    """``{"generate": EngineGenerate(...)}`` over the judge ``pool`` with ``cfg.judge``'s reply budget when a route
+    of ``cfg.rewards`` needs a model, else {}."""
+    if pool is None or not needs_model(cfg.rewards):
+        return {}
+    return {"generate": EngineGenerate(pool.handles(), max_new_tokens=cfg.judge.max_new_tokens,
+                                       sequence_length=cfg.judge.sequence_length)}

@@ -163,12 +163,18 @@ class RewardStage(Stage):
     def finalize(self, ctx: StageContext, written: Location):
         import pyarrow.dataset as pads
 
-        table = pads.dataset(written.parquet_files(), filesystem=written.fs).to_table(columns=["scores"])
+        table = pads.dataset(written.parquet_files(), filesystem=written.fs).to_table(
+            columns=["scores", "reward_worker"])
         scores = table.column("scores")
         rows = table.num_rows
         valid = pc.drop_null(scores).to_numpy() if rows else np.zeros(0)
-        return {"rewards/rows": float(rows), "rewards/unscored": float(scores.null_count),
-                "critic/score/mean": float(valid.mean()) if valid.size else 0.0}, {}
+        metrics = {"rewards/rows": float(rows), "rewards/unscored": float(scores.null_count),
+                   "critic/score/mean": float(valid.mean()) if valid.size else 0.0}
+        # per worker: rows it could not score (an LLM judge's unparseable or failed replies show here)
+        unscored = table.filter(pc.is_null(table.column("scores"))).column("reward_worker").to_pylist() if rows else []
+        for worker in sorted(set(table.column("reward_worker").to_pylist())):
+            metrics[f"rewards/unscored/{worker}"] = float(unscored.count(worker))
+        return metrics, {}
 
 
 # ---- RLVR chain, whole-table part: responses + scored → rlvr_rewarded --------------------------------------------

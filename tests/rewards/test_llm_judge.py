@@ -110,3 +110,21 @@ def test_router_gives_the_judge_the_stage_generate_service():
     out = router.score(rows)
     assert out.score_list() == [1.0, 1.0, None]
     assert out.worker.tolist() == ["llm_judge", "math_rule", "llm_judge"]
+
+
+@pytest.mark.parametrize("verdict_format, first_line, value", [("verdict", "VERDICT: CORRECT", 1.0),
+                                                               ("score", "Score: 7/10", 0.7)])
+def test_a_reply_cut_at_the_token_budget_keeps_its_verdict(verdict_format, first_line, value):
+    """The default prompts ask for the verdict line first and the explanation after it: a judge that follows the
+    prompt and is cut off mid-explanation (the engine's max_new_tokens) still gives a score."""
+    def follows_the_prompt(prompts):
+        replies = []
+        for prompt in prompts:
+            asked_first = prompt.index("Begin your reply with") < prompt.index("then explain briefly")
+            reply = f"{first_line}\nThe answer matches the reference because" if asked_first else \
+                "The answer matches the reference because"
+            replies.append(reply[:60])  # cut at the budget, mid-explanation
+        return replies
+
+    out = LLMJudgeWorker(follows_the_prompt, verdict_format=verdict_format).score_batch(ROWS)
+    assert out["scores"] == [pytest.approx(value)] * 3

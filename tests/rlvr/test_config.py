@@ -58,3 +58,13 @@ def test_sections_hold_only_what_each_stage_reads():
     # a change to the advantage options leaves the reward section (and so its fingerprint) unchanged
     assert rlvr_reward_section(config(num_return_sequences_in_group=4, adv_estimator="grpo", gamma=0.5,
                                       rewards=cfg.rewards.model_dump())) == r
+
+
+def test_the_judge_has_its_own_engine_and_a_reply_budget_that_fits():
+    """The LLM judge is a model of its own (never the policy), its engine idles outside the reward stage (no CPU
+    reserved), and a reply budget that leaves no room for the prompt is refused."""
+    cfg = config()
+    assert cfg.judge.model is None and cfg.judge.engine.num_cpus_per_engine == 0
+    assert cfg.judge.max_new_tokens < cfg.judge.sequence_length
+    with pytest.raises(ConfigError, match=r"judge.max_new_tokens \(4096\) must be below judge.sequence_length"):
+        config(judge={"max_new_tokens": 4096})

@@ -98,6 +98,8 @@ def test_reward_stage_routes_by_domain_and_writes_null_for_none(golden_run):
         assert score == expected, rid
     assert scored.column("scores").null_count == FLAKY_TRUTHS.count("none")
     assert set(scored.column("reward_worker").to_pylist()) == {GOLDEN_ROUTE["worker"]}
+    metrics = json.loads((golden_run["out"] / "scored" / "manifest.json").read_text())["metrics"]
+    assert metrics[f"rewards/unscored/{GOLDEN_ROUTE['worker']}"] == FLAKY_TRUTHS.count("none")
 
 
 def test_golden_chain_through_ray(golden_run):
@@ -370,12 +372,17 @@ def test_llm_judge_is_served_by_a_generation_engine(tmp_path, ray_cluster):
     assert made.exit_code == 0, made.output
     config = tmp_path / "judge.yaml"
     config.write_text(yaml.safe_dump({"rewards": {"routes": {"math": {"worker": "llm_judge"}}},
-                                      "num_return_sequences_in_group": 2, "adv_estimator": "grpo"}))
+                                      "num_return_sequences_in_group": 2, "adv_estimator": "grpo",
+                                      "judge": {"engine": {"backend": "hf", "dtype": "float32", "threads": 1},
+                                                "max_new_tokens": 16, "sequence_length": 512}}))
+    # the judge's engine comes from the config's judge section, its model from the command line
     result = invoke("score", "--input", str(responses), "--config", str(config), "--output", str(tmp_path / "out"),
-                    "--judge-model", tiny_random_model_dir(), "--judge-backend", "hf")
+                    "--judge-model", tiny_random_model_dir())
     assert result.exit_code == 0, result.output
     scored = read_folder(str(tmp_path / "out" / "scored"))
     assert scored.num_rows == 4 and set(scored.column("reward_worker").to_pylist()) == {"llm_judge"}
+    metrics = json.loads((tmp_path / "out" / "scored" / "manifest.json").read_text())["metrics"]
+    assert metrics["rewards/unscored/llm_judge"] == scored.column("scores").null_count  # replies without a verdict
 
 
 def test_attach_logprobs_takes_the_response_part_of_each_row_by_row_id(tmp_path):
@@ -402,3 +409,15 @@ def test_attach_logprobs_takes_the_response_part_of_each_row_by_row_id(tmp_path)
     pq.write_table(pa.table({"row_id": ["a", "b"], "old_log_probs": [[-1.0, -2.0], [-0.5]]}), tmp_path / "lp.parquet")
     with pytest.raises(InvariantError, match=r"'old_log_probs' has 2 entries for row_id a"):
         _AttachLogProbs(loc.parquet_files(), loc.fs, str(tmp_path))(batch)
+
+
+def test_a_judge_engine_that_would_starve_the_reward_stage_is_refused(ray_cluster):
+    """On the 2-CPU test cluster a judge engine holding 1.5 CPUs leaves the reward stage less than one: refused with
+    the fix before any engine starts; the default judge engine reserves none."""
+    from schemas.rlvr_config import JudgeEngineConfig
+    from stages.rlvr.generate import check_judge_cpus
+
+    with pytest.raises(ConfigError, match=r"judge.engine reserves 1.5 of the Ray cluster's 2 CPUs.*"
+                                          r"num_cpus_per_engine: 0"):
+        check_judge_cpus(JudgeEngineConfig(num_cpus_per_engine=1.5))
+    check_judge_cpus(JudgeEngineConfig())

@@ -54,8 +54,11 @@ def test_cpu_budget_check_names_the_fix():
                                             "logprobs": {"cpus_per_actor": 1}})
     with pytest.raises(RollflowError, match="num_cpus_per_engine: 0"):
         check_cpu_budget(cfg, 2.0)
-    check_cpu_budget(cfg.model_copy(update={"rollout": cfg.rollout.model_copy(update={
-        "engine": cfg.rollout.engine.model_copy(update={"num_cpus_per_engine": 0.0})})}), 2.0)
+    idle = cfg.model_copy(update={"rollout": cfg.rollout.model_copy(update={
+        "engine": cfg.rollout.engine.model_copy(update={"num_cpus_per_engine": 0.0})})})
+    check_cpu_budget(idle, 2.0)
+    with pytest.raises(RollflowError, match="engines hold 1 for the whole run"):  # a judge engine holding a CPU
+        check_cpu_budget(idle, 2.0, other_engines=1.0)
 
 
 class _Logged:
