@@ -20,6 +20,18 @@ class Pipeline:
     config_model: Callable[[], type]  # lazily imported: the CLI's --help must not import torch
     flow: Callable[[], Callable[[dict], dict]]
     summary_lines: Callable[[], Callable[[dict], list[str]]]
+    step_dir: Callable[[], Callable[[str, int], str]]  # the folder of a run's k-th iteration (step)
+
+    def committed_steps(self, run: str) -> int:
+        """How many iterations of the run folder ``run`` are done: the leading iterations whose checkpoint is
+        committed (its manifest written)."""
+        from stages.storage import MANIFEST, Location
+
+        folder = self.step_dir()
+        k = 0
+        while Location.of(f"{folder(run, k)}/checkpoint").child(MANIFEST).exists():
+            k += 1
+        return k
 
 
 PIPELINES: Registry[Pipeline] = Registry("training pipeline")
@@ -43,6 +55,12 @@ def _agentic_summary():
     return train_summary_lines
 
 
+def _agentic_step_dir():
+    from flows.agentic import iter_dir
+
+    return iter_dir
+
+
 def _rlvr_model():
     from schemas.rlvr_train_config import RLVRTrainConfig
 
@@ -61,8 +79,14 @@ def _rlvr_summary():
     return rlvr_summary_lines
 
 
-PIPELINES.register("agentic")(Pipeline(_agentic_model, _agentic_flow, _agentic_summary))
-PIPELINES.register("rlvr")(Pipeline(_rlvr_model, _rlvr_flow, _rlvr_summary))
+def _rlvr_step_dir():
+    from flows.rlvr import step_dir
+
+    return step_dir
+
+
+PIPELINES.register("agentic")(Pipeline(_agentic_model, _agentic_flow, _agentic_summary, _agentic_step_dir))
+PIPELINES.register("rlvr")(Pipeline(_rlvr_model, _rlvr_flow, _rlvr_summary, _rlvr_step_dir))
 
 
 def pipeline_of(data: dict[str, Any], where: str) -> Pipeline:

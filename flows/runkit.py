@@ -152,18 +152,26 @@ def start_run(config, cfg: dict, max_model_len: int, other_engines: float = 0.0)
 def save_run_config(run: Location, config, cfg: dict) -> None:
     """Freeze the run's config ``cfg`` (``config`` validated) next to its outputs (what ``--resume`` reads). Refuses
     a different config; a frozen config that validates to the same one is the same run (an earlier version may have
-    written it with other defaults spelled out)."""
+    written it with other defaults spelled out). A run may be lengthened or shortened: a config that differs in
+    ``max_steps`` alone continues the same run (its committed iterations are skipped) and is frozen anew."""
     from schemas.config import validate_config
 
     path = run.child(CONFIG_FILE)
     if path.exists():
         old = json.loads(path.read_text())
-        if old != cfg and validate_config(type(config), old, path.path) != config:
+        if old == cfg:
+            return
+        frozen = validate_config(type(config), old, path.path)
+        if frozen.model_copy(update={"max_steps": config.max_steps}) != config:
             raise RollflowError(f"run folder {run.path} was started with another config; resume it with "
                                 f"`rollflow train --resume {run.path}`, or choose a new run_name")
-        return
+        if frozen.max_steps == config.max_steps:
+            return
+        log.info("run %s: max_steps %d -> %d", run.path, frozen.max_steps, config.max_steps)
     run.fs.create_dir(run.path, recursive=True)
-    path.write_text(json.dumps(cfg, indent=1, sort_keys=True))
+    tmp = run.child(f".{CONFIG_FILE}.tmp")
+    tmp.write_text(json.dumps(cfg, indent=1, sort_keys=True))
+    run.fs.move(tmp.path, path.path)  # a reader sees the old file or the new one, never half of it
 
 
 def check_cpu_budget(config, cluster_cpus: float, other_engines: float = 0.0) -> None:

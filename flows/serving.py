@@ -5,7 +5,9 @@
 
 ``deploy`` registers a deployment of a flow with a cron or interval schedule on a Prefect server and serves it: the
 calling process polls the server for due runs and executes each in a child process (Prefect's ``flow.serve``), one at
-a time (``limit=1``: a nightly recompute or a training run never overlaps itself). It blocks until interrupted; on
+a time (``limit=1``, and the deployment's concurrency limit ``global_limit=1`` across every process serving it: a
+nightly recompute or a training run never overlaps itself; a tick due while the previous one runs waits for it). A
+training deployment serves :func:`advance_run`: every tick continues the run for ``max_steps`` more iterations. It blocks until interrupted; on
 Ctrl-C/SIGTERM it stops and pauses the schedule, so no runs pile up while nobody executes them. In production:
 
     rollflow server --port 4200                       # or any Prefect server / Prefect Cloud workspace
@@ -33,6 +35,8 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from prefect import flow
 
 from schemas.errors import ConfigError, RollflowError
 
@@ -203,6 +207,27 @@ def resolve_api_url(api_url: str | None = None) -> str:
     return api_url
 
 
+# ---- scheduled training runs that advance ------------------------------------------------------------------------
+
+@flow(name="advance-run")
+def advance_run(cfg: dict, iterations: int | None = None) -> dict:
+    """One tick of a scheduled training run: continue the run folder of ``cfg`` (its pipeline's flow) for
+    ``iterations`` more iterations (default: the config's ``max_steps``) after its last committed one, or start it.
+    A tick killed half-way is resumed by the next one (its committed stages are skipped). Returns the flow's
+    summary plus ``from_iteration``."""
+    from flows.pipelines import pipeline_of
+    from flows.runkit import run_folder
+    from schemas.config import validate_config
+
+    pipeline = pipeline_of(cfg, "deployment parameters")
+    config = validate_config(pipeline.config_model(), cfg, "deployment parameters")
+    done = pipeline.committed_steps(run_folder(config).uri())
+    target = done + (iterations or config.max_steps)
+    log.info("scheduled run %s: iterations %d..%d", run_folder(config).uri(), done, target - 1)
+    summary = pipeline.flow()({**cfg, "max_steps": target})
+    return {**summary, "from_iteration": done}
+
+
 def deploy(flow: Any, name: str, *, cron: str | None = None, interval_s: float | None = None,
            timezone: str | None = None, parameters: dict[str, Any] | None = None, api_url: str | None = None,
            limit: int = 1) -> None:
@@ -217,7 +242,7 @@ def deploy(flow: Any, name: str, *, cron: str | None = None, interval_s: float |
     log.info("serving deployment %s/%s on %s", flow.name, name, api_url)
     with temporary_settings(updates={PREFECT_API_URL: api_url}):
         try:
-            flow.serve(name=name, schedules=[schedule], parameters=parameters or {}, limit=limit,
+            flow.serve(name=name, schedules=[schedule], parameters=parameters or {}, limit=limit, global_limit=limit,
                        pause_on_shutdown=True, print_starting_message=False,
                        entrypoint_type=EntrypointType.MODULE_PATH)
         finally:

@@ -58,8 +58,9 @@ def deploy(config: Optional[Path] = typer.Option(None, "--config", help="YAML co
            timezone: Optional[str] = typer.Option(None, "--timezone", help="Time zone of --cron (default UTC)."),
            name: str = typer.Option("scheduled", "--name", help="Deployment name (flow/name in Prefect)."),
            flow: str = typer.Option("recompute", "--flow", help=f"Flow to deploy: {', '.join(FLOWS)} (train: the "
-                                                                "config's pipeline; a scheduled run resumes the "
-                                                                "config's run folder)."),
+                                                                "config's pipeline; each scheduled run continues the "
+                                                                "config's run folder for max_steps more "
+                                                                "iterations)."),
            api_url: Optional[str] = typer.Option(None, "--api-url", help="Prefect API (default $PREFECT_API_URL; "
                                                                           "`rollflow server` prints it)."),
            overrides: Optional[list[str]] = OverrideOpt,
@@ -99,7 +100,8 @@ def _recompute_deployment(config, input, output, overrides, force):
 
 
 def _train_deployment(config, input, output, overrides, force):
-    """(flow, parameters, description) of a scheduled training run of ``config`` (its pipeline's flow)."""
+    """(flow, parameters, description) of a scheduled training run of ``config``: every tick continues its run folder
+    for max_steps more iterations (:func:`flows.serving.advance_run`)."""
     from flows.pipelines import pipeline_of
     from schemas.config import load_config_data, parse_overrides, validate_config
     from schemas.errors import ConfigError
@@ -110,8 +112,10 @@ def _train_deployment(config, input, output, overrides, force):
     data = _guard(lambda: load_config_data(config, parse_overrides(overrides)))
     pipeline = _guard(lambda: pipeline_of(data, str(config)))
     cfg = _guard(lambda: validate_config(pipeline.config_model(), data, str(config)))
-    return (pipeline.flow(), {"cfg": cfg.model_dump(mode="json")},
-            f"run folder {cfg.runs_dir}/{cfg.run_name} (a later run resumes it)")
+    from flows.serving import advance_run
+
+    return (advance_run, {"cfg": cfg.model_dump(mode="json"), "iterations": None},
+            f"run folder {cfg.runs_dir}/{cfg.run_name}: each run continues it for {cfg.max_steps} more iterations")
 
 
 _DEPLOYMENTS = {"recompute": _recompute_deployment, "train": _train_deployment}  # keys: FLOWS

@@ -93,21 +93,28 @@ def _deployment(client, name: str, serve: subprocess.Popen, serve_log: Path, dea
             time.sleep(1)
 
 
-def _first_completed_run(client, deployment, serve: subprocess.Popen, serve_log: Path, deadline: float):
+def _completed_runs(client, deployment, serve: subprocess.Popen, serve_log: Path, deadline: float, count: int = 1):
+    """The first ``count`` completed runs of ``deployment`` (by start), waiting for them; a run that ends otherwise,
+    a serving process that exits, or the deadline fails the test."""
     from prefect.client.schemas.filters import DeploymentFilter, DeploymentFilterId
 
     only_this = DeploymentFilter(id=DeploymentFilterId(any_=[deployment.id]))
     while True:
         runs = client.read_flow_runs(deployment_filter=only_this)
-        completed = [r for r in runs if r.state is not None and r.state.is_completed()]
-        if completed:
-            return completed[0]
+        completed = sorted((r for r in runs if r.state is not None and r.state.is_completed()),
+                           key=lambda r: r.start_time)
+        if len(completed) >= count:
+            return completed[:count]
         broken = [r for r in runs if r.state is not None and r.state.is_final() and not r.state.is_completed()]
         assert not broken, f"run {broken[0].name} ended {broken[0].state.name}:\n{_tail(serve_log)}"
         assert serve.poll() is None, f"rollflow deploy exited {serve.returncode}:\n{_tail(serve_log)}"
-        assert time.monotonic() < deadline, (f"no scheduled run completed in time; runs: "
+        assert time.monotonic() < deadline, (f"{count} scheduled runs did not complete in time; runs: "
                                              f"{[(r.name, r.state_name) for r in runs]}\n{_tail(serve_log)}")
         time.sleep(2)
+
+
+def _first_completed_run(client, deployment, serve: subprocess.Popen, serve_log: Path, deadline: float):
+    return _completed_runs(client, deployment, serve, serve_log, deadline)[0]
 
 
 def _serve(args: list[str], server, tmp_path: Path, serve_log: Path) -> subprocess.Popen:
@@ -159,8 +166,10 @@ def test_scheduled_deployment_runs_on_a_local_server(tmp_path, prefect_server):
 @pytest.mark.server
 @pytest.mark.slow
 def test_scheduled_training_run_on_a_local_server(tmp_path, prefect_server):
-    """``rollflow deploy --flow train``: the server's scheduler starts the training flow (tiny model, one
-    iteration); its stage outputs are committed in the config's run folder."""
+    """``rollflow deploy --flow train``: the server's scheduler starts a run every tick, and every tick advances the
+    run (tiny model, one iteration a tick): the first trains iteration 0, the second continues from its checkpoint
+    with iteration 1, never a run that finds everything done. Ticks never overlap (the deployment's concurrency
+    limit): the second starts after the first ended."""
     from prefect.client.orchestration import get_client
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
@@ -177,15 +186,23 @@ def test_scheduled_training_run_on_a_local_server(tmp_path, prefect_server):
             "--set", "train.actor_train.model_args.dtype=fp32"]
     try:
         serve = _serve(["--flow", "train", "--config", str(REPO / "configs/train_frozenlake_grpo.yaml"),
-                        "--interval", "60", "--name", "hourly", *tiny], server, tmp_path, serve_log)
-        deadline = time.monotonic() + 5 * WAIT_S
+                        "--interval", "30", "--name", "hourly", *tiny], server, tmp_path, serve_log)
+        deadline = time.monotonic() + 8 * WAIT_S
         with temporary_settings(updates={PREFECT_API_URL: server.api_url}), get_client(sync_client=True) as client:
-            deployment = _deployment(client, "train/hourly", serve, serve_log, deadline)
+            deployment = _deployment(client, "advance-run/hourly", serve, serve_log, deadline)
             assert deployment.parameters["cfg"]["run_name"] == "nightly"
-            run = _first_completed_run(client, deployment, serve, serve_log, deadline)
-            assert run.auto_scheduled
-            for stage in ("rollout/samples", "logprobs", "advantaged", "checkpoint"):
-                assert (tmp_path / "nightly/iter_0000" / stage / "manifest.json").exists(), stage
+            assert deployment.global_concurrency_limit is not None and \
+                deployment.global_concurrency_limit.limit == 1
+            first, second = _completed_runs(client, deployment, serve, serve_log, deadline, count=2)
+            assert first.auto_scheduled and second.auto_scheduled
+            assert second.start_time >= first.end_time, "the ticks overlapped"
+            for k in (0, 1):
+                for stage in ("rollout/samples", "logprobs", "advantaged", "checkpoint"):
+                    assert (tmp_path / f"nightly/iter_{k:04d}" / stage / "manifest.json").exists(), (k, stage)
+            train_state = json.loads((tmp_path / "nightly/iter_0001/checkpoint/train_state.json").read_text())
+            assert train_state["global_step"] > json.loads(
+                (tmp_path / "nightly/iter_0000/checkpoint/train_state.json").read_text())["global_step"]
+            assert json.loads((tmp_path / "nightly/config.json").read_text())["max_steps"] >= 2
             assert _stop(serve) == 0, _tail(serve_log)
     finally:
         if serve is not None:
