@@ -126,6 +126,41 @@ def train_flow(cfg: dict) -> dict:
     return summary
 
 
+@flow(name="eval")  # the progress lines go to stdout; Prefect logs to the log file (flows/console.py)
+def eval_flow(cfg: dict, checkpoint: str, output: str) -> dict:
+    """Evaluate ``checkpoint`` on the held-out levels of the agentic config ``cfg`` — its ``eval`` section: the seeds
+    and episodes of a training run's evaluations, so the result equals that run's evaluation of the same checkpoint —
+    without training. The rollout is committed under ``output`` (a re-run skips it, a killed one resumes)."""
+    from stages.cluster import ensure_ray
+    from stages.rollout.driver import resolve_model_dir
+    from stages.rollout.engine_pool import EnginePool
+
+    config = validate_config(TrainFlowConfig, cfg)
+    rt = config.runtime
+    ensure_ray(rt.ray_address, rt.num_cpus, data_memory_mb=rt.data_memory_mb)
+    model = resolve_model_dir(checkpoint)
+    pool = EnginePool(config.generation_engine(), model, config.rollout.engine.max_model_len
+                      or config.rollout.sequence_length)
+    try:
+        ev = eval_task(config, output, model, pool)
+    finally:
+        pool.close()
+    return {"output": ev.output, "checkpoint": model, "metrics": _rollout_metrics(ev), "skipped": ev.samples.skipped,
+            "episodes": config.eval.num_env_groups * config.eval.group_size}
+
+
+def eval_summary_lines(summary: dict) -> list[str]:
+    """The evaluation's rates and the folder of its episodes."""
+    m = summary["metrics"]
+    lines = [f"evaluated {summary['checkpoint']} on {summary['episodes']} held-out episodes"]
+    for key in ("rollout/success_rate", "rollout/valid_action_rate", "rollout/format_penalty_rate",
+                "rollout/mean_episode_length", "rollout/episode_score/mean"):
+        if key in m:
+            lines.append(f"  {key:<30} {m[key]:.4g}")
+    lines.append(f"episodes: {summary['output']}  (rollflow show {summary['output']} to read them)")
+    return lines
+
+
 def train_summary_lines(summary: dict) -> list[str]:
     """A readable table of a finished run: per iteration the rollout's and the evaluation's success and valid-action
     rates, the policy loss and the KL to the old policy."""

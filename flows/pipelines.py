@@ -21,6 +21,7 @@ class Pipeline:
     flow: Callable[[], Callable[[dict], dict]]
     summary_lines: Callable[[], Callable[[dict], list[str]]]
     step_dir: Callable[[], Callable[[str, int], str]]  # the folder of a run's k-th iteration (step)
+    evaluation: Callable[[], tuple[Callable[..., dict], Callable[[dict], list[str]]]] | None = None  # flow, lines
 
     def committed_steps(self, run: str) -> int:
         """How many iterations of the run folder ``run`` are done: the leading iterations whose checkpoint is
@@ -61,6 +62,12 @@ def _agentic_step_dir():
     return iter_dir
 
 
+def _agentic_evaluation():
+    from flows.agentic import eval_flow, eval_summary_lines
+
+    return eval_flow, eval_summary_lines
+
+
 def _rlvr_model():
     from schemas.rlvr_train_config import RLVRTrainConfig
 
@@ -85,7 +92,8 @@ def _rlvr_step_dir():
     return step_dir
 
 
-PIPELINES.register("agentic")(Pipeline(_agentic_model, _agentic_flow, _agentic_summary, _agentic_step_dir))
+PIPELINES.register("agentic")(Pipeline(_agentic_model, _agentic_flow, _agentic_summary, _agentic_step_dir,
+                                        _agentic_evaluation))
 PIPELINES.register("rlvr")(Pipeline(_rlvr_model, _rlvr_flow, _rlvr_summary, _rlvr_step_dir))
 
 

@@ -1,4 +1,5 @@
-"""The training commands: ``train`` (a whole run, either pipeline), ``train-step``, ``logprobs`` and ``values``."""
+"""The training commands: ``train`` (a whole run, either pipeline), ``eval`` (a checkpoint on a run's held-out
+levels), ``train-step``, ``logprobs`` and ``values``."""
 
 from __future__ import annotations
 
@@ -60,6 +61,38 @@ def train(config: Optional[Path] = typer.Option(None, "--config", help="YAML con
         rep = write_report(summary["run"])
         typer.echo(f"report: {rep.html}")
 
+
+
+@app.command("eval")
+def evaluate(config: Path = typer.Option(..., "--config", help="YAML config of a training run (configs/train_*.yaml): "
+                                                              "its eval section says which held-out levels."),
+             checkpoint: Optional[Path] = typer.Option(None, "--checkpoint", help="Model folder to evaluate: a "
+                                                       "run's checkpoint (default: the config's pretrain, else the "
+                                                       "default model)."),
+             output: Path = typer.Option(..., "--output", help="Folder for the evaluation's episodes, turns and "
+                                                               "samples."),
+             overrides: Optional[list[str]] = OverrideOpt) -> None:
+    """Evaluate a checkpoint on the held-out levels of a training config, without training (the same episodes as the
+    run's own evaluations)."""
+    from flows.pipelines import pipeline_of
+    from schemas.config import load_config_data, parse_overrides, validate_config
+    from schemas.errors import ConfigError
+
+    data = _guard(lambda: load_config_data(config, parse_overrides(overrides or [])))
+    pipeline = _guard(lambda: pipeline_of(data, str(config)))
+    if pipeline.evaluation is None:
+        _fail(ConfigError(f"{config}: rollflow eval runs the held-out evaluation of agentic configs; this config's "
+                          f"pipeline ({data.get('pipeline')}) has none yet"))
+    cfg = _guard(lambda: validate_config(pipeline.config_model(), data, str(config)))
+    announce_precision()
+    from flows.services import start_services
+
+    _guard(lambda: start_services(cfg.runtime.ray_address, cfg.runtime.num_cpus))
+    run_eval, lines = pipeline.evaluation()
+    target = str(checkpoint) if checkpoint else cfg.pretrain
+    summary = _guard(lambda: run_eval(cfg.model_dump(mode="json"), target, str(output)))
+    for line in lines(summary):
+        typer.echo(line)
 
 
 def _state(result) -> str:

@@ -211,3 +211,30 @@ def test_sigkilled_run_resumes_to_the_uninterrupted_result(finished_run, tmp_pat
     keys = [(m["iteration"], m["stage"], m["name"]) for m in metrics]
     assert len(keys) == len(set(keys)), "no metric is logged twice"
     assert {m["iteration"] for m in metrics if m["stage"] == "train"} == {0, 1}
+
+
+@pytest.mark.slow
+def test_eval_of_a_checkpoint_equals_the_runs_own_evaluation(finished_run, cli_env, tmp_path):
+    """``rollflow eval`` plays the config's held-out levels with a checkpoint, without training: on the run's last
+    checkpoint it commits the same episodes as the run's own evaluation after that iteration; a re-run skips."""
+    import numpy as np
+
+    config = _tiny_args(finished_run.parent, finished_run.name)[1:]  # the run's config: --config FILE --set ...
+    out = tmp_path / "eval"
+    done = _rollflow("eval", *config, "--checkpoint", str(finished_run / "iter_0001/checkpoint"), "--output", str(out),
+                     env=cli_env)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "held-out episodes" in done.stdout and "rollout/valid_action_rate" in done.stdout
+    got, want = _table(out / "samples"), _table(finished_run / "iter_0001/eval/samples")
+    assert got.num_rows == want.num_rows > 0 and got.column_names == want.column_names
+    for name in got.column_names:
+        a, b = got.column(name).to_pylist(), want.column(name).to_pylist()
+        assert a == b or np.allclose(np.concatenate([np.ravel(x) for x in a]).astype(float),
+                                     np.concatenate([np.ravel(x) for x in b]).astype(float), rtol=1e-5, atol=1e-6), name
+    stamp = (out / "samples/manifest.json").stat().st_mtime_ns
+    again = _rollflow("eval", *config, "--checkpoint", str(finished_run / "iter_0001/checkpoint"), "--output",
+                      str(out), env=cli_env)
+    assert again.returncode == 0 and (out / "samples/manifest.json").stat().st_mtime_ns == stamp
+    missing = _rollflow("eval", *config, "--checkpoint", str(tmp_path / "nope"), "--output", str(tmp_path / "e2"),
+                        env=cli_env)
+    assert missing.returncode == 2 and "Traceback" not in missing.stderr, missing.stderr[-2000:]
