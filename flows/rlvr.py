@@ -65,6 +65,23 @@ def score_responses(input_dir: str, output_dir: str, cfg, *, advantages: bool = 
     return results
 
 
+def score_steps(input_dir: str, output_dir: str, cfg, *, advantages: bool = False) -> list:
+    """The stages of :func:`score_responses` with their inputs and outputs, for the pre-flight check
+    (stages/preflight.py): ``rollflow score`` checks its responses table before Prefect and Ray start."""
+    from schemas.rlvr_config import reward_section, rlvr_advantage_section, rlvr_reward_section
+    from stages.preflight import Step
+    from stages.rlvr.stages import RewardStage, RLVRAdvantagesStage, RLVRRewardsStage
+
+    out = output_dir.rstrip("/")
+    steps = [Step(RewardStage(), reward_section(cfg), {"responses": input_dir}, f"{out}/scored")]
+    if advantages:
+        steps += [Step(RLVRRewardsStage(), rlvr_reward_section(cfg), {"responses": input_dir,
+                                                                     "scored": f"{out}/scored"}, f"{out}/rlvr_rewarded"),
+                  Step(RLVRAdvantagesStage(), rlvr_advantage_section(cfg),
+                       {"responses": input_dir, "rlvr_rewarded": f"{out}/rlvr_rewarded"}, f"{out}/advantaged")]
+    return steps
+
+
 def rlvr_advantages(cfg, responses: str, rewarded: str, output: str, state_in: dict, *, force: bool = False):
     """The RLVR advantages stage (token rewards, advantages, ``final_response_mask``) on ``responses`` and their
     ``rlvr_rewarded`` rows; ``state_in`` may carry the KL controller (``kl_ctrl``) of a previous step."""

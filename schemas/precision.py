@@ -81,7 +81,8 @@ def detect() -> Hardware:
 
 
 _chosen: dict[str, str] = {}  # what (generation, log-probs, training) -> dtype resolved from auto in this process
-_WHAT = {"EngineConfig": "generation", "ForwardConfig": "log-probs", "ModelArgs": "training"}
+_WHAT = {"EngineConfig": "generation", "ForwardConfig": "log-probs", "ModelArgs": "training",
+         "JudgeEngineConfig": "the LLM judge"}
 
 
 def resolve(value: str, vocabulary: str, info: ValidationInfo | None = None) -> str:

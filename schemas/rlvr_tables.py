@@ -37,6 +37,41 @@ from schemas.tables import ADVANTAGED, FLOATS, TOKENS, TableSpec
 # Log-prob / value columns of ``responses`` with one entry per response token (R,), converted to L − 1 by the chain.
 RESPONSE_ALIGNED = ("infer_logprobs", "old_log_probs", "ref_log_probs", "values")
 
+
+def check_response_rows(batch: pa.Table, where: str) -> None:
+    """Per-row invariants of a ``responses`` batch: a non-empty prompt, response-aligned columns with one entry per
+    response token, finite log-probs/values. Raises :class:`InvariantError` naming the row and the fix."""
+    row_ids = batch.column("row_id")
+
+    def rid(i: int) -> str:
+        return f"row {i} (row_id {row_ids[i].as_py()})"
+
+    prompt_len = pc.list_value_length(batch.column("prompt_ids")).to_numpy(zero_copy_only=False)
+    empty = prompt_len == 0
+    if empty.any():
+        i = int(np.flatnonzero(empty)[0])
+        raise InvariantError(f"responses table at {where}: {rid(i)} has an empty prompt_ids; every response needs "
+                             "at least one prompt token (the chat template's first token) to be predicted from. "
+                             "Store the templated prompt's token ids.")
+    response_len = pc.list_value_length(batch.column("response_ids")).to_numpy(zero_copy_only=False)
+    for name in RESPONSE_ALIGNED:
+        if name not in batch.column_names:
+            continue
+        got = pc.list_value_length(batch.column(name)).to_numpy(zero_copy_only=False)
+        bad = got != response_len
+        if bad.any():
+            i = int(np.flatnonzero(bad)[0])
+            raise InvariantError(f"responses table at {where}: column '{name}' has {got[i]} entries in {rid(i)} but "
+                                 f"response_ids has {response_len[i]}; '{name}' holds one value per response token "
+                                 "(as the engine returns them). Fix the producer of this column.")
+        flat = pc.list_flatten(batch.column(name)).to_numpy(zero_copy_only=False)
+        if flat.size and not np.isfinite(flat).all():
+            rows = np.repeat(np.arange(len(got)), got)
+            i = int(rows[np.flatnonzero(~np.isfinite(flat))[0]])
+            raise InvariantError(f"responses table at {where}: column '{name}' has a NaN or infinite value in "
+                                 f"{rid(i)}; values must be finite. Fix or drop that row upstream.")
+
+
 RESPONSES = TableSpec(
     name="responses",
     required={
@@ -54,6 +89,7 @@ RESPONSES = TableSpec(
     optional={name: FLOATS for name in RESPONSE_ALIGNED},
     finite=RESPONSE_ALIGNED,
     nullable=("ground_truth", "finish_reason"),
+    row_check=check_response_rows,
 )
 
 SCORED = TableSpec(
@@ -99,35 +135,3 @@ RLVR_TABLES = {"responses": RESPONSES, "scored": SCORED, "rlvr_rewarded": RLVR_R
                "rlvr_advantaged": RLVR_ADVANTAGED}
 
 
-def check_response_rows(batch: pa.Table, where: str) -> None:
-    """Per-row invariants of a ``responses`` batch: a non-empty prompt, response-aligned columns with one entry per
-    response token, finite log-probs/values. Raises :class:`InvariantError` naming the row and the fix."""
-    row_ids = batch.column("row_id")
-
-    def rid(i: int) -> str:
-        return f"row {i} (row_id {row_ids[i].as_py()})"
-
-    prompt_len = pc.list_value_length(batch.column("prompt_ids")).to_numpy(zero_copy_only=False)
-    empty = prompt_len == 0
-    if empty.any():
-        i = int(np.flatnonzero(empty)[0])
-        raise InvariantError(f"responses table at {where}: {rid(i)} has an empty prompt_ids; every response needs "
-                             "at least one prompt token (the chat template's first token) to be predicted from. "
-                             "Store the templated prompt's token ids.")
-    response_len = pc.list_value_length(batch.column("response_ids")).to_numpy(zero_copy_only=False)
-    for name in RESPONSE_ALIGNED:
-        if name not in batch.column_names:
-            continue
-        got = pc.list_value_length(batch.column(name)).to_numpy(zero_copy_only=False)
-        bad = got != response_len
-        if bad.any():
-            i = int(np.flatnonzero(bad)[0])
-            raise InvariantError(f"responses table at {where}: column '{name}' has {got[i]} entries in {rid(i)} but "
-                                 f"response_ids has {response_len[i]}; '{name}' holds one value per response token "
-                                 "(as the engine returns them). Fix the producer of this column.")
-        flat = pc.list_flatten(batch.column(name)).to_numpy(zero_copy_only=False)
-        if flat.size and not np.isfinite(flat).all():
-            rows = np.repeat(np.arange(len(got)), got)
-            i = int(rows[np.flatnonzero(~np.isfinite(flat))[0]])
-            raise InvariantError(f"responses table at {where}: column '{name}' has a NaN or infinite value in "
-                                 f"{rid(i)}; values must be finite. Fix or drop that row upstream.")

@@ -14,6 +14,7 @@ Tables:
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Callable
 
 import numpy as np
 import pyarrow as pa
@@ -38,6 +39,8 @@ class TableSpec:
     next_token_aligned: tuple[str, ...] = ()
     finite: tuple[str, ...] = ()
     nullable: tuple[str, ...] = ()  # required columns whose null is a value (e.g. "the worker cannot score this row")
+    # further per-row invariants of this table (batch, where) -> None, run by check_row_invariants after its own
+    row_check: Callable[[pa.Table, str], None] | None = field(default=None, compare=False)
 
     def arrow_schema(self, present: list[str] | None = None) -> pa.Schema:
         """The schema with all required columns and the optional ones named in ``present``."""
@@ -193,6 +196,8 @@ def check_row_invariants(spec: TableSpec, batch: pa.Table, where: str) -> None:
                 i = _first_bad_row(bad)
                 raise InvariantError(f"{spec.name} table at {where}: column '{col}' is {vals[i]} in {rid(i)}; "
                                      "values must be finite. Fix the reward/environment that produced it or drop the row.")
+    if spec.row_check is not None:
+        spec.row_check(batch, where)
 
 
 def check_structure(table: pa.Table, where: str, group_size: int | None) -> None:

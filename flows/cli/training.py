@@ -120,6 +120,11 @@ def train_step(samples: Path = typer.Option(..., "--samples", help="Advantaged t
 
     cfg = _guard(lambda: load_config(TrainStepConfig, config, parse_overrides(overrides or [])))
     announce_precision()
+    from schemas.tables import ADVANTAGED, SAMPLES
+    from stages.preflight import check_input, check_output_location
+
+    _guard(lambda: check_input(ADVANTAGED, str(samples), ("values",) if cfg.needs_critic else ()))  # before Ray starts
+    _guard(lambda: check_output_location(str(output)))
     connect(cfg.runtime)
     from stages.train.stage import run_train_step
 
@@ -144,6 +149,11 @@ def logprobs(samples: Path = typer.Option(..., "--samples", help="Samples table 
 
     cfg = _guard(lambda: load_config(ForwardConfig, config, parse_overrides(overrides or [])))
     announce_precision()
+    from schemas.tables import ADVANTAGED, SAMPLES
+    from stages.preflight import check_input, check_output_location
+
+    _guard(lambda: check_input(SAMPLES, str(samples), ()))  # before Ray starts
+    _guard(lambda: check_output_location(str(output)))
     connect(cfg.runtime)
     from stages.train.stage import run_logprobs
 
@@ -167,6 +177,11 @@ def values(samples: Path = typer.Option(..., "--samples", help="Samples table fo
 
     cfg = _guard(lambda: load_config(ForwardConfig, config, parse_overrides(overrides or [])))
     announce_precision()
+    from schemas.tables import ADVANTAGED, SAMPLES
+    from stages.preflight import check_input, check_output_location
+
+    _guard(lambda: check_input(SAMPLES, str(samples), ()))  # before Ray starts
+    _guard(lambda: check_output_location(str(output)))
     connect(cfg.runtime)
     from stages.train.stage import run_values
 
