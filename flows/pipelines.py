@@ -86,6 +86,12 @@ def _rlvr_summary():
     return rlvr_summary_lines
 
 
+def _rlvr_evaluation():
+    from flows.rlvr import rlvr_eval_flow, rlvr_eval_summary_lines
+
+    return rlvr_eval_flow, rlvr_eval_summary_lines
+
+
 def _rlvr_step_dir():
     from flows.rlvr import step_dir
 
@@ -94,7 +100,7 @@ def _rlvr_step_dir():
 
 PIPELINES.register("agentic")(Pipeline(_agentic_model, _agentic_flow, _agentic_summary, _agentic_step_dir,
                                         _agentic_evaluation))
-PIPELINES.register("rlvr")(Pipeline(_rlvr_model, _rlvr_flow, _rlvr_summary, _rlvr_step_dir))
+PIPELINES.register("rlvr")(Pipeline(_rlvr_model, _rlvr_flow, _rlvr_summary, _rlvr_step_dir, _rlvr_evaluation))
 
 
 def pipeline_of(data: dict[str, Any], where: str) -> Pipeline:

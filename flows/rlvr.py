@@ -21,6 +21,7 @@ controller travel in the manifests' state.
 from __future__ import annotations
 
 import time
+from types import SimpleNamespace
 from typing import Any
 
 from prefect import flow
@@ -104,29 +105,93 @@ def prompts_task(config: RLVRTrainConfig, output: str) -> Any:
     return run_stage(PromptsStage(), prompts_section(p.data_dir, p.domains, p.limit), {}, output)
 
 
-@stage_task("generate")
-def generate_task(config: RLVRTrainConfig, step: int, prompts: str, checkpoint: str, pool, output: str) -> Any:
-    import pyarrow.dataset as pads
-
+def _generate(config: RLVRTrainConfig, section_values: dict, prompts: str, checkpoint: str, pool, output: str,
+              label: str) -> Any:
+    """Responses of the prompts ``section_values["prompt_ids"]`` under ``checkpoint`` (the pool loads it in place),
+    committed in ``output``; the rest of the generation section comes from the run's config."""
     from schemas.rollout_config import EngineIdentity
     from stages import progress
-    from stages.rlvr.generate import GenerateSection, GenerateStage, step_prompt_ids
+    from stages.rlvr.generate import GenerateSection, GenerateStage
     from stages.rollout.engine_pool import checkpoint_fingerprint
     from stages.runner import run_stage
 
-    loc = Location.of(prompts)
-    ids = pads.dataset(loc.parquet_files(), filesystem=loc.fs).to_table(columns=["prompt_id"]).column(0).to_pylist()
     engine = EngineIdentity(backend=config.engine.backend, dtype=config.engine.dtype,
                             max_model_len=config.engine.max_model_len or config.sequence_length)
-    section = GenerateSection(run_name=config.run_name, step=step, seed=config.seed,
-                              n=config.num_return_sequences_in_group,
-                              prompt_ids=tuple(step_prompt_ids(ids, step, config.rollout_batch_size, config.seed)),
-                              system_prompt=config.prompts.system_prompt, sequence_length=config.sequence_length,
-                              generating_args=config.generating_args, engine=engine)
+    section = GenerateSection(**{"seed": config.seed, "sequence_length": config.sequence_length, "engine": engine,
+                                 **section_values})
     pool.use_checkpoint(checkpoint)
-    with progress.bar(f"[iteration {step}] generate", "responses", total=len(section.prompt_ids) * section.n) as ticker:
+    with progress.bar(label, "responses", total=len(section.prompt_ids) * section.n) as ticker:
         return run_stage(GenerateStage(pool, ticker), section, {"prompts": prompts}, output,
                          state_in={"checkpoint": checkpoint_fingerprint(checkpoint)})
+
+
+def _prompt_ids(prompts: str) -> list[str]:
+    import pyarrow.dataset as pads
+
+    loc = Location.of(prompts)
+    return pads.dataset(loc.parquet_files(), filesystem=loc.fs).to_table(columns=["prompt_id"]).column(0).to_pylist()
+
+
+@stage_task("generate")
+def generate_task(config: RLVRTrainConfig, step: int, prompts: str, checkpoint: str, pool, output: str) -> Any:
+    from stages.rlvr.generate import step_prompt_ids
+
+    ids = step_prompt_ids(_prompt_ids(prompts), step, config.rollout_batch_size, config.seed)
+    return _generate(config, {"run_name": config.run_name, "step": step, "n": config.num_return_sequences_in_group,
+                              "prompt_ids": tuple(ids), "system_prompt": config.prompts.system_prompt,
+                              "generating_args": config.generating_args}, prompts, checkpoint, pool, output,
+                     f"[iteration {step}] generate")
+
+
+@stage_task("validation_prompts")
+def validation_prompts_task(config: RLVRTrainConfig, output: str) -> Any:
+    from stages.rlvr.generate import PromptsStage, prompts_section
+    from stages.runner import run_stage
+
+    p = config.validation.prompts
+    return run_stage(PromptsStage(), prompts_section(p.data_dir, p.domains, p.limit), {}, output)
+
+
+@stage_task("validation")
+def validation_task(config: RLVRTrainConfig, prompts: str, checkpoint: str, pool, judge, output: str,
+                    label: str) -> SimpleNamespace:
+    """Every validation prompt answered under ``checkpoint`` (the same sampling seeds at every validation) and
+    scored by the validation's reward routes, under ``output``. Returns the generation and scoring results, their
+    seconds, and the metrics: ``val/score/mean`` and ``val/<domain>/score/mean`` over scored rows, ``val/unscored``."""
+    from stages.rlvr.generate import judge_services
+    from stages.rlvr.stages import RewardStage
+    from stages.runner import run_stage
+
+    v = config.validation
+    gen = _generate(config, {"run_name": f"{config.run_name}-val", "step": 0, "n": v.num_return_sequences,
+                             "prompt_ids": tuple(_prompt_ids(prompts)), "system_prompt": v.prompts.system_prompt,
+                             "generating_args": config.generating_args.model_copy(update={"temperature": v.temperature}),
+                             }, prompts, checkpoint, pool, f"{output}/responses", f"[{label}] validation")
+    rewards = config.validation_rewards()
+    scored = run_stage(RewardStage(judge_services(config.model_copy(update={"rewards": rewards}), judge)), rewards,
+                       {"responses": gen.output}, f"{output}/scored", batch_rows=config.runtime.batch_rows)
+    return SimpleNamespace(output=output, responses=gen, scored=scored, seconds=gen.seconds + scored.seconds,
+                           skipped=gen.skipped and scored.skipped,
+                           metrics=validation_metrics(gen.output, scored.output, rewards.domain_column))
+
+
+def validation_metrics(responses: str, scored: str, domain_column: str) -> dict[str, float]:
+    """Mean score over the scored rows, overall and per domain, and the number of unscored rows."""
+    import numpy as np
+    import pyarrow.dataset as pads
+
+    def read(where: str, columns: list[str]):
+        loc = Location.of(where)
+        return pads.dataset(loc.parquet_files(), filesystem=loc.fs).to_table(columns=columns)
+
+    domains = dict(zip(*(read(responses, ["row_id", domain_column]).column(i).to_pylist() for i in (0, 1))))
+    table = read(scored, ["row_id", "scores"])
+    rows = list(zip(table.column("row_id").to_pylist(), table.column("scores").to_pylist()))
+    metrics = {"val/unscored": float(sum(score is None for _, score in rows))}
+    for name, keep in [("", None), *((f"{d}/", d) for d in sorted(set(domains.values())))]:
+        values = [score for rid, score in rows if score is not None and (keep is None or domains[rid] == keep)]
+        metrics[f"val/{name}score/mean"] = float(np.mean(values)) if values else 0.0
+    return metrics
 
 
 @stage_task("rewards_and_advantages")
@@ -167,19 +232,32 @@ def first_pass_config(config: RLVRTrainConfig) -> RLVRTrainConfig:
     return config.model_copy(update=update)
 
 
+def _judged(config: RLVRTrainConfig, validates: bool) -> RLVRTrainConfig | None:
+    """``config`` with the routes an LLM judge must serve (training and, when the run validates, validation), or None
+    when no route needs a judge."""
+    from stages.rlvr.generate import needs_model
+
+    routes = dict(config.rewards.routes)
+    if validates:
+        routes.update({f"validation:{d}": r for d, r in config.validation_rewards().routes.items()})
+    judged = config.model_copy(update={"rewards": config.rewards.model_copy(update={"routes": routes})})
+    return judged if needs_model(judged.rewards) else None
+
+
 @flow(name="rlvr-train")  # progress lines go to stdout; Prefect logs to the log file (flows/console.py)
 def rlvr_train_flow(cfg: dict) -> dict:
     """Run (or resume) the RLVR training run described by ``cfg`` (an :class:`RLVRTrainConfig` as JSON)."""
     from stages.metrics import MetricsLog
+    from stages.rlvr.generate import judge_pool
     from stages.train.checkpoint import keep_training_state
 
     config = validate_config(RLVRTrainConfig, cfg)
-    from stages.rlvr.generate import judge_pool, needs_model
-
-    judged = config.judge.engine if needs_model(config.rewards) else None
+    validates = config.validation.eval_steps > 0
+    judged = _judged(config, validates)
     run, base, pool = start_run(config, cfg, config.engine.max_model_len or config.sequence_length,
-                                judged.num_cpus_per_engine * judged.num_engines if judged else 0.0)
-    judge = judge_pool(config)  # the judge's own engine, when a route needs one (built on first use)
+                                judged.judge.engine.num_cpus_per_engine * judged.judge.engine.num_engines
+                                if judged else 0.0)
+    judge = judge_pool(judged) if judged else None  # the judge's own engine (built on first use)
     workers = KeptWorkers.of(config, run.path)
     started = time.time()
     summary: dict[str, Any] = {"run": run.path, "pipeline": "rlvr", "iterations": []}
@@ -190,6 +268,12 @@ def rlvr_train_flow(cfg: dict) -> dict:
     with MetricsLog(run.path) as metrics:
         try:
             prompts = prompts_task(config, run.child("prompts").path)
+            if validates:
+                val_prompts = validation_prompts_task(config, run.child("val_prompts").path).output
+                val = validation_task(config, val_prompts, checkpoint, pool, judge, f"{run.path}/val_base",
+                                      "before training")
+                record(metrics, 0, "validation", val, val.metrics, label="validation before training")
+                summary["base_validation"] = val.metrics
             for k in range(config.max_steps):
                 here = step_dir(run.path, k)
                 gen = generate_task(config, k, prompts.output, checkpoint, pool, f"{here}/responses")
@@ -216,9 +300,16 @@ def rlvr_train_flow(cfg: dict) -> dict:
                 checkpoint = tr.output
                 trained.append(checkpoint)
                 keep_training_state(trained, config.train_step_config().max_ckpt_to_keep)
+                validated = None
+                if validates and (k + 1) % config.validation.eval_steps == 0:
+                    val = validation_task(config, val_prompts, checkpoint, pool, judge, f"{here}/validation",
+                                          f"after step {k}")
+                    # the metrics table files it under k + 1 (the policy after k + 1 steps), as agentic evaluations
+                    record(metrics, k + 1, "validation", val, val.metrics, label=f"validation after step {k}")
+                    validated = val.metrics
                 summary["iterations"].append({"iteration": k, "checkpoint": checkpoint, "train_metrics": tr.metrics,
                                               "score": scored.get("critic/score/mean"),
-                                              "generate_metrics": gen.metrics})
+                                              "generate_metrics": gen.metrics, "validation": validated})
         finally:
             workers.close()
             pool.close()
@@ -230,15 +321,58 @@ def rlvr_train_flow(cfg: dict) -> dict:
 
 
 def rlvr_summary_lines(summary: dict) -> list[str]:
-    """Per step: mean score of the step's responses (before its update), policy loss, response tokens/s."""
-    lines = [f"{'':>10} {'score':>8} {'pg_loss':>10} {'gen tok/s':>10}"]
+    """Per step: mean score of the step's responses (before its update), policy loss, response tokens/s, and the
+    validation score after the step (when the run validates)."""
+    def fmt(value, spec: str) -> str:
+        return "-" if value is None else format(value, spec)
+
+    lines = [f"{'':>10} {'score':>8} {'pg_loss':>10} {'gen tok/s':>10} {'val score':>10}"]
+    if summary.get("base_validation"):
+        lines.append(f"{'untrained':>10} {'':>8} {'':>10} {'':>10} "
+                     f"{fmt(summary['base_validation'].get('val/score/mean'), '.3f'):>10}")
     for it in summary["iterations"]:
-        loss = it["train_metrics"].get("actor/pg_loss")
-        speed = it["generate_metrics"].get("generate/tokens_per_second")
-        lines.append(f"{'step ' + str(it['iteration']):>10} "
-                     f"{'-' if it['score'] is None else format(it['score'], '.3f'):>8} "
-                     f"{'-' if loss is None else format(loss, '.4g'):>10} "
-                     f"{'-' if speed is None else format(speed, '.1f'):>10}")
+        val = (it.get("validation") or {}).get("val/score/mean")
+        lines.append(f"{'step ' + str(it['iteration']):>10} {fmt(it['score'], '.3f'):>8} "
+                     f"{fmt(it['train_metrics'].get('actor/pg_loss'), '.4g'):>10} "
+                     f"{fmt(it['generate_metrics'].get('generate/tokens_per_second'), '.1f'):>10} "
+                     f"{fmt(val, '.3f'):>10}")
     lines.append(f"run {summary['run']} finished in {summary['seconds']:.0f}s; last checkpoint "
                  f"{summary['checkpoint']}")
+    return lines
+
+
+@flow(name="rlvr-eval")  # progress lines go to stdout; Prefect logs to the log file (flows/console.py)
+def rlvr_eval_flow(cfg: dict, checkpoint: str | None, output: str) -> dict:
+    """Validate ``checkpoint`` (default: the config's initial policy) on the validation prompts of the RLVR config
+    ``cfg`` without training — the seeds of a run's validations, so the result equals that run's validation of the
+    same checkpoint. Its prompts, responses and scores are committed under ``output`` (resumable)."""
+    from stages.cluster import ensure_ray
+    from stages.rlvr.generate import judge_pool
+    from stages.rollout.driver import resolve_model_dir
+    from stages.rollout.engine_pool import EnginePool
+
+    config = validate_config(RLVRTrainConfig, cfg)
+    rt = config.runtime
+    ensure_ray(rt.ray_address, rt.num_cpus, data_memory_mb=rt.data_memory_mb)
+    model = resolve_model_dir(checkpoint or config.pretrain)
+    judged = _judged(config.model_copy(update={"rewards": config.validation_rewards()}), False)
+    pool = EnginePool(config.generation_engine(), model, config.engine.max_model_len or config.sequence_length)
+    judge = judge_pool(judged) if judged else None
+    try:
+        prompts = validation_prompts_task(config, f"{output}/prompts")
+        val = validation_task(config, prompts.output, model, pool, judge, output, "eval")
+    finally:
+        pool.close()
+        if judge is not None:
+            judge.close()
+    return {"output": output, "checkpoint": model, "metrics": val.metrics, "responses": val.responses.output,
+            "scored": val.scored.output, "domain_column": config.validation_rewards().domain_column}
+
+
+def rlvr_eval_summary_lines(summary: dict) -> list[str]:
+    """The validation's mean scores per domain and the folders of its responses and scores."""
+    m = summary["metrics"]
+    lines = [f"validated {summary['checkpoint']}"]
+    lines += [f"  {key:<30} {m[key]:.4g}" for key in sorted(m)]
+    lines.append(f"responses: {summary['responses']}  scores: {summary['scored']}")
     return lines

@@ -13,7 +13,7 @@ from typing import Literal
 from pydantic import Field, model_validator
 
 from schemas.config import Frozen, one_runtime
-from schemas.rlvr_config import RLVRConfig
+from schemas.rlvr_config import RewardsConfig, RLVRConfig
 from schemas.rollout_config import EngineConfig, GeneratingArgs
 from schemas.train_config import ForwardConfig, TrainStepConfig, estimator_into_train
 
@@ -27,6 +27,29 @@ class PromptSetConfig(Frozen):
     limit: int | None = Field(None, gt=0, description="Use only the first N prompts of each domain.")
     system_prompt: str = Field("You are a helpful assistant. Think briefly, then give the final answer.",
                                description="System message of every prompt.")
+
+
+class ValidationPromptsConfig(PromptSetConfig):
+    """The validation prompts: by default the shipped multiple-choice set (kept apart from the training prompts)."""
+
+    domains: tuple[str, ...] = Field(("mcq",), min_length=1, description="Which files (domains) to use.")
+
+
+class ValidationConfig(Frozen):
+    """Validation of an RLVR run (ROLL's ``validation`` with its ``eval_steps``): held-out prompts answered by the
+    policy before training and after every ``eval_steps`` steps, scored by reward workers; ``rollflow eval`` runs it
+    for one checkpoint. The samples of every validation use the same seeds, so runs and checkpoints compare."""
+
+    eval_steps: int = Field(0, ge=0, description="Validate before training and after every N training steps "
+                                                 "(0: never in a run; rollflow eval still can).")
+    prompts: ValidationPromptsConfig = Field(default_factory=ValidationPromptsConfig, description="The validation "
+                                             "prompts (data/rlvr files; keep them apart from the training prompts).")
+    num_return_sequences: int = Field(1, ge=1, description="Responses per validation prompt.")
+    temperature: float = Field(0.0, ge=0.0, description="Sampling temperature of validation (0: greedy).")
+    rewards: RewardsConfig | None = Field(
+        default_factory=lambda: RewardsConfig(routes={"mcq": {"worker": "general_val_rule"}}),
+        description="Reward routes of the validation prompts (default: the shipped MCQ set scored by the general "
+                    "validation rule; null: the run's own routes).")
 
 
 class RLVRTrainConfig(RLVRConfig):
@@ -46,6 +69,7 @@ class RLVRTrainConfig(RLVRConfig):
     engine: EngineConfig = Field(default_factory=EngineConfig, description="The generation engine.")
     logprobs: ForwardConfig = Field(default_factory=ForwardConfig, description="old/ref log-prob stage.")
     train: TrainStepConfig = Field(default_factory=TrainStepConfig, description="Actor (and critic) training.")
+    validation: ValidationConfig = Field(default_factory=ValidationConfig, description="Held-out validation.")
 
     def train_step_config(self) -> TrainStepConfig:
         """The training section (its estimator equals the run's)."""
@@ -76,6 +100,19 @@ class RLVRTrainConfig(RLVRConfig):
         """One runtime section per run: the top-level ``runtime`` reaches the log-prob and training sections (see
         :func:`schemas.config.one_runtime`)."""
         return one_runtime(data, ("logprobs", "train")) if isinstance(data, dict) else data
+
+    def validation_rewards(self) -> RewardsConfig:
+        """The reward routes of the validation prompts (the validation's own, else the run's)."""
+        return self.validation.rewards or self.rewards
+
+    @model_validator(mode="after")
+    def _validation_routes(self) -> "RLVRTrainConfig":
+        routes = self.validation_rewards().routes
+        missing = [d for d in self.validation.prompts.domains if d not in routes and "*" not in routes]
+        if missing:
+            raise ValueError(f"validation.prompts.domains {missing} have no reward route, so their answers could not "
+                             "be scored; add validation.rewards.routes for them (e.g. mcq: {worker: general_val_rule})")
+        return self
 
     @model_validator(mode="after")
     def _rlvr_run_rules(self) -> "RLVRTrainConfig":

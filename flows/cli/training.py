@@ -64,16 +64,16 @@ def train(config: Optional[Path] = typer.Option(None, "--config", help="YAML con
 
 
 @app.command("eval")
-def evaluate(config: Path = typer.Option(..., "--config", help="YAML config of a training run (configs/train_*.yaml): "
-                                                              "its eval section says which held-out levels."),
+def evaluate(config: Path = typer.Option(..., "--config", help="YAML config of a training run (agentic or RLVR): its "
+                                                              "eval / validation section says what to evaluate on."),
              checkpoint: Optional[Path] = typer.Option(None, "--checkpoint", help="Model folder to evaluate: a "
                                                        "run's checkpoint (default: the config's pretrain, else the "
                                                        "default model)."),
              output: Path = typer.Option(..., "--output", help="Folder for the evaluation's episodes, turns and "
                                                                "samples."),
              overrides: Optional[list[str]] = OverrideOpt) -> None:
-    """Evaluate a checkpoint on the held-out levels of a training config, without training (the same episodes as the
-    run's own evaluations)."""
+    """Evaluate a checkpoint without training: an agentic config's held-out levels (the episodes of the run's own
+    evaluations), or an RLVR config's validation prompts scored by their reward workers."""
     from flows.pipelines import pipeline_of
     from schemas.config import load_config_data, parse_overrides, validate_config
     from schemas.errors import ConfigError
@@ -81,8 +81,7 @@ def evaluate(config: Path = typer.Option(..., "--config", help="YAML config of a
     data = _guard(lambda: load_config_data(config, parse_overrides(overrides or [])))
     pipeline = _guard(lambda: pipeline_of(data, str(config)))
     if pipeline.evaluation is None:
-        _fail(ConfigError(f"{config}: rollflow eval runs the held-out evaluation of agentic configs; this config's "
-                          f"pipeline ({data.get('pipeline')}) has none yet"))
+        _fail(ConfigError(f"{config}: the pipeline {data.get('pipeline')!r} has no evaluation"))
     cfg = _guard(lambda: validate_config(pipeline.config_model(), data, str(config)))
     announce_precision()
     from flows.services import start_services

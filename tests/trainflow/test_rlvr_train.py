@@ -98,6 +98,10 @@ def _response_part_equal(full_table, got_table, name: str) -> None:
         assert got[p - 1:] == pytest.approx(full[p - 1:], abs=1e-6)
 
 
+# validation before training and after every second step, on 2 MCQ prompts scored by the general validation rule
+VALIDATION = ("validation.eval_steps=2", "validation.prompts.limit=2")
+
+
 @pytest.mark.slow
 def test_rlvr_run_with_gae_and_token_kl_end_to_end_then_resume_skips_everything(tmp_path, cli_env):
     """One two-step run that takes both RLVR paths which need a token table: the token-level KL reward (the first
@@ -111,7 +115,7 @@ def test_rlvr_run_with_gae_and_token_kl_end_to_end_then_resume_skips_everything(
     env = cli_env
     args = _tiny_run(tmp_path, "adv_estimator=gae", "add_token_level_kl=true", "init_kl_coef=0.1",
                      "logprobs.enable_reference=true", "train.critic_train.model_args.dtype=fp32",
-                     "train.critic_train.training_args.per_device_train_batch_size=2")
+                     "train.critic_train.training_args.per_device_train_batch_size=2", *VALIDATION)
     first = _rollflow(*args, env=env)
     assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
     run = tmp_path / "r"
@@ -148,6 +152,25 @@ def test_rlvr_run_with_gae_and_token_kl_end_to_end_then_resume_skips_everything(
     assert kl["metrics"]["critic/kl_coef"] == pytest.approx(0.1) and "kl_ctrl" in kl["state"]
     metrics = pads.dataset(str(run / "metrics"), format="parquet").to_table().to_pylist()
     assert {m["stage"] for m in metrics} >= {"generate", "rewards", "advantages", "logprobs", "train"}
+
+    # validation: before training and after step 1 (eval_steps 2), the general validation rule scoring MCQ answers
+    for folder in (run / "val_base", run / "step_0001/validation"):
+        scored = _read(folder / "scored")
+        assert scored.num_rows == 2 and set(scored.column("reward_worker").to_pylist()) == {"general_val_rule"}
+    assert not (run / "step_0000/validation").exists()
+    validated = [m for m in metrics if m["stage"] == "validation" and m["name"] == "val/score/mean"]
+    assert sorted(m["iteration"] for m in validated) == [0, 2]  # the policy after 0 and after 2 steps
+    assert "val score" in first.stdout
+
+    # rollflow eval on the last checkpoint gives the run's own validation after its last step
+    config = args[1:]  # --config FILE --set ...
+    evaluated = _rollflow("eval", *config, "--checkpoint", str(run / "step_0001/checkpoint"), "--output",
+                          str(tmp_path / "eval"), env=env)
+    assert evaluated.returncode == 0, evaluated.stdout[-3000:] + evaluated.stderr[-3000:]
+    assert "val/score/mean" in evaluated.stdout and "val/mcq/score/mean" in evaluated.stdout
+    for table in ("responses", "scored"):
+        got = _read(tmp_path / "eval" / table).sort_by("row_id").to_pylist()
+        assert got == _read(run / "step_0001/validation" / table).sort_by("row_id").to_pylist(), table
 
     stamps = {p: p.stat().st_mtime_ns for p in run.glob("step_*/*/manifest.json")}
     again = _rollflow("train", "--resume", str(run), "--no-report", env=env)
