@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 import typer
 
@@ -104,6 +104,25 @@ def _print_metrics(metrics: dict[str, float], prefixes: tuple[str, ...]) -> None
             typer.echo(f"  {key:<34} {metrics[key]:.6g}")
 
 
+def _prepare(model: str, config: Path | None, overrides: list[str] | None, table: str, samples: Path, output: Path,
+             needs: Callable = lambda cfg: ()):
+    """What the table-in, folder-out training commands do before their stage: load the config (``model``, a class
+    name of schemas.train_config), print the dtype choice, check the input table (``table``, a contract of
+    schemas.tables, with the columns ``needs(cfg)``) and the output path before Ray starts, then join or start Ray.
+    Returns the config."""
+    import schemas.tables as tables
+    import schemas.train_config as train_config
+    from schemas.config import load_config, parse_overrides
+    from stages.preflight import check_input, check_output_location
+
+    cfg = _guard(lambda: load_config(getattr(train_config, model), config, parse_overrides(overrides or [])))
+    announce_precision()
+    _guard(lambda: check_input(getattr(tables, table), str(samples), needs(cfg)))
+    _guard(lambda: check_output_location(str(output)))
+    connect(cfg.runtime)
+    return cfg
+
+
 @app.command("train-step")
 def train_step(samples: Path = typer.Option(..., "--samples", help="Advantaged table folder (Parquet)."),
                checkpoint: Path = typer.Option(..., "--checkpoint", help="Model folder: the default model or an "
@@ -114,17 +133,8 @@ def train_step(samples: Path = typer.Option(..., "--samples", help="Advantaged t
                overrides: Optional[list[str]] = OverrideOpt,
                force: bool = typer.Option(False, "--force", help="Train even if the output is up to date.")) -> None:
     """One PPO training step (actor, and critic for gae) on DeepSpeed under Ray Train; writes a checkpoint."""
-    from schemas.config import load_config, parse_overrides
-    from schemas.train_config import TrainStepConfig
-
-    cfg = _guard(lambda: load_config(TrainStepConfig, config, parse_overrides(overrides or [])))
-    announce_precision()
-    from schemas.tables import ADVANTAGED, SAMPLES
-    from stages.preflight import check_input, check_output_location
-
-    _guard(lambda: check_input(ADVANTAGED, str(samples), ("values",) if cfg.needs_critic else ()))  # before Ray starts
-    _guard(lambda: check_output_location(str(output)))
-    connect(cfg.runtime)
+    cfg = _prepare("TrainStepConfig", config, overrides, "ADVANTAGED", samples, output,
+                   lambda cfg: ("values",) if cfg.needs_critic else ())
     from stages.train.stage import run_train_step
 
     result = _guard(lambda: run_train_step(str(samples), str(checkpoint), cfg, str(output), force=force))
@@ -143,17 +153,7 @@ def logprobs(samples: Path = typer.Option(..., "--samples", help="Samples table 
              overrides: Optional[list[str]] = OverrideOpt,
              force: bool = typer.Option(False, "--force")) -> None:
     """Add old_log_probs (and ref_log_probs, entropy) to a samples table, in a Ray Data actor pool."""
-    from schemas.config import load_config, parse_overrides
-    from schemas.train_config import ForwardConfig
-
-    cfg = _guard(lambda: load_config(ForwardConfig, config, parse_overrides(overrides or [])))
-    announce_precision()
-    from schemas.tables import ADVANTAGED, SAMPLES
-    from stages.preflight import check_input, check_output_location
-
-    _guard(lambda: check_input(SAMPLES, str(samples), ()))  # before Ray starts
-    _guard(lambda: check_output_location(str(output)))
-    connect(cfg.runtime)
+    cfg = _prepare("ForwardConfig", config, overrides, "SAMPLES", samples, output)
     from stages.train.stage import run_logprobs
 
     result = _guard(lambda: run_logprobs(str(samples), str(checkpoint), cfg, str(output),
@@ -171,17 +171,7 @@ def values(samples: Path = typer.Option(..., "--samples", help="Samples table fo
            overrides: Optional[list[str]] = OverrideOpt,
            force: bool = typer.Option(False, "--force")) -> None:
     """Add the critic's values to a samples table (gae), in a Ray Data actor pool."""
-    from schemas.config import load_config, parse_overrides
-    from schemas.train_config import ForwardConfig
-
-    cfg = _guard(lambda: load_config(ForwardConfig, config, parse_overrides(overrides or [])))
-    announce_precision()
-    from schemas.tables import ADVANTAGED, SAMPLES
-    from stages.preflight import check_input, check_output_location
-
-    _guard(lambda: check_input(SAMPLES, str(samples), ()))  # before Ray starts
-    _guard(lambda: check_output_location(str(output)))
-    connect(cfg.runtime)
+    cfg = _prepare("ForwardConfig", config, overrides, "SAMPLES", samples, output)
     from stages.train.stage import run_values
 
     result = _guard(lambda: run_values(str(samples), str(checkpoint), cfg, str(output), force=force))
