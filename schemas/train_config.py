@@ -188,6 +188,10 @@ class ForwardConfig(Frozen):
                                            "actor reserves gpus_per_actor of a Ray GPU and uses the one Ray assigns).")
     gpus_per_actor: float = Field(1.0, gt=0, le=1, description="GPU share reserved per actor with device: cuda (a "
                                   "fraction lets actors, or other stages, share one GPU).")
+    use_sequence_packing: bool = Field(False, description="Run each micro-batch's rows packed into one row without "
+                                       "padding (ROLL's name; positions restart per row, so each attends to itself "
+                                       "only); max_tokens_per_microbatch_in_infer then counts real tokens. The same "
+                                       "values up to float rounding, so not part of the stage's fingerprint.")
     threads: int | None = Field(None, gt=0, description="torch threads per actor (default: max(1, floor("
                                                        "cpus_per_actor))). More threads than reserved CPUs borrow CPUs "
                                                        "that idle during this stage (e.g. the idle engine's).")

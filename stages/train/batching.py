@@ -141,6 +141,23 @@ def split_by_token_budget(lengths: np.ndarray, max_tokens: int) -> list[np.ndarr
     return [np.array(g, dtype=np.int64) for g in groups]
 
 
+def split_by_real_tokens(lengths: np.ndarray, max_tokens: int) -> list[np.ndarray]:
+    """``(B,)`` row lengths → groups of row indices with ``Σ length <= max_tokens`` (packed micro-batches: no
+    padding counts against the budget). Rows in table order; a row longer than the budget forms a group alone."""
+    if max_tokens <= 0:
+        raise InvariantError(f"token budget {max_tokens} must be > 0")
+    groups: list[list[int]] = []
+    used = 0
+    for i, n in enumerate(np.asarray(lengths, dtype=np.int64)):
+        if groups and used + int(n) <= max_tokens:
+            groups[-1].append(i)
+            used += int(n)
+        else:
+            groups.append([i])
+            used = int(n)
+    return [np.array(g, dtype=np.int64) for g in groups]
+
+
 def split_by_rows(num_rows: int, rows_per_micro_batch: int) -> list[np.ndarray]:
     """``num_rows`` → consecutive groups of ``rows_per_micro_batch`` (the last may be smaller)."""
     return [np.arange(s, min(s + rows_per_micro_batch, num_rows), dtype=np.int64)
@@ -207,6 +224,20 @@ def pad_micro_batch(rows: TokenRows, index: np.ndarray, pad_token_id: int = 0) -
     next_token = {k: torch.from_numpy(v.to_padded(width - 1, fill=0.0).astype(np.float32))
                   for k, v in sub.next_token.items()}
     return MicroBatch(ids, attention, positions, response, next_token, lengths)
+
+
+def forward_packed(call, mb: MicroBatch) -> torch.Tensor:
+    """The model's per-token outputs ``(b, S, ...)`` for a right-padded micro-batch, computed once over its rows packed
+    into a single row without padding: ``call(input_ids (1, T), position_ids (1, T)) -> (1, T, ...)`` with
+    ``T = Σ lengths`` and positions restarting at 0 for every row, which Hugging Face's attention reads as packed
+    sequences (each attends to itself only). Padding positions of the result are 0."""
+    width = mb.input_ids.shape[1]
+    lengths = torch.as_tensor(mb.lengths, device=mb.input_ids.device)
+    real = torch.arange(width, device=mb.input_ids.device)[None, :] < lengths[:, None]
+    out = call(mb.input_ids[real][None], mb.position_ids[real][None])
+    full = out.new_zeros((mb.input_ids.shape[0], width) + tuple(out.shape[2:]))
+    full[real] = out[0]
+    return full
 
 
 def unpad_next_token(padded: torch.Tensor, lengths: np.ndarray) -> Ragged:

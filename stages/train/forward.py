@@ -15,7 +15,8 @@ import numpy as np
 import torch
 
 from stages.algos.ragged import Ragged
-from stages.train.batching import TokenRows, pad_micro_batch, split_by_token_budget, unpad_next_token
+from stages.train.batching import (TokenRows, forward_packed, pad_micro_batch, split_by_real_tokens, split_by_token_budget,
+                                   unpad_next_token)
 
 
 @dataclass
@@ -45,8 +46,11 @@ def _concat_in_order(parts: list[tuple[np.ndarray, Ragged]], num_rows: int) -> R
 
 @torch.inference_mode()
 def forward_rows(model: torch.nn.Module, rows: TokenRows, max_tokens: int, *, kind: str = "log_probs",
-                 entropy: bool = False, device: torch.device | str = "cpu", pad_token_id: int = 0) -> ForwardResult:
-    """Run ``model`` over ``rows`` in micro-batches of at most ``max_tokens`` padded tokens.
+                 entropy: bool = False, device: torch.device | str = "cpu", pad_token_id: int = 0,
+                 packed: bool = False) -> ForwardResult:
+    """Run ``model`` over ``rows`` in micro-batches of at most ``max_tokens`` padded tokens, or, ``packed``, of at
+    most ``max_tokens`` real tokens run as one row without padding (:func:`forward_packed`; the same values up to
+    float rounding).
 
     kind ``log_probs``: column ``log_probs`` (and ``entropy`` if asked) from a causal LM's logits;
     kind ``values``: column ``values`` from a one-label token-classification critic."""
@@ -55,10 +59,14 @@ def forward_rows(model: torch.nn.Module, rows: TokenRows, max_tokens: int, *, ki
     start = time.perf_counter()
     parts: dict[str, list[tuple[np.ndarray, Ragged]]] = {}
     tokens = padded = count = 0
-    for index in split_by_token_budget(rows.lengths, max_tokens):
+    def call(input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+        return model(input_ids=input_ids, position_ids=position_ids, use_cache=False).logits
+
+    split = split_by_real_tokens if packed else split_by_token_budget
+    for index in split(rows.lengths, max_tokens):
         mb = pad_micro_batch(rows, index, pad_token_id).to(device)
         # right padding + causal attention: real tokens never see the padding, so no attention mask is needed
-        out = model(input_ids=mb.input_ids, position_ids=mb.position_ids, use_cache=False).logits
+        out = forward_packed(call, mb) if packed else call(mb.input_ids, mb.position_ids)
         results = {}
         if kind == "values":
             results["values"] = out[:, :-1, 0].float()
@@ -73,7 +81,7 @@ def forward_rows(model: torch.nn.Module, rows: TokenRows, max_tokens: int, *, ki
         for name, value in results.items():
             parts.setdefault(name, []).append((index, unpad_next_token(value, mb.lengths)))
         tokens += mb.real_tokens
-        padded += mb.padded_tokens
+        padded += mb.real_tokens if packed else mb.padded_tokens
         count += 1
     columns = {name: _concat_in_order(p, rows.num_rows) for name, p in parts.items()}
     if rows.num_rows == 0:

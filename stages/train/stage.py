@@ -176,7 +176,7 @@ class ForwardJob:
 
 
 def forward_batch(models: list, jobs: list[ForwardJob], batch: pa.Table, max_tokens: int, output: Location,
-                  spec: TableSpec, where: str, device: str = "cpu") -> pa.Table:
+                  spec: TableSpec, where: str, device: str = "cpu", packed: bool = False) -> pa.Table:
     """The rows of ``batch`` plus each job's result columns (ragged in, ragged out; row order kept), checked against
     ``spec``; the batch's counters are recorded beside ``output`` (:func:`stages.runner.write_partials`)."""
     import resource
@@ -188,7 +188,8 @@ def forward_batch(models: list, jobs: list[ForwardJob], batch: pa.Table, max_tok
     rows = TokenRows.from_arrow(batch, where, columns=())
     counters = {"tokens": 0.0, "padded_tokens": 0.0, "seconds": 0.0, "rows": float(batch.num_rows)}
     for job, model in zip(jobs, models):
-        result = forward_rows(model, rows, max_tokens, kind=job.kind, entropy=job.entropy, device=device)
+        result = forward_rows(model, rows, max_tokens, kind=job.kind, entropy=job.entropy, device=device,
+                              packed=packed)
         produced = {job.column: result.columns["values" if job.kind == "values" else "log_probs"]}
         produced.update({c: produced[job.column] for c in job.copies})
         if job.entropy:
@@ -214,13 +215,13 @@ class ForwardActor:
     turns each batch of rows into the same rows plus the result columns (:func:`forward_batch`)."""
 
     def __init__(self, jobs: list[ForwardJob], dtype: str, max_tokens: int, threads: int, output: Location,
-                 spec: TableSpec, where: str, device: str = "cpu"):
+                 spec: TableSpec, where: str, device: str = "cpu", packed: bool = False):
         import torch
 
         torch.set_num_threads(max(1, threads))
         self.jobs, self.dtype, self.max_tokens, self.output, self.spec, self.where = (jobs, dtype, max_tokens, output,
                                                                                       spec, where)
-        self.device = device
+        self.device, self.packed = device, packed
         self.models: list | None = None
 
     def __call__(self, batch: pa.Table) -> pa.Table:
@@ -230,7 +231,7 @@ class ForwardActor:
             self.models = [load_forward_model(j.path, j.kind, self.dtype, actor_dir=j.actor_dir, seed=j.seed,
                                               device=self.device) for j in self.jobs]
         return forward_batch(self.models, self.jobs, batch, self.max_tokens, self.output, self.spec, self.where,
-                             self.device)
+                             self.device, self.packed)
 
 
 class ForwardServer:
@@ -246,10 +247,10 @@ class ForwardServer:
         self.models = ForwardModels()
 
     def run(self, jobs: list[ForwardJob], dtype: str, batch: pa.Table, max_tokens: int, output: Location,
-            spec: TableSpec, where: str, device: str = "cpu") -> pa.Table:
+            spec: TableSpec, where: str, device: str = "cpu", packed: bool = False) -> pa.Table:
         models = [self.models.get(j.column, j.path, j.kind, dtype, fingerprint=j.fingerprint, actor_dir=j.actor_dir,
                                   seed=j.seed, device=device) for j in jobs]
-        return forward_batch(models, jobs, batch, max_tokens, output, spec, where, device)
+        return forward_batch(models, jobs, batch, max_tokens, output, spec, where, device, packed)
 
     def loads(self) -> dict[str, int]:
         return dict(self.models.loads)
@@ -335,7 +336,7 @@ class _ForwardStage(Stage):
                               f"cpus_per_actor to at most {max(cpus - 1, 0.5):g} (threads per actor follow it)")
         work = {"jobs": self.jobs(ctx.section), "max_tokens": ctx.section.max_tokens_per_microbatch_in_infer,
                 "output": ctx.output, "spec": self.output_spec, "where": ctx.inputs["samples"].path,
-                "device": c.device}
+                "device": c.device, "packed": c.use_sequence_packing}
         if self.workers is not None:  # the run's kept workers; the map tasks hand them the batches
             actors = self.workers.actors()
             # a task waiting in ray.get gives its CPU back: without a cap, Ray Data would start a task (and a worker

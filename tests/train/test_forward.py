@@ -73,3 +73,19 @@ def test_no_rows(tiny_model):
     empty = TokenRows.from_arrow(advantaged_rows(3).slice(0, 0), "t", columns=())
     result = forward_rows(load_actor_model(str(tiny_model)).eval(), empty, 64)
     assert result.columns["log_probs"].num_rows == 0
+
+
+@pytest.mark.parametrize("budget", [40, 100000])
+def test_packed_micro_batches_equal_the_padded_path(tiny_model, rows, budget):
+    """Rows packed into one row without padding (positions restarting per row, so each attends to itself only)
+    give the padded path's log-probs, entropies and values within float32 rounding, in fewer padded tokens."""
+    model = load_actor_model(str(tiny_model)).eval()
+    padded = forward_rows(model, rows, budget, entropy=True)
+    packed = forward_rows(model, rows, budget, entropy=True, packed=True)
+    for name in ("log_probs", "entropy"):
+        assert (packed.columns[name].offsets == padded.columns[name].offsets).all()
+        np.testing.assert_allclose(packed.columns[name].values, padded.columns[name].values, atol=2e-5)
+    assert packed.tokens == padded.tokens == packed.padded_tokens == rows.lengths.sum()
+    critic = load_critic_model(None, str(tiny_model), seed=5).eval()
+    np.testing.assert_allclose(forward_rows(critic, rows, budget, kind="values", packed=True).columns["values"].values,
+                               forward_rows(critic, rows, budget, kind="values").columns["values"].values, atol=2e-5)

@@ -48,6 +48,20 @@ def perturbed_copy(source: Path, target: Path, seed: int = 0) -> Path:
     return target
 
 
+def test_packed_log_prob_stage_equals_the_padded_one(tiny_model, samples, tmp_path):
+    """use_sequence_packing runs each micro-batch's rows as one row without padding: the same log-probs (within
+    float32 rounding) and no padded token in the stage's counters."""
+    padded = run_logprobs(str(samples), str(tiny_model), FORWARD, str(tmp_path / "padded"))
+    packed = run_logprobs(str(samples), str(tiny_model), FORWARD.model_copy(update={"use_sequence_packing": True}),
+                          str(tmp_path / "packed"))
+    a, b = read_folder(tmp_path / "padded"), read_folder(tmp_path / "packed")
+    assert a.column("row_id").to_pylist() == b.column("row_id").to_pylist()
+    for x, y in zip(a.column("old_log_probs").to_pylist(), b.column("old_log_probs").to_pylist()):
+        np.testing.assert_allclose(y, x, atol=2e-5)
+    assert packed.metrics["logprobs/padded_tokens"] == packed.metrics["logprobs/tokens"]
+    assert padded.metrics["logprobs/padded_tokens"] > padded.metrics["logprobs/tokens"]
+
+
 def test_logprob_stage_adds_ragged_columns_in_row_order_and_skips_when_done(tiny_model, samples, tmp_path):
     cfg = FORWARD.model_copy(update={"compute_entropy": True})
     result = run_logprobs(str(samples), str(tiny_model), cfg, str(tmp_path / "lp"))

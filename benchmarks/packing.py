@@ -1,0 +1,83 @@
+"""Packed against padded micro-batches in the log-prob pass (issue 16, packed sequences), side by side in one run.
+
+Both passes run ``stages.train.forward.forward_rows`` over the same rows with the same token budget: padded, the rows
+of a micro-batch are right-padded to its longest row (the budget counts padded tokens); packed
+(``use_sequence_packing``), they run as one row without padding, positions restarting per row (the budget counts
+real tokens). The rows are FrozenLake-shaped step samples from ``stages.example`` (or ``--samples DIR``, e.g. a run's
+``iter_0000/logprobs``). Each pass runs ``--repeats`` times after a warm-up; the best time counts.
+
+    python benchmarks/packing.py --rows 64 --model default --dtype fp32
+
+Last line: ``RESULT packed_tok_per_s=... padded_tok_per_s=... speedup=... padded_overhead=... max_abs_diff=...``
+(``padded_overhead``: padded tokens / real tokens of the padded pass).
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+import time
+
+import numpy as np
+
+from _common import model_folder, set_up_process
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="default", help="default (SmolLM2-135M), tiny, or a model folder")
+    parser.add_argument("--samples", default=None, help="a samples table folder (default: generated FrozenLake rows)")
+    parser.add_argument("--rows", type=int, default=64, help="generated rows (without --samples)")
+    parser.add_argument("--budget", type=int, default=4096, help="max_tokens_per_microbatch_in_infer")
+    parser.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=2)
+    args = parser.parse_args()
+    set_up_process()
+
+    import pyarrow.dataset as pads
+    import torch
+
+    from stages.example import ExampleSpec, generate
+    from stages.train.batching import TokenRows
+    from stages.train.forward import forward_rows, load_forward_model
+
+    torch.set_num_threads(args.threads)
+    folder = args.samples
+    if folder is None:
+        folder = tempfile.mkdtemp(prefix="rollflow-bench-packing-") + "/samples"
+        generate(ExampleSpec(samples=args.rows, seed=0, env="frozenlake", level="step"), folder)
+    from stages.storage import Location
+
+    files = Location.of(folder).parquet_files()
+    table = pads.dataset(files, format="parquet").to_table(columns=["row_id", "input_ids", "response_mask"])
+    rows = TokenRows.from_arrow(table, folder, columns=())
+    model = load_forward_model(model_folder(args.model), "log_probs", args.dtype)
+    forward_rows(model, rows.take(np.arange(min(4, rows.num_rows))), args.budget)  # warm-up
+
+    def best(packed: bool):
+        runs = []
+        for _ in range(args.repeats):
+            start = time.perf_counter()
+            result = forward_rows(model, rows, args.budget, packed=packed)
+            runs.append((time.perf_counter() - start, result))
+        return min(runs, key=lambda r: r[0])
+
+    padded_s, padded = best(False)
+    packed_s, packed = best(True)
+    diff = float(np.abs(packed.columns["log_probs"].values - padded.columns["log_probs"].values).max())
+    real = float(rows.lengths.sum())
+    print(f"{rows.num_rows} rows, {int(real):,} tokens (lengths {rows.lengths.min()}-{rows.lengths.max()}), "
+          f"budget {args.budget}, {args.dtype}, {args.threads} threads, CPU capability "
+          f"{torch.backends.cpu.get_cpu_capability()}")
+    print(f"{'pass':<8} {'seconds':>8} {'tok/s':>9} {'micro-batches':>14} {'padded tokens':>14}")
+    for label, seconds, result in (("padded", padded_s, padded), ("packed", packed_s, packed)):
+        print(f"{label:<8} {seconds:>8.2f} {real / seconds:>9.0f} {result.micro_batches:>14} "
+              f"{result.padded_tokens:>14,}")
+    print(f"RESULT packed_tok_per_s={real / packed_s:.0f} padded_tok_per_s={real / padded_s:.0f} "
+          f"speedup={padded_s / packed_s:.2f} padded_overhead={padded.padded_tokens / real:.3f} "
+          f"max_abs_diff={diff:.2e}")
+
+
+if __name__ == "__main__":
+    main()
