@@ -21,7 +21,7 @@ class Pipeline:
     flow: Callable[[], Callable[[dict], dict]]
     summary_lines: Callable[[], Callable[[dict], list[str]]]
     step_dir: Callable[[], Callable[[str, int], str]]  # the folder of a run's k-th iteration (step)
-    evaluation: Callable[[], tuple[Callable[..., dict], Callable[[dict], list[str]]]] | None = None  # flow, lines
+    evaluation: Callable[[], tuple[Callable[..., dict], Callable[[dict], list[str]]]]  # rollflow eval: flow, lines
 
     def committed_steps(self, run: str) -> int:
         """How many iterations of the run folder ``run`` are done: the leading iterations whose checkpoint is

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from schemas.config import load_config, parse_overrides, validate_config
+from schemas.config import parse_overrides, validate_config
 from schemas.errors import RollflowError
 from stages.runner import Stage, run_stage
 from stages.storage import Location, read_manifest
@@ -50,6 +50,9 @@ def rerun_stage(name: str, old_output: str, overrides: list[str], output: str | 
 
     fp = stage_fingerprint(stage, section, {k: Location.of(v) for k, v in inputs.items()}, manifest["state_in"])
     target = output or f"{old.path}@{fp[:8]}"
+    from stages.cluster import ensure_ray
+
+    ensure_ray()  # once the request is valid (the manifest holds no runtime settings: $RAY_ADDRESS or a local cluster)
     result = run_stage(stage, section, inputs, target, force=force, state_in=manifest["state_in"])
     lines = [f"{name}: {'up to date' if result.skipped else 'wrote'} {result.rows:,} rows to {result.output} "
              f"(old output kept at {old.path})"]

@@ -97,12 +97,12 @@ def rlvr_advantages(cfg, responses: str, rewarded: str, output: str, state_in: d
 
 
 @stage_task("prompts")
-def prompts_task(config: RLVRTrainConfig, output: str) -> Any:
+def prompts_task(prompts, output: str) -> Any:
+    """The prompts table of a prompt set (``prompts``: the run's prompts or its validation prompts)."""
     from stages.rlvr.generate import PromptsStage, prompts_section
     from stages.runner import run_stage
 
-    p = config.prompts
-    return run_stage(PromptsStage(), prompts_section(p.data_dir, p.domains, p.limit), {}, output)
+    return run_stage(PromptsStage(), prompts_section(prompts.data_dir, prompts.domains, prompts.limit), {}, output)
 
 
 def _generate(config: RLVRTrainConfig, section_values: dict, prompts: str, checkpoint: str, pool, output: str,
@@ -125,11 +125,16 @@ def _generate(config: RLVRTrainConfig, section_values: dict, prompts: str, check
                          state_in={"checkpoint": checkpoint_fingerprint(checkpoint)})
 
 
-def _prompt_ids(prompts: str) -> list[str]:
+def _read(where: str, columns: list[str]):
+    """Columns of the committed table at ``where``."""
     import pyarrow.dataset as pads
 
-    loc = Location.of(prompts)
-    return pads.dataset(loc.parquet_files(), filesystem=loc.fs).to_table(columns=["prompt_id"]).column(0).to_pylist()
+    loc = Location.of(where)
+    return pads.dataset(loc.parquet_files(), filesystem=loc.fs).to_table(columns=columns)
+
+
+def _prompt_ids(prompts: str) -> list[str]:
+    return _read(prompts, ["prompt_id"]).column(0).to_pylist()
 
 
 @stage_task("generate")
@@ -143,15 +148,6 @@ def generate_task(config: RLVRTrainConfig, step: int, prompts: str, checkpoint: 
                      f"[iteration {step}] generate")
 
 
-@stage_task("validation_prompts")
-def validation_prompts_task(config: RLVRTrainConfig, output: str) -> Any:
-    from stages.rlvr.generate import PromptsStage, prompts_section
-    from stages.runner import run_stage
-
-    p = config.validation.prompts
-    return run_stage(PromptsStage(), prompts_section(p.data_dir, p.domains, p.limit), {}, output)
-
-
 @stage_task("validation")
 def validation_task(config: RLVRTrainConfig, prompts: str, checkpoint: str, pool, judge, output: str,
                     label: str) -> SimpleNamespace:
@@ -159,8 +155,6 @@ def validation_task(config: RLVRTrainConfig, prompts: str, checkpoint: str, pool
     scored by the validation's reward routes, under ``output``. Returns the generation and scoring results, their
     seconds, and the metrics: ``val/score/mean`` and ``val/<domain>/score/mean`` over scored rows, ``val/unscored``."""
     from stages.rlvr.generate import judge_services
-    from stages.rlvr.stages import RewardStage
-    from stages.runner import run_stage
 
     v = config.validation
     gen = _generate(config, {"run_name": f"{config.run_name}-val", "step": 0, "n": v.num_return_sequences,
@@ -168,8 +162,8 @@ def validation_task(config: RLVRTrainConfig, prompts: str, checkpoint: str, pool
                              "generating_args": config.generating_args.model_copy(update={"temperature": v.temperature}),
                              }, prompts, checkpoint, pool, f"{output}/responses", f"[{label}] validation")
     rewards = config.validation_rewards()
-    scored = run_stage(RewardStage(judge_services(config.model_copy(update={"rewards": rewards}), judge)), rewards,
-                       {"responses": gen.output}, f"{output}/scored", batch_rows=config.runtime.batch_rows)
+    scored = score_responses(gen.output, output, config.model_copy(update={"rewards": rewards}),
+                             services=judge_services(rewards, config.judge, judge))["scored"]
     return SimpleNamespace(output=output, responses=gen, scored=scored, seconds=gen.seconds + scored.seconds,
                            skipped=gen.skipped and scored.skipped,
                            metrics=validation_metrics(gen.output, scored.output, rewards.domain_column))
@@ -178,14 +172,9 @@ def validation_task(config: RLVRTrainConfig, prompts: str, checkpoint: str, pool
 def validation_metrics(responses: str, scored: str, domain_column: str) -> dict[str, float]:
     """Mean score over the scored rows, overall and per domain, and the number of unscored rows."""
     import numpy as np
-    import pyarrow.dataset as pads
 
-    def read(where: str, columns: list[str]):
-        loc = Location.of(where)
-        return pads.dataset(loc.parquet_files(), filesystem=loc.fs).to_table(columns=columns)
-
-    domains = dict(zip(*(read(responses, ["row_id", domain_column]).column(i).to_pylist() for i in (0, 1))))
-    table = read(scored, ["row_id", "scores"])
+    domains = dict(zip(*(_read(responses, ["row_id", domain_column]).column(i).to_pylist() for i in (0, 1))))
+    table = _read(scored, ["row_id", "scores"])
     rows = list(zip(table.column("row_id").to_pylist(), table.column("scores").to_pylist()))
     metrics = {"val/unscored": float(sum(score is None for _, score in rows))}
     for name, keep in [("", None), *((f"{d}/", d) for d in sorted(set(domains.values())))]:
@@ -202,7 +191,7 @@ def score_task(config: RLVRTrainConfig, step: int, responses: str, output: str, 
     global_step / max_steps)."""
     from stages.rlvr.generate import judge_services, reads_context
 
-    services = judge_services(config, judge)
+    services = judge_services(config.rewards, config.judge, judge)
     progress = step / config.max_steps if reads_context(config.rewards, "training_progress") else None
     return score_responses(responses, output, config, advantages=True, state_in=state_in, services=services,
                            training_progress=progress)
@@ -232,32 +221,20 @@ def first_pass_config(config: RLVRTrainConfig) -> RLVRTrainConfig:
     return config.model_copy(update=update)
 
 
-def _judged(config: RLVRTrainConfig, validates: bool) -> RLVRTrainConfig | None:
-    """``config`` with the routes an LLM judge must serve (training and, when the run validates, validation), or None
-    when no route needs a judge."""
-    from stages.rlvr.generate import needs_model
-
-    routes = dict(config.rewards.routes)
-    if validates:
-        routes.update({f"validation:{d}": r for d, r in config.validation_rewards().routes.items()})
-    judged = config.model_copy(update={"rewards": config.rewards.model_copy(update={"routes": routes})})
-    return judged if needs_model(judged.rewards) else None
-
-
 @flow(name="rlvr-train")  # progress lines go to stdout; Prefect logs to the log file (flows/console.py)
 def rlvr_train_flow(cfg: dict) -> dict:
     """Run (or resume) the RLVR training run described by ``cfg`` (an :class:`RLVRTrainConfig` as JSON)."""
     from stages.metrics import MetricsLog
-    from stages.rlvr.generate import judge_pool
+    from stages.rlvr.generate import judge_pool, needs_model
     from stages.train.checkpoint import keep_training_state
 
     config = validate_config(RLVRTrainConfig, cfg)
     validates = config.validation.eval_steps > 0
-    judged = _judged(config, validates)
+    judged = needs_model(config.rewards) or (validates and needs_model(config.validation_rewards()))
+    engine = config.judge.engine
     run, base, pool = start_run(config, cfg, config.engine.max_model_len or config.sequence_length,
-                                judged.judge.engine.num_cpus_per_engine * judged.judge.engine.num_engines
-                                if judged else 0.0)
-    judge = judge_pool(judged) if judged else None  # the judge's own engine (built on first use)
+                                engine.num_cpus_per_engine * engine.num_engines if judged else 0.0)
+    judge = judge_pool(config.judge) if judged else None  # the judge's own engine (built on first use)
     workers = KeptWorkers.of(config, run.path)
     started = time.time()
     summary: dict[str, Any] = {"run": run.path, "pipeline": "rlvr", "iterations": []}
@@ -267,9 +244,9 @@ def rlvr_train_flow(cfg: dict) -> dict:
     two_pass = config.add_token_level_kl or needs_critic  # advantages need the log-probs or values of the tokens
     with MetricsLog(run.path) as metrics:
         try:
-            prompts = prompts_task(config, run.child("prompts").path)
+            prompts = prompts_task(config.prompts, run.child("prompts").path)
             if validates:
-                val_prompts = validation_prompts_task(config, run.child("val_prompts").path).output
+                val_prompts = prompts_task(config.validation.prompts, run.child("val_prompts").path).output
                 val = validation_task(config, val_prompts, checkpoint, pool, judge, f"{run.path}/val_base",
                                       "before training")
                 record(metrics, 0, "validation", val, val.metrics, label="validation before training")
@@ -347,7 +324,7 @@ def rlvr_eval_flow(cfg: dict, checkpoint: str | None, output: str) -> dict:
     ``cfg`` without training — the seeds of a run's validations, so the result equals that run's validation of the
     same checkpoint. Its prompts, responses and scores are committed under ``output`` (resumable)."""
     from stages.cluster import ensure_ray
-    from stages.rlvr.generate import judge_pool
+    from stages.rlvr.generate import judge_pool, needs_model
     from stages.rollout.driver import resolve_model_dir
     from stages.rollout.engine_pool import EnginePool
 
@@ -355,18 +332,17 @@ def rlvr_eval_flow(cfg: dict, checkpoint: str | None, output: str) -> dict:
     rt = config.runtime
     ensure_ray(rt.ray_address, rt.num_cpus, data_memory_mb=rt.data_memory_mb)
     model = resolve_model_dir(checkpoint or config.pretrain)
-    judged = _judged(config.model_copy(update={"rewards": config.validation_rewards()}), False)
     pool = EnginePool(config.generation_engine(), model, config.engine.max_model_len or config.sequence_length)
-    judge = judge_pool(judged) if judged else None
+    judge = judge_pool(config.judge) if needs_model(config.validation_rewards()) else None
     try:
-        prompts = validation_prompts_task(config, f"{output}/prompts")
+        prompts = prompts_task(config.validation.prompts, f"{output}/prompts")
         val = validation_task(config, prompts.output, model, pool, judge, output, "eval")
     finally:
         pool.close()
         if judge is not None:
             judge.close()
     return {"output": output, "checkpoint": model, "metrics": val.metrics, "responses": val.responses.output,
-            "scored": val.scored.output, "domain_column": config.validation_rewards().domain_column}
+            "scored": val.scored.output}
 
 
 def rlvr_eval_summary_lines(summary: dict) -> list[str]:

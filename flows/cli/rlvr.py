@@ -85,9 +85,11 @@ def score(input: Path = typer.Option(..., "--input", help="Folder of stored resp
     from flows.rlvr import score_responses
     from stages.rlvr.generate import judge_pool, judge_services
 
-    pool = _guard(lambda: judge_pool(cfg))
+    from stages.rlvr.generate import needs_model
+
+    pool = _guard(lambda: judge_pool(cfg.judge)) if needs_model(cfg.rewards) else None
     try:
-        services = judge_services(cfg, pool)
+        services = judge_services(cfg.rewards, cfg.judge, pool)
         results = _guard(lambda: score_responses(str(input), str(output), cfg, advantages=advantages, force=force,
                                                  services=services))
     finally:

@@ -10,7 +10,7 @@ import typer
 
 from flows import settings
 from flows.cli.app import app
-from flows.cli.common import OverrideOpt, connect, fail as _fail, guard as _guard
+from flows.cli.common import OverrideOpt, fail as _fail, guard as _guard
 
 
 def _print_recompute(result: dict) -> None:
@@ -56,9 +56,7 @@ def stage(name: str = typer.Argument(..., help="Stage name: response_rewards or 
           force: bool = typer.Option(False, "--force")) -> None:
     """Re-run one stage on its recorded inputs with changed settings, keeping the old output."""
     from flows.rerun import rerun_stage
-    from schemas.config import RuntimeConfig
 
-    connect(RuntimeConfig())  # the stage's recorded section holds no runtime settings: $RAY_ADDRESS or a local cluster
     for line in _guard(lambda: rerun_stage(name, str(run_dir), overrides or [], output and str(output),
                                            downstream, force)):
         typer.echo(line)

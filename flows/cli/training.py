@@ -76,12 +76,9 @@ def evaluate(config: Path = typer.Option(..., "--config", help="YAML config of a
     evaluations), or an RLVR config's validation prompts scored by their reward workers."""
     from flows.pipelines import pipeline_of
     from schemas.config import load_config_data, parse_overrides, validate_config
-    from schemas.errors import ConfigError
 
     data = _guard(lambda: load_config_data(config, parse_overrides(overrides or [])))
     pipeline = _guard(lambda: pipeline_of(data, str(config)))
-    if pipeline.evaluation is None:
-        _fail(ConfigError(f"{config}: the pipeline {data.get('pipeline')!r} has no evaluation"))
     cfg = _guard(lambda: validate_config(pipeline.config_model(), data, str(config)))
     announce_precision()
     from flows.services import start_services

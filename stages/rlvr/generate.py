@@ -258,16 +258,14 @@ def reads_context(rewards, name: str) -> bool:
     return any(name in run_context(resolve_worker(r.worker)) for r in rewards.routes.values())
 
 
-def judge_pool(cfg):
-    """An engine pool over the judge model of ``cfg`` (an RLVRConfig: its ``judge`` section) when a route needs a
-    model, else None; the caller closes it. The judge has its own engine: it is never the policy being trained."""
+def judge_pool(judge):
+    """An engine pool over the judge model of ``judge`` (a JudgeConfig), for the routes that need a model
+    (:func:`needs_model`); the caller closes it. The judge has its own engine: it is never the policy being trained."""
     from stages.rollout.driver import resolve_model_dir
     from stages.rollout.engine_pool import EnginePool
 
-    if not needs_model(cfg.rewards):
-        return None
-    check_judge_cpus(cfg.judge.engine)
-    return EnginePool(cfg.judge.engine, resolve_model_dir(cfg.judge.model), cfg.judge.sequence_length)
+    check_judge_cpus(judge.engine)
+    return EnginePool(judge.engine, resolve_model_dir(judge.model), judge.sequence_length)
 
 
 def check_judge_cpus(engine) -> None:
@@ -285,10 +283,10 @@ def check_judge_cpus(engine) -> None:
                           "0 (the judge computes only while the reward stage waits for it)")
 
 
-def judge_services(cfg, pool) -> dict:
-    """``{"generate": EngineGenerate(...)}`` over the judge ``pool`` with ``cfg.judge``'s reply budget when a route
-    of ``cfg.rewards`` needs a model, else {}."""
-    if pool is None or not needs_model(cfg.rewards):
+def judge_services(rewards, judge, pool) -> dict:
+    """``{"generate": EngineGenerate(...)}`` over the judge ``pool`` with ``judge``'s (a JudgeConfig) reply budget when
+    a route of ``rewards`` needs a model, else {}."""
+    if pool is None or not needs_model(rewards):
         return {}
-    return {"generate": EngineGenerate(pool.handles(), max_new_tokens=cfg.judge.max_new_tokens,
-                                       sequence_length=cfg.judge.sequence_length)}
+    return {"generate": EngineGenerate(pool.handles(), max_new_tokens=judge.max_new_tokens,
+                                       sequence_length=judge.sequence_length)}
