@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 import platform
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,6 +32,12 @@ AUTO = "auto"
 BF16_EMULATED_SLOWDOWN = "20-40x"
 _NATIVE_BF16_CPU_FLAGS = frozenset({"avx512_bf16", "amx_bf16"})  # x86-64 /proc/cpuinfo flags
 _NATIVE_BF16_ARM_FEATURES = frozenset({"bf16"})                   # aarch64 /proc/cpuinfo Features
+# oneDNN, which runs torch's CPU matmuls, can be capped below the CPU's ISA (ONEDNN_MAX_CPU_ISA; DNNL_MAX_CPU_ISA is its
+# older name). Under a cap without bf16 dot products the CPU's avx512_bf16 goes unused and bf16 is emulated (measured
+# 15x slower than fp32 on the AVX-512 BF16 machine with ONEDNN_MAX_CPU_ISA=AVX2; BENCHMARKS.md)
+_ONEDNN_ISA_VARS = ("ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA")
+_ONEDNN_ISAS_WITHOUT_BF16 = frozenset({"SSE41", "AVX", "AVX2", "AVX2_VNNI", "AVX2_VNNI_2", "AVX512_CORE",
+                                       "AVX512_CORE_VNNI"})
 _BF16 = {"short": "bf16", "long": "bfloat16"}
 _FP32 = {"short": "fp32", "long": "float32"}
 
@@ -56,12 +63,26 @@ def cpu_flags(cpuinfo: str | None = None) -> frozenset[str]:
     return frozenset()
 
 
-def cpu_hardware(flags: frozenset[str]) -> Hardware:
-    """The CPU as :class:`Hardware` from its feature flags."""
+def onednn_isa_cap(environ=None) -> tuple[str, str] | None:
+    """``(variable, value)`` of a oneDNN ISA cap that leaves out bf16 dot products, or None."""
+    environ = os.environ if environ is None else environ
+    for name in _ONEDNN_ISA_VARS:
+        value = environ.get(name, "").strip().upper()
+        if value in _ONEDNN_ISAS_WITHOUT_BF16:
+            return name, value
+    return None
+
+
+def cpu_hardware(flags: frozenset[str], environ=None) -> Hardware:
+    """The CPU as :class:`Hardware` from its feature flags (and a oneDNN ISA cap in ``environ``, default the
+    process environment)."""
     native = bool(flags & (_NATIVE_BF16_CPU_FLAGS | _NATIVE_BF16_ARM_FEATURES))
     isa = "AVX-512" if "avx512f" in flags else "AVX2" if "avx2" in flags else platform.machine() or "CPU"
     detail = "native bf16 (" + ", ".join(sorted(flags & (_NATIVE_BF16_CPU_FLAGS | _NATIVE_BF16_ARM_FEATURES))) + ")" \
         if native else "no native bf16"
+    cap = onednn_isa_cap(environ)
+    if native and cap is not None:
+        native, detail = False, f"native bf16 unused: {cap[0]}={cap[1]}"
     return Hardware("cpu", f"CPU {isa}, {detail}", native)
 
 

@@ -37,19 +37,32 @@ def on(monkeypatch):
     ("avx2 avx512f amx_bf16 amx_tile", True, "AVX-512"),
 ])
 def test_cpu_flags_decide_native_bf16(flags, native, isa):
-    hw = cpu_hardware(cpu_flags(f"processor\t: 0\nflags\t\t: {flags}\n"))
+    hw = cpu_hardware(cpu_flags(f"processor\t: 0\nflags\t\t: {flags}\n"), {})
     assert hw.native_bf16 is native and hw.device == "cpu" and isa in hw.name
 
 
+@pytest.mark.parametrize("environ, native", [
+    ({}, True), ({"ONEDNN_MAX_CPU_ISA": "AVX2"}, False), ({"DNNL_MAX_CPU_ISA": "avx512_core"}, False),
+    ({"ONEDNN_MAX_CPU_ISA": "AVX512_CORE_BF16"}, True), ({"ONEDNN_MAX_CPU_ISA": "ALL"}, True),
+])
+def test_a_onednn_isa_cap_without_bf16_turns_native_bf16_off(environ, native):
+    """oneDNN runs torch's CPU matmuls; capped below AVX512_CORE_BF16 it emulates bf16 even on a BF16 CPU."""
+    hw = cpu_hardware(cpu_flags("flags\t: avx2 avx512f avx512_bf16\n"), environ)
+    assert hw.native_bf16 is native
+    if not native:
+        assert next(iter(environ)) in hw.name
+
+
 def test_arm_bf16_feature_counts_as_native():
-    assert cpu_hardware(cpu_flags("Features\t: fp asimd bf16 sve\n")).native_bf16
+    assert cpu_hardware(cpu_flags("Features\t: fp asimd bf16 sve\n"), {}).native_bf16
 
 
 def test_this_host_is_detected_from_its_flags():
     precision.detect.cache_clear()
     hw = precision.detect()
     if hw.device == "cpu":
-        assert hw.native_bf16 == bool(cpu_flags() & {"avx512_bf16", "amx_bf16", "bf16"})
+        assert hw.native_bf16 == (bool(cpu_flags() & {"avx512_bf16", "amx_bf16", "bf16"})
+                                  and precision.onednn_isa_cap() is None)
 
 
 @pytest.mark.parametrize("hw, train, engine", [(AVX2, "fp32", "float32"), (AVX512_BF16, "bf16", "bfloat16"),
