@@ -93,7 +93,8 @@ def total_tokens(path: Path) -> int:
 
 
 def run_chain(samples: Path, out: Path, cfg: RecomputeConfig) -> float:
-    from stages.recompute import AdvantagesStage, ResponseRewardsStage
+    from stages.advantages import AdvantagesStage
+    from stages.response_rewards import ResponseRewardsStage
     from stages.runner import run_stage
 
     shutil.rmtree(out, ignore_errors=True)
@@ -130,7 +131,7 @@ def padded_chain(samples: Path, out: Path, cfg: RecomputeConfig, batch_rows: int
     padding); only the token-level part differs."""
     import torch
 
-    from stages.recompute import NARROW, response_rewards_table
+    from stages.response_rewards import NARROW, response_rewards_table
 
     torch.set_num_threads(1)
     shutil.rmtree(out, ignore_errors=True)

@@ -14,7 +14,8 @@ from flows.runkit import advantages_task, rewards_task
 from schemas.config import AdvantageSection, RecomputeConfig, ResponseRewardSection, section, validate_config
 from stages.cluster import ensure_ray
 from stages.preflight import Step, check_steps
-from stages.recompute import AdvantagesStage, ResponseRewardsStage
+from stages.advantages import AdvantagesStage
+from stages.response_rewards import ResponseRewardsStage
 from stages.runner import StageResult, cleanup_leftovers
 from stages.storage import Location
 

@@ -9,7 +9,8 @@ from stages.storage import Location, read_manifest
 
 
 def _stages() -> dict[str, Stage]:
-    from stages.recompute import AdvantagesStage, ResponseRewardsStage
+    from stages.advantages import AdvantagesStage
+    from stages.response_rewards import ResponseRewardsStage
 
     return {s.name: s for s in (ResponseRewardsStage(), AdvantagesStage())}
 

@@ -2,19 +2,16 @@
 scoring of stored responses that ``rollflow score`` runs offline and the flow runs once per step
 (:func:`score_responses`: the reward stage, then optionally the RLVR chain up to advantages).
 
-Per step ``k`` (policy after ``k`` training steps), every output under ``runs/<run>/step_<k>/<stage>/``:
-responses (``rollout_batch_size`` prompts × ``num_return_sequences_in_group`` samples from the engine pool) →
-scored (reward workers, routed by domain) → rlvr_rewarded (sample masks, reward post-processing) → advantaged
-(token rewards, advantages, ``final_response_mask``) → logprobs (old/ref log-probs under the step's policy) →
-checkpoint (one PPO step; the loss is aggregated over ``final_response_mask``).
+Per step ``k`` (policy after ``k`` training steps), every output under ``runs/<run>/step_<k>/<stage>/``, in ROLL's
+order: responses (``rollout_batch_size`` prompts × ``num_return_sequences_in_group`` samples from the engine pool) →
+scored (reward workers, routed by domain; ROLL scores each response as it is generated) → samples (the token table
+in the layout of every samples table) → logprobs (old/ref log-probs under the step's policy) → values (the critic's,
+for ``adv_estimator: gae``) → rlvr_rewarded (sample masks, reward post-processing per domain) → advantaged (token
+rewards with the KL to the reference, advantages, ``final_response_mask``: the advantages stage both pipelines run)
+→ checkpoint (one PPO step; the loss is aggregated over ``final_response_mask``).
 
-The advantages may need what only exists after the token table: the log-probs (``add_token_level_kl``) or the
-critic's values (``adv_estimator: gae``). Then the first chain runs without them under ``first_pass/`` (without the
-KL; with ``reinforce`` in place of ``gae``, whose reward post-processing is the same), the log-probs and, for GAE,
-the critic's ``values`` of the token table are computed, attached to the responses (``responses_logprobs``) and the
-advantages recomputed with the run's settings (``advantaged``), which the step trains on (actor and, for GAE,
-critic). The prompts table is written once under ``runs/<run>/prompts``. Every stage goes through the one runner,
-so ``--resume`` after a crash continues with the first missing output; the running reward moments and the KL
+The prompts table is written once under ``runs/<run>/prompts``. Every stage goes through the one runner, so
+``--resume`` after a crash continues with the first missing output; the running reward moments and the KL
 controller travel in the manifests' state.
 """
 
@@ -26,9 +23,12 @@ from typing import Any
 
 from prefect import flow
 
-from flows.runkit import KeptWorkers, logprobs_task, record, stage_task, start_run, train_task, values_task
+from flows.runkit import (KeptWorkers, logprobs_task, record, run_folder, stage_task, start_run, train_task,
+                          values_task)
 from schemas.config import validate_config
+from schemas.errors import RollflowError
 from schemas.rlvr_train_config import RLVRTrainConfig
+from stages.preflight import Step
 from stages.storage import Location
 
 
@@ -36,64 +36,99 @@ def step_dir(run: str, step: int) -> str:
     return f"{run}/step_{step:04d}"
 
 
-def score_responses(input_dir: str, output_dir: str, cfg, *, advantages: bool = False, force: bool = False,
-                    state_in: dict | None = None, services: dict | None = None,
-                    training_progress: float | None = None) -> dict[str, Any]:
-    """Run the reward stage (and with ``advantages`` the RLVR chain) on the responses in ``input_dir``.
+def reward_step(responses: str, out: str, cfg, services: dict | None = None) -> Step:
+    """The reward workers on ``responses`` → ``<out>/scored``."""
+    from schemas.rlvr_config import reward_section
+    from stages.rlvr.stages import RewardStage
 
-    Outputs: ``<output_dir>/scored`` (+ ``rlvr_rewarded``, ``advantaged``). ``state_in``: ``running_moments`` and
-    ``kl_ctrl`` of a previous step (from its manifests' ``state``); ``services``: reward-stage service factories;
-    ``training_progress``: step / max_steps of a training run (workers that read it, e.g. the detection worker's
-    dynamic IoU threshold; offline scoring has none).
-    Runs on the Ray cluster its caller connected to (``rollflow score``, the RLVR flow)."""
-    from schemas.rlvr_config import reward_section, rlvr_reward_section
-    from stages.rlvr.stages import RewardStage, RLVRRewardsStage
-    from stages.runner import run_stage
+    return Step(RewardStage(services), reward_section(cfg), {"responses": responses}, f"{out}/scored")
 
+
+def samples_step(responses: str, out: str) -> Step:
+    """``responses`` and their scores → ``<out>/samples``, the token table of every pipeline."""
+    from stages.rlvr.stages import SamplesSection, SamplesStage
+
+    return Step(SamplesStage(), SamplesSection(), {"responses": responses, "scored": f"{out}/scored"}, f"{out}/samples")
+
+
+def chain_steps(responses: str, out: str, cfg, samples: str) -> list[Step]:
+    """Sample masks and normalised rewards per domain (``<out>/rlvr_rewarded``), then the advantages stage of both
+    pipelines on ``samples`` (with the log-probs and values its settings need) → ``<out>/advantaged``."""
+    from schemas.rlvr_config import rlvr_advantage_section, rlvr_reward_section
+    from stages.advantages import AdvantagesStage
+    from stages.rlvr.stages import RLVRRewardsStage
+
+    return [Step(RLVRRewardsStage(), rlvr_reward_section(cfg), {"responses": responses, "scored": f"{out}/scored"},
+                 f"{out}/rlvr_rewarded"),
+            Step(AdvantagesStage(), rlvr_advantage_section(cfg), {"samples": samples,
+                                                                  "rewarded": f"{out}/rlvr_rewarded"},
+                 f"{out}/advantaged")]
+
+
+def score_steps(input_dir: str, output_dir: str, cfg, *, advantages: bool = False,
+                services: dict | None = None) -> list[Step]:
+    """The stages of ``rollflow score`` with their inputs and outputs: what :func:`score_responses` runs and what the
+    pre-flight check (stages/preflight.py) checks before Prefect and Ray start."""
     out = output_dir.rstrip("/")
-    state_in = state_in or {}
-    rows = cfg.runtime.batch_rows
-    context = {} if training_progress is None else {"training_progress": training_progress}
-    results = {"scored": run_stage(RewardStage(services), reward_section(cfg), {"responses": input_dir},
-                                   f"{out}/scored", force=force, batch_rows=rows, state_in=context)}
+    steps = [reward_step(input_dir, out, cfg, services)]
     if advantages:
-        results["rlvr_rewarded"] = run_stage(
-            RLVRRewardsStage(), rlvr_reward_section(cfg), {"responses": input_dir, "scored": f"{out}/scored"},
-            f"{out}/rlvr_rewarded", force=force, batch_rows=rows,
-            state_in={"running_moments": state_in.get("running_moments", {})})
-        results["advantaged"] = rlvr_advantages(cfg, input_dir, f"{out}/rlvr_rewarded", f"{out}/advantaged",
-                                                state_in, force=force)
-    return results
-
-
-def score_steps(input_dir: str, output_dir: str, cfg, *, advantages: bool = False) -> list:
-    """The stages of :func:`score_responses` with their inputs and outputs, for the pre-flight check
-    (stages/preflight.py): ``rollflow score`` checks its responses table before Prefect and Ray start."""
-    from schemas.rlvr_config import reward_section, rlvr_advantage_section, rlvr_reward_section
-    from stages.preflight import Step
-    from stages.rlvr.stages import RewardStage, RLVRAdvantagesStage, RLVRRewardsStage
-
-    out = output_dir.rstrip("/")
-    steps = [Step(RewardStage(), reward_section(cfg), {"responses": input_dir}, f"{out}/scored")]
-    if advantages:
-        steps += [Step(RLVRRewardsStage(), rlvr_reward_section(cfg), {"responses": input_dir,
-                                                                     "scored": f"{out}/scored"}, f"{out}/rlvr_rewarded"),
-                  Step(RLVRAdvantagesStage(), rlvr_advantage_section(cfg),
-                       {"responses": input_dir, "rlvr_rewarded": f"{out}/rlvr_rewarded"}, f"{out}/advantaged")]
+        steps += [samples_step(input_dir, out), *chain_steps(input_dir, out, cfg, f"{out}/samples")]
     return steps
 
 
-def rlvr_advantages(cfg, responses: str, rewarded: str, output: str, state_in: dict, *, force: bool = False):
-    """The RLVR advantages stage (token rewards, advantages, ``final_response_mask``) on ``responses`` and their
-    ``rlvr_rewarded`` rows; ``state_in`` may carry the KL controller (``kl_ctrl``) of a previous step."""
-    from schemas.rlvr_config import rlvr_advantage_section
-    from stages.rlvr.stages import RLVRAdvantagesStage
+# what a stage carries from one step to the next in its manifest's state: (key, its value at the first step; None:
+# absent until a step has written it)
+CARRIED = {"rlvr_rewards": ("running_moments", {}), "advantages": ("kl_ctrl", None)}
+
+
+def run_steps(steps: list[Step], cfg, *, force: bool = False, state_in: dict | None = None,
+              training_progress: float | None = None) -> dict[str, Any]:
+    """Run ``steps`` in order through the runner; results by output folder name (scored, samples, rlvr_rewarded,
+    advantaged). ``state_in``: ``running_moments`` and ``kl_ctrl`` of a previous step (from its manifests' state);
+    ``training_progress``: step / max_steps of a training run, given to the reward workers that read it."""
+    from stages.rlvr.stages import RUN_CONTEXT
     from stages.runner import run_stage
 
-    return run_stage(RLVRAdvantagesStage(), rlvr_advantage_section(cfg),
-                     {"responses": responses, "rlvr_rewarded": rewarded}, output, force=force,
-                     batch_rows=cfg.runtime.batch_rows,
-                     state_in={"kl_ctrl": state_in["kl_ctrl"]} if "kl_ctrl" in state_in else {})
+    state_in = {**(state_in or {}), **({} if training_progress is None else {"training_progress": training_progress})}
+    results = {}
+    for step in steps:
+        if step.stage.name == "rewards":
+            state = {key: state_in[key] for key in RUN_CONTEXT if key in state_in}
+        else:
+            key, first = CARRIED.get(step.stage.name, (None, None))
+            value = state_in.get(key, first) if key else None
+            state = {} if value is None else {key: value}
+        results[step.output.rstrip("/").rsplit("/", 1)[-1]] = run_stage(
+            step.stage, step.section, step.inputs, step.output, force=force, batch_rows=cfg.runtime.batch_rows,
+            state_in=state)
+    return results
+
+
+def score_responses(input_dir: str, output_dir: str, cfg, *, advantages: bool = False, force: bool = False,
+                    state_in: dict | None = None, services: dict | None = None) -> dict[str, Any]:
+    """Run the reward stage (and with ``advantages`` the RLVR chain up to advantages, without log-probs: the
+    responses' own log-prob columns, if any) on the responses in ``input_dir``. Outputs: ``<output_dir>/scored``
+    (+ ``samples``, ``rlvr_rewarded``, ``advantaged``); ``services``: reward-stage service factories. Runs on the
+    Ray cluster its caller connected to (``rollflow score``, the RLVR flow's validation)."""
+    return run_steps(score_steps(input_dir, output_dir, cfg, advantages=advantages, services=services), cfg,
+                     force=force, state_in=state_in)
+
+
+def refuse_old_layout(run: Location) -> None:
+    """A run folder whose RLVR steps were written before the one-pipeline change (advantages computed in two
+    passes on the responses, ``step_*/first_pass``) cannot be resumed by this version: refused with the fix."""
+    from stages.storage import read_manifest
+
+    step0 = run.child("step_0000")
+    old = step0.child("first_pass").exists() or (
+        step0.child("advantaged").exists()
+        and (read_manifest(step0.child("advantaged")) or {}).get("stage") == "rlvr_advantages")
+    if old:
+        raise RollflowError(f"run folder {run.path} was written by an earlier rollflow whose RLVR steps computed the "
+                            "advantages on the responses before the log-probs (step_*/first_pass, stage "
+                            "rlvr_advantages); this version trains on the samples layout in ROLL's order and cannot "
+                            "continue it. Start a new run (another run_name), or finish this one with the rollflow "
+                            "that started it")
 
 
 @stage_task("prompts")
@@ -183,42 +218,24 @@ def validation_metrics(responses: str, scored: str, domain_column: str) -> dict[
     return metrics
 
 
-@stage_task("rewards_and_advantages")
-def score_task(config: RLVRTrainConfig, step: int, responses: str, output: str, state_in: dict,
-               judge) -> dict[str, Any]:
-    """Reward workers, then the RLVR chain; an LLM judge route is served by the run's judge engine (``judge``: its
-    pool, None without such a route). Workers that read the training progress get ``step / max_steps`` (ROLL's
-    global_step / max_steps)."""
+@stage_task("rewards")
+def score_task(config: RLVRTrainConfig, step: int, responses: str, output: str, judge) -> dict[str, Any]:
+    """The reward workers on the step's responses, then its token table (``scored``, ``samples``). An LLM judge route
+    is served by the run's judge engine (``judge``: its pool, None without such a route); workers that read the
+    training progress get ``step / max_steps`` (ROLL's global_step / max_steps)."""
     from stages.rlvr.generate import judge_services, reads_context
 
     services = judge_services(config.rewards, config.judge, judge)
     progress = step / config.max_steps if reads_context(config.rewards, "training_progress") else None
-    return score_responses(responses, output, config, advantages=True, state_in=state_in, services=services,
-                           training_progress=progress)
+    return run_steps([reward_step(responses, output, config, services), samples_step(responses, output)], config,
+                     training_progress=progress)
 
 
-@stage_task("second_pass_advantages")
-def second_pass_task(config: RLVRTrainConfig, responses: str, logprobs: str, rewarded: str, output: str,
-                     state_in: dict) -> Any:
-    """Token rewards (with the KL to the reference) and advantages (GAE on the critic's values): the step's
-    log-probs and values are attached to its responses (response-aligned), then the RLVR advantages stage runs on
-    them (spec §2.4, §4.3)."""
-    from stages.rlvr.stages import AttachLogProbsSection, AttachLogProbsStage
-    from stages.runner import run_stage
-
-    attached = run_stage(AttachLogProbsStage(), AttachLogProbsSection(), {"responses": responses,
-                                                                          "logprobs": logprobs},
-                         f"{output}/responses_logprobs", batch_rows=config.runtime.batch_rows)
-    return rlvr_advantages(config, attached.output, rewarded, f"{output}/advantaged", state_in)
-
-
-def first_pass_config(config: RLVRTrainConfig) -> RLVRTrainConfig:
-    """The settings of the first chain of a two-pass step: no token-level KL (no log-probs yet) and, for an
-    estimator that needs a critic, ``reinforce`` (no values yet; its reward post-processing equals GAE's)."""
-    update: dict[str, Any] = {"add_token_level_kl": False}
-    if config.train_step_config().needs_critic:
-        update["adv_estimator"] = "reinforce"
-    return config.model_copy(update=update)
+@stage_task("rewards_and_advantages")
+def chain_task(config: RLVRTrainConfig, responses: str, samples: str, output: str, state_in: dict) -> dict[str, Any]:
+    """Sample masks and normalised rewards, then token rewards and advantages on ``samples`` (the step's token
+    table with its log-probs, and values for GAE) → ``rlvr_rewarded``, ``advantaged``."""
+    return run_steps(chain_steps(responses, output, config, samples), config, state_in=state_in)
 
 
 @flow(name="rlvr-train")  # progress lines go to stdout; Prefect logs to the log file (flows/console.py)
@@ -229,6 +246,7 @@ def rlvr_train_flow(cfg: dict) -> dict:
     from stages.train.checkpoint import keep_training_state
 
     config = validate_config(RLVRTrainConfig, cfg)
+    refuse_old_layout(run_folder(config))
     validates = config.validation.eval_steps > 0
     judged = needs_model(config.rewards) or (validates and needs_model(config.validation_rewards()))
     engine = config.judge.engine
@@ -241,7 +259,6 @@ def rlvr_train_flow(cfg: dict) -> dict:
     checkpoint, state = base, {}
     trained: list[str] = []  # this run's checkpoints, oldest first
     needs_critic = config.train_step_config().needs_critic
-    two_pass = config.add_token_level_kl or needs_critic  # advantages need the log-probs or values of the tokens
     with MetricsLog(run.path) as metrics:
         try:
             prompts = prompts_task(config.prompts, run.child("prompts").path)
@@ -255,24 +272,22 @@ def rlvr_train_flow(cfg: dict) -> dict:
                 here = step_dir(run.path, k)
                 gen = generate_task(config, k, prompts.output, checkpoint, pool, f"{here}/responses")
                 record(metrics, k, "generate", gen)
-                chain = score_task(first_pass_config(config) if two_pass else config, k, gen.output,
-                                   f"{here}/first_pass" if two_pass else here, state, judge)
-                scored = record(metrics, k, "rewards", chain["scored"])
-                record(metrics, k, "rlvr_rewards", chain["rlvr_rewarded"])
-                lp = logprobs_task(config, chain["advantaged"].output, checkpoint, base, f"{here}/logprobs", workers)
+                scoring = score_task(config, k, gen.output, here, judge)
+                scored = record(metrics, k, "rewards", scoring["scored"])
+                record(metrics, k, "samples", scoring["samples"])
+                lp = logprobs_task(config, scoring["samples"].output, checkpoint, base, f"{here}/logprobs", workers)
                 record(metrics, k, "logprobs", lp)
-                advantaged, samples, tokens = chain["advantaged"], lp.output, lp.output
+                tokens = lp.output
                 if needs_critic:
                     vals = values_task(config, lp.output, checkpoint, f"{here}/values", workers)
                     record(metrics, k, "values", vals)
                     tokens = vals.output
-                if two_pass:
-                    advantaged = second_pass_task(config, gen.output, tokens, chain["rlvr_rewarded"].output, here,
-                                                  state)
-                    samples = advantaged.output  # old/ref log-probs (and values) came along through the responses
+                chain = chain_task(config, gen.output, tokens, here, state)
+                record(metrics, k, "rlvr_rewards", chain["rlvr_rewarded"])
+                advantaged = chain["advantaged"]
                 record(metrics, k, "advantages", advantaged)
                 state = {**chain["rlvr_rewarded"].state, **advantaged.state}
-                tr = train_task(config, k, samples, checkpoint, f"{here}/checkpoint", workers)
+                tr = train_task(config, k, advantaged.output, checkpoint, f"{here}/checkpoint", workers)
                 record(metrics, k, "train", tr)
                 checkpoint = tr.output
                 trained.append(checkpoint)

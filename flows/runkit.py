@@ -83,7 +83,7 @@ def values_task(config, samples: str, checkpoint: str, output: str,
 def rewards_task(rewards: ResponseRewardSection, samples: str, output: str, *, force: bool = False,
                  batch_rows: int = 1024) -> Any:
     """Response-level rewards of a samples table (agentic flow and recompute flow)."""
-    from stages.recompute import ResponseRewardsStage
+    from stages.response_rewards import ResponseRewardsStage
     from stages.runner import run_stage
 
     return run_stage(ResponseRewardsStage(), rewards, {"samples": samples}, output, force=force, batch_rows=batch_rows)
@@ -94,7 +94,7 @@ def advantages_task(advantages: AdvantageSection, samples: str, rewarded: str, o
                     *, force: bool = False, batch_rows: int = 1024) -> Any:
     """Token rewards and advantages of a samples table and its rewarded rows; ``state_in`` carries the KL
     controller of the previous iteration (agentic flow and recompute flow)."""
-    from stages.recompute import AdvantagesStage
+    from stages.advantages import AdvantagesStage
     from stages.runner import run_stage
 
     return run_stage(AdvantagesStage(), advantages, {"samples": samples, "rewarded": rewarded}, output,

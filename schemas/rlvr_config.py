@@ -13,7 +13,7 @@ from typing import Any, Literal
 from pydantic import Field, field_validator, model_validator
 
 from schemas.capabilities import estimator_capabilities
-from schemas.config import AdvantageOptions, AdvantageSection, AdvEstimator, Frozen, RuntimeConfig
+from schemas.config import AdvantageOptions, AdvantageSection, AdvEstimator, Frozen, RuntimeConfig, section
 from schemas.rollout_config import EngineConfig
 
 RLVRNormType = Literal["batch", "group", "running"]
@@ -153,13 +153,6 @@ class RLVRRewardSection(Frozen):
     reward_clip: float | None
 
 
-class RLVRAdvantageSection(AdvantageSection):
-    """What the rlvr_advantages stage reads (§2.4 token rewards, §4.3 advantages): the agentic advantages stage's
-    section plus ``domain_column`` (rows are whitened per domain)."""
-
-    domain_column: str
-
-
 def _fill(config: RLVRConfig, model: type[Frozen]) -> Any:
     values = {k: getattr(config, k) for k in model.model_fields if k != "domain_column"}
     return model.model_validate({**values, "domain_column": config.rewards.domain_column})
@@ -174,5 +167,6 @@ def rlvr_reward_section(config: RLVRConfig) -> RLVRRewardSection:
     return _fill(config, RLVRRewardSection)
 
 
-def rlvr_advantage_section(config: RLVRConfig) -> RLVRAdvantageSection:
-    return _fill(config, RLVRAdvantageSection)
+def rlvr_advantage_section(config: RLVRConfig) -> AdvantageSection:
+    """The advantages stage's section (the stage both pipelines run; the domains come with ``rlvr_rewarded``)."""
+    return section(config, AdvantageSection)

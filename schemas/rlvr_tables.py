@@ -1,9 +1,9 @@
 """Arrow schemas of the RLVR tables and their per-row invariants (spec §0.4 "RLVR pipeline", §10).
 
-Flow of tables::
+Flow of tables (one RLVR step; the tables from ``samples`` on are those of every pipeline, schemas/tables.py)::
 
-    responses ──rewards──▶ scored ──rlvr_rewards──▶ rlvr_rewarded ──rlvr_advantages──▶ advantaged (RLVR_ADVANTAGED)
-        └───────────────────────────────┴──────────────────────────────────┘ (both read ``responses`` too)
+    responses ──rewards──▶ scored ──rlvr_rewards──▶ rlvr_rewarded ─────────────────────┐
+        └──────────────────────┴──rlvr_samples──▶ samples ──logprobs (values)──▶ samples ──advantages──▶ advantaged
 
 * ``responses`` — one row per generated response: ``n = num_return_sequences_in_group`` rows share a ``prompt_id``
   (the group). Token data as the generation engine returns it: ``prompt_ids (P,)``, ``response_ids (R,)``, and the
@@ -14,15 +14,12 @@ Flow of tables::
   could not score the row, DESIGN.md reward contract) and the name of the worker that scored it.
 * ``rlvr_rewarded`` — narrow: per-row sample mask (§3.5) and normalised response-level reward (§3.3), computed over
   the whole table per domain; unscored rows have ``scored = false``, sample mask 0 and reward 0.
-* ``advantaged`` (:data:`RLVR_ADVANTAGED`) — the training table: every column of ``schemas.tables.ADVANTAGED``
-  (``input_ids = prompt_ids + response_ids``, ``response_mask = 0…0 1…1``, next-token columns ``L − 1``) plus the
-  RLVR columns ``final_response_mask`` (``response_mask[1:] × sample mask``, next-token aligned, float32), ``domain``
-  and ``scored``.
+* ``samples`` — the step's token table (``input_ids = prompt_ids + response_ids``, ``response_mask = 0…0 1…1``,
+  next-token columns ``L − 1``), on which the log-prob, value, advantages and training stages of both pipelines run.
+  The advantages stage, given ``rlvr_rewarded`` as its rewards, writes ``advantaged`` (``schemas.tables.ADVANTAGED``)
+  with the RLVR columns ``final_response_mask`` (``response_mask[1:] × sample mask``, next-token aligned, float32),
+  ``domain`` and ``scored``.
 
-``final_response_mask`` handling: advantages are already multiplied by it (spec §4.3 step 4), so a masked row (sample
-mask 0 or unscored) trains with zero advantage even for a reader that ignores the column. ROLL's RLVR loss also uses
-it for the loss aggregation and its token/sequence counts (§6.5); the training stage does that when it reads the
-``final_response_mask`` column (stages/train/batching.py knows it).
 """
 
 from __future__ import annotations
@@ -32,7 +29,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from schemas.errors import InvariantError
-from schemas.tables import ADVANTAGED, FLOATS, TOKENS, TableSpec
+from schemas.tables import FLOATS, TOKENS, TableSpec
 
 # Log-prob / value columns of ``responses`` with one entry per response token (R,), converted to L − 1 by the chain.
 RESPONSE_ALIGNED = ("infer_logprobs", "old_log_probs", "ref_log_probs", "values")
@@ -117,21 +114,6 @@ RLVR_REWARDED = TableSpec(
     finite=("score", "sample_mask", "response_level_rewards"),
 )
 
-RLVR_ADVANTAGED = TableSpec(
-    name="advantaged",
-    required={
-        **ADVANTAGED.required,
-        "domain": pa.string(),
-        "scored": pa.bool_(),
-        "final_response_mask": FLOATS,
-    },
-    optional=ADVANTAGED.optional,
-    token_aligned=ADVANTAGED.token_aligned,
-    next_token_aligned=ADVANTAGED.next_token_aligned + ("final_response_mask",),
-    finite=ADVANTAGED.finite + ("final_response_mask",),
-)
-
-RLVR_TABLES = {"responses": RESPONSES, "scored": SCORED, "rlvr_rewarded": RLVR_REWARDED,
-               "rlvr_advantaged": RLVR_ADVANTAGED}
+RLVR_TABLES = {"responses": RESPONSES, "scored": SCORED, "rlvr_rewarded": RLVR_REWARDED}
 
 

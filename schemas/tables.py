@@ -116,6 +116,12 @@ REWARDED = TableSpec(
         "episode_rewards_norm": pa.float32(),
         "step_rewards_norm": pa.float32(),
         "state_group_id": pa.string(),
+        # RLVR (schemas/rlvr_tables.py RLVR_REWARDED): the §3.5 sample mask and the domain the rows are whitened by
+        "prompt_id": pa.string(),
+        "domain": pa.string(),
+        "scored": pa.bool_(),
+        "score": pa.float32(),
+        "sample_mask": pa.float32(),
     },
     finite=("response_level_rewards", "step_rewards"),
 )
@@ -130,10 +136,15 @@ ADVANTAGED = TableSpec(
         "returns": FLOATS,
         "raw_advantages": FLOATS,
     },
-    optional={**SAMPLES.optional, **REWARDED.optional},
+    optional={**SAMPLES.optional, **{k: v for k, v in REWARDED.optional.items() if k in (
+        "step_rewards", "episode_rewards_norm", "step_rewards_norm", "state_group_id", "domain", "scored")},
+        # RLVR: response_mask[1:] × the row's sample mask, the mask of the advantages and of the loss (§4.3, §6.5)
+        "final_response_mask": FLOATS},
     token_aligned=SAMPLES.token_aligned,
-    next_token_aligned=SAMPLES.next_token_aligned + ("token_level_rewards", "advantages", "returns", "raw_advantages"),
-    finite=SAMPLES.finite + ("response_level_rewards", "token_level_rewards", "advantages", "returns"),
+    next_token_aligned=SAMPLES.next_token_aligned + ("token_level_rewards", "advantages", "returns", "raw_advantages",
+                                                     "final_response_mask"),
+    finite=SAMPLES.finite + ("response_level_rewards", "token_level_rewards", "advantages", "returns",
+                             "final_response_mask"),
 )
 
 TABLES = {spec.name: spec for spec in (SAMPLES, REWARDED, ADVANTAGED)}

@@ -50,27 +50,30 @@ def _key(path: str) -> str:
 def check_steps(steps: Sequence[Step]) -> dict[str, int]:
     """Check the inputs of ``steps`` (in run order) as the stages would; raise the first problem as a
     SchemaError/InvariantError naming the file, column, row and fix. Returns the rows of each on-disk input."""
-    written: dict[str, Stage] = {}
+    written: dict[str, tuple[pa.Schema, str]] = {}  # output folder -> (the schema its stage will write, stage name)
     rows: dict[str, int] = {}
     for step in steps:
         needs = step.stage.required_columns(step.section)
+        schemas: dict[str, pa.Schema] = {}
         for name, spec in step.stage.input_specs.items():
             if name not in step.inputs:
                 raise SchemaError(f"stage {step.stage.name}: input '{name}' was not given")
             path = _key(step.inputs[name])
-            maker = written.get(path)
-            if maker is not None:  # written by an earlier step of this command: its contract is what arrives here
-                spec.check_schema(maker.output_spec.arrow_schema(), f"{path} (written by stage {maker.name} before "
-                                  f"{step.stage.name})", needs.get(name, ()))
+            if path in written:  # written by an earlier step of this command: its contract is what arrives here
+                schema, maker = written[path]
+                spec.check_schema(schema, f"{path} (written by stage {maker} before {step.stage.name})",
+                                  needs.get(name, ()))
+                schemas[name] = schema
                 continue
+            loc = Location.of(step.inputs[name])
             if path in rows:  # read by an earlier step: its rows are checked, the columns this step needs not yet
-                loc = Location.of(step.inputs[name])
                 spec.check_schema(read_table_schema(loc, spec.name), loc.path, needs.get(name, ()))
             else:
                 rows[path] = check_input(spec, step.inputs[name], needs.get(name, ()),
                                          getattr(step.section, "group_size", None))
+            schemas[name] = read_table_schema(loc, spec.name)
         check_output_location(step.output)
-        written[_key(step.output)] = step.stage
+        written[_key(step.output)] = (step.stage.output_schema(schemas), step.stage.name)
     return rows
 
 

@@ -133,6 +133,11 @@ class Stage(ABC):
     def check_output(self, ctx: StageContext, written: Location) -> None:
         """Whole-table output invariants beyond the schema (optional)."""
 
+    def output_schema(self, input_schemas: dict[str, pa.Schema]) -> pa.Schema:
+        """The columns the output may have on inputs of these schemas (what a pre-flight check of the next stage
+        checks against): the spec's required and optional columns, unless a stage knows which it writes."""
+        return self.output_spec.arrow_schema()
+
 
 def stage_fingerprint(stage: Stage, section: BaseModel, inputs: dict[str, Location], state_in: dict) -> str:
     payload = {

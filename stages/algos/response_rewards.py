@@ -190,7 +190,7 @@ def agentic_response_level_mask(num_rows: int) -> tuple[np.ndarray, dict[str, fl
     """ROLL's agentic sample mask is a no-op (§5.5): ``s = 1 (B,)`` float32 and its metrics.
 
     The caller's ``final_response_mask`` is the token mask ``response_mask[1:]`` times ``s`` (the advantages stage,
-    ``stages.recompute.final_response_mask``).
+    ``stages.algos.token_chain.final_response_mask``).
     """
     metrics = {
         "actor/max_len_mask_ratio": 1.0,

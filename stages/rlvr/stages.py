@@ -5,11 +5,11 @@
   pickled) and scores its batches, routed by the domain column.
 * :class:`RLVRRewardsStage` — ``responses`` + ``scored`` → ``rlvr_rewarded``: the whole-table part of the chain
   (sample masks, reward normalisation per domain) over narrow columns read once; running moments per domain carried
-  in the manifest state (``running_moments``) like the KL controller of ``stages/recompute.py``. Its rows are
+  in the manifest state (``running_moments``) like the KL controller of ``stages/advantages.py``. Its rows are
   sorted by (prompt_id, row_id), as ROLL sorts by prompt id; readers join it by row_id.
-* :class:`RLVRAdvantagesStage` — ``responses`` + ``rlvr_rewarded`` → ``advantaged``: row-parallel token rewards and
-  advantages; the statistics that span blocks (per-domain whitening moments, the KL controller's current KL) come
-  from additive partials over all blocks.
+* :class:`SamplesStage` — ``responses`` + ``scored`` → ``samples``: the step's token table in the layout every
+  samples table has, on which the log-prob, value, advantages (stages/advantages.py, with ``rlvr_rewarded`` as its
+  rewards) and training stages of both pipelines run.
 
 The LLM judge (``llm_judge``) needs a ``generate(prompts: list[str]) -> list[str | None]`` service. The stage takes
 ``services = {"generate": factory}``: a picklable zero-argument callable run once inside each reward actor, returning
@@ -20,7 +20,6 @@ the callable. :class:`stages.rlvr.generate.EngineGenerate` is that factory over 
 
 from __future__ import annotations
 
-import logging
 from typing import Any, Callable, Mapping
 
 import numpy as np
@@ -28,16 +27,12 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from schemas.errors import ConfigError, InvariantError, RollflowError, SchemaError
-from schemas.rlvr_config import RewardsConfig, RLVRAdvantageSection, RLVRRewardSection
-from schemas.rlvr_tables import (RESPONSE_ALIGNED, RESPONSES, RLVR_ADVANTAGED, RLVR_REWARDED, SCORED,
-                                 check_response_rows)
+from schemas.rlvr_config import RewardsConfig, RLVRRewardSection
+from schemas.rlvr_tables import RESPONSE_ALIGNED, RESPONSES, RLVR_REWARDED, SCORED, check_response_rows
 from schemas.config import Frozen
 from schemas.tables import SAMPLES, check_row_invariants
-from stages.recompute import reward_lookup
-from stages.runner import ACTOR_POOL, Stage, StageContext, read_partials, sum_partials, write_partials
+from stages.runner import ACTOR_POOL, Stage, StageContext, read_partials, write_partials
 from stages.storage import Location, folder_fingerprint
-
-log = logging.getLogger("rollflow.rlvr")
 
 ServiceFactory = Callable[[], Any]
 TOKEN_COLUMNS = ("prompt_ids", "response_ids") + RESPONSE_ALIGNED
@@ -272,245 +267,72 @@ def _join_scores(narrow: pa.Table, scored: pa.Table, where: str, scored_where: s
             "scores": column("scores"), "rewards": column("response_level_rewards")}
 
 
-# ---- RLVR chain, row-parallel part: responses + rlvr_rewarded → advantaged ---------------------------------------
+# ---- responses + scored → samples: the project's row layout, on which log-probs, values and advantages run -----
 
-class _TokenBatchFn:
-    """Per block: the row layout, the looked-up narrow rewards, token rewards and advantages per domain."""
+class SamplesSection(Frozen):
+    """The samples stage has no settings (its inputs' fingerprints say everything)."""
 
-    def __init__(self, s: RLVRAdvantageSection, where: str, rewarded: tuple, kl_coef: float, output: Location):
-        self.s, self.where, self.rewarded, self.kl_coef, self.output = s, where, rewarded, kl_coef, output
-        self.reward_stats: dict | None = None
-        self.advantage_stats: dict | None = None
 
-    def _inputs(self, batch: pa.Table):
+class _ToSamples:
+    """Per block of ``responses``: the samples rows (``input_ids = prompt_ids + response_ids``, ``response_mask =
+    0…0 1…1``, response-aligned columns moved to the next-token layout) with the row's score from ``scored``."""
+
+    def __init__(self, scored: tuple, where: str):
+        self.scored, self.where = scored, where
+
+    def __call__(self, batch: pa.Table) -> pa.Table:
+        from stages.advantages import reward_lookup
         from stages.algos.ragged import Ragged
         from stages.algos.rlvr_chain import response_tokens
 
         check_response_rows(batch, self.where)
-        index, cols = reward_lookup(*self.rewarded)
+        index, cols = reward_lookup(*self.scored)
         ids = batch.column("row_id").to_numpy(zero_copy_only=False)
         pos = index.get_indexer(ids)
         if (pos < 0).any():
             raise InvariantError(f"responses table at {self.where}: row_id '{ids[np.flatnonzero(pos < 0)[0]]}' has no "
-                                 "row in the rlvr_rewarded table; re-run the rlvr_rewards stage on this input")
-        narrow = {c: v[pos] for c, v in cols.items()}
+                                 "row in the scored table; score this responses table with the reward stage first")
+        score = np.nan_to_num(np.asarray(cols["scores"][pos], np.float64)).astype(np.float32)  # null: unscored → 0
         aligned = {c: Ragged.from_arrow(batch.column(c), np.float32) for c in RESPONSE_ALIGNED
                    if c in batch.column_names}
         tokens = response_tokens(Ragged.from_arrow(batch.column("prompt_ids"), np.int32),
                                  Ragged.from_arrow(batch.column("response_ids"), np.int32), aligned)
-        return narrow, tokens
-
-    def _compute(self, batch: pa.Table, final: bool):
-        from stages.algos.rlvr_chain import rlvr_token_batch
-
-        narrow, tokens = self._inputs(batch)
-        result = rlvr_token_batch(tokens, narrow["response_level_rewards"], narrow["sample_mask"], narrow["domain"],
-                                  self.s, self.kl_coef, reward_stats=self.reward_stats,
-                                  advantage_stats=self.advantage_stats, final=final)
-        return narrow, tokens, result
-
-    def reward_partials(self, batch: pa.Table) -> pa.Table:
-        from stages.algos.rlvr_chain import final_response_mask, token_rewards, whiten_partials_by_domain
-
-        narrow, tokens = self._inputs(batch)
-        tok = token_rewards(tokens, narrow["response_level_rewards"], self.s, self.kl_coef)
-        fmask = final_response_mask(tokens, narrow["sample_mask"])
-        return _partials_table(whiten_partials_by_domain(tok.token_level_rewards.values, fmask,
-                                                         tok.token_level_rewards.offsets, narrow["domain"]))
-
-    def advantage_partials(self, batch: pa.Table) -> pa.Table:
-        from stages.algos.rlvr_chain import whiten_partials_by_domain
-
-        narrow, _, result = self._compute(batch, final=False)
-        return _partials_table(whiten_partials_by_domain(result.advantages.values, result.final_mask,
-                                                         result.advantages.offsets, narrow["domain"]))
-
-    def __call__(self, batch: pa.Table) -> pa.Table:
-        from stages.algos.ragged import Ragged
-
-        narrow, tokens, result = self._compute(batch, final=True)
         n = batch.num_rows
-        score = narrow["score"].astype(np.float32)
-        cols: dict[str, Any] = {
+        out: dict[str, Any] = {
             "row_id": batch.column("row_id"), "group_id": batch.column("prompt_id"), "traj_id": batch.column("row_id"),
             "turn_idx": pa.array(np.zeros(n, np.int32)), "num_turns": pa.array(np.ones(n, np.int32)),
             "tag": batch.column("tag"), "input_ids": tokens.input_ids.to_arrow(pa.int32()),
             "response_mask": tokens.response_mask.to_arrow(pa.int8()), "score": pa.array(score, pa.float32()),
             "episode_score": pa.array(score, pa.float32()),
-            "prompt_len": pa.array(tokens.prompt_len.astype(np.int32), pa.int32()),
-            "response_level_rewards": pa.array(narrow["response_level_rewards"], pa.float32()),
-            "token_level_rewards": result.token_level_rewards.to_arrow(pa.float32()),
-            "advantages": result.advantages.to_arrow(pa.float32()),
-            "returns": result.returns.to_arrow(pa.float32()),
-            "raw_advantages": result.raw_advantages.to_arrow(pa.float32()),
-            "domain": pa.array(narrow["domain"].astype(str), pa.string()),
-            "scored": pa.array(narrow["scored"].astype(bool), pa.bool_()),
-            "final_response_mask": Ragged(result.final_mask, result.advantages.offsets).to_arrow(pa.float32()),
-        }
+            "prompt_len": pa.array(tokens.prompt_len.astype(np.int32), pa.int32())}
         for name, col in tokens.next_token.items():
-            cols[name] = col.to_arrow(pa.float32())
-        parts = dict(result.partials)
-        parts["mask_tokens"] = float(tokens.token_mask.sum())
-        parts["adv_sum"] = float((result.advantages.values.astype(np.float64) * result.final_mask).sum())
-        if n:
-            write_partials(self.output, batch.column("row_id")[0].as_py(), parts)
-        table = pa.table(cols)
-        table = table.select([f.name for f in RLVR_ADVANTAGED.arrow_schema(present=table.column_names)])
-        check_row_invariants(RLVR_ADVANTAGED, table, f"{self.where} (rlvr_advantages output)")
+            out[name] = col.to_arrow(pa.float32())
+        table = pa.table(out)
+        check_row_invariants(SAMPLES, table, f"{self.where} (rlvr_samples output)")
         return table
 
 
-def _partials_table(parts: dict[str, tuple[float, float, float]]) -> pa.Table:
-    names = list(parts)
-    return pa.table({"domain": pa.array(names, pa.string()),
-                     "partials": pa.array([list(parts[d]) for d in names], pa.list_(pa.float64()))})
+class SamplesStage(Stage):
+    """``responses`` + ``scored`` → ``samples``: the RLVR step's token table in the layout of every samples table,
+    so that the log-prob, value, advantages and training stages of both pipelines run on it unchanged. Response-aligned
+    ``infer_logprobs`` / ``old_log_probs`` / ``ref_log_probs`` / ``values`` become next-token columns (zeros on the
+    prompt positions); ``group_id`` is the prompt id, each row its own trajectory of one turn."""
 
-
-def _domain_stats(ds, fn) -> dict:
-    """Sum per-domain whitening partials over all blocks → ``{domain: (mean, var) | None}``."""
-    from stages.algos.rlvr_chain import stats_from_partials
-
-    total: dict[str, list[float]] = {}
-    for row in ds.map_batches(fn, batch_format="pyarrow").take_all():
-        acc = total.setdefault(row["domain"], [0.0, 0.0, 0.0])
-        for i in range(3):
-            acc[i] += row["partials"][i]
-    return stats_from_partials({d: tuple(v) for d, v in total.items()})
-
-
-class RLVRAdvantagesStage(Stage):
-    """``responses`` + ``rlvr_rewarded`` → ``advantaged`` (§2.4, §4.3 per domain, mask = final_response_mask).
-    State: ``{"kl_ctrl": controller state}`` in and out; one controller update per step (Q-5 fix)."""
-
-    name = "rlvr_advantages"
+    name = "rlvr_samples"
     version = "1"
-    output_spec = RLVR_ADVANTAGED
-    section_model = RLVRAdvantageSection
-    input_specs = {"responses": RESPONSES, "rlvr_rewarded": RLVR_REWARDED}
+    output_spec = SAMPLES
+    section_model = SamplesSection
+    input_specs = {"responses": RESPONSES, "scored": SCORED}
 
-    def required_columns(self, section: RLVRAdvantageSection) -> dict[str, tuple[str, ...]]:
-        from stages.algos.estimators import estimator
-
-        needs: tuple[str, ...] = ("values",) if estimator(section.adv_estimator).needs_critic else ()
-        if section.add_token_level_kl:
-            needs += ("old_log_probs", "ref_log_probs")
-        return {"responses": needs}
-
-    def _controller(self, ctx: StageContext):
-        from stages.algos.kl import get_kl_controller, kl_controller_from_state
-
-        s = ctx.section
-        state = ctx.state_in.get("kl_ctrl")
-        return kl_controller_from_state(state) if state else get_kl_controller(s.init_kl_coef, s.target_kl,
-                                                                                s.kl_horizon)
+    def output_schema(self, input_schemas: dict[str, pa.Schema]) -> pa.Schema:
+        names = input_schemas["responses"].names
+        return SAMPLES.arrow_schema(present=["prompt_len", *[c for c in RESPONSE_ALIGNED if c in names]])
 
     def build(self, ctx: StageContext):
-        rewarded = ctx.inputs["rlvr_rewarded"]
-        key = "rlvr:" + folder_fingerprint(rewarded)
-        fn = _TokenBatchFn(ctx.section, ctx.inputs["responses"].path, (rewarded.parquet_files(), rewarded.fs, key),
-                           self._controller(ctx).value, ctx.output)
-        read = lambda: ctx.read("responses")  # noqa: E731 - each pass re-reads (streaming, bounded memory)
-        if ctx.section.whiten_rewards:
-            fn.reward_stats = _domain_stats(read(), fn.reward_partials)
-        if ctx.section.whiten_advantages:
-            fn.advantage_stats = _domain_stats(read(), fn.advantage_partials)
-        return read().map_batches(fn, batch_format="pyarrow", batch_size=ctx.batch_rows)
-
-    def finalize(self, ctx: StageContext, written: Location):
-        total = sum_partials(read_partials(written))
-        rows = total.get("rows", 0.0)
-        current_kl = total.get("kl_sum", 0.0) / rows if rows else 0.0
-        ctrl = self._controller(ctx)
-        beta = ctrl.value if ctx.section.add_token_level_kl else 0.0
-        ctrl.update(current_kl, int(rows))
-        final_tokens = total.get("final_tokens", 0.0)
-        tokens = total.get("mask_tokens", 0.0)
-        metrics = {"critic/kl": current_kl, "critic/kl_coef": beta, "actor/final_mask_tokens": final_tokens,
-                   "critic/advantages/mean": total.get("adv_sum", 0.0) / final_tokens if final_tokens else 0.0,
-                   "rlvr/skip_step": float(final_tokens == 0)}
-        if final_tokens == 0 and rows:
-            log.warning("rlvr_advantages: every row is masked (final_response_mask sums to 0); ROLL skips the "
-                        "training step for such a batch")
-        if "adv_clipped" in total:
-            metrics["critic/advantage_clip_frac"] = total["adv_clipped"] / final_tokens if final_tokens else 0.0
-        if "token_reward_clipped" in total:
-            metrics["critic/token_reward_clip_frac"] = total["token_reward_clipped"] / tokens if tokens else 0.0
-        return metrics, {"kl_ctrl": ctrl.state_dict()}
-
-
-# ---- old/ref log-probs and critic values onto the responses (token KL rewards, GAE in the RLVR training flow) -----
-
-class _AttachLogProbs:
-    """Per batch of ``responses``: the response part ``[P − 1, P − 1 + R)`` of the next-token log-prob (and value)
-    columns of the same rows in a log-prob table (``(L − 1,)`` a row) as response-aligned ``(R,)`` columns."""
-
-    COLUMNS = ("old_log_probs", "ref_log_probs", "values")
-
-    def __init__(self, files: list[str], fs, where: str):
-        self.files, self.fs, self.where = files, fs, where
-        self._lookup = None
-
-    def _table(self):
-        """(pandas Index over the table's row_id, the table), read once per actor."""
-        if self._lookup is None:
-            import pandas as pd
-            import pyarrow.dataset as pads
-
-            ds = pads.dataset(self.files, filesystem=self.fs)
-            table = ds.to_table(columns=["row_id", *[c for c in self.COLUMNS if c in ds.schema.names]])
-            self._lookup = (pd.Index(table.column("row_id").to_numpy(zero_copy_only=False)), table)
-        return self._lookup
-
-    def __call__(self, batch: pa.Table) -> pa.Table:
-        from stages.algos.ragged import Ragged
-        from stages.algos.rlvr_chain import next_token_to_response
-
-        index, table = self._table()
-        ids = batch.column("row_id").to_numpy(zero_copy_only=False)
-        pos = index.get_indexer(ids)
-        if (pos < 0).any():
-            raise InvariantError(f"log-prob table {self.where} has no row_id {ids[np.flatnonzero(pos < 0)[0]]}; "
-                                 "compute the log-probs of this step's responses")
-        rows = table.take(pa.array(pos, pa.int64()))
-        prompt_len = pc.list_value_length(batch.column("prompt_ids")).to_numpy().astype(np.int64)
-        response_len = pc.list_value_length(batch.column("response_ids")).to_numpy().astype(np.int64)
-        for name in self.COLUMNS:
-            if name not in rows.column_names:
-                continue
-            full = Ragged.from_arrow(rows.column(name), np.float32)
-            bad = np.flatnonzero(full.lengths != prompt_len + response_len - 1)
-            if bad.size:
-                i = int(bad[0])
-                raise InvariantError(f"log-prob table {self.where}: column '{name}' has {full.lengths[i]} entries for "
-                                     f"row_id {ids[i]}, whose prompt and response have {prompt_len[i]} + "
-                                     f"{response_len[i]} tokens (one per next token: P + R − 1 expected); compute the "
-                                     "log-probs of this step's responses")
-            if name in batch.column_names:
-                batch = batch.drop_columns([name])
-            sliced = next_token_to_response(full, prompt_len, response_len)
-            batch = batch.append_column(pa.field(name, pa.list_(pa.float32())), sliced.to_arrow(pa.float32()))
-        return batch
-
-
-class AttachLogProbsSection(Frozen):
-    """The attach stage has no settings (its inputs' fingerprints say everything)."""
-
-
-class AttachLogProbsStage(Stage):
-    """``responses`` + a log-prob table of the same rows → ``responses`` with response-aligned ``old_log_probs``
-    (and ``ref_log_probs``, ``values`` where the table has them), so that the RLVR chain can subtract the token-level
-    KL (spec §2.4) and run GAE on the critic's values (§4.3)."""
-
-    name = "rlvr_attach_logprobs"
-    version = "2"  # 2: values too
-    output_spec = RESPONSES
-    section_model = AttachLogProbsSection
-    input_specs = {"responses": RESPONSES, "logprobs": SAMPLES}
-
-    def required_columns(self, section) -> dict[str, tuple[str, ...]]:
-        return {"logprobs": ("old_log_probs",)}
-
-    def build(self, ctx: StageContext):
-        lp = ctx.inputs["logprobs"]
-        fn = _AttachLogProbs(lp.parquet_files(), lp.fs, lp.path)
-        return ctx.read("responses").map_batches(fn, batch_format="pyarrow", batch_size=ctx.batch_rows)
+        scored = ctx.inputs["scored"]
+        fn = _ToSamples((scored.parquet_files(), scored.fs, "scored:" + folder_fingerprint(scored)),
+                        ctx.inputs["responses"].path)
+        columns = [f.name for f in ctx.schemas["responses"]
+                   if f.name in ("row_id", "prompt_id", "tag", "prompt_ids", "response_ids", *RESPONSE_ALIGNED)]
+        return ctx.read("responses", columns=columns).map_batches(fn, batch_format="pyarrow",
+                                                                  batch_size=ctx.batch_rows)

@@ -17,8 +17,8 @@ from stages.algos.reward_norm import RunningMoments, reward_postprocess
 from stages.algos.sample_masks import get_sample_level_mask
 from stages.algos.token_rewards import compute_token_reward
 from stages.algos.rlvr_chain import (concat_rows, normalise_rewards, response_to_next_token, response_tokens,
-                               rlvr_response_rewards, rlvr_token_batch, sample_level_mask, stats_from_partials,
-                               take_rows, whiten_partials_by_domain)
+                                     rlvr_response_rewards, sample_level_mask)
+from stages.algos.token_chain import stats_from_partials, take_rows, token_batch, whiten_partials_by_domain
 from tests.golden import assert_close, family, load
 from tests.rlvr.helpers import config, golden_config, golden_rows
 
@@ -44,7 +44,7 @@ def run_chain(cols: dict, cfg, kl_coef: float, running: dict | None = None):
     scores = np.array([np.nan if g == "none" else float(g) for g in cols["ground_truth"]])
     rewards = rlvr_response_rewards(np.array(cols["prompt_id"]), np.array(cols["domain"]), scores, scores,
                                     tokens.response_len, rlvr_reward_section(cfg), {} if running is None else running)
-    batch = rlvr_token_batch(tokens, rewards.rewards, rewards.sample_mask, np.array(cols["domain"]),
+    batch = token_batch(tokens, rewards.rewards, rewards.sample_mask, np.array(cols["domain"]),
                              rlvr_advantage_section(cfg), kl_coef)
     return tokens, rewards, batch
 
@@ -245,7 +245,7 @@ def test_blockwise_whitening_per_domain_equals_whole_table():
         return stats_from_partials(total)
 
     def reward_parts(rows):
-        b = rlvr_token_batch(block_tokens(rows), rewards.rewards[rows], rewards.sample_mask[rows], domains[rows], s,
+        b = token_batch(block_tokens(rows), rewards.rewards[rows], rewards.sample_mask[rows], domains[rows], s,
                              0.0, final=False, reward_stats={"math": None, "code": None})
         return whiten_partials_by_domain(b.token_level_rewards.values, b.final_mask, b.token_level_rewards.offsets,
                                          domains[rows])
@@ -253,12 +253,12 @@ def test_blockwise_whitening_per_domain_equals_whole_table():
     reward_stats = sum_parts(reward_parts)
 
     def advantage_parts(rows):
-        b = rlvr_token_batch(block_tokens(rows), rewards.rewards[rows], rewards.sample_mask[rows], domains[rows], s,
+        b = token_batch(block_tokens(rows), rewards.rewards[rows], rewards.sample_mask[rows], domains[rows], s,
                              0.0, final=False, reward_stats=reward_stats)
         return whiten_partials_by_domain(b.advantages.values, b.final_mask, b.advantages.offsets, domains[rows])
 
     advantage_stats = sum_parts(advantage_parts)
-    pieces = [rlvr_token_batch(block_tokens(rows), rewards.rewards[rows], rewards.sample_mask[rows], domains[rows],
+    pieces = [token_batch(block_tokens(rows), rewards.rewards[rows], rewards.sample_mask[rows], domains[rows],
                                s, 0.0, reward_stats=reward_stats, advantage_stats=advantage_stats) for rows in blocks]
     blockwise = np.concatenate([p.advantages.values for p in pieces])
     assert_close(blockwise, whole.advantages.values, atol=1e-5)
@@ -338,14 +338,3 @@ def _random_table(rng, prompts: int, n: int, domain: str) -> dict[str, list]:
 
 def _concat(a: dict, b: dict) -> dict:
     return {k: a[k] + b[k] for k in a}
-
-
-def test_next_token_to_response_inverts_response_to_next_token():
-    from stages.algos.ragged import Ragged
-    from stages.algos.rlvr_chain import next_token_to_response, response_to_next_token
-
-    values = Ragged.from_rows([[1.0, 2.0], [], [3.0, 4.0, 5.0]])
-    prompt_len = np.array([1, 3, 2])
-    layout = response_to_next_token(values, prompt_len)
-    back = next_token_to_response(layout, prompt_len, values.lengths)
-    assert np.array_equal(back.offsets, values.offsets) and np.array_equal(back.values, values.values)

@@ -15,7 +15,8 @@ from flows.rlvr import score_responses
 from schemas.errors import ConfigError, InvariantError, SchemaError
 from schemas.rlvr_config import rlvr_advantage_section, rlvr_reward_section
 from stages.algos.ragged import Ragged
-from stages.algos.rlvr_chain import response_tokens, rlvr_response_rewards, rlvr_token_batch
+from stages.algos.rlvr_chain import response_tokens, rlvr_response_rewards
+from stages.algos.token_chain import token_batch
 from tests.golden import assert_close, case_names, load
 from tests.rlvr.helpers import GOLDEN_ROUTE, golden_config, golden_rows, padded, read_folder, write_responses
 
@@ -131,7 +132,7 @@ def test_stage_outputs_equal_the_pure_chain_on_the_whole_table(golden_run):
     pure = rlvr_response_rewards(np.array(cols["prompt_id"]), np.array(cols["domain"]), scores, scores,
                                  tokens.response_len, rlvr_reward_section(cfg), {})
     beta = cfg.init_kl_coef
-    batch = rlvr_token_batch(tokens, pure.rewards, pure.sample_mask, np.array(cols["domain"]),
+    batch = token_batch(tokens, pure.rewards, pure.sample_mask, np.array(cols["domain"]),
                              rlvr_advantage_section(cfg), beta)
     rewarded = _in_order(read_folder(str(out / "rlvr_rewarded")), cols["row_id"])
     advantaged = _in_order(read_folder(str(out / "advantaged")), cols["row_id"])
@@ -175,13 +176,13 @@ def test_unscored_rows_are_out_of_the_statistics_and_get_zero_advantage(golden_r
 
 def test_cli_prints_the_stages_and_a_per_domain_summary_and_a_rerun_skips(golden_run):
     out = golden_run["stdout"]
-    assert "scored" in out and "rlvr_rewarded" in out and "advantaged" in out and "computed in" in out
+    assert all(name in out for name in ("scored", "samples", "rlvr_rewarded", "advantaged", "computed in"))
     flaky = next(line for line in out.splitlines() if line.startswith("flaky"))
     assert flaky.split()[1:4] == ["12", str(FLAKY_TRUTHS.count("none")), f"{np.mean([2, 0, 2, 0, 2, 2]):.3f}"]
     again = invoke("score", "--input", golden_run["responses"], "--config", golden_run["config"], "--output",
                    str(golden_run["out"]), "--advantages", "--set", "runtime.batch_rows=6")
     assert again.exit_code == 0, again.output
-    assert again.output.count("up to date, skipped") == 3
+    assert again.output.count("up to date, skipped") == 4
     # a run killed before its last stage committed resumes there: the committed stages skip, the output is the same
     import shutil
 
@@ -190,7 +191,7 @@ def test_cli_prints_the_stages_and_a_per_domain_summary_and_a_rerun_skips(golden
     resumed = invoke("score", "--input", golden_run["responses"], "--config", golden_run["config"], "--output",
                      str(golden_run["out"]), "--advantages", "--set", "runtime.batch_rows=6")
     assert resumed.exit_code == 0, resumed.output
-    assert resumed.output.count("up to date, skipped") == 2 and "advantaged" in resumed.output
+    assert resumed.output.count("up to date, skipped") == 3 and "advantaged" in resumed.output
     after = read_folder(str(golden_run["out"] / "advantaged"))
     assert _in_order(after, before.column("row_id").to_pylist()).equals(before)
 
@@ -246,16 +247,29 @@ def test_unknown_domain_without_fallback_is_a_config_error(golden_run, tmp_path)
 
 
 def test_missing_log_probs_for_token_kl_is_a_schema_error(golden_run, tmp_path):
-    from stages.rlvr.stages import RLVRAdvantagesStage
+    """add_token_level_kl needs old and reference log-probs on the samples the advantages stage reads: responses
+    without them give a samples table without them, refused before any stage runs (``rollflow score`` checks
+    first) and by the stage itself, nothing committed."""
+    from flows.rlvr import run_steps, score_steps
+    from stages.advantages import AdvantagesStage
+    from stages.preflight import check_steps
     from stages.runner import run_stage
 
     cols = {k: v for k, v in flaky_rows().items() if k not in ("old_log_probs", "ref_log_probs")}
     responses = write_responses(cols, tmp_path / "responses")
+    cfg = golden_run["cfg"]  # add_token_level_kl: true
+    assert cfg.add_token_level_kl
     with pytest.raises(SchemaError, match="missing column 'old_log_probs'"):
-        run_stage(RLVRAdvantagesStage(), rlvr_advantage_section(golden_run["cfg"]),  # add_token_level_kl: true
-                  {"responses": responses, "rlvr_rewarded": str(golden_run["out"] / "rlvr_rewarded")},
+        check_steps(score_steps(responses, str(tmp_path / "out"), cfg, advantages=True))
+    assert not (tmp_path / "out").exists()
+    samples = run_steps(score_steps(responses, str(tmp_path / "out"), cfg, advantages=True)[:2], cfg)["samples"]
+    with pytest.raises(SchemaError, match="missing column 'old_log_probs'"):
+        run_stage(AdvantagesStage(), rlvr_advantage_section(cfg),
+                  {"samples": samples.output, "rewarded": str(golden_run["out"] / "rlvr_rewarded")},
                   str(tmp_path / "advantaged"))
     assert not (tmp_path / "advantaged").exists()
+    # with them, the same check passes: the samples stage carries the responses' log-prob columns
+    check_steps(score_steps(golden_run["responses"], str(tmp_path / "out2"), cfg, advantages=True))
 
 
 # ---- the shipped data sets through Ray: rollflow rlvr-example, then rollflow score --------------------------------
@@ -383,32 +397,6 @@ def test_llm_judge_is_served_by_a_generation_engine(tmp_path, ray_cluster):
     assert scored.num_rows == 4 and set(scored.column("reward_worker").to_pylist()) == {"llm_judge"}
     metrics = json.loads((tmp_path / "out" / "scored" / "manifest.json").read_text())["metrics"]
     assert metrics["rewards/unscored/llm_judge"] == scored.column("scores").null_count  # replies without a verdict
-
-
-def test_attach_logprobs_takes_the_response_part_of_each_row_by_row_id(tmp_path):
-    """The attach stage's batch function: rows are matched by row_id (any order in the log-prob table), each row's
-    next-token values ``(P + R − 1,)`` give the response part ``[P − 1, P − 1 + R)``; a missing row or a row of the
-    wrong length is an error naming it."""
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
-    from schemas.errors import InvariantError
-    from stages.rlvr.stages import _AttachLogProbs
-    from stages.storage import Location
-
-    batch = pa.table({"row_id": ["a", "b"], "prompt_ids": [[1, 2], [3]], "response_ids": [[4, 5, 6], [7]]})
-    pq.write_table(pa.table({"row_id": ["b", "a"], "old_log_probs": [[-0.5], [-1.0, -2.0, -3.0, -4.0]],
-                             "values": [[0.7], [0.1, 0.2, 0.3, 0.4]]}), tmp_path / "lp.parquet")
-    loc = Location.of(str(tmp_path))
-    out = _AttachLogProbs(loc.parquet_files(), loc.fs, str(tmp_path))(batch)
-    assert out.column("old_log_probs").to_pylist() == [[-2.0, -3.0, -4.0], [-0.5]]
-    got = out.column("values").to_pylist()
-    assert got[0] == pytest.approx([0.2, 0.3, 0.4]) and got[1] == pytest.approx([0.7])
-    with pytest.raises(InvariantError, match="no row_id c"):
-        _AttachLogProbs(loc.parquet_files(), loc.fs, str(tmp_path))(batch.set_column(0, "row_id", pa.array(["a", "c"])))
-    pq.write_table(pa.table({"row_id": ["a", "b"], "old_log_probs": [[-1.0, -2.0], [-0.5]]}), tmp_path / "lp.parquet")
-    with pytest.raises(InvariantError, match=r"'old_log_probs' has 2 entries for row_id a"):
-        _AttachLogProbs(loc.parquet_files(), loc.fs, str(tmp_path))(batch)
 
 
 def test_a_judge_engine_that_would_starve_the_reward_stage_is_refused(ray_cluster):

@@ -28,7 +28,8 @@ def config(path: str | None = GIGPO, **overrides) -> RecomputeConfig:
 def run_recompute(samples: str, out: str, cfg: RecomputeConfig | str = GIGPO, *, force: bool = False,
                   state_in: dict | None = None) -> dict[str, StageResult]:
     """Both recompute stages through the runner, exactly as flows/recompute.py wires them, minus Prefect."""
-    from stages.recompute import AdvantagesStage, ResponseRewardsStage
+    from stages.advantages import AdvantagesStage
+    from stages.response_rewards import ResponseRewardsStage
 
     if isinstance(cfg, str):
         cfg = config(cfg)

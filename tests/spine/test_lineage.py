@@ -21,7 +21,7 @@ def lineage(path) -> str:
 
 
 def test_lineage_follows_the_manifests_and_marks_outputs_whose_input_changed(step_set, tmp_path, ray_cluster):
-    from stages.recompute import ResponseRewardsStage
+    from stages.response_rewards import ResponseRewardsStage
     from stages.runner import run_stage
 
     out = tmp_path / "run"

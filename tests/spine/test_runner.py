@@ -17,7 +17,8 @@ import pytest
 from schemas.config import AdvantageSection, Frozen, ResponseRewardSection, section
 from schemas.errors import InvariantError, RollflowError, SchemaError
 from schemas.tables import SAMPLES
-from stages.recompute import AdvantagesStage, ResponseRewardsStage
+from stages.advantages import AdvantagesStage
+from stages.response_rewards import ResponseRewardsStage
 from stages.runner import Stage, StageContext, run_stage, stage_fingerprint
 from stages.storage import Location
 from tests.spine.helpers import (GIGPO, config, read_table, run_recompute, siblings, tree_digest)

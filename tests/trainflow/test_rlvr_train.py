@@ -18,8 +18,8 @@ from schemas.rlvr_train_config import RLVRTrainConfig
 from stages.rlvr.generate import prompts_section, read_prompt_rows, step_prompt_ids
 
 REPO = Path(__file__).resolve().parents[2]
-STAGES = ("responses", "first_pass/scored", "first_pass/rlvr_rewarded", "first_pass/advantaged", "logprobs",
-          "responses_logprobs", "advantaged", "checkpoint")
+# one step's stages in ROLL's order (values too, for GAE)
+STAGES = ("responses", "scored", "samples", "logprobs", "rlvr_rewarded", "advantaged", "checkpoint")
 
 
 def test_shipped_rlvr_config_validates():
@@ -65,6 +65,26 @@ def test_prompt_files_errors_name_the_file_line_and_fix(tmp_path):
         read_prompt_rows(prompts_section(str(tmp_path), ("math",), None))
 
 
+def test_a_run_folder_of_the_two_pass_layout_is_refused_with_the_fix(tmp_path):
+    """RLVR runs written before the one-pipeline change (advantages on the responses, step_*/first_pass) are
+    refused before anything starts, naming the folder and the way out; a new or current run folder passes."""
+    from flows.rlvr import refuse_old_layout
+    from schemas.errors import RollflowError
+    from stages.storage import Location
+
+    refuse_old_layout(Location.of(str(tmp_path / "new")))
+    (tmp_path / "old/step_0000/first_pass").mkdir(parents=True)
+    with pytest.raises(RollflowError, match=r"old was written by an earlier rollflow.*Start a new run"):
+        refuse_old_layout(Location.of(str(tmp_path / "old")))
+    advantaged = tmp_path / "old2/step_0000/advantaged"
+    advantaged.mkdir(parents=True)
+    (advantaged / "manifest.json").write_text(json.dumps({"stage": "rlvr_advantages"}))
+    with pytest.raises(RollflowError, match="rlvr_advantages"):
+        refuse_old_layout(Location.of(str(tmp_path / "old2")))
+    (advantaged / "manifest.json").write_text(json.dumps({"stage": "advantages"}))
+    refuse_old_layout(Location.of(str(tmp_path / "old2")))
+
+
 def _read(folder: Path):
     """A committed table folder (its Parquet parts, not the manifest)."""
     return pads.dataset(sorted(str(p) for p in folder.glob("*.parquet")), format="parquet").to_table()
@@ -89,27 +109,17 @@ def _tiny_run(tmp_path: Path, *sets: str) -> list[str]:
     return args
 
 
-def _response_part_equal(full_table, got_table, name: str) -> None:
-    """``name`` of ``got_table`` (next-token layout, rebuilt from response-aligned values) equals the response part
-    of the same column in ``full_table`` and is zero on the prompt positions; both tables sorted by row_id."""
-    for full, got, p in zip(full_table.column(name).to_pylist(), got_table.column(name).to_pylist(),
-                            got_table.column("prompt_len").to_pylist()):
-        assert len(got) == len(full) and not any(got[:p - 1])
-        assert got[p - 1:] == pytest.approx(full[p - 1:], abs=1e-6)
-
-
 # validation before training and after every second step, on 2 MCQ prompts scored by the general validation rule
 VALIDATION = ("validation.eval_steps=2", "validation.prompts.limit=2")
 
 
 @pytest.mark.slow
 def test_rlvr_run_with_gae_and_token_kl_end_to_end_then_resume_skips_everything(tmp_path, cli_env):
-    """One two-step run that takes both RLVR paths which need a token table: the token-level KL reward (the first
-    chain runs without it, the log-probs — old under the step's policy, ref under the initial one — are attached to
-    the responses and the advantages recomputed with it) and GAE (the first chain runs with reinforce, the critic's
-    values — a new seeded head at step 0, the trained critic at step 1 — are attached, returns = raw advantages +
-    values on every response token, and the step trains the actor and the critic). A second call resumes with every
-    stage skipped."""
+    """One two-step run that takes both RLVR paths which need the token table's forward passes, in ROLL's order and
+    one pass: the token-level KL reward (log-probs, old under the step's policy and ref under the initial one, on
+    the step's samples before the advantages) and GAE (the critic's values — a new seeded head at step 0, the
+    trained critic at step 1 — returns = raw advantages + values on every response token, and the step trains the
+    actor and the critic). A second call resumes with every stage skipped."""
     import numpy as np
 
     env = cli_env
@@ -129,16 +139,18 @@ def test_rlvr_run_with_gae_and_token_kl_end_to_end_then_resume_skips_everything(
         responses = _read(step / "responses")
         assert responses.num_rows == 4 and len(set(responses.column("prompt_id").to_pylist())) == 2
         assert set(responses.column("prompt_id").to_pylist()) <= set(prompts.column("prompt_id").to_pylist())
-        scored = _read(step / "first_pass/scored")
+        scored = _read(step / "scored")
         assert set(scored.column("reward_worker").to_pylist()) == {"math_rule"}
         logprobs = _read(step / "logprobs").sort_by("row_id")
         values = _read(step / "values").sort_by("row_id")
         trained = _read(step / "advantaged").sort_by("row_id")
         assert {"final_response_mask", "old_log_probs", "ref_log_probs", "advantages"} <= set(trained.column_names)
         assert trained.column("row_id").to_pylist() == logprobs.column("row_id").to_pylist()
-        for name in ("old_log_probs", "ref_log_probs"):  # the response part travelled through the responses intact
-            _response_part_equal(logprobs, trained, name)
-        _response_part_equal(values, trained, "values")
+        for name in ("old_log_probs", "ref_log_probs"):  # one pass: the log-prob stage's columns, as they are
+            assert trained.column(name).to_pylist() == logprobs.column(name).to_pylist(), name
+        assert trained.column("values").to_pylist() == values.column("values").to_pylist()
+        samples = _read(step / "samples").sort_by("row_id")
+        assert samples.column("input_ids").to_pylist() == trained.column("input_ids").to_pylist()
         for v, ret, raw, mask in zip(*(trained.column(c).to_pylist() for c in ("values", "returns", "raw_advantages",
                                                                                "final_response_mask"))):
             on = np.asarray(mask) > 0
@@ -176,4 +188,4 @@ def test_rlvr_run_with_gae_and_token_kl_end_to_end_then_resume_skips_everything(
     again = _rollflow("train", "--resume", str(run), "--no-report", env=env)
     assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
     assert {p: p.stat().st_mtime_ns for p in run.glob("step_*/*/manifest.json")} == stamps
-    assert len(stamps) == 2 * (len(STAGES) + 1 - 3)  # the values too; first_pass/* are one level deeper
+    assert len(stamps) == 2 * (len(STAGES) + 1)  # the values too

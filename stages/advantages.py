@@ -1,0 +1,214 @@
+"""The advantages stage of both pipelines: a samples table + its response-level rewards → ``advantaged``.
+
+Row-parallel over the wide token columns: per block, token rewards (§2.4, with the KL to the reference when
+``add_token_level_kl``) and advantages (§4.3) by :func:`stages.algos.token_chain.token_batch`. The statistics that
+span blocks (per-domain whitening moments, the KL controller's current KL) come from additive partials over all
+blocks; the KL controller's state travels in the manifest (``kl_ctrl``).
+
+The ``rewarded`` input says what kind of run it is, as data:
+
+* agentic (stages/response_rewards.py): ``response_level_rewards`` (and GiGPO/step columns, copied to the output);
+  every row's sample mask is §5.5's all-ones ``get_agentic_response_level_mask``; one domain.
+* RLVR (``rlvr_rewarded``, stages/rlvr/stages.py): also ``sample_mask`` (§3.5) and ``domain``. Advantages are
+  whitened per domain, the mask of the advantages is ``final_response_mask = response_mask[1:] × sample_mask``
+  (written as a column: the RLVR loss aggregates over it, §6.5), and ``domain``/``scored`` are copied.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+
+from schemas.config import AdvantageSection
+from schemas.errors import InvariantError
+from schemas.tables import ADVANTAGED, REWARDED, SAMPLES, check_row_invariants
+from stages.runner import Stage, StageContext, read_partials, sum_partials, write_partials
+from stages.storage import Location, folder_fingerprint
+
+log = logging.getLogger("rollflow.advantages")
+
+REWARD_LOOKUP_CACHE: dict[str, tuple[Any, dict[str, np.ndarray]]] = {}
+# columns of the rewarded table copied to the output (those it has)
+COPIED = ("response_level_rewards", "step_rewards", "episode_rewards_norm", "step_rewards_norm", "state_group_id",
+          "domain", "scored")
+NEXT_TOKEN_INPUTS = ("old_log_probs", "ref_log_probs", "infer_logprobs", "values")
+
+
+def reward_lookup(files: list[str], fs, key: str):
+    """The rewarded table of this run as (pandas Index over row_id, columns), cached per worker process."""
+    import pandas as pd
+    import pyarrow.dataset as pads
+
+    if key not in REWARD_LOOKUP_CACHE:
+        table = pads.dataset(files, filesystem=fs).to_table()
+        index = pd.Index(table.column("row_id").to_numpy(zero_copy_only=False))
+        if not index.is_unique:
+            raise InvariantError(f"rewarded table {files[0] if files else ''}: row_id '{index[index.duplicated()][0]}' "
+                                 "occurs more than once; re-run the rewards stage on this input")
+        cols = {c: table.column(c).to_numpy(zero_copy_only=False) for c in table.column_names if c != "row_id"}
+        REWARD_LOOKUP_CACHE.clear()
+        REWARD_LOOKUP_CACHE[key] = (index, cols)
+    return REWARD_LOOKUP_CACHE[key]
+
+
+def token_rows(batch: pa.Table):
+    """The block's :class:`~stages.algos.token_chain.TokenRows` (token mask ``response_mask[1:]``)."""
+    from stages.algos.ragged import Ragged
+    from stages.algos.token_chain import TokenRows, next_token_mask
+
+    cols = {c: Ragged.from_arrow(batch.column(c), np.float32) for c in NEXT_TOKEN_INPUTS if c in batch.column_names}
+    return TokenRows(Ragged.from_arrow(batch.column("input_ids"), np.int32),
+                     next_token_mask(Ragged.from_arrow(batch.column("response_mask"), np.float32)), cols)
+
+
+class _AdvantageBatch:
+    """The per-block computation, shared by the statistics passes and the output pass."""
+
+    def __init__(self, section: AdvantageSection, where: str, rewarded: tuple, kl_coef: float, output: Location):
+        self.s, self.where, self.rewarded, self.kl_coef, self.output = section, where, rewarded, kl_coef, output
+        self.reward_stats: dict | None = None
+        self.advantage_stats: dict | None = None
+
+    def _inputs(self, batch: pa.Table):
+        """The block's rewarded values (by row_id), sample mask, domains and token rows."""
+        from stages.algos.response_rewards import agentic_response_level_mask
+
+        check_row_invariants(SAMPLES, batch, self.where)
+        index, cols = reward_lookup(*self.rewarded)
+        ids = batch.column("row_id").to_numpy(zero_copy_only=False)
+        pos = index.get_indexer(ids)
+        if (pos < 0).any():
+            raise InvariantError(f"samples table at {self.where}: row_id '{ids[np.flatnonzero(pos < 0)[0]]}' has no "
+                                 "response-level reward in the rewarded table; re-run the rewards stage on this input")
+        rewards = {c: v[pos] for c, v in cols.items()}
+        sample_mask = rewards["sample_mask"] if "sample_mask" in rewards else agentic_response_level_mask(len(ids))[0]
+        domains = rewards["domain"] if "domain" in rewards else np.full(len(ids), "")
+        return rewards, np.asarray(sample_mask, np.float32), domains, token_rows(batch)
+
+    def _compute(self, batch: pa.Table, final: bool):
+        from stages.algos.token_chain import token_batch
+
+        rewards, sample_mask, domains, tokens = self._inputs(batch)
+        result = token_batch(tokens, rewards["response_level_rewards"], sample_mask, domains, self.s, self.kl_coef,
+                             reward_stats=self.reward_stats, advantage_stats=self.advantage_stats, final=final)
+        return rewards, domains, tokens, result
+
+    def reward_partials(self, batch: pa.Table) -> pa.Table:
+        from stages.algos.token_chain import final_response_mask, token_rewards, whiten_partials_by_domain
+
+        rewards, sample_mask, domains, tokens = self._inputs(batch)
+        tok = token_rewards(tokens, rewards["response_level_rewards"], self.s, self.kl_coef)
+        fmask = final_response_mask(tokens, sample_mask)
+        return _partials_table(whiten_partials_by_domain(tok.token_level_rewards.values, fmask,
+                                                         tok.token_level_rewards.offsets, domains))
+
+    def advantage_partials(self, batch: pa.Table) -> pa.Table:
+        from stages.algos.token_chain import whiten_partials_by_domain
+
+        _, domains, _, result = self._compute(batch, final=False)
+        return _partials_table(whiten_partials_by_domain(result.advantages.values, result.final_mask,
+                                                         result.advantages.offsets, domains))
+
+    def __call__(self, batch: pa.Table) -> pa.Table:
+        from stages.algos.ragged import Ragged
+
+        rewards, _, tokens, result = self._compute(batch, final=True)
+        out = batch
+        for name in COPIED:
+            if name in rewards:
+                typ = REWARDED.optional.get(name, pa.float32()) if name != "response_level_rewards" else pa.float32()
+                values = rewards[name]
+                out = out.append_column(name, pa.array(values.astype(str) if typ == pa.string() else values, typ))
+        for name, ragged in (("token_level_rewards", result.token_level_rewards), ("advantages", result.advantages),
+                             ("returns", result.returns), ("raw_advantages", result.raw_advantages)):
+            out = out.append_column(name, ragged.to_arrow(pa.float32()))
+        if "sample_mask" in rewards:
+            out = out.append_column("final_response_mask",
+                                    Ragged(result.final_mask, result.advantages.offsets).to_arrow(pa.float32()))
+        parts = dict(result.partials)
+        parts["mask_tokens"] = float(tokens.token_mask.sum())
+        parts["adv_sum"] = float((result.advantages.values.astype(np.float64) * result.final_mask).sum())
+        if batch.num_rows:
+            write_partials(self.output, batch.column("row_id")[0].as_py(), parts)
+        return out.select([f.name for f in ADVANTAGED.arrow_schema(present=out.column_names)])
+
+
+def _partials_table(parts: dict[str, tuple[float, float, float]]) -> pa.Table:
+    names = list(parts)
+    return pa.table({"domain": pa.array(names, pa.string()),
+                     "partials": pa.array([list(parts[d]) for d in names], pa.list_(pa.float64()))})
+
+
+def _domain_stats(ds, fn) -> dict:
+    """Sum per-domain whitening partials over all blocks → ``{domain: (mean, var) | None}``."""
+    from stages.algos.token_chain import stats_from_partials
+
+    total: dict[str, list[float]] = {}
+    for row in ds.map_batches(fn, batch_format="pyarrow").take_all():
+        acc = total.setdefault(row["domain"], [0.0, 0.0, 0.0])
+        for i in range(3):
+            acc[i] += row["partials"][i]
+    return stats_from_partials({d: tuple(v) for d, v in total.items()})
+
+
+class AdvantagesStage(Stage):
+    """``samples`` + ``rewarded`` → ``advantaged``. State: ``{"kl_ctrl": controller state}`` in and out; one
+    controller update per step (the RLVR Q-5 fix)."""
+
+    name = "advantages"
+    version = "1"
+    output_spec = ADVANTAGED
+    section_model = AdvantageSection
+    input_specs = {"samples": SAMPLES, "rewarded": REWARDED}
+
+    def required_columns(self, section: AdvantageSection) -> dict[str, tuple[str, ...]]:
+        from stages.algos.estimators import estimator
+
+        needs: tuple[str, ...] = ("values",) if estimator(section.adv_estimator).needs_critic else ()
+        if section.add_token_level_kl:
+            needs += ("old_log_probs", "ref_log_probs")
+        return {"samples": needs}
+
+    def _controller(self, ctx: StageContext):
+        from stages.algos.kl import get_kl_controller, kl_controller_from_state
+
+        s = ctx.section
+        state = ctx.state_in.get("kl_ctrl")
+        return kl_controller_from_state(state) if state else get_kl_controller(s.init_kl_coef, s.target_kl,
+                                                                                s.kl_horizon)
+
+    def build(self, ctx: StageContext):
+        rewarded = ctx.inputs["rewarded"]
+        fn = _AdvantageBatch(ctx.section, ctx.inputs["samples"].path,
+                             (rewarded.parquet_files(), rewarded.fs, folder_fingerprint(rewarded)),
+                             self._controller(ctx).value, ctx.output)
+        read = lambda: ctx.read("samples")  # noqa: E731 - each pass re-reads (streaming, bounded memory)
+        if ctx.section.whiten_rewards:
+            fn.reward_stats = _domain_stats(read(), fn.reward_partials)
+        if ctx.section.whiten_advantages:
+            fn.advantage_stats = _domain_stats(read(), fn.advantage_partials)
+        return read().map_batches(fn, batch_format="pyarrow", batch_size=ctx.batch_rows)
+
+    def finalize(self, ctx: StageContext, written: Location):
+        total = sum_partials(read_partials(written))
+        rows = total.get("rows", 0.0)
+        current_kl = total.get("kl_sum", 0.0) / rows if rows else 0.0
+        ctrl = self._controller(ctx)
+        beta = ctrl.value if ctx.section.add_token_level_kl else 0.0
+        ctrl.update(current_kl, int(rows))
+        final_tokens, tokens = total.get("final_tokens", 0.0), total.get("mask_tokens", 0.0)
+        metrics = {"critic/kl": current_kl, "critic/kl_coef": beta,
+                   "critic/advantages/mean": total.get("adv_sum", 0.0) / final_tokens if final_tokens else 0.0}
+        if "adv_clipped" in total:
+            metrics["critic/advantage_clip_frac"] = total["adv_clipped"] / final_tokens if final_tokens else 0.0
+        if "token_reward_clipped" in total:
+            metrics["critic/token_reward_clip_frac"] = total["token_reward_clipped"] / tokens if tokens else 0.0
+        if "sample_mask" in ctx.schemas["rewarded"].names:  # sample masks can leave a step nothing to train on
+            metrics.update({"actor/final_mask_tokens": final_tokens, "rlvr/skip_step": float(final_tokens == 0)})
+            if final_tokens == 0 and rows:
+                log.warning("advantages: every row is masked (final_response_mask sums to 0); ROLL skips the "
+                            "training step for such a batch")
+        return metrics, {"kl_ctrl": ctrl.state_dict()}
