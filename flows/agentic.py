@@ -17,7 +17,7 @@ from typing import Any
 from prefect import flow
 
 from flows.runkit import (KeptWorkers, advantages_task, logprobs_task, record, rewards_task, stage_task, start_run,
-                          train_task, values_task)
+                          train_and_keep, values_task)
 from schemas.config import AdvantageSection, ResponseRewardSection, section, validate_config
 from schemas.train_flow_config import TrainFlowConfig
 
@@ -71,7 +71,6 @@ def _rollout_metrics(result: Any) -> dict[str, float]:
 def train_flow(cfg: dict) -> dict:
     """Run (or resume) the training run described by ``cfg`` (a :class:`TrainFlowConfig` as JSON)."""
     from stages.metrics import MetricsLog
-    from stages.train.checkpoint import keep_training_state
 
     config = validate_config(TrainFlowConfig, cfg)
     run, base, pool = start_run(config, cfg, config.rollout.engine.max_model_len or config.rollout.sequence_length)
@@ -105,11 +104,8 @@ def train_flow(cfg: dict) -> dict:
                                       kl_state, batch_rows=config.runtime.batch_rows)
                 record(metrics, k, "advantages", adv)
                 kl_state = adv.state
-                tr = train_task(config, k, adv.output, checkpoint, f"{here}/checkpoint", workers)
-                record(metrics, k, "train", tr)
+                tr = train_and_keep(config, k, adv.output, checkpoint, f"{here}/checkpoint", workers, metrics, trained)
                 checkpoint = tr.output
-                trained.append(checkpoint)
-                keep_training_state(trained, config.train_step_config().max_ckpt_to_keep)
                 evaluated = None
                 if config.eval.eval_steps and (k + 1) % config.eval.eval_steps == 0:
                     ev = eval_task(config, f"{here}/eval", checkpoint, pool)

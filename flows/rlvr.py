@@ -23,7 +23,7 @@ from typing import Any
 
 from prefect import flow
 
-from flows.runkit import (KeptWorkers, logprobs_task, record, run_folder, stage_task, start_run, train_task,
+from flows.runkit import (KeptWorkers, logprobs_task, record, run_folder, stage_task, start_run, train_and_keep,
                           values_task)
 from schemas.config import validate_config
 from schemas.errors import RollflowError
@@ -243,7 +243,6 @@ def rlvr_train_flow(cfg: dict) -> dict:
     """Run (or resume) the RLVR training run described by ``cfg`` (an :class:`RLVRTrainConfig` as JSON)."""
     from stages.metrics import MetricsLog
     from stages.rlvr.generate import judge_pool, needs_model
-    from stages.train.checkpoint import keep_training_state
 
     config = validate_config(RLVRTrainConfig, cfg)
     refuse_old_layout(run_folder(config))
@@ -287,11 +286,9 @@ def rlvr_train_flow(cfg: dict) -> dict:
                 advantaged = chain["advantaged"]
                 record(metrics, k, "advantages", advantaged)
                 state = {**chain["rlvr_rewarded"].state, **advantaged.state}
-                tr = train_task(config, k, advantaged.output, checkpoint, f"{here}/checkpoint", workers)
-                record(metrics, k, "train", tr)
+                tr = train_and_keep(config, k, advantaged.output, checkpoint, f"{here}/checkpoint", workers, metrics,
+                                    trained)
                 checkpoint = tr.output
-                trained.append(checkpoint)
-                keep_training_state(trained, config.train_step_config().max_ckpt_to_keep)
                 validated = None
                 if validates and (k + 1) % config.validation.eval_steps == 0:
                     val = validation_task(config, val_prompts, checkpoint, pool, judge, f"{here}/validation",

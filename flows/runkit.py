@@ -114,6 +114,20 @@ def train_task(config, iteration: int, samples: str, checkpoint: str, output: st
                           full_state=train.full_state_at(iteration, config.max_steps))
 
 
+def train_and_keep(config, iteration: int, samples: str, checkpoint: str, output: str, workers: KeptWorkers,
+                   metrics, trained: list[str]) -> Any:
+    """The training step of ``iteration`` on ``samples`` (:func:`train_task`), recorded; its checkpoint joins
+    ``trained`` (this run's checkpoints, oldest first) and the older ones beyond ``train.max_ckpt_to_keep`` lose
+    their DeepSpeed state. Returns the step's result."""
+    from stages.train.checkpoint import keep_training_state
+
+    result = train_task(config, iteration, samples, checkpoint, output, workers)
+    record(metrics, iteration, "train", result)
+    trained.append(result.output)
+    keep_training_state(trained, config.train_step_config().max_ckpt_to_keep)
+    return result
+
+
 def record(metrics, iteration: int, stage: str, result: Any, values: dict | None = None, *,
            label: str | None = None) -> dict[str, float]:
     """Log a stage result's numeric, finite metrics (or ``values``) and its wall time under (iteration, stage),

@@ -54,6 +54,18 @@ def reward_lookup(files: list[str], fs, key: str):
     return REWARD_LOOKUP_CACHE[key]
 
 
+def joined_rows(lookup: tuple, batch: pa.Table, missing: str) -> dict[str, np.ndarray]:
+    """The columns of the table ``lookup`` (files, filesystem, cache key: :func:`reward_lookup`) for the rows of
+    ``batch``, matched by row_id. A row it lacks raises :class:`InvariantError` with ``missing`` (``{row_id}`` is
+    replaced by the row's id)."""
+    index, cols = reward_lookup(*lookup)
+    ids = batch.column("row_id").to_numpy(zero_copy_only=False)
+    pos = index.get_indexer(ids)
+    if (pos < 0).any():
+        raise InvariantError(missing.format(row_id=ids[np.flatnonzero(pos < 0)[0]]))
+    return {c: v[pos] for c, v in cols.items()}
+
+
 def token_rows(batch: pa.Table):
     """The block's :class:`~stages.algos.token_chain.TokenRows` (token mask ``response_mask[1:]``)."""
     from stages.algos.ragged import Ragged
@@ -77,15 +89,11 @@ class _AdvantageBatch:
         from stages.algos.response_rewards import agentic_response_level_mask
 
         check_row_invariants(SAMPLES, batch, self.where)
-        index, cols = reward_lookup(*self.rewarded)
-        ids = batch.column("row_id").to_numpy(zero_copy_only=False)
-        pos = index.get_indexer(ids)
-        if (pos < 0).any():
-            raise InvariantError(f"samples table at {self.where}: row_id '{ids[np.flatnonzero(pos < 0)[0]]}' has no "
-                                 "response-level reward in the rewarded table; re-run the rewards stage on this input")
-        rewards = {c: v[pos] for c, v in cols.items()}
-        sample_mask = rewards["sample_mask"] if "sample_mask" in rewards else agentic_response_level_mask(len(ids))[0]
-        domains = rewards["domain"] if "domain" in rewards else np.full(len(ids), "")
+        rewards = joined_rows(self.rewarded, batch, f"samples table at {self.where}: row_id '{{row_id}}' has no "
+                              "response-level reward in the rewarded table; re-run the rewards stage on this input")
+        n = batch.num_rows
+        sample_mask = rewards["sample_mask"] if "sample_mask" in rewards else agentic_response_level_mask(n)[0]
+        domains = rewards["domain"] if "domain" in rewards else np.full(n, "")
         return rewards, np.asarray(sample_mask, np.float32), domains, token_rows(batch)
 
     def _compute(self, batch: pa.Table, final: bool):

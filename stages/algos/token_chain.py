@@ -128,14 +128,28 @@ def _stats_for(stats: DomainStats | None, domain: str) -> "WhitenStats | None | 
     return False if value is None else value
 
 
+def domain_parts(domains: np.ndarray, offsets: np.ndarray):
+    """``(domain, rows (K,), flat positions of their tokens)`` per domain; a block of one domain (every agentic
+    block) is one part of all rows with ``slice(None)`` as its positions, so that nothing is copied."""
+    groups = domain_rows(domains)
+    if len(groups) == 1:
+        name, rows = next(iter(groups.items()))
+        return [(name, None, slice(None))]
+    return [(name, rows, flat_positions(offsets, rows)) for name, rows in groups.items()]
+
+
+def _part(x: Ragged | None, rows: np.ndarray | None) -> Ragged | None:
+    return x if x is None or rows is None else take_rows(x, rows)
+
+
 def token_batch(tokens: TokenRows, rewards: np.ndarray, sample_mask: np.ndarray, domains: np.ndarray,
-                     s: Any, kl_coef: float, *, reward_stats: DomainStats | None = None,
-                     advantage_stats: DomainStats | None = None, final: bool = True) -> TokenBatch:
+                s: Any, kl_coef: float, *, reward_stats: DomainStats | None = None,
+                advantage_stats: DomainStats | None = None, final: bool = True) -> TokenBatch:
     """§2.4 then §4.3 per domain on a block of rows.
 
     ``rewards``/``sample_mask (B,)``: the rows' response-level rewards and sample masks (RLVR: from
-    :func:`stages.algos.rlvr_chain.rlvr_response_rewards`; agentic: the rewarded table and all-ones masks); ``kl_coef`` = the controller's β before this
-    step's update. ``reward_stats``/``advantage_stats``: per-domain whitening moments of the whole table (a domain
+    :func:`stages.algos.rlvr_chain.rlvr_response_rewards`; agentic: the rewarded table and all-ones masks);
+    ``domains (B,)``: rows are whitened per domain; ``kl_coef`` = the controller's β before this step's update. ``reward_stats``/``advantage_stats``: per-domain whitening moments of the whole table (a domain
     mapped to None is not whitened: its mask sums to ≤ 1); None = the block's own statistics (a one-block table).
     ``final=False`` gives the advantages before whitening and clipping (the statistics pass)."""
     tok = token_rewards(tokens, rewards, s, kl_coef)
@@ -146,10 +160,8 @@ def token_batch(tokens: TokenRows, rewards: np.ndarray, sample_mask: np.ndarray,
     partials = {"kl_sum": tok.kl_partials[0], "rows": float(tok.kl_partials[1]), "final_tokens": float(fmask.sum())}
     if "critic/token_reward_clip_frac" in tok.metrics:
         partials["token_reward_clipped"] = tok.metrics["critic/token_reward_clip_frac"] * float(tokens.token_mask.sum())
-    for name, rows in domain_rows(domains).items():
-        where = flat_positions(offsets, rows)
-        sub_values = take_rows(values, rows) if values is not None else None
-        result = _domain_advantage(take_rows(tok.token_level_rewards, rows), fmask[where], sub_values, s, final,
+    for name, rows, where in domain_parts(domains, offsets):
+        result = _domain_advantage(_part(tok.token_level_rewards, rows), fmask[where], _part(values, rows), s, final,
                                    _stats_for(reward_stats, name), _stats_for(advantage_stats, name))
         cols["rewards"][where] = result.token_level_rewards.values
         cols["advantages"][where] = result.advantages.values
@@ -166,8 +178,7 @@ def token_batch(tokens: TokenRows, rewards: np.ndarray, sample_mask: np.ndarray,
 def whiten_partials_by_domain(values: np.ndarray, mask: np.ndarray, offsets: np.ndarray,
                               domains: np.ndarray) -> dict[str, tuple[float, float, float]]:
     """Per domain ``(Σm, Σx·m, Σx²·m)`` of flat next-token ``values``/``mask``: additive across blocks."""
-    return {name: whiten_partials(values[flat_positions(offsets, rows)], mask[flat_positions(offsets, rows)])
-            for name, rows in domain_rows(domains).items()}
+    return {name: whiten_partials(values[where], mask[where]) for name, _, where in domain_parts(domains, offsets)}
 
 
 def stats_from_partials(parts: Mapping[str, tuple[float, float, float]]) -> dict[str, "WhitenStats | None"]:

@@ -281,18 +281,14 @@ class _ToSamples:
         self.scored, self.where = scored, where
 
     def __call__(self, batch: pa.Table) -> pa.Table:
-        from stages.advantages import reward_lookup
+        from stages.advantages import joined_rows
         from stages.algos.ragged import Ragged
         from stages.algos.rlvr_chain import response_tokens
 
         check_response_rows(batch, self.where)
-        index, cols = reward_lookup(*self.scored)
-        ids = batch.column("row_id").to_numpy(zero_copy_only=False)
-        pos = index.get_indexer(ids)
-        if (pos < 0).any():
-            raise InvariantError(f"responses table at {self.where}: row_id '{ids[np.flatnonzero(pos < 0)[0]]}' has no "
-                                 "row in the scored table; score this responses table with the reward stage first")
-        score = np.nan_to_num(np.asarray(cols["scores"][pos], np.float64)).astype(np.float32)  # null: unscored → 0
+        scored = joined_rows(self.scored, batch, f"responses table at {self.where}: row_id '{{row_id}}' has no row in "
+                             "the scored table; score this responses table with the reward stage first")
+        score = np.nan_to_num(np.asarray(scored["scores"], np.float64)).astype(np.float32)  # null: unscored → 0
         aligned = {c: Ragged.from_arrow(batch.column(c), np.float32) for c in RESPONSE_ALIGNED
                    if c in batch.column_names}
         tokens = response_tokens(Ragged.from_arrow(batch.column("prompt_ids"), np.int32),
