@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BeforeValidator, Field, model_validator
+from pydantic import AliasChoices, BeforeValidator, Field, SerializerFunctionWrapHandler, model_serializer, model_validator
 
 from schemas.capabilities import POLICY_LOSS_CAPABILITIES, estimator_capabilities
 from schemas.config import AdvEstimator, Frozen, RuntimeConfig
@@ -27,6 +27,18 @@ Precision = Annotated[Literal["fp32", "bf16", "fp16"], BeforeValidator(short_val
 ForwardPrecision = Annotated[Literal["fp32", "bf16"], BeforeValidator(short_validator)]
 
 
+# the linear layers of a Llama-style decoder layer (attention and MLP projections): LoRA's default targets
+LORA_DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+LORA_FIELDS = ("lora_rank", "lora_alpha", "lora_target_modules")
+
+
+def _module_names(value: Any) -> Any:
+    """ROLL writes ``lora_target`` as one comma-separated string (``q_proj,v_proj``): split it into names."""
+    if isinstance(value, str):
+        return [name.strip() for name in value.split(",")]
+    return value
+
+
 class ModelArgs(Frozen):
     """``<worker>.model_args``: how the model is loaded."""
 
@@ -35,6 +47,80 @@ class ModelArgs(Frozen):
                                                  "weights) or fp16 (GPU only, dynamic loss scaling).")
     disable_gradient_checkpointing: bool = Field(True, description="ROLL's switch; false turns activation "
                                                                    "checkpointing on (less memory, ~30% slower).")
+    lora_rank: int | None = Field(None, description="LoRA rank r (ROLL's name; null: LoRA off, every weight trains). "
+                                  "With a rank, the model is wrapped with peft's LoRA adapters on "
+                                  "lora_target_modules, only the adapters (and a critic's value head) train, the "
+                                  "optimizer state holds them alone, and checkpoints hold the merged weights plus "
+                                  "the adapter (docs/training.md, LoRA).")
+    lora_alpha: float | None = Field(None, description="LoRA scaling numerator: the update is (lora_alpha / "
+                                     "lora_rank) x B A (ROLL's name; null: 2 x lora_rank, ROLL's default).")
+    lora_target_modules: Annotated[list[str], BeforeValidator(_module_names)] = Field(
+        default_factory=lambda: list(LORA_DEFAULT_TARGETS),
+        validation_alias=AliasChoices("lora_target_modules", "lora_target"),
+        description="Names of the linear layers that get adapters (peft matches a name against the end of each "
+                    "module path); also read as ROLL's lora_target, a comma-separated string; [all] (ROLL's 'all') "
+                    "means every linear layer but the output head. Default: the attention and MLP projections of "
+                    "Llama-style models.")
+
+    @model_validator(mode="after")
+    def _lora_rules(self) -> "ModelArgs":
+        if self.lora_rank is None:
+            if self.lora_alpha is not None:
+                raise ValueError(f"lora_alpha ({self.lora_alpha}) is set but lora_rank is not, so LoRA is off and "
+                                 "lora_alpha would be ignored; set lora_rank (e.g. 8) to train LoRA adapters, or "
+                                 "remove lora_alpha")
+            if list(self.lora_target_modules) != list(LORA_DEFAULT_TARGETS):
+                raise ValueError("lora_target_modules is set but lora_rank is not, so LoRA is off and the list would "
+                                 "be ignored; set lora_rank (e.g. 8) to train LoRA adapters, or remove "
+                                 "lora_target_modules")
+            return self
+        if self.lora_rank <= 0:
+            raise ValueError(f"lora_rank ({self.lora_rank}) must be > 0, because it is the inner size of the "
+                             "adapter matrices B (d x r) and A (r x k); use e.g. 8, or null for full training")
+        if self.lora_alpha is not None and self.lora_alpha <= 0:
+            raise ValueError(f"lora_alpha ({self.lora_alpha}) must be > 0, because the adapter update is scaled by "
+                             "lora_alpha / lora_rank; use e.g. 2 x lora_rank, or null for lora_rank")
+        if not self.lora_target_modules or any(not str(m).strip() for m in self.lora_target_modules):
+            raise ValueError(f"lora_target_modules ({list(self.lora_target_modules)}) must name at least one linear "
+                             "layer and no empty name, because LoRA adds its adapters there; use e.g. [q_proj, "
+                             "v_proj], or leave it out for the attention and MLP projections")
+        return self
+
+    @property
+    def lora(self) -> bool:
+        """Whether this model trains LoRA adapters instead of its weights."""
+        return self.lora_rank is not None
+
+    @property
+    def lora_scale(self) -> float:
+        """The adapter update's factor lora_alpha / lora_rank (1 when lora_alpha is not set)."""
+        if self.lora_rank is None:
+            raise ValueError("lora_scale: LoRA is off (model_args.lora_rank is not set)")
+        return self.effective_lora_alpha / self.lora_rank
+
+    @property
+    def effective_lora_alpha(self) -> float:
+        """lora_alpha, or ROLL's default 2 x lora_rank when it is not set."""
+        if self.lora_rank is None:
+            raise ValueError("lora_alpha: LoRA is off (model_args.lora_rank is not set)")
+        return float(self.lora_alpha) if self.lora_alpha is not None else 2.0 * self.lora_rank
+
+    def lora_options(self) -> dict[str, Any] | None:
+        """The LoRA options as a checkpoint records them (None: LoRA off)."""
+        if self.lora_rank is None:
+            return None
+        return {"lora_rank": self.lora_rank, "lora_alpha": self.effective_lora_alpha,
+                "lora_target_modules": list(self.lora_target_modules)}
+
+    @model_serializer(mode="wrap")
+    def _without_lora_when_off(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        """With LoRA off the LoRA options are left out of the dump, so the training section's fingerprint and a
+        run's config.json stay what they were before the options existed (loading fills in the defaults again)."""
+        data = handler(self)
+        if self.lora_rank is None and isinstance(data, dict):
+            for name in LORA_FIELDS:
+                data.pop(name, None)
+        return data
 
 
 class TrainingArgs(Frozen):

@@ -6,11 +6,18 @@ A checkpoint folder is itself a Hugging Face folder of the actor, so the generat
     <ckpt>/config.json, model.safetensors, tokenizer files   the actor (HF format)
     <ckpt>/critic/                                           the critic, HF token-classification folder (gae)
     <ckpt>/deepspeed/actor/state/, deepspeed/critic/state/   DeepSpeed's engine state: resumes training exactly
+    <ckpt>/lora/actor/, lora/critic/                         with LoRA: the adapter alone (peft's folder)
     <ckpt>/train_state.json                                  training steps done, optimizer steps, world size,
-                                                             the replay record of a weights-only checkpoint
+                                                             the replay record of a weights-only checkpoint,
+                                                             with LoRA the base folder each adapter applies to
     <ckpt>/manifest.json                                     written last by the stage (fingerprint, metrics)
 
 A plain HF folder (the default model) is a valid input checkpoint: training starts at step 0 with a fresh optimizer.
+
+With LoRA (``model_args.lora_rank``) the weights files still hold the whole model, merged (``W + s B A``), so every
+reader of a checkpoint is unchanged; the DeepSpeed state holds the adapters and their optimizer moments only, and
+training resumes on the recorded base folder (``train_state.json`` ``lora``: the options and the base of each role)
+plus the adapter (stages/train/core.py ``lora_bases``), checking that they give the saved merged weights.
 
 A run writes DeepSpeed's state (about 7x the weights with Adam) only every ``save_steps`` iterations and at its
 last one; the checkpoints between are *weights-only*. Their ``train_state.json`` holds a replay record: the newest
@@ -41,6 +48,8 @@ CRITIC_DIR = "critic"
 TRAINING_STATE = "deepspeed"  # every DeepSpeed engine state of the checkpoint (keep_training_state drops it)
 ACTOR_STATE = f"{TRAINING_STATE}/actor"
 CRITIC_STATE = f"{TRAINING_STATE}/critic"
+ACTOR_ADAPTER = "lora/actor"  # LoRA only: the adapter alone, peft's format
+CRITIC_ADAPTER = "lora/critic"
 TRAIN_STATE = "train_state.json"
 STAGE_NAME = "train_step"
 WEIGHT_SUFFIXES = (".safetensors", ".bin")
@@ -60,6 +69,7 @@ class CheckpointInfo:
     critic_dir: str | None
     critic_state: str | None
     replay: dict | None = None  # weights-only: {"from": path, "steps": [{"samples", "fingerprint", "section"}]}
+    lora: dict | None = None  # LoRA: {"actor"/"critic": {"options", "base", ...}} (stages/train/core.py lora_bases)
 
     @property
     def has_state(self) -> bool:
@@ -97,7 +107,7 @@ def read_checkpoint(path: str) -> CheckpointInfo:
         actor_state=str(actor_state) if state and actor_state.is_dir() else None,
         critic_dir=str(critic_dir) if critic_dir.is_dir() and _has_weights(critic_dir) else None,
         critic_state=str(critic_state) if state and critic_state.is_dir() else None,
-        replay=state.get("replay") if not actor_state.is_dir() else None)
+        replay=state.get("replay") if not actor_state.is_dir() else None, lora=state.get("lora"))
 
 
 def check_trainable(info: CheckpointInfo) -> None:

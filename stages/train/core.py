@@ -143,9 +143,14 @@ class Engine:
     def __init__(self, model: torch.nn.Module, worker: WorkerTrainConfig, dist: DistInfo, role: str):
         import deepspeed
 
+        from stages.train.lora import is_lora
+
         self.role, self.worker, self.dist = role, worker, dist
+        self.lora = is_lora(model)
         if not worker.model_args.disable_gradient_checkpointing:
             model.gradient_checkpointing_enable()
+            if self.lora:  # frozen embeddings: reentrant checkpointing needs inputs that require grad
+                model.enable_input_require_grads()
         if worker.strategy_args.torch_compile:
             compile_decoder_layers(model)
         t = worker.training_args
@@ -154,7 +159,19 @@ class Engine:
             model=model, model_parameters=[p for p in model.parameters() if p.requires_grad],
             config=deepspeed_config(worker, dist.device.type == "cuda"),
             lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, schedule))
+        if self.lora:
+            self.engine.module_state_dict = self._trainable_state_dict
         self.engine.train()
+
+    def _trainable_state_dict(self, destination=None, prefix="", keep_vars=False, exclude_frozen_parameters=False):
+        """DeepSpeed's ``module_state_dict`` for a LoRA engine: with ``exclude_frozen_parameters`` only the trained
+        parameters. DeepSpeed's own filter walks ``named_parameters()``, which lists a tied weight once, so the
+        frozen output layer tied to the embeddings (the largest matrix) would stay in every state."""
+        state = self.engine.module.state_dict(destination=destination, prefix=prefix, keep_vars=keep_vars)
+        if not exclude_frozen_parameters:
+            return state
+        trained = {prefix + name for name, p in self.engine.module.named_parameters() if p.requires_grad}
+        return type(state)((k, v) for k, v in state.items() if k in trained)
 
     @property
     def module(self) -> torch.nn.Module:
@@ -187,19 +204,37 @@ class Engine:
 
     def save_state(self, folder: str) -> None:
         """DeepSpeed's resumable state (module, ZeRO optimizer partitions, LR schedule) into ``folder``; every rank
-        calls it."""
-        self.engine.save_checkpoint(folder, tag="state", save_latest=False)
+        calls it. With LoRA the frozen base weights are left out: the state holds the adapters and their optimizer
+        moments only (the base is read again from its own folder)."""
+        self.engine.save_checkpoint(folder, tag="state", save_latest=False, exclude_frozen_parameters=self.lora)
 
     def load_state(self, folder: str) -> None:
         path, _ = self.engine.load_checkpoint(folder, tag="state", load_optimizer_states=True,
-                                              load_lr_scheduler_states=True)
+                                              load_lr_scheduler_states=True, load_module_strict=not self.lora)
         if path is None:
             raise InvariantError(f"DeepSpeed state of the {self.role} at {folder} could not be loaded; the checkpoint "
                                  "is incomplete — resume from an earlier checkpoint")
 
     def state_dict_for_save(self) -> dict[str, torch.Tensor]:
-        """Full weights on this rank (ZeRO 0-2 keep every parameter on every rank)."""
+        """Full weights on this rank (ZeRO 0-2 keep every parameter on every rank); with LoRA the merged weights
+        ``W + s B A`` under the plain model's names."""
+        if self.lora:
+            from stages.train.lora import merged_state_dict
+
+            return merged_state_dict(self.module)
         return {k: v.detach().to("cpu") for k, v in self.module.state_dict().items()}
+
+    def save_pretrained(self, folder: Path, adapter: Path) -> None:
+        """The model as a plain Hugging Face folder (rank 0 calls it); with LoRA also the adapter alone into
+        ``adapter`` (peft's format), from which training resumes on the base."""
+        if not self.lora:
+            self.module.save_pretrained(folder, state_dict=self.state_dict_for_save(), safe_serialization=True)
+            return
+        from stages.train.lora import save_adapter
+
+        self.module.get_base_model().save_pretrained(folder, state_dict=self.state_dict_for_save(),
+                                                     safe_serialization=True)
+        save_adapter(self.module, str(adapter))
 
 
 def compile_decoder_layers(model: torch.nn.Module) -> None:
@@ -542,24 +577,111 @@ class HeldEngines:
     section: dict
 
 
+def lora_bases(info, cfg: TrainSection) -> dict[str, dict]:
+    """Per role trained with LoRA (``actor``, ``critic``), what its adapter applies to: the options and the base
+    folder(s), as the checkpoint's ``train_state.json`` records them. A role trained before keeps its record (its
+    DeepSpeed state holds the optimizer state of exactly those adapters); a role that starts now takes the
+    checkpoint's current weights as its base. Raises ConfigError when the config's LoRA options differ from those a
+    role of ``info`` was trained with."""
+    recorded = info.lora or {}
+    out: dict[str, dict] = {}
+    roles = [("actor", cfg.actor_train, info.global_step > 0)]
+    if cfg.needs_critic:
+        roles.append(("critic", cfg.critic_train, info.critic_dir is not None))
+    for role, worker, trained in roles:
+        options = worker.model_args.lora_options()
+        record = recorded.get(role)
+        if trained and (record or {}).get("options") != options:
+            had = record["options"] if record else "full training (no LoRA)"
+            raise ConfigError(f"checkpoint {info.path}: its {role} was trained with {had}, but "
+                              f"{role}_train.model_args sets {options or 'full training (no LoRA)'}; its optimizer "
+                              "state belongs to the trained parameters of that setting. Resume with the checkpoint's "
+                              "lora_rank, lora_alpha and lora_target_modules, or start a new run from its weights "
+                              "(a copy of the folder without deepspeed/, lora/ and train_state.json)")
+        if options is None:
+            continue
+        if trained:
+            out[role] = record
+        elif role == "actor":
+            out[role] = {"options": options, "base": info.path}
+        else:
+            out[role] = {"options": options, "base": info.critic_dir, "actor_base": info.path,
+                         "seed": worker.training_args.seed}
+    return out
+
+
+def build_actor_model(info, worker: WorkerTrainConfig, base: dict | None) -> torch.nn.Module:
+    """The actor of checkpoint ``info``: its weights, or with LoRA (``base``: its :func:`lora_bases` entry) the
+    base model wrapped with the adapters, set from the checkpoint's adapter when it has one."""
+    from stages.train import lora
+    from stages.train.checkpoint import ACTOR_ADAPTER
+
+    if base is None:
+        return load_actor_model(info.path, worker)
+    model = lora.wrap(load_actor_model(base["base"], worker), worker.model_args, "actor", worker.training_args.seed)
+    if (Path(info.path) / ACTOR_ADAPTER).is_dir():
+        lora.load_adapter(model, str(Path(info.path) / ACTOR_ADAPTER))
+    return model
+
+
+def build_critic_model(info, worker: WorkerTrainConfig, base: dict | None) -> torch.nn.Module:
+    """The critic of checkpoint ``info`` (:func:`load_critic_model`), or with LoRA its base critic wrapped with the
+    adapters (the value head trains fully), set from the checkpoint's critic adapter when it has one."""
+    from stages.train import lora
+    from stages.train.checkpoint import CRITIC_ADAPTER
+
+    if base is None:
+        return load_critic_model(info.critic_dir, info.path, worker.training_args.seed)
+    model = lora.wrap(load_critic_model(base["base"], base["actor_base"], base["seed"]), worker.model_args, "critic",
+                      worker.training_args.seed)
+    if (Path(info.path) / CRITIC_ADAPTER).is_dir():
+        lora.load_adapter(model, str(Path(info.path) / CRITIC_ADAPTER))
+    return model
+
+
+def check_lora_base(engine: Engine, folder: str, role: str) -> None:
+    """The LoRA ``engine`` rebuilt from a checkpoint (base folder + adapter + state) must give the merged weights the
+    checkpoint holds in ``folder``: otherwise the base folder changed since the checkpoint was written. Equal up to
+    a few units of rounding of the largest weight (the same merge of the same values, in the same dtype)."""
+    from safetensors.torch import load_file
+
+    saved: dict[str, torch.Tensor] = {}
+    for path in sorted(Path(folder).glob("*.safetensors")):
+        saved.update(load_file(str(path)))
+    drift = weight_drift(engine, folder)
+    largest = max((float(v.float().abs().max()) for v in saved.values() if v.numel()), default=0.0)
+    eps = torch.finfo(next(engine.module.parameters()).dtype).eps
+    if drift > 4 * eps * max(largest, 1.0):
+        raise RollflowError(f"the LoRA {role} of checkpoint {folder}, rebuilt from its base folder and adapter, "
+                            f"differs from the checkpoint's merged weights by up to {drift:.3g}: the base model "
+                            "folder recorded in its train_state.json (lora) changed since. Restore that folder, or "
+                            "start a new run from the checkpoint's weights")
+
+
 def load_engines(info, cfg: TrainSection, dist: DistInfo) -> tuple[Engine, Engine | None]:
     """The actor (and critic) engines of checkpoint ``info``, with DeepSpeed's state when it has one; a weights-only
-    checkpoint's engines are rebuilt by replaying its steps (:func:`replay_engines`)."""
+    checkpoint's engines are rebuilt by replaying its steps (:func:`replay_engines`). With LoRA each trained role is
+    its base model plus the checkpoint's adapter (:func:`lora_bases`)."""
     if not info.has_state and info.replay:
         return replay_engines(info, cfg, dist)
     stage = cfg.actor_train.strategy_args.zero_stage
     if info.actor_state and info.world_size not in (None, dist.world_size) and stage > 0:
         raise ConfigError(f"checkpoint {info.path} was trained by {info.world_size} workers with ZeRO stage {stage}, "
                           f"whose optimizer state is split per rank; resume with num_workers: {info.world_size}")
-    actor = Engine(load_actor_model(info.path, cfg.actor_train), cfg.actor_train, dist, "actor")
+    bases = lora_bases(info, cfg)
+    actor = Engine(build_actor_model(info, cfg.actor_train, bases.get("actor")), cfg.actor_train, dist, "actor")
     if info.actor_state:
         actor.load_state(info.actor_state)
+    if actor.lora and info.global_step > 0:
+        check_lora_base(actor, info.path, "actor")
     critic = None
     if cfg.needs_critic:
-        model = load_critic_model(info.critic_dir, info.path, cfg.critic_train.training_args.seed)
-        critic = Engine(model, cfg.critic_train, dist, "critic")
+        critic = Engine(build_critic_model(info, cfg.critic_train, bases.get("critic")), cfg.critic_train, dist,
+                        "critic")
         if info.critic_state:
             critic.load_state(info.critic_state)
+        if critic.lora and info.critic_dir is not None:
+            check_lora_base(critic, info.critic_dir, "critic")
     return actor, critic
 
 
@@ -602,12 +724,13 @@ def replay_engines(info, cfg: TrainSection, dist: DistInfo) -> tuple[Engine, Eng
         actor.save_state(f"{tmp}/actor")
         if critic is not None:
             critic.save_state(f"{tmp}/critic")
-        handed = Engine(load_actor_model(info.path, cfg.actor_train), cfg.actor_train, dist, "actor")
+        bases = lora_bases(info, cfg)
+        handed = Engine(build_actor_model(info, cfg.actor_train, bases.get("actor")), cfg.actor_train, dist, "actor")
         handed.load_state(f"{tmp}/actor")
         handed_critic = None
         if cfg.needs_critic:
-            handed_critic = Engine(load_critic_model(info.critic_dir, info.path, cfg.critic_train.training_args.seed),
-                                   cfg.critic_train, dist, "critic")
+            handed_critic = Engine(build_critic_model(info, cfg.critic_train, bases.get("critic")), cfg.critic_train,
+                                   dist, "critic")
             if critic is not None:
                 handed_critic.load_state(f"{tmp}/critic")
     return handed, handed_critic
@@ -652,10 +775,11 @@ def train_and_save(table, where: str, checkpoint: str, cfg: TrainSection, output
     ``full_state``: write DeepSpeed's state; else the weights and a replay record only (stages/train/checkpoint.py).
     """
     from stages.storage import Location, folder_fingerprint
-    from stages.train.checkpoint import (ACTOR_STATE, CRITIC_DIR, CRITIC_STATE, copy_tokenizer, read_checkpoint,
-                                         replay_record)
+    from stages.train.checkpoint import (ACTOR_ADAPTER, ACTOR_STATE, CRITIC_ADAPTER, CRITIC_DIR, CRITIC_STATE,
+                                         copy_tokenizer, read_checkpoint, replay_record)
 
     info = read_checkpoint(checkpoint)
+    bases = lora_bases(info, cfg)  # also refuses LoRA options other than the checkpoint's
     section = cfg.model_dump(mode="json")
     setup_start = time.perf_counter()
     kept = held is not None and held.checkpoint == os.path.realpath(info.path) and held.section == section
@@ -676,11 +800,10 @@ def train_and_save(table, where: str, checkpoint: str, cfg: TrainSection, output
     out = Path(output)
     if dist.rank == 0:
         out.mkdir(parents=True, exist_ok=True)
-        actor.module.save_pretrained(out, state_dict=actor.state_dict_for_save(), safe_serialization=True)
+        actor.save_pretrained(out, out / ACTOR_ADAPTER)
         copy_tokenizer(info.path, str(out))
         if critic is not None:
-            critic.module.save_pretrained(out / CRITIC_DIR, state_dict=critic.state_dict_for_save(),
-                                          safe_serialization=True)
+            critic.save_pretrained(out / CRITIC_DIR, out / CRITIC_ADAPTER)
     torch.distributed.barrier()
     if full_state:
         actor.save_state(str(out / ACTOR_STATE))
@@ -690,19 +813,19 @@ def train_and_save(table, where: str, checkpoint: str, cfg: TrainSection, output
     report.metrics["time/save_s"] = time.perf_counter() - save_start
     report.metrics["time/train_s"] = report.seconds
     report.metrics.update(peak_memory(dist))
-    _write_state(out, info, report, actor, dist, cfg.actor_train.strategy_args.zero_stage, replay)
+    _write_state(out, info, report, actor, dist, cfg.actor_train.strategy_args.zero_stage, replay, bases)
     keep = HeldEngines(actor, critic, os.path.realpath(committed_as), section) if committed_as else None
     return report, keep
 
 
 def _write_state(out: Path, info, report: StepReport, actor: Engine, dist: DistInfo, zero_stage: int,
-                 replay: dict | None) -> None:
-    """Rank 0 writes the step's train state (counters, metrics, the replay record of a weights-only checkpoint)
-    beside the weights."""
+                 replay: dict | None, bases: dict[str, dict]) -> None:
+    """Rank 0 writes the step's train state (counters, metrics, the replay record of a weights-only checkpoint,
+    the LoRA bases) beside the weights."""
     from stages.train.checkpoint import write_train_state
 
     if dist.rank == 0:
-        write_train_state(str(out), {
+        write_train_state(str(out), ({"lora": bases} if bases else {}) | {
             "global_step": info.global_step + 1, "optimizer_steps": actor.optimizer_steps,
             "world_size": dist.world_size, "zero_stage": zero_stage, "input_checkpoint": info.path,
             "metrics": report.metrics, "per_step": report.per_step,
