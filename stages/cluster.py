@@ -71,6 +71,30 @@ def route_ray_logs() -> None:
     dataset_logger = logging.getLogger("ray.data.dataset")
     if not any(isinstance(f, _HideSpuriousCpuWarning) for f in dataset_logger.filters):
         dataset_logger.addFilter(_HideSpuriousCpuWarning())
+    _route_raylet_messages()
+
+
+def _route_raylet_messages() -> None:
+    """The raylet's messages to the driver (e.g. "N PYTHON worker processes have been started ... 4x the maximum
+    expected startup concurrency" when a flow starts its actor pools on a 2-CPU machine: Ray queues the starts, nothing
+    fails) are printed to stdout by a thread of Ray's driver even with ``log_to_driver=False``. They go to the
+    "ray.raylet" logger instead, i.e. the command's log file (the console with ``--verbose``). Other messages pass
+    through unchanged. Idempotent."""
+    from ray._private import worker as ray_worker
+
+    original = getattr(ray_worker, "print_to_stdstream", None)
+    if original is None or getattr(original, "_rollflow_routed", False):
+        return
+
+    def print_to_stdstream(data, ignore_prefix: bool):
+        if data.get("pid") == "raylet":
+            for line in data.get("lines", []):
+                logging.getLogger("ray.raylet").warning("%s", line)
+            return
+        original(data, ignore_prefix)
+
+    print_to_stdstream._rollflow_routed = True  # type: ignore[attr-defined]
+    ray_worker.print_to_stdstream = print_to_stdstream
 
 
 # session dir -> the pipe's write end, held open for this process's lifetime (stages/watchdog.py)

@@ -86,3 +86,22 @@ def test_progress_bars_are_off_unless_enabled_and_late_counts_of_a_closed_bar_ar
     counter.add(1, 4)  # from the closed bar 1
     counter.add(2, 1)
     assert counter.read() == (1, 3)
+
+
+def test_the_raylets_messages_go_to_the_log_not_to_stdout(capsys, caplog):
+    """Ray's driver prints the raylet's messages (worker start-up concurrency on a 2-CPU machine) to stdout even
+    with log_to_driver off; after route_ray_logs they are records of the "ray.raylet" logger, other output is
+    unchanged."""
+    from ray._private import worker as ray_worker
+
+    from stages.cluster import route_ray_logs
+
+    route_ray_logs()
+    message = "WARNING: 8 PYTHON worker processes have been started on node: x, which is 4x the maximum expected"
+    with caplog.at_level(logging.WARNING, logger="ray.raylet"):
+        ray_worker.print_to_stdstream({"lines": [message], "pid": "raylet", "is_err": False}, ignore_prefix=False)
+    assert message not in capsys.readouterr().out
+    assert [r.getMessage() for r in caplog.records if r.name == "ray.raylet"] == [message]
+    ray_worker.print_to_stdstream({"lines": ["a worker's line"], "pid": 123, "is_err": False, "ip": "127.0.0.1",
+                                   "task_name": "t", "actor_name": ""}, ignore_prefix=True)
+    assert "a worker's line" in capsys.readouterr().out
