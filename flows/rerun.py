@@ -1,22 +1,86 @@
-"""Re-running one stage of a past run with changed settings, keeping the old output (``rollflow stage``)."""
+"""Re-running one stage of a past run with changed settings, keeping the old output (``rollflow stage``).
+
+A stage output's manifest records its stage, section, inputs and state; a re-run applies ``--set`` overrides to the
+section and runs the stage again on the same inputs into a new folder beside the old one (``<old>@<fingerprint>``).
+``--downstream`` then re-runs every output in the same folder that read it (found through the manifests' inputs,
+breadth first: a re-run of the log-probs re-runs the rewards and advantages that read them), each into its own
+``@<fingerprint>`` folder. The originals are never touched.
+
+Which stages can be re-run is the table :data:`RERUNNABLE` (one entry per stage name): a function that runs the
+stage from its section, its inputs and its recorded state. The stages that need live engines or a trainer (rollout
+turns, generation, the training step) are not in it; a downstream walk that reaches one says so.
+"""
 
 from __future__ import annotations
 
+from typing import Any, Callable
+
+from pydantic import BaseModel
+
 from schemas.config import parse_overrides, validate_config
 from schemas.errors import RollflowError
-from stages.runner import Stage, run_stage
+from stages.runner import StageResult
 from stages.storage import Location, read_manifest
 
+Rerun = Callable[[BaseModel, dict[str, str], str, bool, dict], StageResult]
 
-def _stages() -> dict[str, Stage]:
+
+def _runner_stage(make: Callable[[], Any]) -> tuple[type[BaseModel], Rerun]:
+    """A stage the runner runs from its section alone."""
+    from stages.runner import run_stage
+
+    stage = make()
+
+    def rerun(section, inputs, output, force, state_in):
+        return run_stage(make(), section, inputs, output, force=force, state_in=state_in)
+
+    return stage.section_model, rerun
+
+
+def _forward_config(section) -> Any:
+    from schemas.train_config import ForwardConfig
+
+    return ForwardConfig(dtype=section.dtype, max_tokens_per_microbatch_in_infer=section.max_tokens_per_microbatch_in_infer,
+                         compute_entropy=getattr(section, "compute_entropy", False),
+                         enable_reference=getattr(section, "reference", None) is not None,
+                         seed=getattr(section, "seed", 42))
+
+
+def _logprobs() -> tuple[type[BaseModel], Rerun]:
+    from schemas.train_config import LogProbSection
+    from stages.train.stage import run_logprobs
+
+    def rerun(section, inputs, output, force, state_in):  # the models' fingerprints are recomputed from the folders
+        return run_logprobs(inputs["samples"], section.checkpoint, _forward_config(section), output,
+                            reference=section.reference, force=force)
+
+    return LogProbSection, rerun
+
+
+def _values() -> tuple[type[BaseModel], Rerun]:
+    from schemas.train_config import ValuesSection
+    from stages.train.stage import run_values
+
+    def rerun(section, inputs, output, force, state_in):
+        return run_values(inputs["samples"], section.critic, _forward_config(section), output, force=force)
+
+    return ValuesSection, rerun
+
+
+def _rerunnable() -> dict[str, Callable[[], tuple[type[BaseModel], Rerun]]]:
     from stages.advantages import AdvantagesStage
     from stages.response_rewards import ResponseRewardsStage
+    from stages.rlvr.stages import RewardStage, RLVRRewardsStage, SamplesStage
 
-    return {s.name: s for s in (ResponseRewardsStage(), AdvantagesStage())}
+    return {"response_rewards": lambda: _runner_stage(ResponseRewardsStage),
+            "advantages": lambda: _runner_stage(AdvantagesStage),
+            "rewards": lambda: _runner_stage(RewardStage),  # rule workers; an LLM judge needs rollflow score
+            "rlvr_samples": lambda: _runner_stage(SamplesStage),
+            "rlvr_rewards": lambda: _runner_stage(RLVRRewardsStage),
+            "logprobs": _logprobs, "values": _values}
 
 
-# which stages read a stage's output, and under which input name
-DOWNSTREAM = {"response_rewards": [("advantages", "rewarded")]}
+RERUNNABLE = ("response_rewards", "advantages", "rewards", "rlvr_samples", "rlvr_rewards", "logprobs", "values")
 
 
 def _apply(section: dict, overrides: dict) -> dict:
@@ -31,53 +95,106 @@ def _apply(section: dict, overrides: dict) -> dict:
     return data
 
 
+def _tag(section: BaseModel, inputs: dict[str, str]) -> str:
+    """8 hex digits of what a re-run changes (section and inputs): the same re-run, the same folders. The outputs of
+    one ``rollflow stage`` call, downstream ones included, share the tag of the stage it names."""
+    import hashlib
+    import json
+
+    payload = json.dumps({"section": section.model_dump(mode="json"), "inputs": inputs}, sort_keys=True)
+    return hashlib.sha256(payload.encode()).hexdigest()[:8]
+
+
+def _line(name: str, result: StageResult, old: Location) -> str:
+    return (f"{name}: {'up to date' if result.skipped else 'wrote'} {result.rows:,} rows to {result.output} "
+            f"(old output kept at {old.path})")
+
+
 def rerun_stage(name: str, old_output: str, overrides: list[str], output: str | None, downstream: bool,
                 force: bool) -> list[str]:
     """Re-run stage ``name`` on the inputs recorded in ``old_output``'s manifest with ``overrides`` applied to its
     config section; write to ``output`` (default ``<old>@<fingerprint>``). Returns lines to print."""
-    stages = _stages()
-    if name not in stages:
-        raise RollflowError(f"unknown stage '{name}'; known: {', '.join(stages)}")
-    stage = stages[name]
+    table = _rerunnable()
+    if name not in table:
+        raise RollflowError(f"unknown stage '{name}'; known: {', '.join(RERUNNABLE)} (rollout, generation and the "
+                            "training step run with their commands: rollflow rollout / train-step)")
     old = Location.of(old_output)
     manifest = read_manifest(old)
     if manifest is None or manifest.get("stage") != name:
         raise RollflowError(f"{old.path} is not an output of stage {name} (no matching manifest.json); pass the "
                             f"folder the stage wrote, e.g. runs/<run>/recompute/rewarded")
-    section = validate_config(stage.section_model, _apply(manifest["section"], parse_overrides(overrides)),
+    section_model, rerun = table[name]()
+    section = validate_config(section_model, _apply(manifest["section"], parse_overrides(overrides)),
                               f"{old.path}/manifest.json + overrides")
     inputs = {k: v["path"] for k, v in manifest["inputs"].items()}
-    from stages.runner import stage_fingerprint
-
-    fp = stage_fingerprint(stage, section, {k: Location.of(v) for k, v in inputs.items()}, manifest["state_in"])
-    target = output or f"{old.path}@{fp[:8]}"
     from stages.cluster import ensure_ray
 
     ensure_ray()  # once the request is valid (the manifest holds no runtime settings: $RAY_ADDRESS or a local cluster)
-    result = run_stage(stage, section, inputs, target, force=force, state_in=manifest["state_in"])
-    lines = [f"{name}: {'up to date' if result.skipped else 'wrote'} {result.rows:,} rows to {result.output} "
-             f"(old output kept at {old.path})"]
+    tag = _tag(section, inputs)
+    result = rerun(section, inputs, output or f"{old.path}@{tag}", force, manifest["state_in"])
+    lines = [_line(name, result, old)]
     if downstream:
-        for child_name, input_name in DOWNSTREAM.get(name, []):
-            child_out = _find_child(old, child_name, input_name)
-            if child_out is None:
-                lines.append(f"{child_name}: no output reading {old.path} was found beside it; nothing to recompute")
-                continue
-            child_manifest = read_manifest(child_out)
-            child = stages[child_name]
-            child_section = validate_config(child.section_model, child_manifest["section"], str(child_out.path))
-            child_inputs = {k: v["path"] for k, v in child_manifest["inputs"].items()} | {input_name: result.output}
-            r = run_stage(child, child_section, child_inputs, f"{child_out.path}@{fp[:8]}", force=force,
-                          state_in=child_manifest["state_in"])
-            lines.append(f"{child_name}: {'up to date' if r.skipped else 'wrote'} {r.rows:,} rows to {r.output} "
-                         f"(old output kept at {child_out.path})")
+        lines += _rerun_downstream(old, result.output, tag, force)
     return lines
 
 
-def _find_child(old: Location, child_name: str, input_name: str) -> Location | None:
+def _readers(old: Location) -> list[tuple[Location, dict, list[str]]]:
+    """The outputs beside ``old`` whose manifests read it: (folder, manifest, the input names that point at it)."""
+    found = []
     for info in old.parent.list():
         loc = Location(old.parent.fs, info.path)
-        m = read_manifest(loc) if loc.is_dir() else None
-        if m and m.get("stage") == child_name and m["inputs"].get(input_name, {}).get("path") == old.path:
-            return loc
-    return None
+        if "@" in info.base_name or not loc.is_dir():
+            continue  # other re-runs' outputs are not the run's own
+        m = read_manifest(loc)
+        names = [k for k, v in (m or {}).get("inputs", {}).items() if v.get("path") == old.path]
+        if names:
+            found.append((loc, m, names))
+    return sorted(found, key=lambda item: item[0].path)
+
+
+def _affected(first: Location) -> dict[str, tuple[Location, dict]]:
+    """Every output beside ``first`` that reads it, or reads one that does (by the manifests' inputs)."""
+    affected: dict[str, tuple[Location, dict]] = {}
+    frontier = [first]
+    while frontier:
+        for loc, m, _ in _readers(frontier.pop()):
+            if loc.path not in affected:
+                affected[loc.path] = (loc, m)
+                frontier.append(loc)
+    return affected
+
+
+def _rerun_downstream(first_old: Location, first_new: str, tag: str, force: bool) -> list[str]:
+    """Re-run every output downstream of ``first_old`` (re-run into ``first_new``) with its recorded section and
+    state, re-run inputs in place of the old ones, into ``<its folder>@<tag>``; an output runs after all of its
+    inputs that are re-run. One that ``rollflow stage`` cannot re-run is reported stale, and so is what reads it."""
+    table = _rerunnable()
+    pending = _affected(first_old)
+    if not pending:
+        return [f"no output beside {first_old.path} reads it; nothing downstream to recompute"]
+    lines: list[str] = []
+    replaced = {first_old.path: first_new}
+    stale: set[str] = set()
+    while pending:
+        ready = sorted(path for path, (_, m) in pending.items()
+                       if not any(v.get("path") in pending for v in m.get("inputs", {}).values()))
+        if not ready:
+            raise RollflowError(f"the outputs beside {first_old.path} read each other in a cycle "
+                                f"({', '.join(sorted(pending))}); re-run them one by one with rollflow stage --output")
+        for path in ready:
+            loc, m = pending.pop(path)
+            stage, inputs = m.get("stage", "?"), {k: v["path"] for k, v in m.get("inputs", {}).items()}
+            if stage not in table or stale & set(inputs.values()):
+                stale.add(path)
+                why = (f"rollflow stage re-runs {', '.join(RERUNNABLE)}" if stage not in table
+                       else "an input of it could not be re-run")
+                lines.append(f"{stage}: {loc.path} reads a re-run output but was not recomputed ({why}); it is now "
+                             "stale")
+                continue
+            section_model, rerun = table[stage]()
+            section = validate_config(section_model, m["section"], f"{loc.path}/manifest.json")
+            result = rerun(section, {k: replaced.get(v, v) for k, v in inputs.items()}, f"{loc.path}@{tag}", force,
+                           m["state_in"])
+            lines.append(_line(stage, result, loc))
+            replaced[path] = result.output
+    return lines

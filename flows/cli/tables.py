@@ -46,13 +46,15 @@ def recompute(input: Path = typer.Option(..., "--input", help="Folder of stored 
 
 
 @app.command()
-def stage(name: str = typer.Argument(..., help="Stage name: response_rewards or advantages."),
+def stage(name: str = typer.Argument(..., help="Stage name: response_rewards, advantages, rewards, rlvr_samples, "
+                                                "rlvr_rewards, logprobs or values."),
           run_dir: Path = typer.Option(..., "--from", help="An existing output folder of that stage (its manifest "
                                                             "records the inputs and config)."),
           overrides: Optional[list[str]] = OverrideOpt,
           output: Optional[Path] = typer.Option(None, "--output", help="New output folder (default: beside the old "
-                                                                       "one, named <stage>@<fingerprint>)."),
-          downstream: bool = typer.Option(False, "--downstream", help="Also recompute the stages that read this one."),
+                                                                       "one, named <stage>@<tag>)."),
+          downstream: bool = typer.Option(False, "--downstream", help="Also recompute every output beside it that "
+                                                                      "reads it, and theirs (each <folder>@<tag>)."),
           force: bool = typer.Option(False, "--force")) -> None:
     """Re-run one stage on its recorded inputs with changed settings, keeping the old output."""
     from flows.rerun import rerun_stage
