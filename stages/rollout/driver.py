@@ -66,14 +66,14 @@ def _check_env(config: RolloutConfig) -> None:
 
     for entry in config.env_layout():
         declared = entry.tag in (config.custom_envs or {})
-        where = (f"custom_envs.{entry.tag}.env_type" if declared else
-                 "env.tag" if config.env.tags is None else f"env.tags entry '{entry.tag}'")
+        where = (f"custom_envs.{entry.tag}.env_type '{entry.env_type}'" if declared else
+                 f"env.tag '{entry.tag}'" if config.env.tags is None else f"env.tags entry '{entry.tag}'")
         try:
             spec = env_spec(entry.env_type)
         except KeyError:
             fix = ("declare the tag in rollout.custom_envs with an env_type, or " if not declared and
                    config.env.tags is not None else "")
-            raise ConfigError(f"{where} '{entry.env_type}' is not a registered environment; {fix}use one of: "
+            raise ConfigError(f"{where} is not a registered environment; {fix}use one of: "
                               f"{', '.join(ENVIRONMENTS.names())}") from None
         if spec.needs_data and not ({"data", "data_path"} & entry.env_config.keys()):
             config_field = f"custom_envs.{entry.tag}.env_config" if declared else "env.env_config"

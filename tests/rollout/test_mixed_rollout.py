@@ -5,6 +5,8 @@ the metrics are split per tag next to the totals. The pure episode code with fak
 
 from __future__ import annotations
 
+import copy
+
 import pyarrow as pa
 import pyarrow.dataset as pads
 import pytest
@@ -24,7 +26,8 @@ MIXED = {"env": {"tags": ["FrozenLake", "Sokoban6"], "num_groups_partition": [1,
 
 
 def _config(**overrides):
-    return small_config(**{"env": MIXED["env"], "custom_envs": MIXED["custom_envs"], **overrides})
+    mixed = copy.deepcopy(MIXED)  # small_config applies dotted overrides in place
+    return small_config(**{"env": mixed["env"], "custom_envs": mixed["custom_envs"], **overrides})
 
 
 def test_groups_play_the_tags_of_the_partition(tokenizer):
@@ -95,3 +98,19 @@ def test_real_mixed_rollout_commits_both_tags(tiny_model, tmp_path):
     for tag in ("FrozenLake", "Sokoban6"):
         assert 0.0 <= m[f"rollout/{tag}/success_rate"] <= 1.0 and f"rollout/{tag}/valid_action_rate" in m
     assert len(result.turns) <= 2  # the longest tag's turn limit
+
+
+@pytest.mark.parametrize("overrides, words", [
+    ({"env.tags": ["Nope", "FrozenLake"]}, ["env.tags entry 'Nope'", "declare the tag in rollout.custom_envs",
+                                             "SimpleSokoban"]),
+    ({"custom_envs.Sokoban6.env_type": "Sokobann"}, ["custom_envs.Sokoban6.env_type 'Sokobann'", "use one of"]),
+])
+def test_an_unknown_environment_is_refused_before_anything_runs(overrides, words, tmp_path):
+    from schemas.errors import ConfigError
+    from stages.rollout.driver import run_rollout
+
+    with pytest.raises(ConfigError) as err:
+        run_rollout(_config(**overrides), str(tmp_path / "never"), "/nonexistent/checkpoint")
+    for word in words:
+        assert word in str(err.value), str(err.value)
+    assert not (tmp_path / "never").exists()
