@@ -39,7 +39,7 @@ def random_policy_success(config, episodes_per_level: int = 8, seed: int = 0) ->
     Returns (rate, episodes)."""
     from schemas.rollout_config import turn_section
     from stages.envs.registry import make_env
-    from stages.rollout.episode import env_kwargs, level_seed
+    from stages.rollout.episode import env_entry, env_kwargs, level_seed
 
     section = turn_section(config.eval_rollout())
     rng = random.Random(seed)
@@ -47,7 +47,8 @@ def random_policy_success(config, episodes_per_level: int = 8, seed: int = 0) ->
     for group in range(section.env.num_env_groups):
         level = level_seed(section.seed, section.iteration, group)
         for _ in range(episodes_per_level):
-            env = make_env(section.env.tag, **env_kwargs(section))
+            entry = env_entry(section, group * section.env.group_size)
+            env = make_env(entry.env_type, **env_kwargs(section, entry))
             env.reset(level)
             names = list(env.action_lookup.values())
             done, info = False, {}

@@ -125,7 +125,7 @@ def main() -> None:
         pool.close()
 
     m = result.metrics
-    print(f"\nrollout of {config.num_episodes} {config.env.tag} episodes ({config.engine.backend}, "
+    print(f"\nrollout of {config.num_episodes} {'+'.join(config.env.tag_list)} episodes ({config.engine.backend}, "
           f"{config.generating_args.max_new_tokens} max new tokens, up to {config.env.max_steps} turns) in {out}")
     print(f"  ray start {ray_s:.1f}s, engine build {build_s:.1f}s, engine warm-up {warmup_s:.1f}s")
     print(f"  {'stage':<24}{'seconds':>10}")

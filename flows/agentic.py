@@ -153,6 +153,12 @@ def eval_summary_lines(summary: dict) -> list[str]:
                 "rollout/mean_episode_length", "rollout/episode_score/mean"):
         if key in m:
             lines.append(f"  {key:<30} {m[key]:.4g}")
+    tags = sorted({k.split("/")[1] for k in m if k.startswith("rollout/") and k.endswith("/success_rate")
+                   and k.count("/") == 2})
+    if len(tags) > 1:  # a mixed evaluation: the rates of each environment
+        for tag in tags:
+            lines.append(f"  {tag:<30} success {m[f'rollout/{tag}/success_rate']:.4g}, valid actions "
+                         f"{m[f'rollout/{tag}/valid_action_rate']:.4g} ({int(m[f'rollout/{tag}/episodes'])} episodes)")
     lines.append(f"episodes: {summary['output']}  (rollflow show {summary['output']} to read them)")
     return lines
 

@@ -6,6 +6,8 @@ Reads the metrics table written by ``stages.metrics.MetricsLog`` (``runs/<run>/m
 pattern is a line; the same name logged by two stages gives two lines), ``stage_time.png`` (per-stage wall time per
 iteration, stacked bars) and ``index.html`` (images referenced by relative path, so the folder can be copied or
 served as is). Plots without data are listed on the page and in the result as missing, with the names looked for.
+The per-tag rollout metrics (``rollout/<tag>/...``, one set per environment of a mixed run) get a table of their last
+values per stage (rollout, eval).
 
 Sample episodes: a list of episodes given by the caller, else the turn tables of the last rollout found under the run
 (``.../turns/turn_*/part-*.parquet``, schema ``stages.rollout.tables.TURNS``), else none. An episode is a list of turn
@@ -80,6 +82,29 @@ def final_metrics(table: pa.Table) -> list[tuple[str, str, int, float | None]]:
         if (name, stage) not in last or it >= last[(name, stage)][0]:
             last[(name, stage)] = (it, value)
     return [(n, s, it, v) for (n, s), (it, v) in sorted(last.items())]
+
+
+TAG_METRIC = re.compile(r"^rollout/(?P<tag>[^/]+)/(?P<what>episodes|success_rate|valid_action_rate|"
+                        r"mean_episode_length|episode_score/mean)$")
+TAG_COLUMNS = ("episodes", "success_rate", "valid_action_rate", "mean_episode_length", "episode_score/mean")
+
+
+def per_tag_table(table: pa.Table) -> list[tuple[str, str, int, dict[str, float | None]]]:
+    """``(stage, tag, iteration, {metric: value})`` of the last iteration of every stage's per-tag rollout metrics
+    (``rollout/<tag>/...``, one row per environment tag of a mixed run), sorted by stage and tag."""
+    rows: dict[tuple[str, str], tuple[int, dict[str, float | None]]] = {}
+    for name, stage, it, value in final_metrics(table):
+        found = TAG_METRIC.match(name)
+        if found is None or found["tag"] in ("stop", "episode_score"):
+            continue
+        key = (stage, found["tag"])
+        last_it, values = rows.get(key, (it, {}))
+        if it > last_it:
+            last_it, values = it, {}
+        if it == last_it:
+            values[found["what"]] = value
+        rows[key] = (last_it, values)
+    return [(stage, tag, it, values) for (stage, tag), (it, values) in sorted(rows.items())]
 
 
 def stage_times(table: pa.Table) -> tuple[list[int], dict[str, np.ndarray]]:
@@ -246,12 +271,20 @@ def _page(run_dir: Path, images: list[tuple[str, str]], missing: list[str], tabl
                         for title, name in images)
     missing_html = ("<ul class='missing'>" + "".join(f"<li>{html.escape(m)}</li>" for m in missing) + "</ul>"
                     if missing else "")
+    tag_rows = per_tag_table(table)
+    per_tag = ""
+    if tag_rows:
+        head = "".join(f"<th>{html.escape(c)}</th>" for c in ("stage", "tag", "iteration") + TAG_COLUMNS)
+        body = "\n".join("<tr>" + "".join(f"<td>{html.escape(str(x))}</td>" for x in (stage, tag, it)) +
+                         "".join(f"<td>{_fmt(values.get(c))}</td>" for c in TAG_COLUMNS) + "</tr>"
+                         for stage, tag, it, values in tag_rows)
+        per_tag = f"<h2>Per environment tag</h2><table><tr>{head}</tr>{body}</table>"
     iterations = sorted(set(table["iteration"].to_pylist()))
     span = f"iterations {iterations[0]}–{iterations[-1]}" if iterations else "no iterations logged"
     return (f"<!DOCTYPE html><html><head><meta charset='utf-8'><title>rollflow report: {html.escape(run_dir.name)}"
             f"</title><style>{_CSS}</style></head><body>"
             f"<h1>rollflow report: {html.escape(run_dir.name)}</h1><p>{html.escape(str(run_dir))} — {span}, "
-            f"{table.num_rows} metric rows</p><h2>Per iteration</h2>{figures}{missing_html}"
+            f"{table.num_rows} metric rows</p><h2>Per iteration</h2>{figures}{missing_html}{per_tag}"
             f"<h2>Final metrics</h2><table><tr><th>metric</th><th>stage</th><th>iteration</th><th>value</th></tr>"
             f"{rows}</table><h2>Sample episodes</h2>{episodes_html}</body></html>")
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import string
 from typing import Annotated, Any, Literal
 
-from pydantic import BeforeValidator, Field, model_validator
+from pydantic import BeforeValidator, Field, SerializerFunctionWrapHandler, model_serializer, model_validator
 
 from schemas.config import Frozen, RuntimeConfig
 from schemas.precision import long_validator
@@ -88,8 +88,47 @@ class EngineConfig(Frozen):
                                                                        "actors (e.g. VLLM_CPU_OMP_THREADS_BIND).")
 
 
-class EnvManagerConfig(Frozen):
-    """Which environment, how many episodes, how long (ROLL's env manager + custom_envs entry)."""
+# A tag names a column value, a group id prefix and a metric path (rollout/<tag>/...): no '/' and no name that is
+# already a group of the rollout metrics.
+TAG_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]*$"
+RESERVED_TAGS = frozenset({"stop", "episode_score"})
+EnvTag = Annotated[str, Field(pattern=TAG_PATTERN)]
+
+
+class OmitUnsetMixed(Frozen):
+    """A model whose mixed-environment fields (``_omit_when_none``) are left out of its dump while they are None, so
+    a single-environment config dumps, and every stage fingerprint hashes, exactly what it did before they existed
+    (committed run folders resume without recomputation)."""
+
+    _omit_when_none: tuple[str, ...] = ()
+
+    @model_serializer(mode="wrap")
+    def _omit_unused(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        data = handler(self)
+        for name in self._omit_when_none:
+            if isinstance(data, dict) and data.get(name, ...) is None:
+                del data[name]
+        return data
+
+
+class CustomEnvConfig(Frozen):
+    """One entry of ROLL's ``custom_envs``: the environment a tag stands for."""
+
+    env_type: str | None = Field(None, min_length=1, description="Registered environment (FrozenLake, "
+                                                                 "SimpleSokoban, ...); default: the tag itself.")
+    env_config: dict[str, Any] = Field(default_factory=dict, description="Constructor arguments of the "
+                                                                         "environment over its registered defaults.")
+    max_steps: int | None = Field(None, gt=0, description="Turns per episode of this tag (ROLL's "
+                                                          "max_actions_per_traj); default: env.max_steps.")
+
+
+class EnvManagerConfig(OmitUnsetMixed):
+    """Which environment(s), how many episodes, how long (ROLL's env manager). One environment: ``tag`` (+
+    ``env_config``). Several (ROLL's mixed env manager): ``tags`` with ``num_groups_partition`` (groups per tag, in
+    order: groups 0..n1-1 play tags[0], the next n2 tags[1], ...), each tag described in ``rollout.custom_envs`` or
+    being a registered environment itself."""
+
+    _omit_when_none = ("tags", "num_groups_partition")
 
     tag: str = Field("FrozenLake", description="Registered environment tag (FrozenLake, SimpleSokoban, ...).")
     env_config: dict[str, Any] = Field(default_factory=dict, description="Constructor arguments of the "
@@ -97,7 +136,118 @@ class EnvManagerConfig(Frozen):
     num_env_groups: int = Field(8, gt=0, description="Groups of episodes; each group plays one level.")
     group_size: int = Field(8, gt=0, description="Episodes per group (same level seed, different samples).")
     max_steps: int = Field(10, gt=0, description="Turns per episode (ROLL's max_actions_per_traj); also the "
-                                                 "environment's own max_steps.")
+                                                 "environment's own max_steps. With tags: the default of each tag's "
+                                                 "custom_envs max_steps.")
+    tags: tuple[EnvTag, ...] | None = Field(None, min_length=1, description="ROLL's tags: the environments of a "
+                                            "mixed rollout, each a key of rollout.custom_envs or a registered "
+                                            "environment; replaces tag/env_config. null: the single `tag`.")
+    num_groups_partition: tuple[int, ...] | None = Field(None, description="ROLL's num_groups_partition: groups "
+                                                         "per tag, in the order of tags, summing to num_env_groups "
+                                                         "(default with one tag: [num_env_groups]).")
+
+    @model_validator(mode="after")
+    def _mixed_env_rules(self) -> "EnvManagerConfig":
+        if self.tags is None:
+            if self.num_groups_partition is not None:
+                raise ValueError("env.num_groups_partition is set without env.tags, but a partition divides the "
+                                 "groups among tags; set env.tags (one per entry) or remove num_groups_partition")
+            return self
+        # judged by value, not by fields set: a dumped config (tag always written) must validate again
+        explicit = ({"tag"} if self.tag != type(self).model_fields["tag"].default else set()) | \
+            ({"env_config"} if self.env_config else set())
+        if explicit:
+            verb = "describes" if len(explicit) == 1 else "describe"
+            raise ValueError(f"env.{' and env.'.join(sorted(explicit))} {verb} the single environment, but "
+                             f"env.tags {list(self.tags)} asks for a mixed rollout; describe each tag in "
+                             "rollout.custom_envs (env_type, env_config, max_steps) and remove env.tag/env_config")
+        check_tags_partition(self.tags, self.num_groups_partition, self.num_env_groups, "env")
+        return self
+
+    @property
+    def partition(self) -> tuple[int, ...]:
+        """Groups per tag (one tag: all groups)."""
+        if self.tags is None:
+            return (self.num_env_groups,)
+        return self.num_groups_partition or (self.num_env_groups,)
+
+    @property
+    def tag_list(self) -> tuple[str, ...]:
+        return self.tags if self.tags is not None else (self.tag,)
+
+
+def check_tags_partition(tags: tuple[str, ...], partition: tuple[int, ...] | None, num_env_groups: int,
+                         where: str) -> None:
+    """ROLL's rules for ``tags`` / ``num_groups_partition`` of an env manager, as errors naming ``where``."""
+    doubled = sorted({t for t in tags if tags.count(t) > 1})
+    if doubled:
+        raise ValueError(f"{where}.tags lists {doubled} more than once, but a tag names one environment and its "
+                         f"groups; list each tag once and give it more groups in {where}.num_groups_partition")
+    reserved = sorted(RESERVED_TAGS & set(tags))
+    if reserved:
+        raise ValueError(f"{where}.tags {reserved}: reserved, because rollout/<tag>/... would collide with the "
+                         f"rollout metrics of that name; rename the tag (and its custom_envs key)")
+    if partition is None:
+        if len(tags) == 1:
+            return
+        even = _even_split(num_env_groups, len(tags))
+        fix = f"e.g. {list(even)}" if even else f"{len(tags)} numbers >= 1 summing to {num_env_groups}"
+        raise ValueError(f"{where}.num_groups_partition is required with {len(tags)} tags, because it says how many "
+                         f"of the {num_env_groups} groups each tag plays; set {where}.num_groups_partition: {fix}")
+    if len(partition) != len(tags):
+        raise ValueError(f"{where}.num_groups_partition has {len(partition)} entries but {where}.tags has "
+                         f"{len(tags)}, because entry i is the number of groups of tags[i]; give one entry per tag")
+    if any(n < 1 for n in partition):
+        raise ValueError(f"{where}.num_groups_partition {list(partition)} has an entry below 1, but every tag must "
+                         f"play at least one group; remove that tag from {where}.tags or give it a group")
+    if sum(partition) != num_env_groups:
+        raise ValueError(f"{where}.num_groups_partition {list(partition)} sums to {sum(partition)}, but "
+                         f"{where}.num_env_groups is {num_env_groups}, because every group plays exactly one tag; "
+                         f"set {where}.num_env_groups: {sum(partition)} or change the partition")
+
+
+def _even_split(groups: int, parts: int) -> tuple[int, ...] | None:
+    """``groups`` split into ``parts`` equal numbers, or None when they do not divide."""
+    if parts < 1 or groups % parts or groups < parts:
+        return None
+    return (groups // parts,) * parts
+
+
+class TagEnv(Frozen):
+    """One tag of a rollout as played: its environment, turn limit and range of group indices."""
+
+    tag: str
+    env_type: str
+    env_config: dict[str, Any]
+    max_steps: int
+    first_group: int
+    num_groups: int
+
+
+def env_layout(env: EnvManagerConfig, custom_envs: dict[str, CustomEnvConfig] | None) -> tuple[TagEnv, ...]:
+    """The tags of a rollout in group order (ROLL's make_env_configs: consecutive groups per tag). A tag declared in
+    ``custom_envs`` plays its entry; otherwise it names a registered environment (with ``env.env_config`` when it is
+    the single ``env.tag``)."""
+    custom = custom_envs or {}
+    out, first = [], 0
+    for tag, groups in zip(env.tag_list, env.partition):
+        entry = custom.get(tag)
+        if entry is None:
+            env_type, config, steps = tag, (dict(env.env_config) if env.tags is None else {}), env.max_steps
+        else:
+            env_type = entry.env_type or tag
+            config, steps = dict(entry.env_config), entry.max_steps or env.max_steps
+        out.append(TagEnv(tag=tag, env_type=env_type, env_config=config, max_steps=steps, first_group=first,
+                          num_groups=groups))
+        first += groups
+    return tuple(out)
+
+
+def tag_of_group(layout: tuple[TagEnv, ...], group_index: int) -> TagEnv:
+    """The tag whose range of groups holds ``group_index``."""
+    for entry in layout:
+        if entry.first_group <= group_index < entry.first_group + entry.num_groups:
+            return entry
+    raise IndexError(f"group {group_index} is beyond the {sum(e.num_groups for e in layout)} groups of the rollout")
 
 
 class ExampleTurn(Frozen):
@@ -148,8 +298,10 @@ class PromptConfig(Frozen):
         return self
 
 
-class RolloutConfig(Frozen):
+class RolloutConfig(OmitUnsetMixed):
     """``rollflow rollout``: group_size episodes per level seed, played turn by turn, emitted as training samples."""
+
+    _omit_when_none = ("custom_envs",)
 
     seed: int = Field(42, ge=0, description="Base seed: level seeds and sampling seeds derive from it.")
     iteration: int = Field(0, ge=0, description="Training iteration (new levels and samples per iteration).")
@@ -165,6 +317,9 @@ class RolloutConfig(Frozen):
     on_invalid_action: Literal["continue", "end"] = Field("continue", description="After an invalid reply the "
                                                                                   "episode continues (ROLL) or ends.")
     env: EnvManagerConfig = Field(default_factory=EnvManagerConfig, description="Environment and episode counts.")
+    custom_envs: dict[EnvTag, CustomEnvConfig] | None = Field(None, description="ROLL's custom_envs: tag -> "
+                                                              "{env_type, env_config, max_steps}; the environments "
+                                                              "env.tags (and the evaluation's tags) may name.")
     generating_args: GeneratingArgs = Field(default_factory=GeneratingArgs, description="Sampling parameters.")
     engine: EngineConfig = Field(default_factory=EngineConfig, description="Generation engine and its resources.")
     prompt: PromptConfig = Field(default_factory=PromptConfig, description="Prompt templates.")
@@ -180,11 +335,20 @@ class RolloutConfig(Frozen):
         if self.engine.backend == "hf" and self.engine.num_gpus_per_engine > 1:
             raise ValueError(f"engine.num_gpus_per_engine ({self.engine.num_gpus_per_engine}) > 1 with backend hf, "
                              "which runs on one device; use backend vllm for tensor parallelism or set it to 1")
+        if self.custom_envs is not None:
+            reserved = sorted(RESERVED_TAGS & set(self.custom_envs))
+            if reserved:
+                raise ValueError(f"custom_envs {reserved}: reserved tag names, because rollout/<tag>/... would "
+                                 "collide with the rollout metrics of that name; rename the tag")
         return self
 
     @property
     def num_episodes(self) -> int:
         return self.env.num_env_groups * self.env.group_size
+
+    def env_layout(self) -> tuple[TagEnv, ...]:
+        """The tags this rollout plays, in group order (see :func:`env_layout`)."""
+        return env_layout(self.env, self.custom_envs)
 
 
 # ---- stage sections: what each rollout stage's fingerprint hashes -------------------------------------------------
@@ -197,8 +361,11 @@ class EngineIdentity(Frozen):
     max_model_len: int
 
 
-class TurnSection(Frozen):
-    """What the reset and turn stages read."""
+class TurnSection(OmitUnsetMixed):
+    """What the reset and turn stages read (``custom_envs``: only the entries the rollout's tags use, None when it
+    uses none, so a single-environment section hashes as before)."""
+
+    _omit_when_none = ("custom_envs",)
 
     seed: int
     iteration: int
@@ -211,6 +378,10 @@ class TurnSection(Frozen):
     generating_args: GeneratingArgs
     prompt: PromptConfig
     engine: EngineIdentity
+    custom_envs: dict[str, CustomEnvConfig] | None = None
+
+    def env_layout(self) -> tuple[TagEnv, ...]:
+        return env_layout(self.env, self.custom_envs)
 
 
 class SamplesSection(Frozen):
@@ -220,7 +391,7 @@ class SamplesSection(Frozen):
     iteration: int
     sample_level: SampleLevel
     group_size: int
-    tag: str
+    tag: str  # the environment tag; a mixed rollout's tags comma-joined
 
 
 def turn_section(config: RolloutConfig) -> TurnSection:
@@ -229,9 +400,16 @@ def turn_section(config: RolloutConfig) -> TurnSection:
     return TurnSection(seed=config.seed, iteration=config.iteration, run_name=config.run_name,
                        sample_level=config.sample_level, sequence_length=config.sequence_length,
                        format_penalty=config.format_penalty, on_invalid_action=config.on_invalid_action,
-                       env=config.env, generating_args=config.generating_args, prompt=config.prompt, engine=engine)
+                       env=config.env, generating_args=config.generating_args, prompt=config.prompt, engine=engine,
+                       custom_envs=used_custom_envs(config))
+
+
+def used_custom_envs(config: RolloutConfig) -> dict[str, CustomEnvConfig] | None:
+    """The custom_envs entries the rollout's tags play (None when none: an unused entry changes no fingerprint)."""
+    used = {tag: entry for tag, entry in (config.custom_envs or {}).items() if tag in config.env.tag_list}
+    return used or None
 
 
 def samples_section(config: RolloutConfig) -> SamplesSection:
     return SamplesSection(run_name=config.run_name, iteration=config.iteration, sample_level=config.sample_level,
-                          group_size=config.env.group_size, tag=config.env.tag)
+                          group_size=config.env.group_size, tag=",".join(config.env.tag_list))

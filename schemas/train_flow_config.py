@@ -12,13 +12,16 @@ from typing import Literal
 from pydantic import Field, model_validator
 
 from schemas.capabilities import estimator_capabilities, policy_loss_capabilities
-from schemas.config import AlgorithmConfig, Frozen, RuntimeConfig, one_runtime
-from schemas.rollout_config import RolloutConfig
+from schemas.config import AlgorithmConfig, RuntimeConfig, one_runtime
+from schemas.rollout_config import EnvManagerConfig, EnvTag, OmitUnsetMixed, RolloutConfig, check_tags_partition
 from schemas.train_config import ForwardConfig, TrainStepConfig, estimator_into_train
 
 
-class EvalConfig(Frozen):
-    """Evaluation on a fixed held-out seed set (ROLL's val env manager), before training and every ``eval_steps``."""
+class EvalConfig(OmitUnsetMixed):
+    """Evaluation on a fixed held-out seed set (ROLL's val env manager), before training and every ``eval_steps``.
+    Its environments are its own (``tags`` / ``num_groups_partition``), by default the training rollout's."""
+
+    _omit_when_none = ("tags", "num_groups_partition")
 
     eval_steps: int = Field(1, ge=0, description="Evaluate after every N training steps (0: never).")
     seed: int = Field(1_000_003, ge=0, description="Base seed of the held-out levels (never used for training).")
@@ -26,6 +29,13 @@ class EvalConfig(Frozen):
     group_size: int = Field(1, gt=0, description="Episodes per held-out level.")
     temperature: float | None = Field(None, ge=0.0, description="Sampling temperature of evaluation "
                                                                 "(null: the rollout's).")
+    tags: tuple[EnvTag, ...] | None = Field(None, min_length=1, description="ROLL's val_env_manager tags: the "
+                                            "environments evaluated, each a key of rollout.custom_envs or a "
+                                            "registered environment (null: the training rollout's).")
+    num_groups_partition: tuple[int, ...] | None = Field(None, description="Held-out groups per tag, summing to "
+                                                         "num_env_groups (null: the training's partition when it "
+                                                         "sums to num_env_groups and the tags are the training's, "
+                                                         "else an even split).")
 
 
 class TrainFlowConfig(AlgorithmConfig):
@@ -103,6 +113,7 @@ class TrainFlowConfig(AlgorithmConfig):
         if (self.add_token_level_kl or self.train.use_kl_loss) and not self.logprobs.enable_reference:
             raise ValueError("add_token_level_kl / train.use_kl_loss need the reference model's log-probs; set "
                              "logprobs.enable_reference: true")
+        self.eval_env()  # the evaluation's tags and partition (errors name eval.*)
         if self.train.runtime.num_workers > 1 and episodes < self.train.runtime.num_workers:
             raise ValueError(f"{episodes} episodes per iteration cannot feed {self.train.runtime.num_workers} training "
                              f"workers; raise rollout.env.num_env_groups or lower train.runtime.num_workers")
@@ -120,10 +131,41 @@ class TrainFlowConfig(AlgorithmConfig):
         """The rollout of a training iteration: new levels and samples each iteration, row ids named by run."""
         return self.rollout.model_copy(update={"iteration": iteration, "run_name": self.run_name})
 
+    def eval_env(self) -> EnvManagerConfig:
+        """The env manager of evaluation (ROLL's val_env_manager): the training's with the held-out counts and the
+        evaluation's own tags and partition, resolved from ``eval.tags`` / ``eval.num_groups_partition``."""
+        train, ev = self.rollout.env, self.eval
+        update: dict = {"num_env_groups": ev.num_env_groups, "group_size": ev.group_size}
+        if ev.tags is None and ev.num_groups_partition is None and train.tags is None:
+            return train.model_copy(update=update)  # one environment: exactly the training's
+        if ev.tags is None and train.tags is None:
+            raise ValueError("eval.num_groups_partition is set but neither eval.tags nor rollout.env.tags is, so "
+                             "there are no tags to divide the groups among; set eval.tags or remove "
+                             "eval.num_groups_partition")
+        tags = ev.tags if ev.tags is not None else train.tags
+        partition = ev.num_groups_partition
+        if partition is None:
+            if ev.tags is None and sum(train.partition) == ev.num_env_groups:
+                partition = train.partition
+            elif ev.num_env_groups % len(tags) == 0 and ev.num_env_groups >= len(tags):
+                partition = (ev.num_env_groups // len(tags),) * len(tags)
+            else:
+                raise ValueError(f"eval.num_env_groups ({ev.num_env_groups}) cannot be split evenly over the "
+                                 f"{len(tags)} evaluation tags {list(tags)}; set eval.num_groups_partition "
+                                 f"({len(tags)} numbers >= 1 summing to {ev.num_env_groups}) or make "
+                                 f"eval.num_env_groups a multiple of {len(tags)}")
+        check_tags_partition(tags, partition, ev.num_env_groups, "eval")
+        if train.tags is None:  # the single training environment's own fields do not describe the evaluation's
+            update.update({"tag": type(train).model_fields["tag"].default, "env_config": {}})
+            if train.tag in tags and train.env_config:
+                raise ValueError(f"eval.tags names the training's single environment '{train.tag}', whose "
+                                 "rollout.env.env_config a mixed evaluation cannot carry; declare it in "
+                                 f"rollout.custom_envs ({train.tag}: {{env_config: ...}}) and use rollout.env.tags")
+        return train.model_copy(update={**update, "tags": tuple(tags), "num_groups_partition": tuple(partition)})
+
     def eval_rollout(self) -> RolloutConfig:
         """The held-out rollout: fixed seeds (the same levels at every evaluation)."""
-        env = self.rollout.env.model_copy(update={"num_env_groups": self.eval.num_env_groups,
-                                                  "group_size": self.eval.group_size})
+        env = self.eval_env()
         gen = self.rollout.generating_args
         if self.eval.temperature is not None:
             gen = gen.model_copy(update={"temperature": self.eval.temperature})

@@ -58,8 +58,9 @@ def rollout(config: Optional[Path] = typer.Option(None, "--config", help="YAML c
     connect(cfg.runtime)
     from stages.rollout.driver import run_rollout
 
-    typer.echo(f"rollout: {cfg.num_episodes} {cfg.env.tag} episodes ({cfg.env.num_env_groups} groups x "
-               f"{cfg.env.group_size}), up to {cfg.env.max_steps} turns, {cfg.sample_level}-level samples, "
+    tags = ", ".join(f"{e.tag} x{e.num_groups}" for e in cfg.env_layout())
+    typer.echo(f"rollout: {cfg.num_episodes} episodes ({cfg.env.num_env_groups} groups x {cfg.env.group_size}: "
+               f"{tags}), up to {max(e.max_steps for e in cfg.env_layout())} turns, {cfg.sample_level}-level samples, "
                f"{cfg.engine.backend} engine")
     result = _guard(lambda: run_rollout(cfg, str(output), str(checkpoint) if checkpoint else None, force=force,
                                         on_event=_progress))

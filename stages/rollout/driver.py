@@ -61,15 +61,23 @@ def resolve_model_dir(checkpoint: str | None) -> str:
 
 
 def _check_env(config: RolloutConfig) -> None:
+    """Every tag names a registered environment (itself, or its custom_envs env_type) and has the data it needs."""
     from stages.envs import ENVIRONMENTS, env_spec
 
-    try:
-        spec = env_spec(config.env.tag)
-    except KeyError:
-        raise ConfigError(f"env.tag '{config.env.tag}' is not a registered environment; known: "
-                          f"{', '.join(ENVIRONMENTS.names())}") from None
-    if spec.needs_data and not ({"data", "data_path"} & config.env.env_config.keys()):
-        raise ConfigError(f"environment '{config.env.tag}' needs data: set env.env_config.data_path to a .jsonl file")
+    for entry in config.env_layout():
+        declared = entry.tag in (config.custom_envs or {})
+        where = (f"custom_envs.{entry.tag}.env_type '{entry.env_type}'" if declared else
+                 f"env.tag '{entry.tag}'" if config.env.tags is None else f"env.tags entry '{entry.tag}'")
+        try:
+            spec = env_spec(entry.env_type)
+        except KeyError:
+            fix = ("declare the tag in rollout.custom_envs with an env_type, or " if not declared and
+                   config.env.tags is not None else "")
+            raise ConfigError(f"{where} is not a registered environment; {fix}use one of: "
+                              f"{', '.join(ENVIRONMENTS.names())}") from None
+        if spec.needs_data and not ({"data", "data_path"} & entry.env_config.keys()):
+            config_field = f"custom_envs.{entry.tag}.env_config" if declared else "env.env_config"
+            raise ConfigError(f"environment '{entry.tag}' needs data: set {config_field}.data_path to a .jsonl file")
 
 
 def _remove_stale_turns(out: Location, last_turn: int) -> None:
@@ -118,7 +126,7 @@ def run_rollout(config: RolloutConfig, output: str, checkpoint: str | None = Non
         timings["reset_seconds"] = episodes.seconds
         notify("episodes", {"result": episodes})
         previous = episodes
-        for turn in range(config.env.max_steps):
+        for turn in range(max(entry.max_steps for entry in config.env_layout())):
             active = int(previous.metrics.get("active", 0))
             if active == 0:
                 break

@@ -7,7 +7,9 @@ row's state, stepped with the reply text, and the next prompt is built. An episo
 in ``sequence_length`` (ROLL's MAX_LENGTH stop: the unanswered turn is never played).
 
 Ids follow ROLL (§11.1): ``group_id`` = ``{tag}_{group_index}_{iteration}_{level_seed}`` (ROLL's traj_group_id with
-the iteration as episode id), ``traj_id`` = ``{group_id}_{env_index}``. Level seeds and sampling seeds are derived
+the iteration as episode id), ``traj_id`` = ``{group_id}_{env_index}``. A mixed rollout numbers its groups across
+tags (ROLL's make_env_configs): group ``g`` plays the tag whose range of the partition holds it, so group indices,
+level seeds and ids stay distinct over the whole rollout. Level seeds and sampling seeds are derived
 from the config seed by SHA-256 (ROLL draws them from Python's global RNG: not reproducible).
 """
 
@@ -18,7 +20,7 @@ import json
 from typing import Any
 
 from schemas.errors import ConfigError
-from schemas.rollout_config import TurnSection
+from schemas.rollout_config import TagEnv, TurnSection, tag_of_group
 from stages.envs import make_env, restore_env
 from stages.example import state_hash
 from stages.generation.engines import GenRequest, GenResult, SamplingSpec
@@ -43,30 +45,44 @@ def request_seed(seed: int, iteration: int, env_id: int, turn: int) -> int:
     return _derived_seed("rollflow-sample", seed, iteration, env_id, turn)
 
 
-def env_kwargs(section: TurnSection) -> dict[str, Any]:
-    """Constructor arguments of the environment: env_config + max_steps (+ the config's format_penalty)."""
-    kwargs = dict(section.env.env_config)
-    kwargs["max_steps"] = section.env.max_steps
+def env_kwargs(section: TurnSection, entry: TagEnv) -> dict[str, Any]:
+    """Constructor arguments of tag ``entry``'s environment: its env_config + max_steps (+ the config's
+    format_penalty)."""
+    kwargs = dict(entry.env_config)
+    kwargs["max_steps"] = entry.max_steps
     if section.format_penalty is not None:
         kwargs["format_penalty"] = section.format_penalty
     return kwargs
 
 
-def _ids(env_id: int, section: TurnSection, seed: int) -> dict[str, Any]:
+def env_entry(section: TurnSection, env_id: int) -> TagEnv:
+    """The tag (environment, turn limit) episode ``env_id`` plays."""
+    return tag_of_group(section.env_layout(), env_id // section.env.group_size)
+
+
+def _entry_of_tag(section: TurnSection, tag: str) -> TagEnv:
+    for entry in section.env_layout():
+        if entry.tag == tag:
+            return entry
+    raise ConfigError(f"episode of tag '{tag}': the rollout's tags are {list(section.env.tag_list)}; the turn "
+                      "table was written by another config — re-run the rollout with --force")
+
+
+def _ids(env_id: int, tag: str, section: TurnSection, seed: int) -> dict[str, Any]:
     group_index, env_index = divmod(env_id, section.env.group_size)
-    group_id = f"{section.env.tag}_{group_index}_{section.iteration}_{seed}"
-    return {"traj_id": f"{group_id}_{env_index}", "group_id": group_id, "tag": section.env.tag, "env_id": env_id,
+    group_id = f"{tag}_{group_index}_{section.iteration}_{seed}"
+    return {"traj_id": f"{group_id}_{env_index}", "group_id": group_id, "tag": tag, "env_id": env_id,
             "group_index": group_index, "env_index": env_index, "level_seed": seed}
 
 
-def _actions_left(section: TurnSection, turn: int) -> int:
-    return section.env.max_steps - turn
+def _actions_left(max_steps: int, turn: int) -> int:
+    return max_steps - turn
 
 
 def _prompt_for(section: TurnSection, chat: ChatFormat, instruction: str, history: list[dict], observation: str,
-                turn: int, prev: dict | None) -> list[int]:
+                turn: int, prev: dict | None, max_steps: int) -> list[int]:
     """Token ids the engine gets in ``turn`` (``prev``: the row of turn - 1, None at turn 0)."""
-    left = _actions_left(section, turn)
+    left = _actions_left(max_steps, turn)
     if section.sample_level == "step":
         return chat.single_turn_ids(step_user_message(section.prompt, instruction, history, observation, turn, left))
     if prev is None:
@@ -79,14 +95,15 @@ def _prompt_for(section: TurnSection, chat: ChatFormat, instruction: str, histor
 def reset_row(section: TurnSection, chat: ChatFormat, env_id: int) -> dict:
     """The ``turn_idx = -1`` row of episode ``env_id``: the level reset and the first prompt."""
     seed = level_seed(section.seed, section.iteration, env_id // section.env.group_size)
-    env = make_env(section.env.tag, **env_kwargs(section))
+    entry = env_entry(section, env_id)
+    env = make_env(entry.env_type, **env_kwargs(section, entry))
     observation, info = env.reset(seed)
-    first = _prompt_for(section, chat, info["env_instruction"], [], observation, 0, None)
+    first = _prompt_for(section, chat, info["env_instruction"], [], observation, 0, None, entry.max_steps)
     if len(first) >= section.sequence_length:
-        raise ConfigError(f"the first prompt of {section.env.tag} has {len(first)} tokens, which does not fit "
+        raise ConfigError(f"the first prompt of {entry.tag} has {len(first)} tokens, which does not fit "
                           f"sequence_length={section.sequence_length}; raise sequence_length (and the engine's "
                           "max_model_len) or shorten prompt templates")
-    return {**_ids(env_id, section, seed), "turn_idx": -1, "observation": observation,
+    return {**_ids(env_id, entry.tag, section, seed), "turn_idx": -1, "observation": observation,
             "state_hash": state_hash(observation), "prompt_ids": [], "context_mask": [], "context_logprobs": [],
             "response_ids": [], "logprobs": [], "finish_reason": "", "response_truncated": False, "text": "",
             "action_content": "", "action_valid": False, "action_effective": False, "action_desc": "",
@@ -129,7 +146,8 @@ def play_turn(section: TurnSection, chat: ChatFormat, prev: dict, result: GenRes
         "turn": turn, "observation": observation, "action_content": str(info.get("action_content", "")),
         "action_valid": valid, "action_desc": str(info.get("action_desc", "")), "reward": float(reward)}]
     done, stop = bool(terminated), STOP_TERMINATED if terminated else ""
-    if not done and turn + 1 >= section.env.max_steps:
+    max_steps = _entry_of_tag(section, prev["tag"]).max_steps
+    if not done and turn + 1 >= max_steps:
         done, stop = True, STOP_MAX_STEPS
     if not done and not valid and section.on_invalid_action == "end":
         done, stop = True, STOP_INVALID
@@ -138,7 +156,7 @@ def play_turn(section: TurnSection, chat: ChatFormat, prev: dict, result: GenRes
     next_prompt: list[int] = []
     if not done:
         next_prompt = _prompt_for(section, chat, env.get_instructions(), history, next_observation, turn + 1,
-                                  row_so_far)
+                                  row_so_far, max_steps)
         if len(next_prompt) >= section.sequence_length:
             done, stop, next_prompt = True, STOP_MAX_TOKENS, []
     mask, logprobs = _context(section, prev, len(prompt))

@@ -163,4 +163,23 @@ def rollout_metrics(narrow: pa.Table, response_tokens: int, prompt_tokens: int) 
     })
     for reason in STOP_REASONS:
         metrics[f"rollout/stop/{reason}"] = stops.count(reason) / episodes
+    metrics.update(per_tag_metrics(t, per_traj, success_by_traj))
     return metrics
+
+
+def per_tag_metrics(turns: pa.Table, per_traj: pa.Table, success_by_traj: dict[str, bool]) -> dict[str, float]:
+    """The rollout totals split by environment tag (a mixed rollout): ``rollout/<tag>/{episodes, success_rate,
+    valid_action_rate, mean_episode_length, episode_score/mean}``, each computed as its total is over that tag's
+    episodes and turns. ``turns``: every played turn with a float ``valid`` column; ``per_traj``: one row per
+    episode (tag, traj_id, turn_idx_count, reward_sum)."""
+    out: dict[str, float] = {}
+    for tag in sorted(set(per_traj.column("tag").to_pylist())):
+        episodes = per_traj.filter(pc.field("tag") == tag)
+        played = turns.filter(pc.field("tag") == tag)
+        ids = episodes.column("traj_id").to_pylist()
+        out[f"rollout/{tag}/episodes"] = float(len(ids))
+        out[f"rollout/{tag}/success_rate"] = float(np.mean([bool(success_by_traj.get(x, False)) for x in ids]))
+        out[f"rollout/{tag}/valid_action_rate"] = float(pc.mean(played.column("valid")).as_py())
+        out[f"rollout/{tag}/mean_episode_length"] = played.num_rows / len(ids)
+        out[f"rollout/{tag}/episode_score/mean"] = float(pc.mean(episodes.column("reward_sum")).as_py())
+    return out

@@ -177,3 +177,27 @@ def test_report_command_on_a_missing_run_exits_2(tmp_path):
     result = CliRunner().invoke(app, ["report", str(tmp_path / "nope")])
     assert result.exit_code == 2
     assert "does not exist" in result.output
+
+
+def test_per_tag_table_holds_each_stages_last_values_per_environment(tmp_path):
+    """A mixed run: rollout/<tag>/... of two tags from two stages; the page gets a per-tag table of the last values,
+    and the totals (rollout/success_rate, rollout/stop/..., rollout/episode_score/mean) are no tags."""
+    from flows.report import per_tag_table
+
+    with MetricsLog(tmp_path, tensorboard=False) as log:
+        for it in range(2):
+            for stage in ("rollout", "eval"):
+                log.log(it, stage, {"rollout/success_rate": 0.5, "rollout/stop/max_steps": 1.0,
+                                    "rollout/episode_score/mean": -0.1,
+                                    "rollout/FrozenLake/success_rate": 0.25 + it,
+                                    "rollout/FrozenLake/mean_episode_length": 3.0,
+                                    "rollout/SimpleSokoban/success_rate": 0.125 + it,
+                                    "rollout/SimpleSokoban/valid_action_rate": 0.5})
+    rows = per_tag_table(read_metrics(tmp_path))
+    assert [(stage, tag, it) for stage, tag, it, _ in rows] == [
+        ("eval", "FrozenLake", 1), ("eval", "SimpleSokoban", 1), ("rollout", "FrozenLake", 1),
+        ("rollout", "SimpleSokoban", 1)]
+    assert rows[2][3] == {"success_rate": 1.25, "mean_episode_length": 3.0}
+    assert rows[3][3] == {"success_rate": 1.125, "valid_action_rate": 0.5}
+    page = write_report(tmp_path, episodes=[]).html.read_text()
+    assert "Per environment tag" in page and "<td>SimpleSokoban</td>" in page and "<td>1.125</td>" in page
