@@ -6,11 +6,15 @@ Commands (each on small inputs it makes itself, nothing downloaded):
 
 * ``score``: ``rollflow score --advantages`` on the shipped RLVR example set (reward workers, the RLVR chain);
 * ``recompute``: ``rollflow recompute`` (GiGPO) on a generated step-level set;
-* ``rollout``: ``rollflow rollout`` of FrozenLake on the tiny random model (HF engine), killed inside its turns.
+* ``rollout``: ``rollflow rollout`` of FrozenLake on the tiny random model (HF engine), killed inside its turns;
+* ``train``: ``rollflow train`` on the quickstart config (the default model, vLLM, DeepSpeed; 2 iterations), killed
+  anywhere — rollout, log-probs, training, checkpoint writing, evaluation — and resumed with ``--resume``; the tables
+  of both iterations, the evaluations and the final checkpoint's weights are compared.
 
 Kill delays are drawn uniformly over the uninterrupted run's wall time (seeded). A trial passes when the rerun exits
 0 and every table the reference committed is committed again with the same rows (by row_id) and equal values (floats
-within 1e-5). The long ``train`` trials stay in tests/trainflow (a SIGKILL after a weights-only checkpoint).
+within 1e-5). ``make test`` keeps one train trial on the tiny model (tests/trainflow: a SIGKILL after a weights-only
+checkpoint); the quickstart trials are here.
 
     python benchmarks/kill_trials.py --command score --trials 4 --seed 0
 
@@ -46,7 +50,7 @@ def prepare(command: str, root: Path) -> tuple[list[str], list[str]]:
         subprocess.run(rollflow("rlvr-example", "--output", str(responses), "--limit", "3"), check=True, cwd=REPO,
                        capture_output=True)
         return (["score", "--input", str(responses), "--config", "configs/rlvr_mixed.yaml", "--advantages"],
-                ["scored", "rlvr_rewarded", "advantaged"])
+                ["scored", "samples", "rlvr_rewarded", "advantaged"])
     if command == "recompute":
         samples = root / "samples"
         subprocess.run(rollflow("example", "--output", str(samples), "--samples", "4000", "--seed", "1"), check=True,
@@ -62,7 +66,34 @@ def prepare(command: str, root: Path) -> tuple[list[str], list[str]]:
         for item in sets:
             args += ["--set", item]
         return args, ["episodes", "samples"]
+    if command == "train":
+        per_iteration = ["rollout/samples", "logprobs", "rewarded", "advantaged", "eval/samples"]
+        return (["train", "--config", "configs/train_frozenlake_quickstart.yaml", "--no-report"],
+                ["eval_base/samples"] + [f"iter_{k:04d}/{t}" for k in (0, 1) for t in per_iteration])
     raise SystemExit(f"unknown command {command}")
+
+
+def command_line(args: list[str], output: Path) -> list[str]:
+    """The command writing into ``output``: a training run's folder is ``runs_dir/run_name`` (a second call resumes
+    it: the same config is the same run), other commands take ``--output``."""
+    if args[0] == "train":
+        return rollflow(*args, "--set", f"runs_dir={output.parent}", "--set", f"run_name={output.name}")
+    return rollflow(*args, "--output", str(output))
+
+
+def weights(folder: Path) -> dict:
+    """The tensors of a checkpoint's safetensors files (name -> numpy array)."""
+    from safetensors.numpy import load_file
+
+    out = {}
+    for f in sorted(folder.glob("*.safetensors")):
+        out.update(load_file(str(f)))
+    return out
+
+
+def same_weights(a: Path, b: Path) -> bool:
+    x, y = weights(a), weights(b)
+    return bool(x) and x.keys() == y.keys() and all(np.array_equal(x[k], y[k]) for k in x)
 
 
 def run(args: list[str], output: Path, env: dict, kill_after: float | None) -> tuple[int, float]:
@@ -70,7 +101,7 @@ def run(args: list[str], output: Path, env: dict, kill_after: float | None) -> t
     (if it is still running). Returns (exit status, seconds)."""
     start = time.monotonic()
     with open(output.parent / f"{output.name}.log", "a") as log:
-        proc = subprocess.Popen(rollflow(*args, "--output", str(output)), cwd=REPO, env=env, stdout=log,
+        proc = subprocess.Popen(command_line(args, output), cwd=REPO, env=env, stdout=log,
                                 stderr=subprocess.STDOUT, start_new_session=True)
         try:
             proc.wait(timeout=kill_after)
@@ -114,7 +145,7 @@ def same(a, b) -> bool:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--command", default="score", choices=["score", "recompute", "rollout"])
+    parser.add_argument("--command", default="score", choices=["score", "recompute", "rollout", "train"])
     parser.add_argument("--trials", type=int, default=4)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
@@ -141,6 +172,8 @@ def main() -> None:
         rc, _ = run(command, out, env, None)
         ok = rc == 0 and all((out / t / "manifest.json").exists() and same(read(out / t), reference[t])
                              for t in tables)
+        if args.command == "train":  # and the trained policy: the last checkpoint's weights, bit for bit
+            ok = ok and same_weights(out / "iter_0001/checkpoint", root / "reference/iter_0001/checkpoint")
         identical += ok
         print(f"{trial:>5} {' + '.join(f'{k:.1f}' for k in kills):>16} {rc:>9} {str(ok):>10}")
     print(f"RESULT command={args.command} trials={args.trials} identical={identical} double_kills={doubles}")

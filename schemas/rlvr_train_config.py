@@ -15,7 +15,7 @@ from pydantic import Field, model_validator
 from schemas.config import Frozen, one_runtime
 from schemas.rlvr_config import RewardsConfig, RLVRConfig
 from schemas.rollout_config import EngineConfig, GeneratingArgs
-from schemas.train_config import ForwardConfig, TrainStepConfig, estimator_into_train
+from schemas.run_config import RUN_NAME, RunOptions
 
 
 class PromptSetConfig(Frozen):
@@ -52,14 +52,12 @@ class ValidationConfig(Frozen):
                     "validation rule; null: the run's own routes).")
 
 
-class RLVRTrainConfig(RLVRConfig):
-    """One RLVR run: ROLL's RLVR data-side options at the top level, plus prompts, generation, log-probs, training."""
+class RLVRTrainConfig(RLVRConfig, RunOptions):
+    """One RLVR run: ROLL's RLVR data-side options at the top level, plus prompts and generation; the run's folder,
+    length, initial policy, log-prob and training sections are :class:`RunOptions`'s."""
 
     pipeline: Literal["rlvr"] = Field("rlvr", description="Which training flow runs this config.")
-    run_name: str = Field("rlvr", min_length=1, pattern=r"^[A-Za-z0-9_.-]+$", description="Folder under runs_dir.")
-    runs_dir: str = Field("runs", description="Where run folders live (a local path or a pyarrow filesystem URI).")
-    max_steps: int = Field(3, gt=0, description="Training steps (ROLL's max_steps).")
-    pretrain: str | None = Field(None, description="Initial policy: an HF checkpoint folder (null: the default model).")
+    run_name: str = Field("rlvr", min_length=1, pattern=RUN_NAME, description="Folder name under runs_dir.")
     seed: int = Field(42, ge=0, description="Seed of the prompt order and of every sampling request.")
     rollout_batch_size: int = Field(8, gt=0, description="Prompts per step (ROLL name); each gets "
                                                          "num_return_sequences_in_group responses.")
@@ -67,13 +65,7 @@ class RLVRTrainConfig(RLVRConfig):
     sequence_length: int = Field(1024, gt=0, description="Prompt + response token budget.")
     generating_args: GeneratingArgs = Field(default_factory=GeneratingArgs, description="Sampling parameters.")
     engine: EngineConfig = Field(default_factory=EngineConfig, description="The generation engine.")
-    logprobs: ForwardConfig = Field(default_factory=ForwardConfig, description="old/ref log-prob stage.")
-    train: TrainStepConfig = Field(default_factory=TrainStepConfig, description="Actor (and critic) training.")
     validation: ValidationConfig = Field(default_factory=ValidationConfig, description="Held-out validation.")
-
-    def train_step_config(self) -> TrainStepConfig:
-        """The training section (its estimator equals the run's)."""
-        return self.train
 
     def generation_engine(self) -> EngineConfig:
         """The engine settings (the engines live for the whole run)."""
@@ -81,12 +73,11 @@ class RLVRTrainConfig(RLVRConfig):
 
     @model_validator(mode="before")
     @classmethod
-    def _shared_settings(cls, data: dict) -> dict:
-        """Set once, used twice: the estimator (training needs it for the critic) and the generation budget (the
-        max_len_mask needs it). A conflicting explicit value is an error."""
+    def _one_budget(cls, data: dict) -> dict:
+        """The generation budget is set once and used twice (generation, and the max_len_mask of the sample masks).
+        A conflicting explicit value is an error."""
         if not isinstance(data, dict):
             return data
-        data = estimator_into_train(data, cls.model_fields["adv_estimator"].default)
         budget = (data.get("generating_args") or {}).get("max_new_tokens",
                                                          GeneratingArgs.model_fields["max_new_tokens"].default)
         if data.get("max_new_tokens") not in (None, budget):
@@ -112,11 +103,4 @@ class RLVRTrainConfig(RLVRConfig):
         if missing:
             raise ValueError(f"validation.prompts.domains {missing} have no reward route, so their answers could not "
                              "be scored; add validation.rewards.routes for them (e.g. mcq: {worker: general_val_rule})")
-        return self
-
-    @model_validator(mode="after")
-    def _rlvr_run_rules(self) -> "RLVRTrainConfig":
-        if (self.add_token_level_kl or self.train.use_kl_loss) and not self.logprobs.enable_reference:
-            raise ValueError("add_token_level_kl / train.use_kl_loss need the reference model's log-probs; set "
-                             "logprobs.enable_reference: true")
         return self

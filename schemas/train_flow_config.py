@@ -14,7 +14,7 @@ from pydantic import Field, model_validator
 from schemas.capabilities import estimator_capabilities, policy_loss_capabilities
 from schemas.config import AlgorithmConfig, RuntimeConfig, one_runtime
 from schemas.rollout_config import EnvManagerConfig, EnvTag, OmitUnsetMixed, RolloutConfig, check_tags_partition
-from schemas.train_config import ForwardConfig, TrainStepConfig, estimator_into_train
+from schemas.run_config import RunOptions
 
 
 class EvalConfig(OmitUnsetMixed):
@@ -38,33 +38,18 @@ class EvalConfig(OmitUnsetMixed):
                                                          "else an even split).")
 
 
-class TrainFlowConfig(AlgorithmConfig):
-    """One agentic RL run: per iteration rollout → log-probs → rewards → advantages → train → checkpoint → eval."""
+class TrainFlowConfig(AlgorithmConfig, RunOptions):
+    """One agentic RL run: per iteration rollout → log-probs → rewards → advantages → train → checkpoint → eval.
+    The run's folder, length, initial policy, log-prob and training sections are :class:`RunOptions`'s."""
 
     pipeline: Literal["agentic"] = Field("agentic", description="Which training flow runs this config.")
-    run_name: str = Field("run", min_length=1, pattern=r"^[A-Za-z0-9_.-]+$", description="Folder name under runs_dir.")
-    runs_dir: str = Field("runs", description="Where run folders live (a local path or a pyarrow filesystem URI).")
-    max_steps: int = Field(3, gt=0, description="Training iterations (ROLL's max_steps).")
-    pretrain: str | None = Field(None, description="Initial policy: an HF checkpoint folder (null: the default "
-                                                   "model, SmolLM2-135M-Instruct converted from the shipped GGUF).")
     rollout_batch_size: int | None = Field(None, gt=0, description="Trajectories per iteration (ROLL name); when set "
                                                                    "it must equal rollout.env num_env_groups x "
                                                                    "group_size.")
     rollout: RolloutConfig = Field(default_factory=RolloutConfig, description="Rollout of each iteration.")
-    logprobs: ForwardConfig = Field(default_factory=ForwardConfig, description="old/ref log-prob stage.")
-    train: TrainStepConfig = Field(default_factory=TrainStepConfig, description="Actor (and critic) training.")
     eval: EvalConfig = Field(default_factory=EvalConfig, description="Held-out evaluation.")
     runtime: RuntimeConfig = Field(default_factory=RuntimeConfig, description="The run's Ray cluster and batch "
                                    "settings, read by all its stages (a section's own runtime may only repeat them).")
-
-    @model_validator(mode="before")
-    @classmethod
-    def _one_estimator(cls, data: dict) -> dict:
-        """The estimator is set once, at the top level; the training section receives the same value at load time
-        (it decides whether a critic is trained). A conflicting explicit value is an error."""
-        if not isinstance(data, dict):
-            return data
-        return estimator_into_train(data, cls.model_fields["adv_estimator"].default)
 
     @model_validator(mode="before")
     @classmethod
@@ -110,9 +95,6 @@ class TrainFlowConfig(AlgorithmConfig):
         if not policy_loss_capabilities(self.train.policy_loss).offers_level("ratio_type", self.train.ratio_type):
             raise ValueError("train.ratio_type segment (GSPO-style per-turn ratio) is a feature of the agentic loss; "
                              "set train.policy_loss: agentic")
-        if (self.add_token_level_kl or self.train.use_kl_loss) and not self.logprobs.enable_reference:
-            raise ValueError("add_token_level_kl / train.use_kl_loss need the reference model's log-probs; set "
-                             "logprobs.enable_reference: true")
         self.eval_env()  # the evaluation's tags and partition (errors name eval.*)
         if self.train.runtime.num_workers > 1 and episodes < self.train.runtime.num_workers:
             raise ValueError(f"{episodes} episodes per iteration cannot feed {self.train.runtime.num_workers} training "
@@ -122,10 +104,6 @@ class TrainFlowConfig(AlgorithmConfig):
     def generation_engine(self):
         """The engine settings of the rollout (the engines live for the whole run)."""
         return self.rollout.engine
-
-    def train_step_config(self) -> TrainStepConfig:
-        """The training section (its estimator equals the run's, see ``_one_estimator``)."""
-        return self.train
 
     def rollout_for(self, iteration: int) -> RolloutConfig:
         """The rollout of a training iteration: new levels and samples each iteration, row ids named by run."""

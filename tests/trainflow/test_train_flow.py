@@ -306,7 +306,7 @@ def test_stage_rerun_of_the_logprobs_in_another_dtype_recomputes_what_reads_them
     assert old_lp.shape == new_lp.shape and not np.array_equal(old_lp, new_lp)
     assert np.abs(old_lp - new_lp).max() < 0.5, "the same model in another precision"
     assert "reads a re-run output but was not recomputed" in done.stdout and str(it / "checkpoint") in done.stdout
-    assert {p: p.stat().st_mtime_ns for p in it.glob("*/manifest.json")} == stamps
+    assert {p: p.stat().st_mtime_ns for p in it.glob("*/manifest.json") if "@" not in p.parent.name} == stamps
     again = _rollflow("stage", "logprobs", "--from", str(it / "logprobs"), "--set", f"dtype={dtype}", "--downstream",
                       env=cli_env)
     assert again.returncode == 0 and again.stdout.count("up to date") == 3, again.stdout

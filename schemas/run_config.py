@@ -1,0 +1,44 @@
+"""What every training run has, whichever its pipeline (agentic or RLVR): :class:`RunOptions`, declared and
+validated once. The pipelines' configs (schemas/train_flow_config.py, schemas/rlvr_train_config.py) add their
+rollout or prompt sections to it and to their data-side options (``AlgorithmConfig``, ``RLVRConfig``)."""
+
+from __future__ import annotations
+
+from pydantic import Field, model_validator
+
+from schemas.config import Frozen
+from schemas.train_config import ForwardConfig, TrainStepConfig, estimator_into_train
+
+RUN_NAME = r"^[A-Za-z0-9_.-]+$"
+
+
+class RunOptions(Frozen):
+    """The run folder, its length, the initial policy, and the log-prob and training sections."""
+
+    run_name: str = Field("run", min_length=1, pattern=RUN_NAME, description="Folder name under runs_dir.")
+    runs_dir: str = Field("runs", description="Where run folders live (a local path or a pyarrow filesystem URI).")
+    max_steps: int = Field(3, gt=0, description="Training steps, i.e. iterations (ROLL's max_steps).")
+    pretrain: str | None = Field(None, description="Initial policy: an HF checkpoint folder (null: the default "
+                                                   "model, SmolLM2-135M-Instruct converted from the shipped GGUF).")
+    logprobs: ForwardConfig = Field(default_factory=ForwardConfig, description="old/ref log-prob stage.")
+    train: TrainStepConfig = Field(default_factory=TrainStepConfig, description="Actor (and critic) training.")
+
+    def train_step_config(self) -> TrainStepConfig:
+        """The training section (its estimator equals the run's: :meth:`_one_estimator`)."""
+        return self.train
+
+    @model_validator(mode="before")
+    @classmethod
+    def _one_estimator(cls, data: dict) -> dict:
+        """The estimator is set once, at the top level; the training section receives the same value at load time
+        (it decides whether a critic is trained). A conflicting explicit value is an error."""
+        if not isinstance(data, dict) or "adv_estimator" not in cls.model_fields:
+            return data
+        return estimator_into_train(data, cls.model_fields["adv_estimator"].default)
+
+    @model_validator(mode="after")
+    def _reference_rule(self) -> "RunOptions":
+        if (getattr(self, "add_token_level_kl", False) or self.train.use_kl_loss) and not self.logprobs.enable_reference:
+            raise ValueError("add_token_level_kl / train.use_kl_loss need the reference model's log-probs; set "
+                             "logprobs.enable_reference: true")
+        return self
