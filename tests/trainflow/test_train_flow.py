@@ -277,6 +277,7 @@ def test_lora_run_end_to_end(cli_env, tmp_path):
     assert bool(changed) == (max(norms) > 0), (norms, changed)
 
 
+@pytest.mark.slow
 def test_stage_rerun_of_the_logprobs_in_another_dtype_recomputes_what_reads_them(finished_run, cli_env):
     """``rollflow stage logprobs --set dtype=… --downstream`` on an iteration of a finished run: new log-probs beside
     the old ones, then the rewards and advantages that read them (each ``<folder>@<tag>``, the advantages after both
