@@ -69,21 +69,25 @@ def prepare(command: str, root: Path) -> tuple[list[str], list[str]]:
     if command == "train":
         per_iteration = ["rollout/samples", "logprobs", "rewarded", "advantaged", "eval/samples"]
         return (["train", "--config", "configs/train_frozenlake_quickstart.yaml", "--no-report"],
-                ["eval_base/samples"] + [f"iter_{k:04d}/{t}" for k in (0, 1) for t in per_iteration])
+                [f"{RUN}/{t}" for t in ["eval_base/samples"] + [f"iter_{k:04d}/{t}" for k in (0, 1)
+                                                                for t in per_iteration]])
     raise SystemExit(f"unknown command {command}")
 
 
+RUN = "quickstart"  # every trial's run has the same name (it is part of every row id), in its own runs_dir
+
+
 def command_line(args: list[str], output: Path) -> list[str]:
-    """The command writing into ``output``: a training run's folder is ``runs_dir/run_name`` (a second call resumes
-    it: the same config is the same run), other commands take ``--output``."""
+    """The command writing into ``output``: a training run is ``output/quickstart`` (``runs_dir`` = ``output``; a
+    second call resumes it: the same config is the same run), other commands take ``--output``."""
     if args[0] == "train":
-        return rollflow(*args, "--set", f"runs_dir={output.parent}", "--set", f"run_name={output.name}")
+        return rollflow(*args, "--set", f"runs_dir={output}", "--set", f"run_name={RUN}")
     return rollflow(*args, "--output", str(output))
 
 
 def weights(folder: Path) -> dict:
-    """The tensors of a checkpoint's safetensors files (name -> numpy array)."""
-    from safetensors.numpy import load_file
+    """The tensors of a checkpoint's safetensors files (name -> torch tensor; bf16 has no numpy type)."""
+    from safetensors.torch import load_file
 
     out = {}
     for f in sorted(folder.glob("*.safetensors")):
@@ -93,7 +97,9 @@ def weights(folder: Path) -> dict:
 
 def same_weights(a: Path, b: Path) -> bool:
     x, y = weights(a), weights(b)
-    return bool(x) and x.keys() == y.keys() and all(np.array_equal(x[k], y[k]) for k in x)
+    import torch
+
+    return bool(x) and x.keys() == y.keys() and all(torch.equal(x[k], y[k]) for k in x)
 
 
 def run(args: list[str], output: Path, env: dict, kill_after: float | None) -> tuple[int, float]:
@@ -173,7 +179,8 @@ def main() -> None:
         ok = rc == 0 and all((out / t / "manifest.json").exists() and same(read(out / t), reference[t])
                              for t in tables)
         if args.command == "train":  # and the trained policy: the last checkpoint's weights, bit for bit
-            ok = ok and same_weights(out / "iter_0001/checkpoint", root / "reference/iter_0001/checkpoint")
+            last = f"{RUN}/iter_0001/checkpoint"
+            ok = ok and same_weights(out / last, root / "reference" / last)
         identical += ok
         print(f"{trial:>5} {' + '.join(f'{k:.1f}' for k in kills):>16} {rc:>9} {str(ok):>10}")
     print(f"RESULT command={args.command} trials={args.trials} identical={identical} double_kills={doubles}")
