@@ -37,33 +37,44 @@ COPIED = ("response_level_rewards", "step_rewards", "episode_rewards_norm", "ste
 NEXT_TOKEN_INPUTS = ("old_log_probs", "ref_log_probs", "infer_logprobs", "values")
 
 
-def reward_lookup(files: list[str], fs, key: str):
-    """The rewarded table of this run as (pandas Index over row_id, columns), cached per worker process."""
+def indexed(table: pa.Table, where: str) -> tuple[Any, dict[str, np.ndarray]]:
+    """``table`` as (pandas Index over its row_id, its other columns as numpy); a row_id that occurs twice is an
+    :class:`InvariantError` naming ``where``."""
     import pandas as pd
+
+    index = pd.Index(table.column("row_id").to_numpy(zero_copy_only=False))
+    if not index.is_unique:
+        raise InvariantError(f"{where}: row_id '{index[index.duplicated()][0]}' occurs more than once; re-run the "
+                             "stage that wrote it")
+    return index, {c: table.column(c).to_numpy(zero_copy_only=False) for c in table.column_names if c != "row_id"}
+
+
+def reward_lookup(files: list[str], fs, key: str):
+    """The table in ``files`` :func:`indexed`, cached per worker process under ``key`` (one table at a time)."""
     import pyarrow.dataset as pads
 
     if key not in REWARD_LOOKUP_CACHE:
         table = pads.dataset(files, filesystem=fs).to_table()
-        index = pd.Index(table.column("row_id").to_numpy(zero_copy_only=False))
-        if not index.is_unique:
-            raise InvariantError(f"rewarded table {files[0] if files else ''}: row_id '{index[index.duplicated()][0]}' "
-                                 "occurs more than once; re-run the rewards stage on this input")
-        cols = {c: table.column(c).to_numpy(zero_copy_only=False) for c in table.column_names if c != "row_id"}
+        where = f"table at {files[0].rsplit('/', 1)[0]}" if files else "table"
         REWARD_LOOKUP_CACHE.clear()
-        REWARD_LOOKUP_CACHE[key] = (index, cols)
+        REWARD_LOOKUP_CACHE[key] = indexed(table, where)
     return REWARD_LOOKUP_CACHE[key]
 
 
-def joined_rows(lookup: tuple, batch: pa.Table, missing: str) -> dict[str, np.ndarray]:
-    """The columns of the table ``lookup`` (files, filesystem, cache key: :func:`reward_lookup`) for the rows of
-    ``batch``, matched by row_id. A row it lacks raises :class:`InvariantError` with ``missing`` (``{row_id}`` is
-    replaced by the row's id)."""
-    index, cols = reward_lookup(*lookup)
+def take_by_row_id(table: tuple, batch: pa.Table, missing: str) -> dict[str, np.ndarray]:
+    """The columns of an :func:`indexed` table for the rows of ``batch``, matched by row_id. A row it lacks raises
+    :class:`InvariantError` with ``missing`` (``{row_id}`` is replaced by the row's id)."""
+    index, cols = table
     ids = batch.column("row_id").to_numpy(zero_copy_only=False)
     pos = index.get_indexer(ids)
     if (pos < 0).any():
         raise InvariantError(missing.format(row_id=ids[np.flatnonzero(pos < 0)[0]]))
     return {c: v[pos] for c, v in cols.items()}
+
+
+def joined_rows(lookup: tuple, batch: pa.Table, missing: str) -> dict[str, np.ndarray]:
+    """:func:`take_by_row_id` on the table of ``lookup`` (files, filesystem, cache key: :func:`reward_lookup`)."""
+    return take_by_row_id(reward_lookup(*lookup), batch, missing)
 
 
 def token_rows(batch: pa.Table):
@@ -127,7 +138,7 @@ class _AdvantageBatch:
         out = batch
         for name in COPIED:
             if name in rewards:
-                typ = REWARDED.optional.get(name, pa.float32()) if name != "response_level_rewards" else pa.float32()
+                typ = {**REWARDED.required, **REWARDED.optional}[name]
                 values = rewards[name]
                 out = out.append_column(name, pa.array(values.astype(str) if typ == pa.string() else values, typ))
         for name, ragged in (("token_level_rewards", result.token_level_rewards), ("advantages", result.advantages),

@@ -242,29 +242,19 @@ class RLVRRewardsStage(Stage):
 
 def _join_scores(narrow: pa.Table, scored: pa.Table, where: str, scored_where: str) -> dict[str, np.ndarray]:
     """Scores and rewards of the narrow rows (NaN = null), looked up by row_id; every row must have exactly one."""
-    import pandas as pd
+    from stages.advantages import indexed, take_by_row_id
 
-    index = pd.Index(scored.column("row_id").to_numpy(zero_copy_only=False))
-    if not index.is_unique:
-        dup = index[index.duplicated()][0]
-        raise InvariantError(f"scored table at {scored_where}: row_id '{dup}' occurs more than once; re-run the "
-                             "reward stage on the responses table")
-    ids = narrow.column("row_id").to_numpy(zero_copy_only=False)
-    pos = index.get_indexer(ids)
-    if (pos < 0).any():
-        raise InvariantError(f"responses table at {where}: row_id '{ids[np.flatnonzero(pos < 0)[0]]}' has no score "
-                             f"in the scored table at {scored_where}; score this responses table with the reward "
-                             "stage (rollflow score) before the RLVR chain")
-    if len(index) != len(ids):
-        raise InvariantError(f"scored table at {scored_where} has {len(index)} rows but the responses table at {where} "
-                             f"has {len(ids)}; score exactly this responses table")
-
-    def column(name: str) -> np.ndarray:
-        return scored.column(name).to_numpy(zero_copy_only=False).astype(np.float64)[pos]
-
+    table = indexed(scored, f"scored table at {scored_where}")
+    joined = take_by_row_id(table, narrow, f"responses table at {where}: row_id '{{row_id}}' has no score in the "
+                            f"scored table at {scored_where}; score this responses table with the reward stage "
+                            "(rollflow score) before the RLVR chain")
+    if len(table[0]) != narrow.num_rows:
+        raise InvariantError(f"scored table at {scored_where} has {len(table[0])} rows but the responses table at "
+                             f"{where} has {narrow.num_rows}; score exactly this responses table")
     return {"prompt_id": narrow.column("prompt_id").to_numpy(zero_copy_only=False),
             "domain": narrow.column("domain").to_numpy(zero_copy_only=False),
-            "scores": column("scores"), "rewards": column("response_level_rewards")}
+            "scores": joined["scores"].astype(np.float64),
+            "rewards": joined["response_level_rewards"].astype(np.float64)}
 
 
 # ---- responses + scored → samples: the project's row layout, on which log-probs, values and advantages run -----
