@@ -85,20 +85,13 @@ def command_line(args: list[str], output: Path) -> list[str]:
     return rollflow(*args, "--output", str(output))
 
 
-def weights(folder: Path) -> dict:
-    """The tensors of a checkpoint's safetensors files (name -> torch tensor; bf16 has no numpy type)."""
-    from safetensors.torch import load_file
-
-    out = {}
-    for f in sorted(folder.glob("*.safetensors")):
-        out.update(load_file(str(f)))
-    return out
-
-
 def same_weights(a: Path, b: Path) -> bool:
-    x, y = weights(a), weights(b)
+    """The safetensors weights of two checkpoint folders are equal, bit for bit."""
     import torch
 
+    from stages.train.core import load_weights
+
+    x, y = load_weights(str(a)), load_weights(str(b))
     return bool(x) and x.keys() == y.keys() and all(torch.equal(x[k], y[k]) for k in x)
 
 

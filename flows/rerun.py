@@ -6,7 +6,7 @@ section and runs the stage again on the same inputs into a new folder beside the
 breadth first: a re-run of the log-probs re-runs the rewards and advantages that read them), each into its own
 ``@<fingerprint>`` folder. The originals are never touched.
 
-Which stages can be re-run is the table :data:`RERUNNABLE` (one entry per stage name): a function that runs the
+Which stages can be re-run is the table of :func:`_rerunnable` (one entry per stage name): a function that runs the
 stage from its section, its inputs and its recorded state. The stages that need live engines or a trainer (rollout
 turns, generation, the training step) are not in it; a downstream walk that reaches one says so.
 """
@@ -25,16 +25,14 @@ from stages.storage import Location, read_manifest
 Rerun = Callable[[BaseModel, dict[str, str], str, bool, dict], StageResult]
 
 
-def _runner_stage(make: Callable[[], Any]) -> tuple[type[BaseModel], Rerun]:
-    """A stage the runner runs from its section alone."""
+def _runner_stage(stage_class: Any) -> tuple[type[BaseModel], Rerun]:
+    """A stage the runner runs from its section alone (its class takes no arguments)."""
     from stages.runner import run_stage
 
-    stage = make()
-
     def rerun(section, inputs, output, force, state_in):
-        return run_stage(make(), section, inputs, output, force=force, state_in=state_in)
+        return run_stage(stage_class(), section, inputs, output, force=force, state_in=state_in)
 
-    return stage.section_model, rerun
+    return stage_class.section_model, rerun
 
 
 def _forward_config(section) -> Any:
@@ -80,7 +78,8 @@ def _rerunnable() -> dict[str, Callable[[], tuple[type[BaseModel], Rerun]]]:
             "logprobs": _logprobs, "values": _values}
 
 
-RERUNNABLE = ("response_rewards", "advantages", "rewards", "rlvr_samples", "rlvr_rewards", "logprobs", "values")
+def _known() -> str:
+    return ", ".join(_rerunnable())
 
 
 def _apply(section: dict, overrides: dict) -> dict:
@@ -116,7 +115,7 @@ def rerun_stage(name: str, old_output: str, overrides: list[str], output: str | 
     config section; write to ``output`` (default ``<old>@<fingerprint>``). Returns lines to print."""
     table = _rerunnable()
     if name not in table:
-        raise RollflowError(f"unknown stage '{name}'; known: {', '.join(RERUNNABLE)} (rollout, generation and the "
+        raise RollflowError(f"unknown stage '{name}'; known: {_known()} (rollout, generation and the "
                             "training step run with their commands: rollflow rollout / train-step)")
     old = Location.of(old_output)
     manifest = read_manifest(old)
@@ -138,29 +137,30 @@ def rerun_stage(name: str, old_output: str, overrides: list[str], output: str | 
     return lines
 
 
-def _readers(old: Location) -> list[tuple[Location, dict, list[str]]]:
-    """The outputs beside ``old`` whose manifests read it: (folder, manifest, the input names that point at it)."""
-    found = []
-    for info in old.parent.list():
-        loc = Location(old.parent.fs, info.path)
+def _siblings(first: Location) -> dict[str, tuple[Location, dict]]:
+    """The stage outputs beside ``first`` (folders with a manifest; other re-runs' ``@`` outputs left out), by path."""
+    found = {}
+    for info in first.parent.list():
+        loc = Location(first.parent.fs, info.path)
         if "@" in info.base_name or not loc.is_dir():
             continue  # other re-runs' outputs are not the run's own
         m = read_manifest(loc)
-        names = [k for k, v in (m or {}).get("inputs", {}).items() if v.get("path") == old.path]
-        if names:
-            found.append((loc, m, names))
-    return sorted(found, key=lambda item: item[0].path)
+        if m is not None:
+            found[loc.path] = (loc, m)
+    return found
 
 
 def _affected(first: Location) -> dict[str, tuple[Location, dict]]:
     """Every output beside ``first`` that reads it, or reads one that does (by the manifests' inputs)."""
+    siblings = _siblings(first)
     affected: dict[str, tuple[Location, dict]] = {}
-    frontier = [first]
+    frontier = [first.path]
     while frontier:
-        for loc, m, _ in _readers(frontier.pop()):
-            if loc.path not in affected:
-                affected[loc.path] = (loc, m)
-                frontier.append(loc)
+        read = frontier.pop()
+        for path, (loc, m) in sorted(siblings.items()):
+            if path not in affected and any(v.get("path") == read for v in m.get("inputs", {}).values()):
+                affected[path] = (loc, m)
+                frontier.append(path)
     return affected
 
 
@@ -186,7 +186,7 @@ def _rerun_downstream(first_old: Location, first_new: str, tag: str, force: bool
             stage, inputs = m.get("stage", "?"), {k: v["path"] for k, v in m.get("inputs", {}).items()}
             if stage not in table or stale & set(inputs.values()):
                 stale.add(path)
-                why = (f"rollflow stage re-runs {', '.join(RERUNNABLE)}" if stage not in table
+                why = (f"rollflow stage re-runs {_known()}" if stage not in table
                        else "an input of it could not be re-run")
                 lines.append(f"{stage}: {loc.path} reads a re-run output but was not recomputed ({why}); it is now "
                              "stale")

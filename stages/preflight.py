@@ -66,12 +66,12 @@ def check_steps(steps: Sequence[Step]) -> dict[str, int]:
                 schemas[name] = schema
                 continue
             loc = Location.of(step.inputs[name])
+            schemas[name] = read_table_schema(loc, spec.name)
             if path in rows:  # read by an earlier step: its rows are checked, the columns this step needs not yet
-                spec.check_schema(read_table_schema(loc, spec.name), loc.path, needs.get(name, ()))
+                spec.check_schema(schemas[name], loc.path, needs.get(name, ()))
             else:
                 rows[path] = check_input(spec, step.inputs[name], needs.get(name, ()),
                                          getattr(step.section, "group_size", None))
-            schemas[name] = read_table_schema(loc, spec.name)
         check_output_location(step.output)
         written[_key(step.output)] = (step.stage.output_schema(schemas), step.stage.name)
     return rows

@@ -643,12 +643,8 @@ def check_lora_base(engine: Engine, folder: str, role: str) -> None:
     """The LoRA ``engine`` rebuilt from a checkpoint (base folder + adapter + state) must give the merged weights the
     checkpoint holds in ``folder``: otherwise the base folder changed since the checkpoint was written. Equal up to
     a few units of rounding of the largest weight (the same merge of the same values, in the same dtype)."""
-    from safetensors.torch import load_file
-
-    saved: dict[str, torch.Tensor] = {}
-    for path in sorted(Path(folder).glob("*.safetensors")):
-        saved.update(load_file(str(path)))
-    drift = weight_drift(engine, folder)
+    saved = load_weights(folder)
+    drift = _drift(engine, saved)
     largest = max((float(v.float().abs().max()) for v in saved.values() if v.numel()), default=0.0)
     eps = torch.finfo(next(engine.module.parameters()).dtype).eps
     if drift > 4 * eps * max(largest, 1.0):
@@ -741,13 +737,22 @@ def section_dump(cfg: TrainSection) -> dict:
     return {k: v for k, v in cfg.model_dump(mode="json").items() if k in TrainSection.model_fields}
 
 
-def weight_drift(engine: Engine, folder: str) -> float:
-    """The largest absolute difference between ``engine``'s weights and the safetensors weights in ``folder``."""
+def load_weights(folder: str) -> dict[str, torch.Tensor]:
+    """The tensors of the safetensors files in ``folder`` (name -> tensor)."""
     from safetensors.torch import load_file
 
     saved: dict[str, torch.Tensor] = {}
     for path in sorted(Path(folder).glob("*.safetensors")):
         saved.update(load_file(str(path)))
+    return saved
+
+
+def weight_drift(engine: Engine, folder: str) -> float:
+    """The largest absolute difference between ``engine``'s weights and the safetensors weights in ``folder``."""
+    return _drift(engine, load_weights(folder))
+
+
+def _drift(engine: Engine, saved: dict[str, torch.Tensor]) -> float:
     drift = 0.0
     for name, tensor in engine.state_dict_for_save().items():
         if name in saved:
