@@ -50,7 +50,7 @@ def prepare(command: str, root: Path) -> tuple[list[str], list[str]]:
         subprocess.run(rollflow("rlvr-example", "--output", str(responses), "--limit", "3"), check=True, cwd=REPO,
                        capture_output=True)
         return (["score", "--input", str(responses), "--config", "configs/rlvr_mixed.yaml", "--advantages"],
-                ["scored", "samples", "rlvr_rewarded", "advantaged"])
+                ["scored", "samples", "rewarded", "advantaged"])
     if command == "recompute":
         samples = root / "samples"
         subprocess.run(rollflow("example", "--output", str(samples), "--samples", "4000", "--seed", "1"), check=True,

@@ -68,13 +68,12 @@ def _values() -> tuple[type[BaseModel], Rerun]:
 def _rerunnable() -> dict[str, Callable[[], tuple[type[BaseModel], Rerun]]]:
     from stages.advantages import AdvantagesStage
     from stages.response_rewards import ResponseRewardsStage
-    from stages.rlvr.stages import RewardStage, RLVRRewardsStage, SamplesStage
+    from stages.rlvr.stages import RewardStage, SamplesStage
 
     return {"response_rewards": lambda: _runner_stage(ResponseRewardsStage),
             "advantages": lambda: _runner_stage(AdvantagesStage),
             "rewards": lambda: _runner_stage(RewardStage),  # rule workers; an LLM judge needs rollflow score
             "rlvr_samples": lambda: _runner_stage(SamplesStage),
-            "rlvr_rewards": lambda: _runner_stage(RLVRRewardsStage),
             "logprobs": _logprobs, "values": _values}
 
 

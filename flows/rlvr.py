@@ -6,7 +6,7 @@ Per step ``k`` (policy after ``k`` training steps), every output under ``runs/<r
 order: responses (``rollout_batch_size`` prompts × ``num_return_sequences_in_group`` samples from the engine pool) →
 scored (reward workers, routed by domain; ROLL scores each response as it is generated) → samples (the token table
 in the layout of every samples table) → logprobs (old/ref log-probs under the step's policy) → values (the critic's,
-for ``adv_estimator: gae``) → rlvr_rewarded (sample masks, reward post-processing per domain) → advantaged (token
+for ``adv_estimator: gae``) → rewarded (sample masks, reward post-processing per domain) → advantaged (token
 rewards with the KL to the reference, advantages, ``final_response_mask``: the advantages stage both pipelines run)
 → checkpoint (one PPO step; the loss is aggregated over ``final_response_mask``).
 
@@ -51,17 +51,17 @@ def samples_step(responses: str, out: str) -> Step:
     return Step(SamplesStage(), SamplesSection(), {"responses": responses, "scored": f"{out}/scored"}, f"{out}/samples")
 
 
-def chain_steps(responses: str, out: str, cfg, samples: str) -> list[Step]:
-    """Sample masks and normalised rewards per domain (``<out>/rlvr_rewarded``), then the advantages stage of both
-    pipelines on ``samples`` (with the log-probs and values its settings need) → ``<out>/advantaged``."""
+def chain_steps(out: str, cfg, samples: str) -> list[Step]:
+    """Sample masks and normalised rewards per domain (the response-rewards stage of both pipelines, on the step's
+    ``<out>/samples`` and ``<out>/scored`` → ``<out>/rewarded``), then the advantages stage of both pipelines on
+    ``samples`` (with the log-probs and values its settings need) → ``<out>/advantaged``."""
     from schemas.rlvr_config import rlvr_advantage_section, rlvr_reward_section
     from stages.advantages import AdvantagesStage
-    from stages.rlvr.stages import RLVRRewardsStage
+    from stages.response_rewards import ResponseRewardsStage
 
-    return [Step(RLVRRewardsStage(), rlvr_reward_section(cfg), {"responses": responses, "scored": f"{out}/scored"},
-                 f"{out}/rlvr_rewarded"),
-            Step(AdvantagesStage(), rlvr_advantage_section(cfg), {"samples": samples,
-                                                                  "rewarded": f"{out}/rlvr_rewarded"},
+    return [Step(ResponseRewardsStage(), rlvr_reward_section(cfg), {"samples": f"{out}/samples",
+                                                                    "scored": f"{out}/scored"}, f"{out}/rewarded"),
+            Step(AdvantagesStage(), rlvr_advantage_section(cfg), {"samples": samples, "rewarded": f"{out}/rewarded"},
                  f"{out}/advantaged")]
 
 
@@ -72,18 +72,18 @@ def score_steps(input_dir: str, output_dir: str, cfg, *, advantages: bool = Fals
     out = output_dir.rstrip("/")
     steps = [reward_step(input_dir, out, cfg, services)]
     if advantages:
-        steps += [samples_step(input_dir, out), *chain_steps(input_dir, out, cfg, f"{out}/samples")]
+        steps += [samples_step(input_dir, out), *chain_steps(out, cfg, f"{out}/samples")]
     return steps
 
 
 # what a stage carries from one step to the next in its manifest's state: (key, its value at the first step; None:
 # absent until a step has written it)
-CARRIED = {"rlvr_rewards": ("running_moments", {}), "advantages": ("kl_ctrl", None)}
+CARRIED = {"response_rewards": ("running_moments", {}), "advantages": ("kl_ctrl", None)}
 
 
 def run_steps(steps: list[Step], cfg, *, force: bool = False, state_in: dict | None = None,
               training_progress: float | None = None) -> dict[str, Any]:
-    """Run ``steps`` in order through the runner; results by output folder name (scored, samples, rlvr_rewarded,
+    """Run ``steps`` in order through the runner; results by output folder name (scored, samples, rewarded,
     advantaged). ``state_in``: ``running_moments`` and ``kl_ctrl`` of a previous step (from its manifests' state);
     ``training_progress``: step / max_steps of a training run, given to the reward workers that read it."""
     from stages.rlvr.stages import RUN_CONTEXT
@@ -108,27 +108,34 @@ def score_responses(input_dir: str, output_dir: str, cfg, *, advantages: bool = 
                     state_in: dict | None = None, services: dict | None = None) -> dict[str, Any]:
     """Run the reward stage (and with ``advantages`` the RLVR chain up to advantages, without log-probs: the
     responses' own log-prob columns, if any) on the responses in ``input_dir``. Outputs: ``<output_dir>/scored``
-    (+ ``samples``, ``rlvr_rewarded``, ``advantaged``); ``services``: reward-stage service factories. Runs on the
+    (+ ``samples``, ``rewarded``, ``advantaged``); ``services``: reward-stage service factories. Runs on the
     Ray cluster its caller connected to (``rollflow score``, the RLVR flow's validation)."""
     return run_steps(score_steps(input_dir, output_dir, cfg, advantages=advantages, services=services), cfg,
                      force=force, state_in=state_in)
 
 
 def refuse_old_layout(run: Location) -> None:
-    """A run folder whose RLVR steps were written before the one-pipeline change (advantages computed in two
-    passes on the responses, ``step_*/first_pass``) cannot be resumed by this version: refused with the fix."""
+    """A run folder whose RLVR steps were written by an earlier layout cannot be resumed by this version: refused
+    with the fix. Two earlier layouts: advantages computed in two passes on the responses (``step_*/first_pass``,
+    stage ``rlvr_advantages``), and rewards by a separate RLVR stage on the responses (``step_*/rlvr_rewarded``;
+    now the response-rewards stage of both pipelines on the samples, with the domains in ``scored``)."""
     from stages.storage import read_manifest
 
     step0 = run.child("step_0000")
-    old = step0.child("first_pass").exists() or (
-        step0.child("advantaged").exists()
-        and (read_manifest(step0.child("advantaged")) or {}).get("stage") == "rlvr_advantages")
-    if old:
-        raise RollflowError(f"run folder {run.path} was written by an earlier rollflow whose RLVR steps computed the "
-                            "advantages on the responses before the log-probs (step_*/first_pass, stage "
-                            "rlvr_advantages); this version trains on the samples layout in ROLL's order and cannot "
-                            "continue it. Start a new run (another run_name), or finish this one with the rollflow "
-                            "that started it")
+    layouts = {
+        "computed the advantages on the responses before the log-probs (step_*/first_pass, stage rlvr_advantages)":
+            step0.child("first_pass").exists() or (
+                step0.child("advantaged").exists()
+                and (read_manifest(step0.child("advantaged")) or {}).get("stage") == "rlvr_advantages"),
+        "computed the rewards with a separate RLVR stage (step_*/rlvr_rewarded, stage rlvr_rewards)":
+            step0.child("rlvr_rewarded").exists(),
+    }
+    for what, found in layouts.items():
+        if found:
+            raise RollflowError(f"run folder {run.path} was written by an earlier rollflow whose RLVR steps {what}; "
+                                "this version runs the stages both pipelines share, in ROLL's order, and cannot "
+                                "continue it. Start a new run (another run_name), or finish this one with the "
+                                "rollflow that started it")
 
 
 @stage_task("prompts")
@@ -232,10 +239,10 @@ def score_task(config: RLVRTrainConfig, step: int, responses: str, output: str, 
 
 
 @stage_task("rewards_and_advantages")
-def chain_task(config: RLVRTrainConfig, responses: str, samples: str, output: str, state_in: dict) -> dict[str, Any]:
+def chain_task(config: RLVRTrainConfig, samples: str, output: str, state_in: dict) -> dict[str, Any]:
     """Sample masks and normalised rewards, then token rewards and advantages on ``samples`` (the step's token
-    table with its log-probs, and values for GAE) → ``rlvr_rewarded``, ``advantaged``."""
-    return run_steps(chain_steps(responses, output, config, samples), config, state_in=state_in)
+    table with its log-probs, and values for GAE) → ``rewarded``, ``advantaged``."""
+    return run_steps(chain_steps(output, config, samples), config, state_in=state_in)
 
 
 @flow(name="rlvr-train")  # progress lines go to stdout; Prefect logs to the log file (flows/console.py)
@@ -281,11 +288,11 @@ def rlvr_train_flow(cfg: dict) -> dict:
                     vals = values_task(config, lp.output, checkpoint, f"{here}/values", workers)
                     record(metrics, k, "values", vals)
                     tokens = vals.output
-                chain = chain_task(config, gen.output, tokens, here, state)
-                record(metrics, k, "rlvr_rewards", chain["rlvr_rewarded"])
+                chain = chain_task(config, tokens, here, state)
+                record(metrics, k, "response_rewards", chain["rewarded"])
                 advantaged = chain["advantaged"]
                 record(metrics, k, "advantages", advantaged)
-                state = {**chain["rlvr_rewarded"].state, **advantaged.state}
+                state = {**chain["rewarded"].state, **advantaged.state}
                 tr = train_and_keep(config, k, advantaged.output, checkpoint, f"{here}/checkpoint", workers, metrics,
                                     trained)
                 checkpoint = tr.output

@@ -136,9 +136,9 @@ class RLVRConfig(AdvantageOptions):
 # ---- stage sections -------------------------------------------------------------------------------------------
 
 class RLVRRewardSection(Frozen):
-    """What the rlvr_rewards stage reads (§3.5 sample masks, §3.3 reward post-processing)."""
+    """What the response-rewards stage reads in an RLVR run (§3.5 sample masks, §3.3 reward post-processing per
+    domain; the domains come with the scores)."""
 
-    domain_column: str
     num_return_sequences_in_group: int
     max_len_mask: bool
     max_new_tokens: int | None
@@ -153,20 +153,15 @@ class RLVRRewardSection(Frozen):
     reward_clip: float | None
 
 
-def _fill(config: RLVRConfig, model: type[Frozen]) -> Any:
-    values = {k: getattr(config, k) for k in model.model_fields if k != "domain_column"}
-    return model.model_validate({**values, "domain_column": config.rewards.domain_column})
-
-
 def reward_section(config: RLVRConfig) -> RewardsConfig:
     """The reward stage's section: the routing."""
     return config.rewards
 
 
 def rlvr_reward_section(config: RLVRConfig) -> RLVRRewardSection:
-    return _fill(config, RLVRRewardSection)
+    return section(config, RLVRRewardSection)
 
 
 def rlvr_advantage_section(config: RLVRConfig) -> AdvantageSection:
-    """The advantages stage's section (the stage both pipelines run; the domains come with ``rlvr_rewarded``)."""
+    """The advantages stage's section (the stage both pipelines run; the domains come with ``rewarded``)."""
     return section(config, AdvantageSection)

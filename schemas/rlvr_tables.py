@@ -2,8 +2,8 @@
 
 Flow of tables (one RLVR step; the tables from ``samples`` on are those of every pipeline, schemas/tables.py)::
 
-    responses ──rewards──▶ scored ──rlvr_rewards──▶ rlvr_rewarded ─────────────────────┐
-        └──────────────────────┴──rlvr_samples──▶ samples ──logprobs (values)──▶ samples ──advantages──▶ advantaged
+    responses ──rewards──▶ scored ──────────────────────────────────┬──response_rewards──▶ rewarded ─┐
+        └──────────────────────┴──rlvr_samples──▶ samples ──logprobs (values)──▶ samples ─────┴──advantages──▶ advantaged
 
 * ``responses`` — one row per generated response: ``n = num_return_sequences_in_group`` rows share a ``prompt_id``
   (the group). Token data as the generation engine returns it: ``prompt_ids (P,)``, ``response_ids (R,)``, and the
@@ -11,12 +11,13 @@ Flow of tables (one RLVR step; the tables from ``samples`` on are those of every
   chain turns them into the project's next-token layout (``L − 1 = P + R − 1`` entries, zeros on prompt positions).
   Columns beyond these are passed through to reward workers (a worker may read its own columns).
 * ``scored`` — narrow: ``row_id``, the reward worker's ``scores`` and ``response_level_rewards`` (null = the worker
-  could not score the row, DESIGN.md reward contract) and the name of the worker that scored it.
-* ``rlvr_rewarded`` — narrow: per-row sample mask (§3.5) and normalised response-level reward (§3.3), computed over
-  the whole table per domain; unscored rows have ``scored = false``, sample mask 0 and reward 0.
+  could not score the row, DESIGN.md reward contract), the name of the worker that scored it and the row's domain.
+* ``rewarded`` (``schemas.tables.REWARDED``, written by the response-rewards stage of both pipelines with an RLVR
+  section) — narrow: per-row sample mask (§3.5) and normalised response-level reward (§3.3), computed over the whole
+  table per domain; unscored rows have ``scored = false``, sample mask 0 and reward 0.
 * ``samples`` — the step's token table (``input_ids = prompt_ids + response_ids``, ``response_mask = 0…0 1…1``,
   next-token columns ``L − 1``), on which the log-prob, value, advantages and training stages of both pipelines run.
-  The advantages stage, given ``rlvr_rewarded`` as its rewards, writes ``advantaged`` (``schemas.tables.ADVANTAGED``)
+  The advantages stage, given that ``rewarded`` table, writes ``advantaged`` (``schemas.tables.ADVANTAGED``)
   with the RLVR columns ``final_response_mask`` (``response_mask[1:] × sample mask``, next-token aligned, float32),
   ``domain`` and ``scored``.
 
@@ -97,23 +98,6 @@ SCORED = TableSpec(
         "response_level_rewards": pa.float32(),  # null together with scores (or on its own)
         "reward_worker": pa.string(),
     },
+    optional={"domain": pa.string()},  # the responses' domain column: what RLVR normalises rewards by
     nullable=("scores", "response_level_rewards"),
 )
-
-RLVR_REWARDED = TableSpec(
-    name="rlvr_rewarded",
-    required={
-        "row_id": pa.string(),
-        "prompt_id": pa.string(),
-        "domain": pa.string(),
-        "scored": pa.bool_(),
-        "score": pa.float32(),  # the worker's score, 0 where it could not score (see ``scored``)
-        "sample_mask": pa.float32(),  # §3.5 per-row mask s, 0 for unscored rows
-        "response_level_rewards": pa.float32(),  # §3.3 normalised and clipped, 0 for unscored rows
-    },
-    finite=("score", "sample_mask", "response_level_rewards"),
-)
-
-RLVR_TABLES = {"responses": RESPONSES, "scored": SCORED, "rlvr_rewarded": RLVR_REWARDED}
-
-

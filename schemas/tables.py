@@ -116,14 +116,15 @@ REWARDED = TableSpec(
         "episode_rewards_norm": pa.float32(),
         "step_rewards_norm": pa.float32(),
         "state_group_id": pa.string(),
-        # RLVR (schemas/rlvr_tables.py RLVR_REWARDED): the §3.5 sample mask and the domain the rows are whitened by
+        # RLVR (stages/response_rewards.py with an RLVR section): the §3.5 sample mask and the domain the rows are
+        # whitened by; ``score`` is the worker's score, 0 where it could not score (``scored`` false)
         "prompt_id": pa.string(),
         "domain": pa.string(),
         "scored": pa.bool_(),
         "score": pa.float32(),
         "sample_mask": pa.float32(),
     },
-    finite=("response_level_rewards", "step_rewards"),
+    finite=("response_level_rewards", "step_rewards", "score", "sample_mask"),
 )
 
 ADVANTAGED = TableSpec(

@@ -5,11 +5,11 @@ Row-parallel over the wide token columns: per block, token rewards (§2.4, with 
 span blocks (per-domain whitening moments, the KL controller's current KL) come from additive partials over all
 blocks; the KL controller's state travels in the manifest (``kl_ctrl``).
 
-The ``rewarded`` input says what kind of run it is, as data:
+The ``rewarded`` input (stages/response_rewards.py) says what kind of run it is, as data:
 
-* agentic (stages/response_rewards.py): ``response_level_rewards`` (and GiGPO/step columns, copied to the output);
-  every row's sample mask is §5.5's all-ones ``get_agentic_response_level_mask``; one domain.
-* RLVR (``rlvr_rewarded``, stages/rlvr/stages.py): also ``sample_mask`` (§3.5) and ``domain``. Advantages are
+* agentic: ``response_level_rewards`` (and GiGPO/step columns, copied to the output); every row's sample mask is
+  §5.5's all-ones ``get_agentic_response_level_mask``; one domain.
+* RLVR: also ``sample_mask`` (§3.5) and ``domain``. Advantages are
   whitened per domain, the mask of the advantages is ``final_response_mask = response_mask[1:] × sample_mask``
   (written as a column: the RLVR loss aggregates over it, §6.5), and ``domain``/``scored`` are copied.
 """

@@ -55,7 +55,7 @@ def check_steps(steps: Sequence[Step]) -> dict[str, int]:
     for step in steps:
         needs = step.stage.required_columns(step.section)
         schemas: dict[str, pa.Schema] = {}
-        for name, spec in step.stage.input_specs.items():
+        for name, spec in step.stage.inputs_for(step.section).items():
             if name not in step.inputs:
                 raise SchemaError(f"stage {step.stage.name}: input '{name}' was not given")
             path = _key(step.inputs[name])

@@ -122,6 +122,11 @@ class Stage(ABC):
         """Optional columns each input must have under this section (e.g. ``values`` for GAE)."""
         return {}
 
+    def inputs_for(self, section: BaseModel) -> dict[str, TableSpec]:
+        """The inputs the stage reads under this section (all of ``input_specs`` unless a section selects fewer,
+        e.g. the scores table only for RLVR rewards). Only these enter the fingerprint."""
+        return self.input_specs
+
     @abstractmethod
     def build(self, ctx: StageContext):
         """Return the Ray Data dataset that produces the output rows."""
@@ -348,7 +353,12 @@ def _input_schemas(stage: Stage, section: BaseModel, inputs: dict[str, Location]
     """The schema of each input ``stage`` declares, checked against its spec and the columns ``section`` needs."""
     schemas = {}
     needs = stage.required_columns(section)
-    for name, spec in stage.input_specs.items():
+    specs = stage.inputs_for(section)
+    unread = sorted(set(inputs) - set(specs))
+    if unread:  # an input the stage does not read would still change its fingerprint
+        raise SchemaError(f"stage {stage.name}: input(s) {unread} are not read under this config section (it reads "
+                          f"{sorted(specs)}); leave them out")
+    for name, spec in specs.items():
         if name not in inputs:
             raise SchemaError(f"stage {stage.name}: input '{name}' was not given")
         schema = read_table_schema(inputs[name], spec.name)

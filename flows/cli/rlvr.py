@@ -56,7 +56,7 @@ def _with_judge(cfg, judge_model: Path | None, backend: str | None):
 @app.command()
 def score(input: Path = typer.Option(..., "--input", help="Folder of stored responses (a responses table)."),
           config: Path = typer.Option(..., "--config", help="YAML config (configs/rlvr_*.yaml)."),
-          output: Path = typer.Option(..., "--output", help="Folder for scored/ (and rlvr_rewarded/, advantaged/)."),
+          output: Path = typer.Option(..., "--output", help="Folder for scored/ (and samples/, rewarded/, advantaged/)."),
           overrides: Optional[list[str]] = OverrideOpt,
           advantages: bool = typer.Option(False, "--advantages", help="Also run the RLVR chain: sample masks, "
                                                                       "normalised rewards, token rewards and "
@@ -102,7 +102,7 @@ def score(input: Path = typer.Option(..., "--input", help="Folder of stored resp
     for line in _guard(lambda: score_summary(str(input), results["scored"].output, cfg.rewards.domain_column)):
         typer.echo(line)
     if "advantaged" in results:
-        m = {**results["rlvr_rewarded"].metrics, **results["advantaged"].metrics}
+        m = {**results["rewarded"].metrics, **results["advantaged"].metrics}
         typer.echo("")
         for key in ("actor/samples_used", "actor/samples_total", "actor/final_mask_tokens", "critic/kl",
                     "critic/kl_coef", "critic/advantages/mean"):

@@ -3,13 +3,9 @@
 * :class:`RewardStage` — ``responses`` → ``scored``: batches go to an actor pool; each actor builds one
   :class:`~stages.rewards.RewardRouter` (workers hold sandboxes, caches, clients: built inside the actor, never
   pickled) and scores its batches, routed by the domain column.
-* :class:`RLVRRewardsStage` — ``responses`` + ``scored`` → ``rlvr_rewarded``: the whole-table part of the chain
-  (sample masks, reward normalisation per domain) over narrow columns read once; running moments per domain carried
-  in the manifest state (``running_moments``) like the KL controller of ``stages/advantages.py``. Its rows are
-  sorted by (prompt_id, row_id), as ROLL sorts by prompt id; readers join it by row_id.
 * :class:`SamplesStage` — ``responses`` + ``scored`` → ``samples``: the step's token table in the layout every
-  samples table has, on which the log-prob, value, advantages (stages/advantages.py, with ``rlvr_rewarded`` as its
-  rewards) and training stages of both pipelines run.
+  samples table has, on which the log-prob, value, response-rewards (stages/response_rewards.py, with ``scored``
+  for the workers' scores and domains), advantages and training stages of both pipelines run.
 
 The LLM judge (``llm_judge``) needs a ``generate(prompts: list[str]) -> list[str | None]`` service. The stage takes
 ``services = {"generate": factory}``: a picklable zero-argument callable run once inside each reward actor, returning
@@ -26,12 +22,12 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from schemas.errors import ConfigError, InvariantError, RollflowError, SchemaError
-from schemas.rlvr_config import RewardsConfig, RLVRRewardSection
-from schemas.rlvr_tables import RESPONSE_ALIGNED, RESPONSES, RLVR_REWARDED, SCORED, check_response_rows
+from schemas.errors import ConfigError, RollflowError, SchemaError
+from schemas.rlvr_config import RewardsConfig
+from schemas.rlvr_tables import RESPONSE_ALIGNED, RESPONSES, SCORED, check_response_rows
 from schemas.config import Frozen
 from schemas.tables import SAMPLES, check_row_invariants
-from stages.runner import ACTOR_POOL, Stage, StageContext, read_partials, write_partials
+from stages.runner import ACTOR_POOL, Stage, StageContext
 from stages.storage import Location, folder_fingerprint
 
 ServiceFactory = Callable[[], Any]
@@ -115,6 +111,7 @@ class ScoreBatch:
             "scores": pa.array(out.scores, pa.float32(), from_pandas=True),  # NaN (None) → null
             "response_level_rewards": pa.array(out.response_level_rewards, pa.float32(), from_pandas=True),
             "reward_worker": pa.array(out.worker.astype(str).tolist(), pa.string()),
+            "domain": batch.column(self.router.domain_column).cast(pa.string()),  # what RLVR normalises rewards by
         })
 
 
@@ -123,7 +120,7 @@ class RewardStage(Stage):
     (``generate`` for the LLM judge); ``max_actors``/``cpus_per_actor`` size the autoscaling actor pool (1 … max)."""
 
     name = "rewards"
-    version = "1"
+    version = "2"  # 2: the output carries each row's domain
     output_spec = SCORED
     section_model = RewardsConfig
     input_specs = {"responses": RESPONSES}
@@ -170,91 +167,6 @@ class RewardStage(Stage):
         for worker in sorted(set(table.column("reward_worker").to_pylist())):
             metrics[f"rewards/unscored/{worker}"] = float(unscored.count(worker))
         return metrics, {}
-
-
-# ---- RLVR chain, whole-table part: responses + scored → rlvr_rewarded --------------------------------------------
-
-def _narrow_lengths(domain_column: str, where: str):
-    def narrow(batch: pa.Table) -> pa.Table:
-        """The narrow columns of a responses block; response length Σ response_mask[1:] = R (prompt non-empty)."""
-        check_response_rows(batch.select(["row_id", "prompt_ids", "response_ids"]), where)
-        return pa.table({"row_id": batch.column("row_id"), "prompt_id": batch.column("prompt_id"),
-                         "domain": batch.column(domain_column).cast(pa.string()),
-                         RESPONSE_LENGTH: pc.list_value_length(batch.column("response_ids")).cast(pa.int64())})
-    return narrow
-
-
-class RLVRRewardsStage(Stage):
-    """``responses`` + ``scored`` → ``rlvr_rewarded`` (§3.5 sample masks, §3.3 reward post-processing per domain).
-    State: ``{"running_moments": {domain: RunningMoments.state_dict()}}`` in and out."""
-
-    name = "rlvr_rewards"
-    version = "1"
-    output_spec = RLVR_REWARDED
-    section_model = RLVRRewardSection
-    input_specs = {"responses": RESPONSES, "scored": SCORED}
-
-    def build(self, ctx: StageContext):
-        s: RLVRRewardSection = ctx.section
-        where = ctx.inputs["responses"].path
-        scored = ctx.inputs["scored"]
-        scored_files, scored_fs = scored.parquet_files(), scored.fs
-        running_in = dict(ctx.state_in.get("running_moments", {}))
-        out = ctx.output
-
-        def whole_table(narrow: pa.Table) -> pa.Table:
-            import pyarrow.dataset as pads
-
-            from stages.algos.reward_norm import RunningMoments
-            from stages.algos.rlvr_chain import rlvr_response_rewards
-
-            # Ray Data does not promise the block order after repartition; sorting (as ROLL sorts by prompt id)
-            # makes the statistics' float sums and the output independent of it.
-            narrow = narrow.sort_by([("prompt_id", "ascending"), ("row_id", "ascending")])
-            rewards_table = pads.dataset(scored_files, filesystem=scored_fs).to_table()
-            joined = _join_scores(narrow, rewards_table, where, scored.path)
-            running = {d: RunningMoments.from_state(st) for d, st in running_in.items()}
-            result = rlvr_response_rewards(
-                joined["prompt_id"], joined["domain"], joined["scores"], joined["rewards"],
-                narrow.column(RESPONSE_LENGTH).to_numpy(), s, running, where)
-            write_partials(out, "whole-table", {"metrics": result.metrics,
-                                                "running_moments": {d: r.state_dict() for d, r in running.items()}})
-            scores = np.where(result.scored, np.nan_to_num(joined["scores"]), 0.0)
-            table = pa.table({"row_id": narrow.column("row_id"), "prompt_id": narrow.column("prompt_id"),
-                             "domain": narrow.column("domain"), "scored": pa.array(result.scored, pa.bool_()),
-                             "score": pa.array(scores, pa.float32()),
-                             "sample_mask": pa.array(result.sample_mask, pa.float32()),
-                             "response_level_rewards": pa.array(result.rewards, pa.float32())})
-            check_row_invariants(RLVR_REWARDED, table, f"{where} (rlvr_rewards output)")
-            return table
-
-        columns = ["row_id", "prompt_id", s.domain_column, "prompt_ids", "response_ids"]
-        ds = ctx.read("responses", columns=list(dict.fromkeys(columns)))
-        ds = ds.map_batches(_narrow_lengths(s.domain_column, where), batch_format="pyarrow", batch_size=ctx.batch_rows)
-        return ds.repartition(1, shuffle=False).map_batches(whole_table, batch_size=None, batch_format="pyarrow")
-
-    def finalize(self, ctx: StageContext, written: Location):
-        parts = read_partials(written)
-        if not parts:  # empty table: nothing normalised, the trackers are unchanged
-            return {}, {"running_moments": dict(ctx.state_in.get("running_moments", {}))}
-        return parts[0]["metrics"], {"running_moments": parts[0]["running_moments"]}
-
-
-def _join_scores(narrow: pa.Table, scored: pa.Table, where: str, scored_where: str) -> dict[str, np.ndarray]:
-    """Scores and rewards of the narrow rows (NaN = null), looked up by row_id; every row must have exactly one."""
-    from stages.advantages import indexed, take_by_row_id
-
-    table = indexed(scored, f"scored table at {scored_where}")
-    joined = take_by_row_id(table, narrow, f"responses table at {where}: row_id '{{row_id}}' has no score in the "
-                            f"scored table at {scored_where}; score this responses table with the reward stage "
-                            "(rollflow score) before the RLVR chain")
-    if len(table[0]) != narrow.num_rows:
-        raise InvariantError(f"scored table at {scored_where} has {len(table[0])} rows but the responses table at "
-                             f"{where} has {narrow.num_rows}; score exactly this responses table")
-    return {"prompt_id": narrow.column("prompt_id").to_numpy(zero_copy_only=False),
-            "domain": narrow.column("domain").to_numpy(zero_copy_only=False),
-            "scores": joined["scores"].astype(np.float64),
-            "rewards": joined["response_level_rewards"].astype(np.float64)}
 
 
 # ---- responses + scored → samples: the project's row layout, on which log-probs, values and advantages run -----

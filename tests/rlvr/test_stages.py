@@ -105,7 +105,7 @@ def test_reward_stage_routes_by_domain_and_writes_null_for_none(golden_run):
 
 def test_golden_chain_through_ray(golden_run):
     case, out = golden_run["case"], golden_run["out"]
-    rewarded = read_folder(str(out / "rlvr_rewarded"))
+    rewarded = read_folder(str(out / "rewarded"))
     advantaged = read_folder(str(out / "advantaged"))
     rows_r, rows_a = _by_row(rewarded), _by_row(advantaged)
     ids = [f"g{b:03d}" for b in range(20)]
@@ -117,7 +117,7 @@ def test_golden_chain_through_ray(golden_run):
                                   case.outputs["final_response_mask"])
     for name in ("token_level_rewards", "advantages", "returns"):
         assert_close(padded(golden.column(name), width), case.outputs[name], **NORM_TOL, what=name)
-    manifest = json.loads((out / "rlvr_rewarded" / "manifest.json").read_text())
+    manifest = json.loads((out / "rewarded" / "manifest.json").read_text())
     for key in ("actor/final_mask_ratio", "actor/samples_used", "actor/samples_total", "critic/reward_clip_frac"):
         assert manifest["metrics"][f"golden/{key}"] == pytest.approx(case.metric(key)), key
 
@@ -134,7 +134,7 @@ def test_stage_outputs_equal_the_pure_chain_on_the_whole_table(golden_run):
     beta = cfg.init_kl_coef
     batch = token_batch(tokens, pure.rewards, pure.sample_mask, np.array(cols["domain"]),
                              rlvr_advantage_section(cfg), beta)
-    rewarded = _in_order(read_folder(str(out / "rlvr_rewarded")), cols["row_id"])
+    rewarded = _in_order(read_folder(str(out / "rewarded")), cols["row_id"])
     advantaged = _in_order(read_folder(str(out / "advantaged")), cols["row_id"])
     # the stage sorts by prompt id before its sums (ROLL does too): equal up to float summation order
     np.testing.assert_allclose(rewarded.column("response_level_rewards").to_numpy(), pure.rewards, rtol=1e-6,
@@ -166,7 +166,7 @@ def test_unscored_rows_are_out_of_the_statistics_and_get_zero_advantage(golden_r
     assert all(v == 0.0 for row in part.column("final_response_mask").to_pylist() for v in row)
     assert set(part.column("response_level_rewards").to_pylist()) == {0.0}
     # group f-prompt-0 = [1, 0, None, 1] ×2: normalised over its three scored rows only
-    rewarded = read_folder(str(out / "rlvr_rewarded"))
+    rewarded = read_folder(str(out / "rewarded"))
     r = dict(zip(rewarded.column("row_id").to_pylist(), rewarded.column("response_level_rewards").to_pylist()))
     x = np.array([2.0, 0.0, 2.0])
     expected = (x - x.mean()) / (x.std(ddof=1) + 1e-6)
@@ -176,7 +176,7 @@ def test_unscored_rows_are_out_of_the_statistics_and_get_zero_advantage(golden_r
 
 def test_cli_prints_the_stages_and_a_per_domain_summary_and_a_rerun_skips(golden_run):
     out = golden_run["stdout"]
-    assert all(name in out for name in ("scored", "samples", "rlvr_rewarded", "advantaged", "computed in"))
+    assert all(name in out for name in ("scored", "samples", "rewarded", "advantaged", "computed in"))
     flaky = next(line for line in out.splitlines() if line.startswith("flaky"))
     assert flaky.split()[1:4] == ["12", str(FLAKY_TRUTHS.count("none")), f"{np.mean([2, 0, 2, 0, 2, 2]):.3f}"]
     again = invoke("score", "--input", golden_run["responses"], "--config", golden_run["config"], "--output",
@@ -208,11 +208,11 @@ def test_running_moments_are_carried_per_domain_in_the_manifest_state(golden_run
     cfg = golden_run["cfg"].model_copy(update={"adv_estimator": "reinforce", "norm_mean_type": "running",
                                                "norm_std_type": "running"})
     state = {"running_moments": {"golden": {"mean": 0.5, "var": 0.2, "std": 0.45, "count": 10.0}}}
-    from stages.rlvr.stages import RLVRRewardsStage
+    from stages.response_rewards import ResponseRewardsStage
     from stages.runner import run_stage
 
-    result = run_stage(RLVRRewardsStage(), rlvr_reward_section(cfg),
-                       {"responses": golden_run["responses"], "scored": str(golden_run["out"] / "scored")},
+    result = run_stage(ResponseRewardsStage(), rlvr_reward_section(cfg),
+                       {"samples": str(golden_run["out"] / "samples"), "scored": str(golden_run["out"] / "scored")},
                        str(tmp_path / "rewarded"), state_in=state)
     moments = result.state["running_moments"]
     assert set(moments) == {"golden", "flaky"}
@@ -265,7 +265,7 @@ def test_missing_log_probs_for_token_kl_is_a_schema_error(golden_run, tmp_path):
     samples = run_steps(score_steps(responses, str(tmp_path / "out"), cfg, advantages=True)[:2], cfg)["samples"]
     with pytest.raises(SchemaError, match="missing column 'old_log_probs'"):
         run_stage(AdvantagesStage(), rlvr_advantage_section(cfg),
-                  {"samples": samples.output, "rewarded": str(golden_run["out"] / "rlvr_rewarded")},
+                  {"samples": samples.output, "rewarded": str(golden_run["out"] / "rewarded")},
                   str(tmp_path / "advantaged"))
     assert not (tmp_path / "advantaged").exists()
     # with them, the same check passes: the samples stage carries the responses' log-prob columns

@@ -19,7 +19,7 @@ from stages.rlvr.generate import prompts_section, read_prompt_rows, step_prompt_
 
 REPO = Path(__file__).resolve().parents[2]
 # one step's stages in ROLL's order (values too, for GAE)
-STAGES = ("responses", "scored", "samples", "logprobs", "rlvr_rewarded", "advantaged", "checkpoint")
+STAGES = ("responses", "scored", "samples", "logprobs", "rewarded", "advantaged", "checkpoint")
 
 
 def test_shipped_rlvr_config_validates():
@@ -83,6 +83,9 @@ def test_a_run_folder_of_the_two_pass_layout_is_refused_with_the_fix(tmp_path):
         refuse_old_layout(Location.of(str(tmp_path / "old2")))
     (advantaged / "manifest.json").write_text(json.dumps({"stage": "advantages"}))
     refuse_old_layout(Location.of(str(tmp_path / "old2")))
+    (tmp_path / "old2/step_0000/rlvr_rewarded").mkdir()  # rewards by the separate RLVR stage
+    with pytest.raises(RollflowError, match=r"separate RLVR stage \(step_\*/rlvr_rewarded.*Start a new run"):
+        refuse_old_layout(Location.of(str(tmp_path / "old2")))
 
 
 def _read(folder: Path):
