@@ -103,8 +103,12 @@ def stale_outputs(root: str) -> tuple[int, list[str]]:
 def lineage_lines(path: str) -> list[str]:
     """``rollflow lineage PATH``: the lineage of PATH when it is a stage output, then the stale outputs under it."""
     loc = Location.of(path)
-    lines = trace(path) if read_manifest(loc) is not None else [f"{loc.path}  (no manifest: a folder of outputs)"]
+    own = read_manifest(loc) is not None
+    lines = trace(path) if own else [f"{loc.path}  (no manifest: a folder of outputs)"]
     count, stale = stale_outputs(path)
+    if not own and count == 0:
+        raise RollflowError(f"{loc.path} holds no stage output (no manifest.json in it or below); pass a run folder "
+                            "(runs/<run>) or a folder a stage wrote")
     lines.append("")
     if stale:
         lines.append(f"{len(stale)} stale of {count} stage outputs under {loc.path}:")

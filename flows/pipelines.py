@@ -22,6 +22,9 @@ class Pipeline:
     summary_lines: Callable[[], Callable[[dict], list[str]]]
     step_dir: Callable[[], Callable[[str, int], str]]  # the folder of a run's k-th iteration (step)
     evaluation: Callable[[], tuple[Callable[..., dict], Callable[[dict], list[str]]]]  # rollflow eval: flow, lines
+    # what a run (evaluation=False) or `rollflow eval` (True) of a validated config checks before Prefect and Ray
+    # start: the parts of the config only its stages would otherwise look at (environments, prompt files, workers)
+    preflight: Callable[[Any, bool], None] = lambda config, evaluation: None
 
     def committed_steps(self, run: str) -> int:
         """How many iterations of the run folder ``run`` are done: the leading iterations whose checkpoint is
@@ -98,9 +101,35 @@ def _rlvr_step_dir():
     return step_dir
 
 
+def _agentic_preflight(config, evaluation: bool) -> None:
+    """Every environment of the run's rollouts (or only of its evaluation) builds from its env_config."""
+    from stages.rollout.driver import check_rollout
+
+    if not evaluation:
+        check_rollout(config.rollout_for(0), field="rollout.")
+    if evaluation or config.eval.eval_steps:
+        check_rollout(config.eval_rollout(), field="rollout.")
+
+
+def _rlvr_preflight(config, evaluation: bool) -> None:
+    """The prompt files exist and every reward route names a worker that takes its kwargs: for training, the
+    run's prompts and routes; for validation (in a run with eval_steps, or ``rollflow eval``) the validation's."""
+    from stages.rlvr.generate import prompts_section
+    from stages.rlvr.stages import check_routes
+
+    if not evaluation:
+        prompts_section(config.prompts.data_dir, config.prompts.domains, config.prompts.limit)
+        check_routes(config.rewards, "rewards")
+    if evaluation or config.validation.eval_steps:
+        val = config.validation.prompts
+        prompts_section(val.data_dir, val.domains, val.limit, field="validation.prompts")
+        check_routes(config.validation_rewards(), "validation.rewards" if config.validation.rewards else "rewards")
+
+
 PIPELINES.register("agentic")(Pipeline(_agentic_model, _agentic_flow, _agentic_summary, _agentic_step_dir,
-                                        _agentic_evaluation))
-PIPELINES.register("rlvr")(Pipeline(_rlvr_model, _rlvr_flow, _rlvr_summary, _rlvr_step_dir, _rlvr_evaluation))
+                                        _agentic_evaluation, _agentic_preflight))
+PIPELINES.register("rlvr")(Pipeline(_rlvr_model, _rlvr_flow, _rlvr_summary, _rlvr_step_dir, _rlvr_evaluation,
+                                     _rlvr_preflight))
 
 
 def pipeline_of(data: dict[str, Any], where: str) -> Pipeline:

@@ -298,12 +298,25 @@ class Report:
     missing: list[str]
 
 
+def check_run_folder(run_dir: str | Path) -> None:
+    """What ``rollflow report`` refuses before it writes anything: a path that is not a folder, or a folder that is
+    not a training run (neither its frozen config nor a metrics/ table: a report of it would only say so)."""
+    run = Path(run_dir)
+    if not run.is_dir():
+        what = "is a file, not a folder" if run.exists() else "does not exist"
+        raise SchemaError(f"report: run folder {run} {what}; pass a run folder (runs/<run>)")
+    if not (run / "config.json").is_file() and not (run / METRICS_DIR).is_dir():
+        raise SchemaError(f"report: {run} is not a run folder (it has neither config.json nor {METRICS_DIR}/); pass "
+                          "the folder of a run started by `rollflow train` (runs/<run>)")
+
+
 def write_report(run_dir: str | Path, episodes: Iterable[Sequence[dict] | dict] | None = None,
                  output: str | Path | None = None, max_episodes: int = 3) -> Report:
     """Write the plots and ``index.html`` of ``run_dir`` into ``output`` (default ``run_dir/report``)."""
     run = Path(run_dir)
     if not run.is_dir():
-        raise SchemaError(f"report: run folder {run} does not exist; pass a run folder (runs/<run>)")
+        what = "is a file, not a folder" if run.exists() else "does not exist"
+        raise SchemaError(f"report: run folder {run} {what}; pass a run folder (runs/<run>)")
     table = read_metrics(run)
     out = Path(output) if output else run / REPORT_DIR
     out.mkdir(parents=True, exist_ok=True)

@@ -125,11 +125,19 @@ def rerun_stage(name: str, old_output: str, overrides: list[str], output: str | 
     section = validate_config(section_model, _apply(manifest["section"], parse_overrides(overrides)),
                               f"{old.path}/manifest.json + overrides")
     inputs = {k: v["path"] for k, v in manifest["inputs"].items()}
+    for key, path in inputs.items():
+        if not Location.of(path).is_dir():
+            raise RollflowError(f"input '{key}' of {old.path} (recorded in its manifest.json) no longer exists at "
+                                f"{path}; restore it, or re-run the command that wrote it first")
+    tag = _tag(section, inputs)
+    target = output or f"{old.path}@{tag}"
+    from stages.preflight import check_output_location
+
+    check_output_location(target)
     from stages.cluster import ensure_ray
 
     ensure_ray()  # once the request is valid (the manifest holds no runtime settings: $RAY_ADDRESS or a local cluster)
-    tag = _tag(section, inputs)
-    result = rerun(section, inputs, output or f"{old.path}@{tag}", force, manifest["state_in"])
+    result = rerun(section, inputs, target, force, manifest["state_in"])
     lines = [_line(name, result, old)]
     if downstream:
         lines += _rerun_downstream(old, result.output, tag, force)

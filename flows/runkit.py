@@ -163,25 +163,50 @@ def start_run(config, cfg: dict, max_model_len: int, other_engines: float = 0.0)
     return run, base, EnginePool(config.generation_engine(), base, max_model_len)
 
 
-def save_run_config(run: Location, config, cfg: dict) -> None:
-    """Freeze the run's config ``cfg`` (``config`` validated) next to its outputs (what ``--resume`` reads). Refuses
-    a different config; a frozen config that validates to the same one is the same run (an earlier version may have
-    written it with other defaults spelled out). A run may be lengthened or shortened: a config that differs in
-    ``max_steps`` alone continues the same run (its committed iterations are skipped) and is frozen anew."""
+def frozen_config_state(run: Location, config, cfg: dict) -> str:
+    """How the run folder ``run`` stands to the config ``cfg`` (``config`` validated): ``"new"`` (no frozen config
+    yet), ``"same"``, or ``"max_steps"`` (the same run lengthened or shortened). Refuses a different config with a
+    RollflowError that says how to resume it or start another run; a frozen config that validates to the same one
+    is the same run (an earlier version may have written it with other defaults spelled out)."""
     from schemas.config import validate_config
 
     path = run.child(CONFIG_FILE)
-    if path.exists():
-        old = json.loads(path.read_text())
-        if old == cfg:
-            return
-        frozen = validate_config(type(config), old, path.path)
-        if frozen.model_copy(update={"max_steps": config.max_steps}) != config:
-            raise RollflowError(f"run folder {run.path} was started with another config; resume it with "
-                                f"`rollflow train --resume {run.path}`, or choose a new run_name")
-        if frozen.max_steps == config.max_steps:
-            return
-        log.info("run %s: max_steps %d -> %d", run.path, frozen.max_steps, config.max_steps)
+    if not path.exists():
+        return "new"
+    old = json.loads(path.read_text())
+    if old == cfg:
+        return "same"
+    frozen = validate_config(type(config), old, path.path)
+    if frozen.model_copy(update={"max_steps": config.max_steps}) != config:
+        raise RollflowError(f"run folder {run.path} was started with another config; resume it with "
+                            f"`rollflow train --resume {run.path}`, or choose a new run_name")
+    return "same" if frozen.max_steps == config.max_steps else "max_steps"
+
+
+def check_run(config, cfg: dict) -> None:
+    """What ``rollflow train`` checks of the run itself before Prefect and Ray start and before anything is written
+    into the run folder (its log included): the folder can be written, a folder started with another config is
+    refused, and ``pretrain`` (when set) is an HF model folder."""
+    from stages.generation.engines import check_model_dir
+    from stages.preflight import check_output_location
+
+    run = run_folder(config)
+    check_output_location(run.uri())
+    frozen_config_state(run, config, cfg)
+    if config.pretrain:
+        check_model_dir(config.pretrain)
+
+
+def save_run_config(run: Location, config, cfg: dict) -> None:
+    """Freeze the run's config ``cfg`` (``config`` validated) next to its outputs (what ``--resume`` reads). Refuses
+    a different config (:func:`frozen_config_state`). A run may be lengthened or shortened: a config that differs in
+    ``max_steps`` alone continues the same run (its committed iterations are skipped) and is frozen anew."""
+    state = frozen_config_state(run, config, cfg)
+    if state == "same":
+        return
+    if state == "max_steps":
+        log.info("run %s: max_steps -> %d", run.path, config.max_steps)
+    path = run.child(CONFIG_FILE)
     run.fs.create_dir(run.path, recursive=True)
     tmp = run.child(f".{CONFIG_FILE}.tmp")
     tmp.write_text(json.dumps(cfg, indent=1, sort_keys=True))

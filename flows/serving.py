@@ -147,6 +147,8 @@ def start_server(host: str = "127.0.0.1", port: int = 4200, home: str | Path | N
         raise ServerError(f"prefect server: port {port} on {host} is already in use (another Prefect server? "
                           f"check http://{host}:{port}); pass another port (--port) or stop what listens there")
     home = Path(home or os.environ.get("PREFECT_HOME") or Path.cwd() / ".prefect").resolve()
+    if home.exists() and not home.is_dir():
+        raise ServerError(f"prefect server: home {home} is a file; pass a folder (new or existing) as --home")
     home.mkdir(parents=True, exist_ok=True)
     log_path = home / f"server-{port}.log"
     log_file = open(log_path, "ab")

@@ -8,7 +8,7 @@ A ROLL user recognises the top level: ``adv_estimator``, ``gamma``, ``lambd``, `
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Literal, TypeVar
+from typing import Annotated, Any, Literal, TypeVar
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -147,12 +147,17 @@ class RecomputeConfig(AlgorithmConfig):
 
 
 # ---- stage sections -------------------------------------------------------------------------------------------
+# A section is cut from a validated config, but `rollflow stage --set` changes one directly: the bounds of the
+# config's fields hold here too (the rules across fields stay with the config models).
+UnitInterval = Annotated[float, Field(ge=0.0, le=1.0)]
+NonNegative = Annotated[float, Field(ge=0.0)]
+
 
 class ResponseRewardSection(Frozen):
     """What the response_rewards stage reads."""
 
     adv_estimator: AdvEstimator
-    step_reward_gamma: float
+    step_reward_gamma: UnitInterval
     reward_normalization: RewardNormalizationConfig
     episode_reward_weight: float
     step_reward_weight: float
@@ -165,17 +170,17 @@ class AdvantageSection(Frozen):
     """What the advantages stage reads (the RLVR one adds ``domain_column``)."""
 
     adv_estimator: AdvEstimator
-    gamma: float
-    lambd: float
+    gamma: UnitInterval
+    lambd: UnitInterval
     reward_clip: float | None
     advantage_clip: float | None
     whiten_rewards: bool
     whiten_advantages: bool
     add_token_level_kl: bool
     kl_penalty: KLPenalty
-    init_kl_coef: float
+    init_kl_coef: NonNegative
     target_kl: float | None
-    kl_horizon: int
+    kl_horizon: Annotated[int, Field(gt=0)]
     roll_compat: bool
 
 

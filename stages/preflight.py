@@ -72,6 +72,7 @@ def check_steps(steps: Sequence[Step]) -> dict[str, int]:
             else:
                 rows[path] = check_input(spec, step.inputs[name], needs.get(name, ()),
                                          getattr(step.section, "group_size", None))
+        step.stage.preflight(step.section, {n: p for n, p in step.inputs.items() if _key(p) not in written}, schemas)
         check_output_location(step.output)
         written[_key(step.output)] = (step.stage.output_schema(schemas), step.stage.name)
     return rows

@@ -138,6 +138,11 @@ class Stage(ABC):
     def check_output(self, ctx: StageContext, written: Location) -> None:
         """Whole-table output invariants beyond the schema (optional)."""
 
+    def preflight(self, section: BaseModel, on_disk: dict[str, str], schemas: dict[str, pa.Schema]) -> None:
+        """Checks of the section against the inputs that a command's pre-flight (stages/preflight.py) runs before
+        Prefect and Ray start, beyond the input contracts (optional): ``on_disk`` maps the inputs already on disk to
+        their folders, ``schemas`` every input to its (expected) schema. Raise a RollflowError naming field and fix."""
+
     def output_schema(self, input_schemas: dict[str, pa.Schema]) -> pa.Schema:
         """The columns the output may have on inputs of these schemas (what a pre-flight check of the next stage
         checks against): the spec's required and optional columns, unless a stage knows which it writes."""

@@ -128,8 +128,9 @@ def report(run: Path = typer.Argument(..., help="A run folder (runs/<run>) with 
            episodes: int = typer.Option(3, "--episodes", help="Sample episodes shown from the last rollout.")
            ) -> None:
     """Write PNG plots of a run's metrics per iteration and an HTML page with them and sample episodes."""
-    from flows.report import write_report
+    from flows.report import check_run_folder, write_report
 
+    _guard(lambda: check_run_folder(run))
     result = _guard(lambda: write_report(run, output=output, max_episodes=episodes))
     for stem, path in result.plots.items():
         typer.echo(f"{stem:<18} {path}")

@@ -73,14 +73,14 @@ def score(input: Path = typer.Option(..., "--input", help="Folder of stored resp
     from schemas.config import load_config, parse_overrides
     from schemas.rlvr_config import RLVRConfig
 
+    if judge_backend not in (None, "vllm", "hf"):
+        _fail(ValueError(f"--judge-backend {judge_backend!r} must be vllm or hf"))
     cfg = _guard(lambda: load_config(RLVRConfig, config, parse_overrides(overrides or [])))
     from flows.rlvr import score_steps
     from stages.preflight import check_steps
 
     _guard(lambda: check_steps(score_steps(str(input), str(output), cfg, advantages=advantages)))  # before Ray starts
     connect(cfg.runtime)
-    if judge_backend not in (None, "vllm", "hf"):
-        _fail(ValueError(f"--judge-backend {judge_backend!r} must be vllm or hf"))
     cfg = _with_judge(cfg, judge_model, judge_backend)
     from flows.rlvr import score_responses
     from stages.rlvr.generate import judge_pool, judge_services

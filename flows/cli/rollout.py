@@ -55,8 +55,10 @@ def rollout(config: Optional[Path] = typer.Option(None, "--config", help="YAML c
 
     cfg = _guard(lambda: load_config(RolloutConfig, config, parse_overrides(overrides or [])))
     announce_precision()
+    from stages.rollout.driver import check_rollout, run_rollout
+
+    _guard(lambda: check_rollout(cfg, str(output), str(checkpoint) if checkpoint else None))  # before Ray starts
     connect(cfg.runtime)
-    from stages.rollout.driver import run_rollout
 
     tags = ", ".join(f"{e.tag} x{e.num_groups}" for e in cfg.env_layout())
     typer.echo(f"rollout: {cfg.num_episodes} episodes ({cfg.env.num_env_groups} groups x {cfg.env.group_size}: "

@@ -105,7 +105,8 @@ def example(output: Path = typer.Option(..., "--output", help="New folder for th
     from stages.example import ExampleSpec, generate
 
     if env not in ("frozenlake", "sokoban") or level not in ("step", "trajectory"):
-        _fail(ValueError("--env must be frozenlake or sokoban and --level step or trajectory"))
+        _fail(ValueError(f"--env {env!r} / --level {level!r}: --env must be frozenlake or sokoban and --level step "
+                         "or trajectory"))
     spec = ExampleSpec(samples=samples, seed=seed, group_size=group_size, env=env, level=level,
                        response_len=(min_response, max_response))
     manifest = _guard(lambda: generate(spec, str(output)))
@@ -120,11 +121,11 @@ def demo(run_dir: Path = typer.Option(Path("runs/demo"), "--run-dir"),
     from schemas.config import RecomputeConfig, load_config
     from stages.example import ExampleSpec, generate
 
+    cfg = _guard(lambda: load_config(RecomputeConfig, config))  # a bad config writes nothing
     samples_dir = run_dir / "samples"
     if not samples_dir.exists():
-        manifest = generate(ExampleSpec(samples=4096, seed=0), str(samples_dir))
+        manifest = _guard(lambda: generate(ExampleSpec(samples=4096, seed=0), str(samples_dir)))
         typer.echo(f"generated {manifest['rows']:,} example rows in {samples_dir}")
-    cfg = _guard(lambda: load_config(RecomputeConfig, config))
     from flows.recompute import recompute_flow
 
     result = _guard(lambda: recompute_flow(str(samples_dir), str(run_dir / "recompute"), cfg.model_dump(mode="json")))

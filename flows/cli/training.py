@@ -41,6 +41,10 @@ def train(config: Optional[Path] = typer.Option(None, "--config", help="YAML con
         where = str(config)
     pipeline = _guard(lambda: pipeline_of(data, where))
     cfg = _guard(lambda: validate_config(pipeline.config_model(), data, where))
+    from flows.runkit import check_run
+
+    _guard(lambda: pipeline.preflight(cfg, False))  # before Prefect and Ray start, and before the run's log is opened
+    _guard(lambda: check_run(cfg, cfg.model_dump(mode="json")))
     from flows import console
     from flows.runkit import run_log
 
@@ -80,15 +84,28 @@ def evaluate(config: Path = typer.Option(..., "--config", help="YAML config of a
     data = _guard(lambda: load_config_data(config, parse_overrides(overrides or [])))
     pipeline = _guard(lambda: pipeline_of(data, str(config)))
     cfg = _guard(lambda: validate_config(pipeline.config_model(), data, str(config)))
+    target = str(checkpoint) if checkpoint else cfg.pretrain
+    _guard(lambda: _check_evaluation(pipeline, cfg, target, output))  # before Prefect and Ray start
     announce_precision()
     from flows.services import start_services
 
     _guard(lambda: start_services(cfg.runtime.ray_address, cfg.runtime.num_cpus))
     run_eval, lines = pipeline.evaluation()
-    target = str(checkpoint) if checkpoint else cfg.pretrain
     summary = _guard(lambda: run_eval(cfg.model_dump(mode="json"), target, str(output)))
     for line in lines(summary):
         typer.echo(line)
+
+
+def _check_evaluation(pipeline, cfg, checkpoint: str | None, output: Path) -> None:
+    """What ``rollflow eval`` checks before Prefect and Ray start: the pipeline's evaluation settings, the model
+    folder (when one is named; the default model is converted on first use) and the output location."""
+    from stages.generation.engines import check_model_dir
+    from stages.preflight import check_output_location
+
+    pipeline.preflight(cfg, True)
+    if checkpoint:
+        check_model_dir(checkpoint)
+    check_output_location(str(output))
 
 
 def _state(result) -> str:
@@ -102,19 +119,22 @@ def _print_metrics(metrics: dict[str, float], prefixes: tuple[str, ...]) -> None
 
 
 def _prepare(model: str, config: Path | None, overrides: list[str] | None, table: str, samples: Path, output: Path,
-             needs: Callable = lambda cfg: ()):
+             needs: Callable = lambda cfg: (), checkpoints: tuple[Path | None, ...] = ()):
     """What the table-in, folder-out training commands do before their stage: load the config (``model``, a class
     name of schemas.train_config), print the dtype choice, check the input table (``table``, a contract of
-    schemas.tables, with the columns ``needs(cfg)``) and the output path before Ray starts, then join or start Ray.
-    Returns the config."""
+    schemas.tables, with the columns ``needs(cfg)``), the model folders in ``checkpoints`` and the output path before
+    Ray starts, then join or start Ray. Returns the config."""
     import schemas.tables as tables
     import schemas.train_config as train_config
     from schemas.config import load_config, parse_overrides
     from stages.preflight import check_input, check_output_location
+    from stages.train.checkpoint import read_checkpoint
 
     cfg = _guard(lambda: load_config(getattr(train_config, model), config, parse_overrides(overrides or [])))
     announce_precision()
     _guard(lambda: check_input(getattr(tables, table), str(samples), needs(cfg)))
+    for checkpoint in filter(None, checkpoints):
+        _guard(lambda: read_checkpoint(str(checkpoint)))
     _guard(lambda: check_output_location(str(output)))
     connect(cfg.runtime)
     return cfg
@@ -131,7 +151,7 @@ def train_step(samples: Path = typer.Option(..., "--samples", help="Advantaged t
                force: bool = typer.Option(False, "--force", help="Train even if the output is up to date.")) -> None:
     """One PPO training step (actor, and critic for gae) on DeepSpeed under Ray Train; writes a checkpoint."""
     cfg = _prepare("TrainStepConfig", config, overrides, "ADVANTAGED", samples, output,
-                   lambda cfg: ("values",) if cfg.needs_critic else ())
+                   lambda cfg: ("values",) if cfg.needs_critic else (), (checkpoint,))
     from stages.train.stage import run_train_step
 
     result = _guard(lambda: run_train_step(str(samples), str(checkpoint), cfg, str(output), force=force))
@@ -150,7 +170,7 @@ def logprobs(samples: Path = typer.Option(..., "--samples", help="Samples table 
              overrides: Optional[list[str]] = OverrideOpt,
              force: bool = typer.Option(False, "--force")) -> None:
     """Add old_log_probs (and ref_log_probs, entropy) to a samples table, in a Ray Data actor pool."""
-    cfg = _prepare("ForwardConfig", config, overrides, "SAMPLES", samples, output)
+    cfg = _prepare("ForwardConfig", config, overrides, "SAMPLES", samples, output, checkpoints=(checkpoint, reference))
     from stages.train.stage import run_logprobs
 
     result = _guard(lambda: run_logprobs(str(samples), str(checkpoint), cfg, str(output),
@@ -168,7 +188,7 @@ def values(samples: Path = typer.Option(..., "--samples", help="Samples table fo
            overrides: Optional[list[str]] = OverrideOpt,
            force: bool = typer.Option(False, "--force")) -> None:
     """Add the critic's values to a samples table (gae), in a Ray Data actor pool."""
-    cfg = _prepare("ForwardConfig", config, overrides, "SAMPLES", samples, output)
+    cfg = _prepare("ForwardConfig", config, overrides, "SAMPLES", samples, output, checkpoints=(checkpoint,))
     from stages.train.stage import run_values
 
     result = _guard(lambda: run_values(str(samples), str(checkpoint), cfg, str(output), force=force))

@@ -43,15 +43,17 @@ class PromptsSection(Frozen):
     digest: str = Field(..., description="SHA-256 over the JSONL files read.")
 
 
-def prompts_section(data_dir: str | None, domains: tuple[str, ...], limit: int | None) -> PromptsSection:
-    """The section of :class:`PromptsStage`; refuses missing files with the list of what exists."""
+def prompts_section(data_dir: str | None, domains: tuple[str, ...], limit: int | None,
+                    field: str = "prompts") -> PromptsSection:
+    """The section of :class:`PromptsStage`; refuses missing files with the list of what exists (``field``: the
+    config section of the prompt set, for the message)."""
     folder = Path(data_dir) if data_dir else DATA_DIR
     h = hashlib.sha256()
     for domain in domains:
         path = folder / f"{domain}.jsonl"
         if not path.is_file():
             have = sorted(p.stem for p in folder.glob("*.jsonl")) if folder.is_dir() else []
-            raise ConfigError(f"prompts: {path} does not exist; prompts.domains must name JSONL files in "
+            raise ConfigError(f"{field}: {path} does not exist; {field}.domains must name JSONL files in "
                               f"{folder} (found: {', '.join(have) or 'none'})")
         h.update(path.read_bytes())
     return PromptsSection(data_dir=str(folder), domains=tuple(domains), limit=limit, digest=h.hexdigest())

@@ -37,24 +37,55 @@ RESPONSE_LENGTH = "response_length"
 
 # ---- rewards: responses → scored ---------------------------------------------------------------------------------
 
-def _preflight(section: RewardsConfig, services: Mapping[str, ServiceFactory]) -> None:
-    """Fail before Ray starts work: every route names a resolvable worker whose services the stage has, and the
-    workers without services build with their kwargs (a throwaway instance; the actors build their own)."""
+def check_routes(section: RewardsConfig, field: str = "rewards") -> None:
+    """Every route of ``section`` names a resolvable worker that takes its kwargs: a worker without run-time services
+    is built once (a throwaway instance; the actors build their own), the kwargs of one with services (an LLM judge)
+    are bound to its signature. Pure python, before Prefect and Ray start; ``field``: the config section of the
+    routes, for the message."""
+    import inspect
+
     import stages.rewards  # noqa: F401  (registers the built-in workers)
     from stages.rewards.registry import build_worker, required_services, resolve_worker
 
     for domain, route in section.routes.items():
-        needs = required_services(resolve_worker(route.worker))
-        missing = [name for name in needs if name not in services]
+        try:
+            entry = resolve_worker(route.worker)
+            needs = required_services(entry)
+            if not needs:
+                build_worker(route.worker, route.kwargs)
+                continue
+            given = [name for name in needs if name in route.kwargs]
+            if given:
+                raise ConfigError(f"reward worker '{route.worker}': '{given[0]}' is a run-time service given by the "
+                                  "stage, not a config value; remove it from the worker kwargs")
+            rows = () if isinstance(entry, type) else ({},)  # a function worker takes the rows first
+            try:
+                inspect.signature(entry).bind_partial(*rows, **route.kwargs)
+            except TypeError as error:
+                raise ConfigError(f"reward worker '{route.worker}': bad kwargs {sorted(route.kwargs)} ({error}); see "
+                                  "the worker's docstring for its parameters") from None
+        except ConfigError as err:
+            raise ConfigError(f"{field}.routes.{domain}: {err}") from None
+
+
+def _preflight(section: RewardsConfig, services: Mapping[str, ServiceFactory]) -> None:
+    """Fail before Ray starts work: every route names a resolvable worker that takes its kwargs
+    (:func:`check_routes`) and whose services the stage has."""
+    from stages.rewards.registry import required_services, resolve_worker
+
+    check_routes(section)
+    for domain, route in section.routes.items():
+        missing = [name for name in required_services(resolve_worker(route.worker)) if name not in services]
         if missing:
             raise ConfigError(f"rewards.routes.{domain}: worker '{route.worker}' needs the run-time service(s) "
                               f"{missing}, because it calls a model; give the reward stage services="
                               "{'generate': factory} (see stages/rlvr/stages.py) or route this domain to a rule worker")
-        if not needs:
-            try:
-                build_worker(route.worker, route.kwargs)
-            except ConfigError as err:
-                raise ConfigError(f"rewards.routes.{domain}: {err}") from None
+
+
+def _check_domain_column(section: RewardsConfig, schema: pa.Schema, where: str) -> None:
+    if section.domain_column not in schema.names:
+        raise SchemaError(f"responses table at {where}: rewards.domain_column '{section.domain_column}' is not a "
+                          f"column (present: {', '.join(schema.names)}); set rewards.domain_column to domain or tag")
 
 
 def _check_routed(responses: Location, section: RewardsConfig) -> None:
@@ -137,10 +168,7 @@ class RewardStage(Stage):
         section: RewardsConfig = ctx.section
         _preflight(section, self.services)
         schema = ctx.schemas["responses"]
-        if section.domain_column not in schema.names:
-            raise SchemaError(f"responses table at {ctx.inputs['responses'].path}: rewards.domain_column "
-                              f"'{section.domain_column}' is not a column (present: {', '.join(schema.names)}); "
-                              "set rewards.domain_column to domain or tag")
+        _check_domain_column(section, schema, ctx.inputs["responses"].path)
         _check_routed(ctx.inputs["responses"], section)
         columns = [f.name for f in schema if f.name not in RESPONSE_ALIGNED]  # workers read text, not log-probs
         routes = {d: r.model_dump() for d, r in section.routes.items()}
@@ -151,6 +179,17 @@ class RewardStage(Stage):
                                    "context": run_context(ctx.state_in)},
             compute=ActorPoolStrategy(min_size=1, max_size=self.max_actors), num_cpus=self.cpus_per_actor,
             **ACTOR_POOL)
+
+    def preflight(self, section: RewardsConfig, on_disk: Mapping[str, str], schemas: Mapping[str, pa.Schema]
+                  ) -> None:
+        """Before Prefect and Ray start (stages/preflight.py): the routes' workers and kwargs, the domain column,
+        and a route for every domain of an on-disk responses table. The judge's services come later; the stage
+        checks them when it starts."""
+        check_routes(section)
+        where = on_disk.get("responses")
+        _check_domain_column(section, schemas["responses"], Location.of(where).path if where else "(not yet written)")
+        if where:
+            _check_routed(Location.of(where), section)
 
     def finalize(self, ctx: StageContext, written: Location):
         import pyarrow.dataset as pads

@@ -60,14 +60,44 @@ def resolve_model_dir(checkpoint: str | None) -> str:
     return str(check_model_dir(checkpoint) if checkpoint else default_model_dir())
 
 
-def _check_env(config: RolloutConfig) -> None:
-    """Every tag names a registered environment (itself, or its custom_envs env_type) and has the data it needs."""
+def check_rollout(config: RolloutConfig, output: str | None = None, checkpoint: str | None = None,
+                  field: str = "") -> None:
+    """What a rollout of ``config`` can check before Prefect and Ray start (``rollflow rollout``; a training run and
+    ``rollflow eval`` for their rollouts, ``field`` naming the config section they sit in, e.g. ``"rollout."``):
+    every tag names a registered environment that builds from its env_config (map size, keyword names), the
+    ``checkpoint`` is an HF model folder and ``output`` can be written. Raises a ConfigError naming the field."""
+    from stages.envs import make_env
+    from stages.generation.engines import check_model_dir
+    from stages.preflight import check_output_location
+    from stages.rollout.episode import env_kwargs
+
+    _check_env(config, field)
+    section = turn_section(config)
+    for entry in config.env_layout():
+        declared = entry.tag in (config.custom_envs or {})
+        config_field = f"{field}custom_envs.{entry.tag}.env_config" if declared else f"{field}env.env_config"
+        try:
+            make_env(entry.env_type, **env_kwargs(section, entry))  # constructors check their arguments; cheap
+        except ConfigError as err:  # the environment's own message says what is wrong and what to fix
+            raise ConfigError(f"{config_field}: {err}") from None
+        except (ValueError, OSError) as err:
+            raise ConfigError(f"{config_field}: environment '{entry.tag}' cannot be built from it ({err}); fix "
+                              f"{config_field}") from None
+    if checkpoint is not None:
+        check_model_dir(checkpoint)
+    if output is not None:
+        check_output_location(output)
+
+
+def _check_env(config: RolloutConfig, field: str = "") -> None:
+    """Every tag names a registered environment (itself, or its custom_envs env_type) and has the data it needs
+    (``field``: the config section the rollout sits in, for the messages)."""
     from stages.envs import ENVIRONMENTS, env_spec
 
     for entry in config.env_layout():
         declared = entry.tag in (config.custom_envs or {})
-        where = (f"custom_envs.{entry.tag}.env_type '{entry.env_type}'" if declared else
-                 f"env.tag '{entry.tag}'" if config.env.tags is None else f"env.tags entry '{entry.tag}'")
+        where = (f"{field}custom_envs.{entry.tag}.env_type '{entry.env_type}'" if declared else
+                 f"{field}env.tag '{entry.tag}'" if config.env.tags is None else f"{field}env.tags entry '{entry.tag}'")
         try:
             spec = env_spec(entry.env_type)
         except KeyError:
@@ -76,7 +106,7 @@ def _check_env(config: RolloutConfig) -> None:
             raise ConfigError(f"{where} is not a registered environment; {fix}use one of: "
                               f"{', '.join(ENVIRONMENTS.names())}") from None
         if spec.needs_data and not ({"data", "data_path"} & entry.env_config.keys()):
-            config_field = f"custom_envs.{entry.tag}.env_config" if declared else "env.env_config"
+            config_field = f"{field}custom_envs.{entry.tag}.env_config" if declared else f"{field}env.env_config"
             raise ConfigError(f"environment '{entry.tag}' needs data: set {config_field}.data_path to a .jsonl file")
 
 

@@ -1,0 +1,434 @@
+"""The bad-input catalogue of every ``rollflow`` command (issue 17, item 6), beyond the table commands' own files.
+
+Each case runs one command in-process on a bad input and asserts the user-error contract: exit status 2, one
+``error:`` message with the phrases that name what is wrong, where, and the fix, no traceback, and nothing
+committed — the whole working folder (configs, tables, run folders, outputs) and the shared input tables are
+unchanged, byte for byte. Ray and Prefect are switched off for these tests (:func:`no_services`): every case must be
+refused by a pre-flight check before either would start, so each takes a fraction of a second.
+
+Organisation (ids are ``<command>-<what is bad>``):
+
+* ``TRAIN`` — ``rollflow train`` with an agentic config: arguments, config file, ``--set``, option values,
+  environments (unknown type, impossible map size, unknown keyword, missing data), paths (run folder under a file,
+  ``pretrain`` that is not a model folder) and run-folder states (started with another config, ``--resume`` of a
+  folder that is not a run, ``--set`` on a resume).
+* ``RLVR`` — ``rollflow train`` with an RLVR config: reward workers (unknown, bad kwargs, not importable, a run-time
+  service given as a kwarg), prompt files, group sizes, validation routes.
+* ``EVAL`` — ``rollflow eval`` (agentic and RLVR configs): checkpoints, output paths, validation workers and prompts.
+* ``ROLLOUT`` — ``rollflow rollout``: environments, generation and engine options, paths, checkpoints.
+* ``SCORE`` — ``rollflow score`` beyond tests/spine/test_bad_input_commands.py: reward workers and routes, the domain
+  column, and model outputs that cannot be read (a null or non-text ``response``).
+* ``FORWARD`` — ``logprobs`` / ``values`` / ``train-step``: model folders that are not checkpoints, config values.
+* ``STAGE`` — ``rollflow stage``: unknown stage, a folder that is not that stage's output, bad ``--set``, recorded
+  inputs that are gone, an output that is a file.
+* ``FOLDERS`` — ``lineage``, ``report``, ``inspect``, ``validate``, ``show`` on paths that are not what they read.
+* ``TOOLS`` — ``example``, ``rlvr-example``, ``demo``, ``deploy``, ``server``: option values and paths.
+* ``USAGE`` — Click's own refusals (unknown or missing options): exit 2 with the option named, no traceback.
+
+``recompute`` and ``validate`` on bad tables and configs are catalogued in tests/spine/test_bad_input.py, ``score``,
+``logprobs``, ``values`` and ``train-step`` on bad tables in tests/spine/test_bad_input_commands.py, and random
+corruptions in tests/spine/test_bad_input_property.py.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pyarrow as pa
+import pytest
+from typer.testing import CliRunner
+
+from flows.cli import app
+from stages.example import ExampleSpec, generate
+from tests.spine.conftest import SMALL
+from tests.spine.helpers import GIGPO, REPO, config, read_table, replace_value, set_column, tree_digest, write_samples
+from tests.spine.test_bad_input import assert_user_error
+from tests.spine.test_bad_input_commands import _advantaged
+
+runner = CliRunner()
+
+QUICK = str(REPO / "configs/train_frozenlake_quickstart.yaml")
+RLVR_TRAIN = str(REPO / "configs/rlvr_train_math.yaml")
+ROLLOUT = str(REPO / "configs/rollout_frozenlake.yaml")
+RLVR_SCORE = str(REPO / "configs/rlvr_math.yaml")
+
+# ---- the catalogue: id -> (argv, phrases the message must contain) ----------------------------------------------
+# argv may name @quick, @rlvr, @rollout, @score_config, @responses, @samples, @advantaged, @model, @port and the
+# entries of the working folder the fixture `work` makes: afile (a file), emptydir/, notckpt/ (a folder without a
+# model), noweights/ (config.json only), notyaml.yaml, list.yaml, other_runs/quickstart (a run frozen with another
+# config), stage_out/ (an advantages output whose inputs are gone), stage_ok/ (one whose inputs exist).
+
+TRAIN = {
+    "train-no-config": (["train"], ["pass either --config FILE (a new run) or --resume RUN_DIR"]),
+    "train-config-and-resume": (["train", "--config", "@quick", "--resume", "emptydir"],
+                                ["pass either --config FILE", "or --resume RUN_DIR"]),
+    "train-config-missing": (["train", "--config", "nope.yaml"], ["nope.yaml does not exist",
+                                                                  "pass a file from configs/"]),
+    "train-config-not-yaml": (["train", "--config", "notyaml.yaml"], ["notyaml.yaml is not valid YAML"]),
+    "train-config-not-mapping": (["train", "--config", "list.yaml"], ["list.yaml must hold a mapping of options"]),
+    "train-set-unknown-key": (["train", "--config", "@quick", "--set", "max_stepz=3"],
+                              ["field 'max_stepz'", "unknown option", "check the spelling"]),
+    "train-set-not-yaml": (["train", "--config", "@quick", "--set", "max_steps=[1"],
+                           ["override 'max_steps=[1'", "is not valid YAML", "quote it"]),
+    "train-set-without-value": (["train", "--config", "@quick", "--set", "max_steps"],
+                                ["override 'max_steps' must look like key=value"]),
+    "train-set-invalid-value": (["train", "--config", "@quick", "--set", "max_steps=0"],
+                                ["field 'max_steps'", "greater than 0"]),
+    "train-unknown-pipeline": (["train", "--config", "@quick", "--set", "pipeline=ppo"],
+                               ["pipeline 'ppo' is unknown", "set pipeline to one of ['agentic', 'rlvr']"]),
+    "train-batch-not-divisible": (["train", "--config", "@quick", "--set", "rollout_batch_size=7"],
+                                  ["rollout_batch_size (7) must be divisible by rollout.env.group_size (4)",
+                                   "set rollout_batch_size to 8"]),
+    "train-unknown-env-type": (["train", "--config", "@quick", "--set", "rollout.env.tag=Chess"],
+                               ["rollout.env.tag 'Chess' is not a registered environment", "use one of:",
+                                "FrozenLake"]),
+    "train-env-impossible-map-size": (["train", "--config", "@quick", "--set", "rollout.env.env_config={size: 1}"],
+                                      ["rollout.env.env_config", "size must be >= 2", "got size=1",
+                                       "fix the env_config"]),
+    "train-env-unknown-keyword": (["train", "--config", "@quick", "--set", "rollout.env.env_config={colour: red}"],
+                                  ["rollout.env.env_config", "unexpected keyword argument 'colour'",
+                                   "allowed keys are the parameters of"]),
+    "train-env-needs-data": (["train", "--config", "@quick", "--set", "rollout.env.tag=GemMath"],
+                             ["environment 'GemMath' needs data", "rollout.env.env_config.data_path"]),
+    "train-runs-dir-under-a-file": (["train", "--config", "@quick", "--set", "runs_dir=afile"],
+                                    ["afile/quickstart lies under", "which is a file", "pass a folder path"]),
+    "train-pretrain-not-a-model": (["train", "--config", "@quick", "--set", "pretrain=notckpt"],
+                                   ["model folder notckpt has no config.json", "pass an HF-format checkpoint folder"]),
+    "train-pretrain-without-weights": (["train", "--config", "@quick", "--set", "pretrain=noweights"],
+                                       ["model folder noweights has no *.safetensors weights", "save_pretrained"]),
+    "train-run-folder-of-another-config": (["train", "--config", "@quick", "--set", "runs_dir=other_runs"],
+                                           ["other_runs/quickstart was started with another config",
+                                            "rollflow train --resume", "or choose a new run_name"]),
+    "train-resume-not-a-run": (["train", "--resume", "emptydir"], ["emptydir has no config.json",
+                                                                   "pass the folder of a run started by"]),
+    "train-resume-with-set": (["train", "--resume", "other_runs/quickstart", "--set", "max_steps=3"],
+                              ["--set cannot change a run being resumed", "start a new run"]),
+}
+
+RLVR = {
+    "rlvr-unknown-worker": (["train", "--config", "@rlvr", "--set", "rewards.routes.math.worker=mathrule"],
+                            ["rewards.routes.math: unknown reward worker 'mathrule'", "registered:", "math_rule",
+                             "'module:name'"]),
+    "rlvr-worker-bad-kwargs": (["train", "--config", "@rlvr", "--set", "rewards.routes.math.kwargs={bogus: 1}"],
+                               ["rewards.routes.math: reward worker 'math_rule': bad kwargs ['bogus']",
+                                "see the worker's docstring"]),
+    "rlvr-custom-worker-not-importable": (["train", "--config", "@rlvr", "--set",
+                                           "rewards.routes.math.worker=no_such_module:Scorer"],
+                                          ["cannot import module 'no_such_module'", "put it on PYTHONPATH"]),
+    "rlvr-custom-worker-missing-name": (["train", "--config", "@rlvr", "--set",
+                                         "rewards.routes.math.worker=stages.rewards:NoSuchWorker"],
+                                        ["module 'stages.rewards' has no attribute 'NoSuchWorker'"]),
+    "rlvr-service-given-as-kwarg": (["train", "--config", "@rlvr", "--set",
+                                     "rewards.routes.math={worker: llm_judge, kwargs: {generate: x}}"],
+                                    ["rewards.routes.math", "'generate' is a run-time service given by the stage",
+                                     "remove it from the worker kwargs"]),
+    "rlvr-unknown-prompt-domain": (["train", "--config", "@rlvr", "--set", "prompts.domains=[chemistry]"],
+                                   ["prompts:", "chemistry.jsonl does not exist", "prompts.domains must name JSONL",
+                                    "found: code, ifeval, math, mcq"]),
+    "rlvr-group-of-one": (["train", "--config", "@rlvr", "--set", "num_return_sequences_in_group=1"],
+                          ["num_return_sequences_in_group (1) must be at least 2",
+                           "set num_return_sequences_in_group: 8"]),
+    "rlvr-validation-domain-without-route": (["train", "--config", "@rlvr", "--set",
+                                              "validation.prompts.domains=[math]"],
+                                             ["validation.prompts.domains ['math'] have no reward route",
+                                              "add validation.rewards.routes"]),
+    "rlvr-validation-unknown-worker": (["train", "--config", "@rlvr", "--set",
+                                        "validation.rewards.routes.mcq.worker=nope"],
+                                       ["validation.rewards.routes.mcq: unknown reward worker 'nope'"]),
+}
+
+EVAL = {
+    "eval-config-missing": (["eval", "--config", "nope.yaml", "--output", "out"], ["nope.yaml does not exist"]),
+    "eval-checkpoint-not-a-model": (["eval", "--config", "@quick", "--checkpoint", "notckpt", "--output", "out"],
+                                    ["model folder notckpt has no config.json", "pass an HF-format checkpoint"]),
+    "eval-checkpoint-missing": (["eval", "--config", "@quick", "--checkpoint", "nowhere", "--output", "out"],
+                                ["model folder nowhere has no config.json"]),
+    "eval-output-is-a-file": (["eval", "--config", "@quick", "--output", "afile"],
+                              ["output", "afile is an existing file", "pass a folder"]),
+    "eval-output-under-a-file": (["eval", "--config", "@quick", "--output", "afile/eval"],
+                                 ["afile/eval lies under", "which is a file"]),
+    "eval-set-unknown-key": (["eval", "--config", "@quick", "--output", "out", "--set", "eval.episodes=3"],
+                             ["field 'eval.episodes'", "unknown option"]),
+    "eval-unknown-env-type": (["eval", "--config", "@quick", "--output", "out", "--set", "rollout.env.tag=Go"],
+                              ["rollout.env.tag 'Go' is not a registered environment"]),
+    "eval-rlvr-unknown-validation-worker": (["eval", "--config", "@rlvr", "--output", "out", "--set",
+                                             "validation.rewards.routes.mcq.worker=nope"],
+                                            ["validation.rewards.routes.mcq: unknown reward worker 'nope'"]),
+    "eval-rlvr-validation-prompts-missing": (["eval", "--config", "@rlvr", "--output", "out", "--set",
+                                              "validation.prompts.data_dir=emptydir"],
+                                             ["validation.prompts:", "mcq.jsonl does not exist",
+                                              "validation.prompts.domains must name JSONL files", "found: none"]),
+}
+
+ROLLOUT_CASES = {
+    "rollout-config-not-yaml": (["rollout", "--config", "notyaml.yaml", "--output", "out"], ["is not valid YAML"]),
+    "rollout-unknown-env-type": (["rollout", "--config", "@rollout", "--output", "out", "--set", "env.tag=Chess"],
+                                 ["env.tag 'Chess' is not a registered environment", "use one of:"]),
+    "rollout-env-probability-out-of-range": (["rollout", "--config", "@rollout", "--output", "out", "--set",
+                                              "env.env_config={p: 2.0}"],
+                                             ["env.env_config", "p (P(frozen tile)) in (0, 1]", "p=2.0",
+                                              "fix the env_config"]),
+    "rollout-sokoban-room-too-small": (["rollout", "--config", "@rollout", "--output", "out", "--set",
+                                        "env.tag=SimpleSokoban", "--set", "env.env_config={dim_room: [2, 2]}"],
+                                       ["env.env_config", "dim_room=(H, W) with H, W >= 3"]),
+    "rollout-env-needs-data": (["rollout", "--config", "@rollout", "--output", "out", "--set", "env.tag=GemQA"],
+                               ["environment 'GemQA' needs data", "set env.env_config.data_path"]),
+    "rollout-set-unknown-key": (["rollout", "--config", "@rollout", "--output", "out", "--set", "env.colour=red"],
+                                ["field 'env.colour'", "unknown option"]),
+    "rollout-bad-sample-level": (["rollout", "--config", "@rollout", "--output", "out", "--set",
+                                  "sample_level=episode"], ["field 'sample_level'", "'step' or 'trajectory'"]),
+    "rollout-unknown-engine": (["rollout", "--config", "@rollout", "--output", "out", "--set", "engine.backend=tgi"],
+                               ["field 'engine.backend'", "'vllm' or 'hf'"]),
+    "rollout-negative-temperature": (["rollout", "--config", "@rollout", "--output", "out", "--set",
+                                      "generating_args.temperature=-1"],
+                                     ["field 'generating_args.temperature'", "greater than or equal to 0"]),
+    "rollout-bad-invalid-action-policy": (["rollout", "--config", "@rollout", "--output", "out", "--set",
+                                           "on_invalid_action=explode"],
+                                          ["field 'on_invalid_action'", "'continue' or 'end'"]),
+    "rollout-output-is-a-file": (["rollout", "--config", "@rollout", "--output", "afile"],
+                                 ["afile is an existing file", "pass a folder"]),
+    "rollout-output-under-a-file": (["rollout", "--config", "@rollout", "--output", "afile/ro"],
+                                    ["afile/ro lies under", "which is a file"]),
+    "rollout-checkpoint-not-a-model": (["rollout", "--config", "@rollout", "--output", "out", "--checkpoint",
+                                        "notckpt"], ["model folder notckpt has no config.json"]),
+    "rollout-checkpoint-without-weights": (["rollout", "--config", "@rollout", "--output", "out", "--checkpoint",
+                                            "noweights"], ["model folder noweights has no *.safetensors weights"]),
+}
+
+SCORE = {
+    "score-unknown-worker": (["score", "--input", "@responses", "--config", "@score_config", "--output", "out",
+                              "--set", "rewards.routes.math.worker=nope"],
+                             ["rewards.routes.math: unknown reward worker 'nope'", "registered:"]),
+    "score-worker-bad-kwargs": (["score", "--input", "@responses", "--config", "@score_config", "--output", "out",
+                                 "--set", "rewards.routes.math.kwargs={timeout: 5}"],
+                                ["reward worker 'math_rule': bad kwargs ['timeout']", "see the worker's docstring"]),
+    "score-custom-worker-not-importable": (["score", "--input", "@responses", "--config", "@score_config",
+                                            "--output", "out", "--set", "rewards.routes.math.worker=nomod:Scorer"],
+                                           ["cannot import module 'nomod'", "put it on PYTHONPATH"]),
+    "score-domain-column-missing": (["score", "--input", "@responses", "--config", "@score_config", "--output",
+                                     "out", "--set", "rewards.domain_column=subject"],
+                                    ["rewards.domain_column 'subject' is not a column",
+                                     "set rewards.domain_column to domain or tag"]),
+    "score-domain-without-route": (["score", "--input", "@responses", "--config", "@score_config", "--output",
+                                    "out", "--set", "rewards.routes={algebra: {worker: math_rule}}"],
+                                   ["domain value(s) 'math' have no reward route",
+                                    "add rewards.routes entries for them or a '*' fallback"]),
+    "score-judge-backend": (["score", "--input", "@responses", "--config", "@score_config", "--output", "out",
+                             "--judge-backend", "tgi"], ["--judge-backend 'tgi' must be vllm or hf"]),
+    "score-output-under-a-file": (["score", "--input", "@responses", "--config", "@score_config", "--output",
+                                   "afile/scores"], ["lies under", "which is a file", "pass a folder path"]),
+    "score-response-null": (["score", "--input", "@null_response", "--config", "@score_config", "--output", "out"],
+                            ["column 'response' is null in row 3", "every row needs a value"]),
+    "score-response-not-text": (["score", "--input", "@binary_response", "--config", "@score_config", "--output",
+                                 "out"], ["column 'response' has type binary, expected string"]),
+}
+
+FORWARD = {
+    "logprobs-checkpoint-not-a-model": (["logprobs", "--samples", "@samples", "--checkpoint", "notckpt",
+                                         "--output", "out"],
+                                        ["checkpoint", "notckpt is not a Hugging Face model folder",
+                                         "pass the default model folder or an earlier train-step output"]),
+    "logprobs-reference-not-a-model": (["logprobs", "--samples", "@samples", "--checkpoint", "@model",
+                                        "--reference", "noweights", "--output", "out"],
+                                       ["noweights is not a Hugging Face model folder"]),
+    "logprobs-set-unknown-key": (["logprobs", "--samples", "@samples", "--checkpoint", "@model", "--output",
+                                  "out", "--set", "threadz=2"], ["field 'threadz'", "unknown option"]),
+    "values-checkpoint-missing": (["values", "--samples", "@samples", "--checkpoint", "nowhere", "--output", "out"],
+                                  ["nowhere is not a Hugging Face model folder"]),
+    "train-step-checkpoint-not-a-model": (["train-step", "--samples", "@advantaged", "--checkpoint", "emptydir",
+                                           "--output", "out"], ["emptydir is not a Hugging Face model folder"]),
+    "train-step-config-not-yaml": (["train-step", "--samples", "@advantaged", "--checkpoint", "@model",
+                                    "--config", "notyaml.yaml", "--output", "out"], ["is not valid YAML"]),
+}
+
+STAGE = {
+    "stage-unknown": (["stage", "nostage", "--from", "stage_ok"],
+                      ["unknown stage 'nostage'", "known: response_rewards, advantages"]),
+    "stage-from-a-plain-folder": (["stage", "advantages", "--from", "emptydir"],
+                                  ["emptydir is not an output of stage advantages", "pass the folder the stage wrote"]),
+    "stage-from-another-stages-output": (["stage", "response_rewards", "--from", "stage_ok"],
+                                         ["stage_ok is not an output of stage response_rewards"]),
+    "stage-set-unknown-key": (["stage", "advantages", "--from", "stage_ok", "--set", "adv_estimater=grpo"],
+                              ["field 'adv_estimater'", "unknown option"]),
+    "stage-set-not-yaml": (["stage", "advantages", "--from", "stage_ok", "--set", "gamma=[1"],
+                           ["override 'gamma=[1'", "is not valid YAML"]),
+    "stage-set-invalid-value": (["stage", "advantages", "--from", "stage_ok", "--set", "gamma=2"],
+                                ["field 'gamma'", "less than or equal to 1"]),
+    "stage-recorded-input-gone": (["stage", "advantages", "--from", "stage_out"],
+                                  ["input 'samples' of", "no longer exists", "restore it, or re-run"]),
+    "stage-output-is-a-file": (["stage", "advantages", "--from", "stage_ok", "--set", "gamma=0.9", "--output",
+                                "afile"], ["afile is an existing file", "pass a folder"]),
+}
+
+FOLDERS = {
+    "lineage-missing": (["lineage", "nowhere"], ["nowhere is not a folder", "pass a run folder or a stage output"]),
+    "lineage-a-file": (["lineage", "afile"], ["afile is not a folder"]),
+    "lineage-no-stage-output": (["lineage", "emptydir"], ["emptydir holds no stage output",
+                                                          "pass a run folder (runs/<run>) or a folder a stage wrote"]),
+    "report-missing": (["report", "nowhere"], ["run folder nowhere does not exist", "pass a run folder"]),
+    "report-a-file": (["report", "afile"], ["run folder afile is a file, not a folder"]),
+    "report-not-a-run": (["report", "emptydir"], ["emptydir is not a run folder", "neither config.json nor metrics/",
+                                                  "pass the folder of a run started by `rollflow train`"]),
+    "inspect-missing": (["inspect", "nowhere"], ["nowhere does not exist or is not a folder",
+                                                 "pass the folder that holds the Parquet files"]),
+    "inspect-a-file": (["inspect", "afile"], ["afile does not exist or is not a folder"]),
+    "validate-no-parquet": (["validate", "emptydir"], ["emptydir holds no .parquet files",
+                                                       "rollflow example --output DIR"]),
+    "show-not-a-rollout": (["show", "emptydir"], ["holds no rollout (no episodes/ folder)",
+                                                  "pass the --output folder of rollflow rollout"]),
+}
+
+TOOLS = {
+    "example-unknown-env": (["example", "--output", "ex", "--env", "chess"],
+                            ["--env 'chess'", "--env must be frozenlake or sokoban"]),
+    "example-output-exists": (["example", "--output", "emptydir", "--samples", "16"],
+                              ["emptydir already exists", "choose a new --output folder or delete it first"]),
+    "example-zero-samples": (["example", "--output", "ex", "--samples", "0"], ["samples (0) must be at least 1"]),
+    "example-response-range": (["example", "--output", "ex", "--min-response", "50", "--max-response", "10"],
+                               ["response_len (50, 10) must satisfy 0 <= min <= max"]),
+    "rlvr-example-unknown-domain": (["rlvr-example", "--output", "rx", "--domains", "chemistry"],
+                                    ["unknown example domain 'chemistry'", "choose from math, code, mcq, ifeval"]),
+    "rlvr-example-output-exists": (["rlvr-example", "--output", "afile", "--limit", "1"],
+                                   ["afile already exists", "choose a new --output folder"]),
+    "rlvr-example-zero-samples": (["rlvr-example", "--output", "rx", "--samples-per-prompt", "0"],
+                                  ["--samples-per-prompt and --limit must be at least 1"]),
+    "demo-config-missing": (["demo", "--run-dir", "demo", "--config", "nope.yaml"], ["nope.yaml does not exist"]),
+    "deploy-unknown-flow": (["deploy", "--flow", "rollout"], ["--flow 'rollout' is not deployable",
+                                                              "choose one of ['recompute', 'train']"]),
+    "deploy-bad-cron": (["deploy", "--cron", "every day", "--input", "emptydir", "--output", "out"],
+                        ["--cron 'every day' is not a valid cron schedule", "use 5 fields"]),
+    "deploy-no-schedule": (["deploy", "--input", "emptydir", "--output", "out"],
+                           ["give exactly one schedule", "--interval SECONDS"]),
+    "deploy-no-server": (["deploy", "--interval", "60", "--input", "emptydir", "--output", "out"],
+                         ["no Prefect server given", "start one with `rollflow server`"]),
+    "server-home-is-a-file": (["server", "--home", "afile", "--port", "@port", "--timeout", "5"],
+                              ["home", "afile is a file", "pass a folder"]),
+}
+
+# Click's own refusals print its usage box, not rollflow's "error:" line
+USAGE = {
+    "train-unknown-option": (["train", "--confg", "x.yaml"], ["No such option: --confg", "--config"]),
+    "eval-missing-output": (["eval", "--config", "@quick"], ["Missing option '--output'"]),
+    "rollout-missing-output": (["rollout", "--config", "@rollout"], ["Missing option '--output'"]),
+    "score-missing-input": (["score", "--config", "@score_config", "--output", "out"], ["Missing option '--input'"]),
+    "example-samples-not-a-number": (["example", "--output", "ex", "--samples", "many"],
+                                     ["Invalid value for '--samples'", "valid integer"]),
+}
+
+CATALOGUE = {**TRAIN, **RLVR, **EVAL, **ROLLOUT_CASES, **SCORE, **FORWARD, **STAGE, **FOLDERS, **TOOLS}
+
+
+@pytest.fixture
+def no_services(monkeypatch):
+    """Ray and Prefect cannot start: a bad input must be refused before either (the pre-flight's promise)."""
+    import flows.services
+    import stages.cluster
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the pre-flight let a bad input through to Ray/Prefect")
+
+    monkeypatch.setattr(stages.cluster, "ensure_ray", refuse)
+    monkeypatch.setattr(flows.services, "start_services", refuse)
+
+
+@pytest.fixture(scope="module")
+def shared(tmp_path_factory, data_root, tiny_model) -> dict[str, str]:
+    """Read-only inputs the cases name: a responses table (and two with unreadable model output), a samples table,
+    an advantaged table, the tiny model."""
+    from stages.rlvr.example import RLVRExampleSpec, write_rlvr_example
+
+    root = tmp_path_factory.mktemp("catalogue")
+    responses = root / "responses"
+    write_rlvr_example(RLVRExampleSpec(domains=("math",), n=8, limit=2), str(responses))
+    table = read_table(responses)
+    samples = data_root / "catalogue_samples"
+    generate(ExampleSpec(samples=16, seed=4, rows_per_file=1000, **SMALL), str(samples))
+    return {
+        "responses": str(responses),
+        "null_response": write_samples(replace_value(table, "response", 3, None), root / "null_response"),
+        "binary_response": write_samples(set_column(table, "response", [s.encode() for s in
+                                                                        table.column("response").to_pylist()],
+                                                    pa.binary()), root / "binary_response"),
+        "samples": str(samples),
+        "advantaged": write_samples(_advantaged(read_table(samples)), root / "advantaged"),
+        "model": str(tiny_model),
+        "quick": QUICK, "rlvr": RLVR_TRAIN, "rollout": ROLLOUT, "score_config": RLVR_SCORE,
+    }
+
+
+def _fake_stage_output(folder: Path, inputs: dict[str, str]) -> None:
+    """An advantages output as far as ``rollflow stage`` reads it before Ray: its manifest (section and inputs)."""
+    from schemas.config import AdvantageSection, section
+
+    folder.mkdir()
+    manifest = {"stage": "advantages", "section": section(config(GIGPO), AdvantageSection).model_dump(mode="json"),
+                "inputs": {name: {"path": path} for name, path in inputs.items()}, "state_in": {}}
+    (folder / "manifest.json").write_text(json.dumps(manifest))
+
+
+@pytest.fixture
+def work(tmp_path, monkeypatch, no_services) -> Path:
+    """The working folder of one case (the current directory): the bad paths and states the cases name."""
+    from schemas.config import load_config_data, validate_config
+    from schemas.train_flow_config import TrainFlowConfig
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "afile").write_text("keep me\n")
+    for name in ("emptydir", "notckpt", "noweights"):
+        (tmp_path / name).mkdir()
+    (tmp_path / "notckpt" / "README.md").write_text("not a model\n")
+    (tmp_path / "noweights" / "config.json").write_text("{}\n")
+    (tmp_path / "notyaml.yaml").write_text("run_name: [quickstart\n")
+    (tmp_path / "list.yaml").write_text("- run_name\n- max_steps\n")
+    other = load_config_data(QUICK, {"runs_dir": "other_runs", "rollout.seed": 8})
+    frozen = validate_config(TrainFlowConfig, other, "other").model_dump(mode="json")
+    (tmp_path / "other_runs" / "quickstart").mkdir(parents=True)
+    (tmp_path / "other_runs" / "quickstart" / "config.json").write_text(json.dumps(frozen))
+    _fake_stage_output(tmp_path / "stage_out", {"samples": str(tmp_path / "gone"), "rewarded": str(tmp_path / "gone")})
+    _fake_stage_output(tmp_path / "stage_ok", {"samples": str(tmp_path / "emptydir"),
+                                               "rewarded": str(tmp_path / "emptydir")})
+    return tmp_path
+
+
+def _argv(argv: list[str], shared: dict[str, str]) -> list[str]:
+    from flows.serving import free_port
+
+    values = {**shared, "port": str(free_port())}
+    return [values[a[1:]] if a.startswith("@") else a for a in argv]
+
+
+def _digests(work: Path, shared: dict[str, str]) -> dict:
+    return {"work": tree_digest(work), **{k: tree_digest(v) for k, v in shared.items() if Path(v).is_dir()}}
+
+
+@pytest.mark.parametrize("case", sorted(CATALOGUE))
+def test_bad_input(case, work, shared):
+    argv, phrases = CATALOGUE[case]
+    before = _digests(work, shared)
+    assert_user_error(runner.invoke(app, _argv(argv, shared)), phrases)
+    assert _digests(work, shared) == before, "nothing is committed and no input changes"
+
+
+@pytest.mark.parametrize("case", sorted(USAGE))
+def test_bad_usage(case, work, shared):
+    argv, phrases = USAGE[case]
+    before = _digests(work, shared)
+    result = runner.invoke(app, _argv(argv, shared))
+    assert result.exit_code == 2, result.output
+    text = " ".join(result.output.replace("│", " ").split())
+    for phrase in phrases:
+        assert phrase in text, f"{phrase!r} not in:\n{result.output}"
+    assert "Traceback" not in result.output and "--help" in text, "Click names the option and where to look"
+    assert _digests(work, shared) == before
+
+
+def test_catalogue_covers_every_command():
+    """Every command of the CLI has bad inputs here or in the table commands' catalogue (test_bad_input*.py)."""
+    import typer.main
+
+    commands = set(typer.main.get_command(app).commands)
+    here = {argv[0] for argv, _ in [*CATALOGUE.values(), *USAGE.values()]}
+    elsewhere = {"recompute", "validate", "inspect", "score", "logprobs", "values", "train-step"}
+    assert commands <= here | elsewhere, f"commands without a bad-input case: {sorted(commands - here - elsewhere)}"
+    assert len(CATALOGUE) + len(USAGE) >= 60
