@@ -404,7 +404,7 @@ class LogProbStage(_ForwardStage):
             from stages.train.lora import why_not_adapter_base
 
             info = ckpt.read_checkpoint(s.checkpoint)
-            why_not = why_not_adapter_base(info, s.reference)
+            why_not = why_not_adapter_base(info, s.reference, fp.get("reference", ""))
             if why_not is None:
                 return [ForwardJob("log_probs", s.reference, "old_log_probs", entropy=s.compute_entropy,
                                    fingerprint=fp.get("checkpoint", ""),

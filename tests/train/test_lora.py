@@ -310,10 +310,15 @@ def test_lora_logprobs_run_one_model_and_equal_the_two_model_path(lora_checkpoin
     assert effect > 1000 * tol32  # the adapter moved the policy: the comparison above is not vacuous
 
 
-def test_lora_logprobs_load_the_reference_apart_when_it_is_not_the_adapters_base(lora_checkpoints, tiny_model,
-                                                                                   tmp_path):
-    """Another reference model, or a checkpoint whose merged weights the base and adapter do not give (the base
-    folder changed since training): the reference is a second model, as in full training."""
+def test_lora_logprobs_load_the_reference_apart_when_it_is_not_the_adapters_base(lora_checkpoints, tiny_model, table,
+                                                                                   dist, tmp_path):
+    """Another reference model, or the base folder changed since training (its fingerprint differs from the one
+    the checkpoint recorded, and base + adapter no longer give the merged weights): the reference is a second
+    model, as in full training. A base folder only touched (new fingerprint, same weights) still serves both."""
+    import os
+
+    from safetensors.torch import load_file, save_file
+
     from stages.train.checkpoint import read_checkpoint
     from stages.train.lora import why_not_adapter_base
 
@@ -324,17 +329,20 @@ def test_lora_logprobs_load_the_reference_apart_when_it_is_not_the_adapters_base
     assert [(j.path, j.column, j.adapter) for j in jobs] == [(c1, "old_log_probs", None),
                                                              (str(other), "ref_log_probs", None)]
     assert "is not the base" in why_not_adapter_base(read_checkpoint(c1), str(other))
-
-    changed = tmp_path / "changed"
-    shutil.copytree(c1, changed)
-    from safetensors.torch import load_file, save_file
-
-    weights = load_file(str(changed / "model.safetensors"))
-    weights["model.layers.1.mlp.down_proj.weight"] += 0.01
-    save_file(weights, str(changed / "model.safetensors"), metadata={"format": "pt"})
-    assert len(_logprob_jobs(str(changed), str(tiny_model), "fp32")) == 2
-    assert "changed since training" in why_not_adapter_base(read_checkpoint(str(changed)), str(tiny_model))
     assert len(_logprob_jobs(str(tiny_model), str(tiny_model), "fp32")) == 1  # not LoRA: one pass, as before
+
+    base, checkpoint = tmp_path / "base", str(tmp_path / "c")
+    shutil.copytree(tiny_model, base)
+    run_training(table, "t", str(base), lora_section(), checkpoint, dist)
+    assert len(_logprob_jobs(checkpoint, str(base), "fp32")) == 1  # the recorded fingerprint
+    weights_file = base / "model.safetensors"
+    os.utime(weights_file, ns=(weights_file.stat().st_atime_ns, weights_file.stat().st_mtime_ns + 10**9))
+    assert len(_logprob_jobs(checkpoint, str(base), "fp32")) == 1  # touched: the weights are compared
+    weights = load_file(str(weights_file))
+    weights["model.layers.1.mlp.down_proj.weight"] += 0.01
+    save_file(weights, str(weights_file), metadata={"format": "pt"})
+    assert len(_logprob_jobs(checkpoint, str(base), "fp32")) == 2
+    assert "changed since training" in why_not_adapter_base(read_checkpoint(checkpoint), str(base))
 
 
 def test_kept_forward_worker_takes_the_next_adapter_in_place(lora_checkpoints, tiny_model, table):
