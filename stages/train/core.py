@@ -602,8 +602,10 @@ def lora_bases(info, cfg: TrainSection) -> dict[str, dict]:
             continue
         if trained:
             out[role] = record
-        elif role == "actor":
-            out[role] = {"options": options, "base": info.path}
+        elif role == "actor":  # the base's content fingerprint lets the log-prob stage see it is the reference
+            from stages.train.checkpoint import checkpoint_fingerprint
+
+            out[role] = {"options": options, "base": info.path, "base_fingerprint": checkpoint_fingerprint(info.path)}
         else:
             out[role] = {"options": options, "base": info.critic_dir, "actor_base": info.path,
                          "seed": worker.training_args.seed}

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -91,8 +92,9 @@ def forward_rows(model: torch.nn.Module, rows: TokenRows, max_tokens: int, *, ki
 
 
 def load_forward_model(path: str, kind: str, dtype: str = "fp32", *, actor_dir: str | None = None, seed: int = 42,
-                       device: torch.device | str = "cpu") -> torch.nn.Module:
-    """The model of a forward pass, in eval mode: a causal LM (``log_probs``) or the critic (``values``: the saved
+                       device: torch.device | str = "cpu", adapter: str | None = None) -> torch.nn.Module:
+    """The model of a forward pass, in eval mode: a causal LM (``log_probs``; with ``adapter``, the base model at
+    ``path`` plus that LoRA adapter, :func:`stages.train.lora.load_with_adapter`) or the critic (``values``: the saved
     critic at ``path``, or, when ``path`` holds none yet, a new head on ``actor_dir`` seeded as training does)."""
     from stages.train.core import load_critic_model
 
@@ -107,6 +109,10 @@ def load_forward_model(path: str, kind: str, dtype: str = "fp32", *, actor_dir: 
                           "set device: cpu, or install a CUDA build of torch on the GPU nodes")
     if kind == "values":
         model = load_critic_model(path if actor_dir is None else None, actor_dir or path, seed)
+    elif adapter is not None:
+        from stages.train.lora import load_with_adapter
+
+        model = load_with_adapter(path, adapter)  # cast below with its adapter, as DeepSpeed casts the trained one
     else:
         from stages.train.core import load_actor_model
 
@@ -151,31 +157,73 @@ def load_weights_in_place(model: torch.nn.Module, path: str) -> bool:
     return True
 
 
+class ModelIdent(NamedTuple):
+    """What a forward worker's model holds: the weights at ``path`` (content ``fingerprint``), run as ``kind`` in
+    ``dtype`` on ``device``; a new critic head from ``actor_dir`` and ``seed``; or the base at ``path`` (content
+    ``base_fingerprint``) plus the LoRA ``adapter`` (then ``fingerprint`` is the checkpoint's)."""
+
+    path: str
+    fingerprint: str
+    kind: str
+    dtype: str
+    actor_dir: str | None
+    seed: int
+    device: str
+    adapter: str | None = None
+    base_fingerprint: str = ""
+
+
 class ForwardModels:
     """The models a long-lived forward worker keeps: one per role (``old_log_probs``, ``ref_log_probs``,
-    ``values``), each with the identity of what it holds (path, content fingerprint, dtype, ...). A new checkpoint
-    of the same architecture is copied into the kept log-prob model in place (:func:`load_weights_in_place`);
-    anything else is loaded afresh (:func:`load_forward_model`). Equal to a fresh load: tests/train/test_stage.py."""
+    ``values``), each with the identity of what it holds (:class:`ModelIdent`). A new checkpoint of the same
+    architecture is copied into the kept log-prob model in place (:func:`load_weights_in_place`), a new LoRA adapter
+    on the same base into the kept LoRA model (:func:`stages.train.lora.load_adapter`); anything else is loaded
+    afresh (:func:`load_forward_model`). Equal to a fresh load: tests/train/test_stage.py, tests/train/test_lora.py."""
 
     def __init__(self) -> None:
-        self._held: dict[str, tuple[tuple, torch.nn.Module]] = {}
+        self._held: dict[str, tuple[ModelIdent, torch.nn.Module]] = {}
         self.loads = {"fresh": 0, "in_place": 0, "kept": 0}
 
     def get(self, role: str, path: str, kind: str, dtype: str, *, fingerprint: str = "", actor_dir: str | None = None,
-            seed: int = 42, device: str = "cpu") -> torch.nn.Module:
-        ident = (path, fingerprint, kind, dtype, actor_dir, seed, device)
+            seed: int = 42, device: str = "cpu", adapter: str | None = None,
+            base_fingerprint: str = "") -> torch.nn.Module:
+        ident = ModelIdent(path, fingerprint, kind, dtype, actor_dir, seed, device, adapter, base_fingerprint)
         held = self._held.get(role)
         if held is not None and held[0] == ident and fingerprint:
             self.loads["kept"] += 1
             model = held[1]
-        elif (held is not None and kind == "log_probs" and held[0][2:] == ident[2:]  # same kind, dtype, head, device
-              and _same_architecture(held[0][0], path) and load_weights_in_place(held[1], path)):
+        elif (held is not None and adapter is None and kind == "log_probs"
+              and held[0][2:] == ident[2:]  # same kind, dtype, head, device; a plain model
+              and _same_architecture(held[0].path, path) and load_weights_in_place(held[1], path)):
+            self.loads["in_place"] += 1
+            model = held[1]
+        elif held is not None and adapter is not None and _adapter_in_place(held, ident):
             self.loads["in_place"] += 1
             model = held[1]
         else:
             self._held.pop(role, None)  # free the old model before loading the new one
             held = None
-            model = load_forward_model(path, kind, dtype, actor_dir=actor_dir, seed=seed, device=device)
+            model = load_forward_model(path, kind, dtype, actor_dir=actor_dir, seed=seed, device=device,
+                                       adapter=adapter)
             self.loads["fresh"] += 1
         self._held[role] = (ident, model)
         return model
+
+
+def _adapter_in_place(held: tuple[ModelIdent, torch.nn.Module], ident: ModelIdent) -> bool:
+    """Copy the adapter of ``ident`` into the held LoRA model when it holds the same base (path and content, dtype,
+    device) with an adapter of the same options; False (the held model is then dropped) otherwise."""
+    from stages.train.lora import load_adapter, same_adapter_options
+
+    was, model = held
+    if not (was.adapter is not None and ident.base_fingerprint and (was.path, was.base_fingerprint, was.kind,
+            was.dtype, was.device) == (ident.path, ident.base_fingerprint, ident.kind, ident.dtype, ident.device)
+            and same_adapter_options(model, ident.adapter)):
+        return False
+    from schemas.errors import RollflowError
+
+    try:
+        load_adapter(model, ident.adapter)  # copied into the model's dtype, as a fresh load casts it
+    except RollflowError:
+        return False  # partly copied: the caller loads afresh
+    return True

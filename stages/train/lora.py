@@ -111,3 +111,129 @@ def load_adapter(model: torch.nn.Module, folder: str) -> None:
         raise RollflowError(f"LoRA adapter {folder} does not fit the model built from the config's LoRA options "
                             f"(missing {missing[:3]}, unexpected {list(result.unexpected_keys)[:3]}); resume with the "
                             "lora_rank and lora_target_modules the checkpoint was trained with")
+
+
+# ---- one model for the policy and its reference (the log-prob stage) ------------------------------------------
+
+def load_with_adapter(base_dir: str, adapter_dir: str) -> torch.nn.Module:
+    """The base model of ``base_dir`` (float32, eval, no dropout) wrapped with the adapter saved in ``adapter_dir``
+    (:func:`save_adapter`; its ``adapter_config.json`` gives rank, alpha and targets), as a peft model: with the
+    adapter on it is the trained policy, under ``disable_adapter()`` exactly the base. One copy of the base
+    weights; the adapter adds ``r (d_in + d_out)`` per adapted layer."""
+    from peft import LoraConfig, get_peft_model
+
+    from stages.train.core import load_actor_model
+
+    config = LoraConfig.from_pretrained(adapter_dir)
+    config.inference_mode = True
+    with torch.random.fork_rng(devices=[]):  # peft draws an initial A, overwritten below: leave the global RNG alone
+        model = get_peft_model(load_actor_model(base_dir), config)
+    load_adapter(model, adapter_dir)
+    return model.eval()
+
+
+def same_adapter_options(model: torch.nn.Module, adapter_dir: str) -> bool:
+    """The LoRA ``model``'s adapter has the options (rank, alpha, targets, ...) of the one saved in ``adapter_dir``,
+    so that folder's weights can be copied into it (:func:`load_adapter`) in place of a fresh load."""
+    from peft import LoraConfig
+
+    def options(config) -> dict:
+        return {"r": config.r, "lora_alpha": config.lora_alpha, "use_rslora": config.use_rslora,
+                "use_dora": config.use_dora, "rank_pattern": config.rank_pattern,
+                "alpha_pattern": config.alpha_pattern, "modules_to_save": config.modules_to_save,
+                "target_modules": (sorted(config.target_modules) if isinstance(config.target_modules, (set, list))
+                                   else config.target_modules)}
+    return options(model.peft_config[ADAPTER_NAME]) == options(LoraConfig.from_pretrained(adapter_dir))
+
+
+@torch.no_grad()
+def merged_drift(base_dir: str, adapter_dir: str, merged_dir: str) -> tuple[float, float]:
+    """How far the adapter of ``adapter_dir`` on the base weights of ``base_dir`` is from the merged weights of the
+    checkpoint ``merged_dir``: ``(max |W + s B A - M|, max |M|)`` over every tensor (``inf`` when the names, shapes
+    or adapter options do not fit). Read one tensor at a time (safetensors), so it needs no model in memory."""
+    import json
+
+    from safetensors import safe_open
+    from safetensors.torch import load_file
+
+    config = json.loads((Path(adapter_dir) / "adapter_config.json").read_text())
+    if (config.get("use_rslora") or config.get("use_dora") or config.get("fan_in_fan_out")
+            or config.get("rank_pattern") or config.get("alpha_pattern")):
+        return float("inf"), 0.0  # not the plain s = alpha / r update that training uses
+    scale = config["lora_alpha"] / config["r"]
+    adapter = load_file(str(Path(adapter_dir) / "adapter_model.safetensors"))
+    prefix = "base_model.model."
+    pairs: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+    for key, a in adapter.items():
+        if key.endswith(".lora_A.weight"):
+            layer = key.removeprefix(prefix).removesuffix(".lora_A.weight")
+            pairs[f"{layer}.weight"] = (a, adapter[key.replace(".lora_A.", ".lora_B.")])
+        elif ".lora_B." not in key:
+            return float("inf"), 0.0  # a trained tensor other than LoRA's (a critic's head): not an actor adapter
+
+    def tensors(folder: str) -> dict:  # name -> the open file that holds it
+        handles = [safe_open(str(p), framework="pt") for p in sorted(Path(folder).glob("*.safetensors"))]
+        return {name: h for h in handles for name in h.keys()}
+
+    base, merged = tensors(base_dir), tensors(merged_dir)
+    if set(base) != set(merged) or not set(pairs) <= set(merged):
+        return float("inf"), 0.0
+    drift = largest = 0.0
+    for name, handle in merged.items():
+        m = handle.get_tensor(name).float()
+        w = base[name].get_tensor(name).float()
+        if w.shape != m.shape:
+            return float("inf"), 0.0
+        if name in pairs:
+            a, b = pairs[name]
+            w = w + scale * (b.float() @ a.float())
+        if m.numel():
+            drift = max(drift, float((w - m).abs().max()))
+            largest = max(largest, float(m.abs().max()))
+    return drift, largest
+
+
+def why_not_adapter_base(info, reference: str, reference_fingerprint: str = "") -> str | None:
+    """None when the reference model folder ``reference`` is the base that the actor adapter of checkpoint ``info``
+    (a :class:`stages.train.checkpoint.CheckpointInfo`) applies to — the folder its ``train_state.json`` records,
+    still holding the weights the adapter was trained on: its content fingerprint ``reference_fingerprint`` is the
+    recorded one, or (a checkpoint written before the record had it, or a base folder touched since) the base with
+    the adapter gives the checkpoint's merged weights up to a few units of rounding of the checkpoint's dtype
+    (:func:`merged_drift`, which reads both models' files: 9 s of CPU for SmolLM2-135M on the loaded 2-core
+    machine). Then the
+    reference's log-probs are the LoRA model's with its adapter switched off, and one model serves both. Otherwise
+    the reason (the reference is loaded as a model of its own)."""
+    import os
+
+    from stages.train.checkpoint import ACTOR_ADAPTER
+
+    record = (info.lora or {}).get("actor")
+    if record is None:
+        return "the checkpoint's actor was not trained with LoRA"
+    adapter = Path(info.path) / ACTOR_ADAPTER
+    if not (adapter / "adapter_model.safetensors").is_file():
+        return f"the checkpoint has no adapter {adapter}"
+    if os.path.realpath(record["base"]) != os.path.realpath(reference):
+        return f"the reference {reference} is not the base {record['base']} the adapter was trained on"
+    if reference_fingerprint and record.get("base_fingerprint") == reference_fingerprint:
+        return None
+    drift, largest = merged_drift(reference, str(adapter), info.path)
+    dtype = _weights_dtype(info.path)
+    if not drift <= 4 * torch.finfo(dtype).eps * max(largest, 1.0):  # the merge's rounding, as check_lora_base
+        return (f"the base {reference} with the adapter differs from the checkpoint's merged weights by up to "
+                f"{drift:.3g}: the base folder changed since training")
+    return None
+
+
+def _weights_dtype(folder: str) -> torch.dtype:
+    """The floating dtype of the first tensor of a model folder's safetensors files (a checkpoint is saved in one)."""
+    from safetensors import safe_open
+
+    for path in sorted(Path(folder).glob("*.safetensors")):
+        with safe_open(str(path), framework="pt") as handle:
+            for name in handle.keys():
+                tensor = handle.get_slice(name)
+                dtype = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}.get(tensor.get_dtype())
+                if dtype is not None:
+                    return dtype
+    return torch.float32

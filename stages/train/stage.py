@@ -163,7 +163,9 @@ VALUES = TableSpec(
 @dataclass(frozen=True)
 class ForwardJob:
     """One model run by a forward actor: its result ``column`` (``entropy`` too when asked) and the columns that
-    receive a copy (a reference identical to the checkpoint is computed once)."""
+    receive a copy (a reference identical to the checkpoint is computed once). With ``adapter`` the model is the
+    base at ``path`` plus that LoRA adapter, and ``base_column`` receives the log-probs of the same model with the
+    adapter switched off (the base: a LoRA run's reference, without a second model)."""
 
     kind: str
     path: str
@@ -173,6 +175,9 @@ class ForwardJob:
     actor_dir: str | None = None
     seed: int = 42
     fingerprint: str = ""  # the model's content fingerprint: a kept worker reuses a model only for the same one
+    adapter: str | None = None
+    base_column: str | None = None
+    base_fingerprint: str = ""  # with adapter: the base folder's content fingerprint
 
 
 def forward_batch(models: list, jobs: list[ForwardJob], batch: pa.Table, max_tokens: int, output: Location,
@@ -194,6 +199,12 @@ def forward_batch(models: list, jobs: list[ForwardJob], batch: pa.Table, max_tok
         produced.update({c: produced[job.column] for c in job.copies})
         if job.entropy:
             produced["entropy"] = result.columns["entropy"]
+        if job.base_column is not None:  # the LoRA model with its adapter off is exactly its base
+            with model.disable_adapter():
+                base = forward_rows(model, rows, max_tokens, device=device, packed=packed)
+            produced[job.base_column] = base.columns["log_probs"]
+            result.tokens, result.padded_tokens = result.tokens + base.tokens, result.padded_tokens + base.padded_tokens
+            result.seconds += base.seconds
         for name, ragged in produced.items():
             if name in batch.column_names:
                 batch = batch.drop_columns([name])
@@ -229,7 +240,7 @@ class ForwardActor:
 
         if self.models is None:
             self.models = [load_forward_model(j.path, j.kind, self.dtype, actor_dir=j.actor_dir, seed=j.seed,
-                                              device=self.device) for j in self.jobs]
+                                              device=self.device, adapter=j.adapter) for j in self.jobs]
         return forward_batch(self.models, self.jobs, batch, self.max_tokens, self.output, self.spec, self.where,
                              self.device, self.packed)
 
@@ -249,7 +260,8 @@ class ForwardServer:
     def run(self, jobs: list[ForwardJob], dtype: str, batch: pa.Table, max_tokens: int, output: Location,
             spec: TableSpec, where: str, device: str = "cpu", packed: bool = False) -> pa.Table:
         models = [self.models.get(j.column, j.path, j.kind, dtype, fingerprint=j.fingerprint, actor_dir=j.actor_dir,
-                                  seed=j.seed, device=device) for j in jobs]
+                                  seed=j.seed, device=device, adapter=j.adapter, base_fingerprint=j.base_fingerprint)
+                  for j in jobs]
         return forward_batch(models, jobs, batch, max_tokens, output, spec, where, device, packed)
 
     def loads(self) -> dict[str, int]:
@@ -367,7 +379,13 @@ class _ForwardStage(Stage):
 
 class LogProbStage(_ForwardStage):
     """``old_log_probs`` under the checkpoint, ``ref_log_probs`` under the reference (when enabled; one pass when
-    the reference is the checkpoint), ``entropy`` when configured (spec §1.8, §0.4 step 4)."""
+    the reference is the checkpoint), ``entropy`` when configured (spec §1.8, §0.4 step 4).
+
+    A LoRA checkpoint whose reference is the base its adapter was trained on (ROLL's reference, the initial policy,
+    is that base in a run that started LoRA from ``pretrain``) is run as one model: the base plus the adapter for
+    ``old_log_probs``, the same model with the adapter switched off for ``ref_log_probs``
+    (:func:`stages.train.lora.why_not_adapter_base` checks that it is that base). Any other reference (another
+    model, or a base folder changed since training) is loaded as a second model, as in full training."""
 
     name = "logprobs"
     version = "1"
@@ -382,6 +400,19 @@ class LogProbStage(_ForwardStage):
     def jobs(self, s: LogProbSection) -> list[ForwardJob]:
         same = s.reference is not None and self.same_reference
         fp = self.fingerprints
+        if s.reference is not None and not same:
+            from stages.train.lora import why_not_adapter_base
+
+            info = ckpt.read_checkpoint(s.checkpoint)
+            why_not = why_not_adapter_base(info, s.reference, fp.get("reference", ""))
+            if why_not is None:
+                return [ForwardJob("log_probs", s.reference, "old_log_probs", entropy=s.compute_entropy,
+                                   fingerprint=fp.get("checkpoint", ""),
+                                   adapter=os.path.join(info.path, ckpt.ACTOR_ADAPTER), base_column="ref_log_probs",
+                                   base_fingerprint=fp.get("reference", ""))]
+            if info.lora and "actor" in info.lora:
+                log.info("logprobs: the reference is loaded as a second model beside the LoRA checkpoint %s: %s",
+                         info.path, why_not)
         jobs = [ForwardJob("log_probs", s.checkpoint, "old_log_probs", ("ref_log_probs",) if same else (),
                            entropy=s.compute_entropy, fingerprint=fp.get("checkpoint", ""))]
         if s.reference is not None and not same:

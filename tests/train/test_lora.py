@@ -208,3 +208,160 @@ def test_lora_off_dumps_as_before_so_fingerprints_stay():
     assert on.actor_train.model_args.lora_scale == 2.0  # ROLL's default alpha: 2 x rank
     assert validate_config(TrainStepConfig, on.model_dump(mode="json")) == on
     assert validate_config(TrainStepConfig, off.model_dump(mode="json")) == off
+
+
+# ---- log-probs of a LoRA checkpoint: one model for the policy and its reference ---------------------------------
+
+@pytest.fixture(scope="module")
+def lora_checkpoints(dist, tiny_model, table, tmp_path_factory):
+    """Two LoRA steps from the tiny model: c1 (its base is the tiny model) and c2 (from c1, same base)."""
+    folder = tmp_path_factory.mktemp("lora_logprobs")
+    c1, c2 = str(folder / "c1"), str(folder / "c2")
+    run_training(table, "t", str(tiny_model), lora_section(), c1, dist)
+    run_training(table, "t", c1, lora_section(), c2, dist)
+    return c1, c2
+
+
+def _logprob_jobs(checkpoint: str, reference: str, dtype: str):
+    from schemas.train_config import ForwardConfig, LogProbSection
+    from stages.train.checkpoint import checkpoint_fingerprint
+    from stages.train.stage import LogProbStage
+
+    section = LogProbSection(checkpoint=checkpoint, reference=reference, compute_entropy=True, dtype=dtype,
+                             max_tokens_per_microbatch_in_infer=64)
+    fingerprints = {"checkpoint": checkpoint_fingerprint(checkpoint), "reference": checkpoint_fingerprint(reference)}
+    same = fingerprints["reference"] == fingerprints["checkpoint"]  # as run_logprobs decides
+    return LogProbStage(ForwardConfig(), same_reference=same, fingerprints=fingerprints).jobs(section)
+
+
+def _two_model_jobs(checkpoint: str, reference: str):
+    """The log-prob stage's jobs before one model served a LoRA checkpoint: the merged checkpoint, the reference."""
+    from stages.train.stage import ForwardJob
+
+    return [ForwardJob("log_probs", checkpoint, "old_log_probs", entropy=True),
+            ForwardJob("log_probs", reference, "ref_log_probs")]
+
+
+def _run_jobs(jobs, dtype: str, table, output, monkeypatch) -> tuple:
+    """The log-prob table of ``jobs`` through a forward actor, and the models it loaded (counted at the loader)."""
+    import stages.train.core as core
+    from stages.storage import Location
+    from stages.train.stage import LOGPROBS, ForwardActor
+
+    loaded = []
+    real = core.load_actor_model
+
+    def counting(path, *args, **kwargs):
+        model = real(path, *args, **kwargs)
+        loaded.append(model)
+        return model
+    monkeypatch.setattr(core, "load_actor_model", counting)
+    actor = ForwardActor(jobs, dtype, 64, 2, Location.of(str(output)), LOGPROBS, "t")
+    out = actor(table)
+    monkeypatch.setattr(core, "load_actor_model", real)
+    return out, loaded, actor.models
+
+
+def _values(table, column: str) -> np.ndarray:
+    return np.concatenate([np.asarray(r, np.float32) for r in table.column(column).to_pylist()])
+
+
+def test_lora_logprobs_run_one_model_and_equal_the_two_model_path(lora_checkpoints, tiny_model, table, tmp_path,
+                                                                  monkeypatch):
+    """A LoRA checkpoint whose reference is its base: one model is loaded (the base plus the adapter) for
+    ``old_log_probs`` and ``ref_log_probs`` (adapter off), and the table equals the one of the two-model path (the
+    merged checkpoint and the reference loaded apart): the reference bit for bit (the adapter off is the base),
+    the policy within rounding — float32: a few ulps of the log-sum-exp's magnitude; bf16: the two paths' own bf16
+    rounding (each path's distance to its float32 result; ``W x + s B A x`` and ``(W + s B A) x`` round
+    differently)."""
+    c1, _ = lora_checkpoints
+    base = str(tiny_model)
+    vocab = json.loads((tiny_model / "config.json").read_text())["vocab_size"]
+    tables = {}
+    for dtype in ("fp32", "bf16"):
+        jobs = _logprob_jobs(c1, base, dtype)
+        assert len(jobs) == 1 and jobs[0].adapter and jobs[0].base_column == "ref_log_probs"
+        one, loaded, models = _run_jobs(jobs, dtype, table, tmp_path / f"one-{dtype}", monkeypatch)
+        assert len(loaded) == 1 and len(models) == 1  # the base, once: no second model for the reference
+        assert models[0].get_base_model() is loaded[0]
+        two, loaded_two, _ = _run_jobs(_two_model_jobs(c1, base), dtype, table, tmp_path / f"two-{dtype}",
+                                       monkeypatch)
+        assert len(loaded_two) == 2  # what the one-model path saves
+        assert one.column_names == two.column_names
+        for name in one.column_names:
+            if name not in ("old_log_probs", "ref_log_probs", "entropy"):
+                assert one.column(name).equals(two.column(name)), name
+        assert one.column("ref_log_probs").equals(two.column("ref_log_probs")), dtype
+        tables[dtype] = one, two
+
+    (one32, two32), (one16, two16) = tables["fp32"], tables["bf16"]
+    for name in ("old_log_probs", "entropy"):
+        scale = float(np.abs(_values(two32, name)).max()) + np.log(vocab)
+        tol32 = 64 * np.finfo(np.float32).eps * scale
+        diff32 = np.abs(_values(one32, name) - _values(two32, name)).max()
+        assert diff32 <= tol32, (name, diff32, tol32)
+        # each bf16 path is within its own rounding of its float32 result, so (triangle inequality) the two bf16
+        # paths are within the sum of those roundings and the float32 tolerance of each other
+        rounding = [np.abs(_values(a, name) - _values(b, name)).max() for a, b in ((one16, one32), (two16, two32))]
+        diff16 = np.abs(_values(one16, name) - _values(two16, name)).max()
+        assert diff16 <= sum(rounding) + tol32, (name, diff16, rounding)
+        assert diff16 <= 4 * float(torch.finfo(torch.bfloat16).eps) * scale  # and that is bf16 rounding
+    effect = np.abs(_values(one32, "old_log_probs") - _values(one32, "ref_log_probs")).max()
+    assert effect > 1000 * tol32  # the adapter moved the policy: the comparison above is not vacuous
+
+
+def test_lora_logprobs_load_the_reference_apart_when_it_is_not_the_adapters_base(lora_checkpoints, tiny_model, table,
+                                                                                   dist, tmp_path):
+    """Another reference model, or the base folder changed since training (its fingerprint differs from the one
+    the checkpoint recorded, and base + adapter no longer give the merged weights): the reference is a second
+    model, as in full training. A base folder only touched (new fingerprint, same weights) still serves both."""
+    import os
+
+    from safetensors.torch import load_file, save_file
+
+    from stages.train.checkpoint import read_checkpoint
+    from stages.train.lora import why_not_adapter_base
+
+    c1, _ = lora_checkpoints
+    other = tmp_path / "other"
+    shutil.copytree(tiny_model, other)
+    jobs = _logprob_jobs(c1, str(other), "fp32")
+    assert [(j.path, j.column, j.adapter) for j in jobs] == [(c1, "old_log_probs", None),
+                                                             (str(other), "ref_log_probs", None)]
+    assert "is not the base" in why_not_adapter_base(read_checkpoint(c1), str(other))
+    assert len(_logprob_jobs(str(tiny_model), str(tiny_model), "fp32")) == 1  # not LoRA: one pass, as before
+
+    base, checkpoint = tmp_path / "base", str(tmp_path / "c")
+    shutil.copytree(tiny_model, base)
+    run_training(table, "t", str(base), lora_section(), checkpoint, dist)
+    assert len(_logprob_jobs(checkpoint, str(base), "fp32")) == 1  # the recorded fingerprint
+    weights_file = base / "model.safetensors"
+    os.utime(weights_file, ns=(weights_file.stat().st_atime_ns, weights_file.stat().st_mtime_ns + 10**9))
+    assert len(_logprob_jobs(checkpoint, str(base), "fp32")) == 1  # touched: the weights are compared
+    weights = load_file(str(weights_file))
+    weights["model.layers.1.mlp.down_proj.weight"] += 0.01
+    save_file(weights, str(weights_file), metadata={"format": "pt"})
+    assert len(_logprob_jobs(checkpoint, str(base), "fp32")) == 2
+    assert "changed since training" in why_not_adapter_base(read_checkpoint(checkpoint), str(base))
+
+
+def test_kept_forward_worker_takes_the_next_adapter_in_place(lora_checkpoints, tiny_model, table):
+    """A training flow's kept forward worker holds the LoRA model: the next checkpoint's adapter is copied into it
+    (no model load), and its log-probs equal a fresh load's bit for bit."""
+    from stages.train.forward import ForwardModels, load_forward_model
+
+    c1, c2 = lora_checkpoints
+    rows = TokenRows.from_arrow(table, "t", columns=())
+    models = ForwardModels()
+    for checkpoint in (c1, c2):
+        job = _logprob_jobs(checkpoint, str(tiny_model), "fp32")[0]
+        kept = models.get(job.column, job.path, job.kind, "fp32", fingerprint=job.fingerprint, adapter=job.adapter,
+                          base_fingerprint=job.base_fingerprint)
+    assert models.loads == {"fresh": 1, "in_place": 1, "kept": 0}
+    fresh = load_forward_model(job.path, "log_probs", "fp32", adapter=job.adapter)
+    got, want = forward_rows(kept, rows, 64).columns["log_probs"], forward_rows(fresh, rows, 64).columns["log_probs"]
+    assert np.array_equal(got.values, want.values)
+    with kept.disable_adapter(), fresh.disable_adapter():
+        assert np.array_equal(forward_rows(kept, rows, 64).columns["log_probs"].values,
+                              forward_rows(load_actor_model(str(tiny_model)).eval(), rows, 64).columns[
+                                  "log_probs"].values)
