@@ -176,12 +176,16 @@ def rerun_stage(name: str, old_output: str, overrides: list[str], output: str | 
 
 
 def _siblings(first: Location) -> dict[str, tuple[Location, dict]]:
-    """The stage outputs beside ``first`` (folders with a manifest; other re-runs' ``@`` outputs left out), by path."""
+    """The stage outputs beside ``first`` (folders with a manifest), by path. Re-runs' ``@`` outputs are left out
+    when ``first`` is one of the run's own (they are not the run's), and kept when ``first`` is itself a re-run's
+    output: what reads it can only be a later re-run's (``rollflow stage train_step --from checkpoint@<tag>``
+    re-runs the ``eval@<tag>`` that read it)."""
     found = {}
+    chained = "@" in first.name
     for info in first.parent.list():
         loc = Location(first.parent.fs, info.path)
-        if "@" in info.base_name or not loc.is_dir():
-            continue  # other re-runs' outputs are not the run's own
+        if ("@" in info.base_name and not chained) or not loc.is_dir():
+            continue
         m = read_manifest(loc)
         if m is not None:
             found[loc.path] = (loc, m)

@@ -102,6 +102,22 @@ def test_pruning_leaves_re_run_checkpoints_and_the_originals_alone(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint", "checkpoint@abcd1234"]
 
 
+def test_a_walk_from_a_re_run_output_reaches_the_re_runs_that_read_it_and_one_from_an_original_does_not(tmp_path):
+    from flows.rerun import _affected
+
+    def out(name: str, reads: str | None = None, stage: str = "eval") -> None:
+        inputs = {"checkpoint": {"path": str(tmp_path / reads), "fingerprint": "f"}} if reads else {}
+        _fake_output(tmp_path / name, {"stage": stage, "inputs": inputs})
+
+    out("checkpoint", stage="train_step")
+    out("eval", "checkpoint")
+    out("checkpoint@a", stage="train_step")
+    out("eval@a", "checkpoint@a")
+    out("eval@b", "checkpoint")  # an earlier re-run of the evaluation alone, with other settings
+    assert sorted(_affected(Location.of(str(tmp_path / "checkpoint")))) == [str(tmp_path / "eval")]
+    assert sorted(_affected(Location.of(str(tmp_path / "checkpoint@a")))) == [str(tmp_path / "eval@a")]
+
+
 def test_lineage_compares_a_base_model_folder_as_its_readers_fingerprint_it(tmp_path):
     """A training step (or evaluation) of the first iteration read the base model, a plain model folder: it records
     the folder's checkpoint fingerprint (its files), and lineage compares with the same, so it is not stale; a
