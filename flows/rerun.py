@@ -76,8 +76,15 @@ def _train_step() -> tuple[type[BaseModel], Rerun]:
     def rerun(section, inputs, output, force, recorded):
         # The record holds no runtime: the step runs on as many workers as the recorded one (its data-parallel split),
         # writes its full DeepSpeed state and prunes nothing (max_ckpt_to_keep unset: the original stays beside it).
+        import ray
+
         world = int(recorded.get("state", {}).get("world_size", 1))
         cfg = TrainStepConfig.model_validate({**section.model_dump(mode="json"), "runtime": {"num_workers": world}})
+        cpus = ray.cluster_resources().get("CPU", 0.0)
+        if world * cfg.runtime.cpus_per_worker > cpus:  # else Ray Train would wait for them forever
+            raise RollflowError(f"the training step was recorded on {world} workers of "
+                                f"{cfg.runtime.cpus_per_worker:g} CPU each and the Ray cluster has {cpus:g} CPUs; "
+                                "run rollflow stage against a larger cluster (RAY_ADDRESS=...)")
         return run_train_step(inputs["samples"], inputs["checkpoint"], cfg, output, force=force,
                               label="[rollflow stage] train")
 
