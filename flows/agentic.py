@@ -37,10 +37,12 @@ def rollout_task(config: TrainFlowConfig, iteration: int, output: str, checkpoin
 
 @stage_task("eval")
 def eval_task(config: TrainFlowConfig, output: str, checkpoint: str, pool) -> Any:
-    from stages.rollout.driver import run_rollout
+    """The held-out rollout with ``checkpoint``, committed with its own manifest (the checkpoint it read), so that a
+    re-run of the training step with ``rollflow stage ... --downstream`` re-runs it too."""
+    from stages.rollout.driver import run_eval
 
-    return run_rollout(config.eval_rollout(), output, checkpoint, pool=pool, on_event=_turn_progress("eval", "eval"),
-                       label="[eval] eval")
+    return run_eval(config.eval_rollout(), output, checkpoint, pool=pool, on_event=_turn_progress("eval", "eval"),
+                    label="[eval] eval")
 
 
 def _turn_progress(label: str, what: str):

@@ -38,11 +38,22 @@ class Edge:
         return None
 
 
+def _fingerprint_now(source: Location) -> str:
+    """The fingerprint ``source`` has now, computed as its readers record it: a stage output's manifest fingerprint;
+    a model folder without one (the base model a training step or an evaluation read) by its files
+    (stages.train.checkpoint.checkpoint_fingerprint); a folder of Parquet files by theirs."""
+    if read_manifest(source) is None and source.child("config.json").exists():
+        from stages.train.checkpoint import checkpoint_fingerprint
+
+        return checkpoint_fingerprint(source.path)
+    return folder_fingerprint(source)
+
+
 def _edges(loc: Location, manifest: dict) -> list[Edge]:
     edges = []
     for name, info in sorted(manifest.get("inputs", {}).items()):
         source = Location(loc.fs, info["path"])
-        current = folder_fingerprint(source) if source.exists() else None
+        current = _fingerprint_now(source) if source.exists() else None
         edges.append(Edge(name, info["path"], info["fingerprint"], current))
     return edges
 

@@ -7,8 +7,11 @@ breadth first: a re-run of the log-probs re-runs the rewards and advantages that
 ``@<fingerprint>`` folder. The originals are never touched.
 
 Which stages can be re-run is the table of :func:`_rerunnable` (one entry per stage name): a function that runs the
-stage from its section, its inputs and its recorded state. The stages that need live engines or a trainer (rollout
-turns, generation, the training step) are not in it; a downstream walk that reaches one says so.
+stage from its section, its inputs and the rest of its old manifest. That includes the training step (a new
+checkpoint beside the old one, e.g. with another learning rate) and an evaluation (its own manifest records the
+checkpoint it read), so a walk from the log-probs goes through rewards, advantages and training to the evaluation.
+Rollouts and RLVR generation are not in it (a re-run from a given turn would need the engines' state of that turn);
+the error names their commands, and a downstream walk that reaches one says so.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from schemas.errors import RollflowError
 from stages.runner import StageResult
 from stages.storage import Location, read_manifest
 
+# (section, inputs by name, output folder, force, the old output's manifest) -> the result
 Rerun = Callable[[BaseModel, dict[str, str], str, bool, dict], StageResult]
 
 
@@ -29,8 +33,8 @@ def _runner_stage(stage_class: Any) -> tuple[type[BaseModel], Rerun]:
     """A stage the runner runs from its section alone (its class takes no arguments)."""
     from stages.runner import run_stage
 
-    def rerun(section, inputs, output, force, state_in):
-        return run_stage(stage_class(), section, inputs, output, force=force, state_in=state_in)
+    def rerun(section, inputs, output, force, recorded):
+        return run_stage(stage_class(), section, inputs, output, force=force, state_in=recorded["state_in"])
 
     return stage_class.section_model, rerun
 
@@ -48,7 +52,7 @@ def _logprobs() -> tuple[type[BaseModel], Rerun]:
     from schemas.train_config import LogProbSection
     from stages.train.stage import run_logprobs
 
-    def rerun(section, inputs, output, force, state_in):  # the models' fingerprints are recomputed from the folders
+    def rerun(section, inputs, output, force, recorded):  # the models' fingerprints are recomputed from the folders
         return run_logprobs(inputs["samples"], section.checkpoint, _forward_config(section), output,
                             reference=section.reference, force=force)
 
@@ -59,10 +63,42 @@ def _values() -> tuple[type[BaseModel], Rerun]:
     from schemas.train_config import ValuesSection
     from stages.train.stage import run_values
 
-    def rerun(section, inputs, output, force, state_in):
+    def rerun(section, inputs, output, force, recorded):
         return run_values(inputs["samples"], section.critic, _forward_config(section), output, force=force)
 
     return ValuesSection, rerun
+
+
+def _train_step() -> tuple[type[BaseModel], Rerun]:
+    from schemas.train_config import TrainSection, TrainStepConfig
+    from stages.train.stage import run_train_step
+
+    def rerun(section, inputs, output, force, recorded):
+        # The record holds no runtime: the step runs on as many workers as the recorded one (its data-parallel split),
+        # writes its full DeepSpeed state and prunes nothing (max_ckpt_to_keep unset: the original stays beside it).
+        import ray
+
+        world = int(recorded.get("state", {}).get("world_size", 1))
+        cfg = TrainStepConfig.model_validate({**section.model_dump(mode="json"), "runtime": {"num_workers": world}})
+        cpus = ray.cluster_resources().get("CPU", 0.0)
+        if world * cfg.runtime.cpus_per_worker > cpus:  # else Ray Train would wait for them forever
+            raise RollflowError(f"the training step was recorded on {world} workers of "
+                                f"{cfg.runtime.cpus_per_worker:g} CPU each and the Ray cluster has {cpus:g} CPUs; "
+                                "run rollflow stage against a larger cluster (RAY_ADDRESS=...)")
+        return run_train_step(inputs["samples"], inputs["checkpoint"], cfg, output, force=force,
+                              label="[rollflow stage] train")
+
+    return TrainSection, rerun
+
+
+def _eval() -> tuple[type[BaseModel], Rerun]:
+    from schemas.rollout_config import RolloutConfig
+    from stages.rollout.driver import run_eval
+
+    def rerun(section, inputs, output, force, recorded):  # its own engines, built only when a turn is to be played
+        return run_eval(section, output, inputs["checkpoint"], force=force, label="[rollflow stage] eval").record
+
+    return RolloutConfig, rerun
 
 
 def _rerunnable() -> dict[str, Callable[[], tuple[type[BaseModel], Rerun]]]:
@@ -74,7 +110,8 @@ def _rerunnable() -> dict[str, Callable[[], tuple[type[BaseModel], Rerun]]]:
             "advantages": lambda: _runner_stage(AdvantagesStage),
             "rewards": lambda: _runner_stage(RewardStage),  # rule workers; an LLM judge needs rollflow score
             "rlvr_samples": lambda: _runner_stage(SamplesStage),
-            "logprobs": _logprobs, "values": _values}
+            "logprobs": _logprobs, "values": _values,
+            "train_step": _train_step, "eval": _eval}
 
 
 def _known() -> str:
@@ -114,13 +151,21 @@ def rerun_stage(name: str, old_output: str, overrides: list[str], output: str | 
     config section; write to ``output`` (default ``<old>@<fingerprint>``). Returns lines to print."""
     table = _rerunnable()
     if name not in table:
-        raise RollflowError(f"unknown stage '{name}'; known: {_known()} (rollout, generation and the "
-                            "training step run with their commands: rollflow rollout / train-step)")
+        raise RollflowError(
+            f"unknown stage '{name}'; rollflow stage re-runs {_known()}. Rollouts (rollout_reset, rollout_turn, "
+            "rollout_samples) and RLVR generation (rlvr_prompts, rlvr_generate) are not re-run from a turn: redo a "
+            "rollout with rollflow rollout --config FILE --output DIR, an evaluation with rollflow stage eval --from "
+            "runs/<run>/iter_<k>/eval (or rollflow eval --config FILE --checkpoint DIR --output DIR), a run's "
+            "generation with rollflow train --config FILE --set run_name=NEW; then rollflow stage NAME --from ... "
+            "re-runs what reads them")
     old = Location.of(old_output)
-    manifest = read_manifest(old)
+    manifest = read_manifest(old) if old.is_dir() else None
     if manifest is None or manifest.get("stage") != name:
-        raise RollflowError(f"{old.path} is not an output of stage {name} (no matching manifest.json); pass the "
-                            f"folder the stage wrote, e.g. runs/<run>/recompute/rewarded")
+        holds = (f"it holds an output of stage {manifest.get('stage')}" if manifest is not None
+                 else "it has no manifest.json" if old.is_dir() else "it is not a folder")
+        raise RollflowError(f"{old.path} is not an output of stage {name} ({holds}); pass the folder the stage "
+                            "wrote, e.g. runs/<run>/iter_0000/rewarded for response_rewards, "
+                            "runs/<run>/iter_0000/checkpoint for train_step, runs/<run>/iter_0000/eval for eval")
     section_model, rerun = table[name]()
     section = validate_config(section_model, _apply(manifest["section"], parse_overrides(overrides)),
                               f"{old.path}/manifest.json + overrides")
@@ -137,7 +182,7 @@ def rerun_stage(name: str, old_output: str, overrides: list[str], output: str | 
     from stages.cluster import ensure_ray
 
     ensure_ray()  # once the request is valid (the manifest holds no runtime settings: $RAY_ADDRESS or a local cluster)
-    result = rerun(section, inputs, target, force, manifest["state_in"])
+    result = rerun(section, inputs, target, force, manifest)
     lines = [_line(name, result, old)]
     if downstream:
         lines += _rerun_downstream(old, result.output, tag, force)
@@ -145,12 +190,16 @@ def rerun_stage(name: str, old_output: str, overrides: list[str], output: str | 
 
 
 def _siblings(first: Location) -> dict[str, tuple[Location, dict]]:
-    """The stage outputs beside ``first`` (folders with a manifest; other re-runs' ``@`` outputs left out), by path."""
+    """The stage outputs beside ``first`` (folders with a manifest), by path. Re-runs' ``@`` outputs are left out
+    when ``first`` is one of the run's own (they are not the run's), and kept when ``first`` is itself a re-run's
+    output: what reads it can only be a later re-run's (``rollflow stage train_step --from checkpoint@<tag>``
+    re-runs the ``eval@<tag>`` that read it)."""
     found = {}
+    chained = "@" in first.name
     for info in first.parent.list():
         loc = Location(first.parent.fs, info.path)
-        if "@" in info.base_name or not loc.is_dir():
-            continue  # other re-runs' outputs are not the run's own
+        if ("@" in info.base_name and not chained) or not loc.is_dir():
+            continue
         m = read_manifest(loc)
         if m is not None:
             found[loc.path] = (loc, m)
@@ -200,8 +249,7 @@ def _rerun_downstream(first_old: Location, first_new: str, tag: str, force: bool
                 continue
             section_model, rerun = table[stage]()
             section = validate_config(section_model, m["section"], f"{loc.path}/manifest.json")
-            result = rerun(section, {k: replaced.get(v, v) for k, v in inputs.items()}, f"{loc.path}@{tag}", force,
-                           m["state_in"])
+            result = rerun(section, {k: replaced.get(v, v) for k, v in inputs.items()}, f"{loc.path}@{tag}", force, m)
             lines.append(_line(stage, result, loc))
             replaced[path] = result.output
     return lines

@@ -8,6 +8,9 @@
 4. on any failure the temporary folder is removed and a previous output is untouched.
 
 Steps 2-4 are :func:`commit_folder`, which also commits a folder written by other code (a training checkpoint).
+A folder whose parts are committed one by one (an evaluation's rollout: reset, turn and samples tables, each its own
+stage so that a killed run resumes at the turn) gets its own manifest, recording what the whole was made from, last,
+from :func:`commit_record`.
 """
 
 from __future__ import annotations
@@ -351,6 +354,32 @@ def commit_folder(output: Location, fingerprint: str, fill: Callable[[Location],
             if created_parent and not output.parent.list():  # leave no empty output folder behind either
                 output.parent.rmtree()
             raise
+    return manifest, False
+
+
+def commit_record(output: Location, fingerprint: str, build: Callable[[], dict[str, Any]], *, force: bool = False
+                  ) -> tuple[dict[str, Any], bool]:
+    """Write the manifest of the folder ``output`` whose parts were each committed already (by their own stages,
+    :func:`commit_folder`), recording what the whole was made from; return (its manifest, skipped).
+
+    :func:`commit_folder` cannot commit such a folder: it writes a whole folder into a temporary sibling, so a killed
+    run would start the folder over (not resume at its last committed part), and an existing folder of parts without
+    a manifest (a run folder written before these records) would be refused. Here the parts are the content and
+    decide by their own fingerprints what is redone; the manifest is written last, atomically (a temporary file
+    renamed), once they all are there. A manifest that has ``fingerprint`` (and not ``force``) is kept and comes back
+    with ``skipped`` true; one of another fingerprint is replaced (the parts were committed for this one)."""
+    if not output.is_dir():
+        raise RollflowError(f"{output.path}: the parts of this output are missing; run the stage that writes them")
+    existing = read_manifest(output)
+    if existing is not None and existing.get("fingerprint") == fingerprint and not force:
+        return existing, True
+    for info in output.list():  # the temporary file of a killed earlier write
+        if info.base_name.startswith(f".{MANIFEST}{TMP_MARK}"):
+            output.fs.delete_file(info.path)
+    manifest = {**build(), "fingerprint": fingerprint}
+    tmp = output.child(f".{MANIFEST}{TMP_MARK}{os.getpid()}-{uuid.uuid4().hex[:8]}")
+    tmp.write_text(json.dumps(manifest, indent=1, sort_keys=True))
+    output.fs.move(tmp.path, output.child(MANIFEST).path)
     return manifest, False
 
 

@@ -47,7 +47,8 @@ def recompute(input: Path = typer.Option(..., "--input", help="Folder of stored 
 
 @app.command()
 def stage(name: str = typer.Argument(..., help="Stage name: response_rewards, advantages, rewards, rlvr_samples, "
-                                                "logprobs or values."),
+                                                "logprobs, values, train_step (a checkpoint) or eval "
+                                                "(an evaluation)."),
           run_dir: Path = typer.Option(..., "--from", help="An existing output folder of that stage (its manifest "
                                                             "records the inputs and config)."),
           overrides: Optional[list[str]] = OverrideOpt,

@@ -3,6 +3,7 @@
     <output>/episodes/             reset table (turn_idx -1): levels, first prompts
     <output>/turns/turn_000/ ...   one table per turn: the episodes still running at that turn
     <output>/samples/              training samples (step or trajectory level) + rollout metrics
+    <output>/manifest.json         an evaluation's record (:func:`run_eval`): its config and the checkpoint it read
 
 Every stage goes through the one runner, so re-running the same command skips committed work: a rollout killed in
 turn k builds its engines once and continues at turn k. The pool is created here once per rollout (or passed in by a
@@ -46,6 +47,7 @@ class RolloutResult:
     engine_build_seconds: float = 0.0
     seconds: float = 0.0
     timings: dict[str, float] = field(default_factory=dict)
+    record: StageResult | None = None  # an evaluation's own manifest (run_eval): the whole folder as one output
 
     @property
     def metrics(self) -> dict[str, float]:
@@ -185,6 +187,44 @@ def run_rollout(config: RolloutConfig, output: str, checkpoint: str | None = Non
         "samples_seconds": samples.seconds,
     })
     return RolloutResult(out.path, model_dir, episodes, turns, samples, build_seconds, time.time() - start, timings)
+
+
+class EvalStage:
+    """An evaluation's identity for :func:`stages.runner.stage_fingerprint`: the rollout of a config's held-out levels
+    with a checkpoint, recorded as one output (stage, config, checkpoint) by :func:`run_eval`."""
+
+    name = "eval"
+    version = "1"
+
+
+def run_eval(config: RolloutConfig, output: str, checkpoint: str | None = None, *, force: bool = False,
+             pool: EnginePool | None = None, on_event: Callable[[str, dict[str, Any]], None] | None = None,
+             label: str = "eval") -> RolloutResult:
+    """:func:`run_rollout` of the held-out rollout ``config`` with ``checkpoint`` into ``output``, then the folder's
+    own manifest (:func:`stages.runner.commit_record`): stage ``eval``, the rollout config as its section, the
+    checkpoint as its input. So ``rollflow lineage`` sees which checkpoint an evaluation read and ``rollflow stage``
+    re-runs it (on a re-trained checkpoint too). The tables' own fingerprints are those of any rollout, so a run
+    folder written before these records resumes with its evaluations up to date (only the manifest is added)."""
+    from stages.runner import commit_record, stage_fingerprint
+    from stages.train.checkpoint import checkpoint_fingerprint as model_fingerprint
+
+    result = run_rollout(config, output, checkpoint, force=force, pool=pool, on_event=on_event, label=label)
+    start = time.time()
+    model = Location.of(result.model_dir)
+    state_in = {"checkpoint": model_fingerprint(model.path), "samples": result.samples.fingerprint}
+    fp = stage_fingerprint(EvalStage, config, {}, state_in)  # type: ignore[arg-type]
+
+    def build() -> dict[str, Any]:
+        return {"stage": EvalStage.name, "version": EvalStage.version, "table": "rollout",
+                "section": config.model_dump(mode="json"),
+                "inputs": {"checkpoint": {"path": model.path, "fingerprint": state_in["checkpoint"]}},
+                "state_in": state_in, "rows": result.samples.rows, "metrics": result.samples.metrics, "state": {},
+                "created_unix": time.time(), "seconds": round(result.seconds, 3)}
+
+    manifest, skipped = commit_record(Location.of(result.output), fp, build, force=force)
+    result.record = StageResult(result.output, fp, skipped and result.samples.skipped, manifest["rows"],
+                                result.seconds + time.time() - start, manifest.get("metrics", {}), {})
+    return result
 
 
 def committed_turn_dirs(output: str) -> list[Location]:

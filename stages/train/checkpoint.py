@@ -217,12 +217,14 @@ def check_complete(folder: str, with_critic: bool) -> None:
 
 
 def list_checkpoints(parent: Location) -> list[tuple[int, float, Location]]:
-    """Training checkpoints directly in ``parent``: (global step, creation time, folder), oldest first."""
+    """Training checkpoints directly in ``parent``: (global step, creation time, folder), oldest first. Re-runs of a
+    step (``<folder>@<tag>``, written by ``rollflow stage train_step``) are not the run's own and are left out, so
+    pruning never removes one, nor an original because of one."""
     found = []
     if not parent.exists():
         return found
     for info in parent.list():
-        if info.base_name.startswith("."):
+        if info.base_name.startswith(".") or "@" in info.base_name:
             continue
         loc = Location(parent.fs, info.path)
         if not loc.is_dir():

@@ -281,8 +281,8 @@ def test_lora_run_end_to_end(cli_env, tmp_path):
 def test_stage_rerun_of_the_logprobs_in_another_dtype_recomputes_what_reads_them(finished_run, cli_env):
     """``rollflow stage logprobs --set dtype=… --downstream`` on an iteration of a finished run: new log-probs beside
     the old ones, then the rewards and advantages that read them (each ``<folder>@<tag>``, the advantages after both
-    of their re-run inputs); the training step that read the old advantages is reported stale; the run's own outputs
-    are untouched, and the same call again is up to date."""
+    of their re-run inputs), the training step on the new advantages and the evaluation of its checkpoint; the run's
+    own outputs are untouched, and the same call again is up to date."""
     it = finished_run / "iter_0000"
     old_manifest = json.loads((it / "logprobs/manifest.json").read_text())
     dtype = "fp32" if old_manifest["section"]["dtype"] == "bf16" else "bf16"
@@ -293,8 +293,8 @@ def test_stage_rerun_of_the_logprobs_in_another_dtype_recomputes_what_reads_them
     tags = {p.name.split("@")[1] for p in it.iterdir() if "@" in p.name}
     assert len(tags) == 1
     tag = tags.pop()
-    assert sorted(p.name for p in it.iterdir() if "@" in p.name) == [f"{n}@{tag}" for n in
-                                                                     ("advantaged", "logprobs", "rewarded")]
+    assert sorted(p.name for p in it.iterdir() if "@" in p.name) == [
+        f"{n}@{tag}" for n in ("advantaged", "checkpoint", "eval", "logprobs", "rewarded")]
     manifest = {n: json.loads((it / f"{n}@{tag}/manifest.json").read_text()) for n in ("logprobs", "advantaged")}
     assert manifest["logprobs"]["section"]["dtype"] == dtype
     assert manifest["advantaged"]["inputs"]["samples"]["path"] == str(it / f"logprobs@{tag}")
@@ -306,8 +306,12 @@ def test_stage_rerun_of_the_logprobs_in_another_dtype_recomputes_what_reads_them
                       for folder in (it / "logprobs", it / f"logprobs@{tag}"))
     assert old_lp.shape == new_lp.shape and not np.array_equal(old_lp, new_lp)
     assert np.abs(old_lp - new_lp).max() < 0.5, "the same model in another precision"
-    assert "reads a re-run output but was not recomputed" in done.stdout and str(it / "checkpoint") in done.stdout
+    assert "was not recomputed" not in done.stdout and f"to {it / f'checkpoint@{tag}'} (old output" in done.stdout
+    trained = json.loads((it / f"checkpoint@{tag}/manifest.json").read_text())
+    assert trained["inputs"]["samples"]["path"] == str(it / f"advantaged@{tag}")
+    assert json.loads((it / f"eval@{tag}/manifest.json").read_text())["inputs"]["checkpoint"]["path"] == str(
+        it / f"checkpoint@{tag}")
     assert {p: p.stat().st_mtime_ns for p in it.glob("*/manifest.json") if "@" not in p.parent.name} == stamps
     again = _rollflow("stage", "logprobs", "--from", str(it / "logprobs"), "--set", f"dtype={dtype}", "--downstream",
                       env=cli_env)
-    assert again.returncode == 0 and again.stdout.count("up to date") == 3, again.stdout
+    assert again.returncode == 0 and again.stdout.count("up to date") == 5, again.stdout

@@ -1,0 +1,212 @@
+"""``rollflow stage train_step`` / ``eval``: re-running an iteration's training step with changed settings (a new
+checkpoint beside the old one) and, with ``--downstream``, the evaluation that read it. Fast tests of the refusals
+(no Ray, no model), the evaluation's own manifest, and one slow end-to-end re-run on the tiny random model."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from flows.cli import app
+from schemas.errors import RollflowError
+from stages.runner import commit_record
+from stages.storage import Location
+from tests.spine.helpers import tree_digest
+
+runner = CliRunner()
+
+
+def _fails(args: list, *phrases: str) -> str:
+    result = runner.invoke(app, [str(a) for a in args])
+    assert result.exit_code == 2, f"{args}: exit {result.exit_code}\n{result.output}\n{result.exception!r}"
+    text = " ".join(result.output.split())
+    for phrase in phrases:
+        assert phrase in text, f"{phrase!r} not in {result.output}"
+    assert "Traceback" not in result.output
+    return text
+
+
+def _fake_output(folder: Path, manifest: dict) -> Path:
+    folder.mkdir(parents=True)
+    (folder / "manifest.json").write_text(json.dumps(manifest))
+    return folder
+
+
+def _fake_train_step(folder: Path, samples: Path, checkpoint: Path) -> Path:
+    from schemas.train_config import TrainSection
+
+    return _fake_output(folder, {
+        "stage": "train_step", "version": "1", "section": TrainSection().model_dump(mode="json"),
+        "inputs": {"samples": {"path": str(samples), "fingerprint": "x"},
+                   "checkpoint": {"path": str(checkpoint), "fingerprint": "y"}},
+        "state_in": {"checkpoint": "y"}, "state": {"world_size": 1}, "fingerprint": "z"})
+
+
+def test_unknown_stage_lists_the_rerunnable_ones_and_says_how_to_redo_a_rollout(tmp_path):
+    text = _fails(["stage", "rollout_turn", "--from", tmp_path], "unknown stage 'rollout_turn'", "train_step", "eval",
+                  "logprobs", "rollflow rollout --config FILE --output DIR", "rollflow train --config FILE")
+    assert "rlvr_generate" in text
+
+
+def test_a_folder_that_is_not_a_training_step_output_is_refused(tmp_path):
+    advantaged = _fake_output(tmp_path / "advantaged", {"stage": "advantages", "section": {}, "inputs": {}})
+    _fails(["stage", "train_step", "--from", advantaged], "is not an output of stage train_step",
+           "it holds an output of stage advantages", "runs/<run>/iter_0000/checkpoint")
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    _fails(["stage", "train_step", "--from", plain], "is not an output of stage train_step", "no manifest.json")
+    _fails(["stage", "train_step", "--from", tmp_path / "nope"], "it is not a folder")
+    _fails(["stage", "eval", "--from", advantaged], "is not an output of stage eval")
+
+
+def test_a_training_step_override_is_checked_before_anything_runs(tmp_path):
+    old = _fake_train_step(tmp_path / "checkpoint", tmp_path / "advantaged", tmp_path / "base")
+    _fails(["stage", "train_step", "--from", old, "--set", "actor_train.training_args.learning_rat=1e-4"],
+           "learning_rat")
+    _fails(["stage", "train_step", "--from", old, "--set", "actor_train.training_args.learning_rate=-1"],
+           "learning_rate")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint"], "nothing written"
+
+
+def test_an_evaluation_record_is_written_last_kept_when_current_and_replaced_when_not(tmp_path):
+    parts = tmp_path / "eval"
+    (parts / "samples").mkdir(parents=True)
+    out = Location.of(str(parts))
+    calls = []
+
+    def build():
+        calls.append(1)
+        return {"stage": "eval", "inputs": {}}
+
+    manifest, skipped = commit_record(out, "f1", build)
+    assert not skipped and manifest["fingerprint"] == "f1" and calls == [1]
+    assert json.loads((parts / "manifest.json").read_text())["fingerprint"] == "f1"
+    assert commit_record(out, "f1", build)[1] and calls == [1], "up to date: not rebuilt"
+    (parts / ".manifest.json.tmp-1-dead").write_text("{")  # a killed earlier write
+    manifest, skipped = commit_record(out, "f2", build)
+    assert not skipped and json.loads((parts / "manifest.json").read_text())["fingerprint"] == "f2"
+    assert sorted(p.name for p in parts.iterdir()) == ["manifest.json", "samples"]
+    with pytest.raises(RollflowError, match="missing"):
+        commit_record(Location.of(str(tmp_path / "none")), "f", build)
+
+
+def test_pruning_leaves_re_run_checkpoints_and_the_originals_alone(tmp_path):
+    from stages.train.checkpoint import prune_checkpoints
+
+    for name, created in (("checkpoint", 1.0), ("checkpoint@abcd1234", 2.0)):
+        _fake_output(tmp_path / name, {"stage": "train_step", "state": {"global_step": 1}, "created_unix": created})
+    assert prune_checkpoints(Location.of(str(tmp_path)), 1) == []
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint", "checkpoint@abcd1234"]
+
+
+def test_a_walk_from_a_re_run_output_reaches_the_re_runs_that_read_it_and_one_from_an_original_does_not(tmp_path):
+    from flows.rerun import _affected
+
+    def out(name: str, reads: str | None = None, stage: str = "eval") -> None:
+        inputs = {"checkpoint": {"path": str(tmp_path / reads), "fingerprint": "f"}} if reads else {}
+        _fake_output(tmp_path / name, {"stage": stage, "inputs": inputs})
+
+    out("checkpoint", stage="train_step")
+    out("eval", "checkpoint")
+    out("checkpoint@a", stage="train_step")
+    out("eval@a", "checkpoint@a")
+    out("eval@b", "checkpoint")  # an earlier re-run of the evaluation alone, with other settings
+    assert sorted(_affected(Location.of(str(tmp_path / "checkpoint")))) == [str(tmp_path / "eval")]
+    assert sorted(_affected(Location.of(str(tmp_path / "checkpoint@a")))) == [str(tmp_path / "eval@a")]
+
+
+def test_lineage_compares_a_base_model_folder_as_its_readers_fingerprint_it(tmp_path):
+    """A training step (or evaluation) of the first iteration read the base model, a plain model folder: it records
+    the folder's checkpoint fingerprint (its files), and lineage compares with the same, so it is not stale; a
+    replaced weight file makes it stale."""
+    from flows.lineage import lineage_lines
+    from stages.train.checkpoint import checkpoint_fingerprint
+
+    base = tmp_path / "base"
+    base.mkdir()
+    (base / "config.json").write_text("{}")
+    (base / "model.safetensors").write_bytes(b"w")
+    step = _fake_train_step(tmp_path / "run/checkpoint", tmp_path / "run/missing", base)
+    m = json.loads((step / "manifest.json").read_text())
+    m["inputs"]["checkpoint"]["fingerprint"] = checkpoint_fingerprint(str(base))
+    m["inputs"].pop("samples")
+    (step / "manifest.json").write_text(json.dumps(m))
+    assert "none is stale" in "\n".join(lineage_lines(str(tmp_path / "run")))
+    (base / "model.safetensors").write_bytes(b"ww")
+    assert "input 'checkpoint'" in "\n".join(lineage_lines(str(tmp_path / "run")))
+
+
+# ---- end to end on the tiny random model --------------------------------------------------------------------------
+
+def _weights(folder: Path) -> dict:
+    from safetensors.torch import load_file
+
+    out = {}
+    for f in sorted(folder.glob("*.safetensors")):
+        out.update(load_file(str(f)))
+    return out
+
+
+@pytest.fixture(scope="module")
+def graded_run(tmp_path_factory, cli_env) -> Path:
+    """One iteration of the tiny run whose training step has a gradient: the tiny random model scores every episode
+    alike, so GRPO's group-normalised advantages are all zero and no learning rate would move the weights; with
+    ``reward_normalization.method=identity`` the advantages are the (non-zero) scores themselves."""
+    from tests.trainflow.test_train_flow import _rollflow, _tiny_args
+
+    root = tmp_path_factory.mktemp("rerun-train")
+    args = [*_tiny_args(root, "g"), "--set", "max_steps=1", "--set", "reward_normalization.method=identity"]
+    done = _rollflow(*args, env=cli_env)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return root / "g"
+
+
+@pytest.mark.slow
+def test_training_step_rerun_with_another_learning_rate_through_evaluation(graded_run, cli_env):
+    """``rollflow stage train_step --from iter_0000/checkpoint --set actor_train.training_args.learning_rate=…
+    --downstream``: a new checkpoint beside the old one (other weights), its manifest recording its inputs and the
+    new rate; the evaluation that read the old checkpoint re-run on the new one into its own folder; the originals
+    byte for byte as they were; ``rollflow lineage`` follows the new evaluation back to the run's advantages; the
+    same call again is up to date and writes nothing."""
+    from tests.trainflow.test_train_flow import _rollflow
+
+    it = graded_run / "iter_0000"
+    old = json.loads((it / "checkpoint/manifest.json").read_text())
+    assert old["metrics"]["actor/grad_norm"] > 0, "the fixture's step must have a gradient"
+    rate = old["section"]["actor_train"]["training_args"]["learning_rate"] * 50
+    originals = {name: tree_digest(it / name) for name in ("checkpoint", "eval", "advantaged")}
+    call = ["stage", "train_step", "--from", str(it / "checkpoint"), "--set",
+            f"actor_train.training_args.learning_rate={rate}", "--downstream"]
+    done = _rollflow(*call, env=cli_env)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    made = sorted(p.name for p in it.iterdir() if "@" in p.name)
+    tag = made[0].split("@")[1]
+    assert made == [f"checkpoint@{tag}", f"eval@{tag}"], made
+    assert "train_step: wrote" in done.stdout and "eval: wrote" in done.stdout
+
+    new = json.loads((it / f"checkpoint@{tag}/manifest.json").read_text())
+    assert new["stage"] == "train_step" and new["section"]["actor_train"]["training_args"]["learning_rate"] == rate
+    assert {k: v["path"] for k, v in new["inputs"].items()} == {k: v["path"] for k, v in old["inputs"].items()}
+    got, was = _weights(it / f"checkpoint@{tag}"), _weights(it / "checkpoint")
+    assert got.keys() == was.keys() and any(not (got[k] == was[k]).all() for k in got), "another rate, other weights"
+
+    ev = json.loads((it / f"eval@{tag}/manifest.json").read_text())
+    assert ev["stage"] == "eval" and ev["inputs"]["checkpoint"]["path"] == str(it / f"checkpoint@{tag}")
+    assert ev["inputs"]["checkpoint"]["fingerprint"] == new["fingerprint"]
+    assert ev["section"] == json.loads((it / "eval/manifest.json").read_text())["section"]
+    assert (it / f"eval@{tag}/samples/manifest.json").exists()
+    assert {name: tree_digest(it / name) for name in originals} == originals, "the originals are untouched"
+
+    lineage = _rollflow("lineage", str(it / f"eval@{tag}"), env=cli_env)
+    assert lineage.returncode == 0, lineage.stderr[-2000:]
+    assert f"<- checkpoint: {it / f'checkpoint@{tag}'}  stage train_step" in lineage.stdout
+    assert f"<- samples: {it / 'advantaged'}  stage advantages" in lineage.stdout
+    assert "STALE" not in lineage.stdout and "none is stale" in lineage.stdout
+
+    before = tree_digest(it)
+    again = _rollflow(*call, env=cli_env)
+    assert again.returncode == 0 and again.stdout.count("up to date") == 2, again.stdout + again.stderr[-2000:]
+    assert tree_digest(it) == before
