@@ -244,7 +244,8 @@ FORWARD = {
 
 STAGE = {
     "stage-unknown": (["stage", "nostage", "--from", "stage_ok"],
-                      ["unknown stage 'nostage'", "known: response_rewards, advantages"]),
+                      ["unknown stage 'nostage'", "rollflow stage re-runs response_rewards, advantages",
+                       "rollflow train --config FILE"]),
     "stage-from-a-plain-folder": (["stage", "advantages", "--from", "emptydir"],
                                   ["emptydir is not an output of stage advantages", "pass the folder the stage wrote"]),
     "stage-from-another-stages-output": (["stage", "response_rewards", "--from", "stage_ok"],
