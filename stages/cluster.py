@@ -161,6 +161,32 @@ def ensure_ray(address: str | None = None, num_cpus: int | None = None, progress
     return settings
 
 
+def cluster_resources(address: str | None = None, num_cpus: int | None = None) -> dict[str, float]:
+    """The resources a run would get, without starting anything: the Ray cluster's (``ray.cluster_resources()``) when
+    ``address`` or ``$RAY_ADDRESS`` names one (joined, read, left), else this machine's as a local cluster of
+    ``num_cpus`` CPUs (default: all) would declare them (stages/plan.py, :func:`local_resources`)."""
+    from schemas.errors import RollflowError
+    from stages.plan import local_resources
+
+    address = address or os.environ.get("RAY_ADDRESS")
+    if not address or address == "local":
+        return local_resources(num_cpus)
+    import ray
+
+    if ray.is_initialized():
+        return {k: float(v) for k, v in ray.cluster_resources().items()}
+    try:
+        ray.init(address=address, log_to_driver=False)
+    except Exception as err:  # noqa: BLE001 (no cluster there: a user error with the fix)
+        raise RollflowError(f"cannot join the Ray cluster at {address} ({type(err).__name__}: {err}); start it, fix "
+                            "RAY_ADDRESS / runtime.ray_address, or plan for given resources with --cpus N --gpus N") \
+            from None
+    try:
+        return {k: float(v) for k, v in ray.cluster_resources().items()}
+    finally:
+        ray.shutdown()
+
+
 def require_ray(who: str) -> None:
     """Raise a clear error when this process has no Ray connection: the stage entry points run on the cluster their
     command or flow started (:func:`ensure_ray`), never on one that Ray Data would start by itself."""
