@@ -26,7 +26,7 @@ class Pipeline:
     # start: the parts of the config only its stages would otherwise look at (environments, prompt files, workers)
     preflight: Callable[[Any, bool], None] = lambda config, evaluation: None
     # the engines a run of a validated config keeps for its whole length (stages.plan.EngineUse), for its resource plan
-    engines: Callable[[Any], list] = lambda config: []
+    engines: Callable[[Any], list] = lambda config: _generation_engines(config)
 
     def committed_steps(self, run: str) -> int:
         """How many iterations of the run folder ``run`` are done: the leading iterations whose checkpoint is
@@ -41,6 +41,13 @@ class Pipeline:
 
 
 PIPELINES: Registry[Pipeline] = Registry("training pipeline")
+
+
+def _generation_engines(config) -> list:
+    """The engines of a pipeline that names no others: its generation engines (stages.plan.default_engines)."""
+    from stages.plan import default_engines
+
+    return default_engines(config)
 
 
 def _agentic_model():

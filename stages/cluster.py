@@ -42,7 +42,8 @@ class _HideSpuriousCpuWarning(logging.Filter):
     write runs ``materialize()``, which checks again on its already computed result (no task left to run) right after
     the stage's actors and write tasks held every CPU of a 2-CPU machine, before Ray has released them, so the warning
     appears after a stage that finished. The real case — actors that hold the CPUs for good — is refused before any
-    stage runs, with the fix (``check_cpu_budget`` in flows/runkit.py, the forward stages' ``cpus_per_actor`` check).
+    stage runs, with the fix (the run's resource plan, ``check_plan`` in flows/runkit.py and stages/plan.py; the forward
+    stages' ``cpus_per_actor`` check).
     The record is marked ``hide``: it stays in the log file, off the console."""
 
     def filter(self, record: logging.LogRecord) -> bool:
