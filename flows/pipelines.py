@@ -25,6 +25,8 @@ class Pipeline:
     # what a run (evaluation=False) or `rollflow eval` (True) of a validated config checks before Prefect and Ray
     # start: the parts of the config only its stages would otherwise look at (environments, prompt files, workers)
     preflight: Callable[[Any, bool], None] = lambda config, evaluation: None
+    # the engines a run of a validated config keeps for its whole length (stages.plan.EngineUse), for its resource plan
+    engines: Callable[[Any], list] = lambda config: _generation_engines(config)
 
     def committed_steps(self, run: str) -> int:
         """How many iterations of the run folder ``run`` are done: the leading iterations whose checkpoint is
@@ -39,6 +41,13 @@ class Pipeline:
 
 
 PIPELINES: Registry[Pipeline] = Registry("training pipeline")
+
+
+def _generation_engines(config) -> list:
+    """The engines of a pipeline that names no others: its generation engines (stages.plan.default_engines)."""
+    from stages.plan import default_engines
+
+    return default_engines(config)
 
 
 def _agentic_model():
@@ -126,10 +135,36 @@ def _rlvr_preflight(config, evaluation: bool) -> None:
         check_routes(config.validation_rewards(), "validation.rewards" if config.validation.rewards else "rewards")
 
 
+def _agentic_engines(config) -> list:
+    """The rollout's generation engines (training and evaluation share them)."""
+    from stages.plan import EngineUse
+
+    return [EngineUse("generation engine", "rollout.engine", config.rollout.engine)]
+
+
+def rlvr_judged(config) -> bool:
+    """Whether an RLVR run needs its LLM judge's engines: a reward route of the run, or of its validation when it
+    validates, calls a model."""
+    from stages.rlvr.generate import needs_model
+
+    return needs_model(config.rewards) or (config.validation.eval_steps > 0
+                                           and needs_model(config.validation_rewards()))
+
+
+def _rlvr_engines(config) -> list:
+    """The generation engines, and the LLM judge's when a route needs it (both live for the whole run)."""
+    from stages.plan import EngineUse
+
+    engines = [EngineUse("generation engine", "engine", config.engine)]
+    if rlvr_judged(config):
+        engines.append(EngineUse("LLM judge engine", "judge.engine", config.judge.engine))
+    return engines
+
+
 PIPELINES.register("agentic")(Pipeline(_agentic_model, _agentic_flow, _agentic_summary, _agentic_step_dir,
-                                        _agentic_evaluation, _agentic_preflight))
+                                        _agentic_evaluation, _agentic_preflight, _agentic_engines))
 PIPELINES.register("rlvr")(Pipeline(_rlvr_model, _rlvr_flow, _rlvr_summary, _rlvr_step_dir, _rlvr_evaluation,
-                                     _rlvr_preflight))
+                                     _rlvr_preflight, _rlvr_engines))
 
 
 def pipeline_of(data: dict[str, Any], where: str) -> Pipeline:

@@ -248,16 +248,15 @@ def chain_task(config: RLVRTrainConfig, samples: str, output: str, state_in: dic
 @flow(name="rlvr-train")  # progress lines go to stdout; Prefect logs to the log file (flows/console.py)
 def rlvr_train_flow(cfg: dict) -> dict:
     """Run (or resume) the RLVR training run described by ``cfg`` (an :class:`RLVRTrainConfig` as JSON)."""
+    from flows.pipelines import rlvr_judged
     from stages.metrics import MetricsLog
-    from stages.rlvr.generate import judge_pool, needs_model
+    from stages.rlvr.generate import judge_pool
 
     config = validate_config(RLVRTrainConfig, cfg)
     refuse_old_layout(run_folder(config))
     validates = config.validation.eval_steps > 0
-    judged = needs_model(config.rewards) or (validates and needs_model(config.validation_rewards()))
-    engine = config.judge.engine
-    run, base, pool = start_run(config, cfg, config.engine.max_model_len or config.sequence_length,
-                                engine.num_cpus_per_engine * engine.num_engines if judged else 0.0)
+    judged = rlvr_judged(config)  # the judge's engines are part of the run's resource plan (flows/pipelines.py)
+    run, base, pool = start_run(config, cfg, config.engine.max_model_len or config.sequence_length)
     judge = judge_pool(config.judge) if judged else None  # the judge's own engine (built on first use)
     workers = KeptWorkers.of(config, run.path)
     started = time.time()

@@ -145,11 +145,13 @@ def record(metrics, iteration: int, stage: str, result: Any, values: dict | None
     return logged
 
 
-def start_run(config, cfg: dict, max_model_len: int, other_engines: float = 0.0):
+def start_run(config, cfg: dict, max_model_len: int):
     """The set-up both training flows share: freeze ``cfg`` in the run folder (refusing a different one), start or
-    join Ray, check the CPU budget (``other_engines``: CPUs held by engines beside the policy's, e.g. an LLM judge),
-    resolve the initial policy, and make the engine pool (built on first use). Returns (run folder, initial policy
-    folder, pool)."""
+    join Ray, check the run's resource plan on the cluster (:func:`check_plan`: CPUs and GPUs of every stage, the
+    engines of its pipeline included, e.g. an LLM judge's), resolve the initial policy, and make the engine pool
+    (built on first use). Returns (run folder, initial policy folder, pool)."""
+    import ray
+
     from stages.cluster import ensure_ray
     from stages.rollout.driver import resolve_model_dir
     from stages.rollout.engine_pool import EnginePool
@@ -157,10 +159,29 @@ def start_run(config, cfg: dict, max_model_len: int, other_engines: float = 0.0)
     run = run_folder(config)
     save_run_config(run, config, cfg)
     rt = config.runtime
-    settings = ensure_ray(rt.ray_address, rt.num_cpus, data_memory_mb=rt.data_memory_mb)
-    check_cpu_budget(config, float(settings["cpus"] or 0), other_engines)
+    ensure_ray(rt.ray_address, rt.num_cpus, data_memory_mb=rt.data_memory_mb)
+    check_plan(config, ray.cluster_resources())
     base = resolve_model_dir(config.pretrain)
     return run, base, EnginePool(config.generation_engine(), base, max_model_len)
+
+
+def run_plan(config, resources: dict[str, float]):
+    """The resource plan (stages/plan.py) of a training config on a cluster of ``resources``, with the engines its
+    pipeline keeps for the whole run (flows/pipelines.py)."""
+    from flows.pipelines import PIPELINES
+    from stages.plan import make_plan
+
+    return make_plan(config, resources, PIPELINES.get(config.pipeline).engines(config))
+
+
+def check_plan(config, resources: dict[str, float]) -> None:
+    """Refuse a run whose stages cannot all be scheduled on the cluster (``ray.cluster_resources()``) — engines and
+    kept workers hold their CPUs and GPUs for the whole run, so the other stages must fit beside them; otherwise a
+    stage waits forever — with the rule, the numbers and the fix (stages/plan.py)."""
+    plan = run_plan(config, resources)
+    for line in plan.lines():
+        log.info("plan: %s", line)
+    plan.check()
 
 
 def frozen_config_state(run: Location, config, cfg: dict) -> str:
@@ -214,18 +235,18 @@ def save_run_config(run: Location, config, cfg: dict) -> None:
 
 
 def check_cpu_budget(config, cluster_cpus: float, other_engines: float = 0.0) -> None:
-    """The engine actors live for the whole run, so the log-prob actors and the training workers must fit beside
-    them with a CPU left for Ray Data's read/write tasks; otherwise Ray Data waits forever (STACK.md). ``config``:
-    a training config (:class:`TrainFlowConfig` or ``RLVRTrainConfig``); ``other_engines``: CPUs of further engines
-    that live for the whole run (an LLM judge's)."""
-    engine = config.generation_engine()
-    engines = engine.num_cpus_per_engine * engine.num_engines + other_engines
-    forward = config.logprobs.cpus_per_actor
-    train = config.train.runtime.cpus_per_worker * config.train.runtime.num_workers
-    need = engines + max(forward + 0.5, train)  # log-prob actors run next to Ray Data's read/write tasks
-    if need > cluster_cpus:
-        raise RollflowError(
-            f"the run needs {need:g} CPUs of Ray's {cluster_cpus:g}: engines hold {engines:g} for the whole run, "
-            f"log-prob actors {forward:g} plus a share for Ray Data's tasks, training workers {train:g}; otherwise "
-            "a stage would wait forever. Set num_cpus_per_engine: 0 in the engine sections (an engine idles outside "
-            "generation or judging), or lower train.runtime.num_workers / cpus_per_worker, or logprobs.cpus_per_actor")
+    """The CPU part of the resource plan (:func:`check_plan`, stages/plan.py): the engine actors live for the whole
+    run, so the log-prob actors and the training workers must fit beside them with a share left for Ray Data's
+    read/write tasks; otherwise Ray Data waits forever (STACK.md). ``config``: a training config
+    (:class:`TrainFlowConfig` or ``RLVRTrainConfig``); ``other_engines``: CPUs of further engines that live for the
+    whole run (an LLM judge's)."""
+    from schemas.rollout_config import EngineConfig
+    from stages.plan import EngineUse, default_engines, make_plan
+
+    engines = default_engines(config)
+    if other_engines:
+        engines.append(EngineUse("other engine", "judge.engine",
+                                 EngineConfig(num_cpus_per_engine=other_engines, backend="hf")))
+    plan = make_plan(config, {"CPU": cluster_cpus}, engines)
+    plan.problems = [p for p in plan.problems if " CPUs of Ray's " in p]
+    plan.check()

@@ -42,7 +42,8 @@ class _HideSpuriousCpuWarning(logging.Filter):
     write runs ``materialize()``, which checks again on its already computed result (no task left to run) right after
     the stage's actors and write tasks held every CPU of a 2-CPU machine, before Ray has released them, so the warning
     appears after a stage that finished. The real case — actors that hold the CPUs for good — is refused before any
-    stage runs, with the fix (``check_cpu_budget`` in flows/runkit.py, the forward stages' ``cpus_per_actor`` check).
+    stage runs, with the fix (the run's resource plan, ``check_plan`` in flows/runkit.py and stages/plan.py; the forward
+    stages' ``cpus_per_actor`` check).
     The record is marked ``hide``: it stays in the log file, off the console."""
 
     def filter(self, record: logging.LogRecord) -> bool:
@@ -159,6 +160,32 @@ def ensure_ray(address: str | None = None, num_cpus: int | None = None, progress
                 "parquet_read_unit_bytes": os.environ.get("RAY_DATA_PARQUET_BIN_PACKING_BYTES", "ray default")}
     log.info("execution settings: %s", settings)
     return settings
+
+
+def cluster_resources(address: str | None = None, num_cpus: int | None = None) -> dict[str, float]:
+    """The resources a run would get, without starting anything: the Ray cluster's (``ray.cluster_resources()``) when
+    ``address`` or ``$RAY_ADDRESS`` names one (joined, read, left), else this machine's as a local cluster of
+    ``num_cpus`` CPUs (default: all) would declare them (stages/plan.py, :func:`local_resources`)."""
+    from schemas.errors import RollflowError
+    from stages.plan import local_resources
+
+    address = address or os.environ.get("RAY_ADDRESS")
+    if not address or address == "local":
+        return local_resources(num_cpus)
+    import ray
+
+    if ray.is_initialized():
+        return {k: float(v) for k, v in ray.cluster_resources().items()}
+    try:
+        ray.init(address=address, log_to_driver=False)
+    except Exception as err:  # noqa: BLE001 (no cluster there: a user error with the fix)
+        raise RollflowError(f"cannot join the Ray cluster at {address} ({type(err).__name__}: {err}); start it, fix "
+                            "RAY_ADDRESS / runtime.ray_address, or plan for given resources with --cpus N --gpus N") \
+            from None
+    try:
+        return {k: float(v) for k, v in ray.cluster_resources().items()}
+    finally:
+        ray.shutdown()
 
 
 def require_ray(who: str) -> None:

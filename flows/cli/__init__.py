@@ -1,5 +1,5 @@
 """The ``rollflow`` command line: one Typer app (:mod:`flows.cli.app`) whose commands live in the modules of this
-package, one per capability — tables (recompute, stage, inspect, validate, example, demo), training (train,
+package, one per capability — tables (recompute, stage, inspect, validate, example, demo), training (train, plan,
 train-step, logprobs, values), rollout (rollout, show), RLVR (score, rlvr-example), operations (server, deploy,
 report). Every command prints a readable result; user errors (bad input, bad config) print one message naming what,
 where and the fix, and exit with status 2."""

@@ -1,5 +1,5 @@
-"""The training commands: ``train`` (a whole run, either pipeline), ``eval`` (a checkpoint on a run's held-out
-levels), ``train-step``, ``logprobs`` and ``values``."""
+"""The training commands: ``train`` (a whole run, either pipeline), ``plan`` (its resource plan), ``eval`` (a
+checkpoint on a run's held-out levels), ``train-step``, ``logprobs`` and ``values``."""
 
 from __future__ import annotations
 
@@ -65,6 +65,38 @@ def train(config: Optional[Path] = typer.Option(None, "--config", help="YAML con
         rep = write_report(summary["run"])
         typer.echo(f"report: {rep.html}")
 
+
+
+@app.command()
+def plan(config: Path = typer.Option(..., "--config", help="YAML config of a training run (agentic or RLVR)."),
+         overrides: Optional[list[str]] = OverrideOpt,
+         cpus: Optional[float] = typer.Option(None, "--cpus", min=0, help="Plan for a cluster of N CPUs (what-if; "
+                                              "default: the Ray cluster's when RAY_ADDRESS is set, else "
+                                              "runtime.num_cpus or this machine's)."),
+         gpus: Optional[float] = typer.Option(None, "--gpus", min=0, help="Plan for N GPUs (what-if; default: the "
+                                              "Ray cluster's when RAY_ADDRESS is set, else the GPUs torch sees).")
+         ) -> None:
+    """Print the run's resource plan (stage, units, CPUs and GPUs each, how long they are held, a memory estimate,
+    where they go) and whether the cluster can schedule it: exit 0 if it fits, 2 if not (with the rule, the numbers
+    and the fix). Starts no engine, no Prefect, and no Ray cluster."""
+    from flows.pipelines import pipeline_of
+    from flows.runkit import run_plan
+    from schemas.config import load_config_data, parse_overrides, validate_config
+
+    data = _guard(lambda: load_config_data(config, parse_overrides(overrides or [])))
+    pipeline = _guard(lambda: pipeline_of(data, str(config)))
+    cfg = _guard(lambda: validate_config(pipeline.config_model(), data, str(config)))
+    resources: dict[str, float] = {}
+    if cpus is None or gpus is None:
+        from stages.cluster import cluster_resources
+
+        resources = _guard(lambda: cluster_resources(cfg.runtime.ray_address, cfg.runtime.num_cpus))
+    resources.update({k: float(v) for k, v in (("CPU", cpus), ("GPU", gpus)) if v is not None})
+    result = _guard(lambda: run_plan(cfg, resources))
+    typer.echo(f"plan of {config} (pipeline {cfg.pipeline}, run {cfg.run_name})")
+    for line in result.lines():
+        typer.echo(line)
+    _guard(result.check)
 
 
 @app.command("eval")

@@ -12,6 +12,7 @@ Organisation (ids are ``<command>-<what is bad>``):
   environments (unknown type, impossible map size, unknown keyword, missing data), paths (run folder under a file,
   ``pretrain`` that is not a model folder) and run-folder states (started with another config, ``--resume`` of a
   folder that is not a run, ``--set`` on a resume).
+* ``PLAN`` — ``rollflow plan``: config file, ``--set``, and plans the cluster cannot schedule (GPUs, CPUs).
 * ``RLVR`` — ``rollflow train`` with an RLVR config: reward workers (unknown, bad kwargs, not importable, a run-time
   service given as a kwarg), prompt files, group sizes, validation routes.
 * ``EVAL`` — ``rollflow eval`` (agentic and RLVR configs): checkpoints, output paths, validation workers and prompts.
@@ -52,6 +53,7 @@ QUICK = str(REPO / "configs/train_frozenlake_quickstart.yaml")
 RLVR_TRAIN = str(REPO / "configs/rlvr_train_math.yaml")
 ROLLOUT = str(REPO / "configs/rollout_frozenlake.yaml")
 RLVR_SCORE = str(REPO / "configs/rlvr_math.yaml")
+H100 = str(REPO / "configs/train_frozenlake_grpo_h100.yaml")
 
 # ---- the catalogue: id -> (argv, phrases the message must contain) ----------------------------------------------
 # argv may name @quick, @rlvr, @rollout, @score_config, @responses, @samples, @advantaged, @model, @port and the
@@ -104,6 +106,19 @@ TRAIN = {
                                                                    "pass the folder of a run started by"]),
     "train-resume-with-set": (["train", "--resume", "other_runs/quickstart", "--set", "max_steps=3"],
                               ["--set cannot change a run being resumed", "start a new run"]),
+}
+
+PLAN = {
+    "plan-config-missing": (["plan", "--config", "nope.yaml"],
+                            ["nope.yaml does not exist", "pass a file from configs/"]),
+    "plan-set-unknown-key": (["plan", "--config", "@quick", "--set", "max_stepz=3"],
+                             ["field 'max_stepz'", "unknown option"]),
+    "plan-one-gpu-for-two": (["plan", "--config", "@h100", "--cpus", "16", "--gpus", "1"],
+                             ["the run needs 2 GPUs of Ray's 1", "cannot share a GPU between generation and training",
+                              "Set rollout.engine.num_gpus_per_engine: 0", "or use a machine", "with 2 GPUs"]),
+    "plan-cpus-for-the-log-prob-actor": (["plan", "--config", "@quick", "--cpus", "2", "--gpus", "0", "--set",
+                                          "logprobs.cpus_per_actor=2"],
+                                         ["the run needs 2.5 CPUs of Ray's 2", "logprobs.cpus_per_actor"]),
 }
 
 RLVR = {
@@ -311,13 +326,14 @@ TOOLS = {
 USAGE = {
     "train-unknown-option": (["train", "--confg", "x.yaml"], ["No such option: --confg", "--config"]),
     "eval-missing-output": (["eval", "--config", "@quick"], ["Missing option '--output'"]),
+    "plan-missing-config": (["plan", "--cpus", "2"], ["Missing option '--config'"]),
     "rollout-missing-output": (["rollout", "--config", "@rollout"], ["Missing option '--output'"]),
     "score-missing-input": (["score", "--config", "@score_config", "--output", "out"], ["Missing option '--input'"]),
     "example-samples-not-a-number": (["example", "--output", "ex", "--samples", "many"],
                                      ["Invalid value for '--samples'", "valid integer"]),
 }
 
-CATALOGUE = {**TRAIN, **RLVR, **EVAL, **ROLLOUT_CASES, **SCORE, **FORWARD, **STAGE, **FOLDERS, **TOOLS}
+CATALOGUE = {**TRAIN, **PLAN, **RLVR, **EVAL, **ROLLOUT_CASES, **SCORE, **FORWARD, **STAGE, **FOLDERS, **TOOLS}
 
 
 @pytest.fixture
@@ -354,7 +370,7 @@ def shared(tmp_path_factory, data_root, tiny_model) -> dict[str, str]:
         "samples": str(samples),
         "advantaged": write_samples(_advantaged(read_table(samples)), root / "advantaged"),
         "model": str(tiny_model),
-        "quick": QUICK, "rlvr": RLVR_TRAIN, "rollout": ROLLOUT, "score_config": RLVR_SCORE,
+        "quick": QUICK, "h100": H100, "rlvr": RLVR_TRAIN, "rollout": ROLLOUT, "score_config": RLVR_SCORE,
     }
 
 

@@ -1,0 +1,365 @@
+"""The resource plan of a training run: what each stage reserves, when, and whether the cluster can schedule it.
+
+Pure (no Ray import): from a validated training config (either pipeline) and the cluster's resources
+(``{"CPU": n, "GPU": g, ...}``, e.g. ``ray.cluster_resources()``) it lists the reservations the run's stages make
+and checks them before anything starts. ``rollflow plan`` prints it; ``start_run`` (flows/runkit.py) refuses a run
+whose plan does not fit, with the rule, the numbers and the fix.
+
+The rules (what today's code reserves; see the stages cited):
+
+* **Held for the whole run** ("resident"): the generation engines and an LLM judge's engines
+  (stages/rollout/engine_pool.py: ``num_cpus_per_engine`` / ``num_gpus_per_engine`` per engine; the pool closes when
+  the flow ends); the kept forward workers' GPU share with ``logprobs.device: cuda`` (stages/train/stage.py,
+  ``ForwardWorkers``: ``num_actors`` x ``gpus_per_actor``, no CPU); the kept training workers' GPUs with
+  ``train.runtime.use_gpu`` (stages/train/group.py: Ray Train reserves one GPU per worker, and a kept group lives
+  until the flow ends).
+* **Held during one stage** ("phase"): generation's Ray Data tasks (``TASK_CPUS``, 0.25 CPU); the log-prob / values
+  stage: ``logprobs.cpus_per_actor`` plus half a CPU for Ray Data's read/write tasks beside it; the training step:
+  ``num_workers`` x ``cpus_per_worker`` CPUs (a kept group reserves none in Ray, but its threads compute on them while
+  no other stage runs), and its GPUs when the group is not kept (``keep_workers: false``).
+* **The check**: the stages of a run follow each other, and the resident reservations sit beside each of them, so for
+  every phase, resident + that phase must fit the cluster. CPUs are summed (need = resident + the largest phase);
+  GPUs are packed the way Ray places them: a request of 1 or more takes whole free GPUs, a fraction must fit in
+  what is left of one GPU. On one GPU, engines that hold a GPU and training workers that need one cannot both be
+  placed: today's code does not share a GPU between generation and training (issue 13, item 1), so such a plan is
+  refused.
+* **Memory** (an estimate, shown, not checked; weights and optimizer state only, no activations or KV cache beyond
+  vLLM's ``kv_cache_space_gib``): P parameters (from the model's ``config.json``: embeddings, attention and MLP
+  projections, norms; the default model's known shape when it is not converted yet) times bytes per parameter:
+  an engine or forward model holds P x dtype bytes (bf16/fp16 2, fp32 4) per model; a training worker holds, per
+  trained model (the actor, plus the critic for gae), P x w for the weights plus P x (g + o) / s for gradients and
+  AdamW state, with w = g = dtype bytes, o = 12 (fp32 master copy, m, v) in bf16/fp16 or 8 (m, v) in fp32, and s the
+  number of workers the ZeRO stage shards them over (stage 0: none; stage 1: o only; stage 2: g and o). That is the
+  ZeRO paper's 16 bytes per parameter of mixed-precision Adam, divided as DeepSpeed divides it. With LoRA only the
+  adapters get gradients and optimizer state (counted as 0).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterable, Sequence
+
+from schemas.errors import RollflowError
+
+ROLLOUT_TASK_CPUS = 0.25  # stages/rollout/stages.py and stages/rlvr/generate.py: TASK_CPUS of the generation tasks
+DATA_TASK_SHARE = 0.5  # Ray Data's read/write tasks beside the log-prob actors (the old check_cpu_budget's share)
+GIB = 2**30
+_EPS = 1e-9
+
+# SmolLM2-135M-Instruct, the default policy (stages/generation/model_store.py), before its first conversion
+DEFAULT_MODEL_SHAPE = {"vocab_size": 49152, "hidden_size": 576, "intermediate_size": 1536, "num_hidden_layers": 30,
+                       "num_attention_heads": 9, "num_key_value_heads": 3, "tie_word_embeddings": True}
+
+_DTYPE_BYTES = {"fp32": 4, "float32": 4, "bf16": 2, "bfloat16": 2, "fp16": 2, "float16": 2, "half": 2}
+
+
+class PlanError(RollflowError):
+    """The run's resource plan cannot be scheduled on the cluster."""
+
+
+@dataclass(frozen=True)
+class EngineUse:
+    """Engines a run keeps for its whole length: what they are, the config section that sets them, the settings."""
+
+    label: str  # e.g. "generation engine"
+    section: str  # the config path of the engine section, e.g. "rollout.engine"
+    engine: Any  # schemas.rollout_config.EngineConfig
+
+
+@dataclass(frozen=True)
+class Need:
+    """One kind of actor or task of a run: ``count`` units of ``cpus`` and ``gpus`` each, held for the whole run
+    (``phase`` None) or during one phase."""
+
+    stage: str
+    count: int
+    cpus: float
+    gpus: float
+    phase: str | None  # None: the whole run
+    memory_gib: float | None = None  # per unit, an estimate
+    note: str = ""
+    section: str = ""  # the engine section that sets it (the GPU fix names it)
+
+    @property
+    def total_cpus(self) -> float:
+        return self.count * self.cpus
+
+    @property
+    def total_gpus(self) -> float:
+        return self.count * self.gpus
+
+
+PHASES = ("generation", "log-probs / values", "training step")
+
+
+@dataclass
+class Plan:
+    """The reservations of a run on a cluster, and the verdict."""
+
+    needs: list[Need]
+    resources: dict[str, float]
+    fixes: dict[str, str] = field(default_factory=dict)  # resource -> the fix sentence
+    cpu_parts: str = ""
+    placement: dict[int, str] = field(default_factory=dict)  # index in needs -> where its units go
+    problems: list[str] = field(default_factory=list)
+
+    @property
+    def fits(self) -> bool:
+        return not self.problems
+
+    def resident(self) -> list[Need]:
+        return [n for n in self.needs if n.phase is None]
+
+    def during(self, phase: str) -> list[Need]:
+        return [n for n in self.needs if n.phase == phase]
+
+    def cpus_needed(self) -> float:
+        """Resident CPUs plus the largest phase's: the run's stages follow each other."""
+        resident = sum(n.total_cpus for n in self.resident())
+        return resident + max(sum(n.total_cpus for n in self.during(p)) for p in PHASES)
+
+    def gpus_needed(self) -> float:
+        resident = sum(n.total_gpus for n in self.resident())
+        return resident + max(sum(n.total_gpus for n in self.during(p)) for p in PHASES)
+
+    def lines(self) -> list[str]:
+        """The plan as a table: stage, units, resources each, when held, memory, where."""
+        cpus, gpus = self.resources.get("CPU", 0.0), self.resources.get("GPU", 0.0)
+        out = [f"cluster: {cpus:g} CPUs, {gpus:g} GPUs" + "".join(
+            f", {v:g} {k}" for k, v in sorted(self.resources.items())
+            if k not in ("CPU", "GPU", "memory", "object_store_memory") and not k.startswith("node:")),
+            f"{'stage':<28}{'units':>6}{'CPU':>7}{'GPU':>7}  {'held':<26}{'memory/unit':>12}  where"]
+        for i, n in enumerate(self.needs):
+            mem = f"~{n.memory_gib:.1f} GiB" if n.memory_gib is not None else "-"
+            held = "whole run" if n.phase is None else f"during {n.phase}"
+            where = self.placement.get(i, "no GPU left" if n.gpus > 0 else "CPU")
+            out.append(f"{n.stage:<28}{n.count:>6}{n.cpus:>7g}{n.gpus:>7g}  {held:<26}{mem:>12}  "
+                       f"{where}{'  (' + n.note + ')' if n.note else ''}")
+        out.append(f"needs at once: {self.cpus_needed():g} CPUs (of {cpus:g}), {self.gpus_needed():g} GPUs "
+                   f"(of {gpus:g})")
+        out.append("fits: yes" if self.fits else f"fits: no ({len(self.problems)} problem(s), below)")
+        return out
+
+    def check(self) -> None:
+        """Raise a :class:`PlanError` with every problem (rule, numbers, fix) when the plan does not fit."""
+        if self.problems:
+            raise PlanError("; and ".join(self.problems))
+
+
+def dtype_bytes(dtype: str) -> int:
+    return _DTYPE_BYTES.get(str(dtype).lower(), 4)
+
+
+def parameter_count(shape: dict) -> int | None:
+    """Parameters of a Llama/Qwen-style decoder from its HF ``config.json`` values (None when the keys are missing):
+    embeddings, per layer the attention (q, k, v, o; biases when ``attention_bias`` or Qwen2) and gated-MLP
+    projections and two norms, the final norm, and the output head unless tied."""
+    try:
+        vocab, hidden, inter = int(shape["vocab_size"]), int(shape["hidden_size"]), int(shape["intermediate_size"])
+        layers, heads = int(shape["num_hidden_layers"]), int(shape["num_attention_heads"])
+    except (KeyError, TypeError, ValueError):
+        return None
+    kv_heads = int(shape.get("num_key_value_heads") or heads)
+    head_dim = int(shape.get("head_dim") or hidden // heads)
+    q, kv = heads * head_dim, kv_heads * head_dim
+    attention = hidden * q + 2 * hidden * kv + q * hidden
+    if shape.get("attention_bias") or shape.get("model_type") == "qwen2":
+        attention += q + 2 * kv
+    per_layer = attention + 3 * hidden * inter + 2 * hidden
+    head = 0 if shape.get("tie_word_embeddings", True) else vocab * hidden
+    return vocab * hidden + layers * per_layer + hidden + head
+
+
+def model_shape(model_dir: str | None) -> dict | None:
+    """The ``config.json`` of ``model_dir`` (None: the default model, converted or not); None when unreadable."""
+    if model_dir is None:
+        from stages.generation.model_store import DEFAULT_MODEL_NAME, cache_root_path
+
+        converted = cache_root_path() / "models" / DEFAULT_MODEL_NAME / "config.json"
+        return _read_json(converted) or dict(DEFAULT_MODEL_SHAPE)
+    if "://" in model_dir:
+        return None
+    return _read_json(Path(model_dir) / "config.json")
+
+
+def _read_json(path: Path) -> dict | None:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def training_bytes_per_parameter(dtype: str, zero_stage: int, workers: int, lora: bool) -> float:
+    """Bytes per parameter a training worker holds (module docstring, "Memory")."""
+    w = dtype_bytes(dtype)
+    if lora:
+        return float(w)
+    g, o = w, (8 if w == 4 else 12)
+    shards = max(1, workers)
+    if zero_stage >= 2:
+        return w + (g + o) / shards
+    if zero_stage == 1:
+        return w + g + o / shards
+    return float(w + g + o)
+
+
+def _gib(params: int | None, bytes_per: float, extra_gib: float = 0.0) -> float | None:
+    return None if params is None else params * bytes_per / GIB + extra_gib
+
+
+def default_engines(config) -> list[EngineUse]:
+    """The engines a config keeps for the whole run when no list is given: its generation engines (the pipelines'
+    own lists, an RLVR judge's engines included, are flows/pipelines.py's ``engines``)."""
+    return [EngineUse("generation engine", "rollout.engine" if hasattr(config, "rollout") else "engine",
+                      config.generation_engine())]
+
+
+def run_needs(config, engines: Sequence[EngineUse] | None = None) -> list[Need]:
+    """What the stages of a training run (``config``: TrainFlowConfig or RLVRTrainConfig) reserve."""
+    params = parameter_count(model_shape(config.pretrain) or {})
+    needs: list[Need] = []
+    for use in engines if engines is not None else default_engines(config):
+        e = use.engine
+        kv = float(e.options.get("kv_cache_space_gib", 0) or 0) if e.backend == "vllm" else 0.0
+        needs.append(Need(f"{use.label}s", e.num_engines, e.num_cpus_per_engine, e.num_gpus_per_engine, None,
+                          _gib(params, dtype_bytes(e.dtype), kv), use.section, use.section))
+    needs.append(Need("generation tasks (Ray Data)", 1, ROLLOUT_TASK_CPUS, 0.0, "generation"))
+    fwd, train = config.logprobs, config.train_step_config()
+    critic = train.needs_critic
+    models = 1 + int(fwd.enable_reference) + int(critic)  # policy, reference, critic
+    fwd_gpus = fwd.gpus_per_actor if fwd.device == "cuda" else 0.0
+    if fwd_gpus:  # kept forward workers hold their GPU share for the whole run and reserve no CPU
+        needs.append(Need("forward workers (kept)", fwd.num_actors, 0.0, fwd_gpus, None,
+                          _gib(params, dtype_bytes(fwd.dtype) * models), "logprobs.device: cuda"))
+    needs.append(Need("log-prob / value actors", 1, fwd.cpus_per_actor, 0.0, "log-probs / values",
+                      None if fwd_gpus else _gib(params, dtype_bytes(fwd.dtype) * models),
+                      f"1 of up to {fwd.num_actors}" if fwd.num_actors > 1 else ""))
+    needs.append(Need("Ray Data read/write tasks", 1, DATA_TASK_SHARE, 0.0, "log-probs / values"))
+    rt = train.runtime
+    actor = train.actor_train
+    per_model = training_bytes_per_parameter(actor.model_args.dtype, actor.strategy_args.zero_stage,
+                                             rt.num_workers, actor.model_args.lora)
+    if critic:
+        c = train.critic_train
+        per_model += training_bytes_per_parameter(c.model_args.dtype, c.strategy_args.zero_stage, rt.num_workers,
+                                                  c.model_args.lora)
+    memory = _gib(params, per_model)
+    kept = "kept, " if rt.keep_workers else ""
+    if rt.use_gpu and rt.keep_workers:  # the GPUs stay with the kept group; the CPUs compute during the step only
+        needs.append(Need("training workers (GPUs)", rt.num_workers, 0.0, 1.0, None, memory, "kept across steps"))
+        needs.append(Need("training workers (CPUs)", rt.num_workers, rt.cpus_per_worker, 0.0, "training step"))
+    else:
+        needs.append(Need("training workers", rt.num_workers, rt.cpus_per_worker, 1.0 if rt.use_gpu else 0.0,
+                          "training step", memory, f"{kept}DeepSpeed ZeRO-{actor.strategy_args.zero_stage}"))
+    return needs
+
+
+def _pack(requests: Iterable[tuple[int, float]], free: list[float]) -> dict[int, list[int]] | None:
+    """Place GPU requests (index, share) on GPUs with ``free`` capacity, as Ray does: a share of 1 or more takes
+    whole free GPUs, a fraction the first GPU with room. Largest first. Returns index -> GPUs, or None."""
+    placed: dict[int, list[int]] = {}
+    for index, share in sorted(requests, key=lambda r: -r[1]):
+        if share >= 1 - _EPS:
+            whole = [g for g, room in enumerate(free) if room >= 1 - _EPS][:math.ceil(share - _EPS)]
+            if len(whole) < math.ceil(share - _EPS):
+                return None
+            for g in whole:
+                free[g] = 0.0
+        else:
+            whole = [next((g for g, room in enumerate(free) if room >= share - _EPS), -1)]
+            if whole[0] < 0:
+                return None
+            free[whole[0]] -= share
+        placed.setdefault(index, []).extend(whole)
+    return placed
+
+
+def _where(gpus: list[int]) -> str:
+    return "GPU " + ",".join(str(g) for g in sorted(set(gpus)))
+
+
+def make_plan(config, resources: dict[str, float], engines: Sequence[EngineUse] | None = None) -> Plan:
+    """The plan of a training run on a cluster of ``resources``; ``engines``: the engines its pipeline keeps for the
+    whole run (flows/pipelines.py; default: the generation engine)."""
+    needs = run_needs(config, engines)
+    plan = Plan(needs, {k: float(v) for k, v in resources.items()})
+    _check_cpus(plan, config)
+    _check_gpus(plan, config)
+    return plan
+
+
+def _check_cpus(plan: Plan, config) -> None:
+    cpus = plan.resources.get("CPU", 0.0)
+    need = plan.cpus_needed()
+    if need <= cpus + _EPS:
+        return
+    engines = sum(n.total_cpus for n in plan.resident())
+    forward = sum(n.total_cpus for n in plan.during("log-probs / values") if n.stage != "Ray Data read/write tasks")
+    train = sum(n.total_cpus for n in plan.during("training step"))
+    plan.problems.append(
+        f"the run needs {need:g} CPUs of Ray's {cpus:g}: engines hold {engines:g} for the whole run, "
+        f"log-prob actors {forward:g} plus a share for Ray Data's tasks, training workers {train:g}; otherwise "
+        "a stage would wait forever. Set num_cpus_per_engine: 0 in the engine sections (an engine idles outside "
+        "generation or judging), or lower train.runtime.num_workers / cpus_per_worker, or logprobs.cpus_per_actor")
+
+
+def _gpu_requests(needs: list[Need], indexes: Iterable[int]) -> list[tuple[int, float]]:
+    return [(i, needs[i].gpus) for i in indexes for _ in range(needs[i].count) if needs[i].gpus > 0]
+
+
+def _check_gpus(plan: Plan, config) -> None:
+    gpus = plan.resources.get("GPU", 0.0)
+    needs = plan.needs
+    resident = [i for i, n in enumerate(needs) if n.phase is None]
+    free = [1.0] * int(gpus + _EPS)
+    placed = _pack(_gpu_requests(needs, resident), free)
+    problem = placed is None
+    if placed is not None:
+        for phase in PHASES:
+            during = _pack(_gpu_requests(needs, [i for i, n in enumerate(needs) if n.phase == phase]), list(free))
+            if during is None:
+                problem = True
+                break
+            placed.update(during)
+    if placed:
+        for i, where in placed.items():
+            plan.placement[i] = _where(where)
+    if not problem:
+        return
+    need = plan.gpus_needed()
+    holders = [n for n in needs if n.total_gpus > 0]
+    parts = ", ".join(f"{n.stage} {n.total_gpus:g} ({n.count} x {n.gpus:g}, "
+                      f"{'whole run' if n.phase is None else 'during ' + n.phase})" for n in holders)
+    rule = ("engines and kept workers hold their GPUs for the whole run, and today's code cannot share a GPU between "
+            "generation and training (issue 13, item 1)")
+    if need <= gpus + _EPS:
+        rule += f"; the shares sum to {need:g} but cannot be packed onto {gpus:g} GPUs (a fraction must fit in one)"
+    engine_fields = sorted({n.section for n in holders if n.section})
+    fixes = [f"{f}.num_gpus_per_engine: 0 (generation on the CPU)" for f in engine_fields]
+    if config.train_step_config().runtime.use_gpu:
+        fixes.append("train.runtime.use_gpu: false")
+    if config.logprobs.device == "cuda":
+        fixes.append("logprobs.device: cpu")
+    target = math.ceil(need - _EPS)
+    plan.problems.append(
+        f"the run needs {need:g} GPUs of Ray's {gpus:g} at once ({parts}): {rule}; otherwise a stage would wait "
+        f"forever for a GPU. Set {' or '.join(fixes) or 'fewer GPU shares'}, or use a machine (or a cluster, "
+        f"RAY_ADDRESS) with {max(target, 1)} GPUs (rollflow plan --gpus {max(target, 1)} checks it)")
+
+
+def local_resources(num_cpus: int | None = None) -> dict[str, float]:
+    """This machine's resources as a local Ray cluster would declare them: ``num_cpus`` (the config's
+    ``runtime.num_cpus``) or the machine's CPUs, and the GPUs torch sees (0 without CUDA or torch)."""
+    gpus = 0
+    try:
+        import torch
+
+        gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    except Exception:  # noqa: BLE001 (no torch, or a broken CUDA set-up: plan for the CPU)
+        gpus = 0
+    return {"CPU": float(num_cpus or os.cpu_count() or 1), "GPU": float(gpus)}
