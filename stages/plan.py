@@ -336,7 +336,7 @@ def _check_gpus(plan: Plan, config) -> None:
     parts = ", ".join(f"{n.stage} {n.total_gpus:g} ({n.count} x {n.gpus:g}, "
                       f"{'whole run' if n.phase is None else 'during ' + n.phase})" for n in holders)
     rule = ("engines and kept workers hold their GPUs for the whole run, and today's code cannot share a GPU between "
-            "generation and training (issue 13, item 1)")
+            "generation and training (no sleep/wake colocation yet)")
     if need <= gpus + _EPS:
         rule += f"; the shares sum to {need:g} but cannot be packed onto {gpus:g} GPUs (a fraction must fit in one)"
     engine_fields = sorted({n.section for n in holders if n.section})
