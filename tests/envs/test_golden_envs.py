@@ -229,7 +229,8 @@ def _check_roll_compat_retries(case: golden.GoldenCase, seeds: list[int]) -> Non
         np.testing.assert_array_equal(room, case.outputs["room_state"][rows[seed]])
 
 
-@pytest.mark.parametrize("name", _env_cases("instruction"))
+@pytest.mark.parametrize("name", _env_cases("instruction") or [pytest.param(None, marks=pytest.mark.skip(
+    reason="the golden set (../shared/spec/golden) holds no environment-instruction case"))])
 def test_golden_instructions(name):
     case = golden.load(name)
     env = _make(_env_class(case), case)
@@ -250,7 +251,6 @@ def test_golden_instructions(name):
         pytest.skip(f"golden case {name}: no output this test knows how to compare ({sorted(case.outputs)})")
 
 
-@pytest.mark.parametrize("name", _env_cases("other"))
-def test_no_unhandled_env_cases(name):
-    pytest.fail(f"golden env case {name} ({golden.manifest()[name]['roll_function']}) is of a kind no test here "
-                f"checks; add its conformance test", pytrace=False)
+def test_no_unhandled_env_cases():
+    unhandled = {name: golden.manifest()[name]["roll_function"] for name in _env_cases("other")}
+    assert not unhandled, f"golden env cases of a kind no test here checks: {unhandled}; add their conformance test"
