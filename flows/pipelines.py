@@ -24,9 +24,9 @@ class Pipeline:
     evaluation: Callable[[], tuple[Callable[..., dict], Callable[[dict], list[str]]]]  # rollflow eval: flow, lines
     # what a run (evaluation=False) or `rollflow eval` (True) of a validated config checks before Prefect and Ray
     # start: the parts of the config only its stages would otherwise look at (environments, prompt files, workers)
-    preflight: Callable[[Any, bool], None] = lambda config, evaluation: None
+    preflight: Callable[[Any, bool], None]
     # the engines a run of a validated config keeps for its whole length (stages.plan.EngineUse), for its resource plan
-    engines: Callable[[Any], list] = lambda config: _generation_engines(config)
+    engines: Callable[[Any], list]
 
     def committed_steps(self, run: str) -> int:
         """How many iterations of the run folder ``run`` are done: the leading iterations whose checkpoint is
@@ -41,13 +41,6 @@ class Pipeline:
 
 
 PIPELINES: Registry[Pipeline] = Registry("training pipeline")
-
-
-def _generation_engines(config) -> list:
-    """The engines of a pipeline that names no others: its generation engines (stages.plan.default_engines)."""
-    from stages.plan import default_engines
-
-    return default_engines(config)
 
 
 def _agentic_model():
@@ -137,9 +130,9 @@ def _rlvr_preflight(config, evaluation: bool) -> None:
 
 def _agentic_engines(config) -> list:
     """The rollout's generation engines (training and evaluation share them)."""
-    from stages.plan import EngineUse
+    from stages.plan import default_engines
 
-    return [EngineUse("generation engine", "rollout.engine", config.rollout.engine)]
+    return default_engines(config)
 
 
 def rlvr_judged(config) -> bool:
@@ -153,9 +146,9 @@ def rlvr_judged(config) -> bool:
 
 def _rlvr_engines(config) -> list:
     """The generation engines, and the LLM judge's when a route needs it (both live for the whole run)."""
-    from stages.plan import EngineUse
+    from stages.plan import EngineUse, default_engines
 
-    engines = [EngineUse("generation engine", "engine", config.engine)]
+    engines = default_engines(config)
     if rlvr_judged(config):
         engines.append(EngineUse("LLM judge engine", "judge.engine", config.judge.engine))
     return engines

@@ -232,21 +232,3 @@ def save_run_config(run: Location, config, cfg: dict) -> None:
     tmp = run.child(f".{CONFIG_FILE}.tmp")
     tmp.write_text(json.dumps(cfg, indent=1, sort_keys=True))
     run.fs.move(tmp.path, path.path)  # a reader sees the old file or the new one, never half of it
-
-
-def check_cpu_budget(config, cluster_cpus: float, other_engines: float = 0.0) -> None:
-    """The CPU part of the resource plan (:func:`check_plan`, stages/plan.py): the engine actors live for the whole
-    run, so the log-prob actors and the training workers must fit beside them with a share left for Ray Data's
-    read/write tasks; otherwise Ray Data waits forever (STACK.md). ``config``: a training config
-    (:class:`TrainFlowConfig` or ``RLVRTrainConfig``); ``other_engines``: CPUs of further engines that live for the
-    whole run (an LLM judge's)."""
-    from schemas.rollout_config import EngineConfig
-    from stages.plan import EngineUse, default_engines, make_plan
-
-    engines = default_engines(config)
-    if other_engines:
-        engines.append(EngineUse("other engine", "judge.engine",
-                                 EngineConfig(num_cpus_per_engine=other_engines, backend="hf")))
-    plan = make_plan(config, {"CPU": cluster_cpus}, engines)
-    plan.problems = [p for p in plan.problems if " CPUs of Ray's " in p]
-    plan.check()

@@ -46,7 +46,7 @@ from typing import Any, Iterable, Sequence
 from schemas.errors import RollflowError
 
 ROLLOUT_TASK_CPUS = 0.25  # stages/rollout/stages.py and stages/rlvr/generate.py: TASK_CPUS of the generation tasks
-DATA_TASK_SHARE = 0.5  # Ray Data's read/write tasks beside the log-prob actors (the old check_cpu_budget's share)
+DATA_TASK_SHARE = 0.5  # Ray Data's read/write tasks beside the log-prob actors
 GIB = 2**30
 _EPS = 1e-9
 

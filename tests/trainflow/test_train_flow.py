@@ -47,18 +47,22 @@ def test_agentic_rules_give_rule_reason_and_fix(data, words):
 
 
 def test_cpu_budget_check_names_the_fix():
-    from flows.runkit import check_cpu_budget
+    """The CPU rule of the resource plan start_run checks (flows/runkit.py check_plan, stages/plan.py)."""
+    from flows.runkit import check_plan
     from schemas.errors import RollflowError
+    from schemas.rollout_config import EngineConfig
+    from stages.plan import EngineUse, default_engines, make_plan
 
     cfg = validate_config(TrainFlowConfig, {"rollout": {"engine": {"num_cpus_per_engine": 1}},
                                             "logprobs": {"cpus_per_actor": 1}})
     with pytest.raises(RollflowError, match="num_cpus_per_engine: 0"):
-        check_cpu_budget(cfg, 2.0)
+        check_plan(cfg, {"CPU": 2.0})
     idle = cfg.model_copy(update={"rollout": cfg.rollout.model_copy(update={
         "engine": cfg.rollout.engine.model_copy(update={"num_cpus_per_engine": 0.0})})})
-    check_cpu_budget(idle, 2.0)
+    check_plan(idle, {"CPU": 2.0})
+    judge = EngineUse("LLM judge engine", "judge.engine", EngineConfig(num_cpus_per_engine=1.0, backend="hf"))
     with pytest.raises(RollflowError, match="engines hold 1 for the whole run"):  # a judge engine holding a CPU
-        check_cpu_budget(idle, 2.0, other_engines=1.0)
+        make_plan(idle, {"CPU": 2.0}, [*default_engines(idle), judge]).check()
 
 
 class _Logged:
