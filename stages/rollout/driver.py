@@ -76,8 +76,7 @@ def check_rollout(config: RolloutConfig, output: str | None = None, checkpoint: 
     _check_env(config, field)
     section = turn_section(config)
     for entry in config.env_layout():
-        declared = entry.tag in (config.custom_envs or {})
-        config_field = f"{field}custom_envs.{entry.tag}.env_config" if declared else f"{field}env.env_config"
+        config_field = _env_config_field(config, entry.tag, field)
         try:
             make_env(entry.env_type, **env_kwargs(section, entry))  # constructors check their arguments; cheap
         except ConfigError as err:  # the environment's own message says what is wrong and what to fix
@@ -89,6 +88,12 @@ def check_rollout(config: RolloutConfig, output: str | None = None, checkpoint: 
         check_model_dir(checkpoint)
     if output is not None:
         check_output_location(output)
+
+
+def _env_config_field(config: RolloutConfig, tag: str, field: str) -> str:
+    """The config field that holds the constructor arguments of environment ``tag`` (for messages)."""
+    declared = tag in (config.custom_envs or {})
+    return f"{field}custom_envs.{tag}.env_config" if declared else f"{field}env.env_config"
 
 
 def _check_env(config: RolloutConfig, field: str = "") -> None:
@@ -108,7 +113,7 @@ def _check_env(config: RolloutConfig, field: str = "") -> None:
             raise ConfigError(f"{where} is not a registered environment; {fix}use one of: "
                               f"{', '.join(ENVIRONMENTS.names())}") from None
         if spec.needs_data and not ({"data", "data_path"} & entry.env_config.keys()):
-            config_field = f"{field}custom_envs.{entry.tag}.env_config" if declared else f"{field}env.env_config"
+            config_field = _env_config_field(config, entry.tag, field)
             raise ConfigError(f"environment '{entry.tag}' needs data: set {config_field}.data_path to a .jsonl file")
 
 
