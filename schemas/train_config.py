@@ -196,11 +196,12 @@ class StrategyArgs(Frozen):
             option = zero[key]
             device = option.get("device") if isinstance(option, dict) else None
             if device not in OFFLOAD_DEVICES:
-                raise ValueError(f"deepspeed_config.zero_optimization.{key}.device is {device!r}; DeepSpeed offloads to "
-                                 f"one of {list(OFFLOAD_DEVICES)}; write {key}: {{device: cpu}}")
+                raise ValueError(f"deepspeed_config.zero_optimization.{key}.device is {device!r}; DeepSpeed offloads "
+                                 f"to one of {list(OFFLOAD_DEVICES)}; write {key}: {{device: cpu}}")
             if device == "nvme" and not option.get("nvme_path"):
                 raise ValueError(f"deepspeed_config.zero_optimization.{key}: device nvme needs nvme_path, the folder "
-                                 f"on the NVMe drive DeepSpeed swaps to; add nvme_path: /local_nvme, or use device: cpu")
+                                 "on the NVMe drive DeepSpeed swaps to; add nvme_path: /local_nvme, or use device: "
+                                 "cpu")
             if self.zero_stage < OFFLOAD_MIN_STAGE[key]:
                 raise ValueError(f"deepspeed_config.zero_optimization.{key} needs zero_stage >= "
                                  f"{OFFLOAD_MIN_STAGE[key]} (DeepSpeed offloads only what that stage partitions), "

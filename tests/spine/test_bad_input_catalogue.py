@@ -106,7 +106,8 @@ TRAIN = {
                                                                    "pass the folder of a run started by"]),
     "train-resume-with-set": (["train", "--resume", "other_runs/quickstart", "--set", "max_steps=3"],
                               ["--set cannot change a run being resumed", "start a new run"]),
-    "train-zero-stage-unknown": (["train", "--config", "@quick", "--set", "train.actor_train.strategy_args.zero_stage=4"],
+    "train-zero-stage-unknown": (["train", "--config", "@quick", "--set",
+                                  "train.actor_train.strategy_args.zero_stage=4"],
                                  ["field 'train.actor_train.strategy_args.zero_stage'", "should be 0, 1, 2 or 3"]),
     "train-zero-stage-set-twice": (["train", "--config", "@quick", "--set", "train.actor_train.strategy_args."
                                     "deepspeed_config={zero_optimization: {stage: 3}}"],
