@@ -705,6 +705,7 @@ def load_engines(info, cfg: TrainSection, dist: DistInfo) -> tuple[Engine, Engin
     if info.actor_state and info.world_size not in (None, dist.world_size) and stage > 0:
         raise ConfigError(f"checkpoint {info.path} was trained by {info.world_size} workers with ZeRO stage {stage}, "
                           f"whose optimizer state is split per rank; resume with num_workers: {info.world_size}")
+    check_zero_stage(info, stage)
     bases = lora_bases(info, cfg)
     actor = Engine(build_actor_model(info, cfg.actor_train, bases.get("actor")), cfg.actor_train, dist, "actor")
     if info.actor_state:
@@ -720,6 +721,19 @@ def load_engines(info, cfg: TrainSection, dist: DistInfo) -> tuple[Engine, Engin
         if critic.lora and info.critic_dir is not None:
             check_lora_base(critic, info.critic_dir, "critic")
     return actor, critic
+
+
+def check_zero_stage(info, stage: int) -> None:
+    """Refuse to load the DeepSpeed state of checkpoint ``info`` into engines of ZeRO ``stage`` when one of the two
+    is stage 3 and the other is not: ZeRO-3 saves each rank's slice of the parameters with its optimizer state,
+    stages 0-2 whole parameters, and DeepSpeed cannot read one as the other."""
+    saved = info.zero_stage
+    if info.actor_state and saved is not None and (saved == 3) != (stage == 3):
+        raise ConfigError(f"checkpoint {info.path} holds the DeepSpeed state of ZeRO stage {saved}, and "
+                          f"strategy_args.zero_stage is {stage}: ZeRO-3's state (parameters split per rank) and that "
+                          f"of stages 0-2 cannot be read as each other. Resume with zero_stage: {saved}, or start a "
+                          "new run from the checkpoint's weights (a copy of the folder without deepspeed/ and "
+                          "train_state.json)")
 
 
 def replay_engines(info, cfg: TrainSection, dist: DistInfo) -> tuple[Engine, Engine | None]:
