@@ -17,7 +17,7 @@ import math
 import os
 import socket
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable
 
@@ -771,6 +771,8 @@ def replay_engines(info, cfg: TrainSection, dist: DistInfo) -> tuple[Engine, Eng
         log.warning("the replayed weights differ from %s by up to %.3g", info.path, drift)
     if section_dump(sections[0]) == section_dump(cfg):
         return actor, critic
+    check_zero_stage(replace(info, actor_state=info.path, zero_stage=sections[0].actor_train.strategy_args.zero_stage),
+                     cfg.actor_train.strategy_args.zero_stage)
     with tempfile.TemporaryDirectory(prefix="rollflow-replay-") as tmp:
         actor.save_state(f"{tmp}/actor")
         if critic is not None:

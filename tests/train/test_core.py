@@ -315,6 +315,14 @@ def test_a_weights_only_checkpoint_is_rebuilt_by_replay_and_trains_like_a_full_o
                         AutoModelForTokenClassification.from_pretrained(tmp_path / "f3" / "critic"), atol=1e-6)
     assert read_checkpoint(path["r3"]).optimizer_steps == read_checkpoint(path["f3"]).optimizer_steps
 
+    # a replay under ZeRO-3 cannot hand the replayed ZeRO-2 state over (refused after the replay, before loading)
+    from stages.train.core import load_engines
+
+    zero3 = {**cfg.model_dump(mode="json")}
+    zero3["actor_train"]["strategy_args"]["zero_stage"] = 3
+    with pytest.raises(ConfigError, match="ZeRO stage 2, and strategy_args.zero_stage is 3"):
+        load_engines(read_checkpoint(path["w1"]), TrainStepConfig.model_validate(zero3), dist)
+
     pq.write_table(table.slice(0, 4), samples / "part-0.parquet")  # the table the replay needs changed
     with pytest.raises(RollflowError, match="changed since"):
         run_training(table, where, path["w2"], cfg, str(tmp_path / "x"), dist)
