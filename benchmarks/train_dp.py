@@ -17,6 +17,7 @@ max_abs_weight_diff=... largest_update=...``.
 from __future__ import annotations
 
 import json
+import shutil
 import tempfile
 import time
 from pathlib import Path
@@ -79,11 +80,14 @@ def main() -> None:
     pq.write_table(table, work / "adv" / "part-00000.parquet")
     ensure_ray(None, max(2, args.threads), progress=False)  # outside the timing, as a run does
 
-    one = run(work / "adv", model_dir, args, 1, work / "one")
-    two = run(work / "adv", model_dir, args, 2, work / "two")
-    assert one["tokens"] == two["tokens"] and two["world"] == 2, (one, two)
-    diff = largest_difference(work / "one", work / "two")
-    update = largest_difference(Path(model_dir), work / "one")
+    try:
+        one = run(work / "adv", model_dir, args, 1, work / "one")
+        two = run(work / "adv", model_dir, args, 2, work / "two")
+        assert one["tokens"] == two["tokens"] and two["world"] == 2, (one, two)
+        diff = largest_difference(work / "one", work / "two")
+        update = largest_difference(Path(model_dir), work / "one")
+    finally:  # two checkpoints with their DeepSpeed state: about 5 GB for the default model
+        shutil.rmtree(work, ignore_errors=True)
 
     print(f"model {args.model} ({args.dtype}, ZeRO-{args.zero_stage}, {args.loss_agg_mode}), {args.rows} rows x "
           f"{args.min_len}-{args.max_len} tokens ({one['tokens']} tokens), budget {args.budget} tokens, "
