@@ -160,17 +160,60 @@ class TrainingArgs(Frozen):
         return self
 
 
+OFFLOAD_DEVICES = ("none", "cpu", "nvme")
+# DeepSpeed's offload sections under zero_optimization and the lowest ZeRO stage each works with
+OFFLOAD_MIN_STAGE = {"offload_optimizer": 1, "offload_param": 3}
+
+
 class StrategyArgs(Frozen):
     """``<worker>.strategy_args``: the DeepSpeed engine."""
 
     strategy_name: Literal["deepspeed_train"] = Field("deepspeed_train", description="Training backend.")
-    zero_stage: Literal[0, 1, 2] = Field(2, description="DeepSpeed ZeRO stage (0, 1 or 2; stage 3 would need "
-                                                        "parameter gathering at save time and is not offered).")
+    zero_stage: Literal[0, 1, 2, 3] = Field(2, description="DeepSpeed ZeRO stage: 0 (plain data parallel), 1 (optimizer "
+                                            "state sharded over the workers), 2 (and gradients), 3 (and the "
+                                            "parameters themselves, gathered layer by layer in the passes and in "
+                                            "full for the saved Hugging Face weights).")
     deepspeed_config: dict[str, Any] = Field(default_factory=dict, description="Extra DeepSpeed config keys merged "
-                                             "over the generated one (e.g. offload settings); expert use.")
+                                             "over the generated one; expert use. Offloading goes here: "
+                                             "zero_optimization.offload_optimizer (ZeRO >= 1) and "
+                                             "zero_optimization.offload_param (ZeRO 3), each {device: cpu|nvme|none, "
+                                             "nvme_path: ... for nvme}, on GPU workers only.")
     torch_compile: bool = Field(False, description="Compile each decoder layer with torch.compile (fuses the "
                                 "norm, rotary and gated-MLP element-wise work; the first micro-batches of a new shape "
                                 "pay the compile). For GPU runs; on CPU it needs a C++ compiler.")
+
+    @model_validator(mode="after")
+    def _zero_rules(self) -> "StrategyArgs":
+        zero = self.deepspeed_config.get("zero_optimization", {})
+        if not isinstance(zero, dict):
+            raise ValueError(f"deepspeed_config.zero_optimization must be a mapping of DeepSpeed's ZeRO options, got "
+                             f"{zero!r}; write e.g. {{offload_optimizer: {{device: cpu}}}}, or remove it")
+        if "stage" in zero and zero["stage"] != self.zero_stage:
+            raise ValueError(f"deepspeed_config.zero_optimization.stage ({zero['stage']}) differs from zero_stage "
+                             f"({self.zero_stage}), and the engine would run the former while the checkpoint and the "
+                             "resource plan record the latter; set the stage once, in strategy_args.zero_stage")
+        for key in self.offloads():
+            option = zero[key]
+            device = option.get("device") if isinstance(option, dict) else None
+            if device not in OFFLOAD_DEVICES:
+                raise ValueError(f"deepspeed_config.zero_optimization.{key}.device is {device!r}; DeepSpeed offloads "
+                                 f"to one of {list(OFFLOAD_DEVICES)}; write {key}: {{device: cpu}}")
+            if device == "nvme" and not option.get("nvme_path"):
+                raise ValueError(f"deepspeed_config.zero_optimization.{key}: device nvme needs nvme_path, the folder "
+                                 "on the NVMe drive DeepSpeed swaps to; add nvme_path: /local_nvme, or use device: "
+                                 "cpu")
+            if self.zero_stage < OFFLOAD_MIN_STAGE[key]:
+                raise ValueError(f"deepspeed_config.zero_optimization.{key} needs zero_stage >= "
+                                 f"{OFFLOAD_MIN_STAGE[key]} (DeepSpeed offloads only what that stage partitions), "
+                                 f"but zero_stage is {self.zero_stage}; set zero_stage: {OFFLOAD_MIN_STAGE[key]}, or "
+                                 f"remove {key}")
+        return self
+
+    def offloads(self) -> list[str]:
+        """The offload sections set in deepspeed_config.zero_optimization (device other than none counts)."""
+        zero = self.deepspeed_config.get("zero_optimization", {})
+        return [k for k in OFFLOAD_MIN_STAGE if k in zero and not (isinstance(zero[k], dict)
+                                                                   and zero[k].get("device") == "none")]
 
 
 class WorkerTrainConfig(Frozen):
@@ -183,6 +226,15 @@ class WorkerTrainConfig(Frozen):
                                                                   "per_device_train_batch_size rows.")
     max_tokens_per_microbatch_in_train: int = Field(4096, gt=0, description="Token budget of a training micro-batch "
                                                     "(rows x padded length); a longer single row gets its own.")
+
+    @model_validator(mode="after")
+    def _lora_zero3(self) -> "WorkerTrainConfig":
+        if self.model_args.lora and self.strategy_args.zero_stage == 3:
+            raise ValueError("model_args.lora_rank with strategy_args.zero_stage 3 is not supported: the merged "
+                             "LoRA weights a checkpoint holds are built from whole base weights, which ZeRO-3 "
+                             "partitions; LoRA trains few parameters, so ZeRO-2 shards almost everything there is "
+                             "to shard: set zero_stage: 2")
+        return self
 
 
 class TrainSection(LossOptions):
@@ -253,6 +305,13 @@ class TrainStepConfig(TrainSection):
                                                    self.critic_train.model_args.dtype):
             raise ValueError("model_args.dtype fp16 needs a GPU (DeepSpeed's fp16 loss scaling is not available on "
                              "CPU); use bf16 or fp32, or set runtime.use_gpu: true")
+        for role in ("actor_train", "critic_train"):
+            offloads = getattr(self, role).strategy_args.offloads()
+            if offloads and not self.runtime.use_gpu:
+                raise ValueError(f"{role}.strategy_args.deepspeed_config.zero_optimization.{offloads[0]} moves GPU "
+                                 "state to host memory, but the workers train on CPU (runtime.use_gpu: false), where "
+                                 "it already lives (and DeepSpeed's offloaded Adam would need a C++ build); remove "
+                                 f"{offloads[0]}, or set runtime.use_gpu: true")
         return self
 
 

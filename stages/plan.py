@@ -29,9 +29,11 @@ The rules (what today's code reserves; see the stages cited):
   an engine or forward model holds P x dtype bytes (bf16/fp16 2, fp32 4) per model; a training worker holds, per
   trained model (the actor, plus the critic for gae), P x w for the weights plus P x (g + o) / s for gradients and
   AdamW state, with w = g = dtype bytes, o = 12 (fp32 master copy, m, v) in bf16/fp16 or 8 (m, v) in fp32, and s the
-  number of workers the ZeRO stage shards them over (stage 0: none; stage 1: o only; stage 2: g and o). That is the
-  ZeRO paper's 16 bytes per parameter of mixed-precision Adam, divided as DeepSpeed divides it. With LoRA only the
-  adapters get gradients and optimizer state (counted as 0).
+  number of workers the ZeRO stage shards them over (stage 0: none; stage 1: o only; stage 2: g and o; stage 3: w,
+  g and o, so (w + g + o) / s, plus the one layer a pass gathers whole at a time, left out). That is the ZeRO
+  paper's 16 bytes per parameter of mixed-precision Adam, divided as DeepSpeed divides it. Offloading
+  (``strategy_args.deepspeed_config``) moves part of it from the GPU to host memory; the estimate is the worker's
+  total either way. With LoRA only the adapters get gradients and optimizer state (counted as 0).
 """
 
 from __future__ import annotations
@@ -201,7 +203,9 @@ def training_bytes_per_parameter(dtype: str, zero_stage: int, workers: int, lora
         return float(w)
     g, o = w, (8 if w == 4 else 12)
     shards = max(1, workers)
-    if zero_stage >= 2:
+    if zero_stage >= 3:
+        return (w + g + o) / shards
+    if zero_stage == 2:
         return w + (g + o) / shards
     if zero_stage == 1:
         return w + g + o / shards

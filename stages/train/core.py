@@ -17,7 +17,7 @@ import math
 import os
 import socket
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable
 
@@ -215,9 +215,18 @@ class Engine:
             raise InvariantError(f"DeepSpeed state of the {self.role} at {folder} could not be loaded; the checkpoint "
                                  "is incomplete — resume from an earlier checkpoint")
 
-    def state_dict_for_save(self) -> dict[str, torch.Tensor]:
-        """Full weights on this rank (ZeRO 0-2 keep every parameter on every rank); with LoRA the merged weights
-        ``W + s B A`` under the plain model's names."""
+    @property
+    def partitioned(self) -> bool:
+        """Whether the parameters themselves are split over the ranks (ZeRO-3): reading whole weights is then a
+        collective that every rank must enter."""
+        return self.worker.strategy_args.zero_stage == 3
+
+    def state_dict_for_save(self) -> dict[str, torch.Tensor] | None:
+        """The full weights on CPU; with LoRA the merged weights ``W + s B A`` under the plain model's names. ZeRO 0-2
+        keep every parameter on every rank, so any rank may call it alone. Under ZeRO-3 every rank must call it
+        (the parameters are gathered from all ranks) and rank 0 gets the weights, the others None."""
+        if self.partitioned:
+            return gathered_state_dict(self.module, self.dist.rank == 0)
         if self.lora:
             from stages.train.lora import merged_state_dict
 
@@ -225,8 +234,14 @@ class Engine:
         return {k: v.detach().to("cpu") for k, v in self.module.state_dict().items()}
 
     def save_pretrained(self, folder: Path, adapter: Path) -> None:
-        """The model as a plain Hugging Face folder (rank 0 calls it); with LoRA also the adapter alone into
-        ``adapter`` (peft's format), from which training resumes on the base."""
+        """The model as a plain Hugging Face folder, written by rank 0 (every rank calls it: under ZeRO-3 the
+        weights are gathered from all of them); with LoRA also the adapter alone into ``adapter`` (peft's format),
+        from which training resumes on the base."""
+        if self.dist.rank != 0:
+            if self.partitioned:
+                self.state_dict_for_save()
+            return
+        folder.mkdir(parents=True, exist_ok=True)
         if not self.lora:
             self.module.save_pretrained(folder, state_dict=self.state_dict_for_save(), safe_serialization=True)
             return
@@ -235,6 +250,30 @@ class Engine:
         self.module.get_base_model().save_pretrained(folder, state_dict=self.state_dict_for_save(),
                                                      safe_serialization=True)
         save_adapter(self.module, str(adapter))
+
+
+def gathered_state_dict(module: torch.nn.Module, keep: bool) -> dict[str, torch.Tensor] | None:
+    """The whole weights of a ZeRO-3 ``module`` (parameters split over the ranks), gathered one module at a time so
+    that at most one layer is whole on a rank at once; every rank calls it, the one with ``keep`` gets the CPU
+    copies (under the names of ``module.state_dict()``; a tied weight is one tensor under both names), the others
+    None. DeepSpeed's ``GatheredParameters`` without a modifier rank: read-only, nothing is scattered back."""
+    import deepspeed
+
+    out: dict[str, torch.Tensor] | None = {} if keep else None
+    copies: dict[int, torch.Tensor] = {}
+    for prefix, sub in module.named_modules():
+        own = list(sub.parameters(recurse=False))
+        with deepspeed.zero.GatheredParameters(own, modifier_rank=None):
+            if out is None:
+                continue
+            for name, param in sub.named_parameters(recurse=False):
+                if id(param) not in copies:
+                    copies[id(param)] = param.detach().to("cpu", copy=True)
+                out[f"{prefix}.{name}" if prefix else name] = copies[id(param)]
+            for name, buffer in sub.named_buffers(recurse=False):
+                if name not in sub._non_persistent_buffers_set:
+                    out[f"{prefix}.{name}" if prefix else name] = buffer.detach().to("cpu", copy=True)
+    return out
 
 
 def compile_decoder_layers(model: torch.nn.Module) -> None:
@@ -666,6 +705,7 @@ def load_engines(info, cfg: TrainSection, dist: DistInfo) -> tuple[Engine, Engin
     if info.actor_state and info.world_size not in (None, dist.world_size) and stage > 0:
         raise ConfigError(f"checkpoint {info.path} was trained by {info.world_size} workers with ZeRO stage {stage}, "
                           f"whose optimizer state is split per rank; resume with num_workers: {info.world_size}")
+    check_zero_stage(info, stage)
     bases = lora_bases(info, cfg)
     actor = Engine(build_actor_model(info, cfg.actor_train, bases.get("actor")), cfg.actor_train, dist, "actor")
     if info.actor_state:
@@ -681,6 +721,19 @@ def load_engines(info, cfg: TrainSection, dist: DistInfo) -> tuple[Engine, Engin
         if critic.lora and info.critic_dir is not None:
             check_lora_base(critic, info.critic_dir, "critic")
     return actor, critic
+
+
+def check_zero_stage(info, stage: int) -> None:
+    """Refuse to load the DeepSpeed state of checkpoint ``info`` into engines of ZeRO ``stage`` when one of the two
+    is stage 3 and the other is not: ZeRO-3 saves each rank's slice of the parameters with its optimizer state,
+    stages 0-2 whole parameters, and DeepSpeed cannot read one as the other."""
+    saved = info.zero_stage
+    if info.actor_state and saved is not None and (saved == 3) != (stage == 3):
+        raise ConfigError(f"checkpoint {info.path} holds the DeepSpeed state of ZeRO stage {saved}, and "
+                          f"strategy_args.zero_stage is {stage}: ZeRO-3's state (parameters split per rank) and that "
+                          f"of stages 0-2 cannot be read as each other. Resume with zero_stage: {saved}, or start a "
+                          "new run from the checkpoint's weights (a copy of the folder without deepspeed/ and "
+                          "train_state.json)")
 
 
 def replay_engines(info, cfg: TrainSection, dist: DistInfo) -> tuple[Engine, Engine | None]:
@@ -718,6 +771,8 @@ def replay_engines(info, cfg: TrainSection, dist: DistInfo) -> tuple[Engine, Eng
         log.warning("the replayed weights differ from %s by up to %.3g", info.path, drift)
     if section_dump(sections[0]) == section_dump(cfg):
         return actor, critic
+    check_zero_stage(replace(info, actor_state=info.path, zero_stage=sections[0].actor_train.strategy_args.zero_stage),
+                     cfg.actor_train.strategy_args.zero_stage)
     with tempfile.TemporaryDirectory(prefix="rollflow-replay-") as tmp:
         actor.save_state(f"{tmp}/actor")
         if critic is not None:
@@ -755,8 +810,10 @@ def weight_drift(engine: Engine, folder: str) -> float:
 
 
 def _drift(engine: Engine, saved: dict[str, torch.Tensor]) -> float:
+    """The largest absolute weight difference; every rank calls it (under ZeRO-3 the weights are gathered to rank 0,
+    and the other ranks report 0)."""
     drift = 0.0
-    for name, tensor in engine.state_dict_for_save().items():
+    for name, tensor in (engine.state_dict_for_save() or {}).items():
         if name in saved:
             drift = max(drift, float((tensor.detach().float().cpu() - saved[name].float()).abs().max()))
     return drift
@@ -805,12 +862,11 @@ def train_and_save(table, where: str, checkpoint: str, cfg: TrainSection, output
 
     save_start = time.perf_counter()
     out = Path(output)
+    actor.save_pretrained(out, out / ACTOR_ADAPTER)  # every rank: a collective under ZeRO-3, rank 0 writes
+    if critic is not None:
+        critic.save_pretrained(out / CRITIC_DIR, out / CRITIC_ADAPTER)
     if dist.rank == 0:
-        out.mkdir(parents=True, exist_ok=True)
-        actor.save_pretrained(out, out / ACTOR_ADAPTER)
         copy_tokenizer(info.path, str(out))
-        if critic is not None:
-            critic.save_pretrained(out / CRITIC_DIR, out / CRITIC_ADAPTER)
     torch.distributed.barrier()
     if full_state:
         actor.save_state(str(out / ACTOR_STATE))

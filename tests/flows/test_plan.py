@@ -114,6 +114,8 @@ def test_memory_formula():
     assert training_bytes_per_parameter("bf16", 0, 1, lora=False) == 16  # ZeRO paper: 2 + 2 + 12
     assert training_bytes_per_parameter("fp32", 0, 4, lora=False) == 16  # 4 + 4 + 8
     assert training_bytes_per_parameter("bf16", 2, 2, lora=False) == 2 + 14 / 2
+    assert training_bytes_per_parameter("bf16", 3, 2, lora=False) == 16 / 2  # the weights are sharded too
+    assert training_bytes_per_parameter("fp32", 3, 1, lora=False) == 16  # nothing to shard over on one worker
     assert training_bytes_per_parameter("bf16", 1, 2, lora=False) == 2 + 2 + 12 / 2
     assert training_bytes_per_parameter("bf16", 2, 2, lora=True) == 2
 

@@ -106,6 +106,34 @@ TRAIN = {
                                                                    "pass the folder of a run started by"]),
     "train-resume-with-set": (["train", "--resume", "other_runs/quickstart", "--set", "max_steps=3"],
                               ["--set cannot change a run being resumed", "start a new run"]),
+    "train-zero-stage-unknown": (["train", "--config", "@quick", "--set",
+                                  "train.actor_train.strategy_args.zero_stage=4"],
+                                 ["field 'train.actor_train.strategy_args.zero_stage'", "should be 0, 1, 2 or 3"]),
+    "train-zero-stage-set-twice": (["train", "--config", "@quick", "--set", "train.actor_train.strategy_args."
+                                    "deepspeed_config={zero_optimization: {stage: 3}}"],
+                                   ["field 'train.actor_train.strategy_args'", "zero_optimization.stage (3) differs "
+                                    "from zero_stage (2)", "set the stage once, in strategy_args.zero_stage"]),
+    "train-offload-param-below-zero3": (["train", "--config", "@quick", "--set", "train.actor_train.strategy_args."
+                                         "deepspeed_config={zero_optimization: {offload_param: {device: cpu}}}"],
+                                        ["zero_optimization.offload_param needs zero_stage >= 3", "but zero_stage is 2",
+                                         "set zero_stage: 3, or remove offload_param"]),
+    "train-offload-unknown-device": (["train", "--config", "@quick", "--set", "train.actor_train.strategy_args."
+                                      "deepspeed_config={zero_optimization: {offload_optimizer: {device: disk}}}"],
+                                     ["offload_optimizer.device is 'disk'", "one of ['none', 'cpu', 'nvme']",
+                                      "write offload_optimizer: {device: cpu}"]),
+    "train-offload-nvme-without-path": (["train", "--config", "@quick", "--set", "train.actor_train.strategy_args."
+                                         "deepspeed_config={zero_optimization: {offload_optimizer: {device: nvme}}}"],
+                                        ["offload_optimizer: device nvme needs nvme_path", "add nvme_path"]),
+    "train-offload-on-cpu-workers": (["train", "--config", "@quick", "--set", "train.actor_train.strategy_args="
+                                      "{zero_stage: 3, deepspeed_config: {zero_optimization: {offload_optimizer: "
+                                      "{device: cpu}}}}"],
+                                     ["field 'train'", "actor_train.strategy_args.deepspeed_config.zero_optimization."
+                                      "offload_optimizer moves GPU state to host memory", "runtime.use_gpu: false",
+                                      "remove offload_optimizer, or set runtime.use_gpu: true"]),
+    "train-lora-with-zero3": (["train", "--config", "@quick", "--set", "train.actor_train={model_args: {lora_rank: 8}, "
+                               "strategy_args: {zero_stage: 3}}"],
+                              ["field 'train.actor_train'", "model_args.lora_rank with strategy_args.zero_stage 3 is "
+                               "not supported", "set zero_stage: 2"]),
 }
 
 PLAN = {

@@ -5,6 +5,7 @@ so micro-batching, gradient accumulation and the global normalisers are tested b
 
 import json
 import math
+from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
@@ -314,6 +315,14 @@ def test_a_weights_only_checkpoint_is_rebuilt_by_replay_and_trains_like_a_full_o
                         AutoModelForTokenClassification.from_pretrained(tmp_path / "f3" / "critic"), atol=1e-6)
     assert read_checkpoint(path["r3"]).optimizer_steps == read_checkpoint(path["f3"]).optimizer_steps
 
+    # a replay under ZeRO-3 cannot hand the replayed ZeRO-2 state over (refused after the replay, before loading)
+    from stages.train.core import load_engines
+
+    zero3 = {**cfg.model_dump(mode="json")}
+    zero3["actor_train"]["strategy_args"]["zero_stage"] = 3
+    with pytest.raises(ConfigError, match="ZeRO stage 2, and strategy_args.zero_stage is 3"):
+        load_engines(read_checkpoint(path["w1"]), TrainStepConfig.model_validate(zero3), dist)
+
     pq.write_table(table.slice(0, 4), samples / "part-0.parquet")  # the table the replay needs changed
     with pytest.raises(RollflowError, match="changed since"):
         run_training(table, where, path["w2"], cfg, str(tmp_path / "x"), dist)
@@ -348,3 +357,19 @@ def test_bad_checkpoints_and_configs_are_rejected(tmp_path):
         validate_config(TrainStepConfig, {"train_infer_correction": {"filters": [{"agg_type": "bogus"}]}})
     assert validate_config(TrainStepConfig, {"adv_estimator": "gae"}).needs_critic
     assert not validate_config(TrainStepConfig, {"adv_estimator": "grpo"}).needs_critic
+
+
+@pytest.mark.parametrize(("saved", "wanted"), [(2, 3), (3, 2)])
+def test_a_zero3_state_and_a_zero_0_2_state_are_not_read_as_each_other(saved, wanted, tiny_model, tmp_path):
+    """Refused before any engine is built, with the stage to resume with."""
+    import shutil
+
+    from stages.train.core import check_zero_stage
+
+    folder = Path(shutil.copytree(tiny_model, tmp_path / "ckpt"))
+    (folder / "deepspeed/actor/state").mkdir(parents=True)
+    (folder / "train_state.json").write_text(json.dumps({"global_step": 1, "world_size": 2, "zero_stage": saved}))
+    with pytest.raises(ConfigError, match=f"ZeRO stage {saved}, and strategy_args.zero_stage is {wanted}.*Resume "
+                                          f"with zero_stage: {saved}"):
+        check_zero_stage(read_checkpoint(str(folder)), wanted)
+    check_zero_stage(read_checkpoint(str(folder)), saved)  # the same stage loads

@@ -1,22 +1,44 @@
-"""Issue 4's acceptance on CPU: training steps with 2 Ray Train workers on the real DeepSpeed engine and the default
-model (SmolLM2-135M-Instruct). On a fixed batch the loss decreases over a few optimizer steps and the parameters
-change; two workers compute the gradient one process computes; resuming from a checkpoint reproduces the next
-step's loss. The old log-probs come from the log-prob stage (Ray Data actor pool) under the same model."""
+"""The acceptance of issues 4 and 14 on CPU: Ray Train workers on the real DeepSpeed engine (gloo, CPU accelerator).
+
+Issue 4, on the default model (SmolLM2-135M-Instruct): on a fixed batch the loss decreases over a few optimizer
+steps and the parameters change; resuming from a checkpoint reproduces the next step's loss. The old log-probs come
+from the log-prob stage (Ray Data actor pool) under the same model.
+
+Issue 14, items 1-2, on the tiny model: data-parallel training is exact, and ZeRO-3 trains, saves whole weights and
+resumes. Two workers train one optimizer step on a global batch that splits unevenly (7 rows: one rank gets 4 rows
+and more tokens, the other 3, and fewer micro-batches, so it runs padding steps); the same step in this process as a
+world of one is the reference. The loss of every micro-batch is divided by the whole mini-batch's counts (spec
+§6.2), so the gradients the ranks sum are the 1-worker gradient, whatever the split. (This replaces issue 4's check
+of the first step's gradient norm against one forward and backward pass of the default model in this process.)
+
+AdamW's first step is ``lr * g / (|g| + eps)``: with the default tiny eps that is ``lr * sign(g)``, which would hide a
+wrong gradient scale (a per-rank mean, a division by the world size) and turn rounding noise in near-zero gradient
+entries into whole steps. These tests set ``adam_epsilon`` above every gradient entry (clipping keeps the norm at
+most 1), which makes the update ``~ lr * g / eps``: linear in the gradient, so the weights show the gradient itself, and
+float rounding in its sums stays rounding. The tolerance follows from that: summing the same float32 terms in another
+order moves the gradient by a few float32 epsilons of the terms, the update by ``lr / eps`` times that, and the
+stored weight by a unit in its last place; :func:`tolerance` allows 16 float32 epsilons of the largest weight plus of
+the largest update, where a wrong normaliser moves weights by a sizeable fraction of the update.
+
+Every test of the module shares one kept group of two workers (a training flow's way): it starts once.
+"""
+
+from __future__ import annotations
 
 import json
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file
 
 from schemas.config import validate_config
 from schemas.train_config import ForwardConfig, TrainStepConfig
-from stages.train.batching import pad_micro_batch
-from stages.train.core import ActorObjective, load_actor_model, rows_of_table
+from stages.train.batching import plan_step
+from stages.train.core import batching_policy, load_weights, rows_of_table, train_and_save
 from stages.train.stage import run_logprobs, run_train_step
 from tests.train.tables import advantaged_rows, read_folder, write_table
+from tests.train.test_core import with_model_log_probs
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("ray_cluster")]
 
@@ -49,18 +71,18 @@ def batch(default_model, tmp_path_factory) -> Path:
     return root / "adv_lp"
 
 
-@pytest.fixture
-def trainer(tmp_path):
-    """One kept group of the two workers for the test's three steps (a training flow's way), so the workers start
-    once; each step loads its checkpoint (their sections differ)."""
+@pytest.fixture(scope="module")
+def group(tmp_path_factory):
+    """One kept group of the two workers for every step of the module (a training flow's way), so the workers start
+    once; a step whose section or checkpoint differs from the one before loads its checkpoint."""
     from stages.train.group import TrainerGroup
 
-    with TrainerGroup(config(1).runtime, storage=str(tmp_path)) as group:
-        yield group
+    with TrainerGroup(config(1).runtime, storage=str(tmp_path_factory.mktemp("group"))) as trainer:
+        yield trainer
 
 
-def test_two_workers_train_the_default_model_and_resume_exactly(default_model, batch, tmp_path, trainer):
-    a = run_train_step(str(batch), str(default_model), config(3), str(tmp_path / "a"), trainer=trainer)
+def test_two_workers_train_the_default_model_and_resume_exactly(default_model, batch, tmp_path, group):
+    a = run_train_step(str(batch), str(default_model), config(3), str(tmp_path / "a"), trainer=group)
     steps_a = per_step(tmp_path / "a")
     losses = [s["actor/pg_loss"] for s in steps_a]
     assert len(losses) == 3 and losses[2] < losses[1] < losses[0], losses
@@ -71,29 +93,136 @@ def test_two_workers_train_the_default_model_and_resume_exactly(default_model, b
     changed = [k for k in before if not torch.equal(before[k], after[k])]
     assert len(changed) > 0.9 * len(before)
 
-    # two ranks x (loss x world size) with DeepSpeed's averaging = the gradient of the whole mini-batch
-    table = read_folder(batch)
-    rows = rows_of_table(table, "t")
-    model = load_actor_model(str(default_model))
-    from stages.train.batching import MiniBatchPlan
-
-    index = np.arange(rows.num_rows)
-    tokens = rows.loss_tokens()
-    plan = MiniBatchPlan((index,), float(tokens.sum()), float((tokens > 0).sum()), float(rows.num_rows))
-    mb = pad_micro_batch(rows, index)
-    logits = model(input_ids=mb.input_ids, position_ids=mb.position_ids).logits
-    loss, _ = ActorObjective.from_section(config(1))(logits, mb, index, plan)
-    loss.backward()
-    norm = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in model.parameters() if p.grad is not None]))
-    assert steps_a[0]["actor/grad_norm"] == pytest.approx(float(norm), rel=1e-3)
-    assert steps_a[0]["actor/pg_loss"] == pytest.approx(float(loss.detach()), abs=1e-5)
-
     # resume: 2 epochs, checkpoint, then 1 more epoch from the checkpoint = the 3rd optimizer step of run a
-    run_train_step(str(batch), str(default_model), config(2), str(tmp_path / "b"), trainer=trainer)
+    run_train_step(str(batch), str(default_model), config(2), str(tmp_path / "b"), trainer=group)
     assert [s["actor/pg_loss"] for s in per_step(tmp_path / "b")] == pytest.approx(losses[:2], rel=1e-6)
-    c = run_train_step(str(batch), str(tmp_path / "b"), config(1), str(tmp_path / "c"), trainer=trainer)
+    c = run_train_step(str(batch), str(tmp_path / "b"), config(1), str(tmp_path / "c"), trainer=group)
     (resumed,) = per_step(tmp_path / "c")
     assert resumed["actor/pg_loss"] == pytest.approx(losses[2], rel=1e-5, abs=1e-7)
     assert resumed["actor/grad_norm"] == pytest.approx(steps_a[2]["actor/grad_norm"], rel=1e-4)
     assert c.state["global_step"] == 2 and c.state["optimizer_steps"] == 3
     assert c.metrics["train/engines_kept"] == 0.0  # another section than the step that wrote b: loaded from b
+
+
+# ---- issue 14: data-parallel exactness and ZeRO-3, on the tiny model -------------------------------------------
+
+ROWS = 7
+LR, ADAM_EPS = 0.05, 1.0
+F32 = float(torch.finfo(torch.float32).eps)
+
+
+def dp_config(*, zero_stage: int = 2, loss_agg_mode: str = "token-mean", epochs: int = 1, workers: int = 2,
+              entropy_metric: bool = False) -> TrainStepConfig:
+    """One mini-batch of every row (8 rows per rank >= 7), micro-batches of <= 64 padded tokens, clipping at 1."""
+    return validate_config(TrainStepConfig, {
+        "adv_estimator": "grpo", "loss_agg_mode": loss_agg_mode, "ppo_epochs": epochs,
+        "compute_entropy_metric": entropy_metric,
+        "actor_train": {"training_args": {"learning_rate": LR, "adam_epsilon": ADAM_EPS,
+                                          "per_device_train_batch_size": 8, "max_grad_norm": 1.0},
+                        "max_tokens_per_microbatch_in_train": 64, "strategy_args": {"zero_stage": zero_stage}},
+        "runtime": {"num_workers": workers, "cpus_per_worker": 1}})
+
+
+def tolerance(before: dict[str, torch.Tensor], after: dict[str, torch.Tensor]) -> float:
+    """16 float32 epsilons of the largest weight plus of the largest update (module docstring)."""
+    largest = max(float(v.abs().max()) for v in after.values())
+    update = max(float((after[k] - before[k]).abs().max()) for k in after)
+    return 16 * F32 * (largest + update)
+
+
+def largest_difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    assert sorted(a) == sorted(b)
+    return max(float((a[k].float() - b[k].float()).abs().max()) for k in a)
+
+
+@pytest.fixture(scope="module")
+def uneven_batch(tiny_model, tmp_path_factory) -> Path:
+    """7 rows of distinct lengths (so the deal to the ranks is the same for every shuffle) with the model's own old
+    log-probs (ratio 1 at the first step), in two Parquet parts."""
+    table = with_model_log_probs(advantaged_rows(ROWS, lengths=(10, 40), seed=7, multi_turn=True), tiny_model)
+    lengths = [len(r) for r in table.column("input_ids").to_pylist()]
+    assert len(set(lengths)) == ROWS
+    return write_table(table, tmp_path_factory.mktemp("dp") / "adv", parts=2)
+
+
+@pytest.fixture(scope="module")
+def zero2_token_mean(uneven_batch, tiny_model, group, tmp_path_factory) -> Path:
+    """The 2-worker ZeRO-2 token-mean step (the reference of the ZeRO-3 test too)."""
+    out = tmp_path_factory.mktemp("dp-z2") / "ckpt"
+    run_train_step(str(uneven_batch), str(tiny_model), dp_config(), str(out), trainer=group)
+    return out
+
+
+def one_worker_step(batch: Path, checkpoint: Path, cfg: TrainStepConfig, output: Path, dist) -> Path:
+    """The same step in this process, a DeepSpeed world of one."""
+    train_and_save(read_folder(batch), str(batch), str(checkpoint), cfg, str(output), dist)
+    return output
+
+
+def test_the_global_batch_splits_unevenly_over_two_ranks(uneven_batch):
+    """Rank 0 gets more rows and tokens than rank 1 and more micro-batches (rank 1 pads with empty steps), while
+    both divide by the counts of the whole mini-batch."""
+    rows = rows_of_table(read_folder(uneven_batch), "t")
+    policy = batching_policy(dp_config().actor_train)
+    plans = [plan_step(rows.lengths, rows.loss_tokens(), policy=policy, world_size=2, rank=r, ppo_epochs=1, seed=42,
+                       step=0)[0] for r in (0, 1)]
+    tokens = [sum(int(rows.lengths[i].sum()) for i in p.micro_batches) for p in plans]
+    real = [sum(1 for i in p.micro_batches if i.size) for p in plans]
+    assert tokens[0] > tokens[1] and real[0] > real[1], (tokens, real)
+    assert len(plans[0].micro_batches) == len(plans[1].micro_batches)
+    assert plans[0].num_tokens == plans[1].num_tokens == float(rows.loss_tokens().sum())
+
+
+@pytest.mark.parametrize("loss_agg_mode", ["token-mean", "seq-mean-token-mean"])
+def test_two_workers_take_the_one_worker_step(loss_agg_mode, uneven_batch, tiny_model, group, zero2_token_mean,
+                                              dist, tmp_path):
+    if loss_agg_mode == "token-mean":
+        two = zero2_token_mean
+    else:
+        two = tmp_path / "two"
+        run_train_step(str(uneven_batch), str(tiny_model), dp_config(loss_agg_mode=loss_agg_mode), str(two),
+                       trainer=group)
+    one = one_worker_step(uneven_batch, tiny_model, dp_config(loss_agg_mode=loss_agg_mode, workers=1),
+                          tmp_path / "one", dist)
+    before, w1, w2 = load_weights(str(tiny_model)), load_weights(str(one)), load_weights(str(two))
+    tol = tolerance(before, w1)
+    diff = largest_difference(w1, w2)
+    update = largest_difference(before, w1)
+    assert diff <= tol, f"2 workers differ from 1 by {diff:.3g} (tolerance {tol:.3g}, largest update {update:.3g})"
+    assert update > 100 * tol  # the step moved the weights far beyond the tolerance
+    (s1,), (s2,) = per_step(one), per_step(two)
+    assert s2["actor/grad_norm"] > 1.0  # clipping was active: the norm is the global one
+    assert s2["actor/grad_norm"] == pytest.approx(s1["actor/grad_norm"], rel=64 * F32)
+    assert s2["actor/pg_loss"] == pytest.approx(s1["actor/pg_loss"], rel=64 * F32, abs=F32)
+    assert json.loads((two / "train_state.json").read_text())["world_size"] == 2
+
+
+def test_zero3_saves_the_gathered_weights_of_zero2_and_resumes_exactly(uneven_batch, tiny_model, group,
+                                                                        zero2_token_mean, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    z3 = tmp_path / "z3"
+    result = run_train_step(str(uneven_batch), str(tiny_model), dp_config(zero_stage=3), str(z3), trainer=group)
+    state = json.loads((z3 / "train_state.json").read_text())
+    assert (state["zero_stage"], state["world_size"], result.state["optimizer_steps"]) == (3, 2, 1)
+    partitions = sorted(p.name for p in (z3 / "deepspeed/actor/state").iterdir())
+    assert sum("optim_states" in name for name in partitions) == 2, partitions  # one optimizer partition per rank
+
+    before, w2, w3 = load_weights(str(tiny_model)), load_weights(str(zero2_token_mean)), load_weights(str(z3))
+    assert {k: v.shape for k, v in w3.items()} == {k: v.shape for k, v in before.items()}  # whole, not partitions
+    diff = largest_difference(w2, w3)
+    assert diff <= tolerance(before, w2), diff
+    model = AutoModelForCausalLM.from_pretrained(z3)  # what generation and evaluation load
+    torch.testing.assert_close(model.get_input_embeddings().weight.detach(), w3["model.embed_tokens.weight"],
+                               rtol=0, atol=0)
+
+    # resume from z3's partitioned DeepSpeed state (another section: the kept engines are not reused) = the second
+    # optimizer step of an uninterrupted two-epoch step
+    resumed = run_train_step(str(uneven_batch), str(z3), dp_config(zero_stage=3, entropy_metric=True),
+                             str(tmp_path / "z3b"), trainer=group)
+    assert resumed.metrics["train/engines_kept"] == 0.0 and resumed.state["optimizer_steps"] == 2
+    run_train_step(str(uneven_batch), str(tiny_model), dp_config(zero_stage=3, epochs=2), str(tmp_path / "whole"),
+                   trainer=group)
+    assert per_step(tmp_path / "z3b")[0]["actor/pg_loss"] == per_step(tmp_path / "whole")[1]["actor/pg_loss"]
+    diff = largest_difference(load_weights(str(tmp_path / "z3b")), load_weights(str(tmp_path / "whole")))
+    assert diff == 0.0, diff
