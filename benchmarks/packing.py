@@ -1,4 +1,5 @@
-"""Packed against padded micro-batches in the log-prob pass (issue 16, packed sequences), side by side in one run.
+"""Packed against padded micro-batches in the log-prob pass and the training step (issue 16, packed sequences), side
+by side in one run.
 
 Both passes run ``stages.train.forward.forward_rows`` over the same rows with the same token budget: padded, the rows
 of a micro-batch are right-padded to its longest row (the budget counts padded tokens); packed
@@ -6,10 +7,17 @@ of a micro-batch are right-padded to its longest row (the budget counts padded t
 real tokens). The rows are FrozenLake-shaped step samples from ``stages.example`` (or ``--samples DIR``, e.g. a run's
 ``iter_0000/logprobs``). Each pass runs ``--repeats`` times after a warm-up; the best time counts.
 
+The training half (unless ``--no-train``) runs one training step of the real training core (``stages.train.core``:
+a DeepSpeed engine, world of one) over the same rows as one mini-batch, padded and packed
+(``actor_train.use_sequence_packing``) in turn, ``--repeats`` times each, every time a fresh engine from the same
+initial weights, with seeded random advantages (the speed does not depend on their values): forward, backward and
+the optimizer step, timed by the step itself; the best time counts.
+
     python benchmarks/packing.py --rows 64 --model default --dtype fp32
 
-Last line: ``RESULT packed_tok_per_s=... padded_tok_per_s=... speedup=... padded_overhead=... max_abs_diff=...``
-(``padded_overhead``: padded tokens / real tokens of the padded pass).
+Last line: ``RESULT packed_tok_per_s=... padded_tok_per_s=... speedup=... padded_overhead=... max_abs_diff=...
+train_packed_tok_per_s=... train_padded_tok_per_s=... train_speedup=... train_loss_diff=...``
+(``padded_overhead``: padded tokens / real tokens of the padded log-prob pass).
 """
 
 from __future__ import annotations
@@ -32,6 +40,7 @@ def main() -> None:
     parser.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--no-train", action="store_true", help="measure the log-prob pass only")
     args = parser.parse_args()
     set_up_process()
 
@@ -74,9 +83,49 @@ def main() -> None:
     for label, seconds, result in (("padded", padded_s, padded), ("packed", packed_s, packed)):
         print(f"{label:<8} {seconds:>8.2f} {real / seconds:>9.0f} {result.micro_batches:>14} "
               f"{result.padded_tokens:>14,}")
-    print(f"RESULT packed_tok_per_s={real / packed_s:.0f} padded_tok_per_s={real / padded_s:.0f} "
-          f"speedup={padded_s / packed_s:.2f} padded_overhead={padded.padded_tokens / real:.3f} "
-          f"max_abs_diff={diff:.2e}")
+    result = (f"RESULT packed_tok_per_s={real / packed_s:.0f} padded_tok_per_s={real / padded_s:.0f} "
+              f"speedup={padded_s / packed_s:.2f} padded_overhead={padded.padded_tokens / real:.3f} "
+              f"max_abs_diff={diff:.2e}")
+    if not args.no_train:
+        del model
+        result += " " + train_half(table, folder, args)
+    print(result)
+
+
+def train_half(table, folder: str, args) -> str:
+    """One training step padded, then one packed, on the same rows from the same weights → the RESULT fields."""
+    import pyarrow as pa
+
+    from schemas.config import validate_config
+    from schemas.tables import FLOATS
+    from schemas.train_config import TrainStepConfig
+    from stages.train.batching import TokenRows
+    from stages.train.core import Engine, init_distributed, load_actor_model, train_step
+
+    rng = np.random.default_rng(0)
+    lengths = [len(x) for x in table.column("input_ids").to_pylist()]
+    advantages = pa.array([rng.normal(size=n - 1).astype(np.float32).tolist() for n in lengths], FLOATS)
+    rows = TokenRows.from_arrow(table.append_column("advantages", advantages), folder)
+    dist = init_distributed(threads=args.threads)
+    print(f"{'training':<8} {'seconds':>8} {'tok/s':>9} {'padded tokens':>14} {'pg_loss':>12}")
+    out = {}
+    for packed in [False, True] * max(1, args.repeats):  # alternating, fresh engines each time; the best time counts
+        cfg = validate_config(TrainStepConfig, {"adv_estimator": "grpo", "compute_entropy_metric": False, "actor_train": {
+            "model_args": {"dtype": args.dtype}, "max_tokens_per_microbatch_in_train": args.budget,
+            "use_sequence_packing": packed,
+            "training_args": {"learning_rate": 1e-6, "per_device_train_batch_size": rows.num_rows}}})
+        engine = Engine(load_actor_model(model_folder(args.model), cfg.actor_train), cfg.actor_train, dist, "actor")
+        report = train_step(rows, engine, None, cfg, dist, step=0, pad_token_id=0)
+        label = "packed" if packed else "padded"
+        if label not in out or report.seconds < out[label].seconds:
+            out[label] = report
+        print(f"{label:<8} {report.seconds:>8.2f} {report.tokens / report.seconds:>9.0f} {report.padded_tokens:>14,} "
+              f"{report.metrics['actor/pg_loss']:>12.6f}")
+        del engine
+    a, b = out["packed"], out["padded"]
+    return (f"train_packed_tok_per_s={a.tokens / a.seconds:.0f} train_padded_tok_per_s={b.tokens / b.seconds:.0f} "
+            f"train_speedup={b.seconds / a.seconds:.2f} "
+            f"train_loss_diff={abs(a.metrics['actor/pg_loss'] - b.metrics['actor/pg_loss']):.2e}")
 
 
 if __name__ == "__main__":

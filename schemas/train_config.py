@@ -225,7 +225,21 @@ class WorkerTrainConfig(Frozen):
     use_dynamic_batching_in_train: bool = Field(True, description="Form micro-batches by a token budget instead of "
                                                                   "per_device_train_batch_size rows.")
     max_tokens_per_microbatch_in_train: int = Field(4096, gt=0, description="Token budget of a training micro-batch "
-                                                    "(rows x padded length); a longer single row gets its own.")
+                                                    "(rows x padded length; real tokens with use_sequence_packing); a "
+                                                    "longer single row gets its own.")
+    use_sequence_packing: bool = Field(False, description="Run each micro-batch's rows packed into one row without "
+                                       "padding, forward and backward (ROLL's name; positions restart per row, so "
+                                       "each row attends to itself only); with dynamic batching the token budget then "
+                                       "counts real tokens. The same loss and gradients up to float rounding.")
+
+    @model_serializer(mode="wrap")
+    def _without_packing_when_off(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        """Packing off is left out of the dump, so a training section's fingerprint and a run's config.json stay
+        what they were before the option existed (loading fills the default in again)."""
+        data = handler(self)
+        if not self.use_sequence_packing and isinstance(data, dict):
+            data.pop("use_sequence_packing", None)
+        return data
 
     @model_validator(mode="after")
     def _lora_zero3(self) -> "WorkerTrainConfig":

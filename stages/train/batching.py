@@ -266,15 +266,18 @@ class MiniBatchPlan:
 @dataclass(frozen=True)
 class BatchingPolicy:
     """How a rank's share of a mini-batch becomes micro-batches: by ``max_tokens`` (dynamic batching) or by
-    ``rows_per_micro_batch``; ``mini_batch_rows`` rows per rank per optimizer step."""
+    ``rows_per_micro_batch``; ``mini_batch_rows`` rows per rank per optimizer step. ``packed``: the micro-batches
+    run packed into one row (:func:`forward_packed`), so ``max_tokens`` counts real tokens, not padded ones."""
 
     mini_batch_rows: int
     max_tokens: int | None = None
     rows_per_micro_batch: int | None = None
+    packed: bool = False
 
     def split(self, lengths: np.ndarray) -> list[np.ndarray]:
         if self.max_tokens is not None:
-            return split_by_token_budget(lengths, self.max_tokens)
+            split = split_by_real_tokens if self.packed else split_by_token_budget
+            return split(lengths, self.max_tokens)
         return split_by_rows(len(lengths), self.rows_per_micro_batch or len(lengths) or 1)
 
 

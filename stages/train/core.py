@@ -27,8 +27,8 @@ import torch
 from schemas.errors import ConfigError, InvariantError, RollflowError
 from schemas.train_config import TrainSection, TrainStepConfig, WorkerTrainConfig
 from stages.algos.ragged import Ragged
-from stages.train.batching import (BatchingPolicy, MicroBatch, MiniBatchPlan, TokenRows, pad_micro_batch, plan_step,
-                                   unpad_next_token)
+from stages.train.batching import (BatchingPolicy, MicroBatch, MiniBatchPlan, TokenRows, forward_packed,
+                                   pad_micro_batch, plan_step, unpad_next_token)
 
 log = logging.getLogger("rollflow.train")
 REPO = Path(__file__).resolve().parents[2]
@@ -179,8 +179,14 @@ class Engine:
 
     def forward(self, mb: MicroBatch) -> torch.Tensor:
         """Logits ``(b, S, V)`` (or values ``(b, S, 1)``). Rows are right-padded and attention is causal, so padding
-        is invisible to real tokens and no attention mask is passed (the fast causal path)."""
-        return self.engine(input_ids=mb.input_ids, position_ids=mb.position_ids, use_cache=False).logits
+        is invisible to real tokens and no attention mask is passed (the fast causal path). With
+        ``use_sequence_packing`` the rows run as one packed row and come back in the padded layout (padding 0)."""
+        def call(input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+            return self.engine(input_ids=input_ids, position_ids=position_ids, use_cache=False).logits
+
+        if self.worker.use_sequence_packing and not mb.padding_step:
+            return forward_packed(call, mb)
+        return call(mb.input_ids, mb.position_ids)
 
     def backward(self, loss: torch.Tensor, last: bool) -> None:
         self.engine.set_gradient_accumulation_boundary(last)
@@ -437,7 +443,8 @@ def batching_policy(worker: WorkerTrainConfig) -> BatchingPolicy:
     t = worker.training_args
     rows = t.per_device_train_batch_size * t.gradient_accumulation_steps
     if worker.use_dynamic_batching_in_train:
-        return BatchingPolicy(rows, max_tokens=worker.max_tokens_per_microbatch_in_train)
+        return BatchingPolicy(rows, max_tokens=worker.max_tokens_per_microbatch_in_train,
+                              packed=worker.use_sequence_packing)
     return BatchingPolicy(rows, rows_per_micro_batch=t.per_device_train_batch_size)
 
 
@@ -460,7 +467,8 @@ def run_engine(engine: Engine, objective, rows: TokenRows, plans: list[MiniBatch
             engine.backward(loss * dist.world_size, last=k == len(plan.micro_batches) - 1)
             mine.append(metrics)
             tokens += mb.real_tokens
-            padded += mb.padded_tokens if not mb.padding_step else 0
+            if not mb.padding_step:  # what the forward computed: a packed row has no padding
+                padded += mb.real_tokens if engine.worker.use_sequence_packing else mb.padded_tokens
             if progress is not None:
                 progress.add(1)
         step_metrics.append(engine.step())

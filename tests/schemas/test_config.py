@@ -141,3 +141,14 @@ def test_sections_hold_only_what_a_stage_reads():
     # a change to an advantages-only option leaves the rewards section equal
     other = load_config(RecomputeConfig, CONFIGS[0], {"gamma": 0.9})
     assert section(other, ResponseRewardSection) == rewards and section(other, AdvantageSection) != adv
+
+
+def test_training_packing_is_dumped_only_when_on_so_older_fingerprints_hold():
+    from schemas.train_config import TrainSection
+
+    off = TrainSection()
+    assert "use_sequence_packing" not in off.model_dump(mode="json")["actor_train"]
+    on = TrainSection.model_validate({"actor_train": {"use_sequence_packing": True}})
+    dumped = on.model_dump(mode="json")
+    assert dumped["actor_train"]["use_sequence_packing"] is True
+    assert TrainSection.model_validate(dumped) == on and TrainSection.model_validate(off.model_dump()) == off

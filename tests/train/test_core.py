@@ -103,6 +103,44 @@ def test_engine_step_equals_bare_torch_on_one_padded_batch(zero_stage, dist, tin
     assert_same_weights(engine.module, model)
 
 
+def test_a_packed_step_equals_bare_torch_on_one_padded_batch(dist, tiny_model, table):
+    """use_sequence_packing: each micro-batch (<= 96 real tokens, so other groupings than the padded path's) runs as
+    one row without padding, forward and backward; the step still equals the bare loop's one padded batch. (Adam's
+    first update of a weight is lr·g/(|g| + eps): where |g| is near eps it turns float rounding of g into up to
+    lr·rounding/eps, so eps is 1e-6 here and in the critic's test, not the default 1e-8.)"""
+    cfg = section(**{"actor_train.use_sequence_packing": True, "actor_train.training_args.max_grad_norm": 0.5,
+                     "actor_train.training_args.adam_epsilon": 1e-6})
+    rows = rows_of_table(table, "t")
+    engine = Engine(load_actor_model(str(tiny_model), None), cfg.actor_train, dist, "actor")
+    report = train_step(rows, engine, None, cfg, dist, step=0, pad_token_id=0)
+    steps, reference = bare_torch_loop(tiny_model, rows, cfg)
+    (loss, norm, lr), = steps
+    plans = plan_step(rows.lengths, rows.loss_tokens(), policy=batching_policy(cfg.actor_train), world_size=1,
+                      rank=0, ppo_epochs=1, seed=cfg.actor_train.training_args.seed, step=0)
+    assert all(rows.lengths[mb].sum() <= 96 for mb in plans[0].micro_batches) and len(plans[0].micro_batches) > 1
+    assert report.padded_tokens == report.tokens == rows.lengths.sum()  # nothing padded
+    assert report.per_step[0]["actor/pg_loss"] == pytest.approx(loss, abs=1e-6)
+    assert report.per_step[0]["actor/grad_norm"] == pytest.approx(norm, rel=1e-4)
+    assert report.per_step[0]["actor/lr"] == pytest.approx(lr)
+    assert_same_weights(engine.module, reference)
+
+
+def test_a_packed_critic_step_equals_a_padded_one(dist, tiny_model, table):
+    """The critic's value head through a packed row: the same losses and weights as the padded step."""
+    def run(packed: bool):
+        cfg = section(**{"adv_estimator": "gae", "ppo_epochs": 2, "critic_train.training_args.learning_rate": 1e-3,
+                         "critic_train.use_sequence_packing": packed, "critic_train.training_args.adam_epsilon": 1e-6})
+        critic = Engine(load_critic_model(None, str(tiny_model), seed=3), cfg.critic_train, dist, "critic")
+        return train_step(rows_of_table(table, "t"), None, critic, cfg, dist, 0, 0), critic
+
+    (packed, a), (padded, b) = run(True), run(False)
+    assert packed.padded_tokens < padded.padded_tokens
+    for got, want in zip(packed.per_step, padded.per_step, strict=True):
+        assert got["critic/loss"] == pytest.approx(want["critic/loss"], rel=1e-5)
+        assert got["critic/grad_norm"] == pytest.approx(want["critic/grad_norm"], rel=1e-4)
+    assert_same_weights(a.module, b.module)
+
+
 class _Ticker:
     """Records what the training step tells its progress bar (stages.progress.Ticker's interface)."""
 
