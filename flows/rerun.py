@@ -119,7 +119,7 @@ def _rerunnable() -> dict[str, Callable[[], tuple[type[BaseModel], Rerun]]]:
 def _known() -> str:
     from flows.rerun_rollout import ROLLOUT_STAGES
 
-    return ", ".join([*ROLLOUT_STAGES, *_rerunnable()])
+    return ", ".join([*_rerunnable(), *ROLLOUT_STAGES])
 
 
 def _apply(section: dict, overrides: dict) -> dict:

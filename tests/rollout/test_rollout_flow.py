@@ -162,7 +162,8 @@ def test_rollout_killed_mid_turn_resumes_to_the_same_samples(uninterrupted, conf
         assert _table(out / name).equals(_table(uninterrupted / name)), name
 
 
-# ---- rollflow stage rollout_turn: a replay from a turn of this rollout -------------------------------------------
+# ---- rollflow stage rollout_turn: a replay from a turn of this rollout (with a changed setting and --downstream in
+# a training run's iteration: tests/trainflow/test_rerun_train.py) ------------------------------------------------
 
 def _stage(*args) -> str:
     result = CliRunner().invoke(_app(), ["stage", *map(str, args)])
@@ -174,10 +175,11 @@ def _files(folder: Path) -> dict[str, bytes]:
     return {p.name: p.read_bytes() for p in sorted(folder.glob("*.parquet"))}
 
 
-def _replay(folder: Path) -> Path:
-    made = [p for p in folder.parent.iterdir() if p.name.startswith(f"{folder.name}@")]
-    assert len(made) == 1, made
-    return made[0]
+def _replay(output: str) -> Path:
+    """The rollout folder a replay wrote, from its first line ("rollout_turn: wrote N rows to <folder>/samples")."""
+    line = output.splitlines()[0]
+    assert line.startswith("rollout_turn: "), output
+    return Path(line.split(" rows to ")[1].split(" ")[0]).parent
 
 
 def test_replay_from_a_turn_without_changes_reproduces_it_and_shares_the_earlier_turns(uninterrupted):
@@ -189,7 +191,8 @@ def test_replay_from_a_turn_without_changes_reproduces_it_and_shares_the_earlier
 
     before = tree_digest(uninterrupted)
     out = _stage("rollout_turn", "--from", uninterrupted / "turns/turn_001")
-    new = _replay(uninterrupted)
+    new = _replay(out)
+    assert new.parent == uninterrupted.parent and new.name.startswith("a@")
     assert f"wrote 12 rows to {new / 'samples'}" in out and "turns 1-2 played anew" in out
     assert sorted(p.name for p in new.iterdir()) == ["samples", "turns"]
     assert sorted(p.name for p in (new / "turns").iterdir()) == ["turn_001", "turn_002"]
@@ -215,32 +218,52 @@ def test_replay_from_a_turn_without_changes_reproduces_it_and_shares_the_earlier
     assert tree_digest(new) == again and tree_digest(uninterrupted) == before
 
 
-def test_replay_from_a_turn_with_a_shorter_reply_budget_plays_new_turns_with_a_copied_checkpoint(
+def test_replay_with_a_shorter_reply_budget_plays_new_turns_and_downstream_recomputes_what_read_the_samples(
         uninterrupted, tiny_model, tmp_path):
-    """``--set generating_args.max_new_tokens=3 --checkpoint COPY`` (the recorded checkpoint copied with its times,
-    ``cp -a``): turn 0 is shared, turns 1 and 2 are new and every reply is cut at 3 tokens (the original's at 8)."""
+    """``--set generating_args.max_new_tokens=3 --checkpoint COPY --downstream`` (the recorded checkpoint copied with
+    its files' times, ``cp -a``): turns 1 and 2 are new, every reply cut at 3 tokens (the original's at 8), from the
+    same prompts at turn 1; turn 0 is shared. The rewards beside the rollout folder that read its samples (a real
+    reader; in a training iteration the log-probs read them, and tests/trainflow/test_rerun_train.py checks that the
+    walk finds that chain) are re-run on the new samples into ``rewarded@<tag>``; the originals are untouched."""
     import shutil
 
+    from schemas.config import ResponseRewardSection, section
+    from stages.response_rewards import ResponseRewardsStage
+    from stages.runner import run_stage
+    from tests.spine.helpers import GRPO, config, tree_digest
+
+    root, rollout = uninterrupted.parent, uninterrupted
+    rewards = section(config(GRPO, group_size=2), ResponseRewardSection)
+    run_stage(ResponseRewardsStage(), rewards, {"samples": str(rollout / "samples")}, str(root / "rewarded"))
+    before = {k: v for k, v in tree_digest(root).items() if "@" not in k}
     copy = Path(shutil.copytree(tiny_model, tmp_path / "ckpt"))  # copy2: sizes and modification times kept
-    target = tmp_path / "short"
-    out = _stage("rollout_turn", "--from", uninterrupted / "turns/turn_001", "--set",
-                 "generating_args.max_new_tokens=3", "--checkpoint", copy, "--output", target)
-    assert f"wrote 12 rows to {target / 'samples'}" in out
-    assert sorted(p.name for p in (target / "turns").iterdir()) == ["turn_001", "turn_002"]
+    out = _stage("rollout_turn", "--from", rollout / "turns/turn_001", "--set", "generating_args.max_new_tokens=3",
+                 "--checkpoint", copy, "--downstream")
+    new = _replay(out)
+    tag = new.name.split("@")[1]
+    assert {"a", "rewarded", f"a@{tag}", f"rewarded@{tag}"} <= {p.name for p in root.iterdir()}
+    assert f"wrote 12 rows to {new / 'samples'}" in out and "response_rewards: wrote" in out and "stale" not in out
+    assert sorted(p.name for p in (new / "turns").iterdir()) == ["turn_001", "turn_002"]
     for turn in ("turn_001", "turn_002"):
-        new, old = _table(target / "turns" / turn), _table(uninterrupted / "turns" / turn)
-        assert all(len(ids) <= 3 for ids in new.column("response_ids").to_pylist())
-        assert all(len(ids) == 8 for ids in old.column("response_ids").to_pylist())
-        assert new.column("traj_id").equals(old.column("traj_id"))
-        manifest = read_manifest(Location.of(str(target / "turns" / turn)))
+        now, was = _table(new / "turns" / turn), _table(rollout / "turns" / turn)
+        assert max(len(ids) for ids in now.column("response_ids").to_pylist()) <= 3
+        assert {len(ids) for ids in was.column("response_ids").to_pylist()} == {8}
+        assert now.column("traj_id").equals(was.column("traj_id"))
+        manifest = read_manifest(Location.of(str(new / "turns" / turn)))
         assert manifest["section"]["generating_args"]["max_new_tokens"] == 3
         assert manifest["state_in"]["checkpoint"]["path"] == str(copy)
-    # turn 1 starts from the original turn 0: the same prompts, other replies
-    assert (_table(target / "turns/turn_001").column("prompt_ids")
-            .equals(_table(uninterrupted / "turns/turn_001").column("prompt_ids")))
-    samples = _table(target / "samples")
-    assert samples.num_rows == 12 and samples.filter(pa.compute.field("turn_idx") == 0).equals(
-        _table(uninterrupted / "samples").filter(pa.compute.field("turn_idx") == 0))
+    assert _table(new / "turns/turn_001").column("prompt_ids").equals(
+        _table(rollout / "turns/turn_001").column("prompt_ids")), "turn 1 is played from the same turn 0"
+    played = ["row_id", "input_ids", "response_mask", "infer_logprobs", "prompt_len"]
+    now, was = (_table(folder / "samples").select(played) for folder in (new, rollout))
+    first = pa.compute.field("row_id").isin(_table(rollout / "samples").filter(
+        pa.compute.field("turn_idx") == 0).column("row_id"))
+    assert now.filter(first).equals(was.filter(first)), "the samples of turn 0 are the run's"
+    assert now.num_rows == was.num_rows == 12 and not now.equals(was)
+    rewarded = read_manifest(Location.of(str(root / f"rewarded@{tag}")))
+    assert rewarded["inputs"]["samples"]["path"] == str(new / "samples")
+    assert rewarded["section"] == read_manifest(Location.of(str(root / "rewarded")))["section"]
+    assert {k: v for k, v in tree_digest(root).items() if "@" not in k} == before, "the originals are untouched"
 
 
 def test_replay_refuses_bad_requests_with_exit_2_and_writes_nothing(uninterrupted, tiny_model, tmp_path):
