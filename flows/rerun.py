@@ -10,8 +10,10 @@ Which stages can be re-run is the table of :func:`_rerunnable` (one entry per st
 stage from its section, its inputs and the rest of its old manifest. That includes the training step (a new
 checkpoint beside the old one, e.g. with another learning rate) and an evaluation (its own manifest records the
 checkpoint it read), so a walk from the log-probs goes through rewards, advantages and training to the evaluation.
-Rollouts and RLVR generation are not in it (a re-run from a given turn would need the engines' state of that turn);
-the error names their commands, and a downstream walk that reaches one says so.
+A rollout is replayed from one of its turns (``rollout_turn``) or from its episodes (``rollout_reset``) by
+:mod:`flows.rerun_rollout` into a new rollout folder beside the old one; its downstream walk starts at the rollout's
+samples, from the outputs beside the rollout folder. RLVR generation is not re-run (the error names the command that
+redoes it), and a downstream walk that reaches an output it cannot re-run reports it stale.
 """
 
 from __future__ import annotations
@@ -115,7 +117,9 @@ def _rerunnable() -> dict[str, Callable[[], tuple[type[BaseModel], Rerun]]]:
 
 
 def _known() -> str:
-    return ", ".join(_rerunnable())
+    from flows.rerun_rollout import ROLLOUT_STAGES
+
+    return ", ".join([*_rerunnable(), *ROLLOUT_STAGES])
 
 
 def _apply(section: dict, overrides: dict) -> dict:
@@ -146,18 +150,25 @@ def _line(name: str, result: StageResult, old: Location) -> str:
 
 
 def rerun_stage(name: str, old_output: str, overrides: list[str], output: str | None, downstream: bool,
-                force: bool) -> list[str]:
+                force: bool, checkpoint: str | None = None) -> list[str]:
     """Re-run stage ``name`` on the inputs recorded in ``old_output``'s manifest with ``overrides`` applied to its
-    config section; write to ``output`` (default ``<old>@<fingerprint>``). Returns lines to print."""
+    config section; write to ``output`` (default ``<old>@<fingerprint>``). Returns lines to print. A rollout
+    (``rollout_turn``, ``rollout_reset``) is replayed by :func:`flows.rerun_rollout.rerun_rollout`; ``checkpoint``
+    (a copy of the checkpoint it was played with) is for it alone."""
+    from flows.rerun_rollout import ROLLOUT_STAGES, rerun_rollout
+
+    if name in ROLLOUT_STAGES:
+        return rerun_rollout(name, old_output, overrides, output, downstream, force, checkpoint)
     table = _rerunnable()
     if name not in table:
         raise RollflowError(
-            f"unknown stage '{name}'; rollflow stage re-runs {_known()}. Rollouts (rollout_reset, rollout_turn, "
-            "rollout_samples) and RLVR generation (rlvr_prompts, rlvr_generate) are not re-run from a turn: redo a "
-            "rollout with rollflow rollout --config FILE --output DIR, an evaluation with rollflow stage eval --from "
-            "runs/<run>/iter_<k>/eval (or rollflow eval --config FILE --checkpoint DIR --output DIR), a run's "
-            "generation with rollflow train --config FILE --set run_name=NEW; then rollflow stage NAME --from ... "
-            "re-runs what reads them")
+            f"unknown stage '{name}'; rollflow stage re-runs {_known()}. A rollout's samples (rollout_samples) are "
+            "made again by replaying its last turn (rollflow stage rollout_turn --from <rollout>/turns/turn_<last>); "
+            "RLVR generation (rlvr_prompts, rlvr_generate) is not re-run: redo a run's generation with rollflow "
+            "train --config FILE --set run_name=NEW, then rollflow stage NAME --from ... re-runs what reads it")
+    if checkpoint is not None:
+        raise RollflowError(f"--checkpoint is for a rollout replay ({', '.join(ROLLOUT_STAGES)}); stage {name} "
+                            "re-runs on the inputs its manifest records: leave --checkpoint out")
     old = Location.of(old_output)
     manifest = read_manifest(old) if old.is_dir() else None
     if manifest is None or manifest.get("stage") != name:
@@ -206,11 +217,12 @@ def _siblings(first: Location) -> dict[str, tuple[Location, dict]]:
     return found
 
 
-def _affected(first: Location) -> dict[str, tuple[Location, dict]]:
-    """Every output beside ``first`` that reads it, or reads one that does (by the manifests' inputs)."""
+def _affected(first: Location, reads: str | None = None) -> dict[str, tuple[Location, dict]]:
+    """Every output beside ``first`` that reads ``reads`` (default: ``first`` itself; a rollout folder's: its
+    samples), or reads one that does (by the manifests' inputs)."""
     siblings = _siblings(first)
     affected: dict[str, tuple[Location, dict]] = {}
-    frontier = [first.path]
+    frontier = [reads or first.path]
     while frontier:
         read = frontier.pop()
         for path, (loc, m) in sorted(siblings.items()):
@@ -220,16 +232,19 @@ def _affected(first: Location) -> dict[str, tuple[Location, dict]]:
     return affected
 
 
-def _rerun_downstream(first_old: Location, first_new: str, tag: str, force: bool) -> list[str]:
+def _rerun_downstream(first_old: Location, first_new: str, tag: str, force: bool,
+                      reads: str | None = None) -> list[str]:
     """Re-run every output downstream of ``first_old`` (re-run into ``first_new``) with its recorded section and
     state, re-run inputs in place of the old ones, into ``<its folder>@<tag>``; an output runs after all of its
-    inputs that are re-run. One that ``rollflow stage`` cannot re-run is reported stale, and so is what reads it."""
+    inputs that are re-run. One that ``rollflow stage`` cannot re-run is reported stale, and so is what reads it.
+    ``reads``: the table of ``first_old`` its readers record (default ``first_old``; a rollout's samples), which
+    ``first_new`` replaces."""
     table = _rerunnable()
-    pending = _affected(first_old)
+    pending = _affected(first_old, reads)
     if not pending:
         return [f"no output beside {first_old.path} reads it; nothing downstream to recompute"]
     lines: list[str] = []
-    replaced = {first_old.path: first_new}
+    replaced = {reads or first_old.path: first_new}
     stale: set[str] = set()
     while pending:
         ready = sorted(path for path, (_, m) in pending.items()

@@ -401,9 +401,10 @@ def _input_schemas(stage: Stage, section: BaseModel, inputs: dict[str, Location]
     return schemas
 
 
-def _write_output(stage: Stage, ctx: StageContext, out: Location, start: float) -> dict[str, Any]:
+def _write_output(stage: Stage, ctx: StageContext, out: Location, start: float,
+                  context: dict[str, Any] | None = None) -> dict[str, Any]:
     """Run ``stage``'s pipeline into ``ctx.output`` (the temporary folder of ``out``), validate what it wrote and
-    return the manifest (all but the fingerprint)."""
+    return the manifest (all but the fingerprint; ``context``, when given, is recorded as it is)."""
     _surface_user_errors()
     tmp = ctx.output
     stage.build(ctx).write_datasink(_ordered_parquet_sink(tmp))
@@ -413,7 +414,7 @@ def _write_output(stage: Stage, ctx: StageContext, out: Location, start: float) 
     stage.check_output(ctx, tmp)
     metrics, state = stage.finalize(ctx, tmp)
     tmp.child(SIDE_DIR).rmtree()
-    return {
+    manifest = {
         "stage": stage.name,
         "version": stage.version,
         "table": stage.output_spec.name,
@@ -428,11 +429,18 @@ def _write_output(stage: Stage, ctx: StageContext, out: Location, start: float) 
         "created_unix": time.time(),
         "seconds": round(time.time() - start, 3),
     }
+    if context is not None:
+        manifest["context"] = context
+    return manifest
 
 
 def run_stage(stage: Stage, section: BaseModel, inputs: dict[str, str], output: str, *, force: bool = False,
-              state_in: dict | None = None, batch_rows: int = 1024) -> StageResult:
-    """Run ``stage`` on ``inputs`` (name → folder) into the folder ``output``; skip if already done."""
+              state_in: dict | None = None, batch_rows: int = 1024,
+              context: dict[str, Any] | None = None) -> StageResult:
+    """Run ``stage`` on ``inputs`` (name → folder) into the folder ``output``; skip if already done.
+
+    ``context``: what ran the stage beyond what its output depends on, recorded in the manifest and not in the
+    fingerprint (a rollout turn's checkpoint folder and engine settings, so ``rollflow stage`` can replay it)."""
     start = time.time()
     out = Location.of(output)
     in_locs = {k: Location.of(v) for k, v in inputs.items()}
@@ -441,7 +449,7 @@ def run_stage(stage: Stage, section: BaseModel, inputs: dict[str, str], output: 
     fp = stage_fingerprint(stage, section, in_locs, state_in)
     manifest, skipped = commit_folder(
         out, fp, lambda tmp: _write_output(stage, StageContext(section, in_locs, schemas, state_in, tmp, batch_rows),
-                                           out, start),
+                                           out, start, context),
         who=f"stage {stage.name}", other="output of stage {stage} with another config or input", force=force)
     if not skipped:
         log.info("stage %s: wrote %d rows to %s in %.1fs", stage.name, manifest["rows"], out.path,

@@ -46,22 +46,27 @@ def recompute(input: Path = typer.Option(..., "--input", help="Folder of stored 
 
 
 @app.command()
-def stage(name: str = typer.Argument(..., help="Stage name: response_rewards, advantages, rewards, rlvr_samples, "
-                                                "logprobs, values, train_step (a checkpoint) or eval "
-                                                "(an evaluation)."),
+def stage(name: str = typer.Argument(..., help="Stage name: rollout_turn (a rollout from one of its turns), "
+                                                "rollout_reset (a rollout from its episodes), response_rewards, "
+                                                "advantages, rewards, rlvr_samples, logprobs, values, train_step "
+                                                "(a checkpoint) or eval (an evaluation)."),
           run_dir: Path = typer.Option(..., "--from", help="An existing output folder of that stage (its manifest "
-                                                            "records the inputs and config)."),
+                                                            "records the inputs and config), e.g. "
+                                                            "runs/<run>/iter_0000/rollout/turns/turn_001."),
           overrides: Optional[list[str]] = OverrideOpt,
           output: Optional[Path] = typer.Option(None, "--output", help="New output folder (default: beside the old "
                                                                        "one, named <stage>@<tag>)."),
           downstream: bool = typer.Option(False, "--downstream", help="Also recompute every output beside it that "
                                                                       "reads it, and theirs (each <folder>@<tag>)."),
+          checkpoint: Optional[Path] = typer.Option(None, "--checkpoint", help="rollout_turn / rollout_reset: a copy "
+                                                    "of the checkpoint the rollout was played with (same files, sizes "
+                                                    "and modification times, cp -a), when the recorded one moved."),
           force: bool = typer.Option(False, "--force")) -> None:
     """Re-run one stage on its recorded inputs with changed settings, keeping the old output."""
     from flows.rerun import rerun_stage
 
     for line in _guard(lambda: rerun_stage(name, str(run_dir), overrides or [], output and str(output),
-                                           downstream, force)):
+                                           downstream, force, checkpoint and str(checkpoint))):
         typer.echo(line)
 
 

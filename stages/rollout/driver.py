@@ -128,16 +128,43 @@ def _remove_stale_turns(out: Location, last_turn: int) -> None:
             Location(turns.fs, info.path).rmtree()
 
 
+@dataclass(frozen=True)
+class Reuse:
+    """Committed tables of an earlier rollout that a replay starts from (``rollflow stage rollout_turn``): its reset
+    table and its turns 0..k-1, as folders in turn order; the replay plays turn k on. The replay's folder holds only
+    what it plays: its turn k reads turn k-1 where it is, and its samples stage records every turn it read."""
+
+    episodes: str
+    turns: tuple[str, ...]
+
+    @property
+    def previous(self) -> str:
+        """The table turn k plays from (turn k-1, or the reset table for k = 0)."""
+        return self.turns[-1] if self.turns else self.episodes
+
+
+def committed_result(path: str) -> StageResult:
+    """The :class:`StageResult` of a committed stage output (its manifest), as a skipped stage reports it."""
+    loc = Location.of(path)
+    manifest = read_manifest(loc) if loc.is_dir() else None
+    if manifest is None:
+        raise ConfigError(f"{loc.path} is not a committed stage output (no manifest.json); re-run the rollout that "
+                          "wrote it")
+    return StageResult(loc.path, manifest["fingerprint"], True, int(manifest.get("rows", 0)), 0.0,
+                       manifest.get("metrics", {}), manifest.get("state", {}))
+
+
 def run_rollout(config: RolloutConfig, output: str, checkpoint: str | None = None, *, force: bool = False,
                 pool: EnginePool | None = None,
                 on_event: Callable[[str, dict[str, Any]], None] | None = None,
-                label: str = "rollout") -> RolloutResult:
+                label: str = "rollout", reuse: Reuse | None = None) -> RolloutResult:
     """Play ``config.num_episodes`` episodes with the policy in ``checkpoint`` and write the tables under ``output``.
 
     ``pool``: an engine pool to reuse (it is pointed at ``checkpoint`` with in-place weight loading and left open);
     without one a pool is created and closed here. ``on_event(name, info)`` is called after each committed stage
     (names ``episodes``, ``turn``, ``samples``) — for progress output. ``label`` heads each turn's progress bar (on a
-    terminal, see :mod:`stages.progress`).
+    terminal, see :mod:`stages.progress`). ``reuse``: start from another rollout's committed reset table and turns
+    0..k-1 (read where they are, not copied) and play turn k on (``rollflow stage rollout_turn``).
     """
     from stages.cluster import require_ray
 
@@ -156,21 +183,28 @@ def run_rollout(config: RolloutConfig, output: str, checkpoint: str | None = Non
         pool = EnginePool(config.engine, model_dir, section.engine.max_model_len)
     else:  # a training flow's pool: same engines, this iteration's weights
         timings["load_weights_seconds"] = pool.use_checkpoint(model_dir)
+    # not fingerprinted: the engine settings beyond the section's identity, for a replay from a turn
+    context = {"engine": pool.config.model_dump(mode="json"), "batch_rows": config.runtime.batch_rows}
     turns: list[StageResult] = []
     try:
-        episodes = run_stage(ResetStage(pool), section, {}, out.child(EPISODES_DIR).path, force=force,
-                             state_in=state, batch_rows=config.runtime.batch_rows)
+        if reuse is None:
+            episodes = run_stage(ResetStage(pool), section, {}, out.child(EPISODES_DIR).path, force=force,
+                                 state_in=state, batch_rows=config.runtime.batch_rows, context=context)
+        else:
+            episodes = committed_result(reuse.episodes)
+            turns = [committed_result(path) for path in reuse.turns]
         timings["reset_seconds"] = episodes.seconds
         notify("episodes", {"result": episodes})
-        previous = episodes
-        for turn in range(max(entry.max_steps for entry in config.env_layout())):
+        previous = turns[-1] if turns else episodes
+        for turn in range(len(turns), max(entry.max_steps for entry in config.env_layout())):
             active = int(previous.metrics.get("active", 0))
             if active == 0:
                 break
             with progress.bar(f"{label} turn {turn}", "episodes", total=active) as ticker:
                 result = run_stage(TurnStage(turn, pool, active, ticker), section, {"previous": previous.output},
                                    out.child(TURNS_DIR).child(turn_dir_name(turn)).path, force=force,
-                                   state_in={**state, "turn": turn}, batch_rows=config.runtime.batch_rows)
+                                   state_in={**state, "turn": turn}, batch_rows=config.runtime.batch_rows,
+                                   context=context)
             turns.append(result)
             notify("turn", {"turn": turn, "result": result})
             previous = result
@@ -232,16 +266,46 @@ def run_eval(config: RolloutConfig, output: str, checkpoint: str | None = None, 
     return result
 
 
+def earlier_tables(turn: Location) -> list[Location]:
+    """The tables turn folder ``turn`` was played from, oldest first: the reset table, then turns 0..k-1, found by
+    following each turn manifest's ``previous`` input (a replay's first turn reads the turn before it in the
+    rollout it replays). Raises a ConfigError naming a link that is gone or is not a rollout table."""
+    chain: list[Location] = []
+    here = turn
+    while True:
+        manifest = read_manifest(here) if here.is_dir() else None
+        if manifest is None or manifest.get("stage") not in (ResetStage.name, TurnStage.name):
+            raise ConfigError(f"{here.path} is not a committed rollout table (episodes/ or turns/turn_<k>/), but "
+                              f"{turn.path} was played from it; restore it, or replay from an earlier turn")
+        if manifest["stage"] == ResetStage.name:
+            return chain[::-1]
+        here = Location(here.fs, manifest["inputs"]["previous"]["path"])
+        chain.append(here)
+
+
 def committed_turn_dirs(output: str) -> list[Location]:
     """The turn tables of a rollout folder, in turn order: those the samples stage read if it committed, else every
-    committed ``turns/turn_*`` folder (a rollout still running or killed)."""
+    committed ``turns/turn_*`` folder (a rollout still running or killed). A replay from a turn
+    (``rollflow stage rollout_turn``) holds only the turns it played: the earlier ones are where it read them."""
     out = Location.of(output)
     manifest = read_manifest(out.child(SAMPLES_DIR)) if out.child(SAMPLES_DIR).exists() else None
     turns = out.child(TURNS_DIR)
-    if manifest:  # the names, resolved inside this folder (it may have been moved since)
-        return [turns.child(name) for name in sorted(manifest.get("inputs", {}))]
+    if manifest:  # the names, resolved inside this folder (it may have been moved since), else where they were read
+        inputs = manifest.get("inputs", {})
+        return [turns.child(name) if turns.child(name).is_dir() else Location(out.fs, inputs[name]["path"])
+                for name in sorted(inputs)]
     if not turns.exists():
         return []
     found = sorted(i.base_name for i in turns.list() if i.base_name.startswith("turn_"))
-    return [turns.child(name) for name in found if read_manifest(turns.child(name)) is not None]
+    played = [turns.child(name) for name in found if read_manifest(turns.child(name)) is not None]
+    return (earlier_tables(played[0])[1:] if played else []) + played
 
+
+def reset_dir(output: str) -> Location | None:
+    """The reset table of the rollout folder ``output``: its ``episodes/``, or for a replay from a turn the one its
+    first turn was played from; None when there is none."""
+    out = Location.of(output)
+    if out.child(EPISODES_DIR).exists():
+        return out.child(EPISODES_DIR)
+    turns = committed_turn_dirs(output)
+    return earlier_tables(turns[0])[0] if turns else None

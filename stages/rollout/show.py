@@ -55,11 +55,11 @@ def _turn_lines(row: dict, max_text: int) -> list[str]:
 
 def render_rollout(output: str, episodes: int = 3, traj_id: str | None = None, max_text: int = 400) -> str:
     """The first ``episodes`` episodes of the rollout in ``output`` (or the one named ``traj_id``), turn by turn."""
-    from stages.rollout.driver import EPISODES_DIR, committed_turn_dirs
+    from stages.rollout.driver import EPISODES_DIR, committed_turn_dirs, reset_dir
 
     out = Location.of(output)
-    reset_loc = out.child(EPISODES_DIR)
-    if not reset_loc.exists():
+    reset_loc = reset_dir(output)
+    if reset_loc is None:
         raise SchemaError(f"{out.path} holds no rollout (no {EPISODES_DIR}/ folder); pass the --output folder of "
                           "rollflow rollout")
     starts = _read(reset_loc, ["traj_id", "group_id", "env_id", "level_seed", "observation"])

@@ -160,3 +160,139 @@ def test_rollout_killed_mid_turn_resumes_to_the_same_samples(uninterrupted, conf
     assert not any(p.name.startswith(".turn_") for p in (out / "turns").iterdir())  # leftovers cleaned
     for name in ("turns/turn_000", "turns/turn_001", "turns/turn_002", "samples"):
         assert _table(out / name).equals(_table(uninterrupted / name)), name
+
+
+# ---- rollflow stage rollout_turn: a replay from a turn of this rollout (with a changed setting and --downstream in
+# a training run's iteration: tests/trainflow/test_rerun_train.py) ------------------------------------------------
+
+def _stage(*args) -> str:
+    result = CliRunner().invoke(_app(), ["stage", *map(str, args)])
+    assert result.exit_code == 0, result.output
+    return result.output
+
+
+def _files(folder: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(folder.glob("*.parquet"))}
+
+
+def _replay(output: str) -> Path:
+    """The rollout folder a replay wrote, from its first line ("rollout_turn: wrote N rows to <folder>/samples")."""
+    line = output.splitlines()[0]
+    assert line.startswith("rollout_turn: "), output
+    return Path(line.split(" rows to ")[1].split(" ")[0]).parent
+
+
+def test_replay_from_a_turn_without_changes_reproduces_it_and_shares_the_earlier_turns(uninterrupted):
+    """``rollflow stage rollout_turn --from turns/turn_001`` with nothing changed: turns 1 and 2 are played again with
+    the recorded checkpoint (sampling is seeded per episode and turn) and equal the original byte for byte, with the
+    same fingerprints; the reset table and turn 0 are not copied — the new folder's manifests point at them, so
+    ``show`` and ``lineage`` find them; the original is untouched; the same call again writes nothing."""
+    from tests.spine.helpers import tree_digest
+
+    before = tree_digest(uninterrupted)
+    out = _stage("rollout_turn", "--from", uninterrupted / "turns/turn_001")
+    new = _replay(out)
+    assert new.parent == uninterrupted.parent and new.name.startswith("a@")
+    assert f"wrote 12 rows to {new / 'samples'}" in out and "turns 1-2 played anew" in out
+    assert sorted(p.name for p in new.iterdir()) == ["samples", "turns"]
+    assert sorted(p.name for p in (new / "turns").iterdir()) == ["turn_001", "turn_002"]
+    for name in ("turns/turn_001", "turns/turn_002", "samples"):
+        assert _files(new / name) == _files(uninterrupted / name), name
+        assert (read_manifest(Location.of(str(new / name)))["fingerprint"]
+                == read_manifest(Location.of(str(uninterrupted / name)))["fingerprint"]), name
+    samples = read_manifest(Location.of(str(new / "samples")))
+    assert {k: v["path"] for k, v in samples["inputs"].items()} == {
+        "turn_000": str(uninterrupted / "turns/turn_000"), "turn_001": str(new / "turns/turn_001"),
+        "turn_002": str(new / "turns/turn_002")}
+    assert tree_digest(uninterrupted) == before, "the original is untouched"
+
+    shown = CliRunner().invoke(_app(), ["show", str(new), "--episodes", "1", "--max-text", "10"])
+    assert shown.exit_code == 0 and "3 turn table(s)" in shown.output and "  turn 3" in shown.output, shown.output
+    lineage = CliRunner().invoke(_app(), ["lineage", str(new / "samples")])
+    assert f"<- turn_000: {uninterrupted / 'turns/turn_000'}  stage rollout_turn" in lineage.output
+    assert f"<- previous: {uninterrupted / 'episodes'}  stage rollout_reset" in lineage.output
+    assert "none is stale" in lineage.output
+
+    again = tree_digest(new)
+    assert "rollout_turn: up to date" in _stage("rollout_turn", "--from", uninterrupted / "turns/turn_001")
+    assert tree_digest(new) == again and tree_digest(uninterrupted) == before
+
+
+def test_replay_with_a_shorter_reply_budget_plays_new_turns_and_downstream_recomputes_what_read_the_samples(
+        uninterrupted, tiny_model, tmp_path):
+    """``--set generating_args.max_new_tokens=3 --checkpoint COPY --downstream`` (the recorded checkpoint copied with
+    its files' times, ``cp -a``): turns 1 and 2 are new, every reply cut at 3 tokens (the original's at 8), from the
+    same prompts at turn 1; turn 0 is shared. The rewards beside the rollout folder that read its samples (a real
+    reader; in a training iteration the log-probs read them, and tests/trainflow/test_rerun_train.py checks that the
+    walk finds that chain) are re-run on the new samples into ``rewarded@<tag>``; the originals are untouched."""
+    import shutil
+
+    from schemas.config import ResponseRewardSection, section
+    from stages.response_rewards import ResponseRewardsStage
+    from stages.runner import run_stage
+    from tests.spine.helpers import GRPO, config, tree_digest
+
+    root, rollout = uninterrupted.parent, uninterrupted
+    rewards = section(config(GRPO, group_size=2), ResponseRewardSection)
+    run_stage(ResponseRewardsStage(), rewards, {"samples": str(rollout / "samples")}, str(root / "rewarded"))
+    before = {k: v for k, v in tree_digest(root).items() if "@" not in k}
+    copy = Path(shutil.copytree(tiny_model, tmp_path / "ckpt"))  # copy2: sizes and modification times kept
+    out = _stage("rollout_turn", "--from", rollout / "turns/turn_001", "--set", "generating_args.max_new_tokens=3",
+                 "--checkpoint", copy, "--downstream")
+    new = _replay(out)
+    tag = new.name.split("@")[1]
+    assert {"a", "rewarded", f"a@{tag}", f"rewarded@{tag}"} <= {p.name for p in root.iterdir()}
+    assert f"wrote 12 rows to {new / 'samples'}" in out and "response_rewards: wrote" in out and "stale" not in out
+    assert sorted(p.name for p in (new / "turns").iterdir()) == ["turn_001", "turn_002"]
+    for turn in ("turn_001", "turn_002"):
+        now, was = _table(new / "turns" / turn), _table(rollout / "turns" / turn)
+        assert max(len(ids) for ids in now.column("response_ids").to_pylist()) <= 3
+        assert {len(ids) for ids in was.column("response_ids").to_pylist()} == {8}
+        assert now.column("traj_id").equals(was.column("traj_id"))
+        manifest = read_manifest(Location.of(str(new / "turns" / turn)))
+        assert manifest["section"]["generating_args"]["max_new_tokens"] == 3
+        assert manifest["state_in"]["checkpoint"]["path"] == str(copy)
+    assert _table(new / "turns/turn_001").column("prompt_ids").equals(
+        _table(rollout / "turns/turn_001").column("prompt_ids")), "turn 1 is played from the same turn 0"
+    played = ["row_id", "input_ids", "response_mask", "infer_logprobs", "prompt_len"]
+    now, was = (_table(folder / "samples").select(played) for folder in (new, rollout))
+    first = pa.compute.field("row_id").isin(_table(rollout / "samples").filter(
+        pa.compute.field("turn_idx") == 0).column("row_id"))
+    assert now.filter(first).equals(was.filter(first)), "the samples of turn 0 are the run's"
+    assert now.num_rows == was.num_rows == 12 and not now.equals(was)
+    rewarded = read_manifest(Location.of(str(root / f"rewarded@{tag}")))
+    assert rewarded["inputs"]["samples"]["path"] == str(new / "samples")
+    assert rewarded["section"] == read_manifest(Location.of(str(root / "rewarded")))["section"]
+    assert {k: v for k, v in tree_digest(root).items() if "@" not in k} == before, "the originals are untouched"
+
+
+def test_replay_refuses_bad_requests_with_exit_2_and_writes_nothing(uninterrupted, tiny_model, tmp_path):
+    """Not a turn folder, a turn beyond the last, an unknown key, a key fixed by the reused turns, an output inside
+    the rollout, a checkpoint that is not the one it was played with: exit 2, one message, nothing written."""
+    import shutil
+
+    from tests.spine.helpers import tree_digest
+
+    changed = Path(shutil.copytree(tiny_model, tmp_path / "changed"))
+    (changed / "config.json").write_text((changed / "config.json").read_text() + " ")
+    parent = uninterrupted.parent
+    before = {p.name for p in parent.iterdir()}, tree_digest(uninterrupted)
+    cases = [
+        (["--from", uninterrupted / "samples"], "is not an output of stage rollout_turn (it holds an output of stage "
+                                                "rollout_samples)"),
+        (["--from", uninterrupted / "turns/turn_005"], "played 3 turn(s), turn_000 to turn_002; pass one of those"),
+        (["--from", uninterrupted / "turns/turn_001", "--set", "generating_args.temprature=0.5"],
+         "generating_args.temprature"),
+        (["--from", uninterrupted / "turns/turn_001", "--set", "seed=8"], "from a turn on only the sampling"),
+        (["--from", uninterrupted / "turns/turn_001", "--output", uninterrupted / "x"], "lies in the rollout"),
+        (["--from", uninterrupted / "turns/turn_001", "--checkpoint", tmp_path], "has no config.json"),
+        (["--from", uninterrupted / "turns/turn_001", "--checkpoint", changed], "is not the checkpoint the rollout "
+                                                                               "was played with"),
+    ]
+    for args, phrase in cases:
+        result = CliRunner().invoke(_app(), ["stage", "rollout_turn", *map(str, args)])
+        assert result.exit_code == 2, (args, result.output)
+        assert phrase in " ".join(result.output.split()), (args, result.output)
+    reset = CliRunner().invoke(_app(), ["stage", "rollout_reset", "--from", uninterrupted / "turns/turn_001"])
+    assert reset.exit_code == 2 and "is not an output of stage rollout_reset" in reset.output
+    assert ({p.name for p in parent.iterdir()}, tree_digest(uninterrupted)) == before, "nothing written"

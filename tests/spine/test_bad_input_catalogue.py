@@ -20,8 +20,9 @@ Organisation (ids are ``<command>-<what is bad>``):
 * ``SCORE`` — ``rollflow score`` beyond tests/spine/test_bad_input_commands.py: reward workers and routes, the domain
   column, and model outputs that cannot be read (a null or non-text ``response``).
 * ``FORWARD`` — ``logprobs`` / ``values`` / ``train-step``: model folders that are not checkpoints, config values.
-* ``STAGE`` — ``rollflow stage``: unknown stage, a folder that is not that stage's output, bad ``--set``, recorded
-  inputs that are gone, an output that is a file.
+* ``STAGE`` — ``rollflow stage``: unknown stage, a folder that is not that stage's output (a rollout turn's too),
+  bad ``--set``, recorded inputs that are gone, an output that is a file, ``--checkpoint`` for a stage that is not a
+  rollout (the rollout replay's own refusals: tests/rollout/test_rollout_flow.py).
 * ``FOLDERS`` — ``lineage``, ``report``, ``inspect``, ``validate``, ``show`` on paths that are not what they read.
 * ``TOOLS`` — ``example``, ``rlvr-example``, ``demo``, ``deploy``, ``server``: option values and paths.
 * ``USAGE`` — Click's own refusals (unknown or missing options): exit 2 with the option named, no traceback.
@@ -301,6 +302,13 @@ STAGE = {
                                 ["field 'gamma'", "less than or equal to 1"]),
     "stage-recorded-input-gone": (["stage", "advantages", "--from", "stage_out"],
                                   ["input 'samples' of", "no longer exists", "restore it, or re-run"]),
+    "stage-rollout-turn-from-another-stages-output": (["stage", "rollout_turn", "--from", "stage_ok"],
+                                                      ["stage_ok is not an output of stage rollout_turn",
+                                                       "pass a rollout's turn folder",
+                                                       "runs/<run>/iter_0000/rollout/turns/turn_001"]),
+    "stage-checkpoint-not-a-rollout": (["stage", "advantages", "--from", "stage_ok", "--checkpoint", "emptydir"],
+                                       ["--checkpoint is for a rollout replay (rollout_turn, rollout_reset)",
+                                        "leave --checkpoint out"]),
     "stage-output-is-a-file": (["stage", "advantages", "--from", "stage_ok", "--set", "gamma=0.9", "--output",
                                 "afile"], ["afile is an existing file", "pass a folder"]),
 }

@@ -286,7 +286,7 @@ def test_stage_rerun_of_the_logprobs_in_another_dtype_recomputes_what_reads_them
     """``rollflow stage logprobs --set dtype=… --downstream`` on an iteration of a finished run: new log-probs beside
     the old ones, then the rewards and advantages that read them (each ``<folder>@<tag>``, the advantages after both
     of their re-run inputs), the training step on the new advantages and the evaluation of its checkpoint; the run's
-    own outputs are untouched, and the same call again is up to date."""
+    own outputs are untouched, and the same call again is up to date and writes nothing."""
     it = finished_run / "iter_0000"
     old_manifest = json.loads((it / "logprobs/manifest.json").read_text())
     dtype = "fp32" if old_manifest["section"]["dtype"] == "bf16" else "bf16"
@@ -316,6 +316,10 @@ def test_stage_rerun_of_the_logprobs_in_another_dtype_recomputes_what_reads_them
     assert json.loads((it / f"eval@{tag}/manifest.json").read_text())["inputs"]["checkpoint"]["path"] == str(
         it / f"checkpoint@{tag}")
     assert {p: p.stat().st_mtime_ns for p in it.glob("*/manifest.json") if "@" not in p.parent.name} == stamps
+    from tests.spine.helpers import tree_digest
+
+    before = tree_digest(it)
     again = _rollflow("stage", "logprobs", "--from", str(it / "logprobs"), "--set", f"dtype={dtype}", "--downstream",
                       env=cli_env)
     assert again.returncode == 0 and again.stdout.count("up to date") == 5, again.stdout
+    assert tree_digest(it) == before, "an up-to-date re-run writes nothing"
