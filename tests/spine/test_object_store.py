@@ -14,6 +14,8 @@ import logging
 import os
 import subprocess
 import sys
+import threading
+from contextlib import contextmanager
 from pathlib import Path
 
 import pyarrow as pa
@@ -28,7 +30,7 @@ from stages.runner import run_stage
 from stages.storage import ATTEMPT_KEY, Location, read_manifest, read_table_schema
 from tests.processes import sigkill_when
 from tests.spine.conftest import SMALL
-from tests.spine.helpers import GIGPO, assert_tables_equal, config, read_table, run_recompute
+from tests.spine.helpers import GIGPO, assert_tables_equal, read_table
 from tests.spine.test_runner import CopySection, CopyStage
 
 BUCKET = "rollflow-test"
@@ -122,29 +124,48 @@ def test_failed_stage_keeps_the_previous_output_and_stale_attempts_are_removed(s
 
 
 # ---- rollflow recompute on s3://, killed mid-stage and resumed ----------------------------------------------------
-def _advantages_in_progress(uri: str) -> bool:
-    """The advantages stage has recorded at least one batch under an attempt of ``uri`` (not committed yet)."""
-    names = objects(uri)
-    return "manifest.json" not in names and any("/_partials/" in n for n in names)
+@contextmanager
+def held_put(key_suffix: str):
+    """The S3 server holds the first PUT of a key ending in ``key_suffix`` (the commit point of a stage) and never
+    stores it. Yields an event set once that PUT arrived: the writer is then stopped exactly before its commit,
+    with every part written, the worst moment for a kill."""
+    from moto.s3.models import S3Backend
+
+    reached, release = threading.Event(), threading.Event()
+    original = S3Backend.put_object
+
+    def put_object(self, bucket_name, key_name, *args, **kwargs):
+        if key_name.endswith(key_suffix) and not reached.is_set():
+            reached.set()
+            release.wait(600)
+            raise RuntimeError(f"the test's S3 server dropped the PUT of {key_name}")
+        return original(self, bucket_name, key_name, *args, **kwargs)
+
+    S3Backend.put_object = put_object
+    try:
+        yield reached
+    finally:
+        S3Backend.put_object = original
+        release.set()
 
 
 @pytest.mark.slow
-def test_recompute_on_s3_killed_mid_stage_resumes_to_the_local_output(s3, cli_env, ray_cluster, tmp_path):
-    spec = ExampleSpec(samples=400, seed=1, rows_per_file=120, **SMALL)  # step_set's rows, uploaded
+def test_recompute_on_s3_killed_at_the_commit_resumes_to_the_local_output(s3, cli_env, base_run, tmp_path):
+    """``rollflow recompute`` from and to s3:// is SIGKILLed when the advantages stage has written all its parts and
+    sends its manifest: a reader sees the committed rewards table and nothing of the advantages; the same command
+    again skips the rewards, redoes the advantages, removes the dead attempt, and both tables equal the local run's
+    (``base_run``: the same samples and config) byte for byte."""
     samples, run = f"s3://{BUCKET}/kill/samples", f"s3://{BUCKET}/kill/run"
-    generate(spec, samples)
-    local_samples = str(tmp_path / "samples")
-    generate(spec, local_samples)
-    rows = 25  # 16 batches: the kill lands inside the advantages stage
-    cmd = [*ROLLFLOW, "recompute", "--input", samples, "--config", GIGPO, "--output", run,
-           "--set", f"runtime.batch_rows={rows}", "--set", "runtime.num_cpus=2"]
+    generate(ExampleSpec(samples=400, seed=1, rows_per_file=120, **SMALL), samples)  # step_set's rows
+    cmd = [*ROLLFLOW, "recompute", "--input", samples, "--config", GIGPO, "--output", run]
     env = {**cli_env, **s3, "PYTHONPATH": str(REPO)}
-    sigkill_when(cmd, lambda: _advantages_in_progress(f"{run}/advantaged"), tmp_path / "killed.log", env=env,
-                 cwd=str(REPO), timeout_s=400, what="the advantages stage")
+    with held_put("kill/run/advantaged/manifest.json") as committing:
+        sigkill_when(cmd, committing.is_set, tmp_path / "killed.log", env=env, cwd=str(REPO), timeout_s=400,
+                     what="the commit of the advantages stage")
 
     assert "manifest.json" in objects(f"{run}/rewarded"), "the first stage was committed before the kill"
     left = objects(f"{run}/advantaged")
-    assert left and "manifest.json" not in left, "the killed stage left parts under its attempt, no manifest"
+    assert any(n.endswith(".parquet") for n in left) and "manifest.json" not in left, left
     assert Location.of(f"{run}/advantaged").parquet_files() == []  # a reader trusts nothing of it
     with pytest.raises(SchemaError, match="holds no .parquet files"):
         read_table_schema(Location.of(f"{run}/advantaged"), "advantaged")
@@ -154,17 +175,13 @@ def test_recompute_on_s3_killed_mid_stage_resumes_to_the_local_output(s3, cli_en
     assert rerun.returncode == 0, rerun.stdout[-3000:] + rerun.stderr[-3000:]
     lines = rerun.stdout.splitlines()
     assert "up to date, skipped" in lines[0] and "computed in" in lines[1], rerun.stdout[:2000]
-    manifest = read_manifest(Location.of(f"{run}/advantaged"))
-    assert {n.split("/")[0] for n in objects(f"{run}/advantaged")} == {"manifest.json", manifest[ATTEMPT_KEY]}
-
-    reference = tmp_path / "reference"
-    run_recompute(local_samples, str(reference), config(GIGPO, runtime={"batch_rows": rows}))
     for name in ("rewarded", "advantaged"):
-        assert_tables_equal(read_s3_table(f"{run}/{name}"), read_table(reference / name), name)
-        local_bytes = [p.read_bytes() for p in sorted((reference / name).glob("*.parquet"))]
-        assert s3_bytes(f"{run}/{name}") == local_bytes, f"{name}: the Parquet files differ from the local run's"
-        local_manifest = read_manifest(Location.of(str(reference / name)))
-        assert read_manifest(Location.of(f"{run}/{name}"))["fingerprint"] == local_manifest["fingerprint"]
+        manifest = read_manifest(Location.of(f"{run}/{name}"))  # one attempt and its manifest: the dead one is gone
+        assert {n.split("/")[0] for n in objects(f"{run}/{name}")} == {"manifest.json", manifest[ATTEMPT_KEY]}
+        local = Path(base_run) / name
+        assert_tables_equal(read_s3_table(f"{run}/{name}"), read_table(local), name)
+        assert s3_bytes(f"{run}/{name}") == [p.read_bytes() for p in sorted(local.glob("*.parquet"))], name
+        assert manifest["fingerprint"] == read_manifest(Location.of(str(local)))["fingerprint"]
 
 
 # ---- a store that cannot be used: one line, exit 2, nothing written -------------------------------------------------
@@ -221,3 +238,39 @@ def test_uri_options_are_refused_with_the_environment_variables_to_use(s3):
     with pytest.raises(Exception, match="AWS_ENDPOINT_URL") as err:
         Location.of(f"s3://{BUCKET}/run?endpoint_override=127.0.0.1:1&scheme=http")
     assert f"pass s3://{BUCKET}/run" in str(err.value)
+
+
+# ---- a training checkpoint on s3:// -----------------------------------------------------------------------------
+@pytest.mark.slow
+def test_train_step_checkpoint_is_uploaded_and_trained_from_again(s3, tiny_model, ray_cluster, tmp_path):
+    """DeepSpeed writes local files: the step trains into a local staging folder that is uploaded under an attempt
+    (manifest last); the next step downloads it (weights and DeepSpeed state) and continues from its state."""
+    from schemas.train_config import TrainStepConfig
+    from stages.train.checkpoint import read_checkpoint
+    from stages.train.stage import run_train_step
+    from tests.train.tables import advantaged_rows, write_table
+
+    samples = write_table(advantaged_rows(6, lengths=(6, 20), seed=3), tmp_path / "samples")
+    cfg = TrainStepConfig.model_validate({
+        "adv_estimator": "grpo", "actor_train": {"training_args": {"learning_rate": 1e-3,
+                                                                   "per_device_train_batch_size": 2},
+                                                 "max_tokens_per_microbatch_in_train": 64},
+        "runtime": {"num_workers": 1}})
+    first = run_train_step(str(samples), str(tiny_model), cfg, f"s3://{BUCKET}/ck/s1")
+    manifest = read_manifest(Location.of(f"s3://{BUCKET}/ck/s1"))
+    stored = objects(f"s3://{BUCKET}/ck/s1")
+    assert first.output == f"s3://{BUCKET}/ck/s1" and first.state["global_step"] == 1
+    assert sorted(stored) == sorted(["manifest.json", *(o["name"] for o in manifest["objects"])])
+    names = [o["name"].split("/", 1)[1] for o in manifest["objects"]]
+    assert "config.json" in names and any(n.endswith(".safetensors") for n in names)
+    assert any(n.startswith("deepspeed/actor/") for n in names), "DeepSpeed's state was uploaded"
+
+    info = read_checkpoint(f"s3://{BUCKET}/ck/s1")  # downloaded once into the cache
+    assert info.global_step == 1 and info.actor_state is not None
+    assert read_checkpoint(f"s3://{BUCKET}/ck/s1").path == info.path
+
+    second = run_train_step(str(samples), f"s3://{BUCKET}/ck/s1", cfg, f"s3://{BUCKET}/ck/s2")
+    assert second.state["global_step"] == 2
+    assert second.state["optimizer_steps"] == 2 * first.state["optimizer_steps"], "it continued from s1's state"
+    recorded = read_manifest(Location.of(f"s3://{BUCKET}/ck/s2"))["inputs"]["checkpoint"]
+    assert recorded["fingerprint"] == manifest["fingerprint"]
