@@ -397,7 +397,8 @@ def _drop_attempts(output: Location, keep: str | None) -> None:
 
 def _attempt_objects(output: Location, attempt: Location) -> list[dict]:
     """Every file under ``attempt`` as ``{"name": <path relative to output>, "bytes": size}``, sorted by name."""
-    infos = attempt.fs.get_file_info(pafs.FileSelector(attempt.path, recursive=True))
+    # allow_not_found: an output of no rows wrote no object, so the attempt prefix does not exist
+    infos = attempt.fs.get_file_info(pafs.FileSelector(attempt.path, recursive=True, allow_not_found=True))
     return sorted(({"name": i.path[len(output.path) + 1:], "bytes": i.size} for i in infos
                    if i.type == pafs.FileType.File), key=lambda o: o["name"])
 

@@ -274,3 +274,35 @@ def test_train_step_checkpoint_is_uploaded_and_trained_from_again(s3, tiny_model
     assert second.state["optimizer_steps"] == 2 * first.state["optimizer_steps"], "it continued from s1's state"
     recorded = read_manifest(Location.of(f"s3://{BUCKET}/ck/s2"))["inputs"]["checkpoint"]
     assert recorded["fingerprint"] == manifest["fingerprint"]
+
+
+# ---- the metrics table and a record of parts on s3:// -------------------------------------------------------------
+def test_metrics_table_on_s3_replaces_parts_and_reads_back(s3):
+    from stages.metrics import MetricsLog, read_metrics
+
+    run = f"s3://{BUCKET}/metrics-run"
+    with MetricsLog(run) as log:  # no TensorBoard mirror off local disk
+        for it in range(3):
+            log.log(it, "train", {"actor/pg_loss": float(it)}, wall_s=1.0)
+        log.log(1, "train", {"actor/pg_loss": 10.0})  # a resumed iteration replaces its part
+        assert log.has(2, "train") and log.drop_after(1) == 1
+    table = read_metrics(run)
+    loss = table.filter(pa.compute.equal(table["name"], "actor/pg_loss"))
+    assert loss["iteration"].to_pylist() == [0, 1] and loss["value"].to_pylist() == [0.0, 10.0]
+    assert sorted(n.split("-")[1] for n in objects(f"{run}/metrics")) == ["iter000000", "iter000001"]
+    assert not objects(f"{run}/tensorboard")
+
+
+def test_a_record_of_committed_parts_on_s3_is_written_last_and_kept_when_up_to_date(s3):
+    """A rollout's folder: each part committed by its own stage, then the folder's own manifest (commit_record)."""
+    from stages.runner import commit_folder, commit_record
+
+    folder = Location.of(f"s3://{BUCKET}/record")
+    part = folder.child("turn_000")
+    commit_folder(part, "fp-part", lambda tmp: {"files": []}, who="test", other="another part")
+    with pytest.raises(Exception, match="parts of this output are missing"):
+        commit_record(Location.of(f"s3://{BUCKET}/record-missing"), "fp", lambda: {})
+    manifest, skipped = commit_record(folder, "fp-whole", lambda: {"stage": "eval", "parts": ["turn_000"]})
+    assert not skipped and read_manifest(folder) == manifest and manifest["fingerprint"] == "fp-whole"
+    assert sorted(objects(folder.uri())) == ["manifest.json", "turn_000/manifest.json"]
+    assert commit_record(folder, "fp-whole", lambda: {"stage": "other"})[1], "an up-to-date record is kept"
