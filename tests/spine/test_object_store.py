@@ -3,16 +3,15 @@ moto's server mode, one per module, on a free port. pyarrow reaches it through `
 
 The commit protocol: a stage writes under an attempt prefix inside its output folder and commits by writing the
 manifest last; readers trust only what a manifest lists; a failed or killed attempt leaves the previous output as it
-was and is removed by the next write. Checked in-process on the runner, with ``rollflow recompute`` killed by SIGKILL
-mid-stage and resumed (equal to a local run), with a training checkpoint uploaded and trained from again, and with
-the three ways an object store cannot be used (one error line, exit 2, nothing written).
+was and is removed by the next write. Checked on the runner's commit, with ``rollflow recompute`` killed by SIGKILL at
+its commit point and resumed (equal to a local run byte for byte), with a training checkpoint uploaded and read back,
+with the metrics table, and with the ways an object store cannot be used (one error line, exit 2, nothing written).
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import subprocess
 import sys
 import threading
 from contextlib import contextmanager
@@ -26,12 +25,10 @@ from typer.testing import CliRunner
 
 from schemas.errors import SchemaError
 from stages.example import ExampleSpec, generate
-from stages.runner import run_stage
 from stages.storage import ATTEMPT_KEY, Location, read_manifest, read_table_schema
 from tests.processes import sigkill_when
 from tests.spine.conftest import SMALL
 from tests.spine.helpers import GIGPO, assert_tables_equal, read_table
-from tests.spine.test_runner import CopySection, CopyStage
 
 BUCKET = "rollflow-test"
 ROLLFLOW = [sys.executable, "-m", "flows.cli"]
@@ -91,36 +88,49 @@ def s3_bytes(uri: str) -> list[bytes]:
 
 
 # ---- the protocol on the runner ------------------------------------------------------------------------------------
-def test_failed_stage_keeps_the_previous_output_and_stale_attempts_are_removed(s3, step_set, ray_cluster):
-    out = f"s3://{BUCKET}/proto/copy"
-    first = run_stage(CopyStage(), CopySection(tag="a"), {"samples": step_set}, out, batch_rows=100)
-    assert not first.skipped and first.output == out
-    committed = objects(out)
-    manifest = read_manifest(Location.of(out))
-    attempt = manifest[ATTEMPT_KEY]
+def _fill_with(table: pa.Table, fail_after: int | None = None):
+    """A ``commit_folder`` fill writing ``table`` as two parts (``fail_after=1``: raise after the first)."""
+    def fill(folder: Location) -> dict:
+        files = []
+        for i, part in enumerate((table.slice(0, 100), table.slice(100))):
+            if fail_after is not None and i == fail_after:
+                raise RuntimeError("boom after the first part")
+            with folder.fs.open_output_stream(f"{folder.path}/{i:08d}.parquet") as f:
+                pq.write_table(part, f)
+            files.append({"name": f"{i:08d}.parquet", "rows": part.num_rows})
+        return {"files": files, "rows": table.num_rows}
+    return fill
+
+
+def test_failed_write_keeps_the_previous_output_and_stale_attempts_are_removed(s3, step_set):
+    from stages.runner import commit_folder
+
+    table = read_table(step_set)
+    out = Location.of(f"s3://{BUCKET}/proto/copy")
+    commit = dict(who="test", other="another output")
+    manifest, skipped = commit_folder(out, "fp-a", _fill_with(table), **commit)
+    committed, attempt = objects(out.uri()), manifest[ATTEMPT_KEY]
+    assert not skipped and read_manifest(out) == manifest
     assert sorted(committed) == sorted(["manifest.json", *(o["name"] for o in manifest["objects"])])
     assert all(name.startswith(f"{attempt}/") for name in committed if name != "manifest.json")
-    assert_tables_equal(read_s3_table(out), read_table(step_set), "copy on s3")
+    assert_tables_equal(read_s3_table(out.uri()), table, "committed")
 
-    with pytest.raises(RuntimeError, match="boom"):  # fails in its second batch, after writing the first
-        run_stage(CopyStage(), CopySection(fail="runtime", tag="b"), {"samples": step_set}, out, force=True,
-                  batch_rows=100)
-    assert objects(out) == committed, "a failed attempt leaves the committed output exactly as it was"
+    with pytest.raises(RuntimeError, match="boom"):  # fails after writing a part of its replacement
+        commit_folder(out, "fp-b", _fill_with(table, fail_after=1), force=True, **commit)
+    assert objects(out.uri()) == committed, "a failed attempt leaves the committed output exactly as it was"
 
     # a killed attempt's parts (no manifest names them) are never read, and the next write removes them
-    stray = Location.of(f"{out}/.attempt-1-dead")
-    with stray.fs.open_output_stream(f"{stray.path}/00000000.parquet") as f:
-        pq.write_table(read_table(step_set).slice(0, 5), f)
-    assert len(Location.of(out).parquet_files()) == len(manifest["files"])
-    assert_tables_equal(read_s3_table(out), read_table(step_set), "stray attempt ignored")
-    again = run_stage(CopyStage(), CopySection(tag="a"), {"samples": step_set}, out, batch_rows=100)
-    assert again.skipped and objects(out) == committed, "the up-to-date output is kept, the stray attempt removed"
+    with out.fs.open_output_stream(f"{out.path}/.attempt-1-dead/00000000.parquet") as f:
+        pq.write_table(table.slice(0, 5), f)
+    assert len(out.parquet_files()) == len(manifest["files"])
+    assert_tables_equal(read_s3_table(out.uri()), table, "stray attempt ignored")
+    assert commit_folder(out, "fp-a", _fill_with(table), **commit)[1], "up to date: skipped"
+    assert objects(out.uri()) == committed, "the stray attempt is gone, the committed output kept"
 
-    replaced = run_stage(CopyStage(), CopySection(tag="b"), {"samples": step_set}, out, force=True, batch_rows=100)
-    new = read_manifest(Location.of(out))
-    assert not replaced.skipped and new[ATTEMPT_KEY] != attempt
-    assert {n.split("/")[0] for n in objects(out)} == {"manifest.json", new[ATTEMPT_KEY]}, "the old attempt is gone"
-    assert_tables_equal(read_s3_table(out), read_table(step_set), "replaced")
+    new, _ = commit_folder(out, "fp-b", _fill_with(table.slice(0, 150)), force=True, **commit)
+    assert new[ATTEMPT_KEY] != attempt
+    assert {n.split("/")[0] for n in objects(out.uri())} == {"manifest.json", new[ATTEMPT_KEY]}, "old attempt gone"
+    assert_tables_equal(read_s3_table(out.uri()), table.slice(0, 150), "replaced")
 
 
 # ---- rollflow recompute on s3://, killed mid-stage and resumed ----------------------------------------------------
@@ -150,11 +160,12 @@ def held_put(key_suffix: str):
 
 
 @pytest.mark.slow
-def test_recompute_on_s3_killed_at_the_commit_resumes_to_the_local_output(s3, cli_env, base_run, tmp_path):
+def test_recompute_on_s3_killed_at_the_commit_resumes_to_the_local_output(s3, cli_env, base_run, ray_cluster,
+                                                                          tmp_path):
     """``rollflow recompute`` from and to s3:// is SIGKILLed when the advantages stage has written all its parts and
     sends its manifest: a reader sees the committed rewards table and nothing of the advantages; the same command
-    again skips the rewards, redoes the advantages, removes the dead attempt, and both tables equal the local run's
-    (``base_run``: the same samples and config) byte for byte."""
+    again (in this process) skips the rewards, redoes the advantages, removes the dead attempt, and both tables
+    equal the local run's (``base_run``: the same samples and config) byte for byte."""
     samples, run = f"s3://{BUCKET}/kill/samples", f"s3://{BUCKET}/kill/run"
     generate(ExampleSpec(samples=400, seed=1, rows_per_file=120, **SMALL), samples)  # step_set's rows
     cmd = [*ROLLFLOW, "recompute", "--input", samples, "--config", GIGPO, "--output", run]
@@ -170,11 +181,14 @@ def test_recompute_on_s3_killed_at_the_commit_resumes_to_the_local_output(s3, cl
     with pytest.raises(SchemaError, match="holds no .parquet files"):
         read_table_schema(Location.of(f"{run}/advantaged"), "advantaged")
 
-    rerun = subprocess.run(cmd, env=env, cwd=str(REPO), capture_output=True, text=True, timeout=500,
-                           start_new_session=True)
-    assert rerun.returncode == 0, rerun.stdout[-3000:] + rerun.stderr[-3000:]
-    lines = rerun.stdout.splitlines()
-    assert "up to date, skipped" in lines[0] and "computed in" in lines[1], rerun.stdout[:2000]
+    from flows.cli import app  # the same command again, in this process (its Ray cluster, no process start-up)
+
+    rerun = CliRunner().invoke(app, cmd[3:])
+    assert rerun.exit_code == 0, rerun.output[-3000:]
+    removed = [line for line in rerun.output.splitlines() if line.startswith("WARNING: removing")]
+    assert len(removed) == 1 and "advantaged/.attempt-" in removed[0], rerun.output[:2000]  # the dead attempt
+    lines = [line for line in rerun.output.splitlines() if line not in removed]
+    assert "up to date, skipped" in lines[0] and "computed in" in lines[1], rerun.output[:2000]
     for name in ("rewarded", "advantaged"):
         manifest = read_manifest(Location.of(f"{run}/{name}"))  # one attempt and its manifest: the dead one is gone
         assert {n.split("/")[0] for n in objects(f"{run}/{name}")} == {"manifest.json", manifest[ATTEMPT_KEY]}
@@ -242,11 +256,14 @@ def test_uri_options_are_refused_with_the_environment_variables_to_use(s3):
 
 # ---- a training checkpoint on s3:// -----------------------------------------------------------------------------
 @pytest.mark.slow
-def test_train_step_checkpoint_is_uploaded_and_trained_from_again(s3, tiny_model, ray_cluster, tmp_path):
+def test_train_step_checkpoint_is_uploaded_and_read_back(s3, tiny_model, ray_cluster, tmp_path):
     """DeepSpeed writes local files: the step trains into a local staging folder that is uploaded under an attempt
-    (manifest last); the next step downloads it (weights and DeepSpeed state) and continues from its state."""
+    (manifest last). Read back by URI, the checkpoint is downloaded once into the cache (what its manifest lists),
+    byte for byte, with the DeepSpeed state that training resumes from."""
+    import hashlib
+
     from schemas.train_config import TrainStepConfig
-    from stages.train.checkpoint import read_checkpoint
+    from stages.train.checkpoint import check_trainable, read_checkpoint
     from stages.train.stage import run_train_step
     from tests.train.tables import advantaged_rows, write_table
 
@@ -256,24 +273,26 @@ def test_train_step_checkpoint_is_uploaded_and_trained_from_again(s3, tiny_model
                                                                    "per_device_train_batch_size": 2},
                                                  "max_tokens_per_microbatch_in_train": 64},
         "runtime": {"num_workers": 1}})
-    first = run_train_step(str(samples), str(tiny_model), cfg, f"s3://{BUCKET}/ck/s1")
-    manifest = read_manifest(Location.of(f"s3://{BUCKET}/ck/s1"))
-    stored = objects(f"s3://{BUCKET}/ck/s1")
-    assert first.output == f"s3://{BUCKET}/ck/s1" and first.state["global_step"] == 1
-    assert sorted(stored) == sorted(["manifest.json", *(o["name"] for o in manifest["objects"])])
+    uri = f"s3://{BUCKET}/ck/s1"
+    first = run_train_step(str(samples), str(tiny_model), cfg, uri)
+    manifest = read_manifest(Location.of(uri))
+    assert first.output == uri and first.state["global_step"] == 1 and not first.skipped
+    assert sorted(objects(uri)) == sorted(["manifest.json", *(o["name"] for o in manifest["objects"])])
     names = [o["name"].split("/", 1)[1] for o in manifest["objects"]]
     assert "config.json" in names and any(n.endswith(".safetensors") for n in names)
     assert any(n.startswith("deepspeed/actor/") for n in names), "DeepSpeed's state was uploaded"
+    assert run_train_step(str(samples), str(tiny_model), cfg, uri).skipped
 
-    info = read_checkpoint(f"s3://{BUCKET}/ck/s1")  # downloaded once into the cache
+    info = read_checkpoint(uri)
     assert info.global_step == 1 and info.actor_state is not None
-    assert read_checkpoint(f"s3://{BUCKET}/ck/s1").path == info.path
-
-    second = run_train_step(str(samples), f"s3://{BUCKET}/ck/s1", cfg, f"s3://{BUCKET}/ck/s2")
-    assert second.state["global_step"] == 2
-    assert second.state["optimizer_steps"] == 2 * first.state["optimizer_steps"], "it continued from s1's state"
-    recorded = read_manifest(Location.of(f"s3://{BUCKET}/ck/s2"))["inputs"]["checkpoint"]
-    assert recorded["fingerprint"] == manifest["fingerprint"]
+    check_trainable(info)  # a next step may start from it
+    assert read_checkpoint(uri).path == info.path, "downloaded once"
+    loc = Location.of(uri)
+    for obj in manifest["objects"]:
+        with loc.fs.open_input_stream(f"{loc.path}/{obj['name']}") as f:
+            stored = hashlib.sha256(f.read()).hexdigest()
+        local = Path(info.path) / obj["name"].split("/", 1)[1]
+        assert hashlib.sha256(local.read_bytes()).hexdigest() == stored, obj["name"]
 
 
 # ---- the metrics table and a record of parts on s3:// -------------------------------------------------------------
