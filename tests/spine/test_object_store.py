@@ -4,21 +4,19 @@ moto's server mode, one per module, on a free port. pyarrow reaches it through `
 The commit protocol: a stage writes under an attempt prefix inside its output folder and commits by writing the
 manifest last; readers trust only what a manifest lists; a failed or killed attempt leaves the previous output as it
 was and is removed by the next write. Checked on the runner's commit, with ``rollflow recompute`` killed by SIGKILL at
-its commit point and resumed (equal to a local run byte for byte), with a training checkpoint uploaded and read back,
-with the metrics table, and with the ways an object store cannot be used (one error line, exit 2, nothing written).
+its commit point and resumed (equal to a local run byte for byte), with the metrics table, and with the ways an
+object store cannot be used (one error line, exit 2, nothing written). Training checkpoints on s3:// are tested with
+the train-step command (tests/train/test_stage.py).
 """
 
 from __future__ import annotations
 
-import logging
-import os
 import sys
 import threading
 from contextlib import contextmanager
 from pathlib import Path
 
 import pyarrow as pa
-import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 import pytest
 from typer.testing import CliRunner
@@ -26,50 +24,13 @@ from typer.testing import CliRunner
 from schemas.errors import SchemaError
 from stages.example import ExampleSpec, generate
 from stages.storage import ATTEMPT_KEY, Location, read_manifest, read_table_schema
+from tests.objstore import BUCKET, objects, s3  # noqa: F401  (s3: the module's S3 server, a fixture)
 from tests.processes import sigkill_when
 from tests.spine.conftest import SMALL
 from tests.spine.helpers import GIGPO, assert_tables_equal, read_table
 
-BUCKET = "rollflow-test"
 ROLLFLOW = [sys.executable, "-m", "flows.cli"]
 REPO = Path(__file__).resolve().parents[2]
-
-
-@pytest.fixture(scope="module")
-def s3():
-    """A moto S3 server in this process with one bucket; this process's AWS_* variables point at it (restored
-    after the module). Yields the environment to give child processes."""
-    from moto.server import ThreadedMotoServer
-
-    logging.getLogger("werkzeug").setLevel(logging.WARNING)  # a line per request otherwise
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    host, port = server.get_host_and_port()
-    env = {"AWS_ENDPOINT_URL": f"http://{host}:{port}", "AWS_ACCESS_KEY_ID": "rollflow-test",
-           "AWS_SECRET_ACCESS_KEY": "rollflow-test", "AWS_DEFAULT_REGION": "us-east-1",
-           "AWS_EC2_METADATA_DISABLED": "true"}
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    pafs.S3FileSystem(endpoint_override=f"{host}:{port}", scheme="http", allow_bucket_creation=True
-                      ).create_dir(BUCKET)
-    try:
-        yield env
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-        server.stop()
-
-
-def objects(uri: str) -> dict[str, int]:
-    """``relative key -> size`` of every object under ``uri``."""
-    loc = Location.of(uri)
-    if not loc.exists():
-        return {}
-    return {i.path[len(loc.path) + 1:]: i.size
-            for i in loc.fs.get_file_info(pafs.FileSelector(loc.path, recursive=True)) if i.type == pafs.FileType.File}
 
 
 def read_s3_table(uri: str) -> pa.Table:
@@ -252,47 +213,6 @@ def test_uri_options_are_refused_with_the_environment_variables_to_use(s3):
     with pytest.raises(Exception, match="AWS_ENDPOINT_URL") as err:
         Location.of(f"s3://{BUCKET}/run?endpoint_override=127.0.0.1:1&scheme=http")
     assert f"pass s3://{BUCKET}/run" in str(err.value)
-
-
-# ---- a training checkpoint on s3:// -----------------------------------------------------------------------------
-@pytest.mark.slow
-def test_train_step_checkpoint_is_uploaded_and_read_back(s3, tiny_model, ray_cluster, tmp_path):
-    """DeepSpeed writes local files: the step trains into a local staging folder that is uploaded under an attempt
-    (manifest last). Read back by URI, the checkpoint is downloaded once into the cache (what its manifest lists),
-    byte for byte, with the DeepSpeed state that training resumes from."""
-    import hashlib
-
-    from schemas.train_config import TrainStepConfig
-    from stages.train.checkpoint import check_trainable, read_checkpoint
-    from stages.train.stage import run_train_step
-    from tests.train.tables import advantaged_rows, write_table
-
-    samples = write_table(advantaged_rows(6, lengths=(6, 20), seed=3), tmp_path / "samples")
-    cfg = TrainStepConfig.model_validate({
-        "adv_estimator": "grpo", "actor_train": {"training_args": {"learning_rate": 1e-3,
-                                                                   "per_device_train_batch_size": 2},
-                                                 "max_tokens_per_microbatch_in_train": 64},
-        "runtime": {"num_workers": 1}})
-    uri = f"s3://{BUCKET}/ck/s1"
-    first = run_train_step(str(samples), str(tiny_model), cfg, uri)
-    manifest = read_manifest(Location.of(uri))
-    assert first.output == uri and first.state["global_step"] == 1 and not first.skipped
-    assert sorted(objects(uri)) == sorted(["manifest.json", *(o["name"] for o in manifest["objects"])])
-    names = [o["name"].split("/", 1)[1] for o in manifest["objects"]]
-    assert "config.json" in names and any(n.endswith(".safetensors") for n in names)
-    assert any(n.startswith("deepspeed/actor/") for n in names), "DeepSpeed's state was uploaded"
-    assert run_train_step(str(samples), str(tiny_model), cfg, uri).skipped
-
-    info = read_checkpoint(uri)
-    assert info.global_step == 1 and info.actor_state is not None
-    check_trainable(info)  # a next step may start from it
-    assert read_checkpoint(uri).path == info.path, "downloaded once"
-    loc = Location.of(uri)
-    for obj in manifest["objects"]:
-        with loc.fs.open_input_stream(f"{loc.path}/{obj['name']}") as f:
-            stored = hashlib.sha256(f.read()).hexdigest()
-        local = Path(info.path) / obj["name"].split("/", 1)[1]
-        assert hashlib.sha256(local.read_bytes()).hexdigest() == stored, obj["name"]
 
 
 # ---- the metrics table and a record of parts on s3:// -------------------------------------------------------------
