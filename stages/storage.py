@@ -267,13 +267,14 @@ def upload_folder(local_dir: str, dest: Location) -> None:
 def fetch_committed(loc: Location, cache_dir: str) -> str:
     """A local copy of the object-store folder ``loc`` committed by the runner (its manifest names an attempt):
     the files its manifest lists, at their paths inside the attempt, plus the manifest; for code that needs local
-    files (DeepSpeed, Hugging Face). Kept in ``cache_dir/<fingerprint>`` and reused: a committed folder with a
-    fingerprint never changes. Written into a temporary sibling renamed into place. Returns the local path."""
+    files (DeepSpeed, Hugging Face). Kept in ``cache_dir/<fingerprint>-<attempt>`` and reused: the objects of a
+    committed attempt never change (the fingerprint alone names the inputs, and a re-run of the same inputs is a new
+    attempt whose bytes may differ). Written into a temporary sibling renamed into place. Returns the local path."""
     manifest = read_manifest(loc)
     if manifest is None or ATTEMPT_KEY not in manifest:
         raise SchemaError(f"{loc.uri()} holds no committed rollflow output (no manifest naming an attempt); pass a "
                           "folder a rollflow command wrote to this store, or a local folder")
-    target = os.path.join(cache_dir, manifest["fingerprint"][:32])
+    target = os.path.join(cache_dir, f"{manifest['fingerprint'][:24]}-{manifest[ATTEMPT_KEY].lstrip('.')}")
     if os.path.isdir(target):
         return target
     tmp = f"{target}.tmp-{os.getpid()}"

@@ -81,8 +81,8 @@ class CheckpointInfo:
 
 def local_path(path: str) -> Path:
     """The local folder of the checkpoint ``path``; a checkpoint on an object store (``s3://...``) is downloaded
-    once into the rollflow cache (``objstore/<fingerprint>``: what its manifest lists), since DeepSpeed and Hugging
-    Face read local files."""
+    once into the rollflow cache (``objstore/<fingerprint>-<attempt>``: what its manifest lists), since DeepSpeed and
+    Hugging Face read local files."""
     if "://" in path:
         from stages.generation.model_store import cache_root_path
         from stages.storage import fetch_committed
