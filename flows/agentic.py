@@ -79,7 +79,7 @@ def train_flow(cfg: dict) -> dict:
     workers = KeptWorkers.of(config, run.path)
     started = time.time()
     summary: dict[str, Any] = {"run": run.path, "iterations": []}
-    with MetricsLog(run.path) as metrics:
+    with MetricsLog(run.uri()) as metrics:
         try:
             checkpoint = base
             trained: list[str] = []  # this run's checkpoints, oldest first

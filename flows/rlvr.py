@@ -264,7 +264,7 @@ def rlvr_train_flow(cfg: dict) -> dict:
     checkpoint, state = base, {}
     trained: list[str] = []  # this run's checkpoints, oldest first
     needs_critic = config.train_step_config().needs_critic
-    with MetricsLog(run.path) as metrics:
+    with MetricsLog(run.uri()) as metrics:
         try:
             prompts = prompts_task(config.prompts, run.child("prompts").path)
             if validates:

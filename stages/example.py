@@ -181,17 +181,34 @@ def _check_spec(spec: ExampleSpec) -> None:
 def generate(spec: ExampleSpec, output: str) -> dict:
     """Write ``spec.samples`` rows (rounded up to whole groups) as Parquet parts plus a manifest into ``output``.
 
-    Returns the manifest. Written atomically: a temporary folder renamed into place.
+    Returns the manifest. Written atomically: a temporary folder renamed into place (on an object store, the
+    runner's attempt protocol: stages/runner.py ``commit_folder``).
     """
     from stages.storage import MANIFEST, Location
 
     _check_spec(spec)
     out = Location.of(output)
-    if out.exists():
+    if out.exists() and (out.atomic_rename or out.list()):
         raise FileExistsError(f"{out.path} already exists; choose a new --output folder or delete it first")
+    params = asdict(spec)
+    fingerprint = hashlib.sha256(json.dumps(params, sort_keys=True).encode()).hexdigest()
+    if not out.atomic_rename:
+        from stages.runner import commit_folder
+
+        return commit_folder(out, fingerprint, lambda folder: _write_parts(spec, folder), who="example",
+                             other="another table")[0]
     tmp = out.parent.child(f".{out.name}.tmp-example")
     tmp.rmtree()
     tmp.fs.create_dir(tmp.path, recursive=True)
+    manifest = {**_write_parts(spec, tmp), "fingerprint": fingerprint}
+    tmp.child(MANIFEST).write_text(json.dumps(manifest, indent=1))
+    tmp.rename(out)
+    return manifest
+
+
+def _write_parts(spec: ExampleSpec, folder) -> dict:
+    """Write the example rows of ``spec`` as part-*.parquet into the Location ``folder``; return the manifest
+    without its fingerprint."""
     rows, files, group = 0, [], 0
     chunk_idx = 0
     while rows < spec.samples:
@@ -200,15 +217,10 @@ def generate(spec: ExampleSpec, output: str) -> dict:
         group = episodes[-1]["group"] + 1
         table = _chunk_table(rng, spec, episodes)
         name = f"part-{chunk_idx:05d}.parquet"
-        with tmp.fs.open_output_stream(f"{tmp.path}/{name}") as f:
+        with folder.fs.open_output_stream(f"{folder.path}/{name}") as f:
             pq.write_table(table, f)
         files.append({"name": name, "rows": table.num_rows})
         rows += table.num_rows
         chunk_idx += 1
-    params = asdict(spec)
-    manifest = {"stage": "example", "version": "1", "table": "samples", "rows": rows, "files": files,
-                "groups": group, "params": params,
-                "fingerprint": hashlib.sha256(json.dumps(params, sort_keys=True).encode()).hexdigest()}
-    tmp.child(MANIFEST).write_text(json.dumps(manifest, indent=1))
-    tmp.rename(out)
-    return manifest
+    return {"stage": "example", "version": "1", "table": "samples", "rows": rows, "files": files,
+            "groups": group, "params": asdict(spec)}

@@ -13,7 +13,9 @@ The TensorBoard mirror (``runs/<run>/tensorboard/``, tag = metric name, step = i
 tensorboard's own event writer (no torch import). When an iteration at or before the last mirrored one is logged
 again, a new event file starts with a TensorBoard "restart" marker at that step (TensorBoard then discards the older
 events from that step on) and every table row from that step on is written again, so TensorBoard shows exactly the
-table. Local folders only (TensorBoard's writer needs a local path).
+table. Local run folders only (TensorBoard's writer needs a local path): a run folder on an object store
+(``s3://...``) keeps the metrics table alone, each part written in one PUT (atomic there: an object appears whole or
+not at all), and logs that it has no TensorBoard mirror.
 
 No Ray or Prefect import: the training flow, stages and the report all use this module.
 """
@@ -34,6 +36,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from schemas.errors import SchemaError
+from stages.storage import Location
 
 METRICS_DIR = "metrics"
 TENSORBOARD_DIR = "tensorboard"
@@ -57,9 +60,11 @@ def part_file_name(iteration: int, stage: str) -> str:
     return f"part-iter{iteration:06d}-{slug}-{digest}.parquet"
 
 
-def _part_files(metrics_dir: Path) -> list[Path]:
+def _part_files(metrics_dir: Location) -> list[str]:
     """Committed part files (hidden temporary files of an interrupted write are not parts)."""
-    return sorted(metrics_dir.glob("part-iter*.parquet")) if metrics_dir.is_dir() else []
+    if not metrics_dir.is_dir():
+        return []
+    return [p for p in metrics_dir.parquet_files() if p.rsplit("/", 1)[-1].startswith("part-iter")]
 
 
 def _as_float(stage: str, name: str, value: object) -> float:
@@ -78,11 +83,11 @@ def _as_float(stage: str, name: str, value: object) -> float:
 def read_metrics(run_dir: str | os.PathLike) -> pa.Table:
     """The merged metrics table of ``run_dir`` (empty with ``METRICS_SCHEMA`` if none), sorted by iteration, stage,
     name. Raises SchemaError naming the part file when one is not a metrics part."""
-    metrics_dir = Path(run_dir) / METRICS_DIR
+    metrics_dir = Location.of(str(run_dir)).child(METRICS_DIR)
     tables = []
     for path in _part_files(metrics_dir):
         try:
-            table = pq.read_table(path)
+            table = pq.read_table(path, filesystem=metrics_dir.fs)
         except (OSError, pa.ArrowInvalid) as err:
             raise SchemaError(f"metrics part {path}: cannot be read as Parquet ({err}); delete it and re-run that "
                               "iteration, or restore it") from err
@@ -101,11 +106,18 @@ class MetricsLog:
     """Append-or-replace metrics of one run; see the module docstring. Use as a context manager or call close()."""
 
     def __init__(self, run_dir: str | os.PathLike, tensorboard: bool = True) -> None:
-        self.run_dir = Path(run_dir)
-        self.metrics_dir = self.run_dir / METRICS_DIR
-        self.tensorboard_dir = self.run_dir / TENSORBOARD_DIR
-        self.metrics_dir.mkdir(parents=True, exist_ok=True)
-        self._tensorboard = tensorboard
+        self.run_dir = str(run_dir)
+        self.metrics = Location.of(self.run_dir).child(METRICS_DIR)
+        local = self.metrics.atomic_rename
+        self.metrics_dir = Path(self.metrics.path) if local else None
+        self.tensorboard_dir = Path(self.metrics.parent.path) / TENSORBOARD_DIR if local else None
+        self.metrics.fs.create_dir(self.metrics.path, recursive=True)
+        if tensorboard and not local:
+            import logging
+
+            logging.getLogger("rollflow.metrics").info("run folder %s is not local: metrics table only, no "
+                                                       "TensorBoard mirror", self.run_dir)
+        self._tensorboard = tensorboard and local
         self._writer = None
         existing = read_metrics(self.run_dir)
         # the mirror is assumed to hold the table; a missing mirror is rebuilt from it at the first log()
@@ -117,13 +129,13 @@ class MetricsLog:
 
     # ---- the table ----------------------------------------------------------------------------------------------
 
-    def log(self, iteration: int, stage: str, metrics: Mapping[str, object], wall_s: float | None = None) -> Path:
+    def log(self, iteration: int, stage: str, metrics: Mapping[str, object], wall_s: float | None = None) -> str:
         """Write the metrics of ``stage`` in ``iteration`` (replacing any earlier ones of that pair). Returns the
         part file. ``wall_s``: the stage's wall time, stored on every row and logged as ``time/<stage>``."""
         if not isinstance(iteration, int) or isinstance(iteration, bool) or iteration < 0:
-            raise ValueError(f"metrics log {self.metrics_dir}: iteration {iteration!r} must be an int >= 0")
+            raise ValueError(f"metrics log {self.metrics.path}: iteration {iteration!r} must be an int >= 0")
         if not stage or not isinstance(stage, str):
-            raise ValueError(f"metrics log {self.metrics_dir}: stage name {stage!r} must be a non-empty string")
+            raise ValueError(f"metrics log {self.metrics.path}: stage name {stage!r} must be a non-empty string")
         values = {str(name): _as_float(stage, str(name), v) for name, v in metrics.items()}
         if wall_s is not None:
             if not math.isfinite(wall_s) or wall_s < 0:
@@ -131,25 +143,29 @@ class MetricsLog:
                                  "finite number of seconds >= 0")
             values.setdefault(f"{TIME_PREFIX}{stage}", float(wall_s))
         table = self._rows(iteration, stage, values, wall_s)
-        path = self.metrics_dir / part_file_name(iteration, stage)
-        tmp = self.metrics_dir / f".tmp-{path.name}-{os.getpid()}"
-        pq.write_table(table, tmp)
-        os.replace(tmp, path)
+        path = self.metrics.child(part_file_name(iteration, stage))
+        if self.metrics.atomic_rename:
+            tmp = self.metrics_dir / f".tmp-{path.name}-{os.getpid()}"
+            pq.write_table(table, tmp)
+            os.replace(tmp, path.path)
+        else:  # one PUT: the object appears whole or not at all
+            with path.fs.open_output_stream(path.path) as f:
+                pq.write_table(table, f)
         if self._tensorboard:
             self._mirror(iteration, table)
-        return path
+        return path.path
 
     def has(self, iteration: int, stage: str) -> bool:
         """Whether the metrics of ``stage`` in ``iteration`` are recorded."""
-        return (self.metrics_dir / part_file_name(iteration, stage)).exists()
+        return self.metrics.child(part_file_name(iteration, stage)).exists()
 
     def drop_after(self, iteration: int) -> int:
         """Delete the parts of iterations after ``iteration`` (a run resumed from the checkpoint of ``iteration``
         recomputes them). Returns how many parts were deleted. TensorBoard drops them at the next log()."""
         dropped = 0
-        for path in _part_files(self.metrics_dir):
-            if int(re.match(r"part-iter(\d+)-", path.name).group(1)) > iteration:
-                path.unlink()
+        for path in _part_files(self.metrics):
+            if int(re.match(r"part-iter(\d+)-", path.rsplit("/", 1)[-1]).group(1)) > iteration:
+                self.metrics.fs.delete_file(path)
                 dropped += 1
         if dropped and self._mirrored_up_to is not None and self._mirrored_up_to > iteration:
             self._purge_from = iteration + 1
@@ -174,7 +190,9 @@ class MetricsLog:
     # ---- the TensorBoard mirror ---------------------------------------------------------------------------------
 
     def _event_files(self) -> list[Path]:
-        return sorted(self.tensorboard_dir.glob("events.out.tfevents.*")) if self.tensorboard_dir.is_dir() else []
+        if self.tensorboard_dir is None or not self.tensorboard_dir.is_dir():
+            return []
+        return sorted(self.tensorboard_dir.glob("events.out.tfevents.*"))
 
     def _new_writer(self):
         from tensorboard.summary.writer.event_file_writer import EventFileWriter

@@ -8,6 +8,9 @@
 4. on any failure the temporary folder is removed and a previous output is untouched.
 
 Steps 2-4 are :func:`commit_folder`, which also commits a folder written by other code (a training checkpoint).
+On an object store, which has no atomic rename, step 3 writes under a unique attempt prefix inside the output folder
+instead and the manifest, written last in one PUT, names the attempt and its files (:func:`_commit_attempt`,
+docs/object-storage.md).
 A folder whose parts are committed one by one (an evaluation's rollout: reset, turn and samples tables, each its own
 stage so that a killed run resumes at the turn) gets its own manifest, recording what the whole was made from, last,
 from :func:`commit_record`.
@@ -28,16 +31,18 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, ClassVar, Iterator
 
 import pyarrow as pa
+import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 from pydantic import BaseModel
 
 from schemas.errors import RollflowError, SchemaError
 from schemas.tables import TableSpec
-from stages.storage import MANIFEST, Location, folder_fingerprint, read_manifest, read_table_schema
+from stages.storage import ATTEMPT_KEY, MANIFEST, Location, folder_fingerprint, read_manifest, read_table_schema
 
 log = logging.getLogger("rollflow.runner")
 TMP_MARK = ".tmp-"
 OLD_MARK = ".old-"
+ATTEMPT_MARK = ".attempt-"  # object stores: the prefix, inside the output folder, of one attempt's files
 
 
 @dataclass
@@ -164,7 +169,11 @@ def stage_fingerprint(stage: Stage, section: BaseModel, inputs: dict[str, Locati
 
 
 def cleanup_leftovers(output: Location) -> None:
-    """Remove temporary folders of crashed runs; restore an output moved aside by a crashed replace."""
+    """Remove temporary folders of crashed runs; restore an output moved aside by a crashed replace. On an object
+    store: remove the attempt prefixes in ``output`` that its manifest does not name."""
+    if not output.atomic_rename:
+        _drop_attempts(output, keep=None)
+        return
     parent = output.parent
     if not parent.exists():
         return
@@ -287,14 +296,17 @@ def _ordered_parquet_sink(folder: Location):
 
 
 def _rename_parts(tmp: Location) -> list[dict]:
-    """Name the written files part-00000.parquet, ... in write order; return their row counts and sizes."""
+    """Name the written files part-00000.parquet, ... in write order; return their row counts and sizes. On an
+    object store, where a move is a copy, the files keep the names the sink gave them (the write tasks' indices, in
+    write order) and the manifest lists them in that order."""
     files = []
     for i, path in enumerate(tmp.parquet_files()):
-        dest = f"{tmp.path}/part-{i:05d}.parquet"
-        tmp.fs.move(path, dest)
+        dest = f"{tmp.path}/part-{i:05d}.parquet" if tmp.atomic_rename else path
+        if dest != path:
+            tmp.fs.move(path, dest)
         with tmp.fs.open_input_file(dest) as f:
             meta = pq.read_metadata(f)
-        files.append({"name": f"part-{i:05d}.parquet", "rows": meta.num_rows,
+        files.append({"name": dest.rsplit("/", 1)[-1], "rows": meta.num_rows,
                       "bytes": tmp.fs.get_file_info(dest).size})
     return files
 
@@ -302,11 +314,13 @@ def _rename_parts(tmp: Location) -> list[dict]:
 def _existing_output(output: Location, fingerprint: str, force: bool, who: str, other: str) -> dict | None:
     """The manifest of ``output`` when it has ``fingerprint`` (nothing to do), None when the output is to be written;
     raises when ``output`` holds something else and ``force`` is not set."""
-    existing = read_manifest(output) if output.exists() else None
+    # an object store keeps an empty "folder" (a marker) after its files are deleted: only content counts there
+    present = output.exists() and (output.atomic_rename or bool(output.list()))
+    existing = read_manifest(output) if present else None
     if existing is not None and existing.get("fingerprint") == fingerprint and not force:
         log.info("%s: %s is up to date (fingerprint %s), skipping", who, output.path, fingerprint[:12])
         return existing
-    if output.exists() and not force:
+    if present and not force:
         what = f"{other.format_map(existing)} (fingerprint {existing['fingerprint'][:12]})" if existing \
             else "files without a rollflow manifest"
         raise RollflowError(f"{who}: {output.path} already holds {what}; pass --force to replace it, or choose "
@@ -328,7 +342,7 @@ def _replace(tmp: Location, output: Location, manifest: dict[str, Any]) -> None:
 
 
 def commit_folder(output: Location, fingerprint: str, fill: Callable[[Location], dict[str, Any]], *, who: str,
-                  other: str, force: bool = False) -> tuple[dict[str, Any], bool]:
+                  other: str, force: bool = False, local: bool = False) -> tuple[dict[str, Any], bool]:
     """Commit the folder ``output``, written by any code (``fill``), the runner's way; return (its manifest, skipped).
 
     Leftovers of a crashed run are cleaned first. When the manifest of ``output`` has ``fingerprint`` (and not
@@ -337,7 +351,14 @@ def commit_folder(output: Location, fingerprint: str, fill: Callable[[Location],
     is written last and ``tmp`` renamed to ``output``. On any failure ``tmp`` (and an output parent made for it) is
     removed, a previous output is untouched, and a RollflowError raised inside Ray's wrappers is raised as itself.
     ``who`` names the writer in log lines and errors ("stage advantages"); ``other`` says what ``output`` holds when
-    its manifest has another fingerprint, formatted with that manifest's fields ("output of stage {stage}")."""
+    its manifest has another fingerprint, formatted with that manifest's fields ("output of stage {stage}").
+
+    On an object store ``tmp`` is an attempt prefix inside ``output`` instead (:func:`_commit_attempt`); with
+    ``local`` (``fill`` writes with local paths: DeepSpeed, Hugging Face) ``fill`` gets a local staging folder whose
+    files are then uploaded into the attempt."""
+    if not output.atomic_rename:
+        return _commit_attempt(output, fingerprint, _staged(fill) if local else fill, who=who, other=other,
+                               force=force)
     cleanup_leftovers(output)
     existing = _existing_output(output, fingerprint, force, who, other)
     if existing is not None:
@@ -354,6 +375,83 @@ def commit_folder(output: Location, fingerprint: str, fill: Callable[[Location],
             if created_parent and not output.parent.list():  # leave no empty output folder behind either
                 output.parent.rmtree()
             raise
+    return manifest, False
+
+
+def _drop_attempts(output: Location, keep: str | None) -> None:
+    """Object stores: delete what a crashed or superseded attempt left in ``output``. ``keep=None``: every attempt
+    prefix its manifest does not name (a resume's clean-up); otherwise everything but the manifest and ``keep`` (the
+    attempt just committed: the previous output's files and any files of a folder replaced with ``force``)."""
+    if not output.is_dir():
+        return
+    named = (read_manifest(output) or {}).get(ATTEMPT_KEY) if keep is None else keep
+    for info in output.list():
+        stale = info.base_name.startswith(ATTEMPT_MARK) if keep is None else info.base_name != MANIFEST
+        if stale and info.base_name != named:
+            log.warning("removing %s, left by an earlier or interrupted write of %s", info.path, output.path)
+            if info.type == pafs.FileType.Directory:
+                output.fs.delete_dir(info.path)
+            else:
+                output.fs.delete_file(info.path)
+
+
+def _attempt_objects(output: Location, attempt: Location) -> list[dict]:
+    """Every file under ``attempt`` as ``{"name": <path relative to output>, "bytes": size}``, sorted by name."""
+    # allow_not_found: an output of no rows wrote no object, so the attempt prefix does not exist
+    infos = attempt.fs.get_file_info(pafs.FileSelector(attempt.path, recursive=True, allow_not_found=True))
+    return sorted(({"name": i.path[len(output.path) + 1:], "bytes": i.size} for i in infos
+                   if i.type == pafs.FileType.File), key=lambda o: o["name"])
+
+
+def _staged(fill: Callable[[Location], dict[str, Any]]) -> Callable[[Location], dict[str, Any]]:
+    """``fill`` run into a local staging folder (under the rollflow cache) whose files are then uploaded to the
+    folder it is given; the staging folder is removed either way."""
+    def run(attempt: Location) -> dict[str, Any]:
+        import shutil
+        import tempfile
+
+        from stages.generation.model_store import cache_root_path
+        from stages.storage import upload_folder
+
+        root = cache_root_path() / "staging"
+        root.mkdir(parents=True, exist_ok=True)
+        staging = tempfile.mkdtemp(prefix=f"{attempt.name}-", dir=root)
+        try:
+            os.mkdir(f"{staging}/{attempt.parent.name}")
+            manifest = fill(Location.of(f"{staging}/{attempt.parent.name}"))
+            upload_folder(f"{staging}/{attempt.parent.name}", attempt)
+            return manifest
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
+    return run
+
+
+def _commit_attempt(output: Location, fingerprint: str, fill: Callable[[Location], dict[str, Any]], *, who: str,
+                    other: str, force: bool) -> tuple[dict[str, Any], bool]:
+    """:func:`commit_folder` on an object store (no atomic rename; docs/object-storage.md): ``fill`` writes into a
+    new attempt prefix ``output/.attempt-<pid>-<random>/``; the manifest, written last in one PUT (an object is
+    visible whole or not at all), names the attempt (``attempt``), its tables' files (``files``, names relative to
+    ``output``) and every object it wrote (``objects``). Readers trust only what a manifest lists, so until that
+    PUT they see the previous output (or none); a failure removes the attempt. After the commit the previous
+    output's files are deleted; a killed run's attempts are deleted on the next write (:func:`cleanup_leftovers`)."""
+    cleanup_leftovers(output)
+    existing = _existing_output(output, fingerprint, force, who, other)
+    if existing is not None:
+        return existing, True
+    attempt = output.child(f"{ATTEMPT_MARK}{os.getpid()}-{uuid.uuid4().hex[:8]}")
+    with unwrapped_errors():
+        try:
+            manifest = {**fill(attempt), "fingerprint": fingerprint, ATTEMPT_KEY: attempt.name}
+            if "files" in manifest:
+                manifest["files"] = [{**f, "name": f"{attempt.name}/{f['name']}"} for f in manifest["files"]]
+            manifest["objects"] = _attempt_objects(output, attempt)
+            output.child(MANIFEST).write_text(json.dumps(manifest, indent=1, sort_keys=True))
+        except BaseException:
+            attempt.rmtree()
+            if output.is_dir() and not output.list():  # no empty folder marker left behind either
+                output.rmtree()
+            raise
+    _drop_attempts(output, keep=attempt.name)
     return manifest, False
 
 
@@ -377,6 +475,9 @@ def commit_record(output: Location, fingerprint: str, build: Callable[[], dict[s
         if info.base_name.startswith(f".{MANIFEST}{TMP_MARK}"):
             output.fs.delete_file(info.path)
     manifest = {**build(), "fingerprint": fingerprint}
+    if not output.atomic_rename:  # an object store: one PUT is atomic (and a move would be a copy)
+        output.child(MANIFEST).write_text(json.dumps(manifest, indent=1, sort_keys=True))
+        return manifest, False
     tmp = output.child(f".{MANIFEST}{TMP_MARK}{os.getpid()}-{uuid.uuid4().hex[:8]}")
     tmp.write_text(json.dumps(manifest, indent=1, sort_keys=True))
     output.fs.move(tmp.path, output.child(MANIFEST).path)
@@ -419,7 +520,7 @@ def _write_output(stage: Stage, ctx: StageContext, out: Location, start: float,
         "version": stage.version,
         "table": stage.output_spec.name,
         "section": ctx.section.model_dump(mode="json"),
-        "inputs": {k: {"path": v.path, "fingerprint": folder_fingerprint(v)} for k, v in ctx.inputs.items()},
+        "inputs": {k: {"path": v.uri(), "fingerprint": folder_fingerprint(v)} for k, v in ctx.inputs.items()},
         "state_in": ctx.state_in,
         "rows": sum(f["rows"] for f in files),
         "files": files,
@@ -454,5 +555,5 @@ def run_stage(stage: Stage, section: BaseModel, inputs: dict[str, str], output: 
     if not skipped:
         log.info("stage %s: wrote %d rows to %s in %.1fs", stage.name, manifest["rows"], out.path,
                  time.time() - start)
-    return StageResult(out.path, fp, skipped, manifest["rows"], time.time() - start, manifest.get("metrics", {}),
+    return StageResult(out.uri(), fp, skipped, manifest["rows"], time.time() - start, manifest.get("metrics", {}),
                        manifest.get("state", {}))

@@ -1,18 +1,30 @@
 """Run-folder I/O through pyarrow filesystems: local paths by default, any pyarrow URI (s3://, gs://, ...) where
-the cluster has credentials. Every stage reads and writes through these helpers, never through ``open``/``os``."""
+the cluster has credentials. Every stage reads and writes through these helpers, never through ``open``/``os``.
+
+An object store (any filesystem but the local one) has no atomic rename, so its stage outputs are committed
+differently (docs/object-storage.md): the parts go under a unique attempt prefix inside the output folder and the
+manifest, written last in one PUT, names the attempt and its files. :meth:`Location.parquet_files` of such a folder
+returns what its manifest lists and nothing else. The endpoint, region and credentials of an object store come
+from the standard AWS environment variables (``AWS_ENDPOINT_URL``, ``AWS_DEFAULT_REGION``, ``AWS_ACCESS_KEY_ID``,
+...), not from the URI: the URI of a table is recorded in manifests and names the data, not how to reach it."""
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
+import os
+import re
+import urllib.parse
 from dataclasses import dataclass
 
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
-from schemas.errors import SchemaError
+from schemas.errors import ConfigError, SchemaError
 
 MANIFEST = "manifest.json"
+ATTEMPT_KEY = "attempt"  # the manifest field naming the attempt prefix of an object-store output
 
 
 @dataclass(frozen=True)
@@ -24,12 +36,32 @@ class Location:
 
     @classmethod
     def of(cls, where: str) -> "Location":
+        """The folder at a local path or a filesystem URI (``s3://bucket/run``). The first URI of each bucket in a
+        process is checked (:func:`check_store`): an unreachable endpoint, a missing bucket or refused credentials
+        raise a ConfigError naming the URI and the fix before anything is read or written."""
         if "://" in where:
-            fs, path = pafs.FileSystem.from_uri(where)
-            return cls(fs, path.rstrip("/"))
-        import os
-
+            if "?" in where:
+                raise ConfigError(f"{where}: options in the URI are not accepted, because table paths are recorded "
+                                  "in manifests and must name the data only; set the endpoint, region and "
+                                  "credentials with AWS_ENDPOINT_URL, AWS_DEFAULT_REGION and AWS_ACCESS_KEY_ID / "
+                                  f"AWS_SECRET_ACCESS_KEY (docs/object-storage.md) and pass {where.split('?')[0]}")
+            try:
+                fs, path = pafs.FileSystem.from_uri(where)
+            except (ValueError, OSError) as err:
+                raise ConfigError(f"{where} is not a filesystem URI pyarrow can open ({err}); pass a local path or "
+                                  "an s3://bucket/folder URI") from None
+            if isinstance(fs, pafs.S3FileSystem):
+                fs = _with_env_credentials(fs)
+            loc = cls(fs, path.rstrip("/"))
+            if not isinstance(fs, pafs.LocalFileSystem):
+                check_store(where.split("://", 1)[0], loc.path.split("/", 1)[0])
+            return loc
         return cls(pafs.LocalFileSystem(), os.path.abspath(where))
+
+    @property
+    def atomic_rename(self) -> bool:
+        """Whether a folder can be renamed into place atomically here (local disk: yes; object stores: no)."""
+        return isinstance(self.fs, pafs.LocalFileSystem)
 
     def child(self, name: str) -> "Location":
         return Location(self.fs, f"{self.path}/{name}")
@@ -70,7 +102,12 @@ class Location:
         return self.fs.get_file_info(pafs.FileSelector(self.path, recursive=False))
 
     def parquet_files(self) -> list[str]:
-        """Sorted paths of the Parquet files directly in this folder."""
+        """Sorted paths of the Parquet files directly in this folder; on an object store, of a folder committed
+        there (its manifest names an attempt), the files its manifest lists, in order, and nothing else."""
+        if not self.atomic_rename:
+            manifest = read_manifest(self) if self.is_dir() else None
+            if manifest is not None and ATTEMPT_KEY in manifest:
+                return [f"{self.path}/{f['name']}" for f in manifest["files"]]
         return sorted(i.path for i in self.list() if i.type == pafs.FileType.File and i.path.endswith(".parquet"))
 
     def rmtree(self) -> None:
@@ -129,3 +166,132 @@ def read_table_schema(loc: Location, table: str):
             raise SchemaError(f"{table} input file {path} has schema {this} which differs from the other files "
                               f"({schema}); all files of a table must share one schema")
     return schema
+
+
+# An AWS error of the SDK as pyarrow reports it: "AWS Error NETWORK_CONNECTION during HeadBucket operation: ..."
+_AWS_ERROR = re.compile(r"AWS Error (\w+)")
+_CREDENTIAL_ERRORS = {"ACCESS_DENIED", "INVALID_ACCESS_KEY_ID", "SIGNATURE_DOES_NOT_MATCH", "INVALID_CLIENT_TOKEN_ID",
+                      "MISSING_AUTHENTICATION_TOKEN", "UNRECOGNIZED_CLIENT", "EXPIRED_TOKEN"}
+_CREDENTIAL_ENV = ("AWS_ACCESS_KEY_ID", "AWS_PROFILE", "AWS_WEB_IDENTITY_TOKEN_FILE",
+                   "AWS_CONTAINER_CREDENTIALS_FULL_URI", "AWS_CONTAINER_CREDENTIALS_RELATIVE_URI")
+
+
+def _endpoint() -> str | None:
+    return os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
+
+
+def _endpoint_options() -> dict:
+    """S3FileSystem options for the endpoint in the environment (pyarrow's URI parsing reads AWS_ENDPOINT_URL, its
+    S3FileSystem constructor does not)."""
+    endpoint = _endpoint()
+    if not endpoint:
+        return {}
+    url = urllib.parse.urlsplit(endpoint if "://" in endpoint else f"https://{endpoint}")
+    return {"endpoint_override": url.netloc, "scheme": url.scheme}
+
+
+def _with_env_credentials(fs: pafs.S3FileSystem) -> pafs.S3FileSystem:
+    """``fs`` holding the key in AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY (and AWS_SESSION_TOKEN) when this
+    process has one: the filesystem object travels to the Ray workers with the stage (pickled), and workers of a
+    cluster started elsewhere (RAY_ADDRESS) or before these variables were set would not have them. Without them,
+    ``fs`` as is: every process resolves credentials by the AWS default chain (profile, instance role, ...)."""
+    key, secret = os.environ.get("AWS_ACCESS_KEY_ID"), os.environ.get("AWS_SECRET_ACCESS_KEY")
+    if not (key and secret):
+        return fs
+    return pafs.S3FileSystem(access_key=key, secret_key=secret, session_token=os.environ.get("AWS_SESSION_TOKEN"),
+                             region=fs.region, **_endpoint_options())
+
+
+def _store_problem(scheme: str, bucket: str, err: Exception) -> str:
+    """What went wrong reaching ``scheme://bucket`` and the fix, from pyarrow's error text."""
+    text = str(err)
+    match = _AWS_ERROR.search(text)
+    code = match.group(1) if match else ""
+    where = f"{scheme}://{bucket} (endpoint {_endpoint() or 'AWS'})"
+    if code in ("NETWORK_CONNECTION", "ENDPOINT_RESOLUTION_FAILURE") or "curlCode" in text:
+        return (f"cannot reach {where}: {code or 'connection failed'}; check AWS_ENDPOINT_URL (scheme, host and "
+                "port of the S3 server) and that the server is up")
+    found = [k for k in _CREDENTIAL_ENV if os.environ.get(k)]
+    if code in _CREDENTIAL_ERRORS or "HTTP status 403" in text or "HTTP status 401" in text or not found:
+        # the request went out unsigned when no credentials are set: S3 answers 403, some servers another error
+        why = "no credentials are set" if not found else f"the credentials ({', '.join(found)}) were refused"
+        return (f"access to {where} failed ({code or text.splitlines()[0][:80]}): {why}; set AWS_ACCESS_KEY_ID and "
+                "AWS_SECRET_ACCESS_KEY (or AWS_PROFILE) to credentials that may read and write the bucket")
+    return f"cannot use {where}: {text.splitlines()[0]}; check AWS_ENDPOINT_URL, the bucket name and the credentials"
+
+
+def store_error(err: BaseException) -> ConfigError | None:
+    """An object-store failure seen later than :func:`check_store` (the store went away, credentials were
+    revoked) as a ConfigError saying what and the fix; None when ``err`` is not one."""
+    text = str(err)
+    if not isinstance(err, OSError) or "AWS Error" not in text:
+        return None
+    bucket = re.search(r"bucket '([^']+)'", text)
+    return ConfigError(_store_problem("s3", bucket.group(1) if bucket else "?", err))
+
+
+@functools.lru_cache(maxsize=None)
+def _checked_store(scheme: str, bucket: str, env: tuple) -> None:
+    if scheme != "s3":  # other stores (gs://, hdfs://) are used as pyarrow opens them, unchecked
+        return
+    options = _endpoint_options()
+    if os.environ.get("AWS_DEFAULT_REGION") or os.environ.get("AWS_REGION"):
+        options["region"] = os.environ.get("AWS_REGION") or os.environ["AWS_DEFAULT_REGION"]
+    probe = pafs.S3FileSystem(retry_strategy=pafs.AwsStandardS3RetryStrategy(max_attempts=1), connect_timeout=5,
+                              request_timeout=10, **options)
+    try:
+        kind = probe.get_file_info(bucket).type
+    except OSError as err:
+        raise ConfigError(_store_problem(scheme, bucket, err)) from None
+    if kind == pafs.FileType.NotFound:
+        raise ConfigError(f"bucket {bucket} does not exist at {scheme}://{bucket} (endpoint "
+                          f"{_endpoint() or 'AWS'})"
+                          "; create it (rollflow does not create buckets) or fix the bucket name in the URI")
+
+
+def check_store(scheme: str, bucket: str) -> None:
+    """Raise a ConfigError saying what and the fix when the bucket of an object-store URI cannot be used: the
+    endpoint is unreachable, the bucket is missing, or the credentials are missing or refused. One request per
+    bucket, endpoint and credentials in a process; no retries, so a wrong endpoint fails in seconds."""
+    env = tuple(os.environ.get(k) for k in ("AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "AWS_DEFAULT_REGION",
+                                            *_CREDENTIAL_ENV, "AWS_SECRET_ACCESS_KEY"))
+    _checked_store(scheme, bucket, env)
+
+
+def upload_folder(local_dir: str, dest: Location) -> None:
+    """Copy every file under the local folder ``local_dir`` to ``dest`` (same relative paths)."""
+    pafs.copy_files(local_dir, dest.path, source_filesystem=pafs.LocalFileSystem(), destination_filesystem=dest.fs,
+                    use_threads=True)
+
+
+def fetch_committed(loc: Location, cache_dir: str) -> str:
+    """A local copy of the object-store folder ``loc`` committed by the runner (its manifest names an attempt):
+    the files its manifest lists, at their paths inside the attempt, plus the manifest; for code that needs local
+    files (DeepSpeed, Hugging Face). Kept in ``cache_dir/<fingerprint>-<attempt>`` and reused: the objects of a
+    committed attempt never change (the fingerprint alone names the inputs, and a re-run of the same inputs is a new
+    attempt whose bytes may differ). Written into a temporary sibling renamed into place. Returns the local path."""
+    manifest = read_manifest(loc)
+    if manifest is None or ATTEMPT_KEY not in manifest:
+        raise SchemaError(f"{loc.uri()} holds no committed rollflow output (no manifest naming an attempt); pass a "
+                          "folder a rollflow command wrote to this store, or a local folder")
+    target = os.path.join(cache_dir, f"{manifest['fingerprint'][:24]}-{manifest[ATTEMPT_KEY].lstrip('.')}")
+    if os.path.isdir(target):
+        return target
+    tmp = f"{target}.tmp-{os.getpid()}"
+    local = pafs.LocalFileSystem()
+    prefix = f"{manifest[ATTEMPT_KEY]}/"
+    for obj in manifest["objects"]:
+        dest = os.path.join(tmp, obj["name"][len(prefix):])
+        local.create_dir(os.path.dirname(dest), recursive=True)
+        pafs.copy_files(f"{loc.path}/{obj['name']}", dest, source_filesystem=loc.fs, destination_filesystem=local)
+        if local.get_file_info(dest).size != obj["bytes"]:
+            raise SchemaError(f"{loc.uri()}/{obj['name']} has another size than its manifest records; the folder "
+                              "was changed after it was committed: run the command that wrote it again")
+    local.create_dir(tmp, recursive=True)
+    with open(os.path.join(tmp, MANIFEST), "w") as f:
+        f.write(json.dumps(manifest, indent=1, sort_keys=True))
+    try:
+        os.rename(tmp, target)
+    except OSError:  # another process fetched it first
+        local.delete_dir(tmp)
+    return target

@@ -15,14 +15,21 @@ def fail(err: Exception) -> None:
 
 
 def guard(fn):
-    """Run ``fn``; rollflow's user errors (bad input, bad config) and existing outputs end the command via
-    :func:`fail`. Anything else is a bug and propagates with its traceback."""
+    """Run ``fn``; rollflow's user errors (bad input, bad config), existing outputs and an object store that cannot
+    be used end the command via :func:`fail`. Anything else is a bug and propagates with its traceback."""
     from schemas.errors import RollflowError
+
+    from stages.storage import store_error
 
     try:
         return fn()
     except (RollflowError, FileExistsError) as err:
         fail(err)
+    except OSError as err:  # an object store that failed after the command's checks (it went away, access revoked)
+        mapped = store_error(err)
+        if mapped is None:
+            raise
+        fail(mapped)
 
 
 def announce_precision() -> None:

@@ -46,7 +46,8 @@ def rollout(config: Optional[Path] = typer.Option(None, "--config", help="YAML c
             checkpoint: Optional[Path] = typer.Option(None, "--checkpoint", help="HF checkpoint folder of the "
                                                                                   "policy (default: the default "
                                                                                   "model, converted once)."),
-            output: Path = typer.Option(..., "--output", help="Folder for episodes/, turns/ and samples/."),
+            output: str = typer.Option(..., "--output", help="Folder for episodes/, turns/ and samples/ (a "
+                                                              "path or an s3://bucket/folder URI)."),
             overrides: Optional[list[str]] = OverrideOpt,
             force: bool = typer.Option(False, "--force", help="Recompute every stage even if committed.")) -> None:
     """Play episodes with the policy, turn by turn, and write training samples (resumes a killed rollout)."""
@@ -70,7 +71,7 @@ def rollout(config: Optional[Path] = typer.Option(None, "--config", help="YAML c
 
 
 @app.command()
-def show(path: Path = typer.Argument(..., help="A rollout output folder."),
+def show(path: str = typer.Argument(..., help="A rollout output folder (a path or a URI)."),
          episodes: int = typer.Option(3, "--episodes", "-n", help="How many episodes to show (in episode order)."),
          traj_id: Optional[str] = typer.Option(None, "--traj", help="Show only this episode (a traj_id)."),
          max_text: int = typer.Option(400, "--max-text", help="Characters of model text shown per turn.")) -> None:

@@ -25,9 +25,11 @@ def _print_recompute(result: dict) -> None:
 
 
 @app.command()
-def recompute(input: Path = typer.Option(..., "--input", help="Folder of stored samples (Parquet)."),
+def recompute(input: str = typer.Option(..., "--input", help="Folder of stored samples (Parquet): a path or an "
+                                                             "s3://bucket/folder URI."),
               config: Optional[Path] = typer.Option(None, "--config", help="YAML config (configs/recompute_*.yaml)."),
-              output: Path = typer.Option(..., "--output", help="Folder for the rewarded/ and advantaged/ tables."),
+              output: str = typer.Option(..., "--output", help="Folder for the rewarded/ and advantaged/ tables (a "
+                                                               "path or an s3://bucket/folder URI)."),
               overrides: Optional[list[str]] = OverrideOpt,
               force: bool = typer.Option(False, "--force", help="Recompute even if outputs are up to date.")) -> None:
     """Recompute response-level rewards, token rewards and advantages of stored trajectories."""
@@ -82,7 +84,7 @@ def lineage(path: Path = typer.Argument(..., help="A stage output (a folder with
 
 
 @app.command()
-def inspect(path: Path = typer.Argument(..., help="A table folder.")) -> None:
+def inspect(path: str = typer.Argument(..., help="A table folder (a path or a URI).")) -> None:
     """Show a table's schema, rows, groups and summary statistics."""
     from flows.tableview import render, summarize
 
@@ -90,7 +92,7 @@ def inspect(path: Path = typer.Argument(..., help="A table folder.")) -> None:
 
 
 @app.command()
-def validate(path: Path = typer.Argument(..., help="A table folder."),
+def validate(path: str = typer.Argument(..., help="A table folder (a path or a URI)."),
              group_size: Optional[int] = typer.Option(None, help="Check complete groups of this size.")) -> None:
     """Check a table's schema and invariants (exit 2 on the first violation)."""
     from flows.tableview import validate as check
@@ -99,7 +101,8 @@ def validate(path: Path = typer.Argument(..., help="A table folder."),
 
 
 @app.command()
-def example(output: Path = typer.Option(..., "--output", help="New folder for the generated samples."),
+def example(output: str = typer.Option(..., "--output", help="New folder for the generated samples (a path "
+                                                               "or a URI)."),
             samples: int = typer.Option(2048, "--samples", help="Rows to generate (rounded up to whole groups)."),
             seed: int = typer.Option(0, "--seed"),
             group_size: int = typer.Option(8, "--group-size"),

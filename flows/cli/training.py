@@ -150,8 +150,8 @@ def _print_metrics(metrics: dict[str, float], prefixes: tuple[str, ...]) -> None
             typer.echo(f"  {key:<34} {metrics[key]:.6g}")
 
 
-def _prepare(model: str, config: Path | None, overrides: list[str] | None, table: str, samples: Path, output: Path,
-             needs: Callable = lambda cfg: (), checkpoints: tuple[Path | None, ...] = ()):
+def _prepare(model: str, config: Path | None, overrides: list[str] | None, table: str, samples: Path | str,
+             output: Path | str, needs: Callable = lambda cfg: (), checkpoints: tuple[Path | str | None, ...] = ()):
     """What the table-in, folder-out training commands do before their stage: load the config (``model``, a class
     name of schemas.train_config), print the dtype choice, check the input table (``table``, a contract of
     schemas.tables, with the columns ``needs(cfg)``), the model folders in ``checkpoints`` and the output path before
@@ -173,12 +173,15 @@ def _prepare(model: str, config: Path | None, overrides: list[str] | None, table
 
 
 @app.command("train-step")
-def train_step(samples: Path = typer.Option(..., "--samples", help="Advantaged table folder (Parquet)."),
-               checkpoint: Path = typer.Option(..., "--checkpoint", help="Model folder: the default model or an "
-                                                                         "earlier train-step output."),
+def train_step(samples: str = typer.Option(..., "--samples", help="Advantaged table folder (Parquet; a path or "
+                                                                   "a URI)."),
+               checkpoint: str = typer.Option(..., "--checkpoint", help="Model folder: the default model or an "
+                                                                        "earlier train-step output (a path or a "
+                                                                        "URI)."),
                config: Optional[Path] = typer.Option(None, "--config", help="YAML training config "
                                                                             "(schemas/train_config.py)."),
-               output: Path = typer.Option(..., "--output", help="New checkpoint folder."),
+               output: str = typer.Option(..., "--output", help="New checkpoint folder (a path or an "
+                                                                "s3://bucket/folder URI)."),
                overrides: Optional[list[str]] = OverrideOpt,
                force: bool = typer.Option(False, "--force", help="Train even if the output is up to date.")) -> None:
     """One PPO training step (actor, and critic for gae) on DeepSpeed under Ray Train; writes a checkpoint."""

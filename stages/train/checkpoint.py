@@ -27,8 +27,10 @@ engines of ``from`` (stages/train/core.py ``load_engines``): the same inputs fro
 engines, so a resumed run equals an uninterrupted one (tests/trainflow), while the steps between write only
 their weights.
 Checkpoints are written into a temporary sibling and renamed into place with the manifest last, like every stage
-output (stages/runner.py). Checkpoint folders must be on a filesystem every worker can write (local or shared):
-DeepSpeed and Hugging Face write files with local paths.
+output (stages/runner.py). Local checkpoint folders must be on a filesystem every worker can write (local or
+shared): DeepSpeed and Hugging Face write files with local paths. A checkpoint on an object store (``s3://...``) is
+written into a local staging folder and uploaded under the runner's attempt protocol (manifest last); read back, it
+is downloaded once into the rollflow cache (:func:`local_path`; docs/object-storage.md).
 """
 
 from __future__ import annotations
@@ -77,10 +79,15 @@ class CheckpointInfo:
         return self.actor_state is not None or self.global_step == 0
 
 
-def local_path(path: str, what: str) -> Path:
+def local_path(path: str) -> Path:
+    """The local folder of the checkpoint ``path``; a checkpoint on an object store (``s3://...``) is downloaded
+    once into the rollflow cache (``objstore/<fingerprint>-<attempt>``: what its manifest lists), since DeepSpeed and
+    Hugging Face read local files."""
     if "://" in path:
-        raise RollflowError(f"{what} {path} is a remote URI; training checkpoints are written by DeepSpeed with local "
-                            "paths — use a local or shared (NFS, FUSE-mounted) folder")
+        from stages.generation.model_store import cache_root_path
+        from stages.storage import fetch_committed
+
+        return Path(fetch_committed(Location.of(path), str(cache_root_path() / "objstore")))
     return Path(path).resolve()
 
 
@@ -91,7 +98,7 @@ def _has_weights(folder: Path) -> bool:
 def read_checkpoint(path: str) -> CheckpointInfo:
     """Inspect a checkpoint (a training output or a plain HF model folder). Raises SchemaError naming the folder
     and what is missing."""
-    folder = local_path(path, "checkpoint")
+    folder = local_path(path)
     if not folder.is_dir() or not _has_weights(folder):
         raise SchemaError(f"checkpoint {folder} is not a Hugging Face model folder (config.json plus *.safetensors); "
                           "pass the default model folder or an earlier train-step output")
@@ -174,7 +181,7 @@ def keep_training_state(checkpoints: list[str], keep: int | None) -> list[str]:
 def checkpoint_fingerprint(path: str) -> str:
     """The manifest fingerprint of a training checkpoint; for a plain model folder, a hash of its config and of the
     names, sizes and modification times of its files (so replaced weights give a new fingerprint)."""
-    loc = Location.of(str(local_path(path, "checkpoint")))
+    loc = Location.of(path if "://" in path else str(local_path(path)))
     manifest = read_manifest(loc)
     if manifest is not None:
         return manifest["fingerprint"]

@@ -85,7 +85,6 @@ def run_train_step(samples: str, checkpoint: str, cfg: TrainStepConfig, output: 
     start = time.time()
     section = train_section(cfg)
     samples_loc = Location.of(samples)
-    ckpt.local_path(output, "output")
     out = Location.of(output)
     info = ckpt.read_checkpoint(checkpoint)
     schema = read_table_schema(samples_loc, ADVANTAGED.name)
@@ -96,13 +95,13 @@ def run_train_step(samples: str, checkpoint: str, cfg: TrainStepConfig, output: 
     manifest, skipped = commit_folder(
         out, fp, lambda tmp: _train_into(tmp, out, samples_loc, info, cfg, state_in, start, label, trainer,
                                 full_state),
-        who="train_step", other="a checkpoint of another training step", force=force)
+        who="train_step", other="a checkpoint of another training step", force=force, local=True)
     if not skipped:
         if cfg.max_ckpt_to_keep:
             ckpt.prune_checkpoints(out.parent, cfg.max_ckpt_to_keep, protect=out)
         log.info("train_step: wrote %s (step %d) in %.1fs", out.path, manifest["state"]["global_step"],
                  time.time() - start)
-    return StageResult(out.path, fp, skipped, manifest["rows"], time.time() - start, manifest.get("metrics", {}),
+    return StageResult(out.uri(), fp, skipped, manifest["rows"], time.time() - start, manifest.get("metrics", {}),
                        manifest.get("state", {}))
 
 

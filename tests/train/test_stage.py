@@ -1,7 +1,7 @@
 """The Ray side: log-prob and values stages (Ray Data actor pools, via the runner) and the training step on Ray
-Train (2 workers, tiny model) through the CLI: skip on re-run, keep the newest K, worker errors reach the user."""
+Train (2 workers, tiny model) through the CLI, its checkpoints on a local S3 server: skip on re-run, keep the newest
+K, worker errors reach the user."""
 
-import json
 from pathlib import Path
 
 import numpy as np
@@ -18,6 +18,8 @@ from stages.train.batching import TokenRows
 from stages.train.core import load_actor_model, load_critic_model
 from stages.train.forward import forward_rows
 from stages.train.stage import ForwardWorkers, run_logprobs, run_values
+from stages.storage import Location, read_manifest
+from tests.objstore import BUCKET, objects, s3  # noqa: F401  (s3: a local S3 server for this module, a fixture)
 from tests.train.tables import advantaged_rows, read_folder, write_table
 
 pytestmark = pytest.mark.usefixtures("ray_cluster")
@@ -194,26 +196,33 @@ def cli() -> typer.Typer:
 
 
 @pytest.mark.slow
-def test_train_step_cli_on_two_workers_skips_prunes_and_reports_worker_errors(tiny_model, samples, tmp_path):
+def test_train_step_cli_on_two_workers_skips_prunes_and_reports_worker_errors(tiny_model, samples, tmp_path, s3):
+    """The checkpoints go to an object store (a local S3 server, tests/objstore.py; docs/object-storage.md): DeepSpeed
+    writes into a local staging folder that is uploaded under the manifest, the second step downloads the first
+    (weights and DeepSpeed state) to continue from it, and pruning deletes on the store."""
     config = tmp_path / "train.yaml"
     config.write_text("adv_estimator: grpo\nppo_epochs: 2\nactor_train:\n  training_args:\n"
                       "    learning_rate: 1.0e-3\n    per_device_train_batch_size: 2\n"
                       "  max_tokens_per_microbatch_in_train: 64\nruntime:\n  num_workers: 2\n")
     runner, app = CliRunner(), cli()
     args = ["train-step", "--samples", str(samples), "--config", str(config)]
-    first = runner.invoke(app, args + ["--checkpoint", str(tiny_model), "--output", str(tmp_path / "ck" / "s1")])
+    ck = f"s3://{BUCKET}/ck"
+    first = runner.invoke(app, args + ["--checkpoint", str(tiny_model), "--output", f"{ck}/s1"])
     assert first.exit_code == 0, first.output
     assert "step 1" in first.output and "actor/pg_loss" in first.output
-    manifest = json.loads((tmp_path / "ck" / "s1" / "manifest.json").read_text())
+    manifest = read_manifest(Location.of(f"{ck}/s1"))
     assert manifest["state"]["world_size"] == 2 and manifest["rows"] == 10
-    again = runner.invoke(app, args + ["--checkpoint", str(tiny_model), "--output", str(tmp_path / "ck" / "s1")])
+    assert sorted(objects(f"{ck}/s1")) == sorted(["manifest.json", *(o["name"] for o in manifest["objects"])])
+    assert any("/deepspeed/actor/" in o["name"] for o in manifest["objects"]), "DeepSpeed's state was uploaded"
+    again = runner.invoke(app, args + ["--checkpoint", str(tiny_model), "--output", f"{ck}/s1"])
     assert again.exit_code == 0 and "skipped" in again.output
 
-    second = runner.invoke(app, args + ["--checkpoint", str(tmp_path / "ck" / "s1"), "--output",
-                                        str(tmp_path / "ck" / "s2"), "--set", "max_ckpt_to_keep=1"])
+    second = runner.invoke(app, args + ["--checkpoint", f"{ck}/s1", "--output", f"{ck}/s2", "--set",
+                                        "max_ckpt_to_keep=1"])
     assert second.exit_code == 0, second.output
-    assert "step 2" in second.output
-    assert sorted(p.name for p in (tmp_path / "ck").iterdir()) == ["s2"]  # the older checkpoint was pruned
+    assert "step 2" in second.output  # it continued from s1's downloaded state
+    assert read_manifest(Location.of(f"{ck}/s2"))["inputs"]["checkpoint"]["fingerprint"] == manifest["fingerprint"]
+    assert {name.split("/")[0] for name in objects(ck)} == {"s2"}  # the older checkpoint was pruned
 
     table = read_folder(samples)
     broken = table.set_column(table.schema.get_field_index("advantages"), "advantages",

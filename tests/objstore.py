@@ -1,0 +1,51 @@
+"""A real local S3 server for tests (moto's server mode, in the test process, on a free port): the ``s3`` fixture,
+one server per module that imports it (``from tests.objstore import s3``), and helpers to look at what it holds."""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import pyarrow.fs as pafs
+import pytest
+
+from stages.storage import Location
+
+BUCKET = "rollflow-test"
+
+
+@pytest.fixture(scope="module")
+def s3():
+    """A moto S3 server in this process with one bucket; this process's AWS_* variables point at it (restored
+    after the module). Yields the environment to give child processes."""
+    from moto.server import ThreadedMotoServer
+
+    logging.getLogger("werkzeug").setLevel(logging.WARNING)  # a line per request otherwise
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    env = {"AWS_ENDPOINT_URL": f"http://{host}:{port}", "AWS_ACCESS_KEY_ID": "rollflow-test",
+           "AWS_SECRET_ACCESS_KEY": "rollflow-test", "AWS_DEFAULT_REGION": "us-east-1",
+           "AWS_EC2_METADATA_DISABLED": "true"}
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    pafs.S3FileSystem(endpoint_override=f"{host}:{port}", scheme="http", allow_bucket_creation=True
+                      ).create_dir(BUCKET)
+    try:
+        yield env
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        server.stop()
+
+
+def objects(uri: str) -> dict[str, int]:
+    """``relative key -> size`` of every object under ``uri``."""
+    loc = Location.of(uri)
+    if not loc.exists():
+        return {}
+    return {i.path[len(loc.path) + 1:]: i.size
+            for i in loc.fs.get_file_info(pafs.FileSelector(loc.path, recursive=True)) if i.type == pafs.FileType.File}

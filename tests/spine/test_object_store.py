@@ -1,0 +1,247 @@
+"""Run folders on an object store (issue 14, item 4; docs/object-storage.md), against a real local S3 server:
+moto's server mode, one per module, on a free port. pyarrow reaches it through ``AWS_ENDPOINT_URL``.
+
+The commit protocol: a stage writes under an attempt prefix inside its output folder and commits by writing the
+manifest last; readers trust only what a manifest lists; a failed or killed attempt leaves the previous output as it
+was and is removed by the next write. Checked on the runner's commit, with ``rollflow recompute`` killed by SIGKILL at
+its commit point and resumed (equal to a local run byte for byte), with the metrics table, and with the ways an
+object store cannot be used (one error line, exit 2, nothing written). Training checkpoints on s3:// are tested with
+the train-step command (tests/train/test_stage.py).
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+from contextlib import contextmanager
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from typer.testing import CliRunner
+
+from schemas.errors import SchemaError
+from stages.example import ExampleSpec, generate
+from stages.storage import ATTEMPT_KEY, Location, read_manifest, read_table_schema
+from tests.objstore import BUCKET, objects, s3  # noqa: F401  (s3: the module's S3 server, a fixture)
+from tests.processes import sigkill_when
+from tests.spine.conftest import SMALL
+from tests.spine.helpers import GIGPO, assert_tables_equal, read_table
+
+ROLLFLOW = [sys.executable, "-m", "flows.cli"]
+REPO = Path(__file__).resolve().parents[2]
+
+
+def read_s3_table(uri: str) -> pa.Table:
+    """A table as a reader sees it: the files its manifest lists, in order."""
+    loc = Location.of(uri)
+    return pa.concat_tables([pq.read_table(p, filesystem=loc.fs) for p in loc.parquet_files()])
+
+
+def s3_bytes(uri: str) -> list[bytes]:
+    loc = Location.of(uri)
+    out = []
+    for path in loc.parquet_files():
+        with loc.fs.open_input_stream(path) as f:
+            out.append(f.read())
+    return out
+
+
+# ---- the protocol on the runner ------------------------------------------------------------------------------------
+def _fill_with(table: pa.Table, fail_after: int | None = None):
+    """A ``commit_folder`` fill writing ``table`` as two parts (``fail_after=1``: raise after the first)."""
+    def fill(folder: Location) -> dict:
+        files = []
+        for i, part in enumerate((table.slice(0, 100), table.slice(100))):
+            if fail_after is not None and i == fail_after:
+                raise RuntimeError("boom after the first part")
+            with folder.fs.open_output_stream(f"{folder.path}/{i:08d}.parquet") as f:
+                pq.write_table(part, f)
+            files.append({"name": f"{i:08d}.parquet", "rows": part.num_rows})
+        return {"files": files, "rows": table.num_rows}
+    return fill
+
+
+def test_failed_write_keeps_the_previous_output_and_stale_attempts_are_removed(s3, step_set):
+    from stages.runner import commit_folder
+
+    table = read_table(step_set)
+    out = Location.of(f"s3://{BUCKET}/proto/copy")
+    commit = dict(who="test", other="another output")
+    manifest, skipped = commit_folder(out, "fp-a", _fill_with(table), **commit)
+    committed, attempt = objects(out.uri()), manifest[ATTEMPT_KEY]
+    assert not skipped and read_manifest(out) == manifest
+    assert sorted(committed) == sorted(["manifest.json", *(o["name"] for o in manifest["objects"])])
+    assert all(name.startswith(f"{attempt}/") for name in committed if name != "manifest.json")
+    assert_tables_equal(read_s3_table(out.uri()), table, "committed")
+
+    with pytest.raises(RuntimeError, match="boom"):  # fails after writing a part of its replacement
+        commit_folder(out, "fp-b", _fill_with(table, fail_after=1), force=True, **commit)
+    assert objects(out.uri()) == committed, "a failed attempt leaves the committed output exactly as it was"
+
+    # a killed attempt's parts (no manifest names them) are never read, and the next write removes them
+    with out.fs.open_output_stream(f"{out.path}/.attempt-1-dead/00000000.parquet") as f:
+        pq.write_table(table.slice(0, 5), f)
+    assert len(out.parquet_files()) == len(manifest["files"])
+    assert_tables_equal(read_s3_table(out.uri()), table, "stray attempt ignored")
+    assert commit_folder(out, "fp-a", _fill_with(table), **commit)[1], "up to date: skipped"
+    assert objects(out.uri()) == committed, "the stray attempt is gone, the committed output kept"
+
+    new, _ = commit_folder(out, "fp-b", _fill_with(table.slice(0, 150)), force=True, **commit)
+    assert new[ATTEMPT_KEY] != attempt
+    assert {n.split("/")[0] for n in objects(out.uri())} == {"manifest.json", new[ATTEMPT_KEY]}, "old attempt gone"
+    assert_tables_equal(read_s3_table(out.uri()), table.slice(0, 150), "replaced")
+
+
+# ---- rollflow recompute on s3://, killed mid-stage and resumed ----------------------------------------------------
+@contextmanager
+def held_put(key_suffix: str):
+    """The S3 server holds the first PUT of a key ending in ``key_suffix`` (the commit point of a stage) and never
+    stores it. Yields an event set once that PUT arrived: the writer is then stopped exactly before its commit,
+    with every part written, the worst moment for a kill."""
+    from moto.s3.models import S3Backend
+
+    reached, release = threading.Event(), threading.Event()
+    original = S3Backend.put_object
+
+    def put_object(self, bucket_name, key_name, *args, **kwargs):
+        if key_name.endswith(key_suffix) and not reached.is_set():
+            reached.set()
+            release.wait(600)
+            raise RuntimeError(f"the test's S3 server dropped the PUT of {key_name}")
+        return original(self, bucket_name, key_name, *args, **kwargs)
+
+    S3Backend.put_object = put_object
+    try:
+        yield reached
+    finally:
+        S3Backend.put_object = original
+        release.set()
+
+
+@pytest.mark.slow
+def test_recompute_on_s3_killed_at_the_commit_resumes_to_the_local_output(s3, cli_env, base_run, ray_cluster,
+                                                                          tmp_path):
+    """``rollflow recompute`` from and to s3:// is SIGKILLed when the advantages stage has written all its parts and
+    sends its manifest: a reader sees the committed rewards table and nothing of the advantages; the same command
+    again (in this process) skips the rewards, redoes the advantages, removes the dead attempt, and both tables
+    equal the local run's (``base_run``: the same samples and config) byte for byte."""
+    samples, run = f"s3://{BUCKET}/kill/samples", f"s3://{BUCKET}/kill/run"
+    generate(ExampleSpec(samples=400, seed=1, rows_per_file=120, **SMALL), samples)  # step_set's rows
+    cmd = [*ROLLFLOW, "recompute", "--input", samples, "--config", GIGPO, "--output", run]
+    env = {**cli_env, **s3, "PYTHONPATH": str(REPO)}
+    with held_put("kill/run/advantaged/manifest.json") as committing:
+        sigkill_when(cmd, committing.is_set, tmp_path / "killed.log", env=env, cwd=str(REPO), timeout_s=400,
+                     what="the commit of the advantages stage")
+
+    assert "manifest.json" in objects(f"{run}/rewarded"), "the first stage was committed before the kill"
+    left = objects(f"{run}/advantaged")
+    assert any(n.endswith(".parquet") for n in left) and "manifest.json" not in left, left
+    assert Location.of(f"{run}/advantaged").parquet_files() == []  # a reader trusts nothing of it
+    with pytest.raises(SchemaError, match="holds no .parquet files"):
+        read_table_schema(Location.of(f"{run}/advantaged"), "advantaged")
+
+    from flows.cli import app  # the same command again, in this process (its Ray cluster, no process start-up)
+
+    rerun = CliRunner().invoke(app, cmd[3:])
+    assert rerun.exit_code == 0, rerun.output[-3000:]
+    removed = [line for line in rerun.output.splitlines() if line.startswith("WARNING: removing")]
+    assert len(removed) == 1 and "advantaged/.attempt-" in removed[0], rerun.output[:2000]  # the dead attempt
+    lines = [line for line in rerun.output.splitlines() if line not in removed]
+    assert "up to date, skipped" in lines[0] and "computed in" in lines[1], rerun.output[:2000]
+    for name in ("rewarded", "advantaged"):
+        manifest = read_manifest(Location.of(f"{run}/{name}"))  # one attempt and its manifest: the dead one is gone
+        assert {n.split("/")[0] for n in objects(f"{run}/{name}")} == {"manifest.json", manifest[ATTEMPT_KEY]}
+        local = Path(base_run) / name
+        assert_tables_equal(read_s3_table(f"{run}/{name}"), read_table(local), name)
+        assert s3_bytes(f"{run}/{name}") == [p.read_bytes() for p in sorted(local.glob("*.parquet"))], name
+        assert manifest["fingerprint"] == read_manifest(Location.of(str(local)))["fingerprint"]
+
+
+# ---- a store that cannot be used: one line, exit 2, nothing written -------------------------------------------------
+@pytest.mark.parametrize("case", ["unreachable endpoint", "missing bucket", "missing credentials",
+                                  "refused credentials"])
+def test_unusable_store_gives_one_error_line_and_writes_nothing(case, s3, step_set, monkeypatch):
+    import moto.settings
+
+    from flows.cli import app
+
+    before = objects(f"s3://{BUCKET}")
+    bucket = BUCKET
+    if case == "unreachable endpoint":
+        monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:9")  # the discard port: nothing listens
+    elif case == "missing bucket":
+        bucket = "no-such-bucket"
+    else:  # the server checks signatures; its IAM knows no key
+        monkeypatch.setattr(moto.settings, "INITIAL_NO_AUTH_ACTION_COUNT", 0)
+        if case == "missing credentials":
+            monkeypatch.delenv("AWS_ACCESS_KEY_ID")
+            monkeypatch.delenv("AWS_SECRET_ACCESS_KEY")
+        else:
+            monkeypatch.setenv("AWS_ACCESS_KEY_ID", "AKIAWRONGWRONGWRONG0")
+    result = CliRunner().invoke(app, ["recompute", "--input", step_set, "--config", GIGPO,
+                                      "--output", f"s3://{bucket}/bad/run"])
+    assert result.exit_code == 2, result.output
+    lines = result.output.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), result.output
+    expected = {"unreachable endpoint": "cannot reach s3://rollflow-test (endpoint http://127.0.0.1:9)",
+                "missing bucket": "bucket no-such-bucket does not exist",
+                "missing credentials": "no credentials are set; set AWS_ACCESS_KEY_ID",
+                "refused credentials": "the credentials (AWS_ACCESS_KEY_ID) were refused"}[case]
+    assert expected in lines[0], lines[0]
+    monkeypatch.undo()
+    assert objects(f"s3://{BUCKET}") == before, "nothing was written"
+
+
+def test_a_store_failing_after_the_check_still_gives_one_error_line(s3, step_set, monkeypatch):
+    """The check runs once per bucket, endpoint and credentials in a process; access refused later (the same key
+    revoked) still ends the command with one line and exit 2, not a traceback."""
+    import moto.settings
+
+    from flows.cli import app
+
+    Location.of(f"s3://{BUCKET}/later")  # checked, and cached, while access works
+    monkeypatch.setattr(moto.settings, "INITIAL_NO_AUTH_ACTION_COUNT", 0)
+    result = CliRunner().invoke(app, ["recompute", "--input", step_set, "--config", GIGPO,
+                                      "--output", f"s3://{BUCKET}/later/run"])
+    assert result.exit_code == 2 and result.output.count("\n") == 1, result.output
+    assert "access to s3://rollflow-test" in result.output and "were refused" in result.output, result.output
+
+
+def test_uri_options_are_refused_with_the_environment_variables_to_use(s3):
+    with pytest.raises(Exception, match="AWS_ENDPOINT_URL") as err:
+        Location.of(f"s3://{BUCKET}/run?endpoint_override=127.0.0.1:1&scheme=http")
+    assert f"pass s3://{BUCKET}/run" in str(err.value)
+
+
+# ---- the metrics table and a record of parts on s3:// -------------------------------------------------------------
+def test_metrics_table_on_s3_replaces_parts_and_reads_back(s3):
+    from stages.metrics import MetricsLog, read_metrics
+
+    run = f"s3://{BUCKET}/metrics-run"
+    with MetricsLog(run) as log:  # no TensorBoard mirror off local disk
+        for it in range(3):
+            log.log(it, "train", {"actor/pg_loss": float(it)}, wall_s=1.0)
+        log.log(1, "train", {"actor/pg_loss": 10.0})  # a resumed iteration replaces its part
+        assert log.has(2, "train") and log.drop_after(1) == 1
+    table = read_metrics(run)
+    loss = table.filter(pa.compute.equal(table["name"], "actor/pg_loss"))
+    assert loss["iteration"].to_pylist() == [0, 1] and loss["value"].to_pylist() == [0.0, 10.0]
+    assert sorted(n.split("-")[1] for n in objects(f"{run}/metrics")) == ["iter000000", "iter000001"]
+    assert not objects(f"{run}/tensorboard")
+
+
+def test_a_record_of_committed_parts_on_s3_is_written_last_and_kept_when_up_to_date(s3):
+    """A rollout's folder: each part committed by its own stage, then the folder's own manifest (commit_record)."""
+    from stages.runner import commit_folder, commit_record
+
+    folder = Location.of(f"s3://{BUCKET}/record")
+    part = folder.child("turn_000")
+    commit_folder(part, "fp-part", lambda tmp: {"files": []}, who="test", other="another part")
+    with pytest.raises(Exception, match="parts of this output are missing"):
+        commit_record(Location.of(f"s3://{BUCKET}/record-missing"), "fp", lambda: {})
+    manifest, skipped = commit_record(folder, "fp-whole", lambda: {"stage": "eval", "parts": ["turn_000"]})
+    assert not skipped and read_manifest(folder) == manifest and manifest["fingerprint"] == "fp-whole"
+    assert sorted(objects(folder.uri())) == ["manifest.json", "turn_000/manifest.json"]
+    assert commit_record(folder, "fp-whole", lambda: {"stage": "other"})[1], "an up-to-date record is kept"
