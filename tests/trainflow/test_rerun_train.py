@@ -1,6 +1,7 @@
 """``rollflow stage train_step`` / ``eval``: re-running an iteration's training step with changed settings (a new
 checkpoint beside the old one) and, with ``--downstream``, the evaluation that read it. Fast tests of the refusals
-(no Ray, no model), the evaluation's own manifest, and one slow end-to-end re-run on the tiny random model."""
+(no Ray, no model) and the evaluation's own manifest. The end-to-end re-run of a training step through its evaluation
+runs on tests/trainflow/test_train_flow.py's finished run (one tiny run for every flow test of that module)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,6 @@ from flows.cli import app
 from schemas.errors import RollflowError
 from stages.runner import commit_record
 from stages.storage import Location
-from tests.spine.helpers import tree_digest
 
 runner = CliRunner()
 
@@ -166,72 +166,3 @@ def test_lineage_compares_a_base_model_folder_as_its_readers_fingerprint_it(tmp_
     assert "none is stale" in "\n".join(lineage_lines(str(tmp_path / "run")))
     (base / "model.safetensors").write_bytes(b"ww")
     assert "input 'checkpoint'" in "\n".join(lineage_lines(str(tmp_path / "run")))
-
-
-# ---- end to end on the tiny random model --------------------------------------------------------------------------
-
-def _weights(folder: Path) -> dict:
-    from safetensors.torch import load_file
-
-    out = {}
-    for f in sorted(folder.glob("*.safetensors")):
-        out.update(load_file(str(f)))
-    return out
-
-
-@pytest.fixture(scope="module")
-def graded_run(tmp_path_factory, cli_env) -> Path:
-    """One iteration of the tiny run whose training step has a gradient: the tiny random model scores every episode
-    alike, so GRPO's group-normalised advantages are all zero and no learning rate would move the weights; with
-    ``reward_normalization.method=identity`` the advantages are the (non-zero) scores themselves."""
-    from tests.trainflow.test_train_flow import _rollflow, _tiny_args
-
-    root = tmp_path_factory.mktemp("rerun-train")
-    args = [*_tiny_args(root, "g"), "--set", "max_steps=1", "--set", "reward_normalization.method=identity"]
-    done = _rollflow(*args, env=cli_env)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    return root / "g"
-
-
-@pytest.mark.slow
-def test_training_step_rerun_with_another_learning_rate_through_evaluation(graded_run, cli_env):
-    """``rollflow stage train_step --from iter_0000/checkpoint --set actor_train.training_args.learning_rate=…
-    --downstream``: a new checkpoint beside the old one (other weights), its manifest recording its inputs and the
-    new rate; the evaluation that read the old checkpoint re-run on the new one into its own folder; the originals
-    byte for byte as they were; ``rollflow lineage`` follows the new evaluation back to the run's advantages. (That
-    the same call again is up to date and writes nothing is checked once, for a walk through the training step and
-    the evaluation, by tests/trainflow/test_train_flow.py's log-prob re-run.)"""
-    from tests.trainflow.test_train_flow import _rollflow
-
-    it = graded_run / "iter_0000"
-    old = json.loads((it / "checkpoint/manifest.json").read_text())
-    assert old["metrics"]["actor/grad_norm"] > 0, "the fixture's step must have a gradient"
-    rate = old["section"]["actor_train"]["training_args"]["learning_rate"] * 50
-    originals = {name: tree_digest(it / name) for name in ("checkpoint", "eval", "advantaged")}
-    call = ["stage", "train_step", "--from", str(it / "checkpoint"), "--set",
-            f"actor_train.training_args.learning_rate={rate}", "--downstream"]
-    done = _rollflow(*call, env=cli_env)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    made = sorted(p.name for p in it.iterdir() if "@" in p.name)
-    tag = made[0].split("@")[1]
-    assert made == [f"checkpoint@{tag}", f"eval@{tag}"], made
-    assert "train_step: wrote" in done.stdout and "eval: wrote" in done.stdout
-
-    new = json.loads((it / f"checkpoint@{tag}/manifest.json").read_text())
-    assert new["stage"] == "train_step" and new["section"]["actor_train"]["training_args"]["learning_rate"] == rate
-    assert {k: v["path"] for k, v in new["inputs"].items()} == {k: v["path"] for k, v in old["inputs"].items()}
-    got, was = _weights(it / f"checkpoint@{tag}"), _weights(it / "checkpoint")
-    assert got.keys() == was.keys() and any(not (got[k] == was[k]).all() for k in got), "another rate, other weights"
-
-    ev = json.loads((it / f"eval@{tag}/manifest.json").read_text())
-    assert ev["stage"] == "eval" and ev["inputs"]["checkpoint"]["path"] == str(it / f"checkpoint@{tag}")
-    assert ev["inputs"]["checkpoint"]["fingerprint"] == new["fingerprint"]
-    assert ev["section"] == json.loads((it / "eval/manifest.json").read_text())["section"]
-    assert (it / f"eval@{tag}/samples/manifest.json").exists()
-    assert {name: tree_digest(it / name) for name in originals} == originals, "the originals are untouched"
-
-    lineage = _rollflow("lineage", str(it / f"eval@{tag}"), env=cli_env)
-    assert lineage.returncode == 0, lineage.stderr[-2000:]
-    assert f"<- checkpoint: {it / f'checkpoint@{tag}'}  stage train_step" in lineage.stdout
-    assert f"<- samples: {it / 'advantaged'}  stage advantages" in lineage.stdout
-    assert "STALE" not in lineage.stdout and "none is stale" in lineage.stdout
