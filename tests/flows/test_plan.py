@@ -22,8 +22,8 @@ from flows.cli import app
 from flows.pipelines import pipeline_of
 from flows.runkit import check_plan, run_plan
 from schemas.config import load_config_data, validate_config
-from schemas.errors import RollflowError
-from stages.plan import (DEFAULT_MODEL_SHAPE, PHASES, parameter_count, training_bytes_per_parameter)
+from schemas.errors import ConfigError, RollflowError
+from stages.plan import DEFAULT_MODEL_SHAPE, PHASES, gpu_shares, parameter_count, training_bytes_per_parameter
 
 REPO = Path(__file__).resolve().parents[2]
 TRAINING_CONFIGS = sorted(p for p in (REPO / "configs").glob("*.yaml") if "train" in p.stem)
@@ -35,6 +35,10 @@ def load(path: Path | str, **overrides):
     return validate_config(pipeline_of(data, str(path)).config_model(), data, str(path))
 
 
+# the shipped GPU configs without their colocation: each role on GPUs of its own (today's reservations before it)
+APART = {"rollout.engine.device_mapping": None, "logprobs.device_mapping": None, "train.runtime.device_mapping": None}
+
+
 def test_the_shipped_training_configs_are_found():
     names = {p.name for p in TRAINING_CONFIGS}
     assert {"train_frozenlake_quickstart.yaml", "rlvr_train_math.yaml", "train_frozenlake_grpo_h100.yaml",
@@ -44,57 +48,124 @@ def test_the_shipped_training_configs_are_found():
 
 @pytest.mark.parametrize("path", TRAINING_CONFIGS, ids=lambda p: p.name)
 def test_every_shipped_training_config_fits_the_resources_it_names(path):
-    """CPU configs on this 2-CPU machine (or the CPUs their runtime names); the _h100 configs on a 2-GPU machine
-    with the CPUs of the lent H100 machines (16)."""
+    """CPU configs on this 2-CPU machine (or the CPUs their runtime names); the _h100 configs on one GPU (the
+    engine, forward and training workers colocated: a third of GPU 0 each) with the CPUs of the lent H100 machines
+    (16), and on two."""
     config = load(path)
     gpu = path in GPU_CONFIGS
-    resources = {"CPU": 16.0, "GPU": 2.0} if gpu else {"CPU": float(config.runtime.num_cpus or 2), "GPU": 0.0}
-    plan = run_plan(config, resources)
-    assert plan.fits, "\n".join(plan.lines() + plan.problems)
-    check_plan(config, resources)  # what start_run does: no error
-    assert plan.gpus_needed() == (2.0 if gpu else 0.0)
+    for gpus in (1.0, 2.0) if gpu else (0.0,):
+        resources = {"CPU": 16.0 if gpu else float(config.runtime.num_cpus or 2), "GPU": gpus}
+        plan = run_plan(config, resources)
+        assert plan.fits, "\n".join(plan.lines() + plan.problems)
+        check_plan(config, resources)  # what start_run does: no error
+    assert plan.gpus_needed() == (0.9999 if gpu else 0.0)
+    if gpu:
+        assert gpu_shares(config) == {"engine": 0.3333, "forward": 0.3333, "train": 0.3333}
+        assert config.rollout.engine.sleep_level >= 1
+        assert set(plan.placement.values()) == {"GPU 0"}, plan.lines()
 
 
 @pytest.mark.parametrize("path", GPU_CONFIGS, ids=lambda p: p.name)
-def test_a_one_gpu_cluster_is_refused_for_a_plan_that_needs_two_with_the_fix(path):
-    config = load(path)
+def test_one_gpu_is_refused_without_colocation_with_the_colocation_fix(path):
+    config = load(path, **APART)
     plan = run_plan(config, {"CPU": 16.0, "GPU": 1.0})
     assert not plan.fits
     with pytest.raises(RollflowError) as err:
         check_plan(config, {"CPU": 16.0, "GPU": 1.0})
     text = str(err.value)
-    for phrase in ("the run needs 2 GPUs of Ray's 1", "generation engines 1 (1 x 1, whole run)",
-                   "training workers (GPUs) 1", "cannot share a GPU between generation and training",
-                   "rollout.engine.num_gpus_per_engine: 0", "train.runtime.use_gpu: false",
-                   "with 2 GPUs", "rollflow plan --gpus 2"):
+    for phrase in ("the run needs 3 GPUs of Ray's 1", "generation engines 1 (1 x 1, whole run)",
+                   "training workers (GPUs) 1", "forward workers (kept) 1", "share a GPU only when colocated",
+                   "rollout.engine.device_mapping: [0] and rollout.engine.sleep_level: 1 and "
+                   "train.runtime.device_mapping: [0] and logprobs.device_mapping: [0]",
+                   "rollout.engine.num_gpus_per_engine: 0", "train.runtime.use_gpu: false", "logprobs.device: cpu",
+                   "with 3 GPUs", "rollflow plan --gpus 3"):
         assert phrase in text, text
-    # either fix makes it fit
-    assert run_plan(load(path, **{"rollout.engine.num_gpus_per_engine": 0}), {"CPU": 16.0, "GPU": 1.0}).fits
-    assert run_plan(load(path, **{"train.runtime.use_gpu": False}), {"CPU": 16.0, "GPU": 1.0}).fits
+    # each fix makes it fit: the colocation it names (the shipped config), or a role off the GPU with the others apart
+    assert run_plan(load(path), {"CPU": 16.0, "GPU": 1.0}).fits
+    assert run_plan(load(path, **{**APART, "rollout.engine.num_gpus_per_engine": 0, "logprobs.device": "cpu"}),
+                    {"CPU": 16.0, "GPU": 1.0}).fits
+    assert run_plan(load(path, **APART), {"CPU": 16.0, "GPU": 3.0}).fits
 
 
-def test_a_training_group_per_step_still_needs_its_gpu_beside_the_engines():
-    """keep_workers: false holds the GPU during the training step only, but the engine holds its GPU all along."""
-    config = load(GPU_CONFIGS[0], **{"train.runtime.keep_workers": False})
+def test_a_training_group_per_step_still_needs_its_gpu_beside_the_engines_unless_colocated():
+    """keep_workers: false holds the GPU during the training step only, but an engine apart holds its GPU all along;
+    colocated, the step's share is what the sleeping engine and the forward workers leave of GPU 0."""
+    config = load(GPU_CONFIGS[0], **{**APART, "logprobs.device": "cpu", "train.runtime.keep_workers": False})
     plan = run_plan(config, {"CPU": 16.0, "GPU": 1.0})
     assert not plan.fits and "training workers 1 (1 x 1, during training step)" in plan.problems[0]
     assert run_plan(config, {"CPU": 16.0, "GPU": 2.0}).fits
+    colocated = run_plan(load(GPU_CONFIGS[0], **{"train.runtime.keep_workers": False}), {"CPU": 16.0, "GPU": 1.0})
+    assert colocated.fits and colocated.gpus_needed() == 0.9999
 
 
 def test_gpu_shares_are_packed_as_ray_places_them():
     """Three engines of 0.6 GPU sum to 1.8 but need three GPUs: a fraction must fit in what is left of one GPU."""
-    config = load(GPU_CONFIGS[0], **{"rollout.engine.num_engines": 3, "rollout.engine.num_gpus_per_engine": 0.6,
-                                     "train.runtime.use_gpu": False})
+    config = load(GPU_CONFIGS[0], **{**APART, "rollout.engine.num_engines": 3, "rollout.engine.num_gpus_per_engine": 0.6,
+                                     "train.runtime.use_gpu": False, "logprobs.device": "cpu"})
     plan = run_plan(config, {"CPU": 16.0, "GPU": 2.0})
     assert not plan.fits and "cannot be packed onto 2 GPUs" in plan.problems[0]
     assert run_plan(config, {"CPU": 16.0, "GPU": 3.0}).fits
-    halves = load(GPU_CONFIGS[0], **{"rollout.engine.num_engines": 2, "rollout.engine.num_gpus_per_engine": 0.5})
+    halves = load(GPU_CONFIGS[0], **{**APART, "rollout.engine.num_engines": 2, "rollout.engine.num_gpus_per_engine": 0.5,
+                                     "logprobs.device": "cpu"})
     plan = run_plan(halves, {"CPU": 16.0, "GPU": 2.0})
     assert plan.fits and "GPU 0" in "\n".join(plan.lines())
 
 
+@pytest.mark.parametrize("overrides, shares, gpus", [
+    ({}, {"engine": 0.3333, "forward": 0.3333, "train": 0.3333}, 1),
+    ({"logprobs.device_mapping": None}, {"engine": 0.5, "forward": 1.0, "train": 0.5}, 2),
+    ({"logprobs.device_mapping": None, "logprobs.device": "cpu"}, {"engine": 0.5, "forward": 0.0, "train": 0.5}, 1),
+    ({"train.runtime.device_mapping": [1]}, {"engine": 0.5, "forward": 0.5, "train": 1.0}, 2),
+    ({**APART, "logprobs.gpus_per_actor": 0.25}, {"engine": 1.0, "forward": 0.25, "train": 1.0}, 3),
+    ({"rollout.engine.num_engines": 2, "rollout.engine.device_mapping": "list(range(0,2))",
+      "train.runtime.num_workers": 2, "train.runtime.device_mapping": [1, 0], "logprobs.device_mapping": None,
+      "logprobs.device": "cpu"}, {"engine": 0.5, "forward": 0.0, "train": 0.5}, 2),
+])
+def test_colocated_roles_reserve_equal_shares_of_their_gpus(overrides, shares, gpus):
+    """ROLL's device_mapping: equal lists share the GPUs equally (two roles: halves; three: thirds); a role apart
+    reserves its own; ROLL's list(range(a,b)) spelling is read as the list. The plan fits on ``gpus`` GPUs, not on
+    one fewer."""
+    config = load(GPU_CONFIGS[0], **overrides)
+    assert gpu_shares(config) == shares
+    assert run_plan(config, {"CPU": 16.0, "GPU": float(gpus)}).fits
+    assert not run_plan(config, {"CPU": 16.0, "GPU": float(gpus - 1)}).fits
+
+
+@pytest.mark.parametrize("overrides, words", [
+    ({"rollout.engine.sleep_level": 0}, ["sleep_level is 0", "share their GPUs with forward workers and train "
+                                         "workers", "set rollout.engine.sleep_level: 1"]),
+    ({"train.runtime.device_mapping": [0, 1], "train.runtime.num_workers": 2},
+     ["overlap in part", "make them equal or disjoint"]),
+    ({"train.runtime.device_mapping": [0, 1]}, ["lists 2 GPUs but train.runtime.num_workers is 1",
+                                               "set train.runtime.num_workers: 2"]),
+    ({"logprobs.device": "cpu"}, ["needs logprobs.device: cuda and gpus_per_actor: 1"]),
+    ({"train.runtime.use_gpu": False}, ["needs train.runtime.use_gpu: true"]),
+    ({"rollout.engine.num_gpus_per_engine": 2}, ["num_gpus_per_engine is 2", "set num_gpus_per_engine: 1"]),
+    ({"rollout.engine.device_mapping": [0, 0]}, ["names a GPU more than once"]),
+    ({"rollout.engine.device_mapping": "range(2)"}, ["not a list of GPU indexes", "list(range(0,2))"]),
+    ({"rollout.engine.device_mapping": []}, ["device_mapping is empty"]),
+])
+def test_device_mapping_rules_give_the_rule_and_the_fix(overrides, words):
+    with pytest.raises(ConfigError) as err:
+        load(GPU_CONFIGS[0], **overrides)
+    for word in words:
+        assert word in str(err.value), str(err.value)
+
+
+def test_an_rlvr_run_colocates_by_the_same_rules_and_its_judge_is_never_colocated():
+    colocated = {"engine.device_mapping": [0], "engine.num_gpus_per_engine": 1, "engine.sleep_level": 1,
+                 "train.runtime.use_gpu": True, "train.runtime.num_workers": 1, "train.runtime.device_mapping": [0]}
+    config = load(REPO / "configs/rlvr_train_math.yaml", **colocated)
+    assert gpu_shares(config) == {"engine": 0.5, "forward": 0.0, "train": 0.5}
+    assert run_plan(config, {"CPU": 2.0, "GPU": 1.0}).fits
+    with pytest.raises(ConfigError, match="engine.sleep_level is 0"):
+        load(REPO / "configs/rlvr_train_math.yaml", **{**colocated, "engine.sleep_level": 0})
+    with pytest.raises(ConfigError, match="judge's engine is not colocated"):
+        load(REPO / "configs/rlvr_train_math.yaml", **{"judge.engine.sleep_level": 1})
+
+
 def test_cuda_forward_workers_and_an_llm_judge_count_as_held_for_the_whole_run():
-    config = load(GPU_CONFIGS[0], **{"logprobs.device": "cuda", "logprobs.gpus_per_actor": 0.5})
+    config = load(GPU_CONFIGS[0], **{**APART, "logprobs.gpus_per_actor": 0.5})
     assert run_plan(config, {"CPU": 16.0, "GPU": 2.0}).gpus_needed() == 2.5
     judged = load(REPO / "configs/rlvr_train_math.yaml", **{"rewards.routes.math": {"worker": "llm_judge"},
                                                            "judge.engine.num_cpus_per_engine": 1})
@@ -123,12 +194,15 @@ runner = CliRunner()
 
 def test_cli_exit_codes():
     h100 = str(GPU_CONFIGS[0])
-    fits = runner.invoke(app, ["plan", "--config", h100, "--cpus", "16", "--gpus", "2"])
+    fits = runner.invoke(app, ["plan", "--config", h100, "--cpus", "16", "--gpus", "1"])
     assert fits.exit_code == 0, fits.output
-    assert "fits: yes" in fits.output and "GPU 0" in fits.output and "GPU 1" in fits.output
-    refused = runner.invoke(app, ["plan", "--config", h100, "--cpus", "16", "--gpus", "1"])
+    assert "fits: yes" in fits.output and "shares GPU 0 with forward, train" in fits.output
+    apart = [f"{key}=null" for key in APART]
+    refused = runner.invoke(app, ["plan", "--config", h100, "--cpus", "16", "--gpus", "1",
+                                  *[arg for kv in apart for arg in ("--set", kv)]])
     assert refused.exit_code == 2, refused.output
-    assert "fits: no" in refused.output and "error: the run needs 2 GPUs of Ray's 1" in refused.output
+    assert "fits: no" in refused.output and "error: the run needs 3 GPUs of Ray's 1" in refused.output
+    assert runner.invoke(app, ["plan", "--config", h100, "--cpus", "16", "--gpus", "0"]).exit_code == 2
     quick = runner.invoke(app, ["plan", "--config", str(REPO / "configs/train_frozenlake_quickstart.yaml"),
                                 "--cpus", "2", "--gpus", "0", "--set", "train.runtime.num_workers=3"])
     assert quick.exit_code == 2 and "training workers 3" in quick.output, quick.output
