@@ -112,6 +112,38 @@ def test_load_weights_in_place_equals_a_fresh_engine(tiny_engine, tiny_model: Pa
     assert [r.logprobs for r in tiny_engine.generate(requests)] == [r.logprobs for r in before]
 
 
+def test_sleep_then_wake_with_new_weights_equals_a_fresh_engine(tiny_engine, tiny_model: Path, prompts,
+                                                                tmp_path: Path) -> None:
+    """The colocated path (EngineMemory): asleep, the engine refuses to generate. Level 1 on a CPU device has nothing
+    to move and wakes to the same model; level 2 frees every weight and buffer byte (meta tensors) and, woken with a
+    new checkpoint, equals an engine built on it."""
+    requests = [GenRequest(p, SamplingSpec(seed=5, n=2, max_new_tokens=8)) for p in prompts]
+    before = tiny_engine.generate(requests)
+    changed = save_perturbed_copy(tiny_model, tmp_path / "changed", relative_scale=0.5)
+    held = sum(t.numel() * t.element_size() for t in (*tiny_engine.model.parameters(), *tiny_engine.model.buffers()))
+    try:
+        assert tiny_engine.sleep(1) == {"released_bytes": 0, "offloaded_bytes": 0}
+        with pytest.raises(RollflowError, match="asleep"):
+            tiny_engine.generate(requests)
+        tiny_engine.wake()
+        assert [r.logprobs for r in tiny_engine.generate(requests)] == [r.logprobs for r in before]
+        assert tiny_engine.sleep(2) == {"released_bytes": held, "offloaded_bytes": 0}
+        assert {p.device.type for p in tiny_engine.model.parameters()} == {"meta"}
+        with pytest.raises(RollflowError, match="asleep"):
+            tiny_engine.generate(requests)
+        tiny_engine.wake(changed)
+        woken = tiny_engine.generate(requests)
+    finally:
+        if getattr(tiny_engine, "_asleep", 0):
+            tiny_engine.wake(tiny_model)
+        tiny_engine.load_weights(tiny_model)
+    fresh = build_engine("hf", changed, dtype="float32", max_batch_size=4).generate(requests)
+    assert [r.response_token_ids for r in woken] == [r.response_token_ids for r in fresh]
+    assert [r.logprobs for r in woken] == [r.logprobs for r in fresh]
+    assert [r.logprobs for r in woken] != [r.logprobs for r in before]
+    assert [r.logprobs for r in tiny_engine.generate(requests)] == [r.logprobs for r in before]
+
+
 def test_load_weights_rejects_another_architecture(tiny_engine, default_model: Path) -> None:
     with pytest.raises(RollflowError, match="does not match the engine's model"):
         tiny_engine.load_weights(default_model)
