@@ -27,6 +27,7 @@ from typing import Annotated, Any
 
 from pydantic import BeforeValidator
 
+_LABELS = {"engine": "the generation engines", "forward": "the forward workers", "train": "the training workers"}
 _ROLL_RANGE = re.compile(r"^\s*list\(\s*range\(\s*(\d+)\s*(?:,\s*(\d+)\s*)?\)\s*\)\s*$")
 
 
@@ -117,7 +118,7 @@ def check_device_mappings(config) -> None:
     if partners and engine.sleep_level == 0:
         names = " and ".join(r.field for r in partners)
         raise ValueError(f"{prefix}.device_mapping equals {names}, so the engines share their GPUs with "
-                         f"{' and '.join(r.name + ' workers' for r in partners)}, but {prefix}.sleep_level is 0: the "
+                         f"{' and '.join(_LABELS[r.name] for r in partners)}, but {prefix}.sleep_level is 0: the "
                          "engines would keep their weights and KV cache on the GPU while those run; set "
                          f"{prefix}.sleep_level: 1 (weights offloaded to host memory, KV cache freed between "
                          "rollouts) or 2 (both discarded; the next weights are loaded on waking)")

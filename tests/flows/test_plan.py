@@ -132,8 +132,8 @@ def test_colocated_roles_reserve_equal_shares_of_their_gpus(overrides, shares, g
 
 
 @pytest.mark.parametrize("overrides, words", [
-    ({"rollout.engine.sleep_level": 0}, ["sleep_level is 0", "share their GPUs with forward workers and train "
-                                         "workers", "set rollout.engine.sleep_level: 1"]),
+    ({"rollout.engine.sleep_level": 0}, ["sleep_level is 0", "share their GPUs with the forward workers and the "
+                                         "training workers", "set rollout.engine.sleep_level: 1"]),
     ({"train.runtime.device_mapping": [0, 1], "train.runtime.num_workers": 2},
      ["overlap in part", "make them equal or disjoint"]),
     ({"train.runtime.device_mapping": [0, 1]}, ["lists 2 GPUs but train.runtime.num_workers is 1",
