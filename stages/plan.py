@@ -12,7 +12,7 @@ The rules (what today's code reserves; see the stages cited):
   the flow ends); the kept forward workers' GPU share with ``logprobs.device: cuda`` (stages/train/stage.py,
   ``ForwardWorkers``: ``num_actors`` x ``gpus_per_actor``, no CPU); the kept training workers' GPUs with
   ``train.runtime.use_gpu`` (stages/train/group.py: Ray Train reserves one GPU per worker, and a kept group lives
-  until the flow ends).
+  until the flow ends). Colocated roles reserve their equal share of a GPU instead (:func:`gpu_shares`).
 * **Held during one stage** ("phase"): generation's Ray Data tasks (``TASK_CPUS``, 0.25 CPU); the log-prob / values
   stage: ``logprobs.cpus_per_actor`` plus half a CPU for Ray Data's read/write tasks beside it; the training step:
   ``num_workers`` x ``cpus_per_worker`` CPUs (a kept group reserves none in Ray, but its threads compute on them while

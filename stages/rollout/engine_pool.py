@@ -212,7 +212,7 @@ class EnginePool:
         """Point the pool at ``model_dir``: in-place weight loading if the actors run; returns seconds spent."""
         model_dir = str(Path(model_dir).resolve())
         if self.asleep and self._actors:  # wake with the new weights: the GPU never holds both
-            return self.wake(model_dir)
+            return self.wake(None if model_dir == self.model_dir else model_dir)
         if not self._actors or model_dir == self.model_dir:
             self.model_dir = model_dir
             return 0.0
