@@ -65,6 +65,15 @@ def test_every_shipped_training_config_fits_the_resources_it_names(path):
         assert set(plan.placement.values()) == {"GPU 0"}, plan.lines()
 
 
+def test_the_shipped_gpu_configs_reserve_the_same():
+    """What lets one stage sequence on a Ray cluster (below) stand for every shipped GPU config: the same shares, and
+    the same reservations of every stage."""
+    plans = [run_plan(load(path), {"CPU": 16.0, "GPU": 1.0}) for path in GPU_CONFIGS]
+    reservations = [[(n.stage, n.count, n.cpus, n.gpus, n.phase) for n in plan.needs] for plan in plans]
+    assert all(r == reservations[0] for r in reservations), reservations
+    assert len({tuple(sorted(gpu_shares(load(path)).items())) for path in GPU_CONFIGS}) == 1
+
+
 @pytest.mark.parametrize("path", GPU_CONFIGS, ids=lambda p: p.name)
 def test_one_gpu_is_refused_without_colocation_with_the_colocation_fix(path):
     config = load(path, **APART)
@@ -290,11 +299,12 @@ def stage_sequence(config, model, timeout):
     forward = ForwardWorkers(config.logprobs, gpus_per_actor=shares["forward"])
     request = [GenRequest([1, 2, 3], SamplingSpec(max_new_tokens=4, seed=1))]
     try:
+        workers = forward.actors()  # kept workers are resident too: their processes start while the engine builds
         first = pool.generate(request)[0][0].response_token_ids
         done.append("engine resident")
         slept = pool.sleep()
         done.append("engine asleep")
-        ray.get([a.loads.remote() for a in forward.actors()], timeout=timeout)
+        ray.get([a.loads.remote() for a in workers], timeout=timeout)
         done.append("forward workers")
         group = TrainerGroup(config.train_step_config().runtime, gpus_per_worker=shares["train"])
         pg = placement_group([group.worker_resources()] * group.runtime.num_workers, strategy="PACK")
@@ -321,14 +331,14 @@ def bounded(fn, timeout, *args):
 model, results = sys.argv[1], {}
 for gpus in (1, 2):
     ray.init(num_cpus=2, num_gpus=gpus, include_dashboard=False, log_to_driver=False)
-    for name, (path, overrides, cluster_gpus) in RAY_CASES.items():
+    for name, (path, overrides, cluster_gpus, sequence) in RAY_CASES.items():
         if cluster_gpus != gpus:
             continue
         config = load(path, **overrides)
         plan = run_plan(config, dict(ray.cluster_resources()))
         results[name] = {"plan": plan.fits, "ray": scheduled(plan, 2.0 if not plan.fits else 20.0),
                          "gpus": ray.cluster_resources().get("GPU", 0.0), "problems": plan.problems}
-        if plan.fits and plan.gpus_needed() > 0 and gpus == 1:  # the tight case (2 GPUs: scheduled() above)
+        if sequence:
             results[name]["sequence"] = bounded(stage_sequence, 120.0, config, model, 60.0)
             if results[name]["sequence"].get("hung"):
                 break
@@ -340,18 +350,23 @@ _SMALL_CPU = {"rollout.engine.num_cpus_per_engine": 0, "train.runtime.cpus_per_w
 _FROZENLAKE_H100, _SOKOBAN_H100 = (str(REPO / "configs/train_frozenlake_grpo_h100.yaml"),
                                    str(REPO / "configs/train_sokoban_gigpo_h100.yaml"))
 _QUICK = str(REPO / "configs/train_frozenlake_quickstart.yaml")
-RAY_CASES = {  # name -> (config, overrides, logical GPUs of the cluster); the clusters have 2 CPUs
-    "frozenlake-h100-on-1-gpu": (_FROZENLAKE_H100, _SMALL_CPU, 1),
-    "sokoban-h100-on-1-gpu": (_SOKOBAN_H100, _SMALL_CPU, 1),
-    "frozenlake-h100-apart-on-1-gpu": (_FROZENLAKE_H100, {**_SMALL_CPU, **APART}, 1),
-    "quickstart-cpu": (_QUICK, {}, 1),
-    "quickstart-too-many-cpus": (_QUICK, {"logprobs.cpus_per_actor": 2}, 1),
-    "frozenlake-h100-on-2-gpus": (_FROZENLAKE_H100, _SMALL_CPU, 2),
-    "sokoban-h100-on-2-gpus": (_SOKOBAN_H100, _SMALL_CPU, 2),
-    "sokoban-h100-apart-on-2-gpus": (_SOKOBAN_H100, {**_SMALL_CPU, **APART}, 2),
+# name -> (config, overrides, logical GPUs of the cluster, whether the stage sequence of the real classes runs); the
+# clusters have 2 CPUs. The real sequence runs once, on one GPU (the tight case): the shipped GPU configs reserve the
+# same (test_the_shipped_gpu_configs_reserve_the_same), so one sequence stands for both; every case's reservations
+# are placed in the flow's order by scheduled().
+RAY_CASES = {
+    "frozenlake-h100-on-1-gpu": (_FROZENLAKE_H100, _SMALL_CPU, 1, True),
+    "sokoban-h100-on-1-gpu": (_SOKOBAN_H100, _SMALL_CPU, 1, False),
+    "frozenlake-h100-apart-on-1-gpu": (_FROZENLAKE_H100, {**_SMALL_CPU, **APART}, 1, False),
+    "quickstart-cpu": (_QUICK, {}, 1, False),
+    "quickstart-too-many-cpus": (_QUICK, {"logprobs.cpus_per_actor": 2}, 1, False),
+    "frozenlake-h100-on-2-gpus": (_FROZENLAKE_H100, _SMALL_CPU, 2, False),
+    "sokoban-h100-on-2-gpus": (_SOKOBAN_H100, _SMALL_CPU, 2, False),
+    "sokoban-h100-apart-on-2-gpus": (_SOKOBAN_H100, {**_SMALL_CPU, **APART}, 2, False),
     "fractions-that-do-not-pack": (_FROZENLAKE_H100, {**_SMALL_CPU, **APART, "rollout.engine.num_engines": 3,
                                                       "rollout.engine.num_gpus_per_engine": 0.6,
-                                                      "train.runtime.use_gpu": False, "logprobs.device": "cpu"}, 2),
+                                                      "train.runtime.use_gpu": False, "logprobs.device": "cpu"}, 2,
+                                   False),
 }
 EXPECTED = {"frozenlake-h100-on-1-gpu": True, "sokoban-h100-on-1-gpu": True, "frozenlake-h100-apart-on-1-gpu": False,
             "quickstart-cpu": True, "quickstart-too-many-cpus": False, "frozenlake-h100-on-2-gpus": True,
@@ -359,9 +374,9 @@ EXPECTED = {"frozenlake-h100-on-1-gpu": True, "sokoban-h100-on-1-gpu": True, "fr
 
 
 def test_the_plans_verdict_is_what_a_ray_cluster_with_logical_gpus_can_schedule(tiny_model):
-    """Clusters of 1 and 2 logical GPUs: every shipped GPU config fits, its reservations are placed in the flow's
-    order, and on one GPU its stage sequence with the real classes (the engine resident with its share, asleep while
-    the forward and training workers take theirs, awake again with the same tokens) runs to the end within the
+    """Clusters of 1 and 2 logical GPUs: every shipped GPU config fits and its reservations are placed in the
+    flow's order; on one GPU the stage sequence with the real classes (the engine resident with its share, asleep
+    while the forward and training workers take theirs, awake again with the same tokens) runs to the end within the
     timeout; each refused plan is one Ray cannot place either, and says so with the fix."""
     env = {**os.environ, "RAY_ADDRESS": "", "RAY_USAGE_STATS_ENABLED": "0", "PYTHONPATH": str(REPO)}
     done = subprocess.run([sys.executable, "-c", RAY_CHILD, str(tiny_model)], env=env, capture_output=True,
@@ -375,7 +390,7 @@ def test_the_plans_verdict_is_what_a_ray_cluster_with_logical_gpus_can_schedule(
         assert got["gpus"] == RAY_CASES[name][2], (name, got)
         assert got["plan"] == want, (name, got)
         assert got["ray"] == got["plan"], (name, got)
-    for name in ("frozenlake-h100-on-1-gpu", "sokoban-h100-on-1-gpu"):
+    for name in (n for n, case in RAY_CASES.items() if case[3]):
         sequence = results[name]["sequence"]
         assert sequence.get("steps") == ["engine resident", "engine asleep", "forward workers", "training workers",
                                          "engine awake"], (name, sequence)
