@@ -320,6 +320,22 @@ def stage_sequence(config, model, timeout):
         forward.close()
         pool.close()
 
+def no_cuda_error(samples, model, out):
+    # the log-prob stage's own actor pool (not the kept workers) with device: cuda on this cluster: two actors of half
+    # a GPU are scheduled (no wait for a GPU) and refuse to load in a process without CUDA, committing nothing
+    from schemas.train_config import ForwardConfig
+    from stages.runner import unwrap_error
+    from stages.train.stage import run_logprobs
+
+    config = ForwardConfig(max_tokens_per_microbatch_in_infer=64, rows_per_batch=4, num_actors=2, cpus_per_actor=0.5,
+                           device="cuda", gpus_per_actor=0.5)
+    try:
+        run_logprobs(samples, model, config, out)
+        return "ran"
+    except Exception as err:
+        err = unwrap_error(err)
+        return f"{type(err).__name__} {err}"
+
 def bounded(fn, timeout, *args):
     # fails rather than hangs: a stage that waits for a GPU share past the timeout ends the child with the steps done
     out = {}
@@ -328,7 +344,7 @@ def bounded(fn, timeout, *args):
     worker.join(timeout)
     return out.get("result", {"hung": True})
 
-model, results = sys.argv[1], {}
+model, samples, out, results = sys.argv[1], sys.argv[2], sys.argv[3], {}
 for gpus in (1, 2):
     ray.init(num_cpus=2, num_gpus=gpus, include_dashboard=False, log_to_driver=False)
     for name, (path, overrides, cluster_gpus, sequence) in RAY_CASES.items():
@@ -342,6 +358,8 @@ for gpus in (1, 2):
             results[name]["sequence"] = bounded(stage_sequence, 120.0, config, model, 60.0)
             if results[name]["sequence"].get("hung"):
                 break
+    if gpus == 1 and samples:
+        results["no-cuda"] = bounded(no_cuda_error, 200.0, samples, model, out)
     ray.shutdown()
 print("RESULTS " + json.dumps(results))
 """
@@ -373,17 +391,29 @@ EXPECTED = {"frozenlake-h100-on-1-gpu": True, "sokoban-h100-on-1-gpu": True, "fr
             "sokoban-h100-on-2-gpus": True, "sokoban-h100-apart-on-2-gpus": False, "fractions-that-do-not-pack": False}
 
 
-def test_the_plans_verdict_is_what_a_ray_cluster_with_logical_gpus_can_schedule(tiny_model):
+def test_the_plans_verdict_is_what_a_ray_cluster_with_logical_gpus_can_schedule(tiny_model, tmp_path):
     """Clusters of 1 and 2 logical GPUs: every shipped GPU config fits and its reservations are placed in the
     flow's order; on one GPU the stage sequence with the real classes (the engine resident with its share, asleep
     while the forward and training workers take theirs, awake again with the same tokens) runs to the end within the
-    timeout; each refused plan is one Ray cannot place either, and says so with the fix."""
+    timeout; each refused plan is one Ray cannot place either, and says so with the fix. On the same one-GPU
+    cluster (without CUDA) the log-prob stage's own pool of device: cuda actors, two of half a GPU, is scheduled and
+    refuses to load with the fix, committing nothing."""
+    import torch
+
+    from tests.train.tables import advantaged_rows, write_table
+
+    samples = "" if torch.cuda.is_available() else str(write_table(advantaged_rows(
+        10, lengths=(6, 30), seed=7, multi_turn=True, empty_row=True), tmp_path / "samples", parts=3))
     env = {**os.environ, "RAY_ADDRESS": "", "RAY_USAGE_STATS_ENABLED": "0", "PYTHONPATH": str(REPO)}
-    done = subprocess.run([sys.executable, "-c", RAY_CHILD, str(tiny_model)], env=env, capture_output=True,
-                          text=True, timeout=400, cwd=REPO)
+    done = subprocess.run([sys.executable, "-c", RAY_CHILD, str(tiny_model), samples, str(tmp_path / "out")],
+                          env=env, capture_output=True, text=True, timeout=500, cwd=REPO)
     lines = [line for line in done.stdout.splitlines() if line.startswith("RESULTS ")]
     assert lines, done.stdout[-3000:] + done.stderr[-3000:]
     results = json.loads(lines[-1][len("RESULTS "):])
+    if samples:
+        no_cuda = results.pop("no-cuda")
+        assert "ConfigError device: cuda, but this process" in no_cuda and "set device: cpu" in no_cuda, no_cuda
+        assert not (tmp_path / "out").exists()
     assert set(results) == set(EXPECTED), sorted(results)
     for name, want in EXPECTED.items():
         got = results[name]
