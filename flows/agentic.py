@@ -16,8 +16,8 @@ from typing import Any
 
 from prefect import flow
 
-from flows.runkit import (KeptWorkers, advantages_task, logprobs_task, record, rewards_task, stage_task, start_run,
-                          train_and_keep, values_task)
+from flows.runkit import (KeptWorkers, advantages_task, logprobs_task, record, rewards_task, sleep_engines,
+                          stage_task, start_run, train_and_keep, values_task)
 from schemas.config import AdvantageSection, ResponseRewardSection, section, validate_config
 from schemas.train_flow_config import TrainFlowConfig
 
@@ -92,6 +92,7 @@ def train_flow(cfg: dict) -> dict:
                 here = iter_dir(run.path, k)
                 ro = rollout_task(config, k, f"{here}/rollout", checkpoint, pool)
                 record(metrics, k, "rollout", ro, _rollout_metrics(ro))
+                sleep_engines(pool, metrics, k)  # colocation: the GPU is the next stages' until the next rollout
                 lp = logprobs_task(config, ro.samples.output, checkpoint, base, f"{here}/logprobs", workers)
                 record(metrics, k, "logprobs", lp)
                 samples = lp.output

@@ -23,8 +23,8 @@ from typing import Any
 
 from prefect import flow
 
-from flows.runkit import (KeptWorkers, logprobs_task, record, run_folder, stage_task, start_run, train_and_keep,
-                          values_task)
+from flows.runkit import (KeptWorkers, logprobs_task, record, run_folder, sleep_engines, stage_task, start_run,
+                          train_and_keep, values_task)
 from schemas.config import validate_config
 from schemas.errors import RollflowError
 from schemas.rlvr_train_config import RLVRTrainConfig
@@ -277,6 +277,7 @@ def rlvr_train_flow(cfg: dict) -> dict:
                 here = step_dir(run.path, k)
                 gen = generate_task(config, k, prompts.output, checkpoint, pool, f"{here}/responses")
                 record(metrics, k, "generate", gen)
+                sleep_engines(pool, metrics, k)  # colocation: the GPU is the next stages' until the next generation
                 scoring = score_task(config, k, gen.output, here, judge)
                 scored = record(metrics, k, "rewards", scoring["scored"])
                 record(metrics, k, "samples", scoring["samples"])

@@ -47,10 +47,13 @@ class KeptWorkers:
 
     @classmethod
     def of(cls, config, run: str) -> "KeptWorkers":
+        from stages.plan import gpu_shares
         from stages.train.group import TrainerGroup
         from stages.train.stage import ForwardWorkers
 
-        return cls(TrainerGroup(config.train_step_config().runtime, storage=run), ForwardWorkers(config.logprobs))
+        shares = gpu_shares(config)  # a GPU shared with the engines (device_mapping) is reserved as equal shares
+        return cls(TrainerGroup(config.train_step_config().runtime, storage=run, gpus_per_worker=shares["train"]),
+                   ForwardWorkers(config.logprobs, gpus_per_actor=shares["forward"]))
 
     def close(self) -> None:
         self.trainer.close()
@@ -162,7 +165,23 @@ def start_run(config, cfg: dict, max_model_len: int):
     ensure_ray(rt.ray_address, rt.num_cpus, data_memory_mb=rt.data_memory_mb)
     check_plan(config, ray.cluster_resources())
     base = resolve_model_dir(config.pretrain)
-    return run, base, EnginePool(config.generation_engine(), base, max_model_len)
+    from stages.plan import gpu_shares
+
+    return run, base, EnginePool(config.generation_engine(), base, max_model_len,
+                                 gpus_per_engine=gpu_shares(config)["engine"])
+
+
+def sleep_engines(pool, metrics, iteration: int) -> None:
+    """After an iteration's generation: the engines give their memory back (``sleep_level``; colocation) for the
+    log-prob, values and training stages, and the pool wakes them with the new weights before the next generation.
+    The transition is logged as the iteration's ``engine`` metrics (nothing when the engines never sleep or were not
+    built: a resumed iteration whose generation was committed)."""
+    slept = pool.sleep()
+    if slept is None:
+        return
+    metrics.log(iteration, "engine", slept, wall_s=slept["engine/sleep_seconds"])
+    print(f"[iteration {iteration}] engines asleep (level {int(slept['engine/sleep_level'])}, "
+          f"{slept['engine/released_gib']:.2f} GiB released)", flush=True)
 
 
 def run_plan(config, resources: dict[str, float]):

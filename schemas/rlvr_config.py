@@ -74,6 +74,10 @@ class JudgeConfig(Frozen):
 
     @model_validator(mode="after")
     def _reply_fits(self) -> "JudgeConfig":
+        if self.engine.device_mapping is not None or self.engine.sleep_level:
+            raise ValueError("judge.engine.device_mapping / sleep_level: the judge's engine is not colocated (it "
+                             "scores while the policy's engine is awake, and it keeps its own reservation); remove "
+                             "them and set judge.engine.num_gpus_per_engine for a GPU of its own")
         if self.max_new_tokens >= self.sequence_length:
             raise ValueError(f"judge.max_new_tokens ({self.max_new_tokens}) must be below judge.sequence_length "
                              f"({self.sequence_length}), because the judge prompt needs room too; raise "

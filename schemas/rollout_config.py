@@ -15,6 +15,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BeforeValidator, Field, SerializerFunctionWrapHandler, model_serializer, model_validator
 
 from schemas.config import Frozen, RuntimeConfig
+from schemas.devices import DeviceMapping
 from schemas.precision import long_validator
 
 SampleLevel = Literal["step", "trajectory"]
@@ -86,6 +87,18 @@ class EngineConfig(Frozen):
                                                                       "...; hf: max_batch_size).")
     env_vars: dict[str, str] = Field(default_factory=dict, description="Environment variables of the engine "
                                                                        "actors (e.g. VLLM_CPU_OMP_THREADS_BIND).")
+    sleep_level: Literal[0, 1, 2] = Field(0, description="ROLL's sleep_level of the inference engine: between "
+                                          "rollouts the engines give their memory back (vLLM's sleep mode) while the "
+                                          "log-prob, values and training stages run, and wake before the next "
+                                          "generation. 0: never (the engines stay resident); 1: weights offloaded to "
+                                          "host memory, KV cache freed; 2: weights and KV cache discarded, the next "
+                                          "checkpoint is loaded on waking. Required (>= 1) when device_mapping "
+                                          "colocates the engines with training.")
+    device_mapping: DeviceMapping = Field(None, description="ROLL's device_mapping: the GPU indexes of the engines "
+                                          "(one per engine, num_gpus_per_engine: 1), e.g. [0] or list(range(0,2)). "
+                                          "Equal to train.runtime.device_mapping (and logprobs'): colocated, the "
+                                          "roles share those GPUs (schemas/devices.py). null: the engines reserve "
+                                          "num_gpus_per_engine GPUs of their own.")
 
 
 # A tag names a column value, a group id prefix and a metric path (rollout/<tag>/...): no '/' and no name that is

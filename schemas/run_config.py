@@ -4,9 +4,12 @@ rollout or prompt sections to it and to their data-side options (``AlgorithmConf
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 from pydantic import Field, model_validator
 
 from schemas.config import Frozen
+from schemas.devices import check_device_mappings
 from schemas.train_config import ForwardConfig, TrainStepConfig, estimator_into_train
 
 RUN_NAME = r"^[A-Za-z0-9_.-]+$"
@@ -14,6 +17,8 @@ RUN_NAME = r"^[A-Za-z0-9_.-]+$"
 
 class RunOptions(Frozen):
     """The run folder, its length, the initial policy, and the log-prob and training sections."""
+
+    engine_field: ClassVar[str] = "engine"  # where the generation engine section sits (agentic: rollout.engine)
 
     run_name: str = Field("run", min_length=1, pattern=RUN_NAME, description="Folder name under runs_dir.")
     runs_dir: str = Field("runs", description="Where run folders live (a local path or a pyarrow filesystem URI).")
@@ -41,4 +46,11 @@ class RunOptions(Frozen):
         if (getattr(self, "add_token_level_kl", False) or self.train.use_kl_loss) and not self.logprobs.enable_reference:
             raise ValueError("add_token_level_kl / train.use_kl_loss need the reference model's log-probs; set "
                              "logprobs.enable_reference: true")
+        return self
+
+    @model_validator(mode="after")
+    def _device_mappings(self) -> "RunOptions":
+        """ROLL's device_mapping rules: which roles share GPUs, and that a colocated engine sleeps between rollouts
+        (schemas/devices.py)."""
+        check_device_mappings(self)
         return self

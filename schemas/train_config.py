@@ -19,6 +19,7 @@ from pydantic import AliasChoices, BeforeValidator, Field, SerializerFunctionWra
 
 from schemas.capabilities import POLICY_LOSS_CAPABILITIES, estimator_capabilities
 from schemas.config import AdvEstimator, Frozen, RuntimeConfig
+from schemas.devices import DeviceMapping
 from schemas.loss_config import LossOptions
 from schemas.precision import short_validator
 
@@ -290,6 +291,10 @@ class TrainRuntimeConfig(RuntimeConfig):
                                                  "reserve no Ray CPUs: they compute only inside the training step, "
                                                  "when the flow runs no other stage. false: a group per step that "
                                                  "reserves cpus_per_worker.")
+    device_mapping: DeviceMapping = Field(None, description="ROLL's device_mapping of actor_train: the GPU "
+                                          "indexes of the training workers (one per worker, use_gpu: true). Equal to "
+                                          "the engine's: colocated, generation and training share those GPUs "
+                                          "(schemas/devices.py). null: one GPU of their own per worker.")
 
     def torch_threads(self) -> int:
         return self.threads or max(1, int(self.cpus_per_worker))
@@ -354,6 +359,10 @@ class ForwardConfig(Frozen):
     threads: int | None = Field(None, gt=0, description="torch threads per actor (default: max(1, floor("
                                                        "cpus_per_actor))). More threads than reserved CPUs borrow CPUs "
                                                        "that idle during this stage (e.g. the idle engine's).")
+    device_mapping: DeviceMapping = Field(None, description="ROLL's device_mapping of the reference/old-log-prob "
+                                          "workers: their GPU indexes (one per actor; device: cuda). Equal to the "
+                                          "engine's and training's: colocated on those GPUs (schemas/devices.py). "
+                                          "null: each actor reserves gpus_per_actor of a GPU of its own.")
     seed: int = Field(42, description="Seed of a new critic's value head (values stage, before any training).")
     runtime: RuntimeConfig = Field(default_factory=RuntimeConfig, description="Ray cluster settings.")
 

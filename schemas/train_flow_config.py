@@ -7,7 +7,7 @@ spreads over several ``__post_init__`` methods; each message gives the rule, the
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import ClassVar, Literal
 
 from pydantic import Field, model_validator
 
@@ -42,6 +42,7 @@ class TrainFlowConfig(AlgorithmConfig, RunOptions):
     """One agentic RL run: per iteration rollout → log-probs → rewards → advantages → train → checkpoint → eval.
     The run's folder, length, initial policy, log-prob and training sections are :class:`RunOptions`'s."""
 
+    engine_field: ClassVar[str] = "rollout.engine"
     pipeline: Literal["agentic"] = Field("agentic", description="Which training flow runs this config.")
     rollout_batch_size: int | None = Field(None, gt=0, description="Trajectories per iteration (ROLL name); when set "
                                                                    "it must equal rollout.env num_env_groups x "

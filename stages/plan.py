@@ -12,7 +12,7 @@ The rules (what today's code reserves; see the stages cited):
   the flow ends); the kept forward workers' GPU share with ``logprobs.device: cuda`` (stages/train/stage.py,
   ``ForwardWorkers``: ``num_actors`` x ``gpus_per_actor``, no CPU); the kept training workers' GPUs with
   ``train.runtime.use_gpu`` (stages/train/group.py: Ray Train reserves one GPU per worker, and a kept group lives
-  until the flow ends).
+  until the flow ends). Colocated roles reserve their equal share of a GPU instead (:func:`gpu_shares`).
 * **Held during one stage** ("phase"): generation's Ray Data tasks (``TASK_CPUS``, 0.25 CPU); the log-prob / values
   stage: ``logprobs.cpus_per_actor`` plus half a CPU for Ray Data's read/write tasks beside it; the training step:
   ``num_workers`` x ``cpus_per_worker`` CPUs (a kept group reserves none in Ray, but its threads compute on them while
@@ -20,9 +20,10 @@ The rules (what today's code reserves; see the stages cited):
 * **The check**: the stages of a run follow each other, and the resident reservations sit beside each of them, so for
   every phase, resident + that phase must fit the cluster. CPUs are summed (need = resident + the largest phase);
   GPUs are packed the way Ray places them: a request of 1 or more takes whole free GPUs, a fraction must fit in
-  what is left of one GPU. On one GPU, engines that hold a GPU and training workers that need one cannot both be
-  placed: today's code does not share a GPU between generation and training (issue 13, item 1), so such a plan is
-  refused.
+  what is left of one GPU. Roles colocated by ROLL's ``device_mapping`` (schemas/devices.py) reserve equal shares
+  of their GPUs (:func:`gpu_shares`): one GPU holds the engine (asleep outside generation), the forward workers and
+  the training workers at once. Without colocation, engines that hold a GPU and training workers that need one
+  cannot both be placed on one GPU, and the plan is refused with the colocation settings as the fix.
 * **Memory** (an estimate, shown, not checked; weights and optimizer state only, no activations or KV cache beyond
   vLLM's ``kv_cache_space_gib``): P parameters (from the model's ``config.json``: embeddings, attention and MLP
   projections, norms; the default model's known shape when it is not converted yet) times bytes per parameter:
@@ -223,23 +224,68 @@ def default_engines(config) -> list[EngineUse]:
                       config.generation_engine())]
 
 
+def _equal_share(roles: int) -> float:
+    """A GPU divided equally among ``roles``, rounded down to Ray's resource precision (1e-4), so that the shares
+    always sum to at most one GPU."""
+    return math.floor(1e4 / roles) / 1e4
+
+
+def gpu_shares(config) -> dict[str, float]:
+    """The Ray GPU reservation of one unit of each GPU role of a training config (either pipeline): ``engine`` (per
+    generation engine), ``forward`` (per kept forward worker), ``train`` (per training worker); 0 for a role on the
+    CPU. Roles colocated by equal ``device_mapping`` lists (schemas/devices.py) reserve an equal share of each GPU
+    they share (two roles: 0.5 each, three: 0.3333), so all of them are placed at once and none waits for a GPU
+    that a sleeping engine holds; the memory is shared in time (the engine sleeps outside generation). A role
+    without a mapping reserves what its section says (num_gpus_per_engine, gpus_per_actor, one GPU per training
+    worker). The one place these numbers are made: the plan, the engine pool, the forward workers and the training
+    group all read them here."""
+    from schemas.devices import colocated_with, roles_of
+
+    roles = roles_of(config)
+    engine, fwd, rt = config.generation_engine(), config.logprobs, config.train_step_config().runtime
+    own = {"engine": float(engine.num_gpus_per_engine),
+           "forward": float(fwd.gpus_per_actor) if fwd.device == "cuda" else 0.0,
+           "train": 1.0 if rt.use_gpu else 0.0}
+    return {name: (_equal_share(1 + len(colocated_with(roles, name))) if colocated_with(roles, name) else value)
+            for name, value in own.items()}
+
+
+def _colocation_note(config, name: str) -> str:
+    from schemas.devices import colocated_with, roles_of
+
+    roles = roles_of(config)
+    partners = colocated_with(roles, name)
+    if not partners:
+        return ""
+    mapping = list(next(r for r in roles if r.name == name).mapping or ())
+    note = f"shares GPU {','.join(map(str, mapping))} with {', '.join(r.name for r in partners)}"
+    if name == "engine":
+        note += f"; asleep outside generation (sleep_level {config.generation_engine().sleep_level})"
+    return note
+
+
 def run_needs(config, engines: Sequence[EngineUse] | None = None) -> list[Need]:
     """What the stages of a training run (``config``: TrainFlowConfig or RLVRTrainConfig) reserve."""
     params = parameter_count(model_shape(config.pretrain) or {})
+    shares = gpu_shares(config)
     needs: list[Need] = []
     for use in engines if engines is not None else default_engines(config):
         e = use.engine
         kv = float(e.options.get("kv_cache_space_gib", 0) or 0) if e.backend == "vllm" else 0.0
-        needs.append(Need(f"{use.label}s", e.num_engines, e.num_cpus_per_engine, e.num_gpus_per_engine, None,
-                          _gib(params, dtype_bytes(e.dtype), kv), use.section, use.section))
+        generation = e is config.generation_engine()  # the policy's engines (an RLVR judge keeps its own GPUs)
+        needs.append(Need(f"{use.label}s", e.num_engines, e.num_cpus_per_engine,
+                          shares["engine"] if generation else e.num_gpus_per_engine, None,
+                          _gib(params, dtype_bytes(e.dtype), kv),
+                          (_colocation_note(config, "engine") if generation else "") or use.section, use.section))
     needs.append(Need("generation tasks (Ray Data)", 1, ROLLOUT_TASK_CPUS, 0.0, "generation"))
     fwd, train = config.logprobs, config.train_step_config()
     critic = train.needs_critic
     models = 1 + int(fwd.enable_reference) + int(critic)  # policy, reference, critic
-    fwd_gpus = fwd.gpus_per_actor if fwd.device == "cuda" else 0.0
+    fwd_gpus = shares["forward"]
     if fwd_gpus:  # kept forward workers hold their GPU share for the whole run and reserve no CPU
         needs.append(Need("forward workers (kept)", fwd.num_actors, 0.0, fwd_gpus, None,
-                          _gib(params, dtype_bytes(fwd.dtype) * models), "logprobs.device: cuda"))
+                          _gib(params, dtype_bytes(fwd.dtype) * models),
+                          _colocation_note(config, "forward") or "logprobs.device: cuda"))
     needs.append(Need("log-prob / value actors", 1, fwd.cpus_per_actor, 0.0, "log-probs / values",
                       None if fwd_gpus else _gib(params, dtype_bytes(fwd.dtype) * models),
                       f"1 of up to {fwd.num_actors}" if fwd.num_actors > 1 else ""))
@@ -254,12 +300,15 @@ def run_needs(config, engines: Sequence[EngineUse] | None = None) -> list[Need]:
                                                   c.model_args.lora)
     memory = _gib(params, per_model)
     kept = "kept, " if rt.keep_workers else ""
+    colocated = _colocation_note(config, "train")
     if rt.use_gpu and rt.keep_workers:  # the GPUs stay with the kept group; the CPUs compute during the step only
-        needs.append(Need("training workers (GPUs)", rt.num_workers, 0.0, 1.0, None, memory, "kept across steps"))
+        needs.append(Need("training workers (GPUs)", rt.num_workers, 0.0, shares["train"], None, memory,
+                          colocated or "kept across steps"))
         needs.append(Need("training workers (CPUs)", rt.num_workers, rt.cpus_per_worker, 0.0, "training step"))
     else:
-        needs.append(Need("training workers", rt.num_workers, rt.cpus_per_worker, 1.0 if rt.use_gpu else 0.0,
-                          "training step", memory, f"{kept}DeepSpeed ZeRO-{actor.strategy_args.zero_stage}"))
+        needs.append(Need("training workers", rt.num_workers, rt.cpus_per_worker, shares["train"],
+                          "training step", memory,
+                          colocated or f"{kept}DeepSpeed ZeRO-{actor.strategy_args.zero_stage}"))
     return needs
 
 
@@ -339,12 +388,15 @@ def _check_gpus(plan: Plan, config) -> None:
     holders = [n for n in needs if n.total_gpus > 0]
     parts = ", ".join(f"{n.stage} {n.total_gpus:g} ({n.count} x {n.gpus:g}, "
                       f"{'whole run' if n.phase is None else 'during ' + n.phase})" for n in holders)
-    rule = ("engines and kept workers hold their GPUs for the whole run, and today's code cannot share a GPU between "
-            "generation and training (no sleep/wake colocation yet)")
+    rule = ("engines and kept workers hold their GPUs for the whole run, and roles share a GPU only when colocated "
+            "(equal device_mapping lists, the engine asleep outside generation)")
     if need <= gpus + _EPS:
         rule += f"; the shares sum to {need:g} but cannot be packed onto {gpus:g} GPUs (a fraction must fit in one)"
     engine_fields = sorted({n.section for n in holders if n.section})
-    fixes = [f"{f}.num_gpus_per_engine: 0 (generation on the CPU)" for f in engine_fields]
+    fixes = []
+    if gpus >= 1 - _EPS and config.generation_engine().device_mapping is None and shares_used(config):
+        fixes.append(_colocation_fix(config, int(gpus + _EPS)))
+    fixes += [f"{f}.num_gpus_per_engine: 0 (generation on the CPU)" for f in engine_fields]
     if config.train_step_config().runtime.use_gpu:
         fixes.append("train.runtime.use_gpu: false")
     if config.logprobs.device == "cuda":
@@ -354,6 +406,25 @@ def _check_gpus(plan: Plan, config) -> None:
         f"the run needs {need:g} GPUs of Ray's {gpus:g} at once ({parts}): {rule}; otherwise a stage would wait "
         f"forever for a GPU. Set {' or '.join(fixes) or 'fewer GPU shares'}, or use a machine (or a cluster, "
         f"RAY_ADDRESS) with {max(target, 1)} GPUs (rollflow plan --gpus {max(target, 1)} checks it)")
+
+
+def shares_used(config) -> bool:
+    """Whether the policy's engines and training (or forward) workers both want a GPU: what colocation shares."""
+    shares = gpu_shares(config)
+    return shares["engine"] > 0 and (shares["train"] > 0 or shares["forward"] > 0)
+
+
+def _colocation_fix(config, gpus: int) -> str:
+    """The settings that colocate the run's GPU roles on ``gpus`` GPUs (ROLL's device_mapping)."""
+    mapping = f"[{', '.join(map(str, range(max(gpus, 1))))}]"
+    e = config.engine_field
+    parts = [f"{e}.device_mapping: {mapping}", f"{e}.sleep_level: 1"]
+    if config.train_step_config().runtime.use_gpu:
+        parts.append(f"train.runtime.device_mapping: {mapping}")
+    if config.logprobs.device == "cuda":
+        parts.append(f"logprobs.device_mapping: {mapping}")
+    counts = f"; one engine and one worker per GPU: num_engines, num_workers, num_actors {gpus}" if gpus > 1 else ""
+    return " and ".join(parts) + f" (colocation: the roles share the GPUs{counts})"
 
 
 def local_resources(num_cpus: int | None = None) -> dict[str, float]:

@@ -116,6 +116,23 @@ class Engine(Protocol):
     def close(self) -> None: ...
 
 
+@runtime_checkable
+class EngineMemory(Protocol):
+    """An engine that gives its memory back between rollouts and takes it again (colocation, ROLL's ``sleep_level``):
+    what the flow calls after generation and before the next one. The CUDA work (vLLM's sleep mode: the cumem
+    allocator offloads or discards the weights and frees the KV cache) lives in the backends; on a CPU machine each
+    backend releases what it can there and reports it, so the flow's order is exercised the same way.
+
+    ``sleep(level)``: level 1 keeps the weights in host memory and frees the KV cache; level 2 discards both. Returns
+    ``{"released_bytes": ..., "offloaded_bytes": ...}``: device memory freed, and bytes copied to host memory.
+    ``wake(checkpoint_dir)``: take the memory again; the weights come from ``checkpoint_dir`` when given (loaded in
+    place, as ``load_weights``; required after level 2, which kept none), else from the host copy of level 1."""
+
+    def sleep(self, level: int) -> dict[str, int]: ...
+
+    def wake(self, checkpoint_dir: str | os.PathLike | None = None) -> None: ...
+
+
 GENERATION_BACKENDS: Registry[type] = Registry("generation backend")
 
 

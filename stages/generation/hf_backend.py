@@ -118,6 +118,9 @@ class HFEngine:
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else min(self.eos_ids)
 
     def generate(self, requests: Sequence[GenRequest]) -> list[GenResult]:
+        if getattr(self, "_asleep", 0):
+            raise RollflowError(f"the hf engine is asleep (sleep level {self._asleep}) and was asked to generate; "
+                                "wake() it first (a training flow wakes its engines before each rollout)")
         jobs = expand_requests(requests, self.max_model_len)
         results: list[GenResult] = []
         for start in range(0, len(jobs), self.max_batch_size):
@@ -203,6 +206,47 @@ class HFEngine:
         self.model.load_state_dict(state, strict=False)
         self.model_dir = folder
 
+    def sleep(self, level: int) -> dict[str, int]:
+        """Give the model's memory back (:class:`~stages.generation.engines.EngineMemory`). The decode loop keeps no
+        KV cache between calls, so only the weights count. Level 1: moved to host memory (on a CPU device they are
+        there already: nothing moves, nothing is freed); level 2: discarded (the parameters and buffers become meta
+        tensors; the buffers that no checkpoint holds, e.g. rotary frequencies, are kept on the host)."""
+        held = sum(t.numel() * t.element_size() for t in (*self.model.parameters(), *self.model.buffers()))
+        self._asleep = level
+        if level >= 2:
+            self._buffers = {name: b.detach().to("cpu", copy=True) for name, b in self.model.named_buffers()}
+            self.model.to("meta")
+            _empty_device_cache(self.device)
+            return {"released_bytes": held, "offloaded_bytes": 0}
+        if self.device.type == "cpu":
+            return {"released_bytes": 0, "offloaded_bytes": 0}
+        self.model.to("cpu")
+        _empty_device_cache(self.device)
+        return {"released_bytes": held, "offloaded_bytes": held}
+
+    def wake(self, checkpoint_dir: str | os.PathLike | None = None) -> None:
+        """Take the memory again: the weights of ``checkpoint_dir`` when given (in place), else those kept by a level
+        1 sleep. After level 2 without a folder, the weights are reloaded from the model's own folder."""
+        level, self._asleep = getattr(self, "_asleep", 0), 0
+        if level >= 2:
+            self.model.to_empty(device=self.device)
+            with torch.no_grad():
+                for name, buffer in self.model.named_buffers():
+                    buffer.copy_(self._buffers[name])
+            self._buffers = {}
+            self.model.tie_weights()
+            self.load_weights(checkpoint_dir or self.model_dir)
+            return
+        self.model.to(self.device)
+        if checkpoint_dir is not None:
+            self.load_weights(checkpoint_dir)
+
     def close(self) -> None:
         self.model = None
         gc.collect()
+
+
+def _empty_device_cache(device: torch.device) -> None:
+    """Return the allocator's cached blocks of a CUDA device (what other processes on the GPU can then use)."""
+    if device.type == "cuda":
+        torch.cuda.empty_cache()

