@@ -165,6 +165,7 @@ class TrainerGroup:
         # a kept worker reserves no CPU; Ray refuses a bundle of zeros, so it names a token of memory (no other task of
         # a run reserves memory, so this blocks nothing)
         resources = {"CPU": 0, "memory": _KEPT_WORKER_MEMORY} if self.keep else {"CPU": rt.cpus_per_worker}
+        resources.update(rt.resources_for("train_step"))  # custom resources that pin the workers (stage_resources)
         kwargs = {
             "train_loop_config": {"mailbox": self._mailbox, "threads": rt.torch_threads(), "keep": self.keep},
             "scaling_config": ScalingConfig(num_workers=rt.num_workers, use_gpu=rt.use_gpu,
