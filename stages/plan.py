@@ -23,6 +23,10 @@ The rules (what today's code reserves; see the stages cited):
   what is left of one GPU. On one GPU, engines that hold a GPU and training workers that need one cannot both be
   placed: today's code does not share a GPU between generation and training (issue 13, item 1), so such a plan is
   refused.
+* **Custom resources** (``runtime.stage_resources``: a stage pinned to the nodes that declare a resource): kept
+  forward and training workers hold theirs for the whole run, the reward and advantage map tasks during their phase
+  (one task at least); per resource, resident + the largest phase must not exceed what the cluster's nodes declare,
+  and a resource no node declares is refused (Ray would keep the stage waiting forever).
 * **Memory** (an estimate, shown, not checked; weights and optimizer state only, no activations or KV cache beyond
   vLLM's ``kv_cache_space_gib``): P parameters (from the model's ``config.json``: embeddings, attention and MLP
   projections, norms; the default model's known shape when it is not converted yet) times bytes per parameter:

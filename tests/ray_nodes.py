@@ -96,8 +96,20 @@ class RayNodes:
             self._procs.append(subprocess.Popen(cmd, env=self.env, stdout=log, stderr=subprocess.STDOUT,
                                                 stdin=subprocess.DEVNULL, start_new_session=True))
             log.close()
-            self._wait_nodes(i + 1)
+            self._wait_started(i)
+        self._wait_nodes(len(self.specs))
         return self.address
+
+    def _wait_started(self, i: int) -> None:
+        """Wait until ``ray start`` of node ``i`` says its node runs (the next node can then join it)."""
+        deadline = time.monotonic() + self.timeout_s
+        while "Ray runtime started" not in self.log(i):
+            self._record()
+            if self._procs[i].poll() is not None:
+                raise RuntimeError(f"ray start of node {i} exited: {self.log(i)[-3000:]}")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"node {i} never started: {self.log(i)[-3000:]}")
+            time.sleep(0.2)
 
     def _wait_nodes(self, count: int) -> None:
         """Wait until ``count`` nodes are alive in the cluster (asked through the GCS, as ``ray status`` does)."""

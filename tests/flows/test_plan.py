@@ -118,6 +118,28 @@ def test_memory_formula():
     assert training_bytes_per_parameter("bf16", 2, 2, lora=True) == 2
 
 
+def test_pinned_stages_hold_their_custom_resources_in_the_plan():
+    """runtime.stage_resources: kept forward and training workers hold theirs for the whole run, the reward and
+    advantage tasks during their phase; a cluster without the resource, or with too little, is refused with the fix."""
+    from stages.plan import custom_needed
+
+    pins = {"logprobs": {"head_node": 1}, "train_step": {"trainer_node": 1}, "advantages": {"head_node": 0.5}}
+    config = load(REPO / "configs/train_frozenlake_quickstart.yaml", **{"runtime.stage_resources": pins,
+                                                                       "train.runtime.num_workers": 2})
+    plan = run_plan(config, {"CPU": 2.0, "GPU": 0.0, "head_node": 1.5, "trainer_node": 2.0})
+    assert plan.fits, plan.problems
+    assert custom_needed(plan) == {"head_node": 1.5, "trainer_node": 2.0}  # 1 kept + 0.5 task; 2 workers x 1
+    text = "\n".join(plan.lines())
+    assert "(pinned, trainer_node 1)" in text and "advantages tasks" in text and "1.5 head_node" in text
+    short = run_plan(config, {"CPU": 2.0, "GPU": 0.0, "head_node": 1.5, "trainer_node": 1.0})
+    assert not short.fits and ("holds 2 of the custom Ray resource 'trainer_node' at once "
+                               "(runtime.stage_resources.train_step") in short.problems[0]
+    with pytest.raises(RollflowError, match="'head_node', which no node of the cluster declares"):
+        check_plan(config, {"CPU": 2.0, "GPU": 0.0, "trainer_node": 2.0})
+    unpinned = run_plan(load(REPO / "configs/train_frozenlake_quickstart.yaml"), {"CPU": 2.0})
+    assert not custom_needed(unpinned) and "pinned" not in "\n".join(unpinned.lines())
+
+
 runner = CliRunner()
 
 
@@ -132,6 +154,13 @@ def test_cli_exit_codes():
     quick = runner.invoke(app, ["plan", "--config", str(REPO / "configs/train_frozenlake_quickstart.yaml"),
                                 "--cpus", "2", "--gpus", "0", "--set", "train.runtime.num_workers=3"])
     assert quick.exit_code == 2 and "training workers 3" in quick.output, quick.output
+    pinned = ["plan", "--config", str(REPO / "configs/train_frozenlake_quickstart.yaml"), "--cpus", "2", "--gpus", "0",
+              "--set", "runtime.stage_resources={train_step: {trainer_node: 1}}"]
+    assert runner.invoke(app, pinned).exit_code == 2
+    what_if = runner.invoke(app, [*pinned, "--resources", '{"trainer_node": 1}'])
+    assert what_if.exit_code == 0 and "1 trainer_node" in what_if.output, what_if.output
+    bad = runner.invoke(app, [*pinned, "--resources", "trainer_node=1"])
+    assert bad.exit_code == 2 and "is not a JSON object" in bad.output, bad.output
 
 
 # ---- item 5: the verdict against a real Ray cluster declaring logical GPUs ---------------------------------------
@@ -147,7 +176,7 @@ from tests.flows.test_plan import RAY_CASES, load
 def bundles(needs):
     out = []
     for n in needs:
-        b = {k: v for k, v in (("CPU", n.cpus), ("GPU", n.gpus)) if v > 0}
+        b = {k: v for k, v in (("CPU", n.cpus), ("GPU", n.gpus), *n.custom.items()) if v > 0}
         out += [b] * n.count if b else []
     return out
 
@@ -175,7 +204,7 @@ def scheduled(plan, timeout):
         remove_placement_group(held)
     return all(steps)
 
-ray.init(num_cpus=2, num_gpus=2, include_dashboard=False, log_to_driver=False)
+ray.init(num_cpus=2, num_gpus=2, resources={"trainer_node": 2}, include_dashboard=False, log_to_driver=False)
 results = {}
 for name, (path, overrides, gpus_taken) in RAY_CASES.items():
     blocker = placement_group([{"GPU": 1}] * gpus_taken) if gpus_taken else None  # a one-GPU cluster from a 2-GPU one
@@ -205,9 +234,20 @@ RAY_CASES = {  # name -> (config, overrides, GPUs taken away first), on a cluste
     "quickstart-cpu": (str(REPO / "configs/train_frozenlake_quickstart.yaml"), {}, 0),
     "quickstart-too-many-cpus": (str(REPO / "configs/train_frozenlake_quickstart.yaml"),
                                  {"logprobs.cpus_per_actor": 2}, 0),
+    # runtime.stage_resources on a cluster declaring 2 trainer_node: kept workers hold theirs for the whole run
+    "pinned-training": (str(REPO / "configs/train_frozenlake_quickstart.yaml"),
+                        {"runtime.stage_resources": {"train_step": {"trainer_node": 1}, "advantages":
+                                                     {"trainer_node": 1}}}, 0),
+    "pinned-beyond-the-resource": (str(REPO / "configs/train_frozenlake_quickstart.yaml"),
+                                   {"runtime.stage_resources": {"train_step": {"trainer_node": 1},
+                                                                "logprobs": {"trainer_node": 1},
+                                                                "advantages": {"trainer_node": 0.5}}}, 0),
+    "pinned-to-a-missing-resource": (str(REPO / "configs/train_frozenlake_quickstart.yaml"),
+                                     {"runtime.stage_resources": {"train_step": {"gpu_node": 1}}}, 0),
 }
 EXPECTED = {"h100-on-2-gpus": True, "sokoban-h100-on-2-gpus": True, "h100-on-1-gpu": False,
-            "h100-3-engines-on-2-gpus": False, "fractions-that-do-not-pack": False, "quickstart-cpu": True, "quickstart-too-many-cpus": False}
+            "h100-3-engines-on-2-gpus": False, "fractions-that-do-not-pack": False, "quickstart-cpu": True, "quickstart-too-many-cpus": False,
+            "pinned-training": True, "pinned-beyond-the-resource": False, "pinned-to-a-missing-resource": False}
 
 
 def test_the_plans_verdict_is_what_a_ray_cluster_with_logical_gpus_can_schedule(tmp_path):
@@ -223,4 +263,5 @@ def test_the_plans_verdict_is_what_a_ray_cluster_with_logical_gpus_can_schedule(
         assert got["plan"] == want, (name, got)
         assert got["ray"] == got["plan"], (name, got)
     assert "rollflow plan --gpus 2" in results["h100-on-1-gpu"]["problems"][0]
-    assert set(PHASES) == {"generation", "log-probs / values", "training step"}
+    assert set(PHASES) == {"generation", "log-probs / values", "rewards / advantages", "training step"}
+    assert "'gpu_node', which no node of the cluster declares" in results["pinned-to-a-missing-resource"]["problems"][0]
