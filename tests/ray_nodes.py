@@ -25,6 +25,7 @@ from pathlib import Path
 from stages.watchdog import kill_known, start_time, tree
 
 RAY = str(Path(sys.executable).with_name("ray"))
+REPO = str(Path(__file__).resolve().parents[1])
 
 
 @dataclass(frozen=True)
@@ -70,6 +71,7 @@ class RayNodes:
         self.address: str = ""
         self._procs: list[subprocess.Popen] = []
         self._known: dict[int, int] = {}  # pid -> start time of every process of this cluster seen so far
+        self._watchdog: int | None = None  # the write end of the watchdog's pipe
 
     def __enter__(self) -> "RayNodes":
         try:
@@ -97,8 +99,18 @@ class RayNodes:
                                                 stdin=subprocess.DEVNULL, start_new_session=True))
             log.close()
             self._wait_started(i)
+        self._watch()
         self._wait_nodes(len(self.specs))
         return self.address
+
+    def _watch(self) -> None:
+        """stages/watchdog.py on the nodes: if this process dies without :meth:`stop` (a SIGKILLed test run), the
+        cluster goes with it instead of outliving it (the nodes run in sessions of their own)."""
+        read_end, self._watchdog = os.pipe()
+        subprocess.Popen([sys.executable, "-m", "stages.watchdog", str(read_end), *(str(p.pid) for p in self._procs)],
+                         pass_fds=(read_end,), start_new_session=True, stdin=subprocess.DEVNULL,
+                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=REPO)
+        os.close(read_end)
 
     def _wait_started(self, i: int) -> None:
         """Wait until ``ray start`` of node ``i`` says its node runs (the next node can then join it)."""
@@ -160,6 +172,9 @@ class RayNodes:
             except subprocess.TimeoutExpired:
                 pass
         self._procs.clear()
+        if self._watchdog is not None:  # the watchdog wakes, finds nothing left and exits
+            os.close(self._watchdog)
+            self._watchdog = None
         shutil.rmtree(self.root, ignore_errors=True)
 
     def alive(self) -> list[int]:
