@@ -92,8 +92,9 @@ class RayNodes:
             where = ["--head", "--port", str(port), "--node-ip-address", "127.0.0.1"] if i == 0 else \
                 ["--address", self.address, "--node-ip-address", "127.0.0.1"]
             cmd = [RAY, "start", "--block", *where, "--num-cpus", str(spec.num_cpus), "--num-gpus", "0",
-                   "--resources", json.dumps(spec.resources), "--object-store-memory", str(spec.object_store_mb * 2**20),
-                   "--temp-dir", str(self.root / "tmp"), "--disable-usage-stats", *_ports(ports[1 + 8 * i:9 + 8 * i], i == 0)]
+                   "--resources", json.dumps(spec.resources),
+                   "--object-store-memory", str(spec.object_store_mb * 2**20), "--temp-dir", str(self.root / "tmp"),
+                   "--disable-usage-stats", *_ports(ports[1 + 8 * i:9 + 8 * i], i == 0)]
             log = open(self.root / f"node{i}.log", "w")
             self._procs.append(subprocess.Popen(cmd, env=self.env, stdout=log, stderr=subprocess.STDOUT,
                                                 stdin=subprocess.DEVNULL, start_new_session=True))
