@@ -119,12 +119,14 @@ PINS = "runtime.stage_resources={logprobs: {rollflow_head: 1}, train_step: {roll
 
 @pytest.fixture(scope="module")
 def two_nodes(cli_env):
-    """A real two-node Ray cluster on this machine (issue 14, item 3): two ``ray start`` nodes of one CPU each, the
-    head declaring the custom resource ``rollflow_head``, the second node ``rollflow_pinned``. Stopped (its
-    processes alone, not other Ray clusters of the machine) when the module ends, also on failure."""
+    """A real two-node Ray cluster on this machine (issue 14, item 3): two ``ray start`` nodes, the head with the
+    machine's 2 CPUs (as the local runs have) and the custom resource ``rollflow_head``, the second node with
+    ``rollflow_pinned`` and no CPU, so that only what is pinned there runs there (the training workers reserve none;
+    Ray Data's tasks stay on the head instead of starting a second pool of cold workers). Stopped (its processes
+    alone, not other Ray clusters of the machine) when the module ends, also on failure."""
     from tests.ray_nodes import NodeSpec, RayNodes
 
-    with RayNodes([NodeSpec(1, {"rollflow_head": 4}), NodeSpec(1, {"rollflow_pinned": 4})], env=cli_env) as nodes:
+    with RayNodes([NodeSpec(2, {"rollflow_head": 4}), NodeSpec(0, {"rollflow_pinned": 4})], env=cli_env) as nodes:
         yield nodes
     assert nodes.alive() == [], "the cluster's processes are gone"
 
