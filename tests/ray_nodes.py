@@ -152,16 +152,17 @@ class RayNodes:
                 self._known[pid] = t
 
     def stop(self) -> None:
-        """End this cluster's processes: SIGTERM the ``ray start`` processes (they stop their node), then SIGKILL
-        whatever of the cluster is left after a grace period; remove the temporary folder."""
+        """End this cluster's processes: SIGTERM every process of it (the ``ray start`` processes, GCS, raylets,
+        agents, workers), then SIGKILL whatever is left after a short grace period (a test cluster keeps nothing
+        worth a graceful shutdown; Ray's GCS and raylet often outlive SIGTERM); remove the temporary folder."""
         self._record()
-        for proc in self._procs:
-            if proc.poll() is None:
+        for pid, started in self._known.items():
+            if start_time(pid) == started:
                 try:
-                    os.kill(proc.pid, signal.SIGTERM)
+                    os.kill(pid, signal.SIGTERM)
                 except ProcessLookupError:
                     pass
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + 3
         while time.monotonic() < deadline and any(start_time(p) == t for p, t in self._known.items()):
             self._record()
             time.sleep(0.3)
