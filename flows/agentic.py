@@ -101,10 +101,12 @@ def train_flow(cfg: dict) -> dict:
                     record(metrics, k, "values", vals)
                     samples = vals.output
                 rw = rewards_task(rewards_section(config), samples, f"{here}/rewarded",
-                                  batch_rows=config.runtime.batch_rows)
+                                  batch_rows=config.runtime.batch_rows,
+                                  resources=config.runtime.resources_for("response_rewards"))
                 record(metrics, k, "response_rewards", rw)
                 adv = advantages_task(section(config, AdvantageSection), samples, rw.output, f"{here}/advantaged",
-                                      kl_state, batch_rows=config.runtime.batch_rows)
+                                      kl_state, batch_rows=config.runtime.batch_rows,
+                                      resources=config.runtime.resources_for("advantages"))
                 record(metrics, k, "advantages", adv)
                 kl_state = adv.state
                 tr = train_and_keep(config, k, adv.output, checkpoint, f"{here}/checkpoint", workers, metrics, trained)

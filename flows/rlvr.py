@@ -100,7 +100,7 @@ def run_steps(steps: list[Step], cfg, *, force: bool = False, state_in: dict | N
             state = {} if value is None else {key: value}
         results[step.output.rstrip("/").rsplit("/", 1)[-1]] = run_stage(
             step.stage, step.section, step.inputs, step.output, force=force, batch_rows=cfg.runtime.batch_rows,
-            state_in=state)
+            state_in=state, resources=cfg.runtime.resources_for(step.stage.name))
     return results
 
 

@@ -8,10 +8,11 @@ A ROLL user recognises the top level: ``adv_estimator``, ``gamma``, ``lambd``, `
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Any, Literal, TypeVar
+from typing import Annotated, Any, ClassVar, Literal, TypeVar
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler, ValidationError, field_validator,
+                      model_serializer, model_validator)
 
 from schemas.capabilities import ESTIMATOR_CAPABILITIES, estimator_capabilities
 from schemas.errors import ConfigError
@@ -24,6 +25,23 @@ KLPenalty = Literal["kl", "abs", "mse", "k3", "full"]
 
 class Frozen(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid", validate_default=True)
+
+
+class OmitDefaults(Frozen):
+    """A model whose later-added options (``omit_when_default``: field → the value that means "not used") are left
+    out of its dump while they have that value, so a config that does not use them dumps, and a run's config.json and
+    every fingerprint hash, exactly what they did before the options existed (loading fills the defaults in again)."""
+
+    omit_when_default: ClassVar[dict[str, Any]] = {}
+
+    @model_serializer(mode="wrap")
+    def _omit_defaults(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        data = handler(self)
+        if isinstance(data, dict):
+            for name, unused in self.omit_when_default.items():
+                if name in data and getattr(self, name) == unused:
+                    del data[name]
+        return data
 
 
 class RewardNormalizationConfig(Frozen):
@@ -92,8 +110,18 @@ class AlgorithmConfig(AdvantageOptions):
     step_reward_weight: float = Field(1.0, description="GiGPO weight of the step-level normalised reward.")
 
 
-class RuntimeConfig(Frozen):
+# The stages whose Ray tasks and actors take custom resources from ``runtime.stage_resources``: the recompute
+# stages' map tasks, the forward workers of the log-prob and value passes (one pool, set by the ``logprobs``
+# section) and the training step's workers.
+PINNABLE_STAGES = ("response_rewards", "advantages", "logprobs", "train_step")
+# resources a stage asks for through its own options (num_cpus..., use_gpu, ...), or that Ray manages itself
+RAY_BUILTIN_RESOURCES = ("CPU", "GPU", "memory", "object_store_memory")
+
+
+class RuntimeConfig(OmitDefaults):
     """Where and how stages execute. Not part of any stage fingerprint."""
+
+    omit_when_default: ClassVar[dict[str, Any]] = {"stage_resources": {}}
 
     ray_address: str | None = Field(None, description="Ray cluster to join (default: $RAY_ADDRESS, else a local one).")
     num_cpus: int | None = Field(None, gt=0, description="CPUs of the local Ray cluster (default: all).")
@@ -102,6 +130,36 @@ class RuntimeConfig(Frozen):
                                                                 "the object store, MiB, so that memory does not grow "
                                                                 "with the data (null: Ray's default, a share of the "
                                                                 "object store, i.e. of the machine's memory).")
+    stage_resources: dict[str, dict[str, float]] = Field(
+        default_factory=dict, description="Custom Ray resources a stage's tasks and actors ask for, by stage, e.g. "
+        "{train_step: {trainer_node: 1}}: the stage then runs only on the cluster's nodes that declare them (ray "
+        "start --resources='{\"trainer_node\": 4}'). Stages: response_rewards, advantages (each map task), logprobs "
+        "(each forward worker, log-probs and values), train_step (each training worker). The amount is per task, "
+        "actor or worker. Where a stage runs does not change what it writes: not part of any fingerprint.")
+
+    @field_validator("stage_resources")
+    @classmethod
+    def _known_stages_and_custom_resources(cls, value: dict[str, dict[str, float]]) -> dict[str, dict[str, float]]:
+        for stage, resources in value.items():
+            if stage not in PINNABLE_STAGES:
+                raise ValueError(f"runtime.stage_resources names stage '{stage}', which takes no custom Ray resources; "
+                                 f"use one of {', '.join(PINNABLE_STAGES)}")
+            for name, amount in resources.items():
+                where = f"runtime.stage_resources.{stage}.{name}"
+                if name in RAY_BUILTIN_RESOURCES or name.startswith("node:"):
+                    raise ValueError(f"{where}: '{name}' is not a custom resource (the stage's own options set its "
+                                     "CPUs, GPUs and memory; node:<ip> names one address, which several nodes of "
+                                     "a machine share); name a resource that the nodes declare with ray start "
+                                     "--resources, e.g. trainer_node")
+                if not amount > 0:
+                    raise ValueError(f"{where} is {amount:g}; a stage asks for a positive amount of a resource (e.g. "
+                                     f"1, or 0.01 so that many tasks share one unit); remove the entry to not pin "
+                                     "the stage")
+        return value
+
+    def resources_for(self, stage: str) -> dict[str, float]:
+        """The custom Ray resources each task or actor of ``stage`` (one of PINNABLE_STAGES) asks for ({} if none)."""
+        return dict(self.stage_resources.get(stage, {}))
 
 
 def one_runtime(data: dict, sections: tuple[str, ...]) -> dict:
@@ -110,7 +168,8 @@ def one_runtime(data: dict, sections: tuple[str, ...]) -> dict:
     the run's settings. A run has one runtime section: a section's value that differs from the top-level one is an
     error naming the field and the fix (its default is accepted: a run's frozen config, written by earlier versions
     too, holds every section's runtime)."""
-    defaults = RuntimeConfig().model_dump()
+    unset = RuntimeConfig()
+    defaults = {field: getattr(unset, field) for field in RuntimeConfig.model_fields}  # the dump leaves some out
     top = {**defaults, **(data.get("runtime") or {})}
     out = dict(data)
     for name in sections:

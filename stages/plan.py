@@ -24,6 +24,10 @@ The rules (what today's code reserves; see the stages cited):
   of their GPUs (:func:`gpu_shares`): one GPU holds the engine (asleep outside generation), the forward workers and
   the training workers at once. Without colocation, engines that hold a GPU and training workers that need one
   cannot both be placed on one GPU, and the plan is refused with the colocation settings as the fix.
+* **Custom resources** (``runtime.stage_resources``: a stage pinned to the nodes that declare a resource): kept
+  forward and training workers hold theirs for the whole run, the reward and advantage map tasks during their phase
+  (one task at least); per resource, resident + the largest phase must not exceed what the cluster's nodes declare,
+  and a resource no node declares is refused (Ray would keep the stage waiting forever).
 * **Memory** (an estimate, shown, not checked; weights and optimizer state only, no activations or KV cache beyond
   vLLM's ``kv_cache_space_gib``): P parameters (from the model's ``config.json``: embeddings, attention and MLP
   projections, norms; the default model's known shape when it is not converted yet) times bytes per parameter:
@@ -57,6 +61,7 @@ _EPS = 1e-9
 DEFAULT_MODEL_SHAPE = {"vocab_size": 49152, "hidden_size": 576, "intermediate_size": 1536, "num_hidden_layers": 30,
                        "num_attention_heads": 9, "num_key_value_heads": 3, "tie_word_embeddings": True}
 
+_PIN = "runtime.stage_resources.{}"
 _DTYPE_BYTES = {"fp32": 4, "float32": 4, "bf16": 2, "bfloat16": 2, "fp16": 2, "float16": 2, "half": 2}
 
 
@@ -86,6 +91,7 @@ class Need:
     memory_gib: float | None = None  # per unit, an estimate
     note: str = ""
     section: str = ""  # the engine section that sets it (the GPU fix names it)
+    custom: dict[str, float] = field(default_factory=dict)  # custom Ray resources per unit (runtime.stage_resources)
 
     @property
     def total_cpus(self) -> float:
@@ -96,7 +102,7 @@ class Need:
         return self.count * self.gpus
 
 
-PHASES = ("generation", "log-probs / values", "training step")
+PHASES = ("generation", "log-probs / values", "rewards / advantages", "training step")
 
 
 @dataclass
@@ -140,8 +146,9 @@ class Plan:
             mem = f"~{n.memory_gib:.1f} GiB" if n.memory_gib is not None else "-"
             held = "whole run" if n.phase is None else f"during {n.phase}"
             where = self.placement.get(i, "no GPU left" if n.gpus > 0 else "CPU")
+            note = ", ".join([n.note] * bool(n.note) + [f"{k} {v:g}" for k, v in sorted(n.custom.items())])
             out.append(f"{n.stage:<28}{n.count:>6}{n.cpus:>7g}{n.gpus:>7g}  {held:<26}{mem:>12}  "
-                       f"{where}{'  (' + n.note + ')' if n.note else ''}")
+                       f"{where}{'  (' + note + ')' if note else ''}")
         out.append(f"needs at once: {self.cpus_needed():g} CPUs (of {cpus:g}), {self.gpus_needed():g} GPUs "
                    f"(of {gpus:g})")
         out.append("fits: yes" if self.fits else f"fits: no ({len(self.problems)} problem(s), below)")
@@ -286,9 +293,17 @@ def run_needs(config, engines: Sequence[EngineUse] | None = None) -> list[Need]:
         needs.append(Need("forward workers (kept)", fwd.num_actors, 0.0, fwd_gpus, None,
                           _gib(params, dtype_bytes(fwd.dtype) * models),
                           _colocation_note(config, "forward") or "logprobs.device: cuda"))
+    pins = config.runtime.resources_for
+    if pins("logprobs"):  # the kept forward workers hold their custom resources for the whole run
+        needs.append(Need("forward workers (kept)", fwd.num_actors, 0.0, 0.0, None, note="pinned",
+                          section=_PIN.format("logprobs"), custom=pins("logprobs")))
     needs.append(Need("log-prob / value actors", 1, fwd.cpus_per_actor, 0.0, "log-probs / values",
                       None if fwd_gpus else _gib(params, dtype_bytes(fwd.dtype) * models),
                       f"1 of up to {fwd.num_actors}" if fwd.num_actors > 1 else ""))
+    for stage in ("response_rewards", "advantages"):  # one map task at least (its CPU fits beside nothing else)
+        if pins(stage):
+            needs.append(Need(f"{stage} tasks", 1, 0.0, 0.0, "rewards / advantages", section=_PIN.format(stage),
+                              custom=pins(stage)))
     needs.append(Need("Ray Data read/write tasks", 1, DATA_TASK_SHARE, 0.0, "log-probs / values"))
     rt = train.runtime
     actor = train.actor_train
@@ -301,14 +316,19 @@ def run_needs(config, engines: Sequence[EngineUse] | None = None) -> list[Need]:
     memory = _gib(params, per_model)
     kept = "kept, " if rt.keep_workers else ""
     colocated = _colocation_note(config, "train")
+    pinned = {"section": _PIN.format("train_step"), "custom": pins("train_step")}
     if rt.use_gpu and rt.keep_workers:  # the GPUs stay with the kept group; the CPUs compute during the step only
         needs.append(Need("training workers (GPUs)", rt.num_workers, 0.0, shares["train"], None, memory,
-                          colocated or "kept across steps"))
+                          colocated or "kept across steps", **pinned))
         needs.append(Need("training workers (CPUs)", rt.num_workers, rt.cpus_per_worker, 0.0, "training step"))
+    elif rt.keep_workers and pins("train_step"):  # a kept group holds its custom resources for the whole run
+        needs.append(Need("training workers (kept)", rt.num_workers, 0.0, 0.0, None, note="pinned", **pinned))
+        needs.append(Need("training workers", rt.num_workers, rt.cpus_per_worker, 0.0, "training step", memory,
+                          f"{kept}DeepSpeed ZeRO-{actor.strategy_args.zero_stage}"))
     else:
         needs.append(Need("training workers", rt.num_workers, rt.cpus_per_worker, shares["train"],
                           "training step", memory,
-                          colocated or f"{kept}DeepSpeed ZeRO-{actor.strategy_args.zero_stage}"))
+                          colocated or f"{kept}DeepSpeed ZeRO-{actor.strategy_args.zero_stage}", **pinned))
     return needs
 
 
@@ -343,7 +363,51 @@ def make_plan(config, resources: dict[str, float], engines: Sequence[EngineUse] 
     plan = Plan(needs, {k: float(v) for k, v in resources.items()})
     _check_cpus(plan, config)
     _check_gpus(plan, config)
+    _check_custom(plan)
     return plan
+
+
+def custom_needed(plan: Plan) -> dict[str, float]:
+    """Custom resource -> the most of it the run holds at once (resident plus the largest phase)."""
+    names = sorted({k for n in plan.needs for k in n.custom})
+    return {k: sum(n.count * n.custom.get(k, 0.0) for n in plan.resident())
+            + max(sum(n.count * n.custom.get(k, 0.0) for n in plan.during(p)) for p in PHASES) for k in names}
+
+
+def _check_custom(plan: Plan) -> None:
+    """Every custom resource a pinned stage asks for must be declared by the cluster's nodes, in the amount the run
+    holds at once; otherwise Ray would keep the stage's tasks waiting forever."""
+    for name, need in custom_needed(plan).items():
+        have = plan.resources.get(name, 0.0)
+        if need <= have + _EPS:
+            continue
+        fields = sorted({n.section for n in plan.needs if name in n.custom})
+        plan.problems.append(_custom_problem(name, need, have, fields))
+
+
+def _custom_problem(name: str, need: float, have: float, fields: Sequence[str]) -> str:
+    asked = " and ".join(fields)
+    verb = "ask" if len(fields) > 1 else "asks"
+    if have <= 0:
+        return (f"{asked} {verb} for the custom Ray resource '{name}', which no node of the cluster declares, so the "
+                f"stage would wait forever; start a node with ray start --resources='{{\"{name}\": {need:g}}}' and "
+                f"set RAY_ADDRESS to its cluster, or remove {asked}")
+    return (f"the run holds {need:g} of the custom Ray resource '{name}' at once ({asked}, per task, actor or worker "
+            f"times their number), and the cluster's nodes declare {have:g}, so a stage would wait forever; lower the "
+            f"amount in {asked}, or declare more on the nodes (ray start --resources)")
+
+
+def stage_resource_problems(runtime, resources: dict[str, float]) -> list[str]:
+    """For a command without a run plan (recompute, logprobs, train-step, ...): each custom resource of
+    ``runtime.stage_resources`` that the cluster (``resources``) lacks, as a problem with the fix. One unit of each
+    pinned stage must fit."""
+    wanted: dict[str, tuple[float, list[str]]] = {}
+    for stage, pins in sorted(runtime.stage_resources.items()):
+        for name, amount in pins.items():
+            most, fields = wanted.get(name, (0.0, []))
+            wanted[name] = (max(most, amount), fields + [_PIN.format(stage)])
+    return [_custom_problem(name, need, resources.get(name, 0.0), fields)
+            for name, (need, fields) in wanted.items() if need > resources.get(name, 0.0) + _EPS]
 
 
 def _check_cpus(plan: Plan, config) -> None:

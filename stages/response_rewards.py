@@ -212,8 +212,9 @@ class ResponseRewardsStage(Stage):
 
         ds = ctx.read("samples", columns=algo.columns(ctx.schemas["samples"]))
         if algo.narrow is not None:
-            ds = ds.map_batches(algo.narrow, batch_format="pyarrow", batch_size=ctx.batch_rows)
-        return ds.repartition(1, shuffle=False).map_batches(whole_table, batch_size=None, batch_format="pyarrow")
+            ds = ds.map_batches(algo.narrow, batch_format="pyarrow", batch_size=ctx.batch_rows, **ctx.task_options())
+        return ds.repartition(1, shuffle=False).map_batches(whole_table, batch_size=None, batch_format="pyarrow",
+                                                            **ctx.task_options())
 
     def finalize(self, ctx: StageContext, written: Location):
         parts = read_partials(written)

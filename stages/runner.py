@@ -55,6 +55,11 @@ class StageContext:
     state_in: dict[str, Any]
     output: Location
     batch_rows: int = 1024
+    resources: dict[str, float] = field(default_factory=dict)  # custom Ray resources (runtime.stage_resources)
+
+    def task_options(self) -> dict[str, Any]:
+        """Ray options of the stage's map tasks: the custom resources the run pins the stage with, if any."""
+        return {"resources": dict(self.resources)} if self.resources else {}
 
     def read(self, name: str, columns: list[str] | None = None):
         """A Ray Data dataset over input ``name`` (optionally only ``columns``), in file order."""
@@ -537,11 +542,13 @@ def _write_output(stage: Stage, ctx: StageContext, out: Location, start: float,
 
 def run_stage(stage: Stage, section: BaseModel, inputs: dict[str, str], output: str, *, force: bool = False,
               state_in: dict | None = None, batch_rows: int = 1024,
-              context: dict[str, Any] | None = None) -> StageResult:
+              context: dict[str, Any] | None = None, resources: dict[str, float] | None = None) -> StageResult:
     """Run ``stage`` on ``inputs`` (name → folder) into the folder ``output``; skip if already done.
 
     ``context``: what ran the stage beyond what its output depends on, recorded in the manifest and not in the
-    fingerprint (a rollout turn's checkpoint folder and engine settings, so ``rollflow stage`` can replay it)."""
+    fingerprint (a rollout turn's checkpoint folder and engine settings, so ``rollflow stage`` can replay it).
+    ``resources``: the custom Ray resources its map tasks ask for (``runtime.resources_for(stage.name)``; where the
+    stage runs is not part of its fingerprint)."""
     start = time.time()
     out = Location.of(output)
     in_locs = {k: Location.of(v) for k, v in inputs.items()}
@@ -549,7 +556,8 @@ def run_stage(stage: Stage, section: BaseModel, inputs: dict[str, str], output: 
     schemas = _input_schemas(stage, section, in_locs)
     fp = stage_fingerprint(stage, section, in_locs, state_in)
     manifest, skipped = commit_folder(
-        out, fp, lambda tmp: _write_output(stage, StageContext(section, in_locs, schemas, state_in, tmp, batch_rows),
+        out, fp, lambda tmp: _write_output(stage, StageContext(section, in_locs, schemas, state_in, tmp, batch_rows,
+                                                               dict(resources or {})),
                                            out, start, context),
         who=f"stage {stage.name}", other="output of stage {stage} with another config or input", force=force)
     if not skipped:

@@ -38,10 +38,12 @@ def recompute(input: str = typer.Option(..., "--input", help="Folder of stored s
     cfg = _guard(lambda: load_config(RecomputeConfig, config, parse_overrides(overrides or [])))
     from flows.recompute import recompute_flow, recompute_steps
     from flows.services import start_services
+    from stages.cluster import check_stage_resources
     from stages.preflight import check_steps
 
     _guard(lambda: check_steps(recompute_steps(str(input), str(output), cfg)))  # before Prefect and Ray start
     _guard(lambda: start_services(cfg.runtime.ray_address, cfg.runtime.num_cpus))
+    _guard(lambda: check_stage_resources(cfg.runtime))  # a stage pinned to resources no node has would wait forever
     result = _guard(lambda: recompute_flow(str(input), str(output), cfg.model_dump(mode="json"), force,
                                            preflight=False))
     _print_recompute(result)

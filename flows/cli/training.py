@@ -74,7 +74,10 @@ def plan(config: Path = typer.Option(..., "--config", help="YAML config of a tra
                                               "default: the Ray cluster's when RAY_ADDRESS is set, else "
                                               "runtime.num_cpus or this machine's)."),
          gpus: Optional[float] = typer.Option(None, "--gpus", min=0, help="Plan for N GPUs (what-if; default: the "
-                                              "Ray cluster's when RAY_ADDRESS is set, else the GPUs torch sees).")
+                                              "Ray cluster's when RAY_ADDRESS is set, else the GPUs torch sees)."),
+         custom: Optional[str] = typer.Option(None, "--resources", help="Custom resources the cluster declares, "
+                                              "as JSON (what-if, for runtime.stage_resources; e.g. "
+                                              "'{\"trainer_node\": 2}'; default: the Ray cluster's).")
          ) -> None:
     """Print the run's resource plan (stage, units, CPUs and GPUs each, how long they are held, a memory estimate,
     where they go) and whether the cluster can schedule it: exit 0 if it fits, 2 if not (with the rule, the numbers
@@ -92,11 +95,29 @@ def plan(config: Path = typer.Option(..., "--config", help="YAML config of a tra
 
         resources = _guard(lambda: cluster_resources(cfg.runtime.ray_address, cfg.runtime.num_cpus))
     resources.update({k: float(v) for k, v in (("CPU", cpus), ("GPU", gpus)) if v is not None})
+    if custom is not None:
+        resources.update(_guard(lambda: _custom_resources(custom)))
     result = _guard(lambda: run_plan(cfg, resources))
     typer.echo(f"plan of {config} (pipeline {cfg.pipeline}, run {cfg.run_name})")
     for line in result.lines():
         typer.echo(line)
     _guard(result.check)
+
+
+def _custom_resources(text: str) -> dict[str, float]:
+    """``rollflow plan --resources``: a JSON object of resource name -> amount."""
+    import json
+
+    from schemas.errors import ConfigError
+
+    try:
+        value = json.loads(text)
+        if isinstance(value, dict) and all(isinstance(v, (int, float)) and v >= 0 for v in value.values()):
+            return {str(k): float(v) for k, v in value.items()}
+    except ValueError:
+        pass
+    raise ConfigError(f"--resources {text!r} is not a JSON object of resource names and amounts >= 0 (as ray start "
+                      "--resources takes); write e.g. --resources '{\"trainer_node\": 2}'")
 
 
 @app.command("eval")

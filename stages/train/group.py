@@ -193,12 +193,14 @@ class TrainerGroup:
         """What each worker reserves in Ray (Ray Train's ``resources_per_worker``: one bundle per worker). A kept
         worker reserves no CPU; Ray refuses a bundle of zeros, so it names a token of memory (no other task of a run
         reserves memory, so this blocks nothing). With ``use_gpu`` its GPU, or its share of a GPU colocated with the
-        sleeping engines (Ray Train accepts a fraction)."""
+        sleeping engines (Ray Train accepts a fraction). And the custom resources that pin the workers to a node
+        (``runtime.stage_resources``)."""
         rt = self.runtime
         resources: dict[str, float] = ({"CPU": 0, "memory": _KEPT_WORKER_MEMORY} if self.keep
                                        else {"CPU": rt.cpus_per_worker})
         if rt.use_gpu:
             resources["GPU"] = self.gpus_per_worker
+        resources.update(rt.resources_for("train_step"))
         return resources
 
     def _run(self, kwargs: dict) -> None:

@@ -288,7 +288,8 @@ class ForwardWorkers:
         import ray
 
         if not self._actors:
-            server = ray.remote(num_cpus=0, num_gpus=self.gpus, max_restarts=0)(ForwardServer)
+            server = ray.remote(num_cpus=0, num_gpus=self.gpus, max_restarts=0,
+                                resources=self.config.runtime.resources_for("logprobs"))(ForwardServer)
             self._actors = [server.remote(self.config.torch_threads()) for _ in range(self.config.num_actors)]
         return self._actors
 
@@ -323,6 +324,11 @@ def _forward_on_worker(batch: pa.Table, actors: list, **kwargs) -> pa.Table:
     key = batch.column("row_id")[0].as_py() if batch.num_rows else 0
     actor = actors[zlib.crc32(str(key).encode()) % len(actors)]
     return ray.get(actor.run.remote(batch=batch, **kwargs))
+
+
+def _pinned(resources: dict[str, float]) -> dict[str, Any]:
+    """Ray options asking for custom resources (runtime.stage_resources), none when there are none."""
+    return {"resources": resources} if resources else {}
 
 
 class _ForwardStage(Stage):
@@ -369,7 +375,7 @@ class _ForwardStage(Stage):
             ForwardActor, batch_size=c.rows_per_batch, batch_format="pyarrow",
             fn_constructor_kwargs={"dtype": ctx.section.dtype, "threads": c.torch_threads(), **work},
             compute=ActorPoolStrategy(min_size=1, max_size=c.num_actors), num_cpus=c.cpus_per_actor,
-            num_gpus=c.gpus_per_actor_reserved(), **ACTOR_POOL)
+            num_gpus=c.gpus_per_actor_reserved(), **ACTOR_POOL, **_pinned(c.runtime.resources_for("logprobs")))
 
     def finalize(self, ctx: StageContext, written: Location) -> tuple[dict[str, float], dict[str, Any]]:
         parts = read_partials(written)

@@ -200,6 +200,28 @@ def test_memory_formula():
     assert training_bytes_per_parameter("bf16", 2, 2, lora=True) == 2
 
 
+def test_pinned_stages_hold_their_custom_resources_in_the_plan():
+    """runtime.stage_resources: kept forward and training workers hold theirs for the whole run, the reward and
+    advantage tasks during their phase; a cluster without the resource, or with too little, is refused with the fix."""
+    from stages.plan import custom_needed
+
+    pins = {"logprobs": {"head_node": 1}, "train_step": {"trainer_node": 1}, "advantages": {"head_node": 0.5}}
+    config = load(REPO / "configs/train_frozenlake_quickstart.yaml", **{"runtime.stage_resources": pins,
+                                                                       "train.runtime.num_workers": 2})
+    plan = run_plan(config, {"CPU": 2.0, "GPU": 0.0, "head_node": 1.5, "trainer_node": 2.0})
+    assert plan.fits, plan.problems
+    assert custom_needed(plan) == {"head_node": 1.5, "trainer_node": 2.0}  # 1 kept + 0.5 task; 2 workers x 1
+    text = "\n".join(plan.lines())
+    assert "(pinned, trainer_node 1)" in text and "advantages tasks" in text and "1.5 head_node" in text
+    short = run_plan(config, {"CPU": 2.0, "GPU": 0.0, "head_node": 1.5, "trainer_node": 1.0})
+    assert not short.fits and ("holds 2 of the custom Ray resource 'trainer_node' at once "
+                               "(runtime.stage_resources.train_step") in short.problems[0]
+    with pytest.raises(RollflowError, match="'head_node', which no node of the cluster declares"):
+        check_plan(config, {"CPU": 2.0, "GPU": 0.0, "trainer_node": 2.0})
+    unpinned = run_plan(load(REPO / "configs/train_frozenlake_quickstart.yaml"), {"CPU": 2.0})
+    assert not custom_needed(unpinned) and "pinned" not in "\n".join(unpinned.lines())
+
+
 runner = CliRunner()
 
 
@@ -217,6 +239,13 @@ def test_cli_exit_codes():
     quick = runner.invoke(app, ["plan", "--config", str(REPO / "configs/train_frozenlake_quickstart.yaml"),
                                 "--cpus", "2", "--gpus", "0", "--set", "train.runtime.num_workers=3"])
     assert quick.exit_code == 2 and "training workers 3" in quick.output, quick.output
+    pinned = ["plan", "--config", str(REPO / "configs/train_frozenlake_quickstart.yaml"), "--cpus", "2", "--gpus", "0",
+              "--set", "runtime.stage_resources={train_step: {trainer_node: 1}}"]
+    assert runner.invoke(app, pinned).exit_code == 2
+    what_if = runner.invoke(app, [*pinned, "--resources", '{"trainer_node": 1}'])
+    assert what_if.exit_code == 0 and "1 trainer_node" in what_if.output, what_if.output
+    bad = runner.invoke(app, [*pinned, "--resources", "trainer_node=1"])
+    assert bad.exit_code == 2 and "is not a JSON object" in bad.output, bad.output
 
 
 @pytest.mark.parametrize("gpu", [True, False], ids=["gpu-machine", "cpu-machine"])
@@ -254,7 +283,7 @@ from tests.flows.test_plan import RAY_CASES, load
 def bundles(needs):
     out = []
     for n in needs:
-        b = {k: v for k, v in (("CPU", n.cpus), ("GPU", n.gpus)) if v > 0}
+        b = {k: v for k, v in (("CPU", n.cpus), ("GPU", n.gpus), *n.custom.items()) if v > 0}
         out += [b] * n.count if b else []
     return out
 
@@ -348,7 +377,8 @@ def bounded(fn, timeout, *args):
 
 model, samples, out, results = sys.argv[1], sys.argv[2], sys.argv[3], {}
 for gpus in (1, 2):
-    ray.init(num_cpus=2, num_gpus=gpus, include_dashboard=False, log_to_driver=False)
+    ray.init(num_cpus=2, num_gpus=gpus, resources={"trainer_node": 2}, include_dashboard=False,
+             log_to_driver=False)
     for name, (path, overrides, cluster_gpus, sequence) in RAY_CASES.items():
         if cluster_gpus != gpus:
             continue
@@ -387,10 +417,18 @@ RAY_CASES = {
                                                       "rollout.engine.num_gpus_per_engine": 0.6,
                                                       "train.runtime.use_gpu": False, "logprobs.device": "cpu"}, 2,
                                    False),
+    # runtime.stage_resources on a cluster declaring 2 trainer_node: kept workers hold theirs for the whole run
+    "pinned-training": (_QUICK, {"runtime.stage_resources": {"train_step": {"trainer_node": 1},
+                                                             "advantages": {"trainer_node": 1}}}, 1, False),
+    "pinned-beyond-the-resource": (_QUICK, {"runtime.stage_resources": {"train_step": {"trainer_node": 1},
+                                                                        "logprobs": {"trainer_node": 1},
+                                                                        "advantages": {"trainer_node": 0.5}}}, 1, False),
+    "pinned-to-a-missing-resource": (_QUICK, {"runtime.stage_resources": {"train_step": {"gpu_node": 1}}}, 1, False),
 }
 EXPECTED = {"frozenlake-h100-on-1-gpu": True, "sokoban-h100-on-1-gpu": True, "frozenlake-h100-apart-on-1-gpu": False,
             "quickstart-cpu": True, "quickstart-too-many-cpus": False, "frozenlake-h100-on-2-gpus": True,
-            "sokoban-h100-on-2-gpus": True, "sokoban-h100-apart-on-2-gpus": False, "fractions-that-do-not-pack": False}
+            "sokoban-h100-on-2-gpus": True, "sokoban-h100-apart-on-2-gpus": False, "fractions-that-do-not-pack": False,
+            "pinned-training": True, "pinned-beyond-the-resource": False, "pinned-to-a-missing-resource": False}
 
 
 def test_the_plans_verdict_is_what_a_ray_cluster_with_logical_gpus_can_schedule(tiny_model, tmp_path):
@@ -431,4 +469,5 @@ def test_the_plans_verdict_is_what_a_ray_cluster_with_logical_gpus_can_schedule(
         assert sequence["slept"]["engine/released_gib"] > 0  # level 2 discards the weights, also on the CPU
     assert "rollout.engine.device_mapping: [0]" in results["frozenlake-h100-apart-on-1-gpu"]["problems"][0]
     assert "rollflow plan --gpus 3" in results["sokoban-h100-apart-on-2-gpus"]["problems"][0]
-    assert set(PHASES) == {"generation", "log-probs / values", "training step"}
+    assert set(PHASES) == {"generation", "log-probs / values", "rewards / advantages", "training step"}
+    assert "'gpu_node', which no node of the cluster declares" in results["pinned-to-a-missing-resource"]["problems"][0]

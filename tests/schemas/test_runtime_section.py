@@ -14,7 +14,8 @@ from schemas.rlvr_train_config import RLVRTrainConfig
 from schemas.train_flow_config import TrainFlowConfig
 
 REPO = Path(__file__).resolve().parents[2]
-RUNTIME = {"num_cpus": 2, "batch_rows": 256, "data_memory_mb": 128.0, "ray_address": "ray://head:10001"}
+RUNTIME = {"num_cpus": 2, "batch_rows": 256, "data_memory_mb": 128.0, "ray_address": "ray://head:10001",
+           "stage_resources": {"train_step": {"trainer_node": 1.0}, "logprobs": {"head_node": 0.5}}}
 CLUSTER_FIELDS = tuple(RuntimeConfig.model_fields)
 
 
@@ -61,3 +62,19 @@ def test_rlvr_section_runtime_that_differs_is_refused():
     data["train"]["runtime"]["batch_rows"] = 7
     with pytest.raises(ConfigError, match=r"train.runtime.batch_rows \(7\) differs from runtime.batch_rows"):
         validate_config(RLVRTrainConfig, data)
+
+
+@pytest.mark.parametrize("pins, words", [
+    ({"rollout": {"gpu_node": 1}}, ["names stage 'rollout'", "use one of response_rewards, advantages, logprobs, "
+                                    "train_step"]),
+    ({"train_step": {"GPU": 1}}, ["runtime.stage_resources.train_step.GPU: 'GPU' is not a custom resource",
+                                  "ray start --resources"]),
+    ({"advantages": {"node:10.0.0.2": 0.01}}, ["'node:10.0.0.2' is not a custom resource"]),
+    ({"logprobs": {"head_node": 0}}, ["runtime.stage_resources.logprobs.head_node is 0", "positive amount",
+                                      "remove the entry"]),
+])
+def test_stage_resources_name_a_pinnable_stage_and_a_positive_custom_resource(pins, words):
+    with pytest.raises(ConfigError) as err:
+        validate_config(TrainFlowConfig, {"runtime": {"stage_resources": pins}})
+    for word in words:
+        assert word in str(err.value)

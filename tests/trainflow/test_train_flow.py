@@ -119,20 +119,66 @@ def _env(tmp: Path) -> dict:
     return {**env, "PREFECT_HOME": str(tmp / "prefect"), "ROLLFLOW_CACHE": str(REPO / ".cache")}
 
 
+# the finished run's stages pinned to the two nodes of its cluster (runtime.stage_resources): the forward workers
+# (log-probs) to the head, the training workers to the second node
+PINS = "runtime.stage_resources={logprobs: {rollflow_head: 1}, train_step: {rollflow_pinned: 1}}"
+
+
 @pytest.fixture(scope="module")
-def finished_run(tmp_path_factory, cli_env) -> Path:
-    """One uninterrupted tiny run (the reference of the kill test), reporting to the session's Prefect server."""
+def two_nodes(cli_env):
+    """A real two-node Ray cluster on this machine (issue 14, item 3): two ``ray start`` nodes, the head with the
+    machine's 2 CPUs (as the local runs have) and the custom resource ``rollflow_head``, the second node with
+    ``rollflow_pinned`` and no CPU, so that only what is pinned there runs there (the training workers reserve none;
+    Ray Data's tasks stay on the head instead of starting a second pool of cold workers). Stopped (its processes
+    alone, not other Ray clusters of the machine) when the module ends, also on failure."""
+    from tests.ray_nodes import NodeSpec, RayNodes
+
+    with RayNodes([NodeSpec(2, {"rollflow_head": 4}), NodeSpec(0, {"rollflow_pinned": 4})], env=cli_env) as nodes:
+        yield nodes
+    assert nodes.alive() == [], "the cluster's processes are gone"
+
+
+@pytest.fixture(scope="module")
+def cluster_env(cli_env, two_nodes) -> dict:
+    """The environment of a command that runs on ``two_nodes`` (RAY_ADDRESS). A joined cluster keeps Ray Data's
+    default of 32 Parquet footer readers per read (stages/cluster.py); one is enough for these small tables."""
+    return {**cli_env, "RAY_ADDRESS": two_nodes.address, "RAY_DATA_PARQUET_FOOTER_NUM_ACTORS": "1"}
+
+
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory, cluster_env) -> Path:
+    """One uninterrupted tiny run, reporting to the session's Prefect server, on the two-node cluster (RAY_ADDRESS)
+    with its log-prob workers pinned to the head and its training workers to the second node. It is the reference
+    of the kill test and of the evaluation test, whose runs are local: their equality with it is also the equality
+    of a two-node run with a local one."""
     root = tmp_path_factory.mktemp("trainflow")
-    first = _rollflow(*_tiny_args(root, "t"), env=cli_env)
+    first = _rollflow(*_tiny_args(root, "t"), "--set", PINS, env=cluster_env)
     assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
     return root / "t"
+
+
+@pytest.mark.slow
+def test_the_finished_run_trained_on_the_second_node_and_scored_on_the_head(finished_run, two_nodes, cluster_env):
+    """Ray's own record of the cluster (its GCS): the run's forward workers asked for the head's resource and ran
+    there, its training workers asked for the second node's and ran there — placed by runtime.stage_resources, not
+    by chance."""
+    from tests.ray_nodes import names_of, node_with, nodes_of, ray_record
+
+    record = ray_record(two_nodes.address, cluster_env)
+    head, second = node_with(record, "rollflow_head"), node_with(record, "rollflow_pinned")
+    assert head != second
+    assert nodes_of(record, "rollflow_head") == {head} and nodes_of(record, "rollflow_pinned") == {second}, record
+    pinned = {name: names_of(record, name) for name in ("rollflow_head", "rollflow_pinned")}
+    assert pinned == {"rollflow_head": {"ForwardServer"}, "rollflow_pinned": {"RayTrainWorker"}}, pinned
+    frozen = json.loads((finished_run / "config.json").read_text())
+    assert frozen["runtime"]["stage_resources"]["train_step"] == {"rollflow_pinned": 1.0}
 
 
 STAGES = ("rollout/samples", "logprobs", "rewarded", "advantaged", "checkpoint", "eval/samples")
 
 
 @pytest.mark.slow
-def test_train_run_end_to_end_then_resume_skips_everything(finished_run, cli_env, tmp_path):
+def test_train_run_end_to_end_then_resume_skips_everything(finished_run, cluster_env, tmp_path):
     run = finished_run
     for k in (0, 1):
         for stage in STAGES:
@@ -159,7 +205,7 @@ def test_train_run_end_to_end_then_resume_skips_everything(finished_run, cli_env
     released = {m["iteration"]: m["value"] for m in metrics if m["name"] == "engine/released_gib"}
     assert set(released) == {0, 1} and min(released.values()) > 0, released
 
-    env = cli_env
+    env = cluster_env  # the run resumes on the cluster it was started on (its stages are pinned to its nodes)
     stamps = {p: p.stat().st_mtime_ns for p in run.glob("iter_*/*/manifest.json")}
     again = _rollflow("train", "--resume", str(run), "--no-report", env=env)
     assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
@@ -192,7 +238,8 @@ def test_sigkilled_run_resumes_to_the_uninterrupted_result(finished_run, tmp_pat
     ``rollflow train --resume``: iteration 1 trains engines rebuilt by replaying step 0 from the initial model, and
     every stage output of both iterations equals the uninterrupted run's (kept engines) — nothing lost or
     duplicated. (Killing at other points was checked by hand the same way: while iteration 0 trained, after
-    iteration 1's rollout, while its log-probs ran.)"""
+    iteration 1's rollout, while its log-probs ran.) This run is local and the uninterrupted one ran on two nodes:
+    the equality also holds between a local and a two-node run, rollouts, log-probs, advantages and weights."""
     kill_after = "iter_0000/checkpoint/manifest.json"
     import numpy as np
 

@@ -1,0 +1,240 @@
+"""A real multi-node Ray cluster on this machine, for the multi-node tests and benchmarks (issue 14, item 3).
+
+Each node is a ``ray start --block`` child process in its own session (the head first, then
+``ray start --address=HEAD``), with its own CPUs and custom resources, on ports chosen free for it (GCS, node
+manager, object manager, agents, metrics, workers: never Ray's fixed defaults, which other clusters on this machine
+may hold) and a temporary folder of its own. :meth:`RayNodes.stop` ends exactly the processes of this cluster: the
+``ray start`` processes and their descendants (GCS, raylets, agents, workers), recorded with their start times so
+that a reused process id is never touched — never ``ray stop``, which stops every Ray cluster of the user.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from stages.watchdog import kill_known, start_time, tree
+
+RAY = str(Path(sys.executable).with_name("ray"))
+REPO = str(Path(__file__).resolve().parents[1])
+
+
+@dataclass(frozen=True)
+class NodeSpec:
+    """One node: its logical CPUs and custom resources (``{"trainer_node": 1}``)."""
+
+    num_cpus: int
+    resources: dict[str, float] = field(default_factory=dict)
+    object_store_mb: int = 400
+
+
+def free_ports(count: int) -> list[int]:
+    """``count`` distinct ports that are free now (all bound at once, so the OS cannot hand one out twice)."""
+    socks = [socket.socket(socket.AF_INET, socket.SOCK_STREAM) for _ in range(count)]
+    try:
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+def _ports(ports: list[int], head: bool) -> list[str]:
+    """Every port a node opens, from ``ports`` (Ray's defaults are fixed numbers: 8265, 10001, 52365, ...)."""
+    names = ["--node-manager-port", "--object-manager-port", "--dashboard-agent-listen-port",
+             "--dashboard-agent-grpc-port", "--runtime-env-agent-port", "--metrics-export-port"]
+    if head:
+        names += ["--dashboard-port", "--ray-client-server-port"]
+    args = [a for name, port in zip(names, ports) for a in (name, str(port))]
+    return args + ["--min-worker-port", "0", "--max-worker-port", "0"] + (["--include-dashboard=false"] if head else [])
+
+
+class RayNodes:
+    """Start ``specs[0]`` as the head and the others as worker nodes joining it; ``address`` is the head's GCS
+    address (what ``RAY_ADDRESS`` takes). A context manager: the cluster is stopped on exit, also on failure."""
+
+    def __init__(self, specs: list[NodeSpec], env: dict | None = None, timeout_s: float = 120):
+        self.specs, self.timeout_s = specs, timeout_s
+        self.env = {**(env or os.environ), "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0",
+                    "OMP_NUM_THREADS": "1"}
+        self.root = Path(tempfile.mkdtemp(prefix="rf-ray-", dir="/tmp"))  # short: Ray's socket paths are limited
+        self.address: str = ""
+        self._procs: list[subprocess.Popen] = []
+        self._known: dict[int, int] = {}  # pid -> start time of every process of this cluster seen so far
+        self._watchdog: int | None = None  # the write end of the watchdog's pipe
+
+    def __enter__(self) -> "RayNodes":
+        try:
+            self.start()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def start(self) -> str:
+        ports = free_ports(1 + 8 * len(self.specs))
+        port = ports[0]
+        self.address = f"127.0.0.1:{port}"
+        for i, spec in enumerate(self.specs):
+            where = ["--head", "--port", str(port), "--node-ip-address", "127.0.0.1"] if i == 0 else \
+                ["--address", self.address, "--node-ip-address", "127.0.0.1"]
+            cmd = [RAY, "start", "--block", *where, "--num-cpus", str(spec.num_cpus), "--num-gpus", "0",
+                   "--resources", json.dumps(spec.resources),
+                   "--object-store-memory", str(spec.object_store_mb * 2**20), "--temp-dir", str(self.root / "tmp"),
+                   "--disable-usage-stats", *_ports(ports[1 + 8 * i:9 + 8 * i], i == 0)]
+            log = open(self.root / f"node{i}.log", "w")
+            self._procs.append(subprocess.Popen(cmd, env=self.env, stdout=log, stderr=subprocess.STDOUT,
+                                                stdin=subprocess.DEVNULL, start_new_session=True))
+            log.close()
+            self._wait_started(i)
+        self._watch()
+        self._wait_nodes(len(self.specs))
+        return self.address
+
+    def _watch(self) -> None:
+        """stages/watchdog.py on the nodes: if this process dies without :meth:`stop` (a SIGKILLed test run), the
+        cluster goes with it instead of outliving it (the nodes run in sessions of their own)."""
+        read_end, self._watchdog = os.pipe()
+        subprocess.Popen([sys.executable, "-m", "stages.watchdog", str(read_end), *(str(p.pid) for p in self._procs)],
+                         pass_fds=(read_end,), start_new_session=True, stdin=subprocess.DEVNULL,
+                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=REPO)
+        os.close(read_end)
+
+    def _wait_started(self, i: int) -> None:
+        """Wait until ``ray start`` of node ``i`` says its node runs (the next node can then join it)."""
+        deadline = time.monotonic() + self.timeout_s
+        while "Ray runtime started" not in self.log(i):
+            self._record()
+            if self._procs[i].poll() is not None:
+                raise RuntimeError(f"ray start of node {i} exited: {self.log(i)[-3000:]}")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"node {i} never started: {self.log(i)[-3000:]}")
+            time.sleep(0.2)
+
+    def _wait_nodes(self, count: int) -> None:
+        """Wait until ``count`` nodes are alive in the cluster (asked through the GCS, as ``ray status`` does)."""
+        probe = ("import ray, sys; ray.init(address=sys.argv[1], log_to_driver=False); "
+                 "print(sum(1 for n in ray.nodes() if n['Alive']))")
+        deadline = time.monotonic() + self.timeout_s
+        while True:
+            self._record()
+            dead = [i for i, p in enumerate(self._procs) if p.poll() is not None]
+            if dead:
+                raise RuntimeError(f"ray start of node {dead[0]} exited: {self.log(dead[0])[-3000:]}")
+            out = subprocess.run([sys.executable, "-c", probe, self.address], env=self.env, capture_output=True,
+                                 text=True, timeout=self.timeout_s)
+            if out.returncode == 0 and out.stdout.strip().splitlines()[-1:] == [str(count)]:
+                return
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{count} nodes never came up at {self.address}: {out.stderr[-2000:]}")
+            time.sleep(1.0)
+
+    def log(self, i: int) -> str:
+        return (self.root / f"node{i}.log").read_text(errors="replace")
+
+    def _record(self) -> None:
+        """Remember every living process of the cluster (the node's processes and workers come and go)."""
+        for pid in tree([p.pid for p in self._procs]):
+            if pid not in self._known and (t := start_time(pid)) is not None:
+                self._known[pid] = t
+
+    def stop(self) -> None:
+        """End this cluster's processes: SIGTERM every process of it (the ``ray start`` processes, GCS, raylets,
+        agents, workers), then SIGKILL whatever is left after a short grace period (a test cluster keeps nothing
+        worth a graceful shutdown; Ray's GCS and raylet often outlive SIGTERM); remove the temporary folder."""
+        self._record()
+        for pid, started in self._known.items():
+            if start_time(pid) == started:
+                try:
+                    os.kill(pid, signal.SIGTERM)
+                except ProcessLookupError:
+                    pass
+        deadline = time.monotonic() + 3
+        while time.monotonic() < deadline and any(start_time(p) == t for p, t in self._known.items()):
+            self._record()
+            time.sleep(0.3)
+        self._record()
+        kill_known(self._known)
+        for proc in self._procs:
+            try:
+                proc.wait(10)
+            except subprocess.TimeoutExpired:
+                pass
+        self._procs.clear()
+        if self._watchdog is not None:  # the watchdog wakes, finds nothing left and exits
+            os.close(self._watchdog)
+            self._watchdog = None
+        shutil.rmtree(self.root, ignore_errors=True)
+
+    def alive(self) -> list[int]:
+        """Processes of this cluster still alive (empty after :meth:`stop`)."""
+        return [p for p, t in self._known.items() if start_time(p) == t]
+
+
+# Run in a child process (a test process may hold another Ray connection): what Ray's GCS recorded about every task
+# and actor of the cluster. Ray's state API (ray.util.state) asks the dashboard, which needs packages that the lock
+# does not install (aiohttp_cors, ...); the GCS holds the same records, read here through Ray's own accessor.
+_RECORD = r"""
+import json, sys
+import ray
+from ray._private import state
+
+ray.init(address=sys.argv[1], log_to_driver=False)
+nodes = {n["NodeID"]: sorted(k for k in n["Resources"] if not k.startswith("node:")) for n in ray.nodes()}
+actors = {a["ActorID"]: a["Address"]["NodeID"] for a in state.actors().values()}
+rows = []
+for event in state.state._get_all_task_events():
+    info = event.task_info
+    node = event.state_updates.node_id.hex() if event.state_updates.node_id else ""
+    actor = info.actor_id.hex() if info.actor_id else ""
+    rows.append({"name": info.name, "resources": dict(info.required_resources), "job": event.job_id.hex(),
+                 "node": node or actors.get(actor, ""), "actor": actor})
+ray.shutdown()
+print(json.dumps({"nodes": nodes, "tasks": rows}))
+"""
+
+
+def ray_record(address: str, env: dict) -> dict:
+    """``{"nodes": {node id: [its resource names]}, "tasks": [{name, resources, job, node, actor}, ...]}``: every
+    task and actor method Ray's GCS recorded on the cluster at ``address`` (an actor's creation task placed on its
+    actor's node)."""
+    out = subprocess.run([sys.executable, "-c", _RECORD, address], env=env, capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def asks_for(task: dict, resource: str) -> bool:
+    """Whether a recorded task asked for ``resource``: by name, or inside a placement group (Ray Train's workers),
+    where Ray renames it ``<resource>_group_<pg id>`` / ``<resource>_group_<bundle>_<pg id>``."""
+    return any(name == resource or name.startswith(f"{resource}_group_") for name in task["resources"])
+
+
+def nodes_of(record: dict, resource: str) -> set[str]:
+    """The nodes on which the recorded tasks and actors that asked for the custom ``resource`` ran (each must have
+    run somewhere: a task without a node is reported as '')."""
+    return {t["node"] for t in record["tasks"] if asks_for(t, resource)}
+
+
+def names_of(record: dict, resource: str) -> set[str]:
+    """The names of the recorded tasks that asked for ``resource`` (an actor's: its class, e.g. ``ForwardServer``)."""
+    return {t["name"].split(".")[0].split(":")[-1] for t in record["tasks"] if asks_for(t, resource)}
+
+
+def node_with(record: dict, resource: str) -> str:
+    """The one node that declares ``resource``."""
+    (node,) = [n for n, names in record["nodes"].items() if resource in names]
+    return node
