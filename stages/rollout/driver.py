@@ -150,7 +150,7 @@ def committed_result(path: str) -> StageResult:
     if manifest is None:
         raise ConfigError(f"{loc.path} is not a committed stage output (no manifest.json); re-run the rollout that "
                           "wrote it")
-    return StageResult(loc.path, manifest["fingerprint"], True, int(manifest.get("rows", 0)), 0.0,
+    return StageResult(loc.uri(), manifest["fingerprint"], True, int(manifest.get("rows", 0)), 0.0,
                        manifest.get("metrics", {}), manifest.get("state", {}))
 
 
@@ -188,7 +188,7 @@ def run_rollout(config: RolloutConfig, output: str, checkpoint: str | None = Non
     turns: list[StageResult] = []
     try:
         if reuse is None:
-            episodes = run_stage(ResetStage(pool), section, {}, out.child(EPISODES_DIR).path, force=force,
+            episodes = run_stage(ResetStage(pool), section, {}, out.child(EPISODES_DIR).uri(), force=force,
                                  state_in=state, batch_rows=config.runtime.batch_rows, context=context)
         else:
             episodes = committed_result(reuse.episodes)
@@ -202,7 +202,7 @@ def run_rollout(config: RolloutConfig, output: str, checkpoint: str | None = Non
                 break
             with progress.bar(f"{label} turn {turn}", "episodes", total=active) as ticker:
                 result = run_stage(TurnStage(turn, pool, active, ticker), section, {"previous": previous.output},
-                                   out.child(TURNS_DIR).child(turn_dir_name(turn)).path, force=force,
+                                   out.child(TURNS_DIR).child(turn_dir_name(turn)).uri(), force=force,
                                    state_in={**state, "turn": turn}, batch_rows=config.runtime.batch_rows,
                                    context=context)
             turns.append(result)
@@ -212,7 +212,7 @@ def run_rollout(config: RolloutConfig, output: str, checkpoint: str | None = Non
             _remove_stale_turns(out, len(turns) - 1)
         names = [turn_dir_name(t) for t in range(len(turns))]
         samples = run_stage(SamplesStage(names), samples_section(config),
-                            {name: r.output for name, r in zip(names, turns)}, out.child(SAMPLES_DIR).path,
+                            {name: r.output for name, r in zip(names, turns)}, out.child(SAMPLES_DIR).uri(),
                             force=force, batch_rows=config.runtime.batch_rows)
         notify("samples", {"result": samples})
         build_seconds = pool.build_seconds if own_pool and pool.built else 0.0
@@ -225,7 +225,7 @@ def run_rollout(config: RolloutConfig, output: str, checkpoint: str | None = Non
         "env_seconds": sum(t.metrics.get("env_seconds", 0.0) for t in turns if not t.skipped),
         "samples_seconds": samples.seconds,
     })
-    return RolloutResult(out.path, model_dir, episodes, turns, samples, build_seconds, time.time() - start, timings)
+    return RolloutResult(out.uri(), model_dir, episodes, turns, samples, build_seconds, time.time() - start, timings)
 
 
 class EvalStage:
