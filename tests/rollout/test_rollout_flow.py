@@ -1,6 +1,7 @@
 """The rollout as committed Ray Data stages with the HF backend on the tiny random model (plumbing, not quality):
 the CLI writes every table, samples validate, a re-run skips everything without building an engine, a rollout
-killed in the middle of a turn resumes to the same samples as an uninterrupted one, and ``show`` renders it.
+killed in the middle of a turn resumes to the same samples as an uninterrupted one, a rollout into an object store
+(a local S3 server) commits the same tables, and ``show`` renders it.
 
 The tiny random model writes garbage, so every reply is unparseable: that exercises the format penalty path.
 """
@@ -16,6 +17,7 @@ from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.dataset as pads
+import pyarrow.parquet as pq
 import pytest
 import typer
 import yaml
@@ -26,6 +28,7 @@ from schemas.config import load_config
 from schemas.rollout_config import RolloutConfig
 from schemas.tables import SAMPLES, check_row_invariants, check_structure
 from stages.storage import Location, read_manifest
+from tests.objstore import BUCKET, objects, s3  # noqa: F401  (s3: the module's S3 server, a fixture)
 
 pytestmark = pytest.mark.usefixtures("ray_cluster")  # the CLI commands join it, as they join a running one
 
@@ -107,6 +110,25 @@ def test_rerun_skips_every_stage_and_builds_no_engine(uninterrupted, config_file
     result = run_rollout(load_config(RolloutConfig, config_file), str(uninterrupted), str(tiny_model))
     assert result.episodes.skipped and all(t.skipped for t in result.turns) and result.samples.skipped
     assert result.engine_build_seconds == 0.0
+
+
+def test_a_rollout_into_an_object_store_commits_the_same_tables(uninterrupted, config_file, tiny_model, s3):
+    """``rollflow rollout --output s3://...`` (a local moto S3 server; docs/object-storage.md): every table committed
+    by its manifest under an attempt prefix on the store (the driver once handed the stages bare bucket paths, which
+    landed in a local folder named after the bucket), the samples equal to the local rollout's."""
+    uri = f"s3://{BUCKET}/rollout"
+    args = ["rollout", "--config", str(config_file), "--checkpoint", str(tiny_model), "--output", uri]
+    result = CliRunner().invoke(_app(), args)
+    assert result.exit_code == 0, result.output
+    for name in ("episodes", "turns/turn_000", "turns/turn_002", "samples"):
+        manifest = read_manifest(Location.of(f"{uri}/{name}"))
+        local = read_manifest(Location.of(str(uninterrupted / name)))
+        assert manifest is not None and manifest["fingerprint"] == local["fingerprint"], name
+        assert all(key.startswith(".attempt-") or key == "manifest.json" for key in objects(f"{uri}/{name}")), name
+    loc = Location.of(f"{uri}/samples")
+    got = pa.concat_tables([pq.read_table(p, filesystem=loc.fs) for p in loc.parquet_files()])
+    assert got.sort_by("row_id").equals(_table(uninterrupted / "samples"))
+    assert not Path(BUCKET).exists(), "nothing written to a local folder named after the bucket"
 
 
 def test_show_renders_episodes_turn_by_turn(uninterrupted):
