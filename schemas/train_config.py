@@ -217,8 +217,10 @@ class StrategyArgs(Frozen):
                                                                    and zero[k].get("device") == "none")]
 
 
-class WorkerTrainConfig(Frozen):
+class WorkerTrainConfig(OmitDefaults):
     """``actor_train`` / ``critic_train``: one trained model."""
+
+    omit_when_default: ClassVar[dict[str, Any]] = {"use_sequence_packing": False}  # fingerprints as before it
 
     model_args: ModelArgs = Field(default_factory=ModelArgs, description="Model loading and precision.")
     training_args: TrainingArgs = Field(default_factory=TrainingArgs, description="Optimizer, schedule, batches.")
@@ -232,15 +234,6 @@ class WorkerTrainConfig(Frozen):
                                        "padding, forward and backward (ROLL's name; positions restart per row, so "
                                        "each row attends to itself only); with dynamic batching the token budget then "
                                        "counts real tokens. The same loss and gradients up to float rounding.")
-
-    @model_serializer(mode="wrap")
-    def _without_packing_when_off(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
-        """Packing off is left out of the dump, so a training section's fingerprint and a run's config.json stay
-        what they were before the option existed (loading fills the default in again)."""
-        data = handler(self)
-        if not self.use_sequence_packing and isinstance(data, dict):
-            data.pop("use_sequence_packing", None)
-        return data
 
     @model_validator(mode="after")
     def _lora_zero3(self) -> "WorkerTrainConfig":
