@@ -116,9 +116,11 @@ class HFEngine:
         self.max_batch_size = int(max_batch_size)
         self.eos_ids = eos_token_ids(self.model, self.tokenizer)
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else min(self.eos_ids)
+        self._asleep = 0  # the sleep level while asleep (sleep / wake)
+        self._buffers: dict[str, torch.Tensor] = {}  # the host copies of the buffers over a level-2 sleep
 
     def generate(self, requests: Sequence[GenRequest]) -> list[GenResult]:
-        if getattr(self, "_asleep", 0):
+        if self._asleep:
             raise RollflowError(f"the hf engine is asleep (sleep level {self._asleep}) and was asked to generate; "
                                 "wake() it first (a training flow wakes its engines before each rollout)")
         jobs = expand_requests(requests, self.max_model_len)
@@ -227,7 +229,7 @@ class HFEngine:
     def wake(self, checkpoint_dir: str | os.PathLike | None = None) -> None:
         """Take the memory again: the weights of ``checkpoint_dir`` when given (in place), else those kept by a level
         1 sleep. After level 2 without a folder, the weights are reloaded from the model's own folder."""
-        level, self._asleep = getattr(self, "_asleep", 0), 0
+        level, self._asleep = self._asleep, 0
         if level >= 2:
             self.model.to_empty(device=self.device)
             with torch.no_grad():
