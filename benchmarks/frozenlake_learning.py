@@ -11,7 +11,10 @@ process group, SIGKILL after a grace period; the run folder stays resumable). Th
 
 It writes the run's report (PNG plots + HTML) and a summary JSON beside it, prints a table, and as its last line
 ``RESULT base_valid=… final_valid=… best_valid=… base_success=… final_success=… best_success=… random_success=…
-iterations=… wall_s=… s_per_iter=…`` (rates in [0, 1], measured in this one run).
+iterations=… wall_s=… s_per_iter=… overhead_share=…`` (rates in [0, 1], measured in this one run; overhead_share is
+the share of the training iterations' wall time that is not generation, forward or backward compute, computed as
+benchmarks/iteration_overhead.py does). The random policy plays as many episodes per level as the config's
+evaluation (``eval.group_size``, at least 8).
 
 Usage: python benchmarks/frozenlake_learning.py [--config configs/train_frozenlake_grpo.yaml] [--budget-min 60]
        [--runs-dir DIR] [--set key=value ...]
@@ -34,7 +37,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 
-def random_policy_success(config, episodes_per_level: int = 8, seed: int = 0) -> tuple[float, int]:
+def random_policy_success(config, episodes_per_level: int, seed: int = 0) -> tuple[float, int]:
     """Success rate of uniformly random legal actions on the evaluation levels of ``config`` (a TrainFlowConfig).
     Returns (rate, episodes)."""
     from schemas.rollout_config import turn_section
@@ -97,6 +100,18 @@ def per_iteration(run: Path) -> tuple[dict[int, dict[str, float]], dict[int, dic
     return dict(evals), dict(walls)
 
 
+def overhead_share(run: Path) -> float:
+    """Share of the training iterations' wall time (iteration 0's start-up excluded when there are later ones) that
+    is not generation, forward or backward compute — benchmarks/iteration_overhead.py's steady-state figure."""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    from iteration_overhead import iteration_times
+
+    times = iteration_times(run)
+    steady = [t for k, t in times.items() if k > 0] or list(times.values())
+    wall = sum(t["wall_s"] for t in steady)
+    return round(sum(t["overhead_s"] for t in steady) / wall, 3) if wall else float("nan")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", default=str(REPO / "configs/train_frozenlake_grpo.yaml"))
@@ -115,7 +130,7 @@ def main() -> None:
     sets = [f"run_name={args.run_name}", f"runs_dir={args.runs_dir}", f"max_steps={args.max_steps}",
             *args.overrides]
     config = load_config(TrainFlowConfig, args.config, parse_overrides(sets))
-    random_rate, random_n = random_policy_success(config)
+    random_rate, random_n = random_policy_success(config, max(8, config.eval.group_size))
     run = Path(args.runs_dir) / args.run_name
     cmd = [str(Path(sys.executable).parent / "rollflow"), "train", "--config", args.config, "--no-report"]
     for s in sets:
@@ -156,6 +171,7 @@ def main() -> None:
         "best_success": max(evals[i][key_s] for i in done), "random_success": random_rate,
         "iterations": len(trained), "wall_s": round(wall, 1), "exit_code": -1 if rc is None else rc,
         "s_per_iter": round(sum(iter_walls) / len(iter_walls), 1) if iter_walls else 0.0,
+        "overhead_share": overhead_share(run),
     }
     (run / "learning_summary.json").write_text(json.dumps({**summary, "evals": evals, "walls": walls,
                                                            "command": cmd}, indent=1))
