@@ -110,6 +110,7 @@ def _tiny_args(runs_dir: Path, name: str) -> list[str]:
             "--set", "rollout.env.num_env_groups=2", "--set", "rollout.env.group_size=2",
             "--set", "rollout_batch_size=4", "--set", "rollout.env.max_steps=2",
             "--set", "rollout.generating_args.max_new_tokens=8", "--set", "eval.num_env_groups=2",
+            "--set", "eval.group_size=1", "--set", "eval.eval_steps=1",
             "--set", "train.actor_train.model_args.dtype=fp32", "--set", "train.max_ckpt_to_keep=1",
             "--set", "reward_normalization.method=identity"]
 
