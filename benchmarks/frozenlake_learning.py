@@ -100,6 +100,71 @@ def per_iteration(run: Path) -> tuple[dict[int, dict[str, float]], dict[int, dic
     return dict(evals), dict(walls)
 
 
+MOVES = {"left": (0, -1), "down": (1, 0), "right": (0, 1), "up": (-1, 0)}
+
+
+def _goal_distances(rows: list[str]) -> dict[tuple[int, int], int]:
+    """Shortest number of (deterministic) moves from each cell to the goal without entering a hole, for a FrozenLake
+    observation grid (``P`` player, ``_`` ice, ``O`` hole, ``G`` goal); unreachable cells are absent."""
+    goal = next((r, c) for r, row in enumerate(rows) for c, ch in enumerate(row) if ch == "G")
+    dist, frontier = {goal: 0}, [goal]
+    for cell in frontier:
+        for dr, dc in MOVES.values():
+            r, c = cell[0] - dr, cell[1] - dc
+            if 0 <= r < len(rows) and 0 <= c < len(rows[0]) and rows[r][c] != "O" and (r, c) not in dist:
+                dist[(r, c)] = dist[cell] + 1
+                frontier.append((r, c))
+    return dist
+
+
+def _moved(rows: list[str], cell: tuple[int, int], action: str) -> tuple[int, int]:
+    dr, dc = MOVES[action]
+    return min(max(cell[0] + dr, 0), len(rows) - 1), min(max(cell[1] + dc, 0), len(rows[0]) - 1)
+
+
+def action_quality(turn_folders: list[Path]) -> dict[str, float]:
+    """How the policy chose its moves in an evaluation, from its turn tables: ``valid`` share of replies with a legal
+    action; ``toward_goal``: share of the legal actions that shorten the hole-free path to the goal;
+    ``random_toward_goal``: the same share for a uniformly random action in the same states (the baseline the
+    policy must beat); ``action_entropy``: entropy (nats, max ln 4) of the legal actions' distribution."""
+    import math
+
+    import pyarrow.parquet as pq
+
+    valid = toward = random_toward = total = 0
+    counts: dict[str, int] = defaultdict(int)
+    for folder in turn_folders:
+        for part in sorted(folder.glob("*.parquet")):
+            for r in pq.read_table(part, columns=["observation", "action_content", "action_valid"]).to_pylist():
+                rows = r["observation"].split("\n")
+                here = next(((i, j) for i, row in enumerate(rows) for j, ch in enumerate(row) if ch == "P"), None)
+                if here is None or not any("G" in row for row in rows):
+                    continue  # the episode already ended on this turn
+                dist = _goal_distances(rows)
+                total += 1
+                shorter = [dist.get(_moved(rows, here, a), 99) < dist.get(here, 99) for a in MOVES]
+                random_toward += sum(shorter) / len(MOVES)
+                action = (r["action_content"] or "").strip().lower()
+                if r["action_valid"] and action in MOVES:
+                    valid += 1
+                    counts[action] += 1
+                    toward += shorter[list(MOVES).index(action)]
+    n = sum(counts.values())
+    entropy = -sum(c / n * math.log(c / n) for c in counts.values()) if n else float("nan")
+    return {"valid": valid / total if total else float("nan"), "toward_goal": toward / valid if valid else float("nan"),
+            "random_toward_goal": random_toward / total if total else float("nan"), "action_entropy": entropy}
+
+
+def evaluation_turns(run: Path) -> dict[int, list[Path]]:
+    """Turn-table folders of each evaluation by index (0: untrained, k + 1: after iteration k)."""
+    out = {0: sorted((run / "eval_base" / "turns").glob("turn_*"))}
+    for it in sorted(run.glob("iter_*")):
+        turns = sorted((it / "eval" / "turns").glob("turn_*"))
+        if turns:
+            out[int(it.name.split("_")[1]) + 1] = turns
+    return {k: v for k, v in out.items() if v}
+
+
 def overhead_share(run: Path) -> float:
     """Share of the training iterations' wall time (iteration 0's start-up excluded when there are later ones) that
     is not generation, forward or backward compute — benchmarks/iteration_overhead.py's steady-state figure."""
@@ -153,11 +218,20 @@ def main() -> None:
         sys.exit(f"no base evaluation in {run}/metrics; see {run / 'benchmark.log'}")
     trained = [i for i in done if i > 0 and (i - 1) in walls and "train" in walls[i - 1]]
     print(f"\nrandom legal actions on the evaluation levels: success {random_rate:.3f} over {random_n} episodes")
-    print(f"{'eval after':>12} {'valid':>7} {'success':>8}   stage seconds of the iteration")
+    quality = {i: action_quality(folders) for i, folders in evaluation_turns(run).items()} \
+        if config.rollout.env.tag == "FrozenLake" else {}
+    print(f"{'eval after':>12} {'valid':>7} {'success':>8} {'toward':>7} {'random':>7} {'entropy':>7}"
+          "   stage seconds of the iteration")
     for i in done:
         stages = "  ".join(f"{k}={v:.0f}" for k, v in sorted(walls.get(i - 1, {}).items())) if i else ""
         label = "untrained" if i == 0 else f"iter {i - 1}"
-        print(f"{label:>12} {evals[i][key_v]:7.3f} {evals[i][key_s]:8.3f}   {stages}")
+        q = quality.get(i, {})
+        moves = " ".join(f"{q.get(k, float('nan')):7.3f}" for k in ("toward_goal", "random_toward_goal",
+                                                                     "action_entropy"))
+        print(f"{label:>12} {evals[i][key_v]:7.3f} {evals[i][key_s]:8.3f} {moves}   {stages}")
+    if quality:
+        print("toward: share of the legal moves that shorten the hole-free path to the goal; random: the same for a "
+              "uniformly random move in the same states; entropy: of the legal moves (max ln 4 = 1.386)")
 
     from flows.report import write_report
 
@@ -173,8 +247,11 @@ def main() -> None:
         "s_per_iter": round(sum(iter_walls) / len(iter_walls), 1) if iter_walls else 0.0,
         "overhead_share": overhead_share(run),
     }
+    if quality.get(last):
+        summary.update(final_toward_goal=round(quality[last]["toward_goal"], 4),
+                       random_toward_goal=round(quality[last]["random_toward_goal"], 4))
     (run / "learning_summary.json").write_text(json.dumps({**summary, "evals": evals, "walls": walls,
-                                                           "command": cmd}, indent=1))
+                                                           "moves": quality, "command": cmd}, indent=1))
     print(f"report: {report.html}")
     print("RESULT " + " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in summary.items()))
 
