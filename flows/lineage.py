@@ -115,15 +115,15 @@ def lineage_lines(path: str) -> list[str]:
     """``rollflow lineage PATH``: the lineage of PATH when it is a stage output, then the stale outputs under it."""
     loc = Location.of(path)
     own = read_manifest(loc) is not None
-    lines = trace(path) if own else [f"{loc.path}  (no manifest: a folder of outputs)"]
+    lines = trace(path) if own else [f"{loc.uri()}  (no manifest: a folder of outputs)"]
     count, stale = stale_outputs(path)
     if not own and count == 0:
-        raise RollflowError(f"{loc.path} holds no stage output (no manifest.json in it or below); pass a run folder "
+        raise RollflowError(f"{loc.uri()} holds no stage output (no manifest.json in it or below); pass a run folder "
                             "(runs/<run>) or a folder a stage wrote")
     lines.append("")
     if stale:
-        lines.append(f"{len(stale)} stale of {count} stage outputs under {loc.path}:")
+        lines.append(f"{len(stale)} stale of {count} stage outputs under {loc.uri()}:")
         lines.extend(f"  {line}" for line in stale)
     else:
-        lines.append(f"{count} stage outputs under {loc.path}; none is stale")
+        lines.append(f"{count} stage outputs under {loc.uri()}; none is stale")
     return lines

@@ -146,7 +146,7 @@ def _tag(section: BaseModel, inputs: dict[str, str]) -> str:
 
 def _line(name: str, result: StageResult, old: Location) -> str:
     return (f"{name}: {'up to date' if result.skipped else 'wrote'} {result.rows:,} rows to {result.output} "
-            f"(old output kept at {old.path})")
+            f"(old output kept at {old.uri()})")
 
 
 def rerun_stage(name: str, old_output: str, overrides: list[str], output: str | None, downstream: bool,
@@ -242,7 +242,7 @@ def _rerun_downstream(first_old: Location, first_new: str, tag: str, force: bool
     table = _rerunnable()
     pending = _affected(first_old, reads)
     if not pending:
-        return [f"no output beside {first_old.path} reads it; nothing downstream to recompute"]
+        return [f"no output beside {first_old.uri()} reads it; nothing downstream to recompute"]
     lines: list[str] = []
     replaced = {reads or first_old.uri(): first_new}
     stale: set[str] = set()
