@@ -76,20 +76,20 @@ def train_flow(cfg: dict) -> dict:
 
     config = validate_config(TrainFlowConfig, cfg)
     run, base, pool = start_run(config, cfg, config.rollout.engine.max_model_len or config.rollout.sequence_length)
-    workers = KeptWorkers.of(config, run.path)
+    workers = KeptWorkers.of(config, run.uri())
     started = time.time()
-    summary: dict[str, Any] = {"run": run.path, "iterations": []}
+    summary: dict[str, Any] = {"run": run.uri(), "iterations": []}
     with MetricsLog(run.uri()) as metrics:
         try:
             checkpoint = base
             trained: list[str] = []  # this run's checkpoints, oldest first
             kl_state: dict = {}
             if config.eval.eval_steps:
-                ev = eval_task(config, f"{run.path}/eval_base", checkpoint, pool)
+                ev = eval_task(config, f"{run.uri()}/eval_base", checkpoint, pool)
                 record(metrics, 0, "eval", ev, _rollout_metrics(ev), label="eval before training")
                 summary["base_eval"] = ev.samples.metrics
             for k in range(config.max_steps):
-                here = iter_dir(run.path, k)
+                here = iter_dir(run.uri(), k)
                 ro = rollout_task(config, k, f"{here}/rollout", checkpoint, pool)
                 record(metrics, k, "rollout", ro, _rollout_metrics(ro))
                 sleep_engines(pool, metrics, k)  # colocation: the GPU is the next stages' until the next rollout

@@ -52,7 +52,7 @@ def _fingerprint_now(source: Location) -> str:
 def _edges(loc: Location, manifest: dict) -> list[Edge]:
     edges = []
     for name, info in sorted(manifest.get("inputs", {}).items()):
-        source = Location(loc.fs, info["path"])
+        source = loc.recorded(info["path"])
         current = _fingerprint_now(source) if source.exists() else None
         edges.append(Edge(name, info["path"], info["fingerprint"], current))
     return edges
@@ -73,7 +73,7 @@ def trace(path: str) -> list[str]:
     loc = Location.of(path)
     if not loc.is_dir():
         raise RollflowError(f"{path} is not a folder; pass a stage output (a folder with {MANIFEST}) or a run folder")
-    lines = [f"{loc.path}  {_describe(read_manifest(loc))}"]
+    lines = [f"{loc.uri()}  {_describe(read_manifest(loc))}"]
     seen: set[str] = set()
 
     def walk(out: Location, depth: int) -> None:
@@ -82,7 +82,7 @@ def trace(path: str) -> list[str]:
             return
         seen.add(out.path)
         for edge in _edges(out, manifest):
-            source = Location(out.fs, edge.path)
+            source = out.recorded(edge.path)
             mark = f"  STALE: {edge.problem}" if edge.problem else ""
             shown = _describe(read_manifest(source)) if edge.current is not None else "missing"
             lines.append(f"{'  ' * depth}<- {edge.name}: {edge.path}  {shown}{mark}")
@@ -115,15 +115,15 @@ def lineage_lines(path: str) -> list[str]:
     """``rollflow lineage PATH``: the lineage of PATH when it is a stage output, then the stale outputs under it."""
     loc = Location.of(path)
     own = read_manifest(loc) is not None
-    lines = trace(path) if own else [f"{loc.path}  (no manifest: a folder of outputs)"]
+    lines = trace(path) if own else [f"{loc.uri()}  (no manifest: a folder of outputs)"]
     count, stale = stale_outputs(path)
     if not own and count == 0:
-        raise RollflowError(f"{loc.path} holds no stage output (no manifest.json in it or below); pass a run folder "
+        raise RollflowError(f"{loc.uri()} holds no stage output (no manifest.json in it or below); pass a run folder "
                             "(runs/<run>) or a folder a stage wrote")
     lines.append("")
     if stale:
-        lines.append(f"{len(stale)} stale of {count} stage outputs under {loc.path}:")
+        lines.append(f"{len(stale)} stale of {count} stage outputs under {loc.uri()}:")
         lines.extend(f"  {line}" for line in stale)
     else:
-        lines.append(f"{count} stage outputs under {loc.path}; none is stale")
+        lines.append(f"{count} stage outputs under {loc.uri()}; none is stale")
     return lines

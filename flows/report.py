@@ -31,6 +31,7 @@ import pyarrow.parquet as pq
 
 from schemas.errors import SchemaError
 from stages.metrics import METRICS_DIR, TIME_PREFIX, read_metrics
+from stages.storage import Location, local_side
 
 REPORT_DIR = "report"
 MAX_LINES = 10  # lines per plot; more matching metrics are listed on the page, not drawn
@@ -179,20 +180,37 @@ TURN_COLUMNS = ["traj_id", "turn_idx", "observation", "text", "action_content", 
                 "next_observation", "done", "success", "stop_reason"]
 
 
-def find_turn_files(run_dir: str | Path) -> list[Path]:
+def find_turn_files(run_dir: str | Path) -> list[Path] | list[str]:
     """Parquet files of the last rollout's turn tables under ``run_dir`` (the sorted-last ``turns`` folder),
-    in turn order; empty when there is none."""
+    in turn order; empty when there is none. A run folder on an object store: the files each committed turn's
+    manifest lists (paths on its filesystem)."""
+    loc = Location.of(str(run_dir))
+    if not loc.atomic_rename:
+        return _store_turn_files(loc)
     folders = sorted(p for p in Path(run_dir).rglob("turns") if p.is_dir())
     if not folders:
         return []
     return sorted(f for f in folders[-1].glob("turn_*/part-*.parquet"))
 
 
-def _read_turns(files: list[Path]) -> pa.Table:
+def _store_turn_files(loc: Location) -> list[str]:
+    import pyarrow.fs as pafs
+
+    infos = loc.fs.get_file_info(pafs.FileSelector(loc.path, recursive=True))
+    folders = sorted((i.path for i in infos if i.type == pafs.FileType.Directory and i.base_name == "turns"
+                      and "/." not in i.path[len(loc.path):]), key=lambda p: p.split("/"))  # Path order
+    if not folders:
+        return []
+    turns = Location(loc.fs, folders[-1])
+    return [f for i in sorted(turns.list(), key=lambda i: i.base_name) if i.base_name.startswith("turn_")
+            for f in Location(loc.fs, i.path).parquet_files()]
+
+
+def _read_turns(files: list[Path] | list[str], fs=None) -> pa.Table:
     tables = []
     for f in files:
-        present = set(pq.read_schema(f).names)
-        tables.append(pq.read_table(f, columns=[c for c in TURN_COLUMNS if c in present]))
+        present = set(pq.read_schema(f, filesystem=fs).names)
+        tables.append(pq.read_table(f, columns=[c for c in TURN_COLUMNS if c in present], filesystem=fs))
     return pa.concat_tables(tables, promote_options="default")
 
 
@@ -263,7 +281,7 @@ table{border-collapse:collapse;font-size:13px}td,th{border:1px solid #ccc;paddin
 pre{margin:0;white-space:pre-wrap;font-size:12px;max-width:420px}.missing{color:#a40}"""
 
 
-def _page(run_dir: Path, images: list[tuple[str, str]], missing: list[str], table: pa.Table,
+def _page(run_dir: Path | str, images: list[tuple[str, str]], missing: list[str], table: pa.Table,
           episodes_html: str) -> str:
     rows = "\n".join(f"<tr><td>{html.escape(n)}</td><td>{html.escape(s)}</td><td>{it}</td><td>{_fmt(v)}</td></tr>"
                      for n, s, it, v in final_metrics(table))
@@ -281,12 +299,16 @@ def _page(run_dir: Path, images: list[tuple[str, str]], missing: list[str], tabl
         per_tag = f"<h2>Per environment tag</h2><table><tr>{head}</tr>{body}</table>"
     iterations = sorted(set(table["iteration"].to_pylist()))
     span = f"iterations {iterations[0]}–{iterations[-1]}" if iterations else "no iterations logged"
-    return (f"<!DOCTYPE html><html><head><meta charset='utf-8'><title>rollflow report: {html.escape(run_dir.name)}"
+    return (f"<!DOCTYPE html><html><head><meta charset='utf-8'><title>rollflow report: {html.escape(_name(run_dir))}"
             f"</title><style>{_CSS}</style></head><body>"
-            f"<h1>rollflow report: {html.escape(run_dir.name)}</h1><p>{html.escape(str(run_dir))} — {span}, "
+            f"<h1>rollflow report: {html.escape(_name(run_dir))}</h1><p>{html.escape(str(run_dir))} — {span}, "
             f"{table.num_rows} metric rows</p><h2>Per iteration</h2>{figures}{missing_html}{per_tag}"
             f"<h2>Final metrics</h2><table><tr><th>metric</th><th>stage</th><th>iteration</th><th>value</th></tr>"
             f"{rows}</table><h2>Sample episodes</h2>{episodes_html}</body></html>")
+
+
+def _name(run_dir: Path | str) -> str:
+    return run_dir.name if isinstance(run_dir, Path) else run_dir.rstrip("/").rsplit("/", 1)[-1]
 
 
 @dataclass
@@ -312,19 +334,23 @@ def check_run_folder(run_dir: str | Path) -> None:
 
 def write_report(run_dir: str | Path, episodes: Iterable[Sequence[dict] | dict] | None = None,
                  output: str | Path | None = None, max_episodes: int = 3) -> Report:
-    """Write the plots and ``index.html`` of ``run_dir`` into ``output`` (default ``run_dir/report``)."""
-    run = Path(run_dir)
-    if not run.is_dir():
-        what = "is a file, not a folder" if run.exists() else "does not exist"
-        raise SchemaError(f"report: run folder {run} {what}; pass a run folder (runs/<run>)")
-    table = read_metrics(run)
+    """Write the plots and ``index.html`` of ``run_dir`` into ``output`` (default ``run_dir/report``; for a run
+    folder on an object store, the report folder of its local side, stages/storage.py ``local_side``: plotting
+    writes local files, and ``rollflow train`` uploads it into the run folder)."""
+    where = Location.of(str(run_dir))
+    run = Path(run_dir) if where.atomic_rename else Path(local_side(where))
+    if not where.is_dir():
+        what = "is a file, not a folder" if where.exists() else "does not exist"
+        raise SchemaError(f"report: run folder {run_dir} {what}; pass a run folder (runs/<run>)")
+    table = read_metrics(str(run_dir))
     out = Path(output) if output else run / REPORT_DIR
     out.mkdir(parents=True, exist_ok=True)
     plots: dict[str, Path] = {}
     images: list[tuple[str, str]] = []
     missing: list[str] = []
     if table.num_rows == 0:
-        missing.append(f"no metrics at all: {run / METRICS_DIR} has no part files (MetricsLog writes them)")
+        parts = run / METRICS_DIR if where.atomic_rename else where.child(METRICS_DIR).uri()
+        missing.append(f"no metrics at all: {parts} has no part files (MetricsLog writes them)")
     for spec in PLOTS:
         if not matching(table, spec.pattern):
             if table.num_rows:
@@ -342,9 +368,9 @@ def write_report(run_dir: str | Path, episodes: Iterable[Sequence[dict] | dict] 
     elif table.num_rows:
         missing.append("Wall time per stage: no rows carry wall_s")
     if episodes is None:
-        files = find_turn_files(run)
-        episodes = episodes_from_turns(_read_turns(files), max_episodes) if files else []
+        files = find_turn_files(str(run_dir))
+        episodes = episodes_from_turns(_read_turns(files, where.fs), max_episodes) if files else []
     page = out / "index.html"
-    page.write_text(_page(run, images, missing, table, render_episodes_html(list(episodes)[:max_episodes])),
+    page.write_text(_page(Path(run_dir) if where.atomic_rename else where.uri(), images, missing, table, render_episodes_html(list(episodes)[:max_episodes])),
                     encoding="utf-8")
     return Report(html=page, plots=plots, missing=missing)

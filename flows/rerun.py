@@ -146,7 +146,7 @@ def _tag(section: BaseModel, inputs: dict[str, str]) -> str:
 
 def _line(name: str, result: StageResult, old: Location) -> str:
     return (f"{name}: {'up to date' if result.skipped else 'wrote'} {result.rows:,} rows to {result.output} "
-            f"(old output kept at {old.path})")
+            f"(old output kept at {old.uri()})")
 
 
 def rerun_stage(name: str, old_output: str, overrides: list[str], output: str | None, downstream: bool,
@@ -186,7 +186,7 @@ def rerun_stage(name: str, old_output: str, overrides: list[str], output: str | 
             raise RollflowError(f"input '{key}' of {old.path} (recorded in its manifest.json) no longer exists at "
                                 f"{path}; restore it, or re-run the command that wrote it first")
     tag = _tag(section, inputs)
-    target = output or f"{old.path}@{tag}"
+    target = output or Location(old.fs, f"{old.path}@{tag}").uri()
     from stages.preflight import check_output_location
 
     check_output_location(target)
@@ -213,7 +213,7 @@ def _siblings(first: Location) -> dict[str, tuple[Location, dict]]:
             continue
         m = read_manifest(loc)
         if m is not None:
-            found[loc.path] = (loc, m)
+            found[loc.uri()] = (loc, m)  # as manifests record their inputs (a URI on an object store)
     return found
 
 
@@ -222,7 +222,7 @@ def _affected(first: Location, reads: str | None = None) -> dict[str, tuple[Loca
     samples), or reads one that does (by the manifests' inputs)."""
     siblings = _siblings(first)
     affected: dict[str, tuple[Location, dict]] = {}
-    frontier = [reads or first.path]
+    frontier = [reads or first.uri()]
     while frontier:
         read = frontier.pop()
         for path, (loc, m) in sorted(siblings.items()):
@@ -242,9 +242,9 @@ def _rerun_downstream(first_old: Location, first_new: str, tag: str, force: bool
     table = _rerunnable()
     pending = _affected(first_old, reads)
     if not pending:
-        return [f"no output beside {first_old.path} reads it; nothing downstream to recompute"]
+        return [f"no output beside {first_old.uri()} reads it; nothing downstream to recompute"]
     lines: list[str] = []
-    replaced = {reads or first_old.path: first_new}
+    replaced = {reads or first_old.uri(): first_new}
     stale: set[str] = set()
     while pending:
         ready = sorted(path for path, (_, m) in pending.items()
@@ -264,7 +264,8 @@ def _rerun_downstream(first_old: Location, first_new: str, tag: str, force: bool
                 continue
             section_model, rerun = table[stage]()
             section = validate_config(section_model, m["section"], f"{loc.path}/manifest.json")
-            result = rerun(section, {k: replaced.get(v, v) for k, v in inputs.items()}, f"{loc.path}@{tag}", force, m)
+            target = Location(loc.fs, f"{loc.path}@{tag}").uri()
+            result = rerun(section, {k: replaced.get(v, v) for k, v in inputs.items()}, target, force, m)
             lines.append(_line(stage, result, loc))
             replaced[path] = result.output
     return lines

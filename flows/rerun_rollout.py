@@ -24,7 +24,7 @@ from schemas.errors import RollflowError
 from schemas.rollout_config import RolloutConfig, TurnSection, turn_section
 from stages.rollout.driver import EPISODES_DIR, SAMPLES_DIR, TURNS_DIR, Reuse, earlier_tables, run_rollout
 from stages.rollout.engine_pool import checkpoint_fingerprint
-from stages.storage import Location, read_manifest
+from stages.storage import MANIFEST, Location, read_manifest
 
 ROLLOUT_STAGES = ("rollout_turn", "rollout_reset")
 # what may change from a turn on: the turns before it, which are reused, were played under everything else
@@ -118,6 +118,8 @@ def _checkpoint(old: Location, manifest: dict, given: str | None) -> str:
 
     recorded = manifest.get("state_in", {}).get("checkpoint")
     where = f"{old.path}/manifest.json"
+    if isinstance(recorded, dict) and "://" in str(recorded.get("path")):  # a checkpoint committed on a store
+        return _store_checkpoint(recorded, where, given)
     if not isinstance(recorded, dict) or not {"path", "files"} <= recorded.keys():
         raise RollflowError(f"{where} records no checkpoint folder (state_in.checkpoint); it was not written by a "
                             "rollflow rollout — play it anew with rollflow rollout --checkpoint DIR")
@@ -143,12 +145,28 @@ def _checkpoint(old: Location, manifest: dict, given: str | None) -> str:
     return str(Path(given).resolve())
 
 
+def _store_checkpoint(recorded: dict, where: str, given: str | None) -> str:
+    """The checkpoint on an object store a rollout was played with (its URI, manifest fingerprint and attempt), if
+    it is still that one; ``given`` must name the same committed checkpoint."""
+    path = given or recorded["path"]
+    if not Location.of(path).child(MANIFEST).exists():
+        raise RollflowError(f"the checkpoint the rollout was played with, {path} (recorded in {where}), is gone; pass "
+                            "--checkpoint with a copy of it, or play a new rollout with rollflow rollout --checkpoint")
+    now = checkpoint_fingerprint(path)
+    if {k: now[k] for k in ("fingerprint", "attempt")} != {k: recorded.get(k) for k in ("fingerprint", "attempt")}:
+        raise RollflowError(f"the checkpoint {path} is not the one the rollout was played with ({recorded['path']}, "
+                            f"recorded in {where}: fingerprint {recorded.get('fingerprint', '?')[:12]}, attempt "
+                            f"{recorded.get('attempt')}); it was re-trained since, so the turns would be played by "
+                            "another policy: play a new rollout with rollflow rollout --checkpoint")
+    return path
+
+
 def _target(rollout: Location, output: str | None, tag: str) -> str:
     target = Location.of(output) if output else Location(rollout.fs, f"{rollout.path}@{tag}")
     if target.path == rollout.path or target.path.startswith(rollout.path + "/"):
         raise RollflowError(f"--output {target.path} lies in the rollout being replayed ({rollout.path}), which a "
                             "re-run never touches; pass a folder outside it (or leave --output out)")
-    return target.path
+    return target.uri()
 
 
 def _span(first: int, last: int) -> str:
@@ -190,6 +208,6 @@ def rerun_rollout(name: str, old_output: str, overrides: list[str], output: str 
                      f"engine ran with the defaults, {config.engine.num_engines} engine(s))")
     if downstream:
         lines += _rerun_downstream(rollout, result.samples.output, tag, force,
-                                   reads=rollout.child(SAMPLES_DIR).path)
+                                   reads=rollout.child(SAMPLES_DIR).uri())
     return lines
 

@@ -132,7 +132,7 @@ def refuse_old_layout(run: Location) -> None:
     }
     for what, found in layouts.items():
         if found:
-            raise RollflowError(f"run folder {run.path} was written by an earlier rollflow whose RLVR steps {what}; "
+            raise RollflowError(f"run folder {run.uri()} was written by an earlier rollflow whose RLVR steps {what}; "
                                 "this version runs the stages both pipelines share, in ROLL's order, and cannot "
                                 "continue it. Start a new run (another run_name), or finish this one with the "
                                 "rollflow that started it")
@@ -258,23 +258,23 @@ def rlvr_train_flow(cfg: dict) -> dict:
     judged = rlvr_judged(config)  # the judge's engines are part of the run's resource plan (flows/pipelines.py)
     run, base, pool = start_run(config, cfg, config.engine.max_model_len or config.sequence_length)
     judge = judge_pool(config.judge) if judged else None  # the judge's own engine (built on first use)
-    workers = KeptWorkers.of(config, run.path)
+    workers = KeptWorkers.of(config, run.uri())
     started = time.time()
-    summary: dict[str, Any] = {"run": run.path, "pipeline": "rlvr", "iterations": []}
+    summary: dict[str, Any] = {"run": run.uri(), "pipeline": "rlvr", "iterations": []}
     checkpoint, state = base, {}
     trained: list[str] = []  # this run's checkpoints, oldest first
     needs_critic = config.train_step_config().needs_critic
     with MetricsLog(run.uri()) as metrics:
         try:
-            prompts = prompts_task(config.prompts, run.child("prompts").path)
+            prompts = prompts_task(config.prompts, run.child("prompts").uri())
             if validates:
-                val_prompts = prompts_task(config.validation.prompts, run.child("val_prompts").path).output
-                val = validation_task(config, val_prompts, checkpoint, pool, judge, f"{run.path}/val_base",
+                val_prompts = prompts_task(config.validation.prompts, run.child("val_prompts").uri()).output
+                val = validation_task(config, val_prompts, checkpoint, pool, judge, f"{run.uri()}/val_base",
                                       "before training")
                 record(metrics, 0, "validation", val, val.metrics, label="validation before training")
                 summary["base_validation"] = val.metrics
             for k in range(config.max_steps):
-                here = step_dir(run.path, k)
+                here = step_dir(run.uri(), k)
                 gen = generate_task(config, k, prompts.output, checkpoint, pool, f"{here}/responses")
                 record(metrics, k, "generate", gen)
                 sleep_engines(pool, metrics, k)  # colocation: the GPU is the next stages' until the next generation

@@ -27,13 +27,34 @@ def run_folder(config) -> Location:
     return Location.of(f"{config.runs_dir}/{config.run_name}")
 
 
-def run_log(config) -> tuple[str, str | None]:
-    """The run folder and its log file (None when the run folder is not local: the log stays in the cache)."""
+LOCAL_SIDE = ("logs", "tensorboard", "report")  # what a run folder holds as local files (stages/storage.py)
+
+
+def run_log(config) -> tuple[str, str]:
+    """The run folder and its log file: ``<run>/logs/rollflow.log``; for a run folder on an object store, the same
+    file in its local side (``<cache>/mirror/...``), continuing the store's copy when this machine has none (a
+    resume elsewhere), and uploaded with the rest of the local side by :func:`publish_run`."""
+    import os
+
     import pyarrow.fs as pafs
 
+    from stages.storage import local_side
+
     run = run_folder(config)
-    local = isinstance(run.fs, pafs.LocalFileSystem)
-    return run.uri(), (f"{run.path}/{RUN_LOG}" if local else None)
+    log_file = f"{local_side(run)}/{RUN_LOG}"
+    stored = run.child(RUN_LOG)
+    if not run.atomic_rename and not os.path.exists(log_file) and stored.exists():
+        os.makedirs(os.path.dirname(log_file), exist_ok=True)
+        pafs.copy_files(stored.path, log_file, source_filesystem=run.fs, destination_filesystem=pafs.LocalFileSystem())
+    return run.uri(), log_file
+
+
+def publish_run(run: str) -> list[str]:
+    """Upload the local side of the run folder ``run`` (its log, TensorBoard events and report: :data:`LOCAL_SIDE`)
+    into it when it is on an object store; nothing for a local run folder. Returns the folders uploaded."""
+    from stages.storage import publish_local_side
+
+    return publish_local_side(Location.of(run), LOCAL_SIDE)
 
 
 @dataclass

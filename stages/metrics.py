@@ -13,9 +13,10 @@ The TensorBoard mirror (``runs/<run>/tensorboard/``, tag = metric name, step = i
 tensorboard's own event writer (no torch import). When an iteration at or before the last mirrored one is logged
 again, a new event file starts with a TensorBoard "restart" marker at that step (TensorBoard then discards the older
 events from that step on) and every table row from that step on is written again, so TensorBoard shows exactly the
-table. Local run folders only (TensorBoard's writer needs a local path): a run folder on an object store
-(``s3://...``) keeps the metrics table alone, each part written in one PUT (atomic there: an object appears whole or
-not at all), and logs that it has no TensorBoard mirror.
+table. TensorBoard's writer needs local files: for a run folder on an object store (``s3://...``) the events go to
+the folder's local side (``<cache>/mirror/s3/<bucket>/<path>/tensorboard``, stages/storage.py ``local_side``; a new
+machine rebuilds them from the table), which ``rollflow train`` uploads into the run folder at its end; the table's
+parts are written in one PUT each (atomic there: an object appears whole or not at all).
 
 No Ray or Prefect import: the training flow, stages and the report all use this module.
 """
@@ -36,7 +37,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from schemas.errors import SchemaError
-from stages.storage import Location
+from stages.storage import Location, local_side
 
 METRICS_DIR = "metrics"
 TENSORBOARD_DIR = "tensorboard"
@@ -110,16 +111,16 @@ class MetricsLog:
         self.metrics = Location.of(self.run_dir).child(METRICS_DIR)
         local = self.metrics.atomic_rename
         self.metrics_dir = Path(self.metrics.path) if local else None
-        self.tensorboard_dir = Path(self.metrics.parent.path) / TENSORBOARD_DIR if local else None
+        # a run folder on an object store: the events go to its local side (TensorBoard's writer needs local files)
+        self.tensorboard_dir = Path(local_side(self.metrics.parent)) / TENSORBOARD_DIR
         self.metrics.fs.create_dir(self.metrics.path, recursive=True)
-        if tensorboard and not local:
-            import logging
-
-            logging.getLogger("rollflow.metrics").info("run folder %s is not local: metrics table only, no "
-                                                       "TensorBoard mirror", self.run_dir)
-        self._tensorboard = tensorboard and local
+        self._tensorboard = tensorboard
         self._writer = None
         existing = read_metrics(self.run_dir)
+        if not local and existing.num_rows == 0 and self.tensorboard_dir.is_dir():
+            import shutil  # events of an earlier run folder of this name, deleted from the store since
+
+            shutil.rmtree(self.tensorboard_dir)
         # the mirror is assumed to hold the table; a missing mirror is rebuilt from it at the first log()
         self._mirrored_up_to: int | None = None
         self._mirrored_stages: set[str] = set()  # stages mirrored at iteration _mirrored_up_to

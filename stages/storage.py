@@ -110,6 +110,16 @@ class Location:
                 return [f"{self.path}/{f['name']}" for f in manifest["files"]]
         return sorted(i.path for i in self.list() if i.type == pafs.FileType.File and i.path.endswith(".parquet"))
 
+    def recorded(self, path: str) -> "Location":
+        """The folder at ``path`` as a manifest of this filesystem records an input: a URI (``s3://...``: what
+        stages on an object store record), a local path (a model folder read by a run on a store), or a path on
+        this filesystem."""
+        if "://" in path:
+            return Location.of(path)
+        if not self.atomic_rename and path.startswith("/"):
+            return Location(pafs.LocalFileSystem(), path)
+        return Location(self.fs, path)
+
     def rmtree(self) -> None:
         if self.exists():
             self.fs.delete_dir(self.path)
@@ -256,6 +266,35 @@ def check_store(scheme: str, bucket: str) -> None:
     env = tuple(os.environ.get(k) for k in ("AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "AWS_DEFAULT_REGION",
                                             *_CREDENTIAL_ENV, "AWS_SECRET_ACCESS_KEY"))
     _checked_store(scheme, bucket, env)
+
+
+MIRROR_DIR = "mirror"  # <cache>/mirror/<scheme>/<bucket>/<path>: the local side of a run folder on an object store
+
+
+def local_side(loc: Location) -> str:
+    """The local folder for what a run folder needs as local files (its log, TensorBoard's event files, the report's
+    HTML and plots): the folder itself when it is local; for a folder on an object store,
+    ``<cache>/mirror/<scheme>/<bucket>/<path>`` (uploaded into the store by :func:`publish_local_side`)."""
+    if loc.atomic_rename:
+        return loc.path
+    from stages.generation.model_store import cache_root_path
+
+    return str(cache_root_path() / MIRROR_DIR / loc.fs.type_name / loc.path)
+
+
+def publish_local_side(loc: Location, names: tuple[str, ...]) -> list[str]:
+    """Copy the folders ``names`` (e.g. ``logs``, ``report``) of the local side of ``loc`` (:func:`local_side`) into
+    ``loc`` on its object store, each replacing the store's copy (deleted first: these are derived files, the local
+    side holds all of them); nothing for a local folder. Returns the folders copied."""
+    if loc.atomic_rename:
+        return []
+    side, copied = local_side(loc), []
+    for name in names:
+        if os.path.isdir(os.path.join(side, name)):
+            loc.child(name).rmtree()
+            upload_folder(os.path.join(side, name), loc.child(name))
+            copied.append(loc.child(name).uri())
+    return copied
 
 
 def upload_folder(local_dir: str, dest: Location) -> None:

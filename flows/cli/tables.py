@@ -54,15 +54,15 @@ def stage(name: str = typer.Argument(..., help="Stage name: rollout_turn (a roll
                                                 "rollout_reset (a rollout from its episodes), response_rewards, "
                                                 "advantages, rewards, rlvr_samples, logprobs, values, train_step "
                                                 "(a checkpoint) or eval (an evaluation)."),
-          run_dir: Path = typer.Option(..., "--from", help="An existing output folder of that stage (its manifest "
+          run_dir: str = typer.Option(..., "--from", help="An existing output folder of that stage (its manifest "
                                                             "records the inputs and config), e.g. "
                                                             "runs/<run>/iter_0000/rollout/turns/turn_001."),
           overrides: Optional[list[str]] = OverrideOpt,
-          output: Optional[Path] = typer.Option(None, "--output", help="New output folder (default: beside the old "
+          output: Optional[str] = typer.Option(None, "--output", help="New output folder (default: beside the old "
                                                                        "one, named <stage>@<tag>)."),
           downstream: bool = typer.Option(False, "--downstream", help="Also recompute every output beside it that "
                                                                       "reads it, and theirs (each <folder>@<tag>)."),
-          checkpoint: Optional[Path] = typer.Option(None, "--checkpoint", help="rollout_turn / rollout_reset: a copy "
+          checkpoint: Optional[str] = typer.Option(None, "--checkpoint", help="rollout_turn / rollout_reset: a copy "
                                                     "of the checkpoint the rollout was played with (same files, sizes "
                                                     "and modification times, cp -a), when the recorded one moved."),
           force: bool = typer.Option(False, "--force")) -> None:
@@ -75,7 +75,8 @@ def stage(name: str = typer.Argument(..., help="Stage name: rollout_turn (a roll
 
 
 @app.command()
-def lineage(path: Path = typer.Argument(..., help="A stage output (a folder with manifest.json) or a run folder.")
+def lineage(path: str = typer.Argument(..., help="A stage output (a folder with manifest.json) or a run folder "
+                                          "(a path or a URI).")
             ) -> None:
     """Show where a table came from (the inputs its manifest records, and theirs) and which stage outputs under the
     folder are stale (an input changed or went away since they were written)."""

@@ -15,8 +15,9 @@ from flows.cli.common import OverrideOpt, announce_precision, connect, fail as _
 
 @app.command()
 def train(config: Optional[Path] = typer.Option(None, "--config", help="YAML config (configs/train_*.yaml)."),
-          resume: Optional[Path] = typer.Option(None, "--resume", help="Continue the run in this run folder "
-                                                                       "(runs/<run>) from its last committed stage."),
+          resume: Optional[str] = typer.Option(None, "--resume", help="Continue the run in this run folder "
+                                                                      "(runs/<run>, or s3://bucket/runs/<run>) from "
+                                                                      "its last committed stage."),
           overrides: Optional[list[str]] = OverrideOpt,
           report: bool = typer.Option(True, "--report/--no-report", help="Write the run's report at the end.")) -> None:
     """Run (or resume) an agentic RL training run: a Prefect flow of rollout, log-prob, reward, advantage, training
@@ -28,14 +29,15 @@ def train(config: Optional[Path] = typer.Option(None, "--config", help="YAML con
         _fail(ValueError("pass either --config FILE (a new run) or --resume RUN_DIR (continue a run)"))
     if resume is not None:
         from flows.runkit import CONFIG_FILE
+        from stages.storage import Location
 
-        frozen = resume / CONFIG_FILE
+        frozen = _guard(lambda: Location.of(resume.rstrip("/")).child(CONFIG_FILE))
         if not frozen.exists():
             _fail(FileNotFoundError(f"{resume} has no {CONFIG_FILE}; pass the folder of a run started by "
                                     "`rollflow train --config`"))
         if overrides:
             _fail(ValueError("--set cannot change a run being resumed; start a new run (another run_name) instead"))
-        data, where = json.loads(frozen.read_text()), str(frozen)
+        data, where = json.loads(frozen.read_text()), frozen.uri()
     else:
         data = _guard(lambda: load_config_data(config, parse_overrides(overrides or [])))
         where = str(config)
@@ -48,22 +50,27 @@ def train(config: Optional[Path] = typer.Option(None, "--config", help="YAML con
     from flows import console
     from flows.runkit import run_log
 
-    run, log = run_log(cfg)
-    if log is not None:
-        console.log_to(log)
+    from flows.runkit import publish_run
+
+    run, log = _guard(lambda: run_log(cfg))
+    console.log_to(log)
     typer.echo(f"run {run}  (log: {console.log_path()})")
     announce_precision()
     from flows.services import start_services
 
-    _guard(lambda: start_services(cfg.runtime.ray_address, cfg.runtime.num_cpus))
-    summary = _guard(lambda: pipeline.flow()(cfg.model_dump(mode="json")))
-    for line in pipeline.summary_lines()(summary):
-        typer.echo(line)
-    if report:
-        from flows.report import write_report
+    try:
+        _guard(lambda: start_services(cfg.runtime.ray_address, cfg.runtime.num_cpus))
+        summary = _guard(lambda: pipeline.flow()(cfg.model_dump(mode="json")))
+        for line in pipeline.summary_lines()(summary):
+            typer.echo(line)
+        if report:
+            from flows.report import write_report
 
-        rep = write_report(summary["run"])
-        typer.echo(f"report: {rep.html}")
+            rep = write_report(summary["run"])
+            typer.echo(f"report: {rep.html}")
+    finally:  # a run folder on an object store gets its log, TensorBoard events and report, also after a failure
+        for uploaded in _guard(lambda: publish_run(run)):
+            typer.echo(f"uploaded {uploaded}")
 
 
 

@@ -55,11 +55,13 @@ class RolloutResult:
 
 
 def resolve_model_dir(checkpoint: str | None) -> str:
-    """``checkpoint`` (an HF folder) or the default model, converted once."""
+    """``checkpoint`` (an HF folder; a checkpoint on an object store: its local copy, downloaded once) or the
+    default model, converted once."""
     from stages.generation.engines import check_model_dir
     from stages.generation.model_store import default_model_dir
+    from stages.rollout.engine_pool import local_model_dir
 
-    return str(check_model_dir(checkpoint) if checkpoint else default_model_dir())
+    return str(check_model_dir(local_model_dir(checkpoint)) if checkpoint else default_model_dir())
 
 
 def check_rollout(config: RolloutConfig, output: str | None = None, checkpoint: str | None = None,
@@ -174,7 +176,7 @@ def run_rollout(config: RolloutConfig, output: str, checkpoint: str | None = Non
     model_dir = resolve_model_dir(checkpoint)
     require_ray("the rollout")
     section = turn_section(config)
-    state = {"checkpoint": checkpoint_fingerprint(model_dir)}
+    state = {"checkpoint": checkpoint_fingerprint(checkpoint or model_dir)}  # a URI's identity: its manifest
     out = Location.of(output)
     timings: dict[str, float] = {}
 
@@ -249,14 +251,15 @@ def run_eval(config: RolloutConfig, output: str, checkpoint: str | None = None, 
 
     result = run_rollout(config, output, checkpoint, force=force, pool=pool, on_event=on_event, label=label)
     start = time.time()
-    model = Location.of(result.model_dir)
-    state_in = {"checkpoint": model_fingerprint(model.path), "samples": result.samples.fingerprint}
+    # the checkpoint as named (a URI on an object store, not its local copy), so lineage and re-runs find it
+    model = Location.of(checkpoint if checkpoint and "://" in checkpoint else result.model_dir)
+    state_in = {"checkpoint": model_fingerprint(model.uri()), "samples": result.samples.fingerprint}
     fp = stage_fingerprint(EvalStage, config, {}, state_in)  # type: ignore[arg-type]
 
     def build() -> dict[str, Any]:
         return {"stage": EvalStage.name, "version": EvalStage.version, "table": "rollout",
                 "section": config.model_dump(mode="json"),
-                "inputs": {"checkpoint": {"path": model.path, "fingerprint": state_in["checkpoint"]}},
+                "inputs": {"checkpoint": {"path": model.uri(), "fingerprint": state_in["checkpoint"]}},
                 "state_in": state_in, "rows": result.samples.rows, "metrics": result.samples.metrics, "state": {},
                 "created_unix": time.time(), "seconds": round(result.seconds, 3)}
 
@@ -279,7 +282,7 @@ def earlier_tables(turn: Location) -> list[Location]:
                               f"{turn.path} was played from it; restore it, or replay from an earlier turn")
         if manifest["stage"] == ResetStage.name:
             return chain[::-1]
-        here = Location(here.fs, manifest["inputs"]["previous"]["path"])
+        here = here.recorded(manifest["inputs"]["previous"]["path"])
         chain.append(here)
 
 
@@ -292,7 +295,7 @@ def committed_turn_dirs(output: str) -> list[Location]:
     turns = out.child(TURNS_DIR)
     if manifest:  # the names, resolved inside this folder (it may have been moved since), else where they were read
         inputs = manifest.get("inputs", {})
-        return [turns.child(name) if turns.child(name).is_dir() else Location(out.fs, inputs[name]["path"])
+        return [turns.child(name) if turns.child(name).is_dir() else out.recorded(inputs[name]["path"])
                 for name in sorted(inputs)]
     if not turns.exists():
         return []

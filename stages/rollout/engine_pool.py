@@ -141,12 +141,39 @@ class EngineActor:
         self.engine.close()
 
 
+def local_model_dir(model_dir: str | os.PathLike) -> str:
+    """The local folder an engine loads for ``model_dir``: the folder itself, or for a checkpoint on an object store
+    (``s3://...``) its local copy in the rollflow cache (stages.train.checkpoint.local_path; downloaded once)."""
+    if "://" in str(model_dir):
+        from stages.train.checkpoint import local_path
+
+        return str(local_path(str(model_dir)))
+    return str(Path(model_dir).resolve())
+
+
 def checkpoint_fingerprint(model_dir: str | os.PathLike) -> dict[str, Any]:
     """Identity of a checkpoint folder for stage fingerprints: its path and its weight/config files' sizes and
-    modification times (a retrained checkpoint written to the same folder gets a new fingerprint)."""
+    modification times (a retrained checkpoint written to the same folder gets a new fingerprint). A checkpoint on
+    an object store: its URI, its manifest's fingerprint and the attempt that holds it (a retrained checkpoint is a
+    new attempt), not its local copy's times, so a copy downloaded anew (another machine, a cleared cache) leaves
+    the rollouts played with it up to date."""
+    if "://" in str(model_dir):
+        return _store_checkpoint_identity(str(model_dir))
     folder = Path(model_dir).resolve()
     files = sorted(p for p in folder.iterdir() if p.suffix in (".safetensors", ".json") and p.is_file())
     return {"path": str(folder), "files": [[p.name, p.stat().st_size, p.stat().st_mtime_ns] for p in files]}
+
+
+def _store_checkpoint_identity(uri: str) -> dict[str, Any]:
+    from schemas.errors import RollflowError
+    from stages.storage import ATTEMPT_KEY, Location, read_manifest
+
+    loc = Location.of(uri)
+    manifest = read_manifest(loc)
+    if manifest is None or ATTEMPT_KEY not in manifest:
+        raise RollflowError(f"{uri} holds no committed checkpoint (no manifest naming an attempt); pass a checkpoint "
+                            "a rollflow command wrote to this store, or a local folder")
+    return {"path": loc.uri(), "fingerprint": manifest["fingerprint"], "attempt": manifest[ATTEMPT_KEY]}
 
 
 class EnginePool:
@@ -155,7 +182,7 @@ class EnginePool:
     def __init__(self, engine: EngineConfig, model_dir: str | os.PathLike, max_model_len: int,
                  gpus_per_engine: float | None = None) -> None:
         self.config = engine
-        self.model_dir = str(Path(model_dir).resolve())
+        self.model_dir = local_model_dir(model_dir)
         self.max_model_len = int(max_model_len)
         self._actors: list[Any] = []
         self.build_seconds = 0.0
@@ -210,7 +237,7 @@ class EnginePool:
 
     def use_checkpoint(self, model_dir: str | os.PathLike) -> float:
         """Point the pool at ``model_dir``: in-place weight loading if the actors run; returns seconds spent."""
-        model_dir = str(Path(model_dir).resolve())
+        model_dir = local_model_dir(model_dir)
         if self.asleep and self._actors:  # wake with the new weights: the GPU never holds both
             return self.wake(None if model_dir == self.model_dir else model_dir)
         if not self._actors or model_dir == self.model_dir:
@@ -251,7 +278,7 @@ class EnginePool:
         import ray
 
         start = time.time()
-        target = str(Path(model_dir).resolve()) if model_dir is not None else None
+        target = local_model_dir(model_dir) if model_dir is not None else None
         if target is None and self.config.sleep_level >= 2:
             target = self.model_dir
         ray.get([a.wake.remote(target) for a in self._actors])

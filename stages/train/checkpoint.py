@@ -169,13 +169,40 @@ def keep_training_state(checkpoints: list[str], keep: int | None) -> list[str]:
     run's checkpoints that hold one (``checkpoints`` oldest first; None keeps all): the newest one with a state is
     what the weights-only checkpoints after it replay from. Weights, manifest and train state stay, so every stage
     fingerprint and a resumed run are unchanged. Returns the folders whose state was dropped now."""
-    holders = [path for path in checkpoints if (Path(path) / TRAINING_STATE).is_dir()]
+    holders = [path for path in checkpoints if _holds_state(path)]
     dropped = []
     for path in (holders[:-keep] if keep else []):
         log.info("dropping the DeepSpeed state of %s (train.max_ckpt_to_keep=%d)", path, keep)
-        Location.of(str(Path(path) / TRAINING_STATE)).rmtree()
+        if "://" in path:
+            _drop_store_state(Location.of(path))
+        else:
+            Location.of(str(Path(path) / TRAINING_STATE)).rmtree()
         dropped.append(path)
     return dropped
+
+
+def _store_state_prefix(manifest: dict) -> str:
+    """Where a checkpoint committed on an object store keeps its DeepSpeed state: ``<attempt>/deepspeed/``."""
+    return f"{manifest['attempt']}/{TRAINING_STATE}/"
+
+
+def _holds_state(path: str) -> bool:
+    if "://" not in path:
+        return (Path(path) / TRAINING_STATE).is_dir()
+    manifest = read_manifest(Location.of(path)) or {}
+    return "attempt" in manifest and any(o["name"].startswith(_store_state_prefix(manifest))
+                                         for o in manifest.get("objects", []))
+
+
+def _drop_store_state(loc: Location) -> None:
+    """Drop the DeepSpeed state of a checkpoint on an object store: its manifest is rewritten without those objects
+    first (one PUT; its fingerprint is unchanged), then they are deleted, so a reader never sees a manifest that
+    lists a missing object."""
+    manifest = read_manifest(loc)
+    prefix = _store_state_prefix(manifest)
+    kept = [o for o in manifest["objects"] if not o["name"].startswith(prefix)]
+    loc.child(MANIFEST).write_text(json.dumps({**manifest, "objects": kept}, indent=1, sort_keys=True))
+    Location(loc.fs, f"{loc.path}/{prefix.rstrip('/')}").rmtree()
 
 
 def checkpoint_fingerprint(path: str) -> str:

@@ -94,7 +94,7 @@ def run_train_step(samples: str, checkpoint: str, cfg: TrainStepConfig, output: 
     fp = stage_fingerprint(TrainStage, section, {"samples": samples_loc}, state_in)
     manifest, skipped = commit_folder(
         out, fp, lambda tmp: _train_into(tmp, out, samples_loc, info, cfg, state_in, start, label, trainer,
-                                full_state),
+                                full_state, named=checkpoint if "://" in checkpoint else info.path),
         who="train_step", other="a checkpoint of another training step", force=force, local=True)
     if not skipped:
         if cfg.max_ckpt_to_keep:
@@ -107,9 +107,10 @@ def run_train_step(samples: str, checkpoint: str, cfg: TrainStepConfig, output: 
 
 def _train_into(tmp: Location, out: Location, samples: Location, info: ckpt.CheckpointInfo, cfg: TrainStepConfig,
                 state_in: dict, start: float, label: str, trainer: TrainerGroup | None,
-                full_state: bool) -> dict[str, Any]:
+                full_state: bool, named: str) -> dict[str, Any]:
     """Run the training step into ``tmp`` (the temporary folder of ``out``; a one-step group's Ray Train files go
-    to a sibling folder, removed after), check the checkpoint, and return its manifest (all but the fingerprint)."""
+    to a sibling folder, removed after), check the checkpoint, and return its manifest (all but the fingerprint).
+    ``named``: the input checkpoint as the manifest records it (a URI on an object store, not its local copy)."""
     checkpoint = info.path
     if os.path.realpath(out.path) == os.path.realpath(checkpoint):
         raise RollflowError(f"train_step: the output {out.path} is the input checkpoint; write to a new folder")
@@ -128,8 +129,8 @@ def _train_into(tmp: Location, out: Location, samples: Location, info: ckpt.Chec
     return {
         "stage": TrainStage.name, "version": TrainStage.version, "table": "checkpoint",
         "section": section.model_dump(mode="json"),
-        "inputs": {"samples": {"path": samples.path, "fingerprint": folder_fingerprint(samples)},
-                   "checkpoint": {"path": checkpoint, "fingerprint": state_in["checkpoint"]}},
+        "inputs": {"samples": {"path": samples.uri(), "fingerprint": folder_fingerprint(samples)},
+                   "checkpoint": {"path": named, "fingerprint": state_in["checkpoint"]}},
         "state_in": state_in, "rows": sum(m.num_rows for m in _parquet_meta(samples)), "metrics": state["metrics"],
         "state": {"global_step": state["global_step"], "optimizer_steps": state["optimizer_steps"],
                   "world_size": state["world_size"]},

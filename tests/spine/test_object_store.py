@@ -11,6 +11,7 @@ the train-step command (tests/train/test_stage.py).
 
 from __future__ import annotations
 
+import os
 import sys
 import threading
 from contextlib import contextmanager
@@ -217,10 +218,15 @@ def test_uri_options_are_refused_with_the_environment_variables_to_use(s3):
 
 # ---- the metrics table and a record of parts on s3:// -------------------------------------------------------------
 def test_metrics_table_on_s3_replaces_parts_and_reads_back(s3):
+    import shutil
+
     from stages.metrics import MetricsLog, read_metrics
+    from stages.storage import local_side
 
     run = f"s3://{BUCKET}/metrics-run"
-    with MetricsLog(run) as log:  # no TensorBoard mirror off local disk
+    side = Path(local_side(Location.of(run))) / "tensorboard"
+    shutil.rmtree(side, ignore_errors=True)
+    with MetricsLog(run) as log:  # TensorBoard's events go to the run folder's local side
         for it in range(3):
             log.log(it, "train", {"actor/pg_loss": float(it)}, wall_s=1.0)
         log.log(1, "train", {"actor/pg_loss": 10.0})  # a resumed iteration replaces its part
@@ -229,7 +235,8 @@ def test_metrics_table_on_s3_replaces_parts_and_reads_back(s3):
     loss = table.filter(pa.compute.equal(table["name"], "actor/pg_loss"))
     assert loss["iteration"].to_pylist() == [0, 1] and loss["value"].to_pylist() == [0.0, 10.0]
     assert sorted(n.split("-")[1] for n in objects(f"{run}/metrics")) == ["iter000000", "iter000001"]
-    assert not objects(f"{run}/tensorboard")
+    assert not objects(f"{run}/tensorboard") and list(side.glob("events.out.tfevents.*"))
+    shutil.rmtree(side.parent)
 
 
 def test_a_record_of_committed_parts_on_s3_is_written_last_and_kept_when_up_to_date(s3):
@@ -245,3 +252,83 @@ def test_a_record_of_committed_parts_on_s3_is_written_last_and_kept_when_up_to_d
     assert not skipped and read_manifest(folder) == manifest and manifest["fingerprint"] == "fp-whole"
     assert sorted(objects(folder.uri())) == ["manifest.json", "turn_000/manifest.json"]
     assert commit_record(folder, "fp-whole", lambda: {"stage": "other"})[1], "an up-to-date record is kept"
+
+
+def test_dropping_a_checkpoints_training_state_on_s3_rewrites_its_manifest_first(s3):
+    """train.max_ckpt_to_keep on a run folder on s3:// (stages/train/checkpoint.py keep_training_state): the older
+    checkpoint's DeepSpeed state objects go, its manifest no longer lists them (a download of it is complete), its
+    fingerprint and weights stay; the newest keeps its state."""
+    from stages.runner import commit_folder
+    from stages.train.checkpoint import keep_training_state
+
+    def fill(folder: Location) -> dict:
+        for name in ("model.safetensors", "deepspeed/actor/state.pt"):
+            folder.child(name).parent.fs.create_dir(folder.child(name).parent.path, recursive=True)
+            folder.child(name).write_text(name)
+        return {"stage": "train_step", "files": []}
+
+    uris = [f"s3://{BUCKET}/ckpts/iter_{k}/checkpoint" for k in (0, 1)]
+    before = [commit_folder(Location.of(u), f"fp-{k}", fill, who="test", other="x")[0] for k, u in enumerate(uris)]
+    assert keep_training_state(uris, 1) == [uris[0]]
+    old, new = read_manifest(Location.of(uris[0])), read_manifest(Location.of(uris[1]))
+    assert old["fingerprint"] == "fp-0" and new == before[1]
+    assert [o["name"].split("/", 1)[1] for o in old["objects"]] == ["model.safetensors"]
+    assert sorted(n.split("/", 1)[-1] for n in objects(uris[0])) == ["manifest.json", "model.safetensors"]
+    assert keep_training_state(uris, 1) == [], "nothing left to drop"
+
+
+# ---- a whole training run on s3:// -------------------------------------------------------------------------------
+@pytest.mark.slow
+def test_a_training_run_with_runs_dir_on_s3_commits_everything_there_and_resumes_skipping_it(s3, cli_env, tmp_path):
+    """``rollflow train --set runs_dir=s3://...`` (the tiny run of tests/trainflow, one iteration, from an empty
+    working directory): every stage output, the training checkpoint with DeepSpeed's state, the metrics table, the
+    evaluations and the run's local side (log, TensorBoard events, report) end up in the bucket, listed through
+    pyarrow's S3FileSystem, and nothing is written into the working directory (a run folder path without its
+    scheme once went there). ``rollflow train --resume s3://...`` then skips every stage and rewrites no manifest."""
+    import json
+    import shutil
+    import subprocess
+
+    from stages.storage import local_side
+    from tests.trainflow.test_train_flow import STAGES, _tiny_args
+
+    runs, name = f"s3://{BUCKET}/runs", f"t{os.getpid()}"
+    run = f"{runs}/{name}"
+    cwd = tmp_path / "cwd"
+    cwd.mkdir()
+    env = {**cli_env, **s3, "PYTHONPATH": str(REPO)}
+    args = _tiny_args(runs, name)  # type: ignore[arg-type]
+    args[args.index("configs/train_frozenlake_grpo.yaml")] = str(REPO / "configs/train_frozenlake_grpo.yaml")
+    args[args.index("max_steps=2")] = "max_steps=1"
+
+    def rollflow(*argv: str) -> subprocess.CompletedProcess:
+        done = subprocess.run([*ROLLFLOW, *argv], cwd=cwd, env=env, capture_output=True, text=True, timeout=1200,
+                              start_new_session=True)
+        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+        return done
+
+    try:
+        rollflow(*args)
+        stored = objects(run)
+        for stage in STAGES:
+            assert f"iter_0000/{stage}/manifest.json" in stored, stage
+        assert "eval_base/samples/manifest.json" in stored and "iter_0000/eval/manifest.json" in stored
+        checkpoint = read_manifest(Location.of(f"{run}/iter_0000/checkpoint"))
+        listed = {f"iter_0000/checkpoint/{o['name']}": o["bytes"] for o in checkpoint["objects"]}
+        assert listed.items() <= stored.items()  # every object its manifest lists, at its size
+        assert any("/deepspeed/actor/" in n for n in listed) and any(n.endswith(".safetensors") for n in listed)
+        assert read_s3_table(f"{run}/iter_0000/advantaged").num_rows == 4
+        assert {n.split("-")[2] for n in stored if n.startswith("metrics/")} >= {"rollout", "logprobs", "train",
+                                                                                   "eval", "engine"}
+        assert {"logs/rollflow.log", "report/index.html"} <= stored.keys()
+        assert any(n.startswith("tensorboard/events.out.tfevents") for n in stored)
+        assert list(cwd.iterdir()) == [], "nothing is written into the working directory"
+
+        manifests = {n: Location.of(f"{run}/{n}").read_text() for n in stored if n.endswith("manifest.json")}
+        again = rollflow("train", "--resume", run, "--no-report")
+        assert "[iteration 0] train            committed earlier, skipped" in again.stdout
+        assert {n: Location.of(f"{run}/{n}").read_text() for n in manifests} == manifests
+        assert json.loads(Location.of(f"{run}/config.json").read_text())["max_steps"] == 1
+        assert list(cwd.iterdir()) == []
+    finally:
+        shutil.rmtree(local_side(Location.of(run)), ignore_errors=True)
