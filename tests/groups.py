@@ -10,7 +10,8 @@ from __future__ import annotations
 
 # they run the default model on every core (vLLM-CPU, DeepSpeed with 2 workers): two at once would only thrash
 DEFAULT_MODEL = ("tests/generation/test_vllm_backend.py", "tests/rollout/test_vllm_rollout.py",
-                 "tests/train/test_done_when.py", "tests/generation/test_hf_backend.py")
+                 "tests/train/test_done_when.py", "tests/generation/test_hf_backend.py",
+                 "tests/scenarios/test_default_model.py")
 # they run programs under the sandbox uids: tests/rewards/test_sandbox.py asserts that none is alive after a run
 SANDBOX = ("tests/rewards/test_sandbox.py", "tests/rewards/test_contract_routing.py", "tests/rewards/test_code_data.py",
            "tests/rlvr/test_example.py", "tests/rlvr/test_stages.py")

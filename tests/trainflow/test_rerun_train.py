@@ -1,7 +1,8 @@
 """``rollflow stage train_step`` / ``eval``: re-running an iteration's training step with changed settings (a new
 checkpoint beside the old one) and, with ``--downstream``, the evaluation that read it. Fast tests of the refusals
-(no Ray, no model) and the evaluation's own manifest. The end-to-end re-run of a training step through its evaluation
-runs on tests/trainflow/test_train_flow.py's finished run (one tiny run for every flow test of that module)."""
+(no Ray, no model) and the evaluation's own manifest. The end-to-end re-run of a training step with another learning
+rate through its evaluation runs on the default model in tests/scenarios/test_default_model.py; the walk from the
+log-probs through the training step and the evaluation on tests/trainflow/test_train_flow.py's finished tiny run."""
 
 from __future__ import annotations
 

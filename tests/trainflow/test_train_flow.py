@@ -350,7 +350,7 @@ def test_stage_rerun_of_the_logprobs_in_another_dtype_recomputes_what_reads_them
     old_manifest = json.loads((it / "logprobs/manifest.json").read_text())
     dtype = "fp32" if old_manifest["section"]["dtype"] == "bf16" else "bf16"
     stamps = {p: p.stat().st_mtime_ns for p in it.glob("*/manifest.json")}
-    before = _re_runs(it)  # the module's other re-run test may have written its own
+    before = _re_runs(it)
     done = _rollflow("stage", "logprobs", "--from", str(it / "logprobs"), "--set", f"dtype={dtype}", "--downstream",
                      env=cli_env)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
@@ -383,51 +383,6 @@ def test_stage_rerun_of_the_logprobs_in_another_dtype_recomputes_what_reads_them
                       env=cli_env)
     assert again.returncode == 0 and again.stdout.count("up to date") == 5, again.stdout
     assert tree_digest(it) == before, "an up-to-date re-run writes nothing"
-
-
-@pytest.mark.slow
-def test_training_step_rerun_with_another_learning_rate_through_evaluation(finished_run, cli_env):
-    """``rollflow stage train_step --from iter_0000/checkpoint --set actor_train.training_args.learning_rate=…
-    --downstream``: a new checkpoint beside the old one (other weights), its manifest recording its inputs and the
-    new rate; the evaluation that read the old checkpoint re-run on the new one into its own folder; the originals
-    byte for byte as they were; ``rollflow lineage`` follows the new evaluation back to the run's advantages. (That
-    the same call again is up to date and writes nothing is checked once, for a walk through the training step and
-    the evaluation, by tests/trainflow/test_train_flow.py's log-prob re-run.)"""
-    from tests.spine.helpers import tree_digest
-
-    it = finished_run / "iter_0000"
-    old = json.loads((it / "checkpoint/manifest.json").read_text())
-    assert old["metrics"]["actor/grad_norm"] > 0, "the fixture's step must have a gradient"
-    rate = old["section"]["actor_train"]["training_args"]["learning_rate"] * 50
-    originals = {name: tree_digest(it / name) for name in ("checkpoint", "eval", "advantaged")}
-    call = ["stage", "train_step", "--from", str(it / "checkpoint"), "--set",
-            f"actor_train.training_args.learning_rate={rate}", "--downstream"]
-    before = _re_runs(it)  # the module's other re-run test may have written its own
-    done = _rollflow(*call, env=cli_env)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    made = sorted(_re_runs(it) - before)
-    tag = made[0].split("@")[1]
-    assert made == [f"checkpoint@{tag}", f"eval@{tag}"], made
-    assert "train_step: wrote" in done.stdout and "eval: wrote" in done.stdout
-
-    new = json.loads((it / f"checkpoint@{tag}/manifest.json").read_text())
-    assert new["stage"] == "train_step" and new["section"]["actor_train"]["training_args"]["learning_rate"] == rate
-    assert {k: v["path"] for k, v in new["inputs"].items()} == {k: v["path"] for k, v in old["inputs"].items()}
-    got, was = _weights(it / f"checkpoint@{tag}"), _weights(it / "checkpoint")
-    assert got.keys() == was.keys() and any(not (got[k] == was[k]).all() for k in got), "another rate, other weights"
-
-    ev = json.loads((it / f"eval@{tag}/manifest.json").read_text())
-    assert ev["stage"] == "eval" and ev["inputs"]["checkpoint"]["path"] == str(it / f"checkpoint@{tag}")
-    assert ev["inputs"]["checkpoint"]["fingerprint"] == new["fingerprint"]
-    assert ev["section"] == json.loads((it / "eval/manifest.json").read_text())["section"]
-    assert (it / f"eval@{tag}/samples/manifest.json").exists()
-    assert {name: tree_digest(it / name) for name in originals} == originals, "the originals are untouched"
-
-    lineage = _rollflow("lineage", str(it / f"eval@{tag}"), env=cli_env)
-    assert lineage.returncode == 0, lineage.stderr[-2000:]
-    assert f"<- checkpoint: {it / f'checkpoint@{tag}'}  stage train_step" in lineage.stdout
-    assert f"<- samples: {it / 'advantaged'}  stage advantages" in lineage.stdout
-    assert "STALE" not in lineage.stdout and "none is stale" in lineage.stdout
 
 
 def _re_runs(folder: Path) -> set[str]:

@@ -1,0 +1,232 @@
+"""The used-by scenarios of issue 15 end to end on the default model (SmolLM2-135M-Instruct) with the real engines:
+vLLM-CPU generation, the log-prob stage, DeepSpeed training, Prefect and Ray Data, through the ``rollflow`` command.
+
+One module-scoped run serves three of them: the shipped mixed config (configs/train_frozenlake_sokoban_mixed.yaml)
+for one iteration with small sizes. On it: the run is a mixed FrozenLake + Sokoban one (both tags in the samples,
+the advantages and the evaluation; per-tag metrics in the metrics table, TensorBoard and the report); its log-prob
+stage re-run in the dtype that ``auto`` did not choose; its training step re-run with another learning rate with
+``--downstream`` through the evaluation, followed back by ``rollflow lineage``. An RLVR evaluation of the default
+model (``rollflow eval`` with the shipped RLVR config's validation set) is the fourth.
+
+The run normalises rewards with ``method: identity`` instead of the shipped ``mean_std``: at this size (two
+episodes per group, 8 new tokens) the default model's replies are mostly unparseable, so every episode of a group
+often scores alike, GRPO's group-normalised advantages are then all 0 and the training step has no gradient — and
+a re-run with another learning rate would not move the weights. The raw scores (format penalties, Sokoban's step
+costs) are not 0, so the step has a gradient, whatever the samples.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import numpy as np
+import pyarrow.compute as pc
+import pyarrow.dataset as pads
+import pytest
+from typer.testing import CliRunner
+
+from flows.cli import app
+from tests.spine.helpers import tree_digest
+from tests.trainflow.test_train_flow import _re_runs, _rollflow, _weights
+
+pytestmark = pytest.mark.slow
+
+CONFIG = "configs/train_frozenlake_sokoban_mixed.yaml"
+TAGS = ("FrozenLake", "SimpleSokoban")
+BF16_UNIT_ROUNDOFF = 2.0 ** -8  # 8 significant bits
+
+
+def _mixed_args(runs_dir: Path, name: str, model: Path) -> list[str]:
+    """The shipped mixed config, one iteration, the default model through vLLM (the config's engine), cut down:
+    one group of two episodes per tag, FrozenLake two turns and Sokoban one, 8 new tokens, one held-out level per
+    tag."""
+    return ["train", "--config", CONFIG, "--set", f"run_name={name}", "--set", f"runs_dir={runs_dir}",
+            "--set", "max_steps=1", "--set", f"pretrain={model}",
+            "--set", "rollout.env.num_env_groups=2", "--set", "rollout.env.num_groups_partition=[1,1]",
+            "--set", "rollout.env.group_size=2", "--set", "rollout_batch_size=4",
+            "--set", "rollout.custom_envs.FrozenLake.max_steps=2",
+            "--set", "rollout.custom_envs.SimpleSokoban.max_steps=1",
+            "--set", "rollout.generating_args.max_new_tokens=8",
+            "--set", "eval.num_env_groups=2", "--set", "eval.num_groups_partition=[1,1]",
+            "--set", "train.actor_train.training_args.per_device_train_batch_size=2",
+            "--set", "train.actor_train.training_args.gradient_accumulation_steps=2",
+            "--set", "train.max_ckpt_to_keep=1", "--set", "reward_normalization.method=identity"]
+
+
+def _table(folder: Path):
+    return pads.dataset(sorted(str(p) for p in folder.glob("*.parquet")), format="parquet").to_table()
+
+
+@pytest.fixture(scope="module")
+def mixed_run(tmp_path_factory, cli_env, default_model) -> Path:
+    """One iteration of the shipped mixed FrozenLake + Sokoban config on the default model (see the module)."""
+    root = tmp_path_factory.mktemp("scenarios")
+    done = _rollflow(*_mixed_args(root, "mixed", default_model), env=cli_env)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return root / "mixed"
+
+
+def test_mixed_frozenlake_sokoban_run_of_one_iteration(mixed_run, default_model):
+    """Both tags reach the samples (one group of two episodes each, group ids distinct over the rollout), the
+    advantages and the evaluation; per-tag metrics reach the metrics table, the TensorBoard mirror and the report;
+    the run played the default model through vLLM."""
+    run = mixed_run
+    frozen = json.loads((run / "config.json").read_text())
+    assert frozen["rollout"]["engine"]["backend"] == "vllm" and frozen["pretrain"] == str(default_model)
+    samples = _table(run / "iter_0000/rollout/samples")
+    tags = samples.column("tag").to_pylist()
+    assert tags.count("FrozenLake") == 2 and tags.count("SimpleSokoban") == 2, tags
+    groups = {tag: set() for tag in TAGS}
+    for tag, group in zip(tags, samples.column("group_id").to_pylist()):
+        groups[tag].add(group)
+    assert all(len(g) == 1 for g in groups.values()) and groups["FrozenLake"] != groups["SimpleSokoban"], groups
+    advantaged = _table(run / "iter_0000/advantaged")
+    assert advantaged.num_rows == samples.num_rows
+    assert sorted(set(advantaged.column("tag").to_pylist())) == list(TAGS)
+    assert any(x != 0 for x in pc.list_flatten(advantaged.column("advantages")).to_pylist())
+    assert (run / "iter_0000/checkpoint/manifest.json").exists()
+    assert sorted(_table(run / "iter_0000/eval/samples").column("tag").to_pylist()) == list(TAGS)
+    assert sorted(_table(run / "eval_base/samples").column("tag").to_pylist()) == list(TAGS)
+
+    metrics = pads.dataset(str(run / "metrics")).to_table()
+    names = {(m["stage"], m["name"]) for m in metrics.select(["stage", "name"]).to_pylist()}
+    for stage in ("rollout", "eval"):
+        assert (stage, "rollout/success_rate") in names  # the totals keep their names
+        for tag in TAGS:
+            for what in ("success_rate", "valid_action_rate", "mean_episode_length"):
+                assert (stage, f"rollout/{tag}/{what}") in names, (stage, tag, what)
+    episodes = {m["name"]: m["value"] for m in metrics.to_pylist()
+                if m["stage"] == "rollout" and m["name"].endswith("/episodes")}
+    assert episodes == {"rollout/episodes": 4.0, "rollout/FrozenLake/episodes": 2.0,
+                        "rollout/SimpleSokoban/episodes": 2.0}
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    logging.getLogger("tensorboard").setLevel(logging.ERROR)
+    acc = EventAccumulator(str(run / "tensorboard"))
+    acc.Reload()
+    assert {f"rollout/{tag}/success_rate" for tag in TAGS} <= set(acc.Tags()["scalars"])
+
+    page = (run / "report/index.html").read_text()
+    assert "Per environment tag" in page
+    assert all(f"<td>{tag}</td>" in page for tag in TAGS)
+
+
+def test_logprobs_rerun_in_the_other_dtype(mixed_run, cli_env, default_model):
+    """``rollflow stage logprobs --from iter_0000/logprobs --set dtype=…`` with the dtype ``auto`` did not choose
+    on this machine: new log-probs beside the old ones, the original untouched, the same model's log-probs up to
+    the other precision's rounding."""
+    it = mixed_run / "iter_0000"
+    old_manifest = json.loads((it / "logprobs/manifest.json").read_text())
+    chosen = old_manifest["section"]["dtype"]
+    dtype = "fp32" if chosen == "bf16" else "bf16"
+    original = tree_digest(it / "logprobs")
+    before = _re_runs(it)
+    done = _rollflow("stage", "logprobs", "--from", str(it / "logprobs"), "--set", f"dtype={dtype}", env=cli_env)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    made = sorted(_re_runs(it) - before)
+    assert len(made) == 1 and made[0].startswith("logprobs@"), made
+    new = it / made[0]
+    assert f"to {new} (old output" in done.stdout, done.stdout
+    manifest = json.loads((new / "manifest.json").read_text())
+    assert manifest["stage"] == "logprobs" and manifest["section"]["dtype"] == dtype
+    assert {k: v["path"] for k, v in manifest["inputs"].items()} == {
+        k: v["path"] for k, v in old_manifest["inputs"].items()}
+    assert tree_digest(it / "logprobs") == original, "the original is untouched"
+
+    old, got = _table(it / "logprobs").sort_by("row_id"), _table(new).sort_by("row_id")
+    assert old.column("row_id").to_pylist() == got.column("row_id").to_pylist()
+    assert old.column("input_ids").to_pylist() == got.column("input_ids").to_pylist()
+    scale = _logit_scale(default_model, old)
+    for row, (a, b, s) in enumerate(zip(old.column("old_log_probs").to_pylist(),
+                                        got.column("old_log_probs").to_pylist(), scale)):
+        a, b = np.asarray(a), np.asarray(b)
+        assert a.shape == b.shape == s.shape and np.isfinite(b).all(), row
+        # log p = z_y - logsumexp(z): moving every logit by at most d moves it by at most 2d; a logit in bf16 is
+        # off by about a unit roundoff of the largest logit from its own rounding and as much again from its
+        # rounded inputs, d <= 2 u max|z|
+        tolerance = 4 * BF16_UNIT_ROUNDOFF * s
+        assert (np.abs(a - b) <= tolerance).all(), (row, np.abs(a - b).max(), tolerance.min())
+    assert any(not np.array_equal(a, b) for a, b in zip(old.column("old_log_probs").to_pylist(),
+                                                        got.column("old_log_probs").to_pylist())), "another dtype"
+
+
+def _logit_scale(model_dir: Path, table) -> list[np.ndarray]:
+    """Per row, the largest logit magnitude max_v |z_v| at each next-token position of the model in fp32, (S-1,),
+    0 where the response mask of the next token is 0 (the stage writes 0 there)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    out = []
+    with torch.inference_mode():
+        for ids, mask in zip(table.column("input_ids").to_pylist(), table.column("response_mask").to_pylist()):
+            z = model(input_ids=torch.tensor([ids])).logits[0, :-1]
+            out.append(z.abs().amax(-1).numpy() * (np.asarray(mask[1:]) > 0))
+    return out
+
+
+def test_training_step_rerun_with_another_learning_rate_through_evaluation(mixed_run, cli_env):
+    """``rollflow stage train_step --from iter_0000/checkpoint --set actor_train.training_args.learning_rate=…
+    --downstream``: a new checkpoint beside the old one (other weights), its manifest recording its inputs and the
+    new rate; the evaluation that read the old checkpoint re-run on the new one into its own folder (both tags
+    again); the originals byte for byte as they were; ``rollflow lineage`` follows the new evaluation back to the
+    run's advantages."""
+    it = mixed_run / "iter_0000"
+    old = json.loads((it / "checkpoint/manifest.json").read_text())
+    assert old["metrics"]["actor/grad_norm"] > 0, "the fixture's step must have a gradient"
+    rate = old["section"]["actor_train"]["training_args"]["learning_rate"] * 50
+    originals = {name: tree_digest(it / name) for name in ("checkpoint", "eval", "advantaged")}
+    before = _re_runs(it)
+    done = _rollflow("stage", "train_step", "--from", str(it / "checkpoint"), "--set",
+                     f"actor_train.training_args.learning_rate={rate}", "--downstream", env=cli_env)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    made = sorted(n for n in _re_runs(it) - before if not n.startswith("logprobs@"))
+    tag = made[0].split("@")[1]
+    assert made == [f"checkpoint@{tag}", f"eval@{tag}"], made
+    assert "train_step: wrote" in done.stdout and "eval: wrote" in done.stdout
+
+    new = json.loads((it / f"checkpoint@{tag}/manifest.json").read_text())
+    assert new["stage"] == "train_step" and new["section"]["actor_train"]["training_args"]["learning_rate"] == rate
+    assert {k: v["path"] for k, v in new["inputs"].items()} == {k: v["path"] for k, v in old["inputs"].items()}
+    got, was = _weights(it / f"checkpoint@{tag}"), _weights(it / "checkpoint")
+    assert got.keys() == was.keys() and any(not (got[k] == was[k]).all() for k in got), "another rate, other weights"
+
+    ev = json.loads((it / f"eval@{tag}/manifest.json").read_text())
+    assert ev["stage"] == "eval" and ev["inputs"]["checkpoint"]["path"] == str(it / f"checkpoint@{tag}")
+    assert ev["inputs"]["checkpoint"]["fingerprint"] == new["fingerprint"]
+    assert ev["section"] == json.loads((it / "eval/manifest.json").read_text())["section"]
+    assert sorted(_table(it / f"eval@{tag}/samples").column("tag").to_pylist()) == list(TAGS)
+    assert {name: tree_digest(it / name) for name in originals} == originals, "the originals are untouched"
+
+    lineage = CliRunner().invoke(app, ["lineage", str(it / f"eval@{tag}")])  # reads manifests: no Ray, no Prefect
+    assert lineage.exit_code == 0, lineage.output
+    assert f"<- checkpoint: {it / f'checkpoint@{tag}'}  stage train_step" in lineage.output
+    assert f"<- samples: {it / 'advantaged'}  stage advantages" in lineage.output
+    assert "STALE" not in lineage.output and "none is stale" in lineage.output
+
+
+def test_rlvr_eval_of_the_default_model(default_model, cli_env, tmp_path):
+    """``rollflow eval --config configs/rlvr_train_math.yaml --checkpoint <default model>``: the shipped RLVR
+    config's validation prompts (two of the multiple-choice set) answered greedily by the default model through vLLM
+    and scored by the general validation rule; the summary prints the overall and per-domain scores."""
+    out = tmp_path / "eval"
+    done = _rollflow("eval", "--config", "configs/rlvr_train_math.yaml", "--checkpoint", str(default_model),
+                     "--output", str(out), "--set", "validation.prompts.limit=2",
+                     "--set", "generating_args.max_new_tokens=32", env=cli_env)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert f"validated {default_model}" in done.stdout, done.stdout
+    printed = {line.split()[0]: float(line.split()[1]) for line in done.stdout.splitlines()
+               if line.startswith("  val/")}
+    responses = _table(out / "responses").sort_by("row_id")
+    assert sorted(responses.column("prompt_id").to_pylist()) == ["mcq-00", "mcq-01"]  # validation.prompts.limit
+    assert all(r.strip() for r in responses.column("response").to_pylist()), "the model answered"
+    scored = _table(out / "scored").sort_by("row_id")
+    assert scored.column("row_id").to_pylist() == responses.column("row_id").to_pylist()
+    assert set(scored.column("reward_worker").to_pylist()) == {"general_val_rule"}
+    scores = scored.column("scores").to_pylist()
+    assert set(scores) <= {0.0, 1.0}, scores  # the rule: the boxed or leading letter is the right option, or not
+    assert printed["val/score/mean"] == pytest.approx(np.mean(scores), abs=1e-4), done.stdout
+    assert printed["val/mcq/score/mean"] == printed["val/score/mean"]
