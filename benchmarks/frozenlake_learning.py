@@ -156,6 +156,28 @@ def action_quality(turn_folders: list[Path]) -> dict[str, float]:
             "random_toward_goal": random_toward / total if total else float("nan"), "action_entropy": entropy}
 
 
+def learning_signal(run: Path) -> dict[int, dict[str, float]]:
+    """Per training iteration, from its advantaged samples: ``signal_groups``, the share of episode groups whose
+    episodes did not all score alike (GRPO's group-normalised advantages are 0 in the others: nothing to learn from
+    them), and ``solved``, the share of episodes that reached the goal (episode score above 0.5)."""
+    import pyarrow.parquet as pq
+
+    out = {}
+    for it in sorted(run.glob("iter_*")):
+        parts = sorted((it / "advantaged").glob("*.parquet"))
+        if not parts or not (it / "advantaged" / "manifest.json").exists():
+            continue
+        scores: dict[str, list[float]] = defaultdict(list)
+        for part in parts:
+            for r in pq.read_table(part, columns=["group_id", "episode_score"]).to_pylist():
+                scores[r["group_id"]].append(r["episode_score"])
+        episodes = [s for group in scores.values() for s in group]
+        out[int(it.name.split("_")[1])] = {
+            "signal_groups": sum(max(g) - min(g) > 1e-9 for g in scores.values()) / len(scores),
+            "solved": sum(s > 0.5 for s in episodes) / len(episodes)}
+    return out
+
+
 def evaluation_turns(run: Path) -> dict[int, list[Path]]:
     """Turn-table folders of each evaluation by index (0: untrained, k + 1: after iteration k)."""
     out = {0: sorted((run / "eval_base" / "turns").glob("turn_*"))}
@@ -230,6 +252,10 @@ def main() -> None:
         moves = " ".join(f"{q.get(k, float('nan')):7.3f}" for k in ("toward_goal", "random_toward_goal",
                                                                      "action_entropy"))
         print(f"{label:>12} {evals[i][key_v]:7.3f} {evals[i][key_s]:8.3f} {moves}   {stages}")
+    signal = learning_signal(run)
+    if signal:
+        print("training rollouts: " + "  ".join(f"iter {k}: solved {v['solved']:.2f}, groups with a signal "
+                                                 f"{v['signal_groups']:.2f}" for k, v in sorted(signal.items())))
     if quality:
         print("toward: share of the legal moves that shorten the hole-free path to the goal; random: the same for a "
               "uniformly random move in the same states; entropy: of the legal moves (max ln 4 = 1.386)")
@@ -252,7 +278,8 @@ def main() -> None:
         summary.update(final_toward_goal=round(quality[last]["toward_goal"], 4),
                        random_toward_goal=round(quality[last]["random_toward_goal"], 4))
     (run / "learning_summary.json").write_text(json.dumps({**summary, "evals": evals, "walls": walls,
-                                                           "moves": quality, "command": cmd}, indent=1))
+                                                           "moves": quality, "signal": signal,
+                                                           "command": cmd}, indent=1))
     print(f"report: {report.html}")
     print("RESULT " + " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in summary.items()))
 
