@@ -263,14 +263,15 @@ def main() -> None:
     from flows.report import write_report
 
     report = write_report(run)
-    last = trained[-1] if trained else 0
-    iter_walls = [sum(walls[i - 1].values()) for i in trained]
+    last = trained[-1] if trained else 0  # the last evaluation after a training iteration (eval_steps may skip some)
+    # every committed training iteration counts, evaluated or not; an iteration's evaluation is part of its time
+    iter_walls = [sum(w.values()) for w in walls.values() if "train" in w]
     summary = {
         "base_valid": evals[0][key_v], "final_valid": evals[last][key_v],
         "best_valid": max(evals[i][key_v] for i in done),
         "base_success": evals[0][key_s], "final_success": evals[last][key_s],
         "best_success": max(evals[i][key_s] for i in done), "random_success": random_rate,
-        "iterations": len(trained), "wall_s": round(wall, 1), "exit_code": -1 if rc is None else rc,
+        "iterations": len(iter_walls), "wall_s": round(wall, 1), "exit_code": -1 if rc is None else rc,
         "s_per_iter": round(sum(iter_walls) / len(iter_walls), 1) if iter_walls else 0.0,
         "overhead_share": overhead_share(run),
     }
