@@ -371,6 +371,7 @@ def write_report(run_dir: str | Path, episodes: Iterable[Sequence[dict] | dict] 
         files = find_turn_files(str(run_dir))
         episodes = episodes_from_turns(_read_turns(files, where.fs), max_episodes) if files else []
     page = out / "index.html"
-    page.write_text(_page(Path(run_dir) if where.atomic_rename else where.uri(), images, missing, table, render_episodes_html(list(episodes)[:max_episodes])),
+    shown = Path(run_dir) if where.atomic_rename else where.uri()  # a store's run folder by its URI
+    page.write_text(_page(shown, images, missing, table, render_episodes_html(list(episodes)[:max_episodes])),
                     encoding="utf-8")
     return Report(html=page, plots=plots, missing=missing)

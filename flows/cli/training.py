@@ -48,9 +48,7 @@ def train(config: Optional[Path] = typer.Option(None, "--config", help="YAML con
     _guard(lambda: pipeline.preflight(cfg, False))  # before Prefect and Ray start, and before the run's log is opened
     _guard(lambda: check_run(cfg, cfg.model_dump(mode="json")))
     from flows import console
-    from flows.runkit import run_log
-
-    from flows.runkit import publish_run
+    from flows.runkit import publish_run, run_log
 
     run, log = _guard(lambda: run_log(cfg))
     console.log_to(log)
