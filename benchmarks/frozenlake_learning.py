@@ -192,12 +192,9 @@ def overhead_share(run: Path) -> float:
     """Share of the training iterations' wall time (iteration 0's start-up excluded when there are later ones) that
     is not generation, forward or backward compute — benchmarks/iteration_overhead.py's steady-state figure."""
     sys.path.insert(0, str(REPO / "benchmarks"))
-    from iteration_overhead import iteration_times
+    from iteration_overhead import iteration_times, steady_share
 
-    times = iteration_times(run)
-    steady = [t for k, t in times.items() if k > 0] or list(times.values())
-    wall = sum(t["wall_s"] for t in steady)
-    return round(sum(t["overhead_s"] for t in steady) / wall, 3) if wall else float("nan")
+    return round(steady_share(iteration_times(run))[0], 3)
 
 
 def main() -> None:

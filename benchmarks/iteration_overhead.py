@@ -51,6 +51,14 @@ def iteration_times(run: Path) -> dict[int, dict[str, float]]:
     return out
 
 
+def steady_share(times: dict[int, dict[str, float]]) -> tuple[float, list[dict[str, float]]]:
+    """The fixed-overhead share of the steady iterations (all but iteration 0's start-up, when there are later ones)
+    and those iterations' times."""
+    steady = [t for k, t in times.items() if k > 0] or list(times.values())
+    wall = sum(t["wall_s"] for t in steady)
+    return (sum(t["overhead_s"] for t in steady) / wall if wall else float("nan")), steady
+
+
 def run_quickstart(max_steps: int) -> Path:
     name = f"bench-overhead-{int(time.time())}"
     cmd = [sys.executable, "-m", "flows.cli", "train", "--config", "configs/train_frozenlake_quickstart.yaml",
@@ -75,8 +83,7 @@ def main() -> None:
         print(f"{k:>9} {t['wall_s']:>8.1f} {t['compute_s']:>9.1f} {t['overhead_s']:>8.1f} "
               f"{t['overhead_s'] / t['wall_s']:>6.1%} {t['train_wall_s']:>8.1f} {t['train_setup_s']:>7.1f} "
               f"{t['logprobs_wall_s']:>10.1f} {t['eval_s']:>7.1f}")
-    steady = [t for k, t in times.items() if k > 0] or list(times.values())
-    share = sum(t["overhead_s"] for t in steady) / sum(t["wall_s"] for t in steady)
+    share, steady = steady_share(times)
     first = times[min(times)]
     print(f"RESULT overhead_share={share:.3f} overhead_share_iter0={first['overhead_s'] / first['wall_s']:.3f} "
           f"iteration_s={sum(t['wall_s'] for t in steady) / len(steady):.1f} "
