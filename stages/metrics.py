@@ -195,13 +195,10 @@ class MetricsLog:
             return []
         return sorted(self.tensorboard_dir.glob("events.out.tfevents.*"))
 
-    def _new_writer(self):
-        from tensorboard.summary.writer.event_file_writer import EventFileWriter
-
+    def _new_writer(self) -> "_EventFile":
         if self._writer is not None:
             self._writer.close()
-        self.tensorboard_dir.mkdir(parents=True, exist_ok=True)
-        self._writer = EventFileWriter(str(self.tensorboard_dir))
+        self._writer = _EventFile.create(self.tensorboard_dir)
         return self._writer
 
     def _mirror(self, iteration: int, new_rows: pa.Table) -> None:
@@ -264,3 +261,44 @@ class MetricsLog:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+class _EventFile:
+    """One TensorBoard event file, written synchronously, named so that the files of a folder sort in the order they
+    were created (TensorBoard reads them in name order; a restart marker only works in a later file).
+
+    tensorboard's own ``EventFileWriter`` names its files ``…tfevents.<seconds>.<host>.<pid>.<counter>``: two files
+    of one process in the same second sort by their counter as text, so the 10th sorts before the 9th and a restart
+    would be read first and overwritten by the older values. Here the seconds field is kept strictly increasing over
+    the folder's files instead (``max(now, newest + 1)``): a name, not a clock reading (each event carries its own
+    wall time)."""
+
+    PREFIX = "events.out.tfevents."
+
+    def __init__(self, path: Path) -> None:
+        from tensorboard.compat.proto.event_pb2 import Event
+        from tensorboard.summary.writer.record_writer import RecordWriter
+
+        self.path = path
+        self._records = RecordWriter(open(path, "wb"))
+        self.add_event(Event(wall_time=time.time(), file_version="brain.Event:2"))
+
+    @classmethod
+    def create(cls, folder: Path) -> "_EventFile":
+        import socket
+
+        folder.mkdir(parents=True, exist_ok=True)
+        seconds = [int(m.group(1)) for f in folder.glob(cls.PREFIX + "*")
+                   if (m := re.match(re.escape(cls.PREFIX) + r"(\d+)\.", f.name))]
+        stamp = max([int(time.time())] + [s + 1 for s in seconds])
+        return cls(folder / f"{cls.PREFIX}{stamp:010d}.{socket.gethostname()}.rollflow")
+
+    def add_event(self, event) -> None:
+        self._records.write(event.SerializeToString())
+
+    def flush(self) -> None:
+        self._records.flush()
+
+    def close(self) -> None:
+        if not self._records.closed:
+            self._records.close()

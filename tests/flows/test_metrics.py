@@ -147,6 +147,25 @@ def test_tensorboard_after_resume_shows_replaced_values_once(tmp_path):
     assert scalars["env/FrozenLake/success"] == [(0, 0.25), (1, 0.25), (2, 0.25)]
 
 
+def test_tensorboard_restarts_within_one_second_are_read_in_order(tmp_path, monkeypatch):
+    """Event files are read in name order: a restart file must sort after the files it overrides, also when many
+    are made within one second of one process (a frozen clock here). Names carrying a per-process counter as text
+    sorted the 10th file before the 9th (and the 100th before the 99th), and TensorBoard then showed an overridden
+    value; 101 restarts cross such a boundary wherever the counter starts."""
+    import time
+
+    monkeypatch.setattr(time, "time", lambda: 1_800_000_000.25)
+    with MetricsLog(tmp_path) as log:
+        for it in range(3):
+            log.log(it, "train", {"actor/pg_loss": float(it)})
+    for attempt in range(101):
+        with MetricsLog(tmp_path) as log:  # a resume re-running iteration 1
+            log.log(1, "train", {"actor/pg_loss": 100.0 + attempt})
+        if attempt in (0, 100):
+            assert _scalars(tmp_path)["actor/pg_loss"] == [(0, 0.0), (1, 100.0 + attempt), (2, 2.0)], attempt
+    assert len(list((tmp_path / "tensorboard").iterdir())) == 102
+
+
 def test_deleted_tensorboard_folder_is_rebuilt_from_the_table(tmp_path):
     with MetricsLog(tmp_path) as log:
         log.log(0, "train", {"actor/pg_loss": 1.0})
