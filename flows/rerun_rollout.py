@@ -24,7 +24,7 @@ from schemas.errors import RollflowError
 from schemas.rollout_config import RolloutConfig, TurnSection, turn_section
 from stages.rollout.driver import EPISODES_DIR, SAMPLES_DIR, TURNS_DIR, Reuse, earlier_tables, run_rollout
 from stages.rollout.engine_pool import checkpoint_fingerprint
-from stages.storage import MANIFEST, Location, read_manifest
+from stages.storage import MANIFEST, Location, is_uri, read_manifest
 
 ROLLOUT_STAGES = ("rollout_turn", "rollout_reset")
 # what may change from a turn on: the turns before it, which are reused, were played under everything else
@@ -118,7 +118,7 @@ def _checkpoint(old: Location, manifest: dict, given: str | None) -> str:
 
     recorded = manifest.get("state_in", {}).get("checkpoint")
     where = f"{old.path}/manifest.json"
-    if isinstance(recorded, dict) and "://" in str(recorded.get("path")):  # a checkpoint committed on a store
+    if isinstance(recorded, dict) and is_uri(recorded.get("path")):  # a checkpoint committed on a store
         return _store_checkpoint(recorded, where, given)
     if not isinstance(recorded, dict) or not {"path", "files"} <= recorded.keys():
         raise RollflowError(f"{where} records no checkpoint folder (state_in.checkpoint); it was not written by a "

@@ -191,7 +191,9 @@ def model_shape(model_dir: str | None) -> dict | None:
 
         converted = cache_root_path() / "models" / DEFAULT_MODEL_NAME / "config.json"
         return _read_json(converted) or dict(DEFAULT_MODEL_SHAPE)
-    if "://" in model_dir:
+    from stages.storage import is_uri
+
+    if is_uri(model_dir):
         return None
     return _read_json(Path(model_dir) / "config.json")
 

@@ -27,6 +27,19 @@ MANIFEST = "manifest.json"
 ATTEMPT_KEY = "attempt"  # the manifest field naming the attempt prefix of an object-store output
 
 
+def _uri_scheme(where: str | os.PathLike | None) -> str | None:
+    """The scheme of a filesystem URI (``s3`` of ``s3://bucket/run``); None for a local path or None."""
+    scheme, sep, _ = ("" if where is None else str(where)).partition("://")
+    return scheme if sep else None
+
+
+def is_uri(where: str | os.PathLike | None) -> bool:
+    """Whether ``where`` names a folder by a filesystem URI (``s3://bucket/run``, ``gs://...``: on an object store,
+    opened by :meth:`Location.of` through pyarrow) rather than a local path; False for None. The one test of this
+    in rollflow: a URI is any text holding ``://``."""
+    return _uri_scheme(where) is not None
+
+
 @dataclass(frozen=True)
 class Location:
     """A folder on a pyarrow filesystem."""
@@ -39,7 +52,8 @@ class Location:
         """The folder at a local path or a filesystem URI (``s3://bucket/run``). The first URI of each bucket in a
         process is checked (:func:`check_store`): an unreachable endpoint, a missing bucket or refused credentials
         raise a ConfigError naming the URI and the fix before anything is read or written."""
-        if "://" in where:
+        scheme = _uri_scheme(where)
+        if scheme is not None:
             if "?" in where:
                 raise ConfigError(f"{where}: options in the URI are not accepted, because table paths are recorded "
                                   "in manifests and must name the data only; set the endpoint, region and "
@@ -54,7 +68,7 @@ class Location:
                 fs = _with_env_credentials(fs)
             loc = cls(fs, path.rstrip("/"))
             if not isinstance(fs, pafs.LocalFileSystem):
-                check_store(where.split("://", 1)[0], loc.path.split("/", 1)[0])
+                check_store(scheme, loc.path.split("/", 1)[0])
             return loc
         return cls(pafs.LocalFileSystem(), os.path.abspath(where))
 
@@ -114,7 +128,7 @@ class Location:
         """The folder at ``path`` as a manifest of this filesystem records an input: a URI (``s3://...``: what
         stages on an object store record), a local path (a model folder read by a run on a store), or a path on
         this filesystem."""
-        if "://" in path:
+        if is_uri(path):
             return Location.of(path)
         if not self.atomic_rename and path.startswith("/"):
             return Location(pafs.LocalFileSystem(), path)

@@ -24,7 +24,7 @@ from stages import progress
 from stages.rollout.engine_pool import EnginePool, checkpoint_fingerprint
 from stages.rollout.stages import ResetStage, SamplesStage, TurnStage
 from stages.runner import StageResult, run_stage
-from stages.storage import Location, read_manifest
+from stages.storage import Location, is_uri, read_manifest
 
 log = logging.getLogger("rollflow.rollout")
 
@@ -252,7 +252,7 @@ def run_eval(config: RolloutConfig, output: str, checkpoint: str | None = None, 
     result = run_rollout(config, output, checkpoint, force=force, pool=pool, on_event=on_event, label=label)
     start = time.time()
     # the checkpoint as named (a URI on an object store, not its local copy), so lineage and re-runs find it
-    model = Location.of(checkpoint if checkpoint and "://" in checkpoint else result.model_dir)
+    model = Location.of(checkpoint if is_uri(checkpoint) else result.model_dir)
     state_in = {"checkpoint": model_fingerprint(model.uri()), "samples": result.samples.fingerprint}
     fp = stage_fingerprint(EvalStage, config, {}, state_in)  # type: ignore[arg-type]
 

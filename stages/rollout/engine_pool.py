@@ -144,7 +144,9 @@ class EngineActor:
 def local_model_dir(model_dir: str | os.PathLike) -> str:
     """The local folder an engine loads for ``model_dir``: the folder itself, or for a checkpoint on an object store
     (``s3://...``) its local copy in the rollflow cache (stages.train.checkpoint.local_path; downloaded once)."""
-    if "://" in str(model_dir):
+    from stages.storage import is_uri
+
+    if is_uri(model_dir):
         from stages.train.checkpoint import local_path
 
         return str(local_path(str(model_dir)))
@@ -157,7 +159,9 @@ def checkpoint_fingerprint(model_dir: str | os.PathLike) -> dict[str, Any]:
     an object store: its URI, its manifest's fingerprint and the attempt that holds it (a retrained checkpoint is a
     new attempt), not its local copy's times, so a copy downloaded anew (another machine, a cleared cache) leaves
     the rollouts played with it up to date."""
-    if "://" in str(model_dir):
+    from stages.storage import is_uri
+
+    if is_uri(model_dir):
         return _store_checkpoint_identity(str(model_dir))
     folder = Path(model_dir).resolve()
     files = sorted(p for p in folder.iterdir() if p.suffix in (".safetensors", ".json") and p.is_file())

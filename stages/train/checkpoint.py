@@ -42,7 +42,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from schemas.errors import RollflowError, SchemaError
-from stages.storage import MANIFEST, Location, read_manifest
+from stages.storage import MANIFEST, Location, is_uri, read_manifest
 
 log = logging.getLogger("rollflow.checkpoint")
 
@@ -83,7 +83,7 @@ def local_path(path: str) -> Path:
     """The local folder of the checkpoint ``path``; a checkpoint on an object store (``s3://...``) is downloaded
     once into the rollflow cache (``objstore/<fingerprint>-<attempt>``: what its manifest lists), since DeepSpeed and
     Hugging Face read local files."""
-    if "://" in path:
+    if is_uri(path):
         from stages.generation.model_store import cache_root_path
         from stages.storage import fetch_committed
 
@@ -173,7 +173,7 @@ def keep_training_state(checkpoints: list[str], keep: int | None) -> list[str]:
     dropped = []
     for path in (holders[:-keep] if keep else []):
         log.info("dropping the DeepSpeed state of %s (train.max_ckpt_to_keep=%d)", path, keep)
-        if "://" in path:
+        if is_uri(path):
             _drop_store_state(Location.of(path))
         else:
             Location.of(str(Path(path) / TRAINING_STATE)).rmtree()
@@ -187,7 +187,7 @@ def _store_state_prefix(manifest: dict) -> str:
 
 
 def _holds_state(path: str) -> bool:
-    if "://" not in path:
+    if not is_uri(path):
         return (Path(path) / TRAINING_STATE).is_dir()
     manifest = read_manifest(Location.of(path)) or {}
     return "attempt" in manifest and any(o["name"].startswith(_store_state_prefix(manifest))
@@ -208,7 +208,7 @@ def _drop_store_state(loc: Location) -> None:
 def checkpoint_fingerprint(path: str) -> str:
     """The manifest fingerprint of a training checkpoint; for a plain model folder, a hash of its config and of the
     names, sizes and modification times of its files (so replaced weights give a new fingerprint)."""
-    loc = Location.of(path if "://" in path else str(local_path(path)))
+    loc = Location.of(path if is_uri(path) else str(local_path(path)))
     manifest = read_manifest(loc)
     if manifest is not None:
         return manifest["fingerprint"]

@@ -24,7 +24,7 @@ import threading
 import uuid
 from typing import Any
 
-from stages.storage import Location
+from stages.storage import Location, is_uri
 
 log = logging.getLogger("rollflow.train")
 
@@ -170,7 +170,7 @@ class TrainerGroup:
         from ray.train.torch import TorchConfig
 
         rt = self.runtime
-        root = self._storage_root if self._storage_root and "://" not in self._storage_root else None
+        root = self._storage_root if self._storage_root and not is_uri(self._storage_root) else None
         if root is not None:  # a run folder on object storage: Ray Train's few files go to a local temporary folder
             os.makedirs(root, exist_ok=True)
         self._storage = tempfile.mkdtemp(prefix=".ray-train-", dir=root)

@@ -27,7 +27,7 @@ from schemas.tables import ADVANTAGED, FLOATS, SAMPLES, TableSpec, check_row_inv
 from schemas.train_config import ForwardConfig, LogProbSection, TrainSection, TrainStepConfig, ValuesSection
 from stages.runner import (ACTOR_POOL, Stage, StageContext, StageResult, commit_folder, read_partials, run_stage,
                            stage_fingerprint, sum_partials, unwrap_error, write_partials)
-from stages.storage import Location, folder_fingerprint, read_table_schema
+from stages.storage import Location, folder_fingerprint, is_uri, read_table_schema
 from stages.train import checkpoint as ckpt
 from stages.train.group import TrainerGroup
 
@@ -94,7 +94,7 @@ def run_train_step(samples: str, checkpoint: str, cfg: TrainStepConfig, output: 
     fp = stage_fingerprint(TrainStage, section, {"samples": samples_loc}, state_in)
     manifest, skipped = commit_folder(
         out, fp, lambda tmp: _train_into(tmp, out, samples_loc, info, cfg, state_in, start, label, trainer,
-                                full_state, named=checkpoint if "://" in checkpoint else info.path),
+                                full_state, named=checkpoint if is_uri(checkpoint) else info.path),
         who="train_step", other="a checkpoint of another training step", force=force, local=True)
     if not skipped:
         if cfg.max_ckpt_to_keep:
