@@ -27,6 +27,7 @@ from typing import Any, Iterable, Sequence
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
+import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
 from schemas.errors import SchemaError
@@ -180,33 +181,23 @@ TURN_COLUMNS = ["traj_id", "turn_idx", "observation", "text", "action_content", 
                 "next_observation", "done", "success", "stop_reason"]
 
 
-def find_turn_files(run_dir: str | Path) -> list[Path] | list[str]:
-    """Parquet files of the last rollout's turn tables under ``run_dir`` (the sorted-last ``turns`` folder),
-    in turn order; empty when there is none. A run folder on an object store: the files each committed turn's
-    manifest lists (paths on its filesystem)."""
-    loc = Location.of(str(run_dir))
-    if not loc.atomic_rename:
-        return _store_turn_files(loc)
-    folders = sorted(p for p in Path(run_dir).rglob("turns") if p.is_dir())
-    if not folders:
-        return []
-    return sorted(f for f in folders[-1].glob("turn_*/part-*.parquet"))
-
-
-def _store_turn_files(loc: Location) -> list[str]:
-    import pyarrow.fs as pafs
-
-    infos = loc.fs.get_file_info(pafs.FileSelector(loc.path, recursive=True))
+def find_turn_files(run: Location) -> list[str]:
+    """Parquet files of the last rollout's turn tables under the run folder ``run`` (the last ``turns`` folder in
+    path order; hidden folders, a runner's temporaries and an object store's attempts, are skipped), in turn order,
+    as paths on its filesystem; empty when there is none. On an object store, the files each committed turn's
+    manifest lists (:meth:`Location.parquet_files`)."""
+    infos = run.fs.get_file_info(pafs.FileSelector(run.path, recursive=True))
     folders = sorted((i.path for i in infos if i.type == pafs.FileType.Directory and i.base_name == "turns"
-                      and "/." not in i.path[len(loc.path):]), key=lambda p: p.split("/"))  # Path order
+                      and "/." not in i.path[len(run.path):]), key=lambda p: p.split("/"))  # Path order
     if not folders:
         return []
-    turns = Location(loc.fs, folders[-1])
-    return [f for i in sorted(turns.list(), key=lambda i: i.base_name) if i.base_name.startswith("turn_")
-            for f in Location(loc.fs, i.path).parquet_files()]
+    turns = Location(run.fs, folders[-1])
+    return [f for i in sorted(turns.list(), key=lambda i: i.base_name)
+            if i.type == pafs.FileType.Directory and i.base_name.startswith("turn_")
+            for f in Location(run.fs, i.path).parquet_files()]
 
 
-def _read_turns(files: list[Path] | list[str], fs=None) -> pa.Table:
+def _read_turns(files: list[str], fs=None) -> pa.Table:
     tables = []
     for f in files:
         present = set(pq.read_schema(f, filesystem=fs).names)
@@ -368,7 +359,7 @@ def write_report(run_dir: str | Path, episodes: Iterable[Sequence[dict] | dict] 
     elif table.num_rows:
         missing.append("Wall time per stage: no rows carry wall_s")
     if episodes is None:
-        files = find_turn_files(str(run_dir))
+        files = find_turn_files(where)
         episodes = episodes_from_turns(_read_turns(files, where.fs), max_episodes) if files else []
     page = out / "index.html"
     shown = Path(run_dir) if where.atomic_rename else where.uri()  # a store's run folder by its URI
