@@ -222,7 +222,7 @@ def advance_run(cfg: dict, iterations: int | None = None) -> dict:
     from flows.console import LogFileHandler
     from flows.pipelines import pipeline_of
     from flows.report import write_report
-    from flows.runkit import publish_run, run_folder, run_log
+    from flows.runkit import publish_run, run_log
     from schemas.config import validate_config
 
     pipeline = pipeline_of(cfg, "deployment parameters")
@@ -233,7 +233,7 @@ def advance_run(cfg: dict, iterations: int | None = None) -> dict:
     if logging.getLogger("rollflow").getEffectiveLevel() > logging.INFO:  # Prefect's set-up leaves the root at WARNING
         logging.getLogger("rollflow").setLevel(logging.INFO)
     try:
-        done = pipeline.committed_steps(run_folder(config).uri())
+        done = pipeline.committed_steps(run)
         target = done + (iterations or config.max_steps)
         log.info("scheduled run %s: iterations %d..%d", run, done, target - 1)
         summary = pipeline.flow()({**cfg, "max_steps": target})

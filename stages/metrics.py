@@ -193,7 +193,7 @@ class MetricsLog:
     def _event_files(self) -> list[Path]:
         if self.tensorboard_dir is None or not self.tensorboard_dir.is_dir():
             return []
-        return sorted(self.tensorboard_dir.glob("events.out.tfevents.*"))
+        return sorted(self.tensorboard_dir.glob(_EventFile.PREFIX + "*"))
 
     def _new_writer(self) -> "_EventFile":
         if self._writer is not None:
@@ -279,7 +279,6 @@ class _EventFile:
         from tensorboard.compat.proto.event_pb2 import Event
         from tensorboard.summary.writer.record_writer import RecordWriter
 
-        self.path = path
         self._records = RecordWriter(open(path, "wb"))
         self.add_event(Event(wall_time=time.time(), file_version="brain.Event:2"))
 
