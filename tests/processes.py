@@ -1,4 +1,4 @@
-"""Helpers of the tests that run ``rollflow`` in child processes and kill them."""
+"""Helpers of the tests that run ``rollflow`` in child processes and kill them, or run it in this process."""
 
 from __future__ import annotations
 
@@ -47,3 +47,16 @@ def sigkill_when(cmd: list[str], ready: Callable[[], bool], log_path: Path, *, e
             if not wait_gone(proc.pid, 30):
                 os.killpg(proc.pid, signal.SIGKILL)
     assert proc.returncode == -signal.SIGKILL
+
+
+def rollflow_here(*args: str, api_url: str):
+    """The same command in this process, on the session's Ray cluster (``ray_cluster``) and Prefect server: no
+    process start-up, for the calls that must find their work done or refuse before doing any (Typer's result:
+    ``exit_code``, ``stdout``, ``stderr``)."""
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+    from typer.testing import CliRunner
+
+    from flows.cli import app
+
+    with temporary_settings(updates={PREFECT_API_URL: api_url}):
+        return CliRunner().invoke(app, list(args))

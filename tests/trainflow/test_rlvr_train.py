@@ -16,6 +16,7 @@ from schemas.config import load_config, validate_config
 from schemas.errors import ConfigError
 from schemas.rlvr_train_config import RLVRTrainConfig
 from stages.rlvr.generate import prompts_section, read_prompt_rows, step_prompt_ids
+from tests.processes import rollflow_here
 
 REPO = Path(__file__).resolve().parents[2]
 # one step's stages in ROLL's order (values too, for GAE)
@@ -117,7 +118,8 @@ VALIDATION = ("validation.eval_steps=2", "validation.prompts.limit=2")
 
 
 @pytest.mark.slow
-def test_rlvr_run_with_gae_and_token_kl_end_to_end_then_resume_skips_everything(tmp_path, cli_env):
+def test_rlvr_run_with_gae_and_token_kl_end_to_end_then_resume_skips_everything(tmp_path, cli_env, prefect_server,
+                                                                                 ray_cluster):
     """One two-step run that takes both RLVR paths which need the token table's forward passes, in ROLL's order and
     one pass: the token-level KL reward (log-probs, old under the step's policy and ref under the initial one, on
     the step's samples before the advantages) and GAE (the critic's values — a new seeded head at step 0, the
@@ -179,16 +181,16 @@ def test_rlvr_run_with_gae_and_token_kl_end_to_end_then_resume_skips_everything(
 
     # rollflow eval on the last checkpoint gives the run's own validation after its last step
     config = args[1:]  # --config FILE --set ...
-    evaluated = _rollflow("eval", *config, "--checkpoint", str(run / "step_0001/checkpoint"), "--output",
-                          str(tmp_path / "eval"), env=env)
-    assert evaluated.returncode == 0, evaluated.stdout[-3000:] + evaluated.stderr[-3000:]
+    evaluated = rollflow_here("eval", *config, "--checkpoint", str(run / "step_0001/checkpoint"), "--output",
+                              str(tmp_path / "eval"), api_url=prefect_server.api_url)
+    assert evaluated.exit_code == 0, evaluated.output[-3000:]
     assert "val/score/mean" in evaluated.stdout and "val/mcq/score/mean" in evaluated.stdout
     for table in ("responses", "scored"):
         got = _read(tmp_path / "eval" / table).sort_by("row_id").to_pylist()
         assert got == _read(run / "step_0001/validation" / table).sort_by("row_id").to_pylist(), table
 
     stamps = {p: p.stat().st_mtime_ns for p in run.glob("step_*/*/manifest.json")}
-    again = _rollflow("train", "--resume", str(run), "--no-report", env=env)
-    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
+    again = rollflow_here("train", "--resume", str(run), "--no-report", api_url=prefect_server.api_url)
+    assert again.exit_code == 0, again.output[-3000:]
     assert {p: p.stat().st_mtime_ns for p in run.glob("step_*/*/manifest.json")} == stamps
     assert len(stamps) == 2 * (len(STAGES) + 1)  # the values too

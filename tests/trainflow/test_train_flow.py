@@ -14,7 +14,7 @@ import pytest
 from schemas.config import load_config, validate_config
 from schemas.errors import ConfigError
 from schemas.train_flow_config import TrainFlowConfig
-from tests.processes import sigkill_when
+from tests.processes import rollflow_here, sigkill_when
 
 REPO = Path(__file__).resolve().parents[2]
 CONFIGS = sorted((REPO / "configs").glob("train_*.yaml"))
@@ -100,7 +100,10 @@ def _tiny_args(runs_dir: Path, name: str) -> list[str]:
     weights; with ``reward_normalization.method=identity`` the advantages are the (non-zero) scores themselves, so the
     training steps, their resume and their re-runs are checked on weights that move. The engine sleeps between
     rollouts as a colocated one does (sleep_level 2: its weights discarded, the next checkpoint loaded on waking), so
-    the flow's order of sleep, log-probs, training and wake is exercised on the CPU."""
+    the flow's order of sleep, log-probs, training and wake is exercised on the CPU. The actor trains LoRA adapters
+    (rank 4 on q_proj and v_proj; issue 16): every tiny run (two nodes, SIGKILL and replay, S3, re-runs, evaluation)
+    takes the LoRA path, whose checkpoints the engines read as plain HF folders (merged weights); full fine-tuning
+    runs end to end in the default-model scenario and the RLVR run."""
     from stages.generation.model_store import tiny_random_model_dir
 
     return ["train", "--config", "configs/train_frozenlake_grpo.yaml", "--set", f"run_name={name}",
@@ -112,7 +115,9 @@ def _tiny_args(runs_dir: Path, name: str) -> list[str]:
             "--set", "rollout.generating_args.max_new_tokens=8", "--set", "eval.num_env_groups=2",
             "--set", "eval.group_size=1", "--set", "eval.eval_steps=1",
             "--set", "train.actor_train.model_args.dtype=fp32", "--set", "train.max_ckpt_to_keep=1",
-            "--set", "reward_normalization.method=identity"]
+            "--set", "reward_normalization.method=identity",
+            "--set", "train.actor_train.model_args.lora_rank=4",
+            "--set", "train.actor_train.model_args.lora_target_modules=[q_proj,v_proj]"]
 
 
 def _env(tmp: Path) -> dict:
@@ -196,6 +201,7 @@ def test_train_run_end_to_end_then_resume_skips_everything(finished_run, cluster
     assert json.loads((run / "iter_0000/checkpoint/train_state.json").read_text())["replay"]["steps"]
     assert train_manifest["metrics"]["train/full_state_saved"] == 0.0
     assert list((run / "iter_0000/checkpoint").glob("*.safetensors"))
+    _assert_lora_checkpoint(run)
     import pyarrow.dataset as pads
 
     metrics = pads.dataset(str(run / "metrics")).to_table().to_pylist()
@@ -277,7 +283,8 @@ def test_sigkilled_run_resumes_to_the_uninterrupted_result(finished_run, tmp_pat
 
 
 @pytest.mark.slow
-def test_eval_of_a_checkpoint_equals_the_runs_own_evaluation(finished_run, cli_env, tmp_path):
+def test_eval_of_a_checkpoint_equals_the_runs_own_evaluation(finished_run, cli_env, prefect_server, ray_cluster,
+                                                             tmp_path):
     """``rollflow eval`` plays the config's held-out levels with a checkpoint, without training: on the run's last
     checkpoint it commits the same episodes as the run's own evaluation after that iteration; a re-run skips."""
     import numpy as np
@@ -295,53 +302,18 @@ def test_eval_of_a_checkpoint_equals_the_runs_own_evaluation(finished_run, cli_e
         assert a == b or np.allclose(np.concatenate([np.ravel(x) for x in a]).astype(float),
                                      np.concatenate([np.ravel(x) for x in b]).astype(float), rtol=1e-5, atol=1e-6), name
     stamp = (out / "samples/manifest.json").stat().st_mtime_ns
-    again = _rollflow("eval", *config, "--checkpoint", str(finished_run / "iter_0001/checkpoint"), "--output",
-                      str(out), env=cli_env)
-    assert again.returncode == 0 and (out / "samples/manifest.json").stat().st_mtime_ns == stamp
-    missing = _rollflow("eval", *config, "--checkpoint", str(tmp_path / "nope"), "--output", str(tmp_path / "e2"),
-                        env=cli_env)
-    assert missing.returncode == 2 and "Traceback" not in missing.stderr, missing.stderr[-2000:]
+    again = rollflow_here("eval", *config, "--checkpoint", str(finished_run / "iter_0001/checkpoint"), "--output",
+                           str(out), api_url=prefect_server.api_url)
+    assert again.exit_code == 0 and (out / "samples/manifest.json").stat().st_mtime_ns == stamp, again.output[-3000:]
+    missing = rollflow_here("eval", *config, "--checkpoint", str(tmp_path / "nope"), "--output",
+                             str(tmp_path / "e2"), api_url=prefect_server.api_url)
+    assert missing.exit_code == 2 and "Traceback" not in missing.stderr, missing.stderr[-2000:]
+    assert not (tmp_path / "e2").exists()
 
 
 @pytest.mark.slow
-def test_lora_run_end_to_end(cli_env, tmp_path):
-    """A LoRA run (train.actor_train.model_args.lora_rank) through the whole flow: generation, log-probs and
-    evaluation read the merged checkpoints as plain HF folders; the second iteration trains the kept engines; the
-    DeepSpeed state holds the adapters alone; the checkpoint records the base its adapter applies to."""
-    import torch
-
-    from stages.generation.model_store import tiny_random_model_dir
-
-    args = [*_tiny_args(tmp_path, "lora"), "--set", "train.actor_train.model_args.lora_rank=4",
-            "--set", "train.actor_train.model_args.lora_target_modules=[q_proj,v_proj]"]
-    done = _rollflow(*args, env=cli_env)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    run = tmp_path / "lora"
-    for k in (0, 1):
-        for stage in STAGES:
-            assert (run / f"iter_{k:04d}" / stage / "manifest.json").exists(), (k, stage)
-    last = run / "iter_0001/checkpoint"
-    state = json.loads((last / "train_state.json").read_text())
-    assert state["lora"]["actor"]["base"] == str(tiny_random_model_dir())
-    assert state["lora"]["actor"]["options"]["lora_target_modules"] == ["q_proj", "v_proj"]
-    assert (last / "lora/actor/adapter_model.safetensors").is_file()
-    assert json.loads((last / "manifest.json").read_text())["metrics"]["train/engines_kept"] == 1.0
-    module = torch.load(last / "deepspeed/actor/state/mp_rank_00_model_states.pt", weights_only=False,
-                        map_location="cpu")["module"]
-    assert module and all(".lora_" in k for k in module)
-    got, base = _weights(last), _weights(tiny_random_model_dir())
-    assert got.keys() == base.keys()
-    changed = {k for k in got if not (got[k] == base[k]).all()}
-    assert all(k.endswith(("q_proj.weight", "v_proj.weight")) for k in changed), changed  # only the targets move
-    # the tiny random model often scores every episode alike (GRPO advantages 0, no gradient): weights move when
-    # a gradient was there
-    norms = [json.loads((run / f"iter_{k:04d}/checkpoint/manifest.json").read_text())["metrics"]["actor/grad_norm"]
-             for k in (0, 1)]
-    assert bool(changed) == (max(norms) > 0), (norms, changed)
-
-
-@pytest.mark.slow
-def test_stage_rerun_of_the_logprobs_in_another_dtype_recomputes_what_reads_them(finished_run, cli_env):
+def test_stage_rerun_of_the_logprobs_in_another_dtype_recomputes_what_reads_them(finished_run, cli_env, prefect_server,
+                                                                                   ray_cluster):
     """``rollflow stage logprobs --set dtype=… --downstream`` on an iteration of a finished run: new log-probs beside
     the old ones, then the rewards and advantages that read them (each ``<folder>@<tag>``, the advantages after both
     of their re-run inputs), the training step on the new advantages and the evaluation of its checkpoint; the run's
@@ -379,10 +351,36 @@ def test_stage_rerun_of_the_logprobs_in_another_dtype_recomputes_what_reads_them
     from tests.spine.helpers import tree_digest
 
     before = tree_digest(it)
-    again = _rollflow("stage", "logprobs", "--from", str(it / "logprobs"), "--set", f"dtype={dtype}", "--downstream",
-                      env=cli_env)
-    assert again.returncode == 0 and again.stdout.count("up to date") == 5, again.stdout
+    again = rollflow_here("stage", "logprobs", "--from", str(it / "logprobs"), "--set", f"dtype={dtype}",
+                           "--downstream", api_url=prefect_server.api_url)
+    assert again.exit_code == 0 and again.stdout.count("up to date") == 5, again.output
     assert tree_digest(it) == before, "an up-to-date re-run writes nothing"
+
+
+def _assert_lora_checkpoint(run: Path) -> None:
+    """The LoRA run's last checkpoint: the DeepSpeed state holds the adapters alone, the checkpoint records the base
+    its adapter applies to, the merged weights differ from the base only in the target modules, and they moved
+    when a gradient was there (the tiny random model often scores every episode alike: identity-normalised
+    advantages are then equal, not 0, so a step usually has one)."""
+    import torch
+
+    from stages.generation.model_store import tiny_random_model_dir
+
+    last = run / "iter_0001/checkpoint"
+    state = json.loads((last / "train_state.json").read_text())
+    assert state["lora"]["actor"]["base"] == str(tiny_random_model_dir())
+    assert state["lora"]["actor"]["options"]["lora_target_modules"] == ["q_proj", "v_proj"]
+    assert (last / "lora/actor/adapter_model.safetensors").is_file()
+    module = torch.load(last / "deepspeed/actor/state/mp_rank_00_model_states.pt", weights_only=False,
+                        map_location="cpu")["module"]
+    assert module and all(".lora_" in k for k in module)
+    got, base = _weights(last), _weights(tiny_random_model_dir())
+    assert got.keys() == base.keys()
+    changed = {k for k in got if not (got[k] == base[k]).all()}
+    assert all(k.endswith(("q_proj.weight", "v_proj.weight")) for k in changed), changed  # only the targets move
+    norms = [json.loads((run / f"iter_{k:04d}/checkpoint/manifest.json").read_text())["metrics"]["actor/grad_norm"]
+             for k in (0, 1)]
+    assert bool(changed) == (max(norms) > 0), (norms, changed)
 
 
 def _re_runs(folder: Path) -> set[str]:
