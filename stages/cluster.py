@@ -124,6 +124,69 @@ def watch_local_cluster() -> None:
     log.info("watchdog on the local Ray cluster (processes %s)", " ".join(pids))
 
 
+# Ray's raylet waits a fixed 15 s for its dashboard agent to write its port file, then exits; ray.init reports "The
+# current node timed out during startup" 30 s later (ray-project/ray#65983). On a loaded 2-core machine the agent's
+# imports alone can take that long, so a local start is tried again, after the failed one's processes are stopped.
+LOCAL_START_TRIES = 3
+_STARTUP_TIMEOUT = "timed out during startup"
+
+
+def _start_local_ray(num_cpus: int | None) -> None:
+    """``ray.init`` of a new local cluster of ``num_cpus`` CPUs, up to LOCAL_START_TRIES times when Ray's own start-up
+    times out (see above); any other error, or the last time-out, is raised with the cause and the fix."""
+    import ray
+
+    from schemas.errors import RollflowError
+
+    for attempt in range(1, LOCAL_START_TRIES + 1):
+        try:
+            ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, log_to_driver=False,
+                     runtime_env={"env_vars": WORKER_ENV})
+            return
+        except Exception as err:  # noqa: BLE001 (Ray raises a bare Exception for this time-out)
+            if _STARTUP_TIMEOUT not in str(err):
+                raise
+            stopped = stop_failed_start()
+            if attempt == LOCAL_START_TRIES:
+                raise RollflowError(
+                    f"the local Ray cluster did not start, {LOCAL_START_TRIES} times ({err}): its raylet waits 15 s "
+                    "for its agents, and this machine was too busy for them to start in time (the raylet's error is "
+                    "in /tmp/ray/session_latest/logs/raylet.out); try again when the machine is less loaded, or "
+                    "start a cluster with `ray start --head` and point RAY_ADDRESS at it") from None
+            log.warning("the local Ray cluster did not start (try %d of %d: its agents were too slow for the "
+                        "raylet's 15 s wait, a busy machine); stopped its %d processes, starting it again",
+                        attempt, LOCAL_START_TRIES, stopped)
+
+
+def stop_failed_start() -> int:
+    """SIGKILL the processes a failed local ``ray.init`` of this process left running (its GCS server, log monitor,
+    dashboard, reaper, and any agent still alive): this process's descendants started from Ray's package; returns
+    how many. Ray keeps no handle on them after the failure. Linux only (/proc); elsewhere 0."""
+    import signal
+
+    import ray
+
+    from stages.watchdog import start_time, tree
+
+    if not os.path.isdir("/proc"):
+        return 0
+    package = os.path.dirname(os.path.abspath(ray.__file__)) + os.sep
+    stopped = 0
+    for pid in tree([os.getpid()])[1:]:
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                cmdline = f.read().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if package in cmdline and start_time(pid) is not None:
+            try:
+                os.kill(pid, signal.SIGKILL)
+                stopped += 1
+            except ProcessLookupError:
+                pass
+    return stopped
+
+
 def ensure_ray(address: str | None = None, num_cpus: int | None = None, progress: bool | None = None,
                data_memory_mb: float | None = None) -> dict:
     """Connect to (or start) Ray and set the Ray Data context. Returns the settings used, for logging.
@@ -144,8 +207,7 @@ def ensure_ray(address: str | None = None, num_cpus: int | None = None, progress
         else:
             for var, value in local_read_settings(num_cpus or os.cpu_count() or 1).items():
                 os.environ.setdefault(var, value)
-            ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, log_to_driver=False,
-                     runtime_env={"env_vars": WORKER_ENV})
+            _start_local_ray(num_cpus)
             watch_local_cluster()
     ctx = ray.data.DataContext.get_current()
     ctx.execution_options.preserve_order = True
