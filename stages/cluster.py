@@ -146,7 +146,7 @@ def _start_local_ray(num_cpus: int | None) -> None:
         except Exception as err:  # noqa: BLE001 (Ray raises a bare Exception for this time-out)
             if _STARTUP_TIMEOUT not in str(err):
                 raise
-            stopped = stop_failed_start()
+            stopped = _stop_failed_start()
             if attempt == LOCAL_START_TRIES:
                 raise RollflowError(
                     f"the local Ray cluster did not start, {LOCAL_START_TRIES} times ({err}): its raylet waits 15 s "
@@ -158,7 +158,7 @@ def _start_local_ray(num_cpus: int | None) -> None:
                         attempt, LOCAL_START_TRIES, stopped)
 
 
-def stop_failed_start() -> int:
+def _stop_failed_start() -> int:
     """SIGKILL the processes a failed local ``ray.init`` of this process left running (its GCS server, log monitor,
     dashboard, reaper, and any agent still alive): this process's descendants started from Ray's package; returns
     how many. Ray keeps no handle on them after the failure. Linux only (/proc); elsewhere 0."""
@@ -166,19 +166,14 @@ def stop_failed_start() -> int:
 
     import ray
 
-    from stages.watchdog import start_time, tree
+    from stages.watchdog import cmdline, start_time, tree
 
     if not os.path.isdir("/proc"):
         return 0
     package = os.path.dirname(os.path.abspath(ray.__file__)) + os.sep
     stopped = 0
     for pid in tree([os.getpid()])[1:]:
-        try:
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                cmdline = f.read().replace(b"\0", b" ").decode(errors="replace")
-        except OSError:
-            continue
-        if package in cmdline and start_time(pid) is not None:
+        if package in cmdline(pid) and start_time(pid) is not None:
             try:
                 os.kill(pid, signal.SIGKILL)
                 stopped += 1

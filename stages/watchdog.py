@@ -26,6 +26,15 @@ def start_time(pid: int) -> int | None:
     return None if fields[0] in ("Z", "X") else int(fields[19])
 
 
+def cmdline(pid: int) -> str:
+    """The command line of ``pid``, its arguments joined by spaces ("" if it is gone or a zombie)."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().replace(b"\0", b" ").decode(errors="replace").strip()
+    except OSError:
+        return ""
+
+
 def children_of() -> dict[int, list[int]]:
     """Parent pid -> child pids, for every process visible in /proc."""
     out: dict[int, list[int]] = {}

@@ -51,14 +51,6 @@ def _descendants(root: int) -> list[int]:
     return [p for p in tree([root]) if p != root]
 
 
-def _cmdline(pid: int) -> str:
-    try:
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            return f.read().replace(b"\0", b" ").decode(errors="replace")[:200]
-    except OSError:
-        return "?"
-
-
 def test_a_sigkilled_driver_leaves_no_ray_process_behind(tmp_path):
     """The local cluster a process started (GCS, raylet, agents, workers) is gone within seconds of a SIGKILL of
     that process alone — the watchdog's doing, not Ray's: nothing else stops them."""
@@ -68,7 +60,7 @@ def test_a_sigkilled_driver_leaves_no_ray_process_behind(tmp_path):
     import sys
     import time
 
-    from stages.watchdog import start_time
+    from stages.watchdog import cmdline, start_time
     from tests.spine.test_resume import _child_env
 
     env = _child_env(tmp_path / "prefect")
@@ -83,7 +75,7 @@ def test_a_sigkilled_driver_leaves_no_ray_process_behind(tmp_path):
         deadline = time.monotonic() + 30
         while (alive := [p for p, t in family.items() if start_time(p) == t]) and time.monotonic() < deadline:
             time.sleep(0.5)
-        assert not alive, f"left behind: {[(p, _cmdline(p)) for p in alive]}"
+        assert not alive, f"left behind: {[(p, cmdline(p)[:200]) for p in alive]}"
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
@@ -105,14 +97,9 @@ if any(a.endswith(b"dashboard/agent.py") for a in _argv):
 RETRY_CHILD = """
 import os, ray
 from stages.cluster import ensure_ray
-from stages.watchdog import tree
+from stages.watchdog import cmdline, tree
 ensure_ray(num_cpus=1)
 print("worker", ray.get(ray.remote(lambda: os.getpid()).remote()) > 0, flush=True)
-def cmdline(pid):
-    try:
-        return open(f"/proc/{pid}/cmdline", "rb").read().decode(errors="replace")
-    except OSError:
-        return ""
 print("gcs", sum("gcs_server" in cmdline(p) for p in tree([os.getpid()])[1:]), flush=True)
 """
 
