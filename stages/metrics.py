@@ -2,7 +2,8 @@
 
 Every stage of every iteration logs its metrics once: ``MetricsLog(run_dir).log(iteration, stage, metrics, wall_s)``.
 Rows go to ``runs/<run>/metrics/`` as one Parquet part file per ``(iteration, stage)``, written to a hidden temporary
-file and renamed into place, so a killed run leaves either the old part or the new one, never half a file. Logging the
+file and renamed into place, so a killed run leaves either the old part or the new one, never half a file (the next
+MetricsLog of the run deletes the temporary file a killed writer left). Logging the
 same ``(iteration, stage)`` again (a resumed run re-running an iteration) replaces that part: the merged table never
 holds duplicates. Columns: ``iteration, stage, name, value, wall_s, timestamp`` (long format, one row per metric).
 
@@ -103,6 +104,21 @@ def read_metrics(run_dir: str | os.PathLike) -> pa.Table:
     return merged.sort_by([("iteration", "ascending"), ("stage", "ascending"), ("name", "ascending")])
 
 
+_TMP_PREFIX = ".tmp-"
+
+
+def _remove_dead_writers_temporaries(metrics_dir: Path) -> None:
+    """Delete the part files a killed run was writing (``.tmp-<part>-<pid>`` whose process is gone): its rename
+    never came, so the part it replaced (or none) still stands. A live writer's file is left alone."""
+    from stages.watchdog import start_time
+
+    for tmp in metrics_dir.glob(f"{_TMP_PREFIX}*"):
+        pid = tmp.name.rsplit("-", 1)[-1]
+        if pid.isdigit() and int(pid) != os.getpid() and start_time(int(pid)) is not None:
+            continue
+        tmp.unlink(missing_ok=True)
+
+
 class MetricsLog:
     """Append-or-replace metrics of one run; see the module docstring. Use as a context manager or call close()."""
 
@@ -114,6 +130,8 @@ class MetricsLog:
         # a run folder on an object store: the events go to its local side (TensorBoard's writer needs local files)
         self.tensorboard_dir = Path(local_side(self.metrics.parent)) / TENSORBOARD_DIR
         self.metrics.fs.create_dir(self.metrics.path, recursive=True)
+        if local:
+            _remove_dead_writers_temporaries(self.metrics_dir)
         self._tensorboard = tensorboard
         self._writer = None
         existing = read_metrics(self.run_dir)
@@ -146,7 +164,7 @@ class MetricsLog:
         table = self._rows(iteration, stage, values, wall_s)
         path = self.metrics.child(part_file_name(iteration, stage))
         if self.metrics.atomic_rename:
-            tmp = self.metrics_dir / f".tmp-{path.name}-{os.getpid()}"
+            tmp = self.metrics_dir / f"{_TMP_PREFIX}{path.name}-{os.getpid()}"
             pq.write_table(table, tmp)
             os.replace(tmp, path.path)
         else:  # one PUT: the object appears whole or not at all

@@ -82,6 +82,24 @@ def test_interrupted_write_leaves_no_part_and_is_ignored(tmp_path):
     assert _rows(read_metrics(tmp_path)) == {(0, "train", "actor/pg_loss"): 1.0}
 
 
+def test_reopening_deletes_a_dead_writers_temporary_file_only(tmp_path):
+    """A resumed run's metrics log deletes what a killed writer left; a live writer's file stays."""
+    import subprocess
+    import sys
+
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    dead = tmp_path / "metrics" / f".tmp-{part_file_name(0, 'train')}-{gone.pid}"
+    live = tmp_path / "metrics" / f".tmp-{part_file_name(0, 'rollout')}-{os.getppid()}"
+    dead.parent.mkdir()
+    dead.write_bytes(b"PAR1 truncated")
+    live.write_bytes(b"PAR1 being written")
+    with MetricsLog(tmp_path) as log:
+        log.log(0, "train", {"actor/pg_loss": 1.0})
+    assert not dead.exists() and live.exists()
+    assert _rows(read_metrics(tmp_path)) == {(0, "train", "actor/pg_loss"): 1.0}
+
+
 def test_part_names_are_distinct_for_similar_stage_names():
     assert part_file_name(3, "a/b") != part_file_name(3, "a_b")
     assert part_file_name(3, "train") < part_file_name(10, "train")
