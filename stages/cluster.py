@@ -148,10 +148,13 @@ def _start_local_ray(num_cpus: int | None) -> None:
                 raise
             stopped = _stop_failed_start()
             if attempt == LOCAL_START_TRIES:
+                from ray._common.utils import get_default_ray_temp_dir  # RAY_TMPDIR, TMPDIR or /tmp, then "ray"
+
+                raylet_log = os.path.join(get_default_ray_temp_dir(), "session_latest", "logs", "raylet.out")
                 raise RollflowError(
                     f"the local Ray cluster did not start, {LOCAL_START_TRIES} times ({err}): its raylet waits 15 s "
                     "for its agents, and this machine was too busy for them to start in time (the raylet's error is "
-                    "in /tmp/ray/session_latest/logs/raylet.out); try again when the machine is less loaded, or "
+                    f"in {raylet_log}); try again when the machine is less loaded, or "
                     "start a cluster with `ray start --head` and point RAY_ADDRESS at it") from None
             log.warning("the local Ray cluster did not start (try %d of %d: its agents were too slow for the "
                         "raylet's 15 s wait, a busy machine); stopped its %d processes, starting it again",
