@@ -9,9 +9,10 @@ Generation and the environment step share one ``map_batches`` task per batch, so
 (vLLM's throughput grows with batch size); the task records the seconds spent in each as partials.
 
 Inputs are read on the driver with pyarrow (the ``done`` filter pushed into the scan) and handed to Ray Data as
-in-memory blocks, one block per engine call. The tables are small — one row per active episode — and Ray Data
-2.60's file-listing task costs 3–20 s per ``read_parquet`` on a loaded 2-core machine, more than a turn's own work;
-from in-memory blocks a stage's fixed cost drops below a second once the workers are warm.
+in-memory blocks, one block per engine call. The tables are small — one row per active episode — and a turn's own
+work is short: from in-memory blocks its fixed cost stays below a second once the workers are warm (Ray Data 2.60's
+default Parquet reader cost 3–20 s per ``read_parquet`` here; the runner now reads with the first one, see
+stages/runner.py ``_configure_ray_data``, which still costs a few tenths of a second per read).
 """
 
 from __future__ import annotations
