@@ -25,7 +25,6 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 
 from recompute import CONFIG, dataset, run_chain, total_tokens  # noqa: E402
 from schemas.config import RecomputeConfig, load_config  # noqa: E402
-from stages.cluster import local_read_settings  # noqa: E402
 from tests.ray_nodes import NodeSpec, RayNodes, ray_record  # noqa: E402
 
 LAYOUTS = {"one node": [NodeSpec(2, object_store_mb=1600)],
@@ -58,9 +57,6 @@ def main() -> None:
     ap.add_argument("--cache", type=Path, default=REPO / ".cache/bench/recompute")
     args = ap.parse_args()
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    # the same Parquet read settings for both (a joined cluster otherwise keeps Ray's 32 footer actors per read)
-    for var, value in local_read_settings(2).items():
-        os.environ.setdefault(var, value)
     cfg = load_config(RecomputeConfig, CONFIG)
     samples = dataset(args.samples, args.cache)
     tokens = total_tokens(samples)

@@ -23,17 +23,12 @@ def configure_threads() -> None:
 
 WORKER_ENV = {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
 
-# Ray Data's Parquet reader (datasource V2, ray 2.60) reads its knobs from the environment of the driver, where the
-# read is planned: 32 footer-reading actors per read (a worker process of ~100 MB each, all started even for a
-# handful of files) and 128 MiB read units (a 3-file table becomes one task on one CPU). On a local cluster we size
-# both to the machine; values a user exported win, and a remote cluster keeps Ray's defaults.
-READ_UNIT_MB = 32
-
-
-def local_read_settings(num_cpus: int) -> dict[str, str]:
-    """Environment for Ray Data's Parquet reads on a local cluster of ``num_cpus`` CPUs (see READ_UNIT_MB)."""
-    return {"RAY_DATA_PARQUET_FOOTER_NUM_ACTORS": str(max(1, min(32, num_cpus))),
-            "RAY_DATA_PARQUET_BIN_PACKING_BYTES": str(READ_UNIT_MB * 2**20)}
+# Ray Data's Parquet reader. Ray 2.60's default (datasource V2) lists the files and reads their footers in extra Ray
+# tasks and actors before the first block: about 3 s per ``read_parquet`` of a one-file, 4-row table here (2 CPUs,
+# warm workers), against 0.2 s for the first reader (V1), and every stage reads its inputs once or more
+# (benchmarks/parquet_read.py, BENCHMARKS.md). V1 reads each file in its own task (files beyond the read
+# parallelism share tasks), in the order given, on a local cluster and a joined one alike.
+PARQUET_DATASOURCE_V2 = False
 
 
 class _HideSpuriousCpuWarning(logging.Filter):
@@ -203,12 +198,11 @@ def ensure_ray(address: str | None = None, num_cpus: int | None = None, progress
         if address:
             ray.init(address=address, log_to_driver=False)
         else:
-            for var, value in local_read_settings(num_cpus or os.cpu_count() or 1).items():
-                os.environ.setdefault(var, value)
             _start_local_ray(num_cpus)
             watch_local_cluster()
     ctx = ray.data.DataContext.get_current()
     ctx.execution_options.preserve_order = True
+    ctx.use_datasource_v2 = PARQUET_DATASOURCE_V2
     if data_memory_mb:
         from ray.data._internal.execution.interfaces import ExecutionResources
 
@@ -217,7 +211,7 @@ def ensure_ray(address: str | None = None, num_cpus: int | None = None, progress
     ctx.print_on_execution_start = False
     settings = {"ray_address": address or "local", "cpus": ray.cluster_resources().get("CPU"),
                 "preserve_order": True, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS"),
-                "parquet_read_unit_bytes": os.environ.get("RAY_DATA_PARQUET_BIN_PACKING_BYTES", "ray default")}
+                "parquet_reader": "v2" if PARQUET_DATASOURCE_V2 else "v1"}
     log.info("execution settings: %s", settings)
     return settings
 

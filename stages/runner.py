@@ -255,21 +255,12 @@ class _HideReportedUserErrors(logging.Filter):
         return _find_rollflow_error(exc) is None
 
 
-def _configure_ray_data() -> None:
-    """This process's Ray Data settings for the stages. Idempotent.
-
-    * Make Ray Data raise a map function's own exception (not a ``UserCodeException`` that drops it), so that
-      :func:`unwrap_error` finds our errors; silence Ray's report of those errors.
-    * Read Parquet through Ray Data's first datasource (``use_datasource_v2 = False``). Ray 2.60's default (V2)
-      lists the files and reads their footers in extra Ray tasks before the first block: measured here (AMD EPYC,
-      2 CPUs, warm workers) about 3 s per ``read_parquet`` of one 4-row file against 0.2 s with V1, and every stage
-      reads its inputs once or more. Both stream the files in tasks in the order given (what the stages rely on).
-    """
+def _surface_user_errors() -> None:
+    """Make Ray Data raise a map function's own exception (not a ``UserCodeException`` that drops it), so that
+    :func:`unwrap_error` finds our errors; silence Ray's report of those errors. Idempotent."""
     import ray.data
 
-    context = ray.data.DataContext.get_current()
-    context.raise_original_map_exception = True
-    context.use_datasource_v2 = False
+    ray.data.DataContext.get_current().raise_original_map_exception = True
     for name in ("ray.data.exceptions", "ray.data._internal.execution.streaming_executor_state"):
         logger = logging.getLogger(name)
         if not any(isinstance(f, _HideReportedUserErrors) for f in logger.filters):
@@ -520,7 +511,7 @@ def _write_output(stage: Stage, ctx: StageContext, out: Location, start: float,
                   context: dict[str, Any] | None = None) -> dict[str, Any]:
     """Run ``stage``'s pipeline into ``ctx.output`` (the temporary folder of ``out``), validate what it wrote and
     return the manifest (all but the fingerprint; ``context``, when given, is recorded as it is)."""
-    _configure_ray_data()
+    _surface_user_errors()
     tmp = ctx.output
     stage.build(ctx).write_datasink(_ordered_parquet_sink(tmp))
     files = _rename_parts(tmp)

@@ -11,8 +11,8 @@ Generation and the environment step share one ``map_batches`` task per batch, so
 Inputs are read on the driver with pyarrow (the ``done`` filter pushed into the scan) and handed to Ray Data as
 in-memory blocks, one block per engine call. The tables are small — one row per active episode — and a turn's own
 work is short: from in-memory blocks its fixed cost stays below a second once the workers are warm (Ray Data 2.60's
-default Parquet reader cost 3–20 s per ``read_parquet`` here; the runner now reads with the first one, see
-stages/runner.py ``_configure_ray_data``, which still costs a few tenths of a second per read).
+default Parquet reader cost 3–20 s per ``read_parquet`` here; the stages now read with the first one, see
+stages/cluster.py ``PARQUET_DATASOURCE_V2``, which still costs a few tenths of a second per read).
 """
 
 from __future__ import annotations

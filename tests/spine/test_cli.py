@@ -247,9 +247,7 @@ def test_recompute_on_a_two_node_cluster_equals_the_local_run(cli_run, step_set,
     local, _ = cli_run
     out = tmp_path / "two_nodes"
     with RayNodes([NodeSpec(1, {"rollflow_head": 4}), NodeSpec(1, {"rollflow_pinned": 4})], env=cli_env) as nodes:
-        # a joined cluster keeps Ray Data's default of 32 Parquet footer readers per read (stages/cluster.py): one is
-        # enough for a table of three files on two CPUs
-        env = {**cli_env, "RAY_ADDRESS": nodes.address, "RAY_DATA_PARQUET_FOOTER_NUM_ACTORS": "1"}
+        env = {**cli_env, "RAY_ADDRESS": nodes.address}
         done = subprocess.run([sys.executable, "-m", "flows.cli", "recompute", "--input", step_set, "--config", GIGPO,
                                "--output", str(out), "--set", PINS], cwd=REPO, env=env, capture_output=True,
                               text=True, timeout=600)

@@ -1,5 +1,5 @@
-"""The local Ray cluster a process starts (stages/cluster.py): its read settings take effect in Ray Data's Parquet
-reader, it is stopped when its driver is SIGKILLed, and a start that times out is cleaned up and tried again."""
+"""The local Ray cluster a process starts (stages/cluster.py): Ray Data's Parquet reader it sets reads each file in its
+own task, it is stopped when its driver is SIGKILLed, and a start that times out is cleaned up and tried again."""
 
 from __future__ import annotations
 
@@ -9,24 +9,24 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from stages.cluster import READ_UNIT_MB
 
+def test_each_file_is_read_by_its_own_task_in_file_order(tmp_path, ray_cluster):
+    """The stages' Parquet reader (stages/cluster.py PARQUET_DATASOURCE_V2: Ray Data's first one): three files are
+    read by three read tasks (both CPUs busy), the rows in file order."""
+    import re
 
-def test_each_file_over_the_read_unit_is_its_own_read_task(tmp_path, ray_cluster):
-    """Three files of ~0.6 read units each: Ray's default 128 MiB unit would read them as one task on one CPU;
-    ours reads them as three (both CPUs busy, a third of the memory per task)."""
     import ray.data
 
-    rows = int(0.6 * READ_UNIT_MB * 2**20 / 8)
-    rng = np.random.default_rng(0)
+    rows = 400_000
     files = [str(tmp_path / f"part-{i}.parquet") for i in range(3)]
-    for f in files:
-        pq.write_table(pa.table({"x": rng.random(rows)}), f, compression="none", use_dictionary=False,
-                       row_group_size=rows)
-    assert all(0.5 * READ_UNIT_MB * 2**20 < pq.read_metadata(f).row_group(0).total_byte_size for f in files)
+    for i, f in enumerate(files):
+        pq.write_table(pa.table({"x": np.arange(i * rows, (i + 1) * rows, dtype=np.int64)}), f)
+    assert not ray.data.DataContext.get_current().use_datasource_v2
     ds = ray.data.read_parquet(files).materialize()
-    assert ds.num_blocks() == 3
     assert ds.count() == 3 * rows
+    assert np.array_equal(ds.to_pandas()["x"].to_numpy(), np.arange(3 * rows)), "file order, then row order"
+    read = re.search(r"ReadParquet\S*: (\d+) tasks executed", ds.stats())
+    assert read and int(read.group(1)) == 3, ds.stats()
 
 
 CHILD = """

@@ -146,9 +146,8 @@ def two_nodes(cli_env):
 
 @pytest.fixture(scope="module")
 def cluster_env(cli_env, two_nodes) -> dict:
-    """The environment of a command that runs on ``two_nodes`` (RAY_ADDRESS). A joined cluster keeps Ray Data's
-    default of 32 Parquet footer readers per read (stages/cluster.py); one is enough for these small tables."""
-    return {**cli_env, "RAY_ADDRESS": two_nodes.address, "RAY_DATA_PARQUET_FOOTER_NUM_ACTORS": "1"}
+    """The environment of a command that runs on ``two_nodes`` (RAY_ADDRESS)."""
+    return {**cli_env, "RAY_ADDRESS": two_nodes.address}
 
 
 @pytest.fixture(scope="module")
