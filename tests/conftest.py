@@ -28,6 +28,8 @@ os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 os.environ.setdefault("PYTHONHASHSEED", "0")
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as the rollflow command sets it (stages/cluster.py): the two
+# test workers share two cores, where spinning OpenMP threads slowed torch work 5x (benchmarks/omp_wait.py)
 os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")
 
 logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
