@@ -15,32 +15,13 @@ import os
 log = logging.getLogger("rollflow.cluster")
 
 
-# OpenMP threads that wait at a barrier sleep instead of spinning. torch's OpenMP (GNU libgomp) spins by default: on
-# a 2-core machine, two processes of 2 torch threads each (a log-prob actor beside a generation engine, two runs, two
-# test workers) then burn each other's cores. Measured (benchmarks/omp_wait.py, BENCHMARKS.md): six forward+backward
-# passes of the default model took 23 s alone either way, and 187 s each when two ran at once with libgomp's default
-# against 33-35 s with PASSIVE. libgomp reads it when it loads (with torch), so it is set before a process imports
-# torch, and given to the Ray workers through the job's environment. A user's own OMP_WAIT_POLICY wins.
-OMP_WAIT_POLICY = "PASSIVE"
-
-
-def passive_omp_wait() -> str:
-    """Default ``OMP_WAIT_POLICY`` for this process and the processes it starts (see above); returns the policy."""
-    return os.environ.setdefault("OMP_WAIT_POLICY", OMP_WAIT_POLICY)
-
-
 def configure_threads() -> None:
-    """One intra-op thread per process next to Ray workers (STACK.md: oversubscription slows torch 6-10x), and
-    OpenMP threads that sleep while they wait (:func:`passive_omp_wait`)."""
+    """One intra-op thread per process next to Ray workers (STACK.md: oversubscription slows torch 6-10x)."""
     for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
         os.environ.setdefault(var, "1")
-    passive_omp_wait()
 
 
-def worker_env() -> dict[str, str]:
-    """The environment of a run's Ray workers (the job's ``runtime_env``): one intra-op thread unless an actor sets
-    its own, OpenMP's wait policy as this process has it, no tokenizer threads."""
-    return {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "OMP_WAIT_POLICY": passive_omp_wait()}
+WORKER_ENV = {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
 
 # Ray Data's Parquet reader. Ray 2.60's default (datasource V2) lists the files and reads their footers in extra Ray
 # tasks and actors before the first block: about 3 s per ``read_parquet`` of a one-file, 4-row table here (2 CPUs,
@@ -155,7 +136,7 @@ def _start_local_ray(num_cpus: int | None) -> None:
     for attempt in range(1, LOCAL_START_TRIES + 1):
         try:
             ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, log_to_driver=False,
-                     runtime_env={"env_vars": worker_env()})
+                     runtime_env={"env_vars": WORKER_ENV})
             return
         except Exception as err:  # noqa: BLE001 (Ray raises a bare Exception for this time-out)
             if _STARTUP_TIMEOUT not in str(err):
@@ -215,8 +196,7 @@ def ensure_ray(address: str | None = None, num_cpus: int | None = None, progress
     address = address or os.environ.get("RAY_ADDRESS")
     if not ray.is_initialized():
         if address:
-            ray.init(address=address, log_to_driver=False,
-                     runtime_env={"env_vars": {"OMP_WAIT_POLICY": passive_omp_wait()}})
+            ray.init(address=address, log_to_driver=False)
         else:
             _start_local_ray(num_cpus)
             watch_local_cluster()
@@ -231,7 +211,6 @@ def ensure_ray(address: str | None = None, num_cpus: int | None = None, progress
     ctx.print_on_execution_start = False
     settings = {"ray_address": address or "local", "cpus": ray.cluster_resources().get("CPU"),
                 "preserve_order": True, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS"),
-                "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY"),
                 "parquet_reader": "v2" if PARQUET_DATASOURCE_V2 else "v1"}
     log.info("execution settings: %s", settings)
     return settings

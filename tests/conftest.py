@@ -28,8 +28,10 @@ os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 os.environ.setdefault("PYTHONHASHSEED", "0")
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as the rollflow command sets it (stages/cluster.py): the two
-# test workers share two cores, where spinning OpenMP threads slowed torch work 5x (benchmarks/omp_wait.py)
+# The two test workers (and the runs they start) share two cores: OpenMP threads that sleep at barriers instead of
+# spinning, or two torch processes slow each other 4-7x (benchmarks/omp_wait.py; BENCHMARKS.md says why rollflow's
+# own default stays libgomp's: a run alone generates faster with it). Children and their Ray workers inherit it.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")
 
 logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")

@@ -15,9 +15,6 @@ __all__ = ["app", "main"]
 
 
 def main() -> None:
-    from stages.cluster import passive_omp_wait
-
-    passive_omp_wait()  # before anything imports torch (its OpenMP reads the policy once)
     try:
         app()
     except KeyboardInterrupt:

@@ -37,10 +37,10 @@ import ray
 
 @ray.remote
 def pid():
-    return os.getpid(), os.environ.get("OMP_WAIT_POLICY")
+    return os.getpid()
 
-worker, policy = ray.get(pid.remote())
-print(worker, policy, flush=True)
+worker = ray.get(pid.remote())
+print(worker, flush=True)
 time.sleep(600)
 """
 
@@ -53,8 +53,7 @@ def _descendants(root: int) -> list[int]:
 
 def test_a_sigkilled_driver_leaves_no_ray_process_behind(tmp_path):
     """The local cluster a process started (GCS, raylet, agents, workers) is gone within seconds of a SIGKILL of
-    that process alone — the watchdog's doing, not Ray's: nothing else stops them. (On the way: the cluster's
-    workers got OpenMP's passive wait policy from a driver whose environment named none.)"""
+    that process alone — the watchdog's doing, not Ray's: nothing else stops them."""
     import os
     import signal
     import subprocess
@@ -64,13 +63,11 @@ def test_a_sigkilled_driver_leaves_no_ray_process_behind(tmp_path):
     from stages.watchdog import cmdline, start_time
     from tests.spine.test_resume import _child_env
 
-    env = {k: v for k, v in _child_env(tmp_path / "prefect").items() if k != "OMP_WAIT_POLICY"}
+    env = _child_env(tmp_path / "prefect")
     proc = subprocess.Popen([sys.executable, "-c", CHILD], env=env, stdout=subprocess.PIPE, text=True,
                             start_new_session=True)
     try:
-        worker, policy = proc.stdout.readline().split()
-        worker = int(worker)
-        assert policy == "PASSIVE", policy
+        worker = int(proc.stdout.readline())
         family = {p: start_time(p) for p in _descendants(proc.pid)}
         assert worker in family and len(family) >= 3, family  # gcs_server, raylet, ..., the worker
         os.kill(proc.pid, signal.SIGKILL)
@@ -129,15 +126,3 @@ def test_a_local_start_that_times_out_is_stopped_and_tried_again(tmp_path):
     assert (site / "held").exists(), "the agent was held back"
     assert "the local Ray cluster did not start (try 1 of 3" in done.stderr, done.stderr[-3000:]
     assert "worker True" in done.stdout and "gcs 1" in done.stdout, done.stdout
-
-
-def test_openmp_wait_policy_is_passive_unless_the_user_chose_one(monkeypatch):
-    """rollflow's processes and its Ray workers sleep at OpenMP barriers (stages/cluster.py: spinning threads of two
-    torch processes on shared cores slowed both 7x); a user's own OMP_WAIT_POLICY is kept, for the workers too."""
-    from stages.cluster import passive_omp_wait, worker_env
-
-    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
-    assert passive_omp_wait() == "PASSIVE" and os.environ["OMP_WAIT_POLICY"] == "PASSIVE"
-    assert worker_env()["OMP_WAIT_POLICY"] == "PASSIVE" and worker_env()["OMP_NUM_THREADS"] == "1"
-    monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")
-    assert passive_omp_wait() == "ACTIVE" and worker_env()["OMP_WAIT_POLICY"] == "ACTIVE"
