@@ -15,6 +15,7 @@ the optimizer step, timed by the step itself; the best time counts. (Without old
 is 1, so its pg_loss is the advantages' mean whatever the model computes: the gradient norm is what is compared.)
 
     python benchmarks/packing.py --rows 64 --model default --dtype fp32
+    python benchmarks/packing.py --device cuda --dtype bf16 --samples DIR --model MODEL_DIR   # a GPU machine
 
 Last line: ``RESULT packed_tok_per_s=... padded_tok_per_s=... speedup=... padded_overhead=... max_abs_diff=...
 train_packed_tok_per_s=... train_padded_tok_per_s=... train_speedup=... train_grad_norm_rel_diff=...``
@@ -42,11 +43,18 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--no-train", action="store_true", help="measure the log-prob pass only")
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
+                        help="where both passes run (cuda: DeepSpeed on nccl, world of one)")
+    parser.add_argument("--attn", default=None, help="Hugging Face attention implementation for both paths "
+                        "(default: the model's, sdpa; e.g. flex_attention, whose block mask skips other rows)")
     args = parser.parse_args()
     set_up_process()
 
     import pyarrow.dataset as pads
     import torch
+
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device cuda, but torch sees no CUDA device: run on a GPU machine or use --device cpu")
 
     from stages.example import ExampleSpec, generate
     from stages.train.batching import TokenRows
@@ -62,14 +70,17 @@ def main() -> None:
     files = Location.of(folder).parquet_files()
     table = pads.dataset(files, format="parquet").to_table(columns=["row_id", "input_ids", "response_mask"])
     rows = TokenRows.from_arrow(table, folder, columns=())
-    model = load_forward_model(model_folder(args.model), "log_probs", args.dtype)
-    forward_rows(model, rows.take(np.arange(min(4, rows.num_rows))), args.budget)  # warm-up
+    model = load_forward_model(model_folder(args.model), "log_probs", args.dtype, device=args.device)
+    if args.attn:
+        model.set_attn_implementation(args.attn)
+    for packed in (False, True):  # warm-up (on a GPU: kernels chosen for both shapes of batch)
+        forward_rows(model, rows.take(np.arange(min(8, rows.num_rows))), args.budget, packed=packed, device=args.device)
 
     def best(packed: bool):
         runs = []
         for _ in range(args.repeats):
-            start = time.perf_counter()
-            result = forward_rows(model, rows, args.budget, packed=packed)
+            start = time.perf_counter()  # the log-probs come back to host memory: the pass has ended on the device
+            result = forward_rows(model, rows, args.budget, packed=packed, device=args.device)
             runs.append((time.perf_counter() - start, result))
         return min(runs, key=lambda r: r[0])
 
@@ -78,8 +89,8 @@ def main() -> None:
     diff = float(np.abs(packed.columns["log_probs"].values - padded.columns["log_probs"].values).max())
     real = float(rows.lengths.sum())
     print(f"{rows.num_rows} rows, {int(real):,} tokens (lengths {rows.lengths.min()}-{rows.lengths.max()}), "
-          f"budget {args.budget}, {args.dtype}, {args.threads} threads, CPU capability "
-          f"{torch.backends.cpu.get_cpu_capability()}")
+          f"budget {args.budget}, {args.dtype}, attention {model.config._attn_implementation}, " + (torch.cuda.get_device_name() if args.device == "cuda" else
+          f"{args.threads} threads, CPU capability {torch.backends.cpu.get_cpu_capability()}"))
     print(f"{'pass':<8} {'seconds':>8} {'tok/s':>9} {'micro-batches':>14} {'padded tokens':>14}")
     for label, seconds, result in (("padded", padded_s, padded), ("packed", packed_s, packed)):
         print(f"{label:<8} {seconds:>8.2f} {real / seconds:>9.0f} {result.micro_batches:>14} "
@@ -107,7 +118,7 @@ def train_half(table, folder: str, args) -> str:
     lengths = [len(x) for x in table.column("input_ids").to_pylist()]
     advantages = pa.array([rng.normal(size=n - 1).astype(np.float32).tolist() for n in lengths], FLOATS)
     rows = TokenRows.from_arrow(table.append_column("advantages", advantages), folder)
-    dist = init_distributed(threads=args.threads)
+    dist = init_distributed(threads=args.threads)  # on a GPU machine: nccl and the CUDA device
     print(f"{'training':<8} {'seconds':>8} {'tok/s':>9} {'padded tokens':>14} {'grad norm':>12}")
     out = {}
     for packed in [False, True] * max(1, args.repeats):  # alternating, fresh engines each time; the best time counts
@@ -115,8 +126,20 @@ def train_half(table, folder: str, args) -> str:
             "model_args": {"dtype": args.dtype}, "max_tokens_per_microbatch_in_train": args.budget,
             "use_sequence_packing": packed,
             "training_args": {"learning_rate": 1e-6, "per_device_train_batch_size": rows.num_rows}}})
-        engine = Engine(load_actor_model(model_folder(args.model), cfg.actor_train), cfg.actor_train, dist, "actor")
-        report = train_step(rows, engine, None, cfg, dist, step=0, pad_token_id=0)
+        actor = load_actor_model(model_folder(args.model), cfg.actor_train)
+        if args.attn:
+            actor.set_attn_implementation(args.attn)
+        engine = Engine(actor, cfg.actor_train, dist, "actor")
+        if args.device == "cuda":  # the step's own clock may stop before the device has finished
+            import torch
+
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            report = train_step(rows, engine, None, cfg, dist, step=0, pad_token_id=0)
+            torch.cuda.synchronize()
+            report.seconds = time.perf_counter() - start
+        else:
+            report = train_step(rows, engine, None, cfg, dist, step=0, pad_token_id=0)
         label = "packed" if packed else "padded"
         if label not in out or report.seconds < out[label].seconds:
             out[label] = report
