@@ -88,9 +88,10 @@ def main() -> None:
     packed_s, packed = best(True)
     diff = float(np.abs(packed.columns["log_probs"].values - padded.columns["log_probs"].values).max())
     real = float(rows.lengths.sum())
+    where = (torch.cuda.get_device_name() if args.device == "cuda"
+             else f"{args.threads} threads, CPU capability {torch.backends.cpu.get_cpu_capability()}")
     print(f"{rows.num_rows} rows, {int(real):,} tokens (lengths {rows.lengths.min()}-{rows.lengths.max()}), "
-          f"budget {args.budget}, {args.dtype}, attention {model.config._attn_implementation}, " + (torch.cuda.get_device_name() if args.device == "cuda" else
-          f"{args.threads} threads, CPU capability {torch.backends.cpu.get_cpu_capability()}"))
+          f"budget {args.budget}, {args.dtype}, attention {model.config._attn_implementation}, {where}")
     print(f"{'pass':<8} {'seconds':>8} {'tok/s':>9} {'micro-batches':>14} {'padded tokens':>14}")
     for label, seconds, result in (("padded", padded_s, padded), ("packed", packed_s, packed)):
         print(f"{label:<8} {seconds:>8.2f} {real / seconds:>9.0f} {result.micro_batches:>14} "
@@ -107,6 +108,7 @@ def main() -> None:
 def train_half(table, folder: str, args) -> str:
     """One training step padded, then one packed, on the same rows from the same weights → the RESULT fields."""
     import pyarrow as pa
+    import torch
 
     from schemas.config import validate_config
     from schemas.tables import FLOATS
@@ -131,8 +133,6 @@ def train_half(table, folder: str, args) -> str:
             actor.set_attn_implementation(args.attn)
         engine = Engine(actor, cfg.actor_train, dist, "actor")
         if args.device == "cuda":  # the step's own clock may stop before the device has finished
-            import torch
-
             torch.cuda.synchronize()
             start = time.perf_counter()
             report = train_step(rows, engine, None, cfg, dist, step=0, pad_token_id=0)
