@@ -53,18 +53,13 @@ def _train(model: str, threads: int, passes: int, tokens: int) -> None:
 
 def _generate(model: str, threads: int, prompts: int, tokens: int) -> None:
     """The timed part of ``--work generate``, in a child process: prints the seconds of one batch."""
-    import time
-
-    from benchmarks.generation import chat_prompts, engine_runner
+    from benchmarks.generation import best_rate, chat_prompts, engine_runner
     from stages.generation.engines import build_engine
 
     engine = build_engine("vllm", model, dtype="float32", max_model_len=1024, kv_cache_space_gib=1,
                           enforce_eager=True, in_process=True, num_threads=threads)
-    run = engine_runner(engine, chat_prompts(engine.tokenizer, prompts), tokens)
-    run()  # warm-up
-    start = time.perf_counter()
-    run()
-    print(f"{time.perf_counter() - start:.3f}")
+    _, _, seconds = best_rate(engine_runner(engine, chat_prompts(engine.tokenizer, prompts), tokens), repeats=1)
+    print(f"{seconds:.3f}")
     engine.close()
 
 

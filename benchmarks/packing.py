@@ -108,7 +108,7 @@ def main() -> None:
 def train_half(table, folder: str, args) -> str:
     """One training step padded, then one packed, on the same rows from the same weights → the RESULT fields."""
     import pyarrow as pa
-    import torch
+    from gpu_core import synced
 
     from schemas.config import validate_config
     from schemas.tables import FLOATS
@@ -132,14 +132,12 @@ def train_half(table, folder: str, args) -> str:
         if args.attn:
             actor.set_attn_implementation(args.attn)
         engine = Engine(actor, cfg.actor_train, dist, "actor")
+        step = lambda: train_step(rows, engine, None, cfg, dist, step=0, pad_token_id=0)  # noqa: E731
         if args.device == "cuda":  # the step's own clock may stop before the device has finished
-            torch.cuda.synchronize()
-            start = time.perf_counter()
-            report = train_step(rows, engine, None, cfg, dist, step=0, pad_token_id=0)
-            torch.cuda.synchronize()
-            report.seconds = time.perf_counter() - start
+            report, seconds = synced(step)
+            report.seconds = seconds
         else:
-            report = train_step(rows, engine, None, cfg, dist, step=0, pad_token_id=0)
+            report = step()
         label = "packed" if packed else "padded"
         if label not in out or report.seconds < out[label].seconds:
             out[label] = report
