@@ -93,30 +93,18 @@ def _route_raylet_messages() -> None:
     ray_worker.print_to_stdstream = print_to_stdstream
 
 
-# session dir -> the pipe's write end, held open for this process's lifetime (stages/watchdog.py)
-_WATCHDOG_PIPES: dict[str, int] = {}
-
-
 def watch_local_cluster() -> None:
-    """Start stages/watchdog.py on the local Ray cluster this process just started: when this process dies (SIGKILL
-    included) the cluster's processes and workers are killed, not left behind. Linux only; a cluster joined through
-    an address is never watched (it is not ours to stop)."""
-    import subprocess
-    import sys
-
+    """stages/watchdog.py on this process, told the processes of the local Ray cluster it just started: when the
+    process dies (SIGKILL included) the cluster dies with it. A cluster joined through an address is never watched
+    (its processes are not this one's descendants: not ours to stop)."""
     import ray
 
+    from stages import watchdog
+
     node = getattr(ray._private.worker, "_global_node", None)
-    if node is None or node.get_session_dir_path() in _WATCHDOG_PIPES or not os.path.isdir("/proc"):
-        return
-    pids = [str(info.process.pid) for infos in node.all_processes.values() for info in infos if info.process]
-    read_end, write_end = os.pipe()
-    subprocess.Popen([sys.executable, "-m", "stages.watchdog", str(read_end), *pids], pass_fds=(read_end,),
-                     start_new_session=True, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                     stderr=subprocess.DEVNULL, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    os.close(read_end)
-    _WATCHDOG_PIPES[node.get_session_dir_path()] = write_end
-    log.info("watchdog on the local Ray cluster (processes %s)", " ".join(pids))
+    if node is not None:
+        watchdog.start(tuple(info.process.pid for infos in node.all_processes.values() for info in infos
+                             if info.process))
 
 
 # Ray's raylet waits a fixed 15 s for its dashboard agent to write its port file, then exits; ray.init reports "The

@@ -1,10 +1,12 @@
-"""Stops the local Ray cluster a command started when that command dies, SIGKILL included (no orphans).
+"""Kills what a command started when that command dies, SIGKILL included (no orphans): its local Ray cluster and
+Prefect's ephemeral API server.
 
 ``python -m stages.watchdog FD PID...`` runs in its own session. It blocks reading FD, the read end of a pipe whose
 only write end the command holds. The read returns when the command exits, however it ends. The watchdog then kills
-the given processes (the cluster's GCS, raylet and agents) and their descendants (the Ray workers), checking each
-process's start time so that a reused process id is never touched. After a clean exit they are gone already and
-nothing is killed. Linux only (/proc); elsewhere the watchdog is not started.
+the given processes (the command itself first: :func:`start`) and their descendants,
+checking each process's start time so that a reused process id is never touched. After a clean exit they are gone
+already and nothing is killed. A process it may not signal (a sandbox's, under another uid) is left to its own
+limits. Linux only (/proc); elsewhere the watchdog is not started.
 """
 
 from __future__ import annotations
@@ -69,7 +71,7 @@ def kill_known(known: dict[int, int]) -> int:
             try:
                 os.kill(pid, signal.SIGKILL)
                 killed += 1
-            except ProcessLookupError:
+            except (ProcessLookupError, PermissionError):
                 pass
     return killed
 
@@ -91,16 +93,39 @@ def watch(fd: int, roots: list[int], every: float = 0.5) -> int:
     known = _record_tree(known)
     killed = kill_known(known)
     time.sleep(1.0)  # anything forked meanwhile (a worker being started) goes too
-    return killed + kill_known({pid: t for pid in tree(list(known)) if (t := start_time(pid)) is not None})
+    return killed + kill_known(_record_tree(known))
 
 
 def _record_tree(known: dict[int, int]) -> dict[int, int]:
-    """``known`` (pid -> start time) without the processes that ended, with the living descendants added."""
+    """``known`` (pid -> start time) without the processes that ended, with the living descendants added (never the
+    watchdog itself, a child of the command it watches)."""
     alive = {pid: t for pid, t in known.items() if start_time(pid) == t}
     for pid in tree(list(alive)):
-        if pid not in alive and (t := start_time(pid)) is not None:
+        if pid not in alive and pid != os.getpid() and (t := start_time(pid)) is not None:
             alive[pid] = t
     return alive
+
+
+# this process's id -> the write end of its watchdog's pipe, held open for the process's lifetime
+_PIPES: dict[int, int] = {}
+
+
+def start(pids: tuple[int, ...] = ()) -> None:
+    """Start the watchdog on this process, once: when it dies (SIGKILL included), every process it started is killed
+    too: the local Ray cluster (GCS, raylet, agents, workers) and Prefect's ephemeral API server, which outlive a
+    killed command otherwise. ``pids``: processes known now (a Ray cluster just started), recorded at once rather
+    than on the watchdog's next walk of this process's descendants. Linux only (/proc)."""
+    import subprocess
+
+    if os.getpid() in _PIPES or not os.path.isdir("/proc"):
+        return
+    read_end, write_end = os.pipe()
+    subprocess.Popen([sys.executable, "-m", "stages.watchdog", str(read_end), str(os.getpid()), *map(str, pids)],
+                     pass_fds=(read_end,), start_new_session=True, stdin=subprocess.DEVNULL,
+                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                     cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    os.close(read_end)
+    _PIPES[os.getpid()] = write_end
 
 
 def main(argv: list[str]) -> int:

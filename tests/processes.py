@@ -9,24 +9,41 @@ import time
 from pathlib import Path
 from typing import Callable
 
+from stages.watchdog import cmdline
+
+
+def group_members(pgid: int) -> list[int]:
+    """The living processes of process group ``pgid`` (zombies are dead: a container's init may never reap them)."""
+    from stages.watchdog import start_time
+
+    members = []
+    for name in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{name}/stat") as f:
+                if int(f.read().rsplit(")", 1)[1].split()[2]) != pgid:
+                    continue
+        except (OSError, ValueError, IndexError):
+            continue
+        if start_time(int(name)) is not None:
+            members.append(int(name))
+    return members
+
 
 def wait_gone(pgid: int, seconds: float) -> bool:
-    """Wait until no process of group ``pgid`` is left (True), or ``seconds`` passed (False)."""
+    """Wait until no living process of group ``pgid`` is left (True), or ``seconds`` passed (False)."""
     deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        try:
-            os.killpg(pgid, 0)
-        except ProcessLookupError:
-            return True
-        time.sleep(0.5)
-    return False
+    while group_members(pgid):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.2)
+    return True
 
 
 def sigkill_when(cmd: list[str], ready: Callable[[], bool], log_path: Path, *, env: dict, cwd: str | None = None,
                  what: str = "the kill point", whole_group: bool = False, timeout_s: float = 1200) -> None:
     """Start ``cmd`` in a new session and SIGKILL it as soon as ``ready()`` holds — the CLI process alone, or with
-    ``whole_group`` its whole process group. Fails if it ends or ``timeout_s`` passes first; makes sure the group
-    (its local Ray cluster and Prefect server) is gone before returning."""
+    ``whole_group`` its whole process group. Fails if it ends or ``timeout_s`` passes first, or if a process of the
+    group (its local Ray cluster, Prefect's ephemeral server) is still alive 30 s after the kill."""
     with open(log_path, "w") as log:
         proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         try:
@@ -44,9 +61,12 @@ def sigkill_when(cmd: list[str], ready: Callable[[], bool], log_path: Path, *, e
         finally:
             if proc.poll() is None:
                 proc.kill()
-            if not wait_gone(proc.pid, 30):
+            left = [] if wait_gone(proc.pid, 30) else [cmdline(pid)[:200] for pid in group_members(proc.pid)]
+            if left:
                 os.killpg(proc.pid, signal.SIGKILL)
     assert proc.returncode == -signal.SIGKILL
+    # the command's watchdog (stages/watchdog.py) kills what it started: its Ray cluster, Prefect's ephemeral server
+    assert not left, f"left behind by the killed command: {left}"
 
 
 def rollflow_here(*args: str, api_url: str):

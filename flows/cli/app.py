@@ -20,8 +20,9 @@ def _main(ctx: typer.Context,
                                                                      "to the log file (runs/<run>/logs/rollflow.log "
                                                                      "for train).")) -> None:
     from flows import console
-    from stages import progress
+    from stages import progress, watchdog
 
+    watchdog.start()  # what the command starts (a local Ray cluster, Prefect's ephemeral server) dies with it
     console.setup(verbose, ctx.invoked_subcommand)
     progress.enable(sys.stderr.isatty(), ray_data=verbose)
     settings.configure()
