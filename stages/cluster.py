@@ -184,7 +184,7 @@ def ensure_ray(address: str | None = None, num_cpus: int | None = None, progress
     address = address or os.environ.get("RAY_ADDRESS")
     if not ray.is_initialized():
         if address:
-            ray.init(address=address, log_to_driver=False)
+            ray.init(address=address, log_to_driver=False, runtime_env={"env_vars": WORKER_ENV})
         else:
             _start_local_ray(num_cpus)
             watch_local_cluster()

@@ -65,8 +65,8 @@ class RayNodes:
 
     def __init__(self, specs: list[NodeSpec], env: dict | None = None, timeout_s: float = 120):
         self.specs, self.timeout_s = specs, timeout_s
-        self.env = {**(env or os.environ), "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0",
-                    "OMP_NUM_THREADS": "1"}
+        env = {k: v for k, v in (env or os.environ).items() if k != "RAY_ADDRESS"}  # these nodes are a new cluster
+        self.env = {**env, "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0", "OMP_NUM_THREADS": "1"}
         self.root = Path(tempfile.mkdtemp(prefix="rf-ray-", dir="/tmp"))  # short: Ray's socket paths are limited
         self.address: str = ""
         self._procs: list[subprocess.Popen] = []
