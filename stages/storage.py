@@ -48,11 +48,16 @@ class Location:
     path: str
 
     @classmethod
-    def of(cls, where: str) -> "Location":
+    def of(cls, where: str, fs: pafs.FileSystem | None = None) -> "Location":
         """The folder at a local path or a filesystem URI (``s3://bucket/run``). The first URI of each bucket in a
         process is checked (:func:`check_store`): an unreachable endpoint, a missing bucket or refused credentials
-        raise a ConfigError naming the URI and the fix before anything is read or written."""
+        raise a ConfigError naming the URI and the fix before anything is read or written. ``fs``: a filesystem
+        that came with a stage to a Ray worker (holding the driver's endpoint and credentials, which the workers of
+        an existing cluster lack), used for a URI of its scheme instead of one built from this process's
+        environment."""
         scheme = _uri_scheme(where)
+        if scheme is not None and fs is not None and fs.type_name == scheme:
+            return cls(fs, where.split("://", 1)[1].rstrip("/"))
         if scheme is not None:
             if "?" in where:
                 raise ConfigError(f"{where}: options in the URI are not accepted, because table paths are recorded "

@@ -703,12 +703,13 @@ def check_lora_base(engine: Engine, folder: str, role: str) -> None:
                             "start a new run from the checkpoint's weights")
 
 
-def load_engines(info, cfg: TrainSection, dist: DistInfo) -> tuple[Engine, Engine | None]:
+def load_engines(info, cfg: TrainSection, dist: DistInfo, store=None) -> tuple[Engine, Engine | None]:
     """The actor (and critic) engines of checkpoint ``info``, with DeepSpeed's state when it has one; a weights-only
-    checkpoint's engines are rebuilt by replaying its steps (:func:`replay_engines`). With LoRA each trained role is
-    its base model plus the checkpoint's adapter (:func:`lora_bases`)."""
+    checkpoint's engines are rebuilt by replaying its steps (:func:`replay_engines`; ``store``: the filesystem of
+    the step's table, for the replayed tables on an object store). With LoRA each trained role is its base model
+    plus the checkpoint's adapter (:func:`lora_bases`)."""
     if not info.has_state and info.replay:
-        return replay_engines(info, cfg, dist)
+        return replay_engines(info, cfg, dist, store)
     stage = cfg.actor_train.strategy_args.zero_stage
     if info.actor_state and info.world_size not in (None, dist.world_size) and stage > 0:
         raise ConfigError(f"checkpoint {info.path} was trained by {info.world_size} workers with ZeRO stage {stage}, "
@@ -744,7 +745,7 @@ def check_zero_stage(info, stage: int) -> None:
                           "train_state.json)")
 
 
-def replay_engines(info, cfg: TrainSection, dist: DistInfo) -> tuple[Engine, Engine | None]:
+def replay_engines(info, cfg: TrainSection, dist: DistInfo, store=None) -> tuple[Engine, Engine | None]:
     """The engines of the weights-only checkpoint ``info``: those of the checkpoint its replay record starts from,
     trained again on each recorded step's table under that step's section. The same state and inputs give the same
     engines; the replayed actor's weights are compared with the checkpoint's (a difference is logged: a GPU's
@@ -762,9 +763,9 @@ def replay_engines(info, cfg: TrainSection, dist: DistInfo) -> tuple[Engine, Eng
                             "different training sections, so it cannot be replayed; train from the checkpoint its "
                             f"replay starts from ({info.replay['from']})")
     origin = read_checkpoint(info.replay["from"])
-    actor, critic = load_engines(origin, sections[0], dist)
+    actor, critic = load_engines(origin, sections[0], dist, store)
     for k, step in enumerate(steps):
-        loc = Location.of(step["samples"])
+        loc = Location.of(step["samples"], fs=store)
         if folder_fingerprint(loc) != step["fingerprint"]:
             raise RollflowError(f"checkpoint {info.path} holds weights only; replaying it needs the table "
                                 f"{loc.path} as step {origin.global_step + k} trained on it, but the table changed "
@@ -838,13 +839,15 @@ def run_training(table, where: str, checkpoint: str, cfg: TrainSection, output: 
 
 def train_and_save(table, where: str, checkpoint: str, cfg: TrainSection, output: str, dist: DistInfo, *,
                    progress=None, held: HeldEngines | None = None, committed_as: str | None = None,
-                   full_state: bool = True) -> tuple[StepReport, HeldEngines | None]:
+                   full_state: bool = True, store=None) -> tuple[StepReport, HeldEngines | None]:
     """:func:`run_training` for a worker that lives across steps: the engines of ``held`` are used when they equal
     ``checkpoint`` under this section (the step that wrote ``checkpoint`` ran here), else they are loaded from it.
     Returns the report and the engines to keep, which equal ``committed_as`` (the folder ``output`` becomes once
     committed; None: keep nothing). In-memory state and the saved DeepSpeed state are the same state, so a step on
     kept engines equals a step on engines loaded from the checkpoint (tests/trainflow: the resumed run).
     ``full_state``: write DeepSpeed's state; else the weights and a replay record only (stages/train/checkpoint.py).
+    ``where``: the table's path or URI; ``store``: its filesystem, when it came with the request (an object store's,
+    holding the driver's credentials), for the tables of a replay and the record's fingerprint.
     """
     from stages.storage import Location, folder_fingerprint
     from stages.train.checkpoint import (ACTOR_ADAPTER, ACTOR_STATE, CRITIC_ADAPTER, CRITIC_DIR, CRITIC_STATE,
@@ -855,11 +858,11 @@ def train_and_save(table, where: str, checkpoint: str, cfg: TrainSection, output
     section = cfg.model_dump(mode="json")
     setup_start = time.perf_counter()
     kept = held is not None and held.checkpoint == os.path.realpath(info.path) and held.section == section
-    actor, critic = (held.actor, held.critic) if kept else load_engines(info, cfg, dist)
+    actor, critic = (held.actor, held.critic) if kept else load_engines(info, cfg, dist, store)
     if kept:
         held.checkpoint = ""  # the engines move on from that checkpoint: this record of them no longer holds
     setup_s = time.perf_counter() - setup_start
-    replay = None if full_state else replay_record(info, where, folder_fingerprint(Location.of(where)),
+    replay = None if full_state else replay_record(info, where, folder_fingerprint(Location.of(where, fs=store)),
                                                    section_dump(cfg))
     rows = rows_of_table(table, where)
     report = train_step(rows, actor, critic, cfg, dist, info.global_step, pad_token_id=0, progress=progress)

@@ -103,10 +103,10 @@ def _serve(config: dict) -> None:
         if table is None or table.num_rows == 0:
             raise SchemaError(f"advantaged table at {samples.path} has no rows; nothing to train on")
         cfg = TrainSection.model_validate(request["section"])
-        _, held = train_and_save(table, samples.path, request["checkpoint"], cfg, request["output"], dist,
+        _, held = train_and_save(table, samples.uri(), request["checkpoint"], cfg, request["output"], dist,
                                  progress=request["progress"] if dist.rank == 0 else None, held=held,
                                  committed_as=request["committed_as"] if config["keep"] else None,
-                                 full_state=request["full_state"])
+                                 full_state=request["full_state"], store=samples.fs)
         _return_cached_gpu_memory()  # a colocated engine wakes into it
         if dist.rank == 0:
             mailbox.reply.remote(request["id"])
