@@ -6,12 +6,12 @@ manifest last; readers trust only what a manifest lists; a failed or killed atte
 was and is removed by the next write. Checked on the runner's commit, with ``rollflow recompute`` killed by SIGKILL at
 its commit point and resumed (equal to a local run byte for byte), with the metrics table, and with the ways an
 object store cannot be used (one error line, exit 2, nothing written). Training checkpoints on s3:// are tested with
-the train-step command (tests/train/test_stage.py).
+the train-step command (tests/train/test_stage.py), and a whole training run on s3://, SIGKILLed and resumed, in
+tests/trainflow/test_train_flow.py.
 """
 
 from __future__ import annotations
 
-import os
 import sys
 import threading
 from contextlib import contextmanager
@@ -275,60 +275,3 @@ def test_dropping_a_checkpoints_training_state_on_s3_rewrites_its_manifest_first
     assert [o["name"].split("/", 1)[1] for o in old["objects"]] == ["model.safetensors"]
     assert sorted(n.split("/", 1)[-1] for n in objects(uris[0])) == ["manifest.json", "model.safetensors"]
     assert keep_training_state(uris, 1) == [], "nothing left to drop"
-
-
-# ---- a whole training run on s3:// -------------------------------------------------------------------------------
-@pytest.mark.slow
-def test_a_training_run_with_runs_dir_on_s3_commits_everything_there_and_resumes_skipping_it(s3, cli_env, tmp_path):
-    """``rollflow train --set runs_dir=s3://...`` (the tiny run of tests/trainflow, one iteration, from an empty
-    working directory): every stage output, the training checkpoint with DeepSpeed's state, the metrics table, the
-    evaluations and the run's local side (log, TensorBoard events, report) end up in the bucket, listed through
-    pyarrow's S3FileSystem, and nothing is written into the working directory (a run folder path without its
-    scheme once went there). ``rollflow train --resume s3://...`` then skips every stage and rewrites no manifest."""
-    import json
-    import shutil
-    import subprocess
-
-    from stages.storage import local_side
-    from tests.trainflow.test_train_flow import STAGES, _tiny_args
-
-    runs, name = f"s3://{BUCKET}/runs", f"t{os.getpid()}"
-    run = f"{runs}/{name}"
-    cwd = tmp_path / "cwd"
-    cwd.mkdir()
-    env = {**cli_env, **s3, "PYTHONPATH": str(REPO)}
-    args = _tiny_args(runs, name)  # type: ignore[arg-type]
-    args[args.index("configs/train_frozenlake_grpo.yaml")] = str(REPO / "configs/train_frozenlake_grpo.yaml")
-    args[args.index("max_steps=2")] = "max_steps=1"
-
-    def rollflow(*argv: str) -> subprocess.CompletedProcess:
-        done = subprocess.run([*ROLLFLOW, *argv], cwd=cwd, env=env, capture_output=True, text=True, timeout=1200,
-                              start_new_session=True)
-        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-        return done
-
-    try:
-        rollflow(*args)
-        stored = objects(run)
-        for stage in STAGES:
-            assert f"iter_0000/{stage}/manifest.json" in stored, stage
-        assert "eval_base/samples/manifest.json" in stored and "iter_0000/eval/manifest.json" in stored
-        checkpoint = read_manifest(Location.of(f"{run}/iter_0000/checkpoint"))
-        listed = {f"iter_0000/checkpoint/{o['name']}": o["bytes"] for o in checkpoint["objects"]}
-        assert listed.items() <= stored.items()  # every object its manifest lists, at its size
-        assert any("/deepspeed/actor/" in n for n in listed) and any(n.endswith(".safetensors") for n in listed)
-        assert read_s3_table(f"{run}/iter_0000/advantaged").num_rows == 4
-        assert {n.split("-")[2] for n in stored if n.startswith("metrics/")} >= {"rollout", "logprobs", "train",
-                                                                                   "eval", "engine"}
-        assert {"logs/rollflow.log", "report/index.html"} <= stored.keys()
-        assert any(n.startswith("tensorboard/events.out.tfevents") for n in stored)
-        assert list(cwd.iterdir()) == [], "nothing is written into the working directory"
-
-        manifests = {n: Location.of(f"{run}/{n}").read_text() for n in stored if n.endswith("manifest.json")}
-        again = rollflow("train", "--resume", run, "--no-report")
-        assert "[iteration 0] train            committed earlier, skipped" in again.stdout
-        assert {n: Location.of(f"{run}/{n}").read_text() for n in manifests} == manifests
-        assert json.loads(Location.of(f"{run}/config.json").read_text())["max_steps"] == 1
-        assert list(cwd.iterdir()) == []
-    finally:
-        shutil.rmtree(local_side(Location.of(run)), ignore_errors=True)

@@ -14,6 +14,7 @@ import pytest
 from schemas.config import load_config, validate_config
 from schemas.errors import ConfigError
 from schemas.train_flow_config import TrainFlowConfig
+from tests.objstore import s3  # noqa: F401  (the module's S3 server, a fixture)
 from tests.processes import rollflow_here, sigkill_when
 
 REPO = Path(__file__).resolve().parents[2]
@@ -239,46 +240,129 @@ def _weights(folder: Path) -> dict:
 
 
 @pytest.mark.slow
-def test_sigkilled_run_resumes_to_the_uninterrupted_result(finished_run, tmp_path):
-    """SIGKILL the whole run (CLI, Ray, Prefect) once iteration 0's weights-only checkpoint is committed, then
-    ``rollflow train --resume``: iteration 1 trains engines rebuilt by replaying step 0 from the initial model, and
-    every stage output of both iterations equals the uninterrupted run's (kept engines) — nothing lost or
-    duplicated. (Killing at other points was checked by hand the same way: while iteration 0 trained, after
-    iteration 1's rollout, while its log-probs ran.) This run is local and the uninterrupted one ran on two nodes:
-    the equality also holds between a local and a two-node run, rollouts, log-probs, advantages and weights."""
-    kill_after = "iter_0000/checkpoint/manifest.json"
+def test_sigkilled_run_on_s3_resumes_to_the_uninterrupted_result(finished_run, s3, cli_env, tmp_path):
+    """A run with ``runs_dir=s3://...`` (issue 14, item 4), started from an empty working directory, SIGKILLed whole
+    (CLI, Ray, Prefect) once iteration 0's weights-only checkpoint is committed, then ``rollflow train --resume
+    s3://...``: iteration 1 trains engines rebuilt by replaying step 0 from the initial model, and every stage output
+    of both iterations equals the uninterrupted local run's (kept engines) — nothing lost or duplicated. (Killing at
+    other points was checked by hand the same way: while iteration 0 trained, after iteration 1's rollout, while its
+    log-probs ran.) The uninterrupted run ran on two nodes: the equality also holds between a local and a two-node
+    run, rollouts, log-probs, advantages and weights. Everything of the run is in the bucket, nothing in the working
+    directory, and ``--resume`` again skips every stage and rewrites no manifest."""
+    import shutil
+
     import numpy as np
 
-    env = _env(tmp_path)  # Prefect's ephemeral mode: the kill takes the run's own API server down with it
-    run = tmp_path / "t"
-    sigkill_when([sys.executable, "-m", "flows.cli", *_tiny_args(tmp_path, "t")], (run / kill_after).exists,
-                 tmp_path / "killed.log", env=env, cwd=str(REPO), what=kill_after, whole_group=True)
-    assert not (run / "report").exists(), "killed before the end"
-    resumed = _rollflow("train", "--resume", str(run), env=env)
-    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
-    assert not list(run.rglob("*.tmp-*")), "no temporary folder is left behind"
-    for k in (0, 1):
-        here, ref = run / f"iter_{k:04d}", finished_run / f"iter_{k:04d}"
-        for stage in ("rollout/samples", "logprobs", "rewarded", "advantaged", "eval/samples"):
-            got, want = _table(here / stage), _table(ref / stage)
-            assert got.num_rows == want.num_rows and got.column_names == want.column_names, (k, stage)
-            for name in got.column_names:
-                a, b = got.column(name).to_pylist(), want.column(name).to_pylist()
-                assert a == b or np.allclose(np.concatenate([np.ravel(x) for x in a]).astype(float),
-                                             np.concatenate([np.ravel(x) for x in b]).astype(float),
-                                             rtol=1e-5, atol=1e-6), (k, stage, name)
-        got, want = _weights(here / "checkpoint"), _weights(ref / "checkpoint")
-        assert got.keys() == want.keys()
-        for name in got:
-            np.testing.assert_allclose(got[name], want[name], rtol=1e-5, atol=1e-6, err_msg=f"iter {k} {name}")
-    import pyarrow.dataset as pads
+    from stages.metrics import read_metrics
+    from stages.storage import Location, local_side, read_manifest
+    from tests.objstore import BUCKET, objects
 
-    replayed = json.loads((run / "iter_0001/checkpoint/manifest.json").read_text())["metrics"]
-    assert replayed["train/replayed_steps"] == 1.0 and replayed["train/engines_kept"] == 0.0
-    metrics = pads.dataset(str(run / "metrics")).to_table().to_pylist()
-    keys = [(m["iteration"], m["stage"], m["name"]) for m in metrics]
-    assert len(keys) == len(set(keys)), "no metric is logged twice"
-    assert {m["iteration"] for m in metrics if m["stage"] == "train"} == {0, 1}
+    runs, name = f"s3://{BUCKET}/runs", "t"  # the name the ids of the samples derive from, as the reference's
+    run = f"{runs}/{name}"
+    cwd = tmp_path / "cwd"
+    cwd.mkdir()
+    killed_env = {**_env(tmp_path), **s3, "PYTHONPATH": str(REPO)}  # its own Ray, ephemeral Prefect: killed with it
+    env = {**cli_env, **s3, "PYTHONPATH": str(REPO)}  # the resumed run joins the session's Ray and Prefect server
+    args = _tiny_args(runs, name)  # type: ignore[arg-type]
+    args[args.index("configs/train_frozenlake_grpo.yaml")] = str(REPO / "configs/train_frozenlake_grpo.yaml")
+    killed_at = Location.of(f"{run}/iter_0000/checkpoint/manifest.json")
+
+    def rollflow(*argv: str) -> subprocess.CompletedProcess:
+        done = subprocess.run([sys.executable, "-m", "flows.cli", *argv], cwd=cwd, env=env, capture_output=True,
+                              text=True, timeout=1200, start_new_session=True)
+        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+        return done
+
+    try:
+        sigkill_when([sys.executable, "-m", "flows.cli", *args], _every(0.5, killed_at.exists), tmp_path / "killed.log",
+                     env=killed_env, cwd=str(cwd), what=killed_at.uri(), whole_group=True)
+        assert not objects(f"{run}/report"), "killed before the end"
+        rollflow("train", "--resume", run)
+        stored = objects(run)
+        for k in (0, 1):
+            for stage in ("rollout/samples", "logprobs", "rewarded", "advantaged", "eval/samples"):
+                got, want = _s3_table(f"{run}/iter_{k:04d}/{stage}"), _table(finished_run / f"iter_{k:04d}" / stage)
+                assert got.num_rows == want.num_rows and got.column_names == want.column_names, (k, stage)
+                for column in got.column_names:
+                    a, b = got.column(column).to_pylist(), want.column(column).to_pylist()
+                    assert a == b or np.allclose(np.concatenate([np.ravel(x) for x in a]).astype(float),
+                                                 np.concatenate([np.ravel(x) for x in b]).astype(float),
+                                                 rtol=1e-5, atol=1e-6), (k, stage, column)
+            folder = f"iter_{k:04d}/checkpoint"
+            got, want = _s3_weights(f"{run}/{folder}"), _weights(finished_run / folder)
+            assert got.keys() == want.keys()
+            for key in got:
+                np.testing.assert_allclose(got[key], want[key], rtol=1e-5, atol=1e-6, err_msg=f"iter {k} {key}")
+            # every object of a stage folder is its manifest or one the manifest lists: no killed attempt is left
+            for stage in STAGES:
+                prefix = f"iter_{k:04d}/{stage}/"
+                listed = {f"{prefix}{o['name']}" for o in read_manifest(Location.of(f"{run}/{prefix}"))["objects"]}
+                left = {n for n in stored if n.startswith(prefix) and n != f"{prefix}manifest.json"} - listed
+                assert not left, (k, stage, sorted(left))
+        checkpoint = read_manifest(Location.of(f"{run}/iter_0001/checkpoint"))
+        listed = {f"iter_0001/checkpoint/{o['name']}": o["bytes"] for o in checkpoint["objects"]}
+        assert listed.items() <= stored.items()  # every object its manifest lists, at its size
+        assert any("/deepspeed/actor/" in n for n in listed) and any(n.endswith(".safetensors") for n in listed)
+        assert checkpoint["metrics"]["train/replayed_steps"] == 1.0 and checkpoint["metrics"]["train/engines_kept"] == 0
+        assert "eval_base/samples/manifest.json" in stored
+        assert {"logs/rollflow.log", "report/index.html"} <= stored.keys()
+        assert any(n.startswith("tensorboard/events.out.tfevents") for n in stored)
+        metrics = read_metrics(run).to_pylist()
+        keys = [(m["iteration"], m["stage"], m["name"]) for m in metrics]
+        assert len(keys) == len(set(keys)), "no metric is logged twice"
+        assert {m["iteration"] for m in metrics if m["stage"] == "train"} == {0, 1}
+        assert list(cwd.iterdir()) == [], "nothing is written into the working directory"
+
+        manifests = {n: Location.of(f"{run}/{n}").read_text() for n in stored if n.endswith("manifest.json")}
+        again = rollflow("train", "--resume", run, "--no-report")
+        assert "[iteration 1] train            committed earlier, skipped" in again.stdout, again.stdout
+        assert {n: Location.of(f"{run}/{n}").read_text() for n in manifests} == manifests
+        assert json.loads(Location.of(f"{run}/config.json").read_text())["max_steps"] == 2
+        assert list(cwd.iterdir()) == []
+    finally:
+        shutil.rmtree(local_side(Location.of(run)), ignore_errors=True)
+
+
+def _every(seconds: float, check):
+    """``check``, asked at most every ``seconds`` (a listing of the object store is not free)."""
+    import time
+
+    last = [0.0]
+
+    def ready() -> bool:
+        if time.monotonic() - last[0] < seconds:
+            return False
+        last[0] = time.monotonic()
+        return check()
+    return ready
+
+
+def _s3_table(uri: str):
+    """A table of an object store as a reader sees it (the files its manifest lists), sorted by row id."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from stages.storage import Location
+
+    loc = Location.of(uri)
+    return pa.concat_tables([pq.read_table(p, filesystem=loc.fs) for p in loc.parquet_files()]).sort_by("row_id")
+
+
+def _s3_weights(uri: str) -> dict:
+    from safetensors.numpy import load
+
+    from stages.storage import ATTEMPT_KEY, Location, read_manifest
+
+    loc = Location.of(uri)
+    manifest = read_manifest(loc)
+    out = {}
+    for o in manifest["objects"]:  # named inside the attempt's folder
+        name = o["name"].split("/", 1)[1] if o["name"].startswith(f"{manifest[ATTEMPT_KEY]}/") else o["name"]
+        if name.endswith(".safetensors") and "/" not in name:  # the weights beside the manifest, as _weights reads
+            with loc.fs.open_input_stream(f"{loc.path}/{o['name']}") as f:
+                out.update(load(f.read()))
+    assert out, f"no weights in {uri}"
+    return out
 
 
 @pytest.mark.slow
