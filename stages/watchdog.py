@@ -3,10 +3,10 @@ Prefect's ephemeral API server.
 
 ``python -m stages.watchdog FD PID...`` runs in its own session. It blocks reading FD, the read end of a pipe whose
 only write end the command holds. The read returns when the command exits, however it ends. The watchdog then kills
-the given processes (the command itself first: :func:`start`) and their descendants,
-checking each process's start time so that a reused process id is never touched. After a clean exit they are gone
-already and nothing is killed. A process it may not signal (a sandbox's, under another uid) is left to its own
-limits. Linux only (/proc); elsewhere the watchdog is not started.
+the given processes (the command itself first: :func:`start`) and their descendants, checking each process's start
+time so that a reused process id is never touched. After a clean exit they are gone already and nothing is killed.
+A process it may not signal (a sandbox's, under another uid) is left to its own limits. Linux only (/proc);
+elsewhere the watchdog is not started.
 """
 
 from __future__ import annotations
