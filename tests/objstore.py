@@ -6,7 +6,9 @@ from __future__ import annotations
 import logging
 import os
 
+import pyarrow as pa
 import pyarrow.fs as pafs
+import pyarrow.parquet as pq
 import pytest
 
 from stages.storage import Location
@@ -49,3 +51,9 @@ def objects(uri: str) -> dict[str, int]:
         return {}
     return {i.path[len(loc.path) + 1:]: i.size
             for i in loc.fs.get_file_info(pafs.FileSelector(loc.path, recursive=True)) if i.type == pafs.FileType.File}
+
+
+def read_s3_table(uri: str) -> pa.Table:
+    """A table as a reader sees it: the files its manifest lists, in order."""
+    loc = Location.of(uri)
+    return pa.concat_tables([pq.read_table(p, filesystem=loc.fs) for p in loc.parquet_files()])

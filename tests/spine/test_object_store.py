@@ -25,19 +25,13 @@ from typer.testing import CliRunner
 from schemas.errors import SchemaError
 from stages.example import ExampleSpec, generate
 from stages.storage import ATTEMPT_KEY, Location, read_manifest, read_table_schema
-from tests.objstore import BUCKET, objects, s3  # noqa: F401  (s3: the module's S3 server, a fixture)
+from tests.objstore import BUCKET, objects, read_s3_table, s3  # noqa: F401  (s3: the module's S3 server, a fixture)
 from tests.processes import sigkill_when
 from tests.spine.conftest import SMALL
 from tests.spine.helpers import GIGPO, assert_tables_equal, read_table
 
 ROLLFLOW = [sys.executable, "-m", "flows.cli"]
 REPO = Path(__file__).resolve().parents[2]
-
-
-def read_s3_table(uri: str) -> pa.Table:
-    """A table as a reader sees it: the files its manifest lists, in order."""
-    loc = Location.of(uri)
-    return pa.concat_tables([pq.read_table(p, filesystem=loc.fs) for p in loc.parquet_files()])
 
 
 def s3_bytes(uri: str) -> list[bytes]:

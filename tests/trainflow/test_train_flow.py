@@ -89,9 +89,9 @@ def test_progress_line_names_the_eval_after_an_iteration_while_the_table_keeps_i
     assert logged.rows == [(1, "train"), (2, "eval")]  # the table files the eval under the policy's step count
 
 
-def _rollflow(*args: str, env: dict) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "flows.cli", *args], cwd=REPO, env=env, capture_output=True,
-                          text=True, timeout=1500, start_new_session=True)
+def _rollflow(*args: str, env: dict, cwd: Path = REPO, timeout_s: float = 1500) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "flows.cli", *args], cwd=cwd, env=env, capture_output=True,
+                          text=True, timeout=timeout_s, start_new_session=True)
 
 
 def _tiny_args(runs_dir: Path, name: str) -> list[str]:
@@ -229,6 +229,18 @@ def _table(folder: Path, drop: tuple[str, ...] = ()):
     return table.drop_columns([c for c in drop if c in table.column_names]).sort_by("row_id")
 
 
+def _assert_same_rows(got, want, where) -> None:
+    """Two tables (sorted by row id) hold the same rows: equal columns, the float ones up to float32 rounding."""
+    import numpy as np
+
+    assert got.num_rows == want.num_rows and got.column_names == want.column_names, where
+    for column in got.column_names:
+        a, b = got.column(column).to_pylist(), want.column(column).to_pylist()
+        assert a == b or np.allclose(np.concatenate([np.ravel(x) for x in a]).astype(float),
+                                     np.concatenate([np.ravel(x) for x in b]).astype(float),
+                                     rtol=1e-5, atol=1e-6), (where, column)
+
+
 def _weights(folder: Path) -> dict:
     from safetensors.numpy import load_file
 
@@ -255,7 +267,7 @@ def test_sigkilled_run_on_s3_resumes_to_the_uninterrupted_result(finished_run, s
 
     from stages.metrics import read_metrics
     from stages.storage import Location, local_side, read_manifest
-    from tests.objstore import BUCKET, objects
+    from tests.objstore import BUCKET, objects, read_s3_table
 
     runs, name = f"s3://{BUCKET}/runs", "t"  # the name the ids of the samples derive from, as the reference's
     run = f"{runs}/{name}"
@@ -268,8 +280,7 @@ def test_sigkilled_run_on_s3_resumes_to_the_uninterrupted_result(finished_run, s
     killed_at = Location.of(f"{run}/iter_0000/checkpoint/manifest.json")
 
     def rollflow(*argv: str) -> subprocess.CompletedProcess:
-        done = subprocess.run([sys.executable, "-m", "flows.cli", *argv], cwd=cwd, env=env, capture_output=True,
-                              text=True, timeout=1200, start_new_session=True)
+        done = _rollflow(*argv, env=env, cwd=cwd, timeout_s=1200)
         assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
         return done
 
@@ -281,13 +292,8 @@ def test_sigkilled_run_on_s3_resumes_to_the_uninterrupted_result(finished_run, s
         stored = objects(run)
         for k in (0, 1):
             for stage in ("rollout/samples", "logprobs", "rewarded", "advantaged", "eval/samples"):
-                got, want = _s3_table(f"{run}/iter_{k:04d}/{stage}"), _table(finished_run / f"iter_{k:04d}" / stage)
-                assert got.num_rows == want.num_rows and got.column_names == want.column_names, (k, stage)
-                for column in got.column_names:
-                    a, b = got.column(column).to_pylist(), want.column(column).to_pylist()
-                    assert a == b or np.allclose(np.concatenate([np.ravel(x) for x in a]).astype(float),
-                                                 np.concatenate([np.ravel(x) for x in b]).astype(float),
-                                                 rtol=1e-5, atol=1e-6), (k, stage, column)
+                got = read_s3_table(f"{run}/iter_{k:04d}/{stage}").sort_by("row_id")
+                _assert_same_rows(got, _table(finished_run / f"iter_{k:04d}" / stage), (k, stage))
             folder = f"iter_{k:04d}/checkpoint"
             got, want = _s3_weights(f"{run}/{folder}"), _weights(finished_run / folder)
             assert got.keys() == want.keys()
@@ -337,17 +343,6 @@ def _every(seconds: float, check):
     return ready
 
 
-def _s3_table(uri: str):
-    """A table of an object store as a reader sees it (the files its manifest lists), sorted by row id."""
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
-    from stages.storage import Location
-
-    loc = Location.of(uri)
-    return pa.concat_tables([pq.read_table(p, filesystem=loc.fs) for p in loc.parquet_files()]).sort_by("row_id")
-
-
 def _s3_weights(uri: str) -> dict:
     from safetensors.numpy import load
 
@@ -370,8 +365,6 @@ def test_eval_of_a_checkpoint_equals_the_runs_own_evaluation(finished_run, cli_e
                                                              tmp_path):
     """``rollflow eval`` plays the config's held-out levels with a checkpoint, without training: on the run's last
     checkpoint it commits the same episodes as the run's own evaluation after that iteration; a re-run skips."""
-    import numpy as np
-
     config = _tiny_args(finished_run.parent, finished_run.name)[1:]  # the run's config: --config FILE --set ...
     out = tmp_path / "eval"
     done = _rollflow("eval", *config, "--checkpoint", str(finished_run / "iter_0001/checkpoint"), "--output", str(out),
@@ -379,11 +372,8 @@ def test_eval_of_a_checkpoint_equals_the_runs_own_evaluation(finished_run, cli_e
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert "held-out episodes" in done.stdout and "rollout/valid_action_rate" in done.stdout
     got, want = _table(out / "samples"), _table(finished_run / "iter_0001/eval/samples")
-    assert got.num_rows == want.num_rows > 0 and got.column_names == want.column_names
-    for name in got.column_names:
-        a, b = got.column(name).to_pylist(), want.column(name).to_pylist()
-        assert a == b or np.allclose(np.concatenate([np.ravel(x) for x in a]).astype(float),
-                                     np.concatenate([np.ravel(x) for x in b]).astype(float), rtol=1e-5, atol=1e-6), name
+    assert want.num_rows > 0
+    _assert_same_rows(got, want, "eval/samples")
     stamp = (out / "samples/manifest.json").stat().st_mtime_ns
     again = rollflow_here("eval", *config, "--checkpoint", str(finished_run / "iter_0001/checkpoint"), "--output",
                            str(out), api_url=prefect_server.api_url)
