@@ -104,7 +104,7 @@ def _tiny_args(runs_dir: Path, name: str) -> list[str]:
     the flow's order of sleep, log-probs, training and wake is exercised on the CPU. The actor trains LoRA adapters
     (rank 4 on q_proj and v_proj; issue 16): every tiny run (two nodes, SIGKILL and replay, S3, re-runs, evaluation)
     takes the LoRA path, whose checkpoints the engines read as plain HF folders (merged weights); full fine-tuning
-    runs end to end in the default-model scenario and the RLVR run."""
+    runs end to end in the RLVR run (tests/trainflow/test_rlvr_train.py)."""
     from stages.generation.model_store import tiny_random_model_dir
 
     return ["train", "--config", "configs/train_frozenlake_grpo.yaml", "--set", f"run_name={name}",
