@@ -17,15 +17,21 @@ import sys
 import time
 
 
+def stat_fields(pid: int) -> list[str] | None:
+    """The fields of /proc/PID/stat after the command name (state first: field 3 of proc(5) is index 0), None if
+    ``pid`` is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+
+
 def start_time(pid: int) -> int | None:
     """The start time of ``pid`` (clock ticks since boot, /proc/PID/stat field 22), None if it is gone or a zombie
     (dead, waiting for a parent to reap it: in a container whose init never reaps, that can be forever)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-    except OSError:
-        return None
-    return None if fields[0] in ("Z", "X") else int(fields[19])
+    fields = stat_fields(pid)
+    return None if fields is None or fields[0] in ("Z", "X") else int(fields[19])
 
 
 def cmdline(pid: int) -> str:
@@ -37,24 +43,35 @@ def cmdline(pid: int) -> str:
         return ""
 
 
-def children_of() -> dict[int, list[int]]:
-    """Parent pid -> child pids, for every process visible in /proc."""
-    out: dict[int, list[int]] = {}
-    for name in os.listdir("/proc"):
-        if not name.isdigit():
-            continue
-        try:
-            with open(f"/proc/{name}/stat") as f:
-                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-        except (OSError, ValueError, IndexError):
-            continue
-        out.setdefault(ppid, []).append(int(name))
-    return out
+class ProcessTable:
+    """Who is whose child, for every process in /proc. Each :meth:`children` lists /proc and reads the stat file of
+    the processes it has not seen before only: a process's parent changes only when the parent dies (to init or a
+    subreaper), and a dead parent's children are not walked either way. (Reading every process's stat on each of the
+    watchdog's walks, twice a second, took 2.7 ms of CPU per walk with 117 processes on the 2-core test machine,
+    0.5 % of a core per watchdog, growing with the processes; this takes 0.12 ms.) A pid that ends and is reused
+    between two listings keeps its old parent here; :func:`start_time` is read afresh for what is killed, so that
+    costs at most a missed process, never a wrong one."""
+
+    def __init__(self):
+        self._parent: dict[int, int] = {}
+
+    def children(self) -> dict[int, list[int]]:
+        """Parent pid -> child pids."""
+        listed = {int(name) for name in os.listdir("/proc") if name.isdigit()}
+        self._parent = {pid: ppid for pid, ppid in self._parent.items() if pid in listed}
+        for pid in listed - self._parent.keys():
+            fields = stat_fields(pid)
+            if fields is not None:
+                self._parent[pid] = int(fields[1])
+        out: dict[int, list[int]] = {}
+        for pid, ppid in self._parent.items():
+            out.setdefault(ppid, []).append(pid)
+        return out
 
 
-def tree(roots: list[int]) -> list[int]:
+def tree(roots: list[int], table: ProcessTable | None = None) -> list[int]:
     """``roots`` and all their descendants (parents first)."""
-    kids = children_of()
+    kids = (table or ProcessTable()).children()
     out, todo = [], list(roots)
     while todo:
         pid = todo.pop(0)
@@ -84,23 +101,24 @@ def watch(fd: int, roots: list[int], every: float = 0.5) -> int:
     and its agents and workers already handed to init, out of reach of a tree walk."""
     import select
 
+    table = ProcessTable()
     known = {pid: t for pid in roots if (t := start_time(pid)) is not None}
     while True:
         ready, _, _ = select.select([fd], [], [], every)
         if ready and not os.read(fd, 1):
             break
-        known = _record_tree(known)
-    known = _record_tree(known)
+        known = _record_tree(known, table)
+    known = _record_tree(known, table)
     killed = kill_known(known)
     time.sleep(1.0)  # anything forked meanwhile (a worker being started) goes too
-    return killed + kill_known(_record_tree(known))
+    return killed + kill_known(_record_tree(known, table))
 
 
-def _record_tree(known: dict[int, int]) -> dict[int, int]:
+def _record_tree(known: dict[int, int], table: ProcessTable) -> dict[int, int]:
     """``known`` (pid -> start time) without the processes that ended, with the living descendants added (never the
     watchdog itself, a child of the command it watches)."""
     alive = {pid: t for pid, t in known.items() if start_time(pid) == t}
-    for pid in tree(list(alive)):
+    for pid in tree(list(alive), table):
         if pid not in alive and pid != os.getpid() and (t := start_time(pid)) is not None:
             alive[pid] = t
     return alive

@@ -14,17 +14,12 @@ from stages.watchdog import cmdline
 
 def group_members(pgid: int) -> list[int]:
     """The living processes of process group ``pgid`` (zombies are dead: a container's init may never reap them)."""
-    from stages.watchdog import start_time
+    from stages.watchdog import stat_fields
 
     members = []
-    for name in os.listdir("/proc"):
-        try:
-            with open(f"/proc/{name}/stat") as f:
-                if int(f.read().rsplit(")", 1)[1].split()[2]) != pgid:
-                    continue
-        except (OSError, ValueError, IndexError):
-            continue
-        if start_time(int(name)) is not None:
+    for name in filter(str.isdigit, os.listdir("/proc")):
+        fields = stat_fields(int(name))
+        if fields is not None and int(fields[2]) == pgid and fields[0] not in ("Z", "X"):
             members.append(int(name))
     return members
 
