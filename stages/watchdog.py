@@ -49,8 +49,9 @@ class ProcessTable:
     subreaper), and a dead parent's children are not walked either way. (Reading every process's stat on each of the
     watchdog's walks, twice a second, took 2.7 ms of CPU per walk with 117 processes on the 2-core test machine,
     0.5 % of a core per watchdog, growing with the processes; this takes 0.12 ms.) A pid that ends and is reused
-    between two listings keeps its old parent here; :func:`start_time` is read afresh for what is killed, so that
-    costs at most a missed process, never a wrong one."""
+    between two listings keeps its old parent here: the watchdog reads a new descendant's parent and start time
+    afresh before recording it (:func:`_record_tree`), so a stale entry costs at most a missed process, never a wrong
+    one."""
 
     def __init__(self):
         self._parent: dict[int, int] = {}
@@ -118,9 +119,15 @@ def _record_tree(known: dict[int, int], table: ProcessTable) -> dict[int, int]:
     """``known`` (pid -> start time) without the processes that ended, with the living descendants added (never the
     watchdog itself, a child of the command it watches)."""
     alive = {pid: t for pid, t in known.items() if start_time(pid) == t}
-    for pid in tree(list(alive), table):
-        if pid not in alive and pid != os.getpid() and (t := start_time(pid)) is not None:
-            alive[pid] = t
+    for pid in tree(list(alive), table):  # parents first
+        if pid in alive or pid == os.getpid():
+            continue
+        fields = stat_fields(pid)  # afresh: the table's parent of a reused pid may be stale
+        if fields is None or fields[0] in ("Z", "X"):
+            continue
+        parent, started = int(fields[1]), int(fields[19])
+        if parent in alive and started >= alive[parent]:
+            alive[pid] = started
     return alive
 
 
