@@ -71,13 +71,16 @@ class ProcessTable:
 
 
 def tree(roots: list[int], table: ProcessTable | None = None) -> list[int]:
-    """``roots`` and all their descendants (parents first)."""
+    """``roots`` and all their descendants (parents first), each once: a stale entry of the table (a reused pid) may
+    name an ancestor as a child, and the walk must end all the same."""
     kids = (table or ProcessTable()).children()
-    out, todo = [], list(roots)
+    out, seen, todo = [], set(roots), list(roots)
     while todo:
         pid = todo.pop(0)
         out.append(pid)
-        todo.extend(kids.get(pid, []))
+        fresh = [kid for kid in kids.get(pid, []) if kid not in seen]
+        seen.update(fresh)
+        todo.extend(fresh)
     return out
 
 

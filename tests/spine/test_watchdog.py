@@ -1,0 +1,51 @@
+"""The watchdog's record of a command's process tree (stages/watchdog.py), without Ray: the end-to-end cases (a
+SIGKILLed command leaves nothing behind) are in tests/spine/test_cluster.py and tests/spine/test_resume.py."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from stages.watchdog import ProcessTable, _record_tree, start_time, tree
+
+pytestmark = pytest.mark.skipif(not os.path.isdir("/proc"), reason="the watchdog reads /proc (Linux only)")
+
+
+@pytest.fixture
+def grandchild():
+    """A child of this process with a child of its own: (child pid, grandchild pid)."""
+    proc = subprocess.Popen([sys.executable, "-c", "import subprocess, sys, time\n"
+                             "p = subprocess.Popen(['sleep', '60'])\nprint(p.pid, flush=True)\ntime.sleep(60)"],
+                            stdout=subprocess.PIPE, text=True)
+    try:
+        yield proc.pid, int(proc.stdout.readline())
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_the_record_holds_the_descendants_and_a_table_reads_each_process_once(grandchild):
+    child, grand = grandchild
+    me = os.getpid()
+    table = ProcessTable()
+    known = _record_tree({me: start_time(me)}, table)
+    assert {me, child, grand} <= known.keys()
+    assert known[grand] == start_time(grand) >= known[child] >= known[me]
+    assert tree([child], table) == [child, grand]
+    assert table._parent[grand] == child  # read once, kept for the next walk
+
+
+def test_a_stale_parent_in_the_table_never_records_a_stranger(grandchild):
+    """A pid reused between two walks keeps its old parent in the table; the record checks the parent afresh, so a
+    process that is not a descendant (here init, claimed by the table to be this process's child) stays out. The
+    walk ends although init is also this process's ancestor (a cycle in the table)."""
+    me = os.getpid()
+    table = ProcessTable()
+    table.children()
+    table._parent[1] = me  # what a stale entry of a reused pid looks like
+    assert 1 in tree([me], table)
+    known = _record_tree({me: start_time(me)}, table)
+    assert 1 not in known and grandchild[1] in known
