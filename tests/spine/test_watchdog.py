@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from stages.watchdog import ProcessTable, _record_tree, start_time, tree
+from stages.watchdog import ProcessTable, _record_tree, kill_known, start_time, tree
 
 pytestmark = pytest.mark.skipif(not os.path.isdir("/proc"), reason="the watchdog reads /proc (Linux only)")
 
@@ -20,11 +20,13 @@ def grandchild():
     proc = subprocess.Popen([sys.executable, "-c", "import subprocess, sys, time\n"
                              "p = subprocess.Popen(['sleep', '60'])\nprint(p.pid, flush=True)\ntime.sleep(60)"],
                             stdout=subprocess.PIPE, text=True)
+    grand = int(proc.stdout.readline())
     try:
-        yield proc.pid, int(proc.stdout.readline())
+        yield proc.pid, grand
     finally:
         proc.kill()
         proc.wait()
+        kill_known({grand: start_time(grand)})  # the orphaned sleep too, if it is still the same process
 
 
 def test_the_record_holds_the_descendants_and_a_table_reads_each_process_once(grandchild):
