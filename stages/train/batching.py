@@ -240,6 +240,80 @@ def forward_packed(call, mb: MicroBatch) -> torch.Tensor:
     return full
 
 
+@dataclass
+class TokenLogits:
+    """A micro-batch's next-token logits at its loss tokens only: ``values[n]`` (N, V) predicts token ``cols[n] + 1``
+    of row ``rows[n]``, i.e. belongs at ``(rows[n], cols[n])`` of the ``(b, S-1)`` next-token layout. A small model
+    spends a large share of a token's work in the vocabulary projection and its softmax; only response tokens need
+    them (log-probs, entropy and the loss are 0 elsewhere, spec §1.8), so the model projects only those positions.
+    ``shape``: ``(b, S-1)``."""
+
+    values: torch.Tensor
+    rows: torch.Tensor
+    cols: torch.Tensor
+    shape: tuple[int, int]
+
+    @classmethod
+    def from_dense(cls, logits: torch.Tensor, mb: MicroBatch) -> "TokenLogits":
+        """Full ``(b, S, V)`` logits → the entries at the loss tokens (all of them for a padding step)."""
+        mask = torch.ones_like(mb.loss_mask) if mb.padding_step else mb.loss_mask
+        rows, cols = (mask > 0).nonzero(as_tuple=True)
+        return cls(logits[:, :-1][rows, cols], rows, cols, tuple(mb.loss_mask.shape))
+
+    def scatter(self, x: torch.Tensor) -> torch.Tensor:
+        """(N,) values of the entries → ``(b, S-1)`` float32, 0 elsewhere (differentiable)."""
+        return x.new_zeros(self.shape, dtype=torch.float32).index_put((self.rows, self.cols), x.float())
+
+    def log_probs(self, mb: MicroBatch) -> torch.Tensor:
+        """``(b, S-1)`` float32 log-probs of ``mb``'s next tokens, 0 off the loss mask: ROLL's
+        ``op_compute_log_probs`` (spec §1.8) evaluated at the entries only."""
+        from stages.losses import token_log_probs
+
+        labels, on = mb.input_ids[self.rows, self.cols + 1], mb.response_mask[self.rows, self.cols + 1]
+        return self.scatter(token_log_probs(self.values, labels, on))
+
+    def entropy(self) -> torch.Tensor:
+        """``(b, S-1)`` float32 entropy at the entries, 0 elsewhere (``op_compute_entropy`` at the loss tokens)."""
+        from stages.losses import entropy_from_logits
+
+        return self.scatter(entropy_from_logits(self.values))
+
+
+def causal_lm_logits(model, input_ids: torch.Tensor, position_ids: torch.Tensor,
+                     keep: torch.Tensor | None) -> torch.Tensor:
+    """A Hugging Face causal LM's logits ``(b, K, V)`` at the sequence positions ``keep`` (every position for None),
+    through the model's own ``logits_to_keep``: the decoder runs over all positions, the output layer (and any
+    scaling the model applies after it) over the kept ones."""
+    return model(input_ids=input_ids, position_ids=position_ids, use_cache=False,
+                 logits_to_keep=0 if keep is None else keep).logits
+
+
+def select_logits(call, mb: MicroBatch, packed: bool = False) -> TokenLogits:
+    """The model's logits at ``mb``'s loss tokens. ``call(input_ids, position_ids, keep) -> (rows, K, V)`` is the
+    model with Hugging Face's ``logits_to_keep`` = ``keep``, the sequence positions to project (shared by the rows).
+    Padded rows keep the union of their loss positions and drop the others after the projection; ``packed`` runs the
+    rows as one row without padding (:func:`forward_packed`), where that union is exact. A padding step projects
+    every position (its zero loss must still reach every weight)."""
+    if mb.padding_step:
+        return TokenLogits.from_dense(call(mb.input_ids, mb.position_ids, None), mb)
+    mask = mb.loss_mask > 0
+    if packed:
+        width = mb.input_ids.shape[1]
+        lengths = torch.as_tensor(mb.lengths, device=mb.input_ids.device)
+        real = torch.arange(width, device=mb.input_ids.device)[None, :] < lengths[:, None]
+        rows, cols = real.nonzero(as_tuple=True)  # packed position p is (rows[p], cols[p]), row-major
+        on = torch.zeros_like(cols, dtype=torch.bool)
+        inside = cols < width - 1
+        on[inside] = mask[rows[inside], cols[inside]]
+        keep = on.nonzero(as_tuple=True)[0]
+        logits = call(mb.input_ids[real][None], mb.position_ids[real][None], keep)[0]
+        return TokenLogits(logits, rows[keep], cols[keep], tuple(mask.shape))
+    keep = mask.any(0).nonzero(as_tuple=True)[0]
+    logits = call(mb.input_ids, mb.position_ids, keep)  # (b, K, V)
+    rows, k = mask[:, keep].nonzero(as_tuple=True)
+    return TokenLogits(logits[rows, k], rows, keep[k], tuple(mask.shape))
+
+
 def unpad_next_token(padded: torch.Tensor, lengths: np.ndarray) -> Ragged:
     """``(b, S-1)`` next-token values → Ragged rows of ``L - 1`` entries each (float32)."""
     values = padded.detach().to("cpu", torch.float32).numpy()

@@ -18,6 +18,7 @@ import os
 import socket
 import time
 from dataclasses import dataclass, field, replace
+from functools import partial
 from pathlib import Path
 from typing import Any, Callable
 
@@ -27,8 +28,9 @@ import torch
 from schemas.errors import ConfigError, InvariantError, RollflowError
 from schemas.train_config import TrainSection, TrainStepConfig, WorkerTrainConfig
 from stages.algos.ragged import Ragged
-from stages.train.batching import (BatchingPolicy, MicroBatch, MiniBatchPlan, TokenRows, forward_packed,
-                                   pad_micro_batch, plan_step, unpad_next_token)
+from stages.train.batching import (BatchingPolicy, MicroBatch, MiniBatchPlan, TokenLogits, TokenRows,
+                                   causal_lm_logits, forward_packed, pad_micro_batch, plan_step, select_logits,
+                                   unpad_next_token)
 
 log = logging.getLogger("rollflow.train")
 REPO = Path(__file__).resolve().parents[2]
@@ -177,16 +179,19 @@ class Engine:
     def module(self) -> torch.nn.Module:
         return self.engine.module
 
-    def forward(self, mb: MicroBatch) -> torch.Tensor:
-        """Logits ``(b, S, V)`` (or values ``(b, S, 1)``). Rows are right-padded and attention is causal, so padding
-        is invisible to real tokens and no attention mask is passed (the fast causal path). With
-        ``use_sequence_packing`` the rows run as one packed row and come back in the padded layout (padding 0)."""
+    def forward(self, mb: MicroBatch) -> TokenLogits | torch.Tensor:
+        """The actor's logits at the loss tokens (:class:`TokenLogits`), or the critic's values ``(b, S, 1)``. Rows
+        are right-padded and attention is causal, so padding is invisible to real tokens and no attention mask is
+        passed (the fast causal path). With ``use_sequence_packing`` the rows run as one packed row (the critic's
+        values come back in the padded layout, padding 0)."""
+        packed = self.worker.use_sequence_packing and not mb.padding_step
+        if self.role == "actor":
+            return select_logits(partial(causal_lm_logits, self.engine), mb, packed)
+
         def call(input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
             return self.engine(input_ids=input_ids, position_ids=position_ids, use_cache=False).logits
 
-        if self.worker.use_sequence_packing and not mb.padding_step:
-            return forward_packed(call, mb)
-        return call(mb.input_ids, mb.position_ids)
+        return forward_packed(call, mb) if packed else call(mb.input_ids, mb.position_ids)
 
     def backward(self, loss: torch.Tensor, last: bool) -> None:
         self.engine.set_gradient_accumulation_boundary(last)
@@ -353,14 +358,16 @@ class ActorObjective:
     def from_section(cls, cfg: TrainSection) -> "ActorObjective":
         return cls(cfg.policy_loss, cfg.loss_config(), cfg.compute_entropy_metric)
 
-    def __call__(self, logits: torch.Tensor, mb: MicroBatch, rows: np.ndarray, plan: MiniBatchPlan,
+    def __call__(self, logits: TokenLogits | torch.Tensor, mb: MicroBatch, rows: np.ndarray, plan: MiniBatchPlan,
                  ) -> tuple[torch.Tensor, Metrics]:
-        from stages.losses import LossInputs, entropy_from_logits, op_compute_entropy, op_compute_log_probs
+        """``logits``: the engine's :class:`TokenLogits`, or full ``(b, S, V)`` logits (ROLL's golden cases)."""
+        from stages.losses import LossInputs
 
         mask = mb.loss_mask
-        log_probs = op_compute_log_probs(logits, mb.input_ids, mb.response_mask)
-        need_entropy = self.loss_cfg.entropy_loss_coef > 0
-        entropy = op_compute_entropy(logits, mb.response_mask) if need_entropy else None
+        if not isinstance(logits, TokenLogits):
+            logits = TokenLogits.from_dense(logits, mb)
+        log_probs = logits.log_probs(mb)
+        entropy = logits.entropy() if self.loss_cfg.entropy_loss_coef > 0 else None
         t = mb.next_token
         old = t.get("old_log_probs")
         cached = old is None and not mb.padding_step and all(int(r) in self.old_cache for r in rows)
@@ -379,7 +386,7 @@ class ActorObjective:
                 self.old_cache[int(r)] = lp.row(i).copy()
         if self.entropy_metric:
             with torch.no_grad():
-                ent = entropy if entropy is not None else _masked_entropy(logits, mask, entropy_from_logits)
+                ent = entropy if entropy is not None else logits.entropy()
                 metrics["actor/entropy@sum"] = float(self._agg(ent, mask, plan))
         return loss, metrics
 
@@ -389,14 +396,6 @@ class ActorObjective:
         c = self.loss_cfg
         return agg_loss(x.detach(), mask, c.loss_agg_mode, plan.num_tokens, plan.num_seqs,
                         sum_norm_constant=c.sum_norm_constant)
-
-
-def _masked_entropy(logits: torch.Tensor, mask: torch.Tensor, entropy_fn) -> torch.Tensor:
-    """``(b, S-1)`` entropy computed only at the loss tokens (0 elsewhere): the vocabulary pass is the costly part."""
-    out = torch.zeros(mask.shape, dtype=torch.float32, device=logits.device)
-    on = mask > 0
-    out[on] = entropy_fn(logits[:, :-1][on])
-    return out
 
 
 def _pad_rows(rows: list[np.ndarray], shape: tuple[int, int], device) -> torch.Tensor:
@@ -461,7 +460,8 @@ def run_engine(engine: Engine, objective, rows: TokenRows, plans: list[MiniBatch
             mb = pad_micro_batch(rows, index, pad_token_id).to(dist.device)
             output = engine.forward(mb)
             if mb.padding_step:  # same collectives as the other ranks, zero gradient
-                loss, metrics = output.float().sum() * 0.0, {}
+                values = output.values if isinstance(output, TokenLogits) else output
+                loss, metrics = values.float().sum() * 0.0, {}
             else:
                 loss, metrics = objective(output, mb, index, plan)
             engine.backward(loss * dist.world_size, last=k == len(plan.micro_batches) - 1)

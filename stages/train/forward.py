@@ -3,21 +3,23 @@
 Rows are grouped into micro-batches by a token budget (longest first, so padding stays small), right-padded,
 run through the model, and the next-token results cut back to ``L - 1`` entries per row, in the input row order
 (ragged in, ragged out). Log-probs and entropy follow ROLL's strategy ops (spec §1.8): float32, exactly 0 where
-``response_mask[1:]`` is 0. Values are the critic's raw outputs ``output[:, :-1, 0]`` at every position.
+``response_mask[1:]`` is 0; the output layer projects only the positions whose next token is a response token
+(``TokenLogits``). Values are the critic's raw outputs ``output[:, :-1, 0]`` at every position.
 """
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from functools import partial
 from typing import NamedTuple
 
 import numpy as np
 import torch
 
 from stages.algos.ragged import Ragged
-from stages.train.batching import (TokenRows, forward_packed, pad_micro_batch, split_by_real_tokens, split_by_token_budget,
-                                   unpad_next_token)
+from stages.train.batching import (TokenRows, causal_lm_logits, forward_packed, pad_micro_batch, select_logits,
+                                   split_by_real_tokens, split_by_token_budget, unpad_next_token)
 
 
 @dataclass
@@ -55,30 +57,26 @@ def forward_rows(model: torch.nn.Module, rows: TokenRows, max_tokens: int, *, ki
 
     kind ``log_probs``: column ``log_probs`` (and ``entropy`` if asked) from a causal LM's logits;
     kind ``values``: column ``values`` from a one-label token-classification critic."""
-    from stages.losses import entropy_from_logits, op_compute_log_probs
-
     start = time.perf_counter()
     parts: dict[str, list[tuple[np.ndarray, Ragged]]] = {}
     tokens = padded = count = 0
-    def call(input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+
+    def values_of(input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
         return model(input_ids=input_ids, position_ids=position_ids, use_cache=False).logits
 
     split = split_by_real_tokens if packed else split_by_token_budget
     for index in split(rows.lengths, max_tokens):
         mb = pad_micro_batch(rows, index, pad_token_id).to(device)
         # right padding + causal attention: real tokens never see the padding, so no attention mask is needed
-        out = forward_packed(call, mb) if packed else call(mb.input_ids, mb.position_ids)
         results = {}
         if kind == "values":
+            out = forward_packed(values_of, mb) if packed else values_of(mb.input_ids, mb.position_ids)
             results["values"] = out[:, :-1, 0].float()
-        else:
-            results["log_probs"] = op_compute_log_probs(out, mb.input_ids, mb.response_mask)
+        else:  # the output layer runs at the response tokens only (TokenLogits)
+            logits = select_logits(partial(causal_lm_logits, model), mb, packed)
+            results["log_probs"] = logits.log_probs(mb)
             if entropy:
-                mask = mb.loss_mask
-                ent = torch.zeros(mask.shape, dtype=torch.float32, device=out.device)
-                on = mask > 0
-                ent[on] = entropy_from_logits(out[:, :-1][on])
-                results["entropy"] = ent
+                results["entropy"] = logits.entropy()
         for name, value in results.items():
             parts.setdefault(name, []).append((index, unpad_next_token(value, mb.lengths)))
         tokens += mb.real_tokens

@@ -89,3 +89,29 @@ def test_packed_micro_batches_equal_the_padded_path(tiny_model, rows, budget):
     critic = load_critic_model(None, str(tiny_model), seed=5).eval()
     np.testing.assert_allclose(forward_rows(critic, rows, budget, kind="values", packed=True).columns["values"].values,
                                forward_rows(critic, rows, budget, kind="values").columns["values"].values, atol=2e-5)
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_the_output_layer_runs_at_the_loss_positions_only(tiny_model, rows, packed):
+    """The vocabulary projection sees only the positions whose next token is a response token: padded, the union of
+    the micro-batch rows' loss positions; packed, exactly the loss tokens. The log-probs still equal a forward of
+    each row alone with every position projected (test above)."""
+    model = load_actor_model(str(tiny_model)).eval()
+    seen = []
+    hook = model.get_output_embeddings().register_forward_hook(lambda m, args, out: seen.append(args[0].shape))
+    try:
+        result = forward_rows(model, rows, 100000, packed=packed)
+    finally:
+        hook.remove()
+    loss_tokens = int(rows.loss_tokens().sum())
+    (batch, kept, _), = seen  # one micro-batch
+    if packed:
+        assert (batch, kept) == (1, loss_tokens)
+    else:
+        positions = set()
+        for b in range(rows.num_rows):
+            positions |= set(np.flatnonzero(rows.response_mask.row(b)[1:]).tolist())
+        assert (batch, kept) == (rows.num_rows, len(positions)) and kept < rows.lengths.max() - 1
+    for b in range(rows.num_rows):
+        np.testing.assert_allclose(result.columns["log_probs"].row(b), one_row_reference(model, rows, b)[0],
+                                   atol=2e-5)
