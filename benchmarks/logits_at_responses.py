@@ -85,8 +85,8 @@ def measure(args) -> dict:
         "model_args": model_args, "max_tokens_per_microbatch_in_train": args.budget,
         "training_args": {"learning_rate": 1e-6, "per_device_train_batch_size": rows.num_rows}}})
     seconds, norm = [], None
+    info = read_checkpoint(model_dir)
     for _ in range(args.repeats + 1):  # the first step warms up; fresh engine each time, same initial weights
-        info = read_checkpoint(model_dir)
         model = build_actor_model(info, cfg.actor_train, lora_bases(info, cfg).get("actor"))
         engine = Engine(model, cfg.actor_train, dist, "actor")
         report = train_step(train_rows, engine, None, cfg, dist, step=0, pad_token_id=0)
@@ -138,8 +138,8 @@ def main() -> None:
     finally:
         subprocess.run(["git", "-C", str(REPO), "worktree", "remove", "--force", str(worktree)], check=False)
     first = next(iter(results.values()))
-    print(f"{args.rows} rows of {args.samples or 'generated FrozenLake step samples'}, {first['tokens']:,} tokens ({first['response_tokens']} loss tokens), "
-          f"default model fp32, {args.threads} threads, budget {args.budget}, base {args.base}")
+    print(f"{args.rows} rows of {args.samples or 'generated FrozenLake step samples'}, {first['tokens']:,} tokens "
+          f"({first['response_tokens']} loss tokens), default model fp32, {args.threads} threads, budget {args.budget}, base {args.base}")
     print(f"{'code / variant':<16} {'logprob_s':>9} {'tok/s':>7} {'train_s':>8} {'tok/s':>7} {'grad norm':>10}")
     for name, r in results.items():
         print(f"{name:<16} {r['logprob_s']:>9.2f} {r['tokens'] / r['logprob_s']:>7.0f} {r['train_s']:>8.2f} "

@@ -226,14 +226,20 @@ def pad_micro_batch(rows: TokenRows, index: np.ndarray, pad_token_id: int = 0) -
     return MicroBatch(ids, attention, positions, response, next_token, lengths)
 
 
+def real_tokens(mb: MicroBatch) -> torch.Tensor:
+    """``(b, S)`` bool: True at each row's real tokens, False at its right padding."""
+    width = mb.input_ids.shape[1]
+    lengths = torch.as_tensor(mb.lengths, device=mb.input_ids.device)
+    return torch.arange(width, device=mb.input_ids.device)[None, :] < lengths[:, None]
+
+
 def forward_packed(call, mb: MicroBatch) -> torch.Tensor:
     """The model's per-token outputs ``(b, S, ...)`` for a right-padded micro-batch, computed once over its rows packed
     into a single row without padding: ``call(input_ids (1, T), position_ids (1, T)) -> (1, T, ...)`` with
     ``T = Σ lengths`` and positions restarting at 0 for every row, which Hugging Face's attention reads as packed
     sequences (each attends to itself only). Padding positions of the result are 0."""
     width = mb.input_ids.shape[1]
-    lengths = torch.as_tensor(mb.lengths, device=mb.input_ids.device)
-    real = torch.arange(width, device=mb.input_ids.device)[None, :] < lengths[:, None]
+    real = real_tokens(mb)
     out = call(mb.input_ids[real][None], mb.position_ids[real][None])
     full = out.new_zeros((mb.input_ids.shape[0], width) + tuple(out.shape[2:]))
     full[real] = out[0]
@@ -298,12 +304,10 @@ def select_logits(call, mb: MicroBatch, packed: bool = False) -> TokenLogits:
         return TokenLogits.from_dense(call(mb.input_ids, mb.position_ids, None), mb)
     mask = mb.loss_mask > 0
     if packed:
-        width = mb.input_ids.shape[1]
-        lengths = torch.as_tensor(mb.lengths, device=mb.input_ids.device)
-        real = torch.arange(width, device=mb.input_ids.device)[None, :] < lengths[:, None]
+        real = real_tokens(mb)
         rows, cols = real.nonzero(as_tuple=True)  # packed position p is (rows[p], cols[p]), row-major
         on = torch.zeros_like(cols, dtype=torch.bool)
-        inside = cols < width - 1
+        inside = cols < mask.shape[1]
         on[inside] = mask[rows[inside], cols[inside]]
         keep = on.nonzero(as_tuple=True)[0]
         logits = call(mb.input_ids[real][None], mb.position_ids[real][None], keep)[0]
