@@ -23,6 +23,10 @@ pytestmark = pytest.mark.vllm
 
 PROMPTS = ["What is the capital of France?", "Write a haiku about the sea.", "Explain gravity to a child.",
            "List three fruits."]
+# The greedy test's question. The bare "What is the capital of France?" starts its answer with a near tie (p 0.15 for
+# "The" against "L'"), which bf16 rounding on a CPU with native bf16 (AMX) flipped: vLLM then answered in French and
+# ran to the token budget. Asked for a sentence, the first token is decisive (p 0.56) in bf16 and fp32 alike.
+GREEDY_QUESTION = "What is the capital of France? Answer in one sentence."
 ENGINE_OPTIONS = dict(max_model_len=512, kv_cache_space_gib=1, enforce_eager=True, in_process=True)
 # the dtype ``auto`` picks on this machine: one engine serves every test that does not need a particular dtype
 AUTO_DTYPE = EngineConfig(dtype="auto").dtype
@@ -90,9 +94,10 @@ def test_engine_contract_and_one_in_process_engine_at_a_time(slot, default_model
         build_engine("vllm", default_model, **ENGINE_OPTIONS)
 
 
-def test_greedy_answer_ends_with_eos_as_a_stop(slot, default_model, prompts) -> None:
+def test_greedy_answer_ends_with_eos_as_a_stop(slot, default_model) -> None:
     engine = slot.get(default_model)
-    (greedy,) = engine.generate([GenRequest(prompts[0], SamplingSpec(temperature=0, max_new_tokens=16))])
+    prompt = chat_prompt_token_ids(engine.tokenizer, [{"role": "user", "content": GREEDY_QUESTION}])
+    (greedy,) = engine.generate([GenRequest(prompt, SamplingSpec(temperature=0, max_new_tokens=16))])
     assert "Paris" in greedy.text and "<|im_end|>" not in greedy.text
     assert greedy.finish_reason == "stop" and not greedy.truncated
     assert greedy.response_token_ids[-1] == engine.tokenizer.eos_token_id

@@ -242,11 +242,13 @@ def _assert_same_rows(got, want, where) -> None:
 
 
 def _weights(folder: Path) -> dict:
-    from safetensors.numpy import load_file
+    """name -> float32 array of every tensor in the folder's safetensors files (a weights-only checkpoint is written in
+    the dtype the engines load: bf16 where the CPU has native bf16, which numpy cannot hold; float32 holds it exactly)."""
+    from safetensors.torch import load_file
 
     out = {}
     for f in sorted(folder.glob("*.safetensors")):
-        out.update(load_file(str(f)))
+        out.update({name: t.float().numpy() for name, t in load_file(str(f)).items()})
     assert out, f"no weights in {folder}"
     return out
 
@@ -344,7 +346,7 @@ def _every(seconds: float, check):
 
 
 def _s3_weights(uri: str) -> dict:
-    from safetensors.numpy import load
+    from safetensors.torch import load
 
     from stages.storage import ATTEMPT_KEY, Location, read_manifest
 
@@ -355,7 +357,7 @@ def _s3_weights(uri: str) -> dict:
         name = o["name"].split("/", 1)[1] if o["name"].startswith(f"{manifest[ATTEMPT_KEY]}/") else o["name"]
         if name.endswith(".safetensors") and "/" not in name:  # the weights beside the manifest, as _weights reads
             with loc.fs.open_input_stream(f"{loc.path}/{o['name']}") as f:
-                out.update(load(f.read()))
+                out.update({name: t.float().numpy() for name, t in load(f.read()).items()})
     assert out, f"no weights in {uri}"
     return out
 
