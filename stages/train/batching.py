@@ -285,37 +285,51 @@ class TokenLogits:
         return self.scatter(entropy_from_logits(self.values))
 
 
+def output_layer(model) -> torch.nn.Module:
+    """The vocabulary projection of a Hugging Face causal LM, also under a DeepSpeed engine or a PEFT wrapper."""
+    return getattr(model, "module", model).get_output_embeddings()
+
+
 def causal_lm_logits(model, input_ids: torch.Tensor, position_ids: torch.Tensor,
-                     keep: torch.Tensor | None) -> torch.Tensor:
-    """A Hugging Face causal LM's logits ``(b, K, V)`` at the sequence positions ``keep`` (every position for None),
-    through the model's own ``logits_to_keep``: the decoder runs over all positions, the output layer (and any
-    scaling the model applies after it) over the kept ones."""
-    return model(input_ids=input_ids, position_ids=position_ids, use_cache=False,
-                 logits_to_keep=0 if keep is None else keep).logits
+                     keep: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+    """A Hugging Face causal LM's logits: ``(b, S, V)`` at every position for ``keep`` None, else ``(N, V)`` at the
+    ``N`` positions ``keep = (rows, cols)`` only. The decoder runs over every position; the output layer sees only the
+    kept rows of the hidden states (a pre-hook on it selects them), and whatever the model applies after it (a logit
+    scale, soft-capping) applies to those. Hugging Face's own ``logits_to_keep`` keeps the same positions in every row,
+    which for right-padded rows of different lengths is the union of their loss positions: several times more."""
+    if keep is None:
+        return model(input_ids=input_ids, position_ids=position_ids, use_cache=False).logits
+    rows, cols = keep
+
+    def select(module, args):
+        return (args[0][rows, cols], *args[1:])
+
+    handle = output_layer(model).register_forward_pre_hook(select)
+    try:
+        return model(input_ids=input_ids, position_ids=position_ids, use_cache=False).logits
+    finally:
+        handle.remove()
 
 
 def select_logits(call, mb: MicroBatch, packed: bool = False) -> TokenLogits:
-    """The model's logits at ``mb``'s loss tokens. ``call(input_ids, position_ids, keep) -> (rows, K, V)`` is the
-    model with Hugging Face's ``logits_to_keep`` = ``keep``, the sequence positions to project (shared by the rows).
-    Padded rows keep the union of their loss positions and drop the others after the projection; ``packed`` runs the
-    rows as one row without padding (:func:`forward_packed`), where that union is exact. A padding step projects
-    every position (its zero loss must still reach every weight)."""
+    """The model's logits at ``mb``'s loss tokens. ``call(input_ids, position_ids, keep) -> (N, V)`` is the model with
+    the output layer at the positions ``keep = (rows, cols)`` of its input (:func:`causal_lm_logits`). ``packed`` runs
+    the rows as one row without padding (:func:`forward_packed`). A padding step projects every position (its zero
+    loss must still reach every weight)."""
     if mb.padding_step:
         return TokenLogits.from_dense(call(mb.input_ids, mb.position_ids, None), mb)
     mask = mb.loss_mask > 0
-    if packed:
-        real = real_tokens(mb)
-        rows, cols = real.nonzero(as_tuple=True)  # packed position p is (rows[p], cols[p]), row-major
-        on = torch.zeros_like(cols, dtype=torch.bool)
-        inside = cols < mask.shape[1]
-        on[inside] = mask[rows[inside], cols[inside]]
-        keep = on.nonzero(as_tuple=True)[0]
-        logits = call(mb.input_ids[real][None], mb.position_ids[real][None], keep)[0]
-        return TokenLogits(logits, rows[keep], cols[keep], tuple(mask.shape))
-    keep = mask.any(0).nonzero(as_tuple=True)[0]
-    logits = call(mb.input_ids, mb.position_ids, keep)  # (b, K, V)
-    rows, k = mask[:, keep].nonzero(as_tuple=True)
-    return TokenLogits(logits[rows, k], rows, keep[k], tuple(mask.shape))
+    if not packed:
+        rows, cols = mask.nonzero(as_tuple=True)
+        return TokenLogits(call(mb.input_ids, mb.position_ids, (rows, cols)), rows, cols, tuple(mask.shape))
+    real = real_tokens(mb)
+    rows, cols = real.nonzero(as_tuple=True)  # packed position p is (rows[p], cols[p]), row-major
+    on = torch.zeros_like(cols, dtype=torch.bool)
+    inside = cols < mask.shape[1]
+    on[inside] = mask[rows[inside], cols[inside]]
+    keep = on.nonzero(as_tuple=True)[0]
+    logits = call(mb.input_ids[real][None], mb.position_ids[real][None], (torch.zeros_like(keep), keep))
+    return TokenLogits(logits, rows[keep], cols[keep], tuple(mask.shape))
 
 
 def unpad_next_token(padded: torch.Tensor, lengths: np.ndarray) -> Ragged:
