@@ -2,8 +2,8 @@
 one run: the log-prob pass and one training step of the real training core, with the code of this tree and with the
 code of a base commit (``--base``, checked out into a temporary git worktree), each measurement in a fresh process.
 
-Since this change the actor's logits are computed only where a loss token needs them (``TokenLogits``, through
-Hugging Face's ``logits_to_keep``): a step sample of the FrozenLake configs is a ~400-token prompt and a ~10-token
+Since this change the actor's logits are computed only where a loss token needs them (``TokenLogits``; the output
+layer sees the loss tokens' hidden states only): a step sample of the FrozenLake configs is a ~400-token prompt and a ~10-token
 reply, and the vocabulary projection (576 x 49,152 for the default model) and its log-softmax ran at every position.
 
 Rows: the first ``--rows`` rows of ``--samples`` (a run's table; default: FrozenLake-shaped step samples from
