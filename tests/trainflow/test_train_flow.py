@@ -241,14 +241,19 @@ def _assert_same_rows(got, want, where) -> None:
                                      rtol=1e-5, atol=1e-6), (where, column)
 
 
+def _float32(tensors: dict) -> dict:
+    """name -> float32 array. A weights-only checkpoint is written in the dtype the engines load: bf16 where the CPU
+    has native bf16, which numpy cannot hold; float32 holds it exactly."""
+    return {name: t.float().numpy() for name, t in tensors.items()}
+
+
 def _weights(folder: Path) -> dict:
-    """name -> float32 array of every tensor in the folder's safetensors files (a weights-only checkpoint is written in
-    the dtype the engines load: bf16 where the CPU has native bf16, which numpy cannot hold; float32 holds it exactly)."""
+    """name -> float32 array of every tensor in the folder's safetensors files."""
     from safetensors.torch import load_file
 
     out = {}
     for f in sorted(folder.glob("*.safetensors")):
-        out.update({name: t.float().numpy() for name, t in load_file(str(f)).items()})
+        out.update(_float32(load_file(str(f))))
     assert out, f"no weights in {folder}"
     return out
 
@@ -357,7 +362,7 @@ def _s3_weights(uri: str) -> dict:
         name = o["name"].split("/", 1)[1] if o["name"].startswith(f"{manifest[ATTEMPT_KEY]}/") else o["name"]
         if name.endswith(".safetensors") and "/" not in name:  # the weights beside the manifest, as _weights reads
             with loc.fs.open_input_stream(f"{loc.path}/{o['name']}") as f:
-                out.update({name: t.float().numpy() for name, t in load(f.read()).items()})
+                out.update(_float32(load(f.read())))
     assert out, f"no weights in {uri}"
     return out
 
