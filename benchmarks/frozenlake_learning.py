@@ -6,7 +6,8 @@ process group, SIGKILL after a grace period; the run folder stays resumable). Th
 
 * the valid-action rate and the success rate on the fixed held-out evaluation set (the config's ``eval`` section:
   the same levels and sampling seeds at every evaluation) before training and after each iteration;
-* the same evaluation levels played by a uniformly random action policy (every action legal by construction);
+* the same evaluation levels played by a uniformly random action policy (every action legal by construction), each
+  episode as many turns at most as the rollout allows the policy (stages/rollout/baseline.py);
 * the wall time of each iteration split by stage.
 
 It writes the run's report (PNG plots + HTML) and a summary JSON beside it, prints a table, and as its last line
@@ -14,7 +15,7 @@ It writes the run's report (PNG plots + HTML) and a summary JSON beside it, prin
 iterations=… wall_s=… s_per_iter=… overhead_share=…`` (rates in [0, 1], measured in this one run; overhead_share is
 the share of the training iterations' wall time that is not generation, forward or backward compute, computed as
 benchmarks/iteration_overhead.py does). The random policy plays 64 episodes per held-out level (or the evaluation's
-``eval.group_size`` where larger), so its rate is known to about 1.4 % (standard error over 16 levels); the policy's
+``eval.group_size`` where larger), so its rate is known to about 1.1 % (standard error); the policy's
 evaluation rate carries its own sampling error (about 4 % over 128 episodes).
 
 Usage: python benchmarks/frozenlake_learning.py [--config configs/train_frozenlake_grpo.yaml] [--budget-min 60]
@@ -36,32 +37,6 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
-
-
-def random_policy_success(config, episodes_per_level: int, seed: int = 0) -> tuple[float, int]:
-    """Success rate of uniformly random legal actions on the evaluation levels of ``config`` (a TrainFlowConfig).
-    Returns (rate, episodes)."""
-    from schemas.rollout_config import turn_section
-    from stages.envs.registry import make_env
-    from stages.rollout.episode import env_entry, env_kwargs, level_seed
-
-    section = turn_section(config.eval_rollout())
-    rng = random.Random(seed)
-    wins = total = 0
-    for group in range(section.env.num_env_groups):
-        level = level_seed(section.seed, section.iteration, group)
-        for _ in range(episodes_per_level):
-            entry = env_entry(section, group * section.env.group_size)
-            env = make_env(entry.env_type, **env_kwargs(section, entry))
-            env.reset(level)
-            names = list(env.action_lookup.values())
-            done, info = False, {}
-            while not done:
-                _, _, terminated, truncated, info = env.step(f"<answer>{rng.choice(names)}</answer>")
-                done = terminated or truncated
-            wins += bool(info.get("metrics", {}).get("success"))
-            total += 1
-    return wins / total, total
 
 
 def run_budgeted(cmd: list[str], budget_s: float, log_path: Path) -> tuple[float, int | None]:
@@ -215,7 +190,11 @@ def main() -> None:
     sets = [f"run_name={args.run_name}", f"runs_dir={args.runs_dir}", f"max_steps={args.max_steps}",
             *args.overrides]
     config = load_config(TrainFlowConfig, args.config, parse_overrides(sets))
-    random_rate, random_n = random_policy_success(config, max(64, config.eval.group_size))  # SE about 1.4 %
+    from schemas.rollout_config import turn_section
+    from stages.rollout.baseline import random_policy_success
+
+    baseline = random_policy_success(turn_section(config.eval_rollout()), max(64, config.eval.group_size))
+    random_rate, random_n = baseline.success_rate, baseline.episodes  # SE about 1.1 %
     run = Path(args.runs_dir) / args.run_name
     cmd = [str(Path(sys.executable).parent / "rollflow"), "train", "--config", args.config, "--no-report"]
     for s in sets:
@@ -237,7 +216,8 @@ def main() -> None:
     if not done or done[0] != 0:
         sys.exit(f"no base evaluation in {run}/metrics; see {run / 'benchmark.log'}")
     trained = [i for i in done if i > 0 and (i - 1) in walls and "train" in walls[i - 1]]
-    print(f"\nrandom legal actions on the evaluation levels: success {random_rate:.3f} over {random_n} episodes")
+    print(f"\nrandom legal actions on the evaluation levels: success {random_rate:.3f} over {random_n} episodes of at "
+          f"most {baseline.longest} turns")
     quality = {i: action_quality(folders) for i, folders in evaluation_turns(run).items()} \
         if config.rollout.env.tag == "FrozenLake" else {}
     print(f"{'eval after':>12} {'valid':>7} {'success':>8} {'toward':>7} {'random':>7} {'entropy':>7}"
