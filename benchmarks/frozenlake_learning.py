@@ -193,8 +193,7 @@ def main() -> None:
     from schemas.rollout_config import turn_section
     from stages.rollout.baseline import random_policy_success
 
-    baseline = random_policy_success(turn_section(config.eval_rollout()), max(64, config.eval.group_size))
-    random_rate, random_n = baseline.success_rate, baseline.episodes  # SE about 1.1 %
+    baseline = random_policy_success(turn_section(config.eval_rollout()), max(64, config.eval.group_size))  # SE ~1.1 %
     run = Path(args.runs_dir) / args.run_name
     cmd = [str(Path(sys.executable).parent / "rollflow"), "train", "--config", args.config, "--no-report"]
     for s in sets:
@@ -216,8 +215,8 @@ def main() -> None:
     if not done or done[0] != 0:
         sys.exit(f"no base evaluation in {run}/metrics; see {run / 'benchmark.log'}")
     trained = [i for i in done if i > 0 and (i - 1) in walls and "train" in walls[i - 1]]
-    print(f"\nrandom legal actions on the evaluation levels: success {random_rate:.3f} over {random_n} episodes of at "
-          f"most {baseline.longest} turns")
+    print(f"\nrandom legal actions on the evaluation levels: success {baseline.success_rate:.3f} over "
+          f"{baseline.episodes} episodes of at most {baseline.longest} turns")
     quality = {i: action_quality(folders) for i, folders in evaluation_turns(run).items()} \
         if config.rollout.env.tag == "FrozenLake" else {}
     print(f"{'eval after':>12} {'valid':>7} {'success':>8} {'toward':>7} {'random':>7} {'entropy':>7}"
@@ -247,7 +246,7 @@ def main() -> None:
         "base_valid": evals[0][key_v], "final_valid": evals[last][key_v],
         "best_valid": max(evals[i][key_v] for i in done),
         "base_success": evals[0][key_s], "final_success": evals[last][key_s],
-        "best_success": max(evals[i][key_s] for i in done), "random_success": random_rate,
+        "best_success": max(evals[i][key_s] for i in done), "random_success": baseline.success_rate,
         "iterations": len(iter_walls), "wall_s": round(wall, 1), "exit_code": -1 if rc is None else rc,
         "s_per_iter": round(sum(iter_walls) / len(iter_walls), 1) if iter_walls else 0.0,
         "overhead_share": overhead_share(run),
