@@ -118,10 +118,11 @@ def _neighbours(size: int) -> tuple[tuple[int, int, int, int], ...]:
 
 
 @lru_cache(maxsize=4096)
-def _base_rows(desc: tuple[str, ...], symbols: tuple[tuple[str, str], ...]) -> tuple[str, ...]:
-    """The map's rows as observation symbols without the player (``S`` shown as ``F``)."""
+def _base_rows(desc: tuple[str, ...], symbols: tuple[tuple[str, str], ...]) -> tuple[tuple[str, ...], ...]:
+    """``(size, size)`` observation symbols of the map without the player (``S`` shown as ``F``); a symbol may be
+    several characters (a ``grid_lookup`` of e.g. ``" P"``), so rows stay lists of cells until rendered."""
     table = dict(symbols)
-    return tuple("".join(table["F" if ch == "S" else ch] for ch in row) for row in desc)
+    return tuple(tuple(table["F" if ch == "S" else ch] for ch in row) for row in desc)
 
 
 class FrozenLakeEnv(TextEnv):
@@ -244,9 +245,9 @@ class FrozenLakeEnv(TextEnv):
         if self.desc is None:
             raise EnvStateError("FrozenLake.render() called before reset(seed); reset the env first")
         r, c = divmod(self.s, self.size)
-        rows = list(self._rows)
+        rows = ["".join(row) for row in self._rows]
         symbol = self._player_symbols.get(self._flat[self.s], self._player_symbol)
-        rows[r] = rows[r][:c] + symbol + rows[r][c + 1:]
+        rows[r] = "".join(self._rows[r][:c]) + symbol + "".join(self._rows[r][c + 1:])
         return "\n".join(rows)
 
     def get_instructions(self) -> str:

@@ -9,7 +9,8 @@ import pytest
 
 from schemas.errors import ConfigError
 from stages.envs import EnvStateError, make_env
-from stages.envs.frozen_lake import (FrozenLakeEnv, generate_random_map, np_random, pcg64_random, pcg64_state)
+from stages.envs.frozen_lake import (GRID_LOOKUP, FrozenLakeEnv, generate_random_map, np_random, pcg64_random,
+                                     pcg64_state)
 
 INSTRUCTION = ("You are solving the FrozenLake puzzle. Forbid the whole and go to the target. You may move to the "
                "unintended direction due to the slippery ice. The answer must be one of action in a turn, format is "
@@ -131,6 +132,20 @@ def test_custom_lookups_render_and_parse():
     assert obs == "..A.\n.hg.\nh...\n...." and info["env_instruction"].endswith("W, S, E, N")
     assert env.step("<answer>s</answer>")[0] == "....\n.hw.\nh...\n...."
     assert env.step("<answer>Down</answer>")[4]["metrics"]["action_is_valid"] is False
+
+
+
+@pytest.mark.parametrize("seed", [3, 11, 42])
+def test_multi_character_symbols_render_one_symbol_per_cell(seed):
+    """ROLL joins the symbols of a row's cells, so a symbol may be several characters (``" P"``: one token per cell
+    for a BPE tokenizer). Every rendering equals the default one with a space before each cell, player included."""
+    spaced = {code: " " + symbol for code, symbol in GRID_LOOKUP.items()}
+    plain, wide = FrozenLakeEnv(is_slippery=False), FrozenLakeEnv(is_slippery=False, grid_lookup=spaced)
+    observations = [(plain.reset(seed)[0], wide.reset(seed)[0])]
+    for move in ("Right", "Down", "Left", "Up", "Down"):
+        observations.append((plain.step(f"<answer>{move}</answer>")[0], wide.step(f"<answer>{move}</answer>")[0]))
+    for ours, theirs in observations:
+        assert theirs == "\n".join("".join(" " + ch for ch in row) for row in ours.split("\n"))
 
 
 def test_errors():
