@@ -112,7 +112,7 @@ def action_quality(turn_folders: list[Path]) -> dict[str, float]:
     for folder in turn_folders:
         for part in sorted(folder.glob("*.parquet")):
             for r in pq.read_table(part, columns=["observation", "action_content", "action_valid"]).to_pylist():
-                rows = r["observation"].split("\n")
+                rows = [row.replace(" ", "") for row in r["observation"].split("\n")]  # symbols may carry a space
                 here = next(((i, j) for i, row in enumerate(rows) for j, ch in enumerate(row) if ch == "P"), None)
                 if here is None or not any("G" in row for row in rows):
                     continue  # the episode already ended on this turn
