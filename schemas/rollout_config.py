@@ -23,9 +23,9 @@ SampleLevel = Literal["step", "trajectory"]
 EngineDtype = Annotated[str, BeforeValidator(long_validator)]
 
 # Fields each prompt template may use (str.format names); checked at load time.
-FIRST_USER_FIELDS = {"instruction", "observation", "turn", "actions_left"}
-NEXT_USER_FIELDS = {"observation", "turn", "actions_left", "reward", "action_desc", "reply"}
-STEP_USER_FIELDS = {"instruction", "observation", "turn", "actions_left", "history"}
+FIRST_USER_FIELDS = {"instruction", "observation", "turn", "actions_left", "answer_options"}
+NEXT_USER_FIELDS = {"observation", "turn", "actions_left", "reward", "action_desc", "reply", "answer_options"}
+STEP_USER_FIELDS = {"instruction", "observation", "turn", "actions_left", "history", "answer_options"}
 HISTORY_ENTRY_FIELDS = {"observation", "turn", "reward", "action_desc", "reply"}
 
 # With "inside <answer></answer>" the default model never used the tags (0 of 64 replies at temperature 0-1); with
@@ -272,9 +272,12 @@ class ExampleTurn(Frozen):
     assistant: str = Field(..., min_length=1)
 
 
-class PromptConfig(Frozen):
+class PromptConfig(OmitDefaults):
     """How observations become chat messages. Trajectory level (ROLL's TrajEnvManager): one growing conversation.
     Step level (ROLL's StepEnvManager, GiGPO): a fresh single-turn prompt each step with a text history."""
+
+    omit_when_default: ClassVar[dict[str, Any]] = {"answer_option": "<answer>{action}</answer>",
+                                                   "action_order": "listed"}
 
     system_prompt: str = Field(DEFAULT_SYSTEM_PROMPT, description="System message of every prompt.")
     first_user: str = Field(DEFAULT_FIRST_USER, description=f"First user message (trajectory level); fields: "
@@ -289,6 +292,12 @@ class PromptConfig(Frozen):
     history_length: int = Field(5, ge=1, description="ROLL's history_length: a step prompt shows the last "
                                                      "history_length - 1 previous turns (every one of them; "
                                                      "ROLL's BUG-16 showed only invalid ones).")
+    answer_option: str = Field("<answer>{action}</answer>", description="How {answer_options} shows one of the "
+                                                                        "env's actions; field: {action}.")
+    action_order: Literal["listed", "shuffled"] = Field("listed", description="Order of the actions in "
+                                                        "{answer_options}: the env's own (listed), or drawn anew "
+                                                        "for every episode and turn, seeded (shuffled), so that no "
+                                                        "action gains from being named first (rollflow extension).")
     examples: tuple[ExampleTurn, ...] = Field((), description="In-context example turns (rollflow extension; ROLL "
                                                               "has none): user/assistant messages placed after the "
                                                               "system message of every prompt, e.g. one solved "
@@ -296,6 +305,11 @@ class PromptConfig(Frozen):
 
     def example_turns(self) -> tuple[tuple[str, str], ...]:
         return tuple((e.user, e.assistant) for e in self.examples)
+
+    def shows_answer_options(self) -> bool:
+        """Whether a user message shows ``{answer_options}`` (which needs an environment with named actions)."""
+        return any("answer_options" in _template_fields(t, "prompt")
+                   for t in (self.first_user, self.next_user, self.step_user))
 
     @model_validator(mode="after")
     def _fields(self) -> "PromptConfig":
@@ -306,6 +320,9 @@ class PromptConfig(Frozen):
             if unknown:
                 raise ValueError(f"prompt.{name} uses unknown field(s) {sorted(unknown)}; the fields are "
                                  f"{sorted(allowed)} — rename them or escape braces as {{{{ }}}}")
+        if _template_fields(self.answer_option, "prompt.answer_option") != {"action"}:
+            raise ValueError(f"prompt.answer_option must contain {{action}} and no other field, got "
+                             f"{self.answer_option!r}; e.g. '<answer>{{action}}</answer>'")
         if "observation" not in _template_fields(self.first_user, "prompt.first_user") or \
                 "observation" not in _template_fields(self.step_user, "prompt.step_user"):
             raise ValueError("prompt.first_user and prompt.step_user must contain {observation}, because the model "

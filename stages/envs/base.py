@@ -147,6 +147,11 @@ class TextEnv(ABC):
     def close(self) -> None:
         """Release resources (none for the pure envs)."""
 
+    def action_names(self) -> tuple[str, ...]:
+        """The env's discrete actions in its own order (its ``action_lookup``), or ``()`` for free-text envs."""
+        lookup = getattr(self, "action_lookup", None)
+        return tuple(lookup.values()) if isinstance(lookup, Mapping) else ()
+
     # ---- stateless stepping --------------------------------------------------------------------------------------
     @abstractmethod
     def _dynamic_state(self) -> dict:

@@ -24,7 +24,8 @@ from schemas.rollout_config import TagEnv, TurnSection, tag_of_group
 from stages.envs import make_env, restore_env
 from stages.example import state_hash
 from stages.generation.engines import GenRequest, GenResult, SamplingSpec
-from stages.rollout.prompts import ChatFormat, first_user_message, next_user_message, step_user_message
+from stages.rollout.prompts import (ChatFormat, answer_options, first_user_message, next_user_message,
+                                   step_user_message)
 from stages.rollout.tables import STOP_INVALID, STOP_MAX_STEPS, STOP_MAX_TOKENS, STOP_TERMINATED
 
 SEED_BITS = 31
@@ -79,15 +80,30 @@ def _actions_left(max_steps: int, turn: int) -> int:
     return max_steps - turn
 
 
+def _options(section: TurnSection, env: Any, env_id: int, turn: int) -> str:
+    """``{answer_options}`` of episode ``env_id``'s ``turn`` ("" when no template shows it); a shuffled order is
+    seeded by episode and turn, so a replayed or resumed turn sees the same prompt."""
+    if not section.prompt.shows_answer_options():
+        return ""
+    actions = env.action_names()
+    if not actions:
+        raise ConfigError(f"prompt templates show {{answer_options}}, but environment {type(env).__name__} has no "
+                          "named actions (free-text replies); remove {answer_options} from the prompt or use an "
+                          "environment with an action_lookup")
+    return answer_options(section.prompt, actions,
+                          _derived_seed("rollflow-actions", section.seed, section.iteration, env_id, turn))
+
+
 def _prompt_for(section: TurnSection, chat: ChatFormat, instruction: str, history: list[dict], observation: str,
-                turn: int, prev: dict | None, max_steps: int) -> list[int]:
+                turn: int, prev: dict | None, max_steps: int, options: str) -> list[int]:
     """Token ids the engine gets in ``turn`` (``prev``: the row of turn - 1, None at turn 0)."""
     left = _actions_left(max_steps, turn)
     if section.sample_level == "step":
-        return chat.single_turn_ids(step_user_message(section.prompt, instruction, history, observation, turn, left))
+        return chat.single_turn_ids(step_user_message(section.prompt, instruction, history, observation, turn, left,
+                                                      options))
     if prev is None:
-        return chat.single_turn_ids(first_user_message(section.prompt, instruction, observation, turn, left))
-    message = next_user_message(section.prompt, history[-1], observation, turn, left)
+        return chat.single_turn_ids(first_user_message(section.prompt, instruction, observation, turn, left, options))
+    message = next_user_message(section.prompt, history[-1], observation, turn, left, options)
     return list(prev["prompt_ids"]) + list(prev["response_ids"]) + chat.continuation_ids(prev["response_ids"],
                                                                                           message)
 
@@ -98,7 +114,8 @@ def reset_row(section: TurnSection, chat: ChatFormat, env_id: int) -> dict:
     entry = env_entry(section, env_id)
     env = make_env(entry.env_type, **env_kwargs(section, entry))
     observation, info = env.reset(seed)
-    first = _prompt_for(section, chat, info["env_instruction"], [], observation, 0, None, entry.max_steps)
+    first = _prompt_for(section, chat, info["env_instruction"], [], observation, 0, None, entry.max_steps,
+                        _options(section, env, env_id, 0))
     if len(first) >= section.sequence_length:
         raise ConfigError(f"the first prompt of {entry.tag} has {len(first)} tokens, which does not fit "
                           f"sequence_length={section.sequence_length}; raise sequence_length (and the engine's "
@@ -156,7 +173,7 @@ def play_turn(section: TurnSection, chat: ChatFormat, prev: dict, result: GenRes
     next_prompt: list[int] = []
     if not done:
         next_prompt = _prompt_for(section, chat, env.get_instructions(), history, next_observation, turn + 1,
-                                  row_so_far, max_steps)
+                                  row_so_far, max_steps, _options(section, env, prev["env_id"], turn + 1))
         if len(next_prompt) >= section.sequence_length:
             done, stop, next_prompt = True, STOP_MAX_TOKENS, []
     mask, logprobs = _context(section, prev, len(prompt))

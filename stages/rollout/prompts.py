@@ -12,6 +12,7 @@ the last ``history_length - 1`` turns (every entry rendered — BUG-16 fixed) an
 
 from __future__ import annotations
 
+import random
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -105,16 +106,28 @@ def reply_summary(entry: dict) -> str:
     return entry["action_content"] if entry["action_valid"] else "no valid action"
 
 
-def first_user_message(prompt: PromptConfig, instruction: str, observation: str, turn: int, actions_left: int) -> str:
+def answer_options(prompt: PromptConfig, actions: Sequence[str], order_seed: int) -> str:
+    """The env's ``actions`` as ``{answer_options}`` shows them: each through ``prompt.answer_option``, joined as
+    "A, B, C or D", in the env's order (``action_order: listed``) or in one drawn from ``order_seed`` (shuffled)."""
+    names = list(actions)
+    if prompt.action_order == "shuffled":
+        random.Random(order_seed).shuffle(names)
+    shown = [prompt.answer_option.format(action=name) for name in names]
+    return shown[0] if len(shown) == 1 else ", ".join(shown[:-1]) + " or " + shown[-1]
+
+
+def first_user_message(prompt: PromptConfig, instruction: str, observation: str, turn: int, actions_left: int,
+                       options: str = "") -> str:
     return prompt.first_user.format(instruction=instruction, observation=observation, turn=turn + 1,
-                                    actions_left=actions_left)
+                                    actions_left=actions_left, answer_options=options)
 
 
-def next_user_message(prompt: PromptConfig, last: dict, observation: str, turn: int, actions_left: int) -> str:
+def next_user_message(prompt: PromptConfig, last: dict, observation: str, turn: int, actions_left: int,
+                      options: str = "") -> str:
     """The user message after turn ``turn - 1`` whose history entry is ``last``."""
     return prompt.next_user.format(observation=observation, turn=turn + 1, actions_left=actions_left,
                                    reward=format_reward(last["reward"]), action_desc=last["action_desc"],
-                                   reply=reply_summary(last))
+                                   reply=reply_summary(last), answer_options=options)
 
 
 def history_block(prompt: PromptConfig, history: Sequence[dict]) -> str:
@@ -130,6 +143,7 @@ def history_block(prompt: PromptConfig, history: Sequence[dict]) -> str:
 
 
 def step_user_message(prompt: PromptConfig, instruction: str, history: Sequence[dict], observation: str, turn: int,
-                      actions_left: int) -> str:
+                      actions_left: int, options: str = "") -> str:
     return prompt.step_user.format(instruction=instruction, history=history_block(prompt, history),
-                                   observation=observation, turn=turn + 1, actions_left=actions_left)
+                                   observation=observation, turn=turn + 1, actions_left=actions_left,
+                                   answer_options=options)

@@ -12,7 +12,7 @@ from schemas.rollout_config import RolloutConfig, turn_section
 from stages.envs import restore_env
 from stages.example import state_hash
 from stages.rollout.episode import level_seed, play_turn, reset_row, turn_request
-from stages.rollout.prompts import ChatFormat, history_block, step_user_message
+from stages.rollout.prompts import ChatFormat, answer_options, history_block, step_user_message
 
 from .helpers import GARBAGE, GOOD, fake_result, small_config
 
@@ -74,6 +74,56 @@ def test_step_prompt_renders_every_history_entry(tokenizer):
     assert "GRID1" in text and "GRID2" in text and "no valid action" in text and "Your answer: Left" in text
     assert text.index("GRID1") < text.index("GRID2") < text.index("NOW")
     assert history_block(small_config(**{"prompt.history_length": 1}).prompt, history) == ""
+
+
+
+_OPTIONS_USER = "{instruction}\n{observation}\nReply with one of {answer_options}."
+_OPTIONS_NEXT = "{action_desc}\n{observation}\nReply with one of {answer_options}."
+
+
+def test_answer_options_list_every_action_once_in_the_env_or_a_seeded_order():
+    listed = small_config().prompt
+    assert answer_options(listed, ["Left", "Down", "Right", "Up"], 0) == \
+        "<answer>Left</answer>, <answer>Down</answer>, <answer>Right</answer> or <answer>Up</answer>"
+    shuffled = small_config(**{"prompt.action_order": "shuffled", "prompt.answer_option": "'{action}'"}).prompt
+    orders = [answer_options(shuffled, ["Left", "Down", "Right", "Up"], seed) for seed in range(64)]
+    for text in orders:
+        assert sorted(text.replace(" or ", ", ").split(", ")) == ["'Down'", "'Left'", "'Right'", "'Up'"]
+    assert orders[5] == answer_options(shuffled, ["Left", "Down", "Right", "Up"], 5)  # seeded
+    firsts = [text.split(",")[0] for text in orders]
+    assert all(firsts.count(f"'{a}'") >= 8 for a in ("Left", "Down", "Right", "Up")), firsts
+    assert answer_options(listed, ["Stay"], 0) == "<answer>Stay</answer>"
+    # dumped (and so fingerprinted) only when set: runs committed before the options existed keep their stages
+    assert "action_order" not in listed.model_dump() and shuffled.model_dump()["action_order"] == "shuffled"
+
+
+def test_shuffled_answer_options_are_drawn_per_episode_and_turn_and_replay_exactly(tokenizer, chat):
+    """Every prompt shows the env's four moves; the order differs between episodes and turns of one level, and
+    rebuilding a turn from its row gives the same prompt (resume and replay see what the model saw)."""
+    section = turn_section(small_config(**{"prompt.first_user": _OPTIONS_USER, "prompt.next_user": _OPTIONS_NEXT,
+                                           "prompt.action_order": "shuffled", "env.group_size": 8}))
+    starts = [reset_row(section, chat, env_id) for env_id in range(8)]
+    texts = [tokenizer.decode(r["next_prompt_ids"]) for r in starts]
+    shown = [t[t.rindex("Reply with one of"):] for t in texts]
+    assert len(set(shown)) > 1 and all(s.count("<answer>") == 4 for s in shown)
+    assert reset_row(section, chat, 3) == starts[3]
+    row = play_turn(section, chat, starts[0], fake_result(tokenizer, GOOD))
+    later = tokenizer.decode(row["next_prompt_ids"])
+    assert later.count("Reply with one of") == 2 and all(m in later[later.rindex("Reply"):]
+                                                           for m in ("Left", "Down", "Right", "Up"))
+    assert play_turn(section, chat, starts[0], fake_result(tokenizer, GOOD)) == row
+    listed = turn_section(small_config(**{"prompt.first_user": _OPTIONS_USER}))
+    assert "<answer>Left</answer>, <answer>Down</answer>, <answer>Right</answer> or <answer>Up</answer>" in \
+        tokenizer.decode(reset_row(listed, chat, 0)["next_prompt_ids"])
+
+
+def test_answer_options_need_an_env_with_named_actions(chat):
+    section = turn_section(small_config(**{"env.tag": "GemMath", "prompt.first_user": _OPTIONS_USER,
+                                           "env.env_config": {"data": [{"question": "1+1?", "answer": "2"}]}}))
+    with pytest.raises(ConfigError, match="answer_options.*GemMath|no named actions"):
+        reset_row(section, chat, 0)
+    with pytest.raises(ValueError, match="answer_option must contain"):
+        small_config(**{"prompt.answer_option": "<answer>{move}</answer>"})
 
 
 # ---- reset and seeds -------------------------------------------------------------------------------------------
