@@ -323,6 +323,10 @@ class PromptConfig(OmitDefaults):
         if _template_fields(self.answer_option, "prompt.answer_option") != {"action"}:
             raise ValueError(f"prompt.answer_option must contain {{action}} and no other field, got "
                              f"{self.answer_option!r}; e.g. '<answer>{{action}}</answer>'")
+        if self.action_order != "listed" and not self.shows_answer_options():
+            raise ValueError(f"prompt.action_order: {self.action_order} orders {{answer_options}}, which no user "
+                             "message shows; put {answer_options} in first_user/next_user/step_user or drop "
+                             "action_order")
         if "observation" not in _template_fields(self.first_user, "prompt.first_user") or \
                 "observation" not in _template_fields(self.step_user, "prompt.step_user"):
             raise ValueError("prompt.first_user and prompt.step_user must contain {observation}, because the model "

@@ -85,7 +85,8 @@ def test_answer_options_list_every_action_once_in_the_env_or_a_seeded_order():
     listed = small_config().prompt
     assert answer_options(listed, ["Left", "Down", "Right", "Up"], 0) == \
         "<answer>Left</answer>, <answer>Down</answer>, <answer>Right</answer> or <answer>Up</answer>"
-    shuffled = small_config(**{"prompt.action_order": "shuffled", "prompt.answer_option": "'{action}'"}).prompt
+    shuffled = small_config(**{"prompt.action_order": "shuffled", "prompt.answer_option": "'{action}'",
+                               "prompt.first_user": _OPTIONS_USER}).prompt
     orders = [answer_options(shuffled, ["Left", "Down", "Right", "Up"], seed) for seed in range(64)]
     for text in orders:
         assert sorted(text.replace(" or ", ", ").split(", ")) == ["'Down'", "'Left'", "'Right'", "'Up'"]
@@ -124,6 +125,8 @@ def test_answer_options_need_an_env_with_named_actions(chat):
         reset_row(section, chat, 0)
     with pytest.raises(ValueError, match="answer_option must contain"):
         small_config(**{"prompt.answer_option": "<answer>{move}</answer>"})
+    with pytest.raises(ValueError, match="which no user message shows"):
+        small_config(**{"prompt.action_order": "shuffled"})
 
 
 # ---- reset and seeds -------------------------------------------------------------------------------------------
