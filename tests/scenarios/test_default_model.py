@@ -9,6 +9,9 @@ continues from its checkpoint with iteration 1, one after the other); the run is
 the report); its log-prob stage re-run in the dtype that ``auto`` did not choose; its training step re-run with
 another learning rate with ``--downstream`` through the evaluation, followed back by ``rollflow lineage``. An RLVR
 evaluation of the default model (``rollflow eval`` with the shipped RLVR config's validation set) is the fifth.
+The ticks run in the serving process; the re-runs and the RLVR evaluation call the same commands in the test's own
+process, on the session's Ray cluster and Prefect server (``tests/processes.py::rollflow_here``): no child process
+importing Ray, Prefect and the stage code again for each.
 
 The run normalises rewards with ``method: identity`` instead of the shipped ``mean_std``: at this size (one
 episode per tag, 8 new tokens) a group-normalised advantage would be 0 (a group of one has no spread; the config
@@ -40,7 +43,8 @@ from typer.testing import CliRunner
 from flows.cli import app
 from tests.flows import deployments
 from tests.spine.helpers import tree_digest
-from tests.trainflow.test_train_flow import _re_runs, _rollflow, _weights
+from tests.processes import rollflow_here
+from tests.trainflow.test_train_flow import _re_runs, _weights
 
 pytestmark = pytest.mark.slow
 
@@ -77,15 +81,17 @@ def _table(folder: Path):
 
 @pytest.fixture(scope="module")
 def ticks(tmp_path_factory, prefect_server, cli_env, default_model) -> dict:
-    """Two ticks of ``rollflow deploy --flow train --interval 30`` serving the mixed config (see the module) on the
+    """Two ticks of ``rollflow deploy --flow train --interval 10`` serving the mixed config (see the module) on the
     session's Prefect server: the deployment, its first two completed flow runs and the run folder. The serving
-    process is stopped after the second (a third tick it may have begun is cancelled with it)."""
+    process is stopped after the second (a third tick it may have begun is cancelled with it). The first tick is due
+    one interval after the deployment is registered: 10 s rather than 30 s of waiting; the later ticks are late by
+    then and start as soon as the one before has ended."""
     from prefect.client.orchestration import get_client
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
     root = tmp_path_factory.mktemp("scenarios")
     log_path = root / "serve.log"
-    served = deployments.serve(["--flow", "train", "--config", CONFIG, "--interval", "30", "--name", "mixed-ticks",
+    served = deployments.serve(["--flow", "train", "--config", CONFIG, "--interval", "10", "--name", "mixed-ticks",
                                 *_mixed_sets(root, "mixed", default_model)],
                                prefect_server.api_url, root / "client", log_path, env=cli_env)
     try:
@@ -176,7 +182,7 @@ def test_mixed_frozenlake_sokoban_run(mixed_run, default_model):
     assert all(f"<td>{tag}</td>" in page for tag in TAGS)
 
 
-def test_logprobs_rerun_in_the_other_dtype(mixed_run, cli_env, default_model):
+def test_logprobs_rerun_in_the_other_dtype(mixed_run, prefect_server, default_model):
     """``rollflow stage logprobs --from iter_0000/logprobs --set dtype=…`` with the dtype ``auto`` did not choose
     on this machine: new log-probs beside the old ones, the original untouched, the same model's log-probs up to
     the other precision's rounding."""
@@ -186,8 +192,9 @@ def test_logprobs_rerun_in_the_other_dtype(mixed_run, cli_env, default_model):
     dtype = "fp32" if chosen == "bf16" else "bf16"
     original = tree_digest(it / "logprobs")
     before = _re_runs(it)
-    done = _rollflow("stage", "logprobs", "--from", str(it / "logprobs"), "--set", f"dtype={dtype}", env=cli_env)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    done = rollflow_here("stage", "logprobs", "--from", str(it / "logprobs"), "--set", f"dtype={dtype}",
+                         api_url=prefect_server.api_url)
+    assert done.exit_code == 0, done.output[-3000:]
     made = sorted(_re_runs(it) - before)
     assert len(made) == 1 and made[0].startswith("logprobs@"), made
     new = it / made[0]
@@ -230,7 +237,7 @@ def _logit_scale(model_dir: Path, table) -> list[np.ndarray]:
     return out
 
 
-def test_training_step_rerun_with_another_learning_rate_through_evaluation(mixed_run, cli_env):
+def test_training_step_rerun_with_another_learning_rate_through_evaluation(mixed_run, prefect_server):
     """``rollflow stage train_step --from iter_0000/checkpoint --set actor_train.training_args.learning_rate=…
     --downstream``: a new checkpoint beside the old one (other weights), its manifest recording its inputs and the
     new rate; the evaluation that read the old checkpoint re-run on the new one into its own folder (both tags
@@ -242,9 +249,9 @@ def test_training_step_rerun_with_another_learning_rate_through_evaluation(mixed
     rate = old["section"]["actor_train"]["training_args"]["learning_rate"] * 50
     originals = {name: tree_digest(it / name) for name in ("checkpoint", "eval", "advantaged")}
     before = _re_runs(it)
-    done = _rollflow("stage", "train_step", "--from", str(it / "checkpoint"), "--set",
-                     f"actor_train.training_args.learning_rate={rate}", "--downstream", env=cli_env)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    done = rollflow_here("stage", "train_step", "--from", str(it / "checkpoint"), "--set",
+                         f"actor_train.training_args.learning_rate={rate}", "--downstream", api_url=prefect_server.api_url)
+    assert done.exit_code == 0, done.output[-3000:]
     made = sorted(n for n in _re_runs(it) - before if not n.startswith("logprobs@"))
     tag = made[0].split("@")[1]
     assert made == [f"checkpoint@{tag}", f"eval@{tag}"], made
@@ -270,15 +277,15 @@ def test_training_step_rerun_with_another_learning_rate_through_evaluation(mixed
     assert "STALE" not in lineage.output and "none is stale" in lineage.output
 
 
-def test_rlvr_eval_of_the_default_model(default_model, cli_env, tmp_path):
+def test_rlvr_eval_of_the_default_model(default_model, prefect_server, ray_cluster, tmp_path):
     """``rollflow eval --config configs/rlvr_train_math.yaml --checkpoint <default model>``: the shipped RLVR
     config's validation prompts (two of the multiple-choice set) answered greedily by the default model through vLLM
     and scored by the general validation rule; the summary prints the overall and per-domain scores."""
     out = tmp_path / "eval"
-    done = _rollflow("eval", "--config", "configs/rlvr_train_math.yaml", "--checkpoint", str(default_model),
-                     "--output", str(out), "--set", "validation.prompts.limit=2",
-                     "--set", "generating_args.max_new_tokens=32", env=cli_env)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    done = rollflow_here("eval", "--config", "configs/rlvr_train_math.yaml", "--checkpoint", str(default_model),
+                         "--output", str(out), "--set", "validation.prompts.limit=2",
+                         "--set", "generating_args.max_new_tokens=32", api_url=prefect_server.api_url)
+    assert done.exit_code == 0, done.output[-3000:]
     assert f"validated {default_model}" in done.stdout, done.stdout
     printed = {line.split()[0]: float(line.split()[1]) for line in done.stdout.splitlines()
                if line.startswith("  val/")}

@@ -37,7 +37,7 @@ def _in_progress(out: Path) -> bool:
 
 
 @pytest.mark.slow
-def test_sigkill_mid_run_then_rerun_gives_the_uninterrupted_output(data_root, tmp_path, ray_cluster):
+def test_sigkill_mid_run_then_rerun_gives_the_uninterrupted_output(data_root, tmp_path, ray_cluster, cli_env):
     samples = str(data_root / "big")
     generate(ExampleSpec(samples=4000, seed=11, rows_per_file=500, **SMALL), samples)
     out = tmp_path / "out"
@@ -51,7 +51,8 @@ def test_sigkill_mid_run_then_rerun_gives_the_uninterrupted_output(data_root, tm
     assert not (out / "advantaged").exists(), "nothing of the interrupted stage is committed"
     assert any(n.startswith(".advantaged.tmp-") for n in siblings(out / "advantaged")), "the crash left its tmp"
 
-    rerun = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, start_new_session=True)
+    # the re-run joins the session's Ray cluster and Prefect server (cli_env), as a user's command joins a running one
+    rerun = subprocess.run(cmd, env=cli_env, capture_output=True, text=True, timeout=600, start_new_session=True)
     assert rerun.returncode == 0, rerun.stdout[-3000:] + rerun.stderr[-3000:]
     assert "up to date, skipped" in rerun.stdout.splitlines()[0], "the committed first stage is not redone"
     assert "computed in" in rerun.stdout.splitlines()[1]

@@ -259,7 +259,7 @@ def _weights(folder: Path) -> dict:
 
 
 @pytest.mark.slow
-def test_sigkilled_run_on_s3_resumes_to_the_uninterrupted_result(finished_run, s3, cli_env, tmp_path):
+def test_sigkilled_run_on_s3_resumes_to_the_uninterrupted_result(finished_run, s3, cli_env, prefect_server, tmp_path):
     """A run with ``runs_dir=s3://...`` (issue 14, item 4), started from an empty working directory, SIGKILLed whole
     (CLI, Ray, Prefect) once iteration 0's weights-only checkpoint is committed, then ``rollflow train --resume
     s3://...``: iteration 1 trains engines rebuilt by replaying step 0 from the initial model, and every stage output
@@ -327,7 +327,8 @@ def test_sigkilled_run_on_s3_resumes_to_the_uninterrupted_result(finished_run, s
         assert list(cwd.iterdir()) == [], "nothing is written into the working directory"
 
         manifests = {n: Location.of(f"{run}/{n}").read_text() for n in stored if n.endswith("manifest.json")}
-        again = rollflow("train", "--resume", run, "--no-report")
+        again = rollflow_here("train", "--resume", run, "--no-report", api_url=prefect_server.api_url)  # no work
+        assert again.exit_code == 0, again.output[-3000:]
         assert "[iteration 1] train            committed earlier, skipped" in again.stdout, again.stdout
         assert {n: Location.of(f"{run}/{n}").read_text() for n in manifests} == manifests
         assert json.loads(Location.of(f"{run}/config.json").read_text())["max_steps"] == 2
