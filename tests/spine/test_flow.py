@@ -75,13 +75,13 @@ def test_flow_failure_raises_our_error_and_marks_the_run_failed(step_set, tmp_pa
 
 @pytest.mark.server
 @pytest.mark.slow
-def test_flow_against_a_real_prefect_server(prefect_server, step_set, tmp_path):
+def test_flow_against_a_real_prefect_server(prefect_server, cli_env, step_set, tmp_path):
     from prefect.client.orchestration import get_client
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
     out = tmp_path / "out"
-    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    env.update(PREFECT_API_URL=prefect_server.api_url, PREFECT_HOME=str(tmp_path / "client-home"))
+    # the session's Prefect server (PREFECT_API_URL) and Ray cluster (RAY_ADDRESS), a client home of its own
+    env = {**cli_env, "PREFECT_HOME": str(tmp_path / "client-home")}
     cmd = [str(BIN / "rollflow"), "recompute", "--input", step_set, "--config", GIGPO, "--output", str(out),
            "--set", "runtime.num_cpus=2"]
     result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)

@@ -24,6 +24,10 @@ from tests.train.tables import advantaged_rows, read_folder, write_table
 
 pytestmark = pytest.mark.usefixtures("ray_cluster")
 FORWARD = ForwardConfig(max_tokens_per_microbatch_in_infer=64, rows_per_batch=4, num_actors=2, cpus_per_actor=0.5)
+# the tests of what a pass computes (packing, the reference, the critic's values) run one actor: each actor is a
+# process that imports torch and transformers (about 8 CPU-seconds); the pool of two keeps the row-order test and
+# the kept workers' test
+ONE_ACTOR = FORWARD.model_copy(update={"num_actors": 1})
 
 
 @pytest.fixture(scope="module")
@@ -53,8 +57,8 @@ def perturbed_copy(source: Path, target: Path, seed: int = 0) -> Path:
 def test_packed_log_prob_stage_equals_the_padded_one(tiny_model, samples, tmp_path):
     """use_sequence_packing runs each micro-batch's rows as one row without padding: the same log-probs (within
     float32 rounding) and no padded token in the stage's counters."""
-    padded = run_logprobs(str(samples), str(tiny_model), FORWARD, str(tmp_path / "padded"))
-    packed = run_logprobs(str(samples), str(tiny_model), FORWARD.model_copy(update={"use_sequence_packing": True}),
+    padded = run_logprobs(str(samples), str(tiny_model), ONE_ACTOR, str(tmp_path / "padded"))
+    packed = run_logprobs(str(samples), str(tiny_model), ONE_ACTOR.model_copy(update={"use_sequence_packing": True}),
                           str(tmp_path / "packed"))
     a, b = read_folder(tmp_path / "padded"), read_folder(tmp_path / "packed")
     assert a.column("row_id").to_pylist() == b.column("row_id").to_pylist()
@@ -84,14 +88,14 @@ def test_logprob_stage_adds_ragged_columns_in_row_order_and_skips_when_done(tiny
 
 def test_reference_model_is_run_separately(tiny_model, samples, tmp_path):
     reference = perturbed_copy(tiny_model, tmp_path / "ref")
-    run_logprobs(str(samples), str(tiny_model), FORWARD, str(tmp_path / "lp"), reference=str(reference))
+    run_logprobs(str(samples), str(tiny_model), ONE_ACTOR, str(tmp_path / "lp"), reference=str(reference))
     out = read_folder(tmp_path / "lp")
     want = direct(load_actor_model(str(reference)), read_folder(samples))
     refs = out.column("ref_log_probs").to_pylist()
     assert refs != out.column("old_log_probs").to_pylist()
     for b, r in enumerate(refs):
         np.testing.assert_allclose(r, want.row(b), atol=2e-5)
-    no_ref = FORWARD.model_copy(update={"enable_reference": False})
+    no_ref = ONE_ACTOR.model_copy(update={"enable_reference": False})
     run_logprobs(str(samples), str(tiny_model), no_ref, str(tmp_path / "lp2"))
     assert "ref_log_probs" not in pq.read_schema(next((tmp_path / "lp2").glob("*.parquet"))).names
 
@@ -119,8 +123,7 @@ def test_kept_forward_workers_take_a_new_checkpoint_in_place_and_equal_a_fresh_p
     assert first["in_place"] == 0 and first["fresh"] >= 2  # counts per batch: a batch's models are fresh, in place or kept
     assert second["fresh"] == first["fresh"] and second["in_place"] >= 1 and second["kept"] > first["kept"]
     assert len(per_worker) == 2 and all(sum(loads.values()) >= 1 for loads in per_worker), per_worker  # both ran
-    one_actor = FORWARD.model_copy(update={"num_actors": 1})
-    run_logprobs(str(samples), str(policy), one_actor, str(tmp_path / "fresh"), reference=str(reference))
+    run_logprobs(str(samples), str(policy), ONE_ACTOR, str(tmp_path / "fresh"), reference=str(reference))
     kept, fresh = read_folder(tmp_path / "lp1"), read_folder(tmp_path / "fresh")
     assert kept.column_names == fresh.column_names and kept.column("row_id") == fresh.column("row_id")
     assert kept.column("old_log_probs") != read_folder(tmp_path / "lp0").column("old_log_probs")
@@ -148,7 +151,7 @@ def test_bad_input_fails_before_writing(tiny_model, samples, tmp_path):
 
 
 def test_values_stage_uses_a_seeded_new_critic_before_training(tiny_model, samples, tmp_path):
-    result = run_values(str(samples), str(tiny_model), FORWARD.model_copy(update={"seed": 9}), str(tmp_path / "v"))
+    result = run_values(str(samples), str(tiny_model), ONE_ACTOR.model_copy(update={"seed": 9}), str(tmp_path / "v"))
     out = read_folder(tmp_path / "v")
     want = direct(load_critic_model(None, str(tiny_model), seed=9), read_folder(samples), "values")
     for b, v in enumerate(out.column("values").to_pylist()):
