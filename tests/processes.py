@@ -65,9 +65,11 @@ def sigkill_when(cmd: list[str], ready: Callable[[], bool], log_path: Path, *, e
 
 
 def rollflow_here(*args: str, api_url: str):
-    """The same command in this process, on the session's Ray cluster (``ray_cluster``) and Prefect server: no
-    process start-up, for the calls that must find their work done or refuse before doing any (Typer's result:
-    ``exit_code``, ``stdout``, ``stderr``)."""
+    """The same command in this process, on the session's Ray cluster (``ray_cluster``) and Prefect server (Typer's
+    result: ``exit_code``, ``stdout``, ``stderr``). No process start-up: for the calls that must find their work done
+    or refuse before doing any, and for the re-runs and evaluations of the scenario tests, whose engines and workers
+    are Ray actors either way. A test of the command as a process (its exit status, its console, a kill) starts a
+    child instead."""
     from prefect.settings import PREFECT_API_URL, temporary_settings
     from typer.testing import CliRunner
 
