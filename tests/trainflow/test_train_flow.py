@@ -369,15 +369,14 @@ def _s3_weights(uri: str) -> dict:
 
 
 @pytest.mark.slow
-def test_eval_of_a_checkpoint_equals_the_runs_own_evaluation(finished_run, cli_env, prefect_server, ray_cluster,
-                                                             tmp_path):
+def test_eval_of_a_checkpoint_equals_the_runs_own_evaluation(finished_run, prefect_server, ray_cluster, tmp_path):
     """``rollflow eval`` plays the config's held-out levels with a checkpoint, without training: on the run's last
     checkpoint it commits the same episodes as the run's own evaluation after that iteration; a re-run skips."""
     config = _tiny_args(finished_run.parent, finished_run.name)[1:]  # the run's config: --config FILE --set ...
     out = tmp_path / "eval"
-    done = _rollflow("eval", *config, "--checkpoint", str(finished_run / "iter_0001/checkpoint"), "--output", str(out),
-                     env=cli_env)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    done = rollflow_here("eval", *config, "--checkpoint", str(finished_run / "iter_0001/checkpoint"), "--output",
+                         str(out), api_url=prefect_server.api_url)
+    assert done.exit_code == 0, done.output[-3000:]
     assert "held-out episodes" in done.stdout and "rollout/valid_action_rate" in done.stdout
     got, want = _table(out / "samples"), _table(finished_run / "iter_0001/eval/samples")
     assert want.num_rows > 0
@@ -393,7 +392,7 @@ def test_eval_of_a_checkpoint_equals_the_runs_own_evaluation(finished_run, cli_e
 
 
 @pytest.mark.slow
-def test_stage_rerun_of_the_logprobs_in_another_dtype_recomputes_what_reads_them(finished_run, cli_env, prefect_server,
+def test_stage_rerun_of_the_logprobs_in_another_dtype_recomputes_what_reads_them(finished_run, prefect_server,
                                                                                    ray_cluster):
     """``rollflow stage logprobs --set dtype=… --downstream`` on an iteration of a finished run: new log-probs beside
     the old ones, then the rewards and advantages that read them (each ``<folder>@<tag>``, the advantages after both
@@ -404,9 +403,9 @@ def test_stage_rerun_of_the_logprobs_in_another_dtype_recomputes_what_reads_them
     dtype = "fp32" if old_manifest["section"]["dtype"] == "bf16" else "bf16"
     stamps = {p: p.stat().st_mtime_ns for p in it.glob("*/manifest.json")}
     before = _re_runs(it)
-    done = _rollflow("stage", "logprobs", "--from", str(it / "logprobs"), "--set", f"dtype={dtype}", "--downstream",
-                     env=cli_env)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    done = rollflow_here("stage", "logprobs", "--from", str(it / "logprobs"), "--set", f"dtype={dtype}",
+                         "--downstream", api_url=prefect_server.api_url)
+    assert done.exit_code == 0, done.output[-3000:]
     tags = {name.split("@")[1] for name in _re_runs(it) - before}
     assert len(tags) == 1
     tag = tags.pop()
