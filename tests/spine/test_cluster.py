@@ -126,3 +126,22 @@ def test_a_local_start_that_times_out_is_stopped_and_tried_again(tmp_path):
     assert (site / "held").exists(), "the agent was held back"
     assert "the local Ray cluster did not start (try 1 of 3" in done.stderr, done.stderr[-3000:]
     assert "worker True" in done.stdout and "gcs 1" in done.stdout, done.stdout
+
+
+def test_the_log_monitor_of_a_started_cluster_lists_its_folder_every_few_seconds(ray_cluster):
+    """The session's cluster was started by ensure_ray (tests/conftest.py): its log monitor, a child process of this
+    one, runs with the listing interval of stages/cluster.py LOG_MONITOR_ENV (Ray's default lists the session
+    folder ten times a second), unless the environment already set one."""
+    import pytest
+
+    from stages.cluster import LOG_MONITOR_ENV
+    from stages.watchdog import cmdline
+
+    if os.environ.get("RAY_ADDRESS"):
+        pytest.skip("the session joined the Ray cluster at RAY_ADDRESS instead of starting one")
+    monitors = [p for p in _descendants(os.getpid()) if "log_monitor.py" in cmdline(p)]
+    assert len(monitors) == 1, [cmdline(p) for p in _descendants(os.getpid())]
+    with open(f"/proc/{monitors[0]}/environ", "rb") as f:
+        env = dict(item.split("=", 1) for item in f.read().decode().split("\0") if "=" in item)
+    for name, value in LOG_MONITOR_ENV.items():
+        assert env.get(name) == os.environ.get(name, value), name
