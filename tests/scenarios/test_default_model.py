@@ -250,7 +250,8 @@ def test_training_step_rerun_with_another_learning_rate_through_evaluation(mixed
     originals = {name: tree_digest(it / name) for name in ("checkpoint", "eval", "advantaged")}
     before = _re_runs(it)
     done = rollflow_here("stage", "train_step", "--from", str(it / "checkpoint"), "--set",
-                         f"actor_train.training_args.learning_rate={rate}", "--downstream", api_url=prefect_server.api_url)
+                         f"actor_train.training_args.learning_rate={rate}", "--downstream",
+                         api_url=prefect_server.api_url)
     assert done.exit_code == 0, done.output[-3000:]
     made = sorted(n for n in _re_runs(it) - before if not n.startswith("logprobs@"))
     tag = made[0].split("@")[1]
