@@ -1,0 +1,130 @@
+"""Where a command's CPU goes, by kind of process (issue 11): `make test`'s pytest by default.
+
+The command runs while every process on the machine is sampled from /proc (Linux) every ``--interval`` seconds: a
+process first seen after the start counts with all its CPU time, one that was already running with what it used
+since. The processes are grouped by what they are (Ray actors by class, Ray's daemons, Prefect's servers, the
+pytest workers, ``rollflow`` children), so the table says which kind of process a cut has to remove. A process that
+lives less than one interval is missed; the machine-wide busy time from /proc/stat is printed beside the sum. The
+two differ by 5-20 % (the suite at a142c5b: 1,783 CPU-s summed over its processes, 1,908 busy; one short module: 73
+summed, 60 busy): read the table for the shares of the kinds, the busy time for the total.
+
+    python benchmarks/suite_cpu.py                       # the test suite as `make test` runs it
+    python benchmarks/suite_cpu.py -- python -m pytest -q tests/spine/test_flow.py
+
+The machine should be otherwise idle: every process is counted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import time
+from collections import defaultdict
+
+SUITE = [sys.executable, "-m", "pytest", "-q", "-n", "2", "--dist", "loadgroup", "--no-loadscope-reorder"]
+HZ = os.sysconf("SC_CLK_TCK")
+
+# Ray actor class (the process title ``ray::Class...``) -> kind; the first prefix that matches wins
+ACTOR_KINDS = [
+    ("EngineActor", "generation engines"), ("RayTrainWorker", "Ray Train workers"),
+    ("ForwardServer", "log-prob / value actors"), ("MapWorker(MapBatches(Forward", "log-prob / value actors"),
+    ("TrainController", "Ray Train helpers"), ("PlacementGroupCleaner", "Ray Train helpers"),
+    ("SynchronizationActor", "Ray Train helpers"), ("DatasetManager", "Ray Train helpers"),
+    ("Mailbox", "Ray Train helpers"), ("_AutoscalingCoordinatorActor", "Ray Data helper actors"),
+    ("_StatsActor", "Ray Data helper actors"), ("ActorLocationTracker", "Ray Data helper actors"),
+    ("DashboardAgent", "Ray daemons"), ("RuntimeEnvAgent", "Ray daemons"),
+]
+# a substring of the command line -> kind, for processes that are not Ray workers
+COMMAND_KINDS = [
+    ("log_monitor", "Ray log monitors"), ("raylet", "Ray daemons"), ("gcs_server", "Ray daemons"),
+    ("dashboard/agent.py", "Ray daemons"), ("monitor.py", "Ray daemons"), ("ray.util.client", "Ray daemons"),
+    ("ray start", "Ray daemons"), ("prefect server", "Prefect servers"), ("uvicorn", "Prefect servers"),
+    ("pytest", "pytest processes"), ("flows.cli", "rollflow commands"), ("bin/rollflow", "rollflow commands"),
+    ("multiprocessing.spawn", "spawned subprocesses (vLLM's engine cores)"),
+]
+
+
+def kind_of(command: str) -> str:
+    """The kind of a process from its command line (or its name, for a process without one)."""
+    if command.startswith("ray::"):
+        title = command[len("ray::"):]
+        for prefix, kind in ACTOR_KINDS:
+            # a title is cut at 15 characters where only /proc/<pid>/stat's name was readable
+            if title.startswith(prefix) or (len(title) >= 8 and prefix.startswith(title.split(" ")[0])):
+                return kind
+        return "Ray task workers and other actors"
+    for part, kind in COMMAND_KINDS:
+        if part in command:
+            return kind
+    return "other processes"
+
+
+def _cpu_seconds(pid: str) -> tuple[float, str] | None:
+    """(user + system CPU seconds, command line) of one process, None if it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            stat = f.read()
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            command = f.read().replace(b"\0", b" ").decode(errors="replace").strip()
+    except OSError:
+        return None
+    fields = stat.rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / HZ, command or stat.split("(", 1)[1].rsplit(")", 1)[0]
+
+
+def _busy_seconds() -> float:
+    """Machine-wide busy CPU seconds so far (/proc/stat: all but idle and iowait)."""
+    with open("/proc/stat") as f:
+        values = [int(v) for v in f.readline().split()[1:]]
+    return (sum(values) - values[3] - values[4]) / HZ
+
+
+def sample(command: list[str], interval: float) -> tuple[dict[str, list], float, float, int]:
+    """Run ``command``, sampling /proc every ``interval`` s until it exits. Returns ({kind: [cpu_s, processes]},
+    wall seconds, machine busy seconds, the command's exit status)."""
+    first: dict[str, float] = {}
+    last: dict[str, tuple[float, str]] = {}
+    before = {pid for pid in os.listdir("/proc") if pid.isdigit()}
+    busy0, start = _busy_seconds(), time.monotonic()
+    proc = subprocess.Popen(command)
+    while True:
+        for pid in (p for p in os.listdir("/proc") if p.isdigit()):
+            seen = _cpu_seconds(pid)
+            if seen is not None:
+                key = f"{pid}:{seen[1][:80]}"
+                first.setdefault(key, seen[0] if pid in before else 0.0)
+                last[key] = seen
+        if proc.poll() is not None:
+            break
+        time.sleep(interval)
+    wall, busy = time.monotonic() - start, _busy_seconds() - busy0
+    kinds: dict[str, list] = defaultdict(lambda: [0.0, 0])
+    for key, (cpu, cmd) in last.items():
+        used = cpu - first[key]
+        if used > 0.01:
+            kinds[kind_of(cmd)][0] += used
+            kinds[kind_of(cmd)][1] += 1
+    return dict(kinds), wall, busy, proc.returncode
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--interval", type=float, default=2.0, help="seconds between two samples of /proc")
+    parser.add_argument("command", nargs="*", help="the command (after --); default: the suite as `make test` runs it")
+    args = parser.parse_args()
+    kinds, wall, busy, status = sample(args.command or SUITE, args.interval)
+    total = sum(cpu for cpu, _ in kinds.values())
+    print(f"{'CPU s':>8} {'share':>6} {'procs':>6}  kind")
+    for kind, (cpu, count) in sorted(kinds.items(), key=lambda item: -item[1][0]):
+        print(f"{cpu:8.1f} {cpu / total:6.1%} {count:6d}  {kind}")
+    print(f"command exit {status}; wall {wall:.0f} s; processes {total:.0f} CPU-s; machine busy {busy:.0f} CPU-s "
+          f"({busy / (wall * os.cpu_count()):.0%} of {os.cpu_count()} cores)")
+    figures = {k.replace(" / ", "_").replace(" ", "_").lower(): v[0] for k, v in kinds.items()}
+    print("RESULT " + " ".join([f"wall_s={wall:.0f}", f"cpu_s={total:.0f}", f"busy_cpu_s={busy:.0f}",
+                                f"exit={status}"] + [f"{k}={v:.0f}" for k, v in sorted(figures.items())]))
+
+
+if __name__ == "__main__":
+    main()
