@@ -4,9 +4,8 @@ The command runs while every process on the machine is sampled from /proc (Linux
 process first seen after the start counts with all its CPU time, one that was already running with what it used
 since. The processes are grouped by what they are (Ray actors by class, Ray's daemons, Prefect's servers, the
 pytest workers, ``rollflow`` children), so the table says which kind of process a cut has to remove. A process that
-lives less than one interval is missed; the machine-wide busy time from /proc/stat is printed beside the sum. The
-two differ by 5-20 % (the suite at a142c5b: 1,783 CPU-s summed over its processes, 1,908 busy; one short module: 73
-summed, 60 busy): read the table for the shares of the kinds, the busy time for the total.
+lives less than one interval is missed; the machine-wide busy time from /proc/stat is printed beside the sum (the
+suite at a142c5b: 1,783 CPU-s summed over its processes, 1,908 busy).
 
     python benchmarks/suite_cpu.py                       # the test suite as `make test` runs it
     python benchmarks/suite_cpu.py -- python -m pytest -q tests/spine/test_flow.py
@@ -22,6 +21,11 @@ import subprocess
 import sys
 import time
 from collections import defaultdict
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from stages.watchdog import cmdline, stat_fields  # noqa: E402  (/proc readers of the runs' watchdog)
 
 SUITE = [sys.executable, "-m", "pytest", "-q", "-n", "2", "--dist", "loadgroup", "--no-loadscope-reorder"]
 HZ = os.sysconf("SC_CLK_TCK")
@@ -61,17 +65,22 @@ def kind_of(command: str) -> str:
     return "other processes"
 
 
-def _cpu_seconds(pid: str) -> tuple[float, str] | None:
-    """(user + system CPU seconds, command line) of one process, None if it is gone."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            stat = f.read()
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            command = f.read().replace(b"\0", b" ").decode(errors="replace").strip()
-    except OSError:
+def _cpu_seconds(pid: str) -> tuple[str, float, str] | None:
+    """(``pid:start time``, user + system CPU seconds, command line) of one process, None if it is gone. The key
+    stays the same through an ``exec`` (a forked child is first seen with its parent's command line) and differs for
+    a reused pid. A process without a command line (a kernel thread, a zombie) is named by /proc/PID/comm."""
+    fields = stat_fields(int(pid))
+    if fields is None:
         return None
-    fields = stat.rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / HZ, command or stat.split("(", 1)[1].rsplit(")", 1)[0]
+    command = cmdline(int(pid))
+    if not command:
+        try:
+            with open(f"/proc/{pid}/comm") as f:
+                command = f.read().strip()
+        except OSError:
+            return None
+    # start time, utime, stime: fields 22, 14 and 15 of proc(5)
+    return f"{pid}:{fields[19]}", (int(fields[11]) + int(fields[12])) / HZ, command
 
 
 def _busy_seconds() -> float:
@@ -93,9 +102,9 @@ def sample(command: list[str], interval: float) -> tuple[dict[str, list], float,
         for pid in (p for p in os.listdir("/proc") if p.isdigit()):
             seen = _cpu_seconds(pid)
             if seen is not None:
-                key = f"{pid}:{seen[1][:80]}"
-                first.setdefault(key, seen[0] if pid in before else 0.0)
-                last[key] = seen
+                key, cpu, command = seen
+                first.setdefault(key, cpu if pid in before else 0.0)
+                last[key] = (cpu, command)  # the newest command line: the one after an exec
         if proc.poll() is not None:
             break
         time.sleep(interval)
@@ -104,8 +113,9 @@ def sample(command: list[str], interval: float) -> tuple[dict[str, list], float,
     for key, (cpu, cmd) in last.items():
         used = cpu - first[key]
         if used > 0.01:
-            kinds[kind_of(cmd)][0] += used
-            kinds[kind_of(cmd)][1] += 1
+            entry = kinds[kind_of(cmd)]
+            entry[0] += used
+            entry[1] += 1
     return dict(kinds), wall, busy, proc.returncode
 
 
