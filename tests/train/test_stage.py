@@ -24,10 +24,20 @@ from tests.train.tables import advantaged_rows, read_folder, write_table
 
 pytestmark = pytest.mark.usefixtures("ray_cluster")
 FORWARD = ForwardConfig(max_tokens_per_microbatch_in_infer=64, rows_per_batch=4, num_actors=2, cpus_per_actor=0.5)
-# the tests of what a pass computes (packing, the reference, the critic's values) run one actor: each actor is a
-# process that imports torch and transformers (about 8 CPU-seconds); the pool of two keeps the row-order test and
-# the kept workers' test
+# the tests of what a pass computes (packing, the reference, the critic's values) share one kept worker (a
+# training run's way, fixture ``kept``): each forward actor is a process that imports torch and transformers (about
+# 8 CPU-seconds). A fresh Ray Data actor pool (a stage re-run's way) runs in the row-order test (two actors) and in
+# the kept workers' test (one, the comparison)
 ONE_ACTOR = FORWARD.model_copy(update={"num_actors": 1})
+
+
+@pytest.fixture(scope="module")
+def kept():
+    """One kept forward worker for the module's tests of what a pass computes: it loads each model they name (fresh,
+    in place or kept, as in a training run) and is closed at the end."""
+    workers = ForwardWorkers(ONE_ACTOR)
+    yield workers
+    workers.close()
 
 
 @pytest.fixture(scope="module")
@@ -54,12 +64,12 @@ def perturbed_copy(source: Path, target: Path, seed: int = 0) -> Path:
     return target
 
 
-def test_packed_log_prob_stage_equals_the_padded_one(tiny_model, samples, tmp_path):
+def test_packed_log_prob_stage_equals_the_padded_one(tiny_model, samples, tmp_path, kept):
     """use_sequence_packing runs each micro-batch's rows as one row without padding: the same log-probs (within
     float32 rounding) and no padded token in the stage's counters."""
-    padded = run_logprobs(str(samples), str(tiny_model), ONE_ACTOR, str(tmp_path / "padded"))
+    padded = run_logprobs(str(samples), str(tiny_model), ONE_ACTOR, str(tmp_path / "padded"), workers=kept)
     packed = run_logprobs(str(samples), str(tiny_model), ONE_ACTOR.model_copy(update={"use_sequence_packing": True}),
-                          str(tmp_path / "packed"))
+                          str(tmp_path / "packed"), workers=kept)
     a, b = read_folder(tmp_path / "padded"), read_folder(tmp_path / "packed")
     assert a.column("row_id").to_pylist() == b.column("row_id").to_pylist()
     for x, y in zip(a.column("old_log_probs").to_pylist(), b.column("old_log_probs").to_pylist()):
@@ -86,9 +96,10 @@ def test_logprob_stage_adds_ragged_columns_in_row_order_and_skips_when_done(tiny
     assert run_logprobs(str(samples), str(tiny_model), cfg, str(tmp_path / "lp")).skipped
 
 
-def test_reference_model_is_run_separately(tiny_model, samples, tmp_path):
+def test_reference_model_is_run_separately(tiny_model, samples, tmp_path, kept):
     reference = perturbed_copy(tiny_model, tmp_path / "ref")
-    run_logprobs(str(samples), str(tiny_model), ONE_ACTOR, str(tmp_path / "lp"), reference=str(reference))
+    run_logprobs(str(samples), str(tiny_model), ONE_ACTOR, str(tmp_path / "lp"), reference=str(reference),
+                 workers=kept)
     out = read_folder(tmp_path / "lp")
     want = direct(load_actor_model(str(reference)), read_folder(samples))
     refs = out.column("ref_log_probs").to_pylist()
@@ -96,7 +107,7 @@ def test_reference_model_is_run_separately(tiny_model, samples, tmp_path):
     for b, r in enumerate(refs):
         np.testing.assert_allclose(r, want.row(b), atol=2e-5)
     no_ref = ONE_ACTOR.model_copy(update={"enable_reference": False})
-    run_logprobs(str(samples), str(tiny_model), no_ref, str(tmp_path / "lp2"))
+    run_logprobs(str(samples), str(tiny_model), no_ref, str(tmp_path / "lp2"), workers=kept)
     assert "ref_log_probs" not in pq.read_schema(next((tmp_path / "lp2").glob("*.parquet"))).names
 
 
@@ -150,8 +161,9 @@ def test_bad_input_fails_before_writing(tiny_model, samples, tmp_path):
 # clear error without CUDA) is checked on the one-GPU cluster of tests/flows/test_plan.py, which starts one anyway.
 
 
-def test_values_stage_uses_a_seeded_new_critic_before_training(tiny_model, samples, tmp_path):
-    result = run_values(str(samples), str(tiny_model), ONE_ACTOR.model_copy(update={"seed": 9}), str(tmp_path / "v"))
+def test_values_stage_uses_a_seeded_new_critic_before_training(tiny_model, samples, tmp_path, kept):
+    result = run_values(str(samples), str(tiny_model), ONE_ACTOR.model_copy(update={"seed": 9}), str(tmp_path / "v"),
+                        workers=kept)
     out = read_folder(tmp_path / "v")
     want = direct(load_critic_model(None, str(tiny_model), seed=9), read_folder(samples), "values")
     for b, v in enumerate(out.column("values").to_pylist()):
