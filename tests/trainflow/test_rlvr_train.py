@@ -5,8 +5,6 @@ every stage skipped."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pyarrow.dataset as pads
@@ -94,17 +92,13 @@ def _read(folder: Path):
     return pads.dataset(sorted(str(p) for p in folder.glob("*.parquet")), format="parquet").to_table()
 
 
-def _rollflow(*args: str, env: dict) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "flows.cli", *args], cwd=REPO, env=env, capture_output=True,
-                          text=True, timeout=1500, start_new_session=True)
-
-
 def _tiny_run(tmp_path: Path, *sets: str) -> list[str]:
     """``rollflow train`` arguments of a two-step RLVR run on the tiny random model (HF engine)."""
     from stages.generation.model_store import tiny_random_model_dir
 
-    args = ["train", "--config", "configs/rlvr_train_math.yaml", "--set", "run_name=r", "--set", f"runs_dir={tmp_path}",
-            "--set", "max_steps=2", "--set", f"pretrain={tiny_random_model_dir()}", "--set", "engine.backend=hf",
+    args = ["train", "--config", str(REPO / "configs/rlvr_train_math.yaml"), "--set", "run_name=r",
+            "--set", f"runs_dir={tmp_path}", "--set", "max_steps=2", "--set", f"pretrain={tiny_random_model_dir()}",
+            "--set", "engine.backend=hf",
             "--set", "engine.options={}", "--set", "rollout_batch_size=2", "--set", "num_return_sequences_in_group=2",
             "--set", "generating_args.max_new_tokens=8", "--set", "train.actor_train.model_args.dtype=fp32",
             "--set", "train.actor_train.training_args.per_device_train_batch_size=2"]
@@ -118,21 +112,21 @@ VALIDATION = ("validation.eval_steps=2", "validation.prompts.limit=2")
 
 
 @pytest.mark.slow
-def test_rlvr_run_with_gae_and_token_kl_end_to_end_then_resume_skips_everything(tmp_path, cli_env, prefect_server,
-                                                                                 ray_cluster):
+def test_rlvr_run_with_gae_and_token_kl_end_to_end_then_resume_skips_everything(tmp_path, prefect_server, ray_cluster):
     """One two-step run that takes both RLVR paths which need the token table's forward passes, in ROLL's order and
     one pass: the token-level KL reward (log-probs, old under the step's policy and ref under the initial one, on
     the step's samples before the advantages) and GAE (the critic's values — a new seeded head at step 0, the
     trained critic at step 1 — returns = raw advantages + values on every response token, and the step trains the
-    actor and the critic). A second call resumes with every stage skipped."""
+    actor and the critic). A second call resumes with every stage skipped. The run is the command in this process
+    (``rollflow_here``, on the session's Ray cluster and Prefect server); ``rollflow`` as a process (its exit status
+    and console) is the same entry point for both flows, run as one in tests/trainflow/test_train_flow.py."""
     import numpy as np
 
-    env = cli_env
     args = _tiny_run(tmp_path, "adv_estimator=gae", "add_token_level_kl=true", "init_kl_coef=0.1",
                      "logprobs.enable_reference=true", "train.critic_train.model_args.dtype=fp32",
                      "train.critic_train.training_args.per_device_train_batch_size=2", *VALIDATION)
-    first = _rollflow(*args, env=env)
-    assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
+    first = rollflow_here(*args, api_url=prefect_server.api_url)
+    assert first.exit_code == 0, first.output[-3000:]
     run = tmp_path / "r"
     assert (run / "prompts/manifest.json").exists()
     prompts = _read(run / "prompts")
