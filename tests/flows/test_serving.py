@@ -69,7 +69,7 @@ def test_deploy_command_refuses_bad_input_before_serving(tmp_path):
 
 
 @pytest.mark.server
-def test_scheduled_deployment_runs_on_a_local_server(tmp_path, prefect_server):
+def test_scheduled_deployment_runs_on_a_local_server(tmp_path, prefect_server, cli_env):
     from prefect.client.orchestration import get_client
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
@@ -83,7 +83,7 @@ def test_scheduled_deployment_runs_on_a_local_server(tmp_path, prefect_server):
     try:
         served = deployments.serve(["--config", str(GIGPO), "--input", str(samples), "--output", str(output),
                                     "--cron", "* * * * *", "--name", "every-minute", "--set", "runtime.num_cpus=2"],
-                                   server.api_url, tmp_path / "client", serve_log)
+                                   server.api_url, tmp_path / "client", serve_log, env=cli_env)
         deadline = time.monotonic() + WAIT_S
         with temporary_settings(updates={PREFECT_API_URL: server.api_url}), get_client(sync_client=True) as client:
             deployment = deployments.deployment(client, "recompute/every-minute", served, serve_log, deadline)
