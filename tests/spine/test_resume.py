@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -14,7 +13,7 @@ import pytest
 from stages.example import ExampleSpec, generate
 from tests.spine.conftest import SMALL
 from tests.spine.helpers import GIGPO, assert_tables_equal, config, read_table, run_recompute, siblings
-from tests.processes import sigkill_when
+from tests.processes import rollflow_here, sigkill_when
 
 ROLLFLOW = str(Path(sys.executable).parent / "rollflow")
 BATCH_ROWS = 100  # 40 batches a stage: a kill lands mid-stage, as with bigger tables
@@ -37,7 +36,7 @@ def _in_progress(out: Path) -> bool:
 
 
 @pytest.mark.slow
-def test_sigkill_mid_run_then_rerun_gives_the_uninterrupted_output(data_root, tmp_path, ray_cluster, cli_env):
+def test_sigkill_mid_run_then_rerun_gives_the_uninterrupted_output(data_root, tmp_path, ray_cluster, prefect_server):
     samples = str(data_root / "big")
     generate(ExampleSpec(samples=4000, seed=11, rows_per_file=500, **SMALL), samples)
     out = tmp_path / "out"
@@ -51,9 +50,10 @@ def test_sigkill_mid_run_then_rerun_gives_the_uninterrupted_output(data_root, tm
     assert not (out / "advantaged").exists(), "nothing of the interrupted stage is committed"
     assert any(n.startswith(".advantaged.tmp-") for n in siblings(out / "advantaged")), "the crash left its tmp"
 
-    # the re-run joins the session's Ray cluster and Prefect server (cli_env), as a user's command joins a running one
-    rerun = subprocess.run(cmd, env=cli_env, capture_output=True, text=True, timeout=600, start_new_session=True)
-    assert rerun.returncode == 0, rerun.stdout[-3000:] + rerun.stderr[-3000:]
+    # the same command again, in this process: on the session's Ray cluster and Prefect server, as a user's command
+    # joins a running one
+    rerun = rollflow_here(*cmd[1:], api_url=prefect_server.api_url)
+    assert rerun.exit_code == 0, rerun.output[-3000:]
     assert "up to date, skipped" in rerun.stdout.splitlines()[0], "the committed first stage is not redone"
     assert "computed in" in rerun.stdout.splitlines()[1]
     assert siblings(out / "advantaged") == ["advantaged"] and siblings(out / "rewarded") == ["rewarded"]
