@@ -9,6 +9,7 @@ suite at a142c5b: 1,783 CPU-s summed over its processes, 1,908 busy).
 
     python benchmarks/suite_cpu.py                       # the test suite as `make test` runs it
     python benchmarks/suite_cpu.py -- python -m pytest -q tests/spine/test_flow.py
+    python benchmarks/suite_cpu.py --per-test cpu.jsonl  # and the CPU of each test (benchmarks/cpu_per_test.py)
 
 The machine should be otherwise idle: every process is counted.
 """
@@ -16,6 +17,7 @@ The machine should be otherwise idle: every process is counted.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import subprocess
 import sys
@@ -25,6 +27,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.cpu_per_test import BETWEEN, OUT_ENV  # noqa: E402
 from stages.watchdog import cmdline, stat_fields  # noqa: E402  (/proc readers of the runs' watchdog)
 
 SUITE = [sys.executable, "-m", "pytest", "-q", "-n", "2", "--dist", "loadgroup", "--no-loadscope-reorder"]
@@ -122,9 +125,17 @@ def sample(command: list[str], interval: float) -> tuple[dict[str, list], float,
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--interval", type=float, default=2.0, help="seconds between two samples of /proc")
+    parser.add_argument("--per-test", metavar="FILE", help="a pytest command: also charge the CPU of each test, "
+                        "with what it started, to it (benchmarks/cpu_per_test.py); written to FILE, the top printed")
     parser.add_argument("command", nargs="*", help="the command (after --); default: the suite as `make test` runs it")
     args = parser.parse_args()
-    kinds, wall, busy, status = sample(args.command or SUITE, args.interval)
+    command = args.command or SUITE
+    if args.per_test:
+        Path(args.per_test).unlink(missing_ok=True)
+        os.environ[OUT_ENV] = str(Path(args.per_test).resolve())
+        command = [*command, "-p", "benchmarks.cpu_per_test"]
+    kinds, wall, busy, status = sample(command, args.interval)
+    per_test = print_per_test(Path(args.per_test)) if args.per_test else {}
     total = sum(cpu for cpu, _ in kinds.values())
     print(f"{'CPU s':>8} {'share':>6} {'procs':>6}  kind")
     for kind, (cpu, count) in sorted(kinds.items(), key=lambda item: -item[1][0]):
@@ -133,7 +144,25 @@ def main() -> None:
           f"({busy / (wall * os.cpu_count()):.0%} of {os.cpu_count()} cores)")
     figures = {k.replace(" / ", "_").replace(" ", "_").lower(): v[0] for k, v in kinds.items()}
     print("RESULT " + " ".join([f"wall_s={wall:.0f}", f"cpu_s={total:.0f}", f"busy_cpu_s={busy:.0f}",
-                                f"exit={status}"] + [f"{k}={v:.0f}" for k, v in sorted(figures.items())]))
+                                f"exit={status}"] + [f"{k}={v:.0f}" for k, v in sorted(figures.items())]
+                               + [f"{k}={v:.0f}" for k, v in per_test.items()]))
+
+
+def print_per_test(path: Path, top: int = 30) -> dict[str, float]:
+    """Print the ``top`` tests and the modules by CPU from the plugin's lines; returns the figures for RESULT."""
+    rows = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+    tests: dict[str, float] = defaultdict(float)
+    for row in rows:
+        tests[row["test"]] += row["cpu_s"]
+    modules: dict[str, float] = defaultdict(float)
+    for test, cpu in tests.items():
+        modules[test.split("::")[0]] += cpu
+    for title, table in (("test", tests), ("module", modules)):
+        print(f"{'CPU s':>8}  {title}")
+        for name, cpu in sorted(table.items(), key=lambda item: -item[1])[:top]:
+            print(f"{cpu:8.1f}  {name}")
+    between = tests.get(BETWEEN, 0.0)
+    return {"per_test_cpu_s": sum(tests.values()) - between, "between_tests_cpu_s": between}
 
 
 if __name__ == "__main__":

@@ -3,10 +3,13 @@ names the kinds of the processes the suite runs."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "suite_cpu.py"
 BUSY = "import time\nend = time.process_time() + 2.0\nwhile time.process_time() < end:\n    pass\n"
@@ -40,3 +43,36 @@ def test_processes_are_named_by_kind():
     assert kind_of("/venv/bin/python -u /venv/lib/ray/_private/log_monitor.py --session-dir x") == "Ray log monitors"
     assert kind_of("/venv/bin/python -m prefect server start --port 1") == "Prefect servers"
     assert kind_of("/venv/bin/python -m flows.cli train --config c.yaml") == "rollflow commands"
+
+
+def test_a_child_that_ends_is_counted_once_through_its_parent():
+    """benchmarks/cpu_per_test.py's arithmetic on two readings: a reaped child's seconds move into its parent's
+    reaped-children seconds; a child reaped outside the tree keeps what was counted of it."""
+    from benchmarks.cpu_per_test import used_between
+
+    parent, child, orphan = (10, "a"), (11, "b"), (12, "c")
+    last = {parent: (1.0, 1), child: (2.0, 10), orphan: (0.5, 1)}
+    # the child used 0.5 s more and was reaped (the parent's 1.0 + 2.5 of it + 0.25 of its own); the orphan ended
+    now = {parent: (3.75, 1)}
+    assert used_between(last, now) == pytest.approx(0.25 + 0.5)
+    # a process started and reaped between the readings counts whole through its parent
+    assert used_between({parent: (1.0, 1)}, {parent: (2.5, 1)}) == pytest.approx(1.5)
+
+
+def test_each_test_is_charged_with_the_cpu_of_the_processes_it_started(tmp_path):
+    """The plugin in a pytest run without xdist: a test whose child process burns 1.5 CPU-seconds (started and
+    ended between two readings of a second apart or not) is charged them, an empty test next to nothing."""
+    tests = tmp_path / "test_burn.py"
+    tests.write_text("import subprocess, sys\n"
+                     f"BUSY = {BUSY.replace('2.0', '1.5')!r}\n"
+                     "def test_child_burns():\n    subprocess.run([sys.executable, '-c', BUSY], check=True)\n"
+                     "def test_empty():\n    pass\n")
+    out = tmp_path / "cpu.jsonl"
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p",
+                           "benchmarks.cpu_per_test", str(tests)], cwd=SCRIPT.parents[1], capture_output=True,
+                          text=True, timeout=120, env={**os.environ, "CPU_PER_TEST_OUT": str(out)})
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    charged = {row["test"].split("::")[-1]: row["cpu_s"] for row in rows}
+    assert charged["test_child_burns"] >= 1.4, charged
+    assert charged["test_empty"] < 0.5, charged

@@ -1,0 +1,115 @@
+"""A pytest plugin: the CPU each test costs, with everything it started (issue 11). Loaded by
+``python benchmarks/suite_cpu.py --per-test FILE``, or by hand: ``pytest -p benchmarks.cpu_per_test`` with
+``CPU_PER_TEST_OUT=FILE``.
+
+In each pytest process that runs tests (every xdist worker, or the only one), a thread reads /proc every second and
+charges the CPU that the process and its descendants used since the last reading (its Ray cluster's daemons and
+actors, its Prefect server, the commands it started) to the test running meanwhile, or to ``(between tests)``: the
+idle cluster and server while xdist has no test for the worker, and the session's teardown. A child that ends counts
+whole through its parent's reaped-children time (:func:`used_between`); a process reparented away from the tree (a
+double-forked daemon) is no longer counted. The figures of one worker are
+appended to ``FILE`` as JSON lines ``{"worker", "test", "cpu_s"}`` when the worker ends.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+
+from stages.watchdog import stat_fields
+
+HZ = os.sysconf("SC_CLK_TCK")
+BETWEEN = "(between tests)"
+OUT_ENV = "CPU_PER_TEST_OUT"
+
+
+def tree_cpu(root: int) -> dict[tuple[int, str], tuple[float, int]]:
+    """{(pid, start time): (CPU seconds, parent pid)} of ``root`` and its living descendants (Linux /proc). A
+    process's CPU seconds are its own (user + system) and those of the children it has reaped (cutime + cstime)."""
+    parent, usage = {}, {}
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            fields = stat_fields(int(name))  # state, ppid, ...: field 3 of proc(5) is index 0
+            if fields is not None:
+                pid = int(name)
+                parent[pid] = int(fields[1])
+                usage[pid] = (pid, fields[19]), sum(int(v) for v in fields[11:15]) / HZ
+    children: dict[int, list[int]] = {}
+    for pid, ppid in parent.items():
+        children.setdefault(ppid, []).append(pid)
+    found, stack = {}, [root]
+    while stack:
+        pid = stack.pop()
+        if pid in usage and usage[pid][0] not in found:
+            key, cpu = usage[pid]
+            found[key] = (cpu, parent[pid])
+            stack.extend(children.get(pid, []))
+    return found
+
+
+def used_between(last: dict, now: dict) -> float:
+    """CPU seconds the tree used between two readings of :func:`tree_cpu`. A process that ended and was reaped by a
+    parent still in the tree reappears in that parent's reaped-children seconds: what was counted of it is taken
+    off again, so that it counts once, including what it used after the last reading (a child that starts and
+    ends between two readings counts whole). One reaped by a process outside the tree loses its last interval."""
+    alive = {pid for pid, _ in now}
+    used = sum(cpu - last.get(key, (0.0, 0))[0] for key, (cpu, _) in now.items())
+    return used - sum(cpu for key, (cpu, ppid) in last.items() if key not in now and ppid in alive)
+
+
+class Meter:
+    """Charges the CPU of this process's tree, read every ``interval`` s, to the test that is running."""
+
+    def __init__(self, interval: float = 1.0):
+        self.interval, self.test, self.charged = interval, BETWEEN, {}
+        self._lock = threading.Lock()
+        self._last = tree_cpu(os.getpid())  # what ran before the first test is not charged
+
+    def run(self) -> None:
+        while True:
+            time.sleep(self.interval)
+            self.switch(None)
+
+    def switch(self, test: str | None) -> None:
+        """Charge what the tree used since the last reading to the running test, then run ``test`` (None: the same
+        one)."""
+        with self._lock:
+            now = tree_cpu(os.getpid())
+            self.charged[self.test] = self.charged.get(self.test, 0.0) + used_between(self._last, now)
+            self._last = now
+            if test is not None:
+                self.test = test
+
+
+_meter: Meter | None = None
+
+
+def pytest_configure(config) -> None:
+    """Meter a process that runs tests: an xdist worker, or pytest without xdist workers (not xdist's controller)."""
+    global _meter
+    runs_tests = bool(os.environ.get("PYTEST_XDIST_WORKER")) or not config.getoption("numprocesses", None)
+    if os.environ.get(OUT_ENV) and runs_tests:
+        _meter = Meter()
+        threading.Thread(target=_meter.run, daemon=True, name="cpu-per-test").start()
+
+
+def pytest_runtest_logstart(nodeid, location) -> None:
+    if _meter is not None:
+        _meter.switch(nodeid)
+
+
+def pytest_runtest_logfinish(nodeid, location) -> None:
+    if _meter is not None:
+        _meter.switch(BETWEEN)
+
+
+def pytest_unconfigure(config) -> None:
+    if _meter is None:
+        return
+    _meter.switch(None)
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
+    with open(os.environ[OUT_ENV], "a") as out:
+        for test, cpu in _meter.charged.items():
+            out.write(json.dumps({"worker": worker, "test": test, "cpu_s": round(cpu, 2)}) + "\n")
