@@ -6,8 +6,8 @@ In each pytest process that runs tests (every xdist worker, or the only one), a 
 charges the CPU that the process and its descendants used since the last reading (its Ray cluster's daemons and
 actors, its Prefect server, the commands it started) to the test running meanwhile, or to ``(between tests)``: the
 idle cluster and server while xdist has no test for the worker, and the session's teardown. A child that ends counts
-whole through its parent's reaped-children time (:func:`used_between`); a process reparented away from the tree (a
-double-forked daemon) is no longer counted. The figures of one worker are
+once, through its parent's reaped-children time where the parent collects it (:func:`used_between`); a process
+reparented away from the tree (a double-forked daemon) is no longer counted. The figures of one worker are
 appended to ``FILE`` as JSON lines ``{"worker", "test", "cpu_s"}`` when the worker ends.
 """
 
@@ -25,9 +25,9 @@ BETWEEN = "(between tests)"
 OUT_ENV = "CPU_PER_TEST_OUT"
 
 
-def tree_cpu(root: int) -> dict[tuple[int, str], tuple[float, int]]:
-    """{(pid, start time): (CPU seconds, parent pid)} of ``root`` and its living descendants (Linux /proc). A
-    process's CPU seconds are its own (user + system) and those of the children it has reaped (cutime + cstime)."""
+def tree_cpu(root: int) -> dict[tuple[int, str], tuple[float, float, int]]:
+    """{(pid, start time): (own CPU seconds, reaped children's CPU seconds, parent pid)} of ``root`` and its living
+    descendants (Linux /proc: utime + stime, cutime + cstime)."""
     parent, usage = {}, {}
     for name in os.listdir("/proc"):
         if name.isdigit():
@@ -35,7 +35,8 @@ def tree_cpu(root: int) -> dict[tuple[int, str], tuple[float, int]]:
             if fields is not None:
                 pid = int(name)
                 parent[pid] = int(fields[1])
-                usage[pid] = (pid, fields[19]), sum(int(v) for v in fields[11:15]) / HZ
+                own = (int(fields[11]) + int(fields[12])) / HZ
+                usage[pid] = (pid, fields[19]), own, (int(fields[13]) + int(fields[14])) / HZ
     children: dict[int, list[int]] = {}
     for pid, ppid in parent.items():
         children.setdefault(ppid, []).append(pid)
@@ -43,20 +44,29 @@ def tree_cpu(root: int) -> dict[tuple[int, str], tuple[float, int]]:
     while stack:
         pid = stack.pop()
         if pid in usage and usage[pid][0] not in found:
-            key, cpu = usage[pid]
-            found[key] = (cpu, parent[pid])
+            key, own, reaped = usage[pid]
+            found[key] = (own, reaped, parent[pid])
             stack.extend(children.get(pid, []))
     return found
 
 
 def used_between(last: dict, now: dict) -> float:
-    """CPU seconds the tree used between two readings of :func:`tree_cpu`. A process that ended and was reaped by a
-    parent still in the tree reappears in that parent's reaped-children seconds: what was counted of it is taken
-    off again, so that it counts once, including what it used after the last reading (a child that starts and
-    ends between two readings counts whole). One reaped by a process outside the tree loses its last interval."""
-    alive = {pid for pid, _ in now}
-    used = sum(cpu - last.get(key, (0.0, 0))[0] for key, (cpu, _) in now.items())
-    return used - sum(cpu for key, (cpu, ppid) in last.items() if key not in now and ppid in alive)
+    """CPU seconds the tree used between two readings of :func:`tree_cpu`: what every living process used, itself
+    and through the children it reaped meanwhile. A child that ended was counted up to the last reading; its
+    parent's reaped-children seconds grow by its whole life when the parent collects it, so at most that much of
+    what was counted is taken off again: a child counts once, its last interval included, and a child that starts
+    and ends between two readings counts whole. (A parent that ignores SIGCHLD, as Ray's raylet does, collects
+    nothing: its ended children keep what was counted and lose their last interval.)"""
+    used, grown = 0.0, {}
+    for key, (own, reaped, _) in now.items():
+        own_before, reaped_before, _ = last.get(key, (0.0, 0.0, 0))
+        used += own - own_before + reaped - reaped_before
+        grown[key[0]] = reaped - reaped_before
+    counted: dict[int, float] = {}
+    for key, (own, reaped, ppid) in last.items():
+        if key not in now and ppid in grown:
+            counted[ppid] = counted.get(ppid, 0.0) + own + reaped
+    return used - sum(min(total, grown[ppid]) for ppid, total in counted.items())
 
 
 class Meter:

@@ -46,17 +46,19 @@ def test_processes_are_named_by_kind():
 
 
 def test_a_child_that_ends_is_counted_once_through_its_parent():
-    """benchmarks/cpu_per_test.py's arithmetic on two readings: a reaped child's seconds move into its parent's
-    reaped-children seconds; a child reaped outside the tree keeps what was counted of it."""
+    """benchmarks/cpu_per_test.py's arithmetic on two readings (own seconds, reaped children's seconds, parent): a
+    collected child's seconds move into its parent's reaped-children seconds and count once; a child whose parent
+    does not collect it (Ray's raylet ignores SIGCHLD) or that was reparented away keeps what was counted of it."""
     from benchmarks.cpu_per_test import used_between
 
     parent, child, orphan = (10, "a"), (11, "b"), (12, "c")
-    last = {parent: (1.0, 1), child: (2.0, 10), orphan: (0.5, 1)}
-    # the child used 0.5 s more and was reaped (the parent's 1.0 + 2.5 of it + 0.25 of its own); the orphan ended
-    now = {parent: (3.75, 1)}
-    assert used_between(last, now) == pytest.approx(0.25 + 0.5)
-    # a process started and reaped between the readings counts whole through its parent
-    assert used_between({parent: (1.0, 1)}, {parent: (2.5, 1)}) == pytest.approx(1.5)
+    last = {parent: (1.0, 0.0, 1), child: (2.0, 0.0, 10), orphan: (0.5, 0.0, 1)}
+    # the child used 0.5 s more and was collected (2.5 s in the parent's reaped seconds); the parent 0.25 s itself
+    assert used_between(last, {parent: (1.25, 2.5, 1)}) == pytest.approx(0.25 + 0.5)
+    # the same child, but the parent does not collect it: its 2.0 s stay counted, its last 0.5 s are lost
+    assert used_between(last, {parent: (1.25, 0.0, 1)}) == pytest.approx(0.25)
+    # a process started and collected between the readings counts whole through its parent
+    assert used_between({parent: (1.0, 0.0, 1)}, {parent: (1.0, 1.5, 1)}) == pytest.approx(1.5)
 
 
 def test_each_test_is_charged_with_the_cpu_of_the_processes_it_started(tmp_path):
