@@ -104,13 +104,16 @@ def _tiny_args(runs_dir: Path, name: str) -> list[str]:
     the flow's order of sleep, log-probs, training and wake is exercised on the CPU. The actor trains LoRA adapters
     (rank 4 on q_proj and v_proj; issue 16): every tiny run (two nodes, SIGKILL and replay, S3, re-runs, evaluation)
     takes the LoRA path, whose checkpoints the engines read as plain HF folders (merged weights); full fine-tuning
-    runs end to end in the RLVR run (tests/trainflow/test_rlvr_train.py)."""
+    runs end to end in the RLVR run (tests/trainflow/test_rlvr_train.py). The engine plays in fp32, as the actor
+    trains: the tests compare its log-probs between runs up to float32 rounding, and in bf16 (``auto`` on a CPU with
+    native bf16) two runs of the same evaluation once differed by bf16 rounding (0.004 on 2 of 1,058 tokens, the
+    tokens the same)."""
     from stages.generation.model_store import tiny_random_model_dir
 
     return ["train", "--config", "configs/train_frozenlake_grpo.yaml", "--set", f"run_name={name}",
             "--set", f"runs_dir={runs_dir}", "--set", "max_steps=2", "--set", f"pretrain={tiny_random_model_dir()}",
             "--set", "rollout.engine.backend=hf", "--set", "rollout.engine.options={}",
-            "--set", "rollout.engine.sleep_level=2",
+            "--set", "rollout.engine.sleep_level=2", "--set", "rollout.engine.dtype=float32",
             "--set", "rollout.env.num_env_groups=2", "--set", "rollout.env.group_size=2",
             "--set", "rollout_batch_size=4", "--set", "rollout.env.max_steps=2",
             "--set", "rollout.generating_args.max_new_tokens=8", "--set", "eval.num_env_groups=2",
