@@ -98,8 +98,8 @@ def _tiny_run(tmp_path: Path, *sets: str) -> list[str]:
 
     args = ["train", "--config", str(REPO / "configs/rlvr_train_math.yaml"), "--set", "run_name=r",
             "--set", f"runs_dir={tmp_path}", "--set", "max_steps=2", "--set", f"pretrain={tiny_random_model_dir()}",
-            "--set", "engine.backend=hf",
-            "--set", "engine.options={}", "--set", "rollout_batch_size=2", "--set", "num_return_sequences_in_group=2",
+            "--set", "engine.backend=hf", "--set", "engine.options={}", "--set", "rollout_batch_size=2",
+            "--set", "num_return_sequences_in_group=2",
             "--set", "generating_args.max_new_tokens=8", "--set", "train.actor_train.model_args.dtype=fp32",
             "--set", "train.actor_train.training_args.per_device_train_batch_size=2"]
     for item in sets:
