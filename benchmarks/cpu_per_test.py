@@ -18,35 +18,29 @@ import os
 import threading
 import time
 
-from stages.watchdog import stat_fields
+from stages.watchdog import ProcessTable, stat_fields, tree
 
 HZ = os.sysconf("SC_CLK_TCK")
 BETWEEN = "(between tests)"
 OUT_ENV = "CPU_PER_TEST_OUT"
 
 
-def tree_cpu(root: int) -> dict[tuple[int, str], tuple[float, float, int]]:
+def cpu_times(fields: list[str]) -> tuple[float, float]:
+    """(own CPU seconds, reaped children's CPU seconds) from a process's :func:`stat_fields` (proc(5) fields 14-17:
+    utime + stime, cutime + cstime)."""
+    return (int(fields[11]) + int(fields[12])) / HZ, (int(fields[13]) + int(fields[14])) / HZ
+
+
+def tree_cpu(root: int, table: ProcessTable) -> dict[tuple[int, str], tuple[float, float, int]]:
     """{(pid, start time): (own CPU seconds, reaped children's CPU seconds, parent pid)} of ``root`` and its living
-    descendants (Linux /proc: utime + stime, cutime + cstime)."""
-    parent, usage = {}, {}
-    for name in os.listdir("/proc"):
-        if name.isdigit():
-            fields = stat_fields(int(name))  # state, ppid, ...: field 3 of proc(5) is index 0
-            if fields is not None:
-                pid = int(name)
-                parent[pid] = int(fields[1])
-                own = (int(fields[11]) + int(fields[12])) / HZ
-                usage[pid] = (pid, fields[19]), own, (int(fields[13]) + int(fields[14])) / HZ
-    children: dict[int, list[int]] = {}
-    for pid, ppid in parent.items():
-        children.setdefault(ppid, []).append(pid)
-    found, stack = {}, [root]
-    while stack:
-        pid = stack.pop()
-        if pid in usage and usage[pid][0] not in found:
-            key, own, reaped = usage[pid]
-            found[key] = (own, reaped, parent[pid])
-            stack.extend(children.get(pid, []))
+    descendants, walked by the watchdog's :func:`tree` (Linux /proc). Each process's stat is read afresh; one whose
+    parent is not in the tree (a pid the table still files under an ended parent) is left out."""
+    found, pids = {}, tree([root], table)
+    walked = set(pids)
+    for pid in pids:
+        fields = stat_fields(pid)  # state, ppid, ...: field 3 of proc(5) is index 0
+        if fields is not None and (pid == root or int(fields[1]) in walked):
+            found[(pid, fields[19])] = (*cpu_times(fields), int(fields[1]))
     return found
 
 
@@ -74,8 +68,8 @@ class Meter:
 
     def __init__(self, interval: float = 1.0):
         self.interval, self.test, self.charged = interval, BETWEEN, {}
-        self._lock = threading.Lock()
-        self._last = tree_cpu(os.getpid())  # what ran before the first test is not charged
+        self._lock, self._table = threading.Lock(), ProcessTable()
+        self._last = tree_cpu(os.getpid(), self._table)  # what ran before the first test is not charged
 
     def run(self) -> None:
         while True:
@@ -86,7 +80,7 @@ class Meter:
         """Charge what the tree used since the last reading to the running test, then run ``test`` (None: the same
         one)."""
         with self._lock:
-            now = tree_cpu(os.getpid())
+            now = tree_cpu(os.getpid(), self._table)
             self.charged[self.test] = self.charged.get(self.test, 0.0) + used_between(self._last, now)
             self._last = now
             if test is not None:

@@ -27,11 +27,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.cpu_per_test import BETWEEN, OUT_ENV  # noqa: E402
+from benchmarks.cpu_per_test import BETWEEN, HZ, OUT_ENV, cpu_times  # noqa: E402
 from stages.watchdog import cmdline, stat_fields  # noqa: E402  (/proc readers of the runs' watchdog)
 
 SUITE = [sys.executable, "-m", "pytest", "-q", "-n", "2", "--dist", "loadgroup", "--no-loadscope-reorder"]
-HZ = os.sysconf("SC_CLK_TCK")
 
 # Ray actor class (the process title ``ray::Class...``) -> kind; the first prefix that matches wins
 ACTOR_KINDS = [
@@ -82,8 +81,7 @@ def _cpu_seconds(pid: str) -> tuple[str, float, str] | None:
                 command = f.read().strip()
         except OSError:
             return None
-    # start time, utime, stime: fields 22, 14 and 15 of proc(5)
-    return f"{pid}:{fields[19]}", (int(fields[11]) + int(fields[12])) / HZ, command
+    return f"{pid}:{fields[19]}", cpu_times(fields)[0], command  # start time: field 22 of proc(5)
 
 
 def _busy_seconds() -> float:
