@@ -262,7 +262,8 @@ def _weights(folder: Path) -> dict:
 
 
 @pytest.mark.slow
-def test_sigkilled_run_on_s3_resumes_to_the_uninterrupted_result(finished_run, s3, cli_env, prefect_server, tmp_path):
+def test_sigkilled_run_on_s3_resumes_to_the_uninterrupted_result(finished_run, s3, ray_cluster, prefect_server,
+                                                                   tmp_path, monkeypatch):
     """A run with ``runs_dir=s3://...`` (issue 14, item 4), started from an empty working directory, SIGKILLed whole
     (CLI, Ray, Prefect) once iteration 0's weights-only checkpoint is committed, then ``rollflow train --resume
     s3://...``: iteration 1 trains engines rebuilt by replaying step 0 from the initial model, and every stage output
@@ -284,21 +285,19 @@ def test_sigkilled_run_on_s3_resumes_to_the_uninterrupted_result(finished_run, s
     cwd = tmp_path / "cwd"
     cwd.mkdir()
     killed_env = {**_env(tmp_path), **s3, "PYTHONPATH": str(REPO)}  # its own Ray, ephemeral Prefect: killed with it
-    env = {**cli_env, **s3, "PYTHONPATH": str(REPO)}  # the resumed run joins the session's Ray and Prefect server
     args = _tiny_args(runs, name)  # type: ignore[arg-type]
     args[args.index("configs/train_frozenlake_grpo.yaml")] = str(REPO / "configs/train_frozenlake_grpo.yaml")
     killed_at = Location.of(f"{run}/iter_0000/checkpoint/manifest.json")
-
-    def rollflow(*argv: str) -> subprocess.CompletedProcess:
-        done = _rollflow(*argv, env=env, cwd=cwd, timeout_s=1200)
-        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-        return done
 
     try:
         sigkill_when([sys.executable, "-m", "flows.cli", *args], _every(0.5, killed_at.exists), tmp_path / "killed.log",
                      env=killed_env, cwd=str(cwd), what=killed_at.uri(), whole_group=True)
         assert not objects(f"{run}/report"), "killed before the end"
-        rollflow("train", "--resume", run)
+        # the resumed run: the command in this process (the s3 fixture set its AWS_* variables here), on the
+        # session's Ray cluster and Prefect server, started from the same empty working directory
+        monkeypatch.chdir(cwd)
+        resumed = rollflow_here("train", "--resume", run, api_url=prefect_server.api_url)
+        assert resumed.exit_code == 0, resumed.output[-3000:]
         stored = objects(run)
         for k in (0, 1):
             for stage in ("rollout/samples", "logprobs", "rewarded", "advantaged", "eval/samples"):
