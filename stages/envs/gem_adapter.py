@@ -44,6 +44,7 @@ import numpy as np
 from schemas.errors import ConfigError
 from stages.envs.base import (STATE_VERSION, EnvStateError, TextEnv, check_seed, dumps_compact, fresh_seed, jsonable,
                               step_info)
+from stages.envs.records import read_records
 from stages.envs.registry import ENVIRONMENTS, EnvSpec, register_env
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -206,29 +207,6 @@ def resolve_data_path(data_path: str) -> Path:
                       "local .jsonl/.json/.parquet file — rollflow never downloads data sets")
 
 
-def _load_rows(path: Path) -> list[dict]:
-    if path.suffix == ".parquet":
-        import pyarrow.parquet as pq
-
-        return pq.read_table(path).to_pylist()
-    text = path.read_text(encoding="utf-8")
-    if path.suffix == ".jsonl":
-        rows = []
-        for lineno, line in enumerate(text.splitlines(), 1):
-            if line.strip():
-                try:
-                    rows.append(json.loads(line))
-                except ValueError as exc:
-                    raise ConfigError(f"{path}: line {lineno} is not JSON ({exc}); fix the file") from None
-        return rows
-    if path.suffix == ".json":
-        rows = json.loads(text)
-        rows = rows.get("data", rows) if isinstance(rows, dict) else rows
-        if isinstance(rows, list):
-            return rows
-    raise ConfigError(f"{path}: expected a .jsonl, a .json list or a .parquet file of records")
-
-
 @lru_cache(maxsize=16)
 def _local_dataset(path: str, mtime_ns: int) -> Any:
     """A ``datasets.Dataset`` over the local file (built in memory; cached per file version)."""
@@ -239,7 +217,7 @@ def _local_dataset(path: str, mtime_ns: int) -> Any:
         raise ConfigError(f"GEM's math/QA/code envs need the datasets package ({exc}); install it with: "
                           f"{INSTALL_HINT}") from None
     datasets.disable_progress_bars()  # QaEnv's dataset.map would print one per env
-    rows = _load_rows(Path(path))
+    rows = read_records(Path(path))
     if not rows:
         raise ConfigError(f"{path} holds no records; give at least one")
     return Dataset.from_list(rows)

@@ -3,7 +3,7 @@
 ``reset(seed)`` picks one ``{question, answer}`` item (GEM's rule: ``random.Random(seed).randint(0, n - 1)``) and
 returns the question; ``step(text)`` parses the answer, rewards 1 if correct else 0, and terminates. A response with
 no parseable answer gets ``format_penalty`` (recorded in the metrics). Data comes from an in-memory list of dicts or
-a local ``.jsonl`` / ``.json`` file — nothing is downloaded.
+a local ``.jsonl`` / ``.json`` / ``.parquet`` file (stages/envs/records.py) — nothing is downloaded.
 
 Math verification here is deliberately simple (normalised string or numeric equality); the math-verify reward
 worker in ``stages/rewards`` is the rich one.
@@ -11,7 +11,6 @@ worker in ``stages/rewards`` is the rich one.
 
 from __future__ import annotations
 
-import json
 import math
 import random
 import re
@@ -24,6 +23,7 @@ from typing import Any, Mapping, Sequence
 from schemas.errors import ConfigError
 from stages.envs.base import EnvStateError, TextEnv, check_seed, fresh_seed, step_info
 from stages.envs.parser import DEFAULT_ACTION_PATTERN, DEFAULT_SPECIAL_TOKENS, ActionParser
+from stages.envs.records import read_records
 from stages.envs.registry import EnvSpec, register_env
 
 TERMINAL_STATE = "TERMINAL_STATE"  # GEM's observation after a single-turn episode ended
@@ -112,25 +112,8 @@ def normalize_qa_answer(answer: str) -> str:
 # ---- data ---------------------------------------------------------------------------------------------------------
 @lru_cache(maxsize=8)
 def _read_data_file(path: str, mtime_ns: int) -> tuple[dict, ...]:
-    p = Path(path)
-    text = p.read_text(encoding="utf-8")
-    if p.suffix == ".jsonl":
-        rows = []
-        for lineno, line in enumerate(text.splitlines(), 1):
-            if line.strip():
-                try:
-                    rows.append(json.loads(line))
-                except ValueError as exc:
-                    raise ConfigError(f"{path}: line {lineno} is not JSON ({exc}); fix the file") from None
-        return tuple(rows)
-    if p.suffix == ".json":
-        rows = json.loads(text)
-        if isinstance(rows, dict) and "data" in rows:
-            rows = rows["data"]
-        if not isinstance(rows, list):
-            raise ConfigError(f"{path}: expected a JSON list of {{question, answer}} objects; fix the file")
-        return tuple(rows)
-    raise ConfigError(f"{path}: unsupported data file type '{p.suffix}'; use .jsonl or .json")
+    """The records of a data file, cached per file version (``mtime_ns``)."""
+    return tuple(read_records(Path(path)))
 
 
 def load_items(data: Sequence[Mapping] | None, data_path: str | None, question_key: str, answer_key: str,
@@ -141,8 +124,8 @@ def load_items(data: Sequence[Mapping] | None, data_path: str | None, question_k
     if data_path is not None:
         path = Path(data_path)
         if not path.is_file():
-            raise ConfigError(f"{where}: data_path '{data_path}' does not exist; point it at a local .jsonl/.json "
-                              "file (no download is attempted)")
+            raise ConfigError(f"{where}: data_path '{data_path}' does not exist; point it at a local "
+                              ".jsonl/.json/.parquet file (no download is attempted)")
         rows = _read_data_file(str(path.resolve()), path.stat().st_mtime_ns)
         origin = str(data_path)
     elif data is not None:
