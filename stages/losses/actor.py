@@ -95,14 +95,32 @@ def _train_infer_step(inputs: LossInputs, cfg: LossConfig, mask: torch.Tensor, o
     return keep, is_weight, metrics
 
 
+def _agg(x: torch.Tensor, mask: torch.Tensor, cfg: LossConfig, num_tokens: float, num_seqs: float) -> torch.Tensor:
+    """agg_loss of (B,T) ``x`` under ``mask`` with the config's ``loss_agg_mode`` and ROLL options."""
+    return agg_loss(x, mask, cfg.loss_agg_mode, num_tokens, num_seqs, roll_compat=cfg.roll_compat,
+                    sum_norm_constant=cfg.sum_norm_constant)
+
+
 def _entropy_term(inputs: LossInputs, cfg: LossConfig, mask: torch.Tensor, num_tokens: float, num_seqs: float,
                   ) -> torch.Tensor:
     """agg_loss of the per-token entropy (spec §6.3 step 12)."""
     if inputs.entropy is None:
         raise InvariantError("loss inputs: entropy_loss_coef > 0 but no 'entropy' tensor was given; compute it with "
                              "op_compute_entropy (or set entropy_loss_coef: 0)")
-    return agg_loss(inputs.entropy, mask, cfg.loss_agg_mode, num_tokens, num_seqs, roll_compat=cfg.roll_compat,
-                    sum_norm_constant=cfg.sum_norm_constant)
+    return _agg(inputs.entropy, mask, cfg, num_tokens, num_seqs)
+
+
+def _loss_total(inputs: LossInputs, cfg: LossConfig, loss: torch.Tensor, ref: torch.Tensor, mask: torch.Tensor,
+                num_tokens: float, num_seqs: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(pg_loss, kl_loss, total) of the token-level actor losses (spec §6.3 steps 10-12): ``loss`` (B,T) and the KL
+    to ``ref`` aggregated by ``loss_agg_mode``; the KL term added when ``use_kl_loss``, the entropy bonus subtracted
+    when ``entropy_loss_coef > 0``."""
+    pg_loss = _agg(loss, mask, cfg, num_tokens, num_seqs)
+    kl_loss = _agg(approx_kl(inputs.log_probs, ref, mask, cfg.kl_loss_type), mask, cfg, num_tokens, num_seqs)
+    total = pg_loss + cfg.kl_loss_coef * kl_loss if cfg.use_kl_loss else pg_loss
+    if cfg.entropy_loss_coef > 0:
+        total = total - cfg.entropy_loss_coef * _entropy_term(inputs, cfg, mask, num_tokens, num_seqs)
+    return pg_loss, kl_loss, total
 
 
 def _ratio_metrics(ratio: torch.Tensor, surr1: torch.Tensor, surr2: torch.Tensor, mask: torch.Tensor,
@@ -130,21 +148,16 @@ def _ratio_metrics(ratio: torch.Tensor, surr1: torch.Tensor, surr2: torch.Tensor
         "actor/ratio_mean@sum": _f(agg_loss(ratio, m, "seq-mean-token-mean", num_seqs=num_seqs)),
         "actor/ratio_max@max": _f((ratio * m).max()),
         "actor/ratio_min@min": _f((ratio * m + (1 - m) * 1e10).min()),
-        "actor/clipfrac@sum": _f(agg_loss((surr2 < surr1).to(ratio.dtype), m, cfg.loss_agg_mode, clip_tokens,
-                                          num_seqs, roll_compat=cfg.roll_compat,
-                                          sum_norm_constant=cfg.sum_norm_constant)),
+        "actor/clipfrac@sum": _f(_agg((surr2 < surr1).to(ratio.dtype), m, cfg, clip_tokens, num_seqs)),
     }
 
 
 def _policy_kl_metrics(log_probs: torch.Tensor, old: torch.Tensor, mask: torch.Tensor, cfg: LossConfig,
                        num_tokens: float, num_seqs: float, suffix: str) -> Metrics:
     """``actor/approxkl`` (½(lp−old)²) and ``actor/policykl`` (lp−old), aggregated like the loss."""
-    def agg(x: torch.Tensor) -> float:
-        return float(agg_loss(x, mask, cfg.loss_agg_mode, num_tokens, num_seqs, roll_compat=cfg.roll_compat,
-                              sum_norm_constant=cfg.sum_norm_constant))
     lp = log_probs.detach()
-    return {f"actor/approxkl{suffix}": agg(approx_kl(lp, old, mask, "mse")),
-            f"actor/policykl{suffix}": agg(approx_kl(lp, old, mask, "kl"))}
+    return {f"actor/approxkl{suffix}": float(_agg(approx_kl(lp, old, mask, "mse"), mask, cfg, num_tokens, num_seqs)),
+            f"actor/policykl{suffix}": float(_agg(approx_kl(lp, old, mask, "kl"), mask, cfg, num_tokens, num_seqs))}
 
 
 # ---- agentic (spec §6.3) ----------------------------------------------------------------------------------------
@@ -172,15 +185,7 @@ def agentic_actor_loss(inputs: LossInputs, cfg: LossConfig) -> tuple[torch.Tenso
     if cfg.train_infer_correction.is_weight.enabled:
         loss = loss * is_weight
 
-    def agg(x: torch.Tensor) -> torch.Tensor:
-        return agg_loss(x, mask, cfg.loss_agg_mode, n_tok, n_seq, roll_compat=cfg.roll_compat,
-                        sum_norm_constant=cfg.sum_norm_constant)
-
-    pg_loss = agg(loss)
-    kl_loss = agg(approx_kl(lp, ref, mask, cfg.kl_loss_type))
-    total = pg_loss + cfg.kl_loss_coef * kl_loss if cfg.use_kl_loss else pg_loss
-    if cfg.entropy_loss_coef > 0:
-        total = total - cfg.entropy_loss_coef * _entropy_term(inputs, cfg, mask, n_tok, n_seq)
+    pg_loss, kl_loss, total = _loss_total(inputs, cfg, loss, ref, mask, n_tok, n_seq)
 
     metrics.update(_ratio_metrics(ratio.detach(), surr1.detach(), surr2.detach(), mask, cfg, n_tok, n_seq))
     metrics.update(_policy_kl_metrics(lp, old, mask, cfg, n_tok, n_seq, "@sum"))
@@ -203,15 +208,7 @@ def base_actor_loss(inputs: LossInputs, cfg: LossConfig) -> tuple[torch.Tensor, 
     clip_low, clip_high = cfg.clip_range
     loss, surr1, surr2 = clipped_surrogate(ratio, inputs.advantages, clip_low, clip_high, _dual_clip_c(cfg))
 
-    def agg(x: torch.Tensor) -> torch.Tensor:
-        return agg_loss(x, mask, cfg.loss_agg_mode, n_tok, n_seq, roll_compat=cfg.roll_compat,
-                        sum_norm_constant=cfg.sum_norm_constant)
-
-    pg_loss = agg(loss)
-    kl_loss = agg(approx_kl(lp, ref, mask, cfg.kl_loss_type))
-    total = pg_loss + cfg.kl_loss_coef * kl_loss if cfg.use_kl_loss else pg_loss
-    if cfg.entropy_loss_coef > 0:
-        total = total - cfg.entropy_loss_coef * _entropy_term(inputs, cfg, mask, n_tok, n_seq)
+    pg_loss, kl_loss, total = _loss_total(inputs, cfg, loss, ref, mask, n_tok, n_seq)
 
     r = ratio.detach()
     high = (r > 1.0 + clip_high).to(r.dtype)
@@ -223,7 +220,7 @@ def base_actor_loss(inputs: LossInputs, cfg: LossConfig) -> tuple[torch.Tensor, 
         "actor/ratio_mean": float(masked_mean(r, mask, dim=-1).mean()),
         "actor/ratio_max": float((r * mask).max()),
         "actor/ratio_min": float((r * mask + (1 - mask) * 1e10).min()),
-        "actor/clipfrac": _f(agg((surr2 < surr1).to(r.dtype))),
+        "actor/clipfrac": _f(_agg((surr2 < surr1).to(r.dtype), mask, cfg, n_tok, n_seq)),
         "actor/pg_loss": _f(pg_loss), "actor/kl_loss": _f(kl_loss), "actor/total_loss": _f(total),
     }
     metrics.update(_policy_kl_metrics(lp, old, mask, cfg, n_tok, n_seq, ""))
