@@ -116,7 +116,8 @@ def _check_env(config: RolloutConfig, field: str = "") -> None:
                               f"{', '.join(ENVIRONMENTS.names())}") from None
         if spec.needs_data and not ({"data", "data_path"} & entry.env_config.keys()):
             config_field = _env_config_field(config, entry.tag, field)
-            raise ConfigError(f"environment '{entry.tag}' needs data: set {config_field}.data_path to a .jsonl file")
+            raise ConfigError(f"environment '{entry.tag}' needs data: set {config_field}.data_path to a local "
+                              ".jsonl, .json or .parquet file of records")
 
 
 def _remove_stale_turns(out: Location, last_turn: int) -> None:
