@@ -15,6 +15,7 @@ import logging
 import os
 import shutil
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -63,15 +64,95 @@ def prefect_home() -> str:
 
 
 @pytest.fixture(scope="session")
-def prefect_server(tmp_path_factory):
-    """ONE real ``prefect server`` (127.0.0.1, a free port, its own home) for the whole session: the tests that run
+def prefect_server(request, tmp_path_factory):
+    """ONE real ``prefect server`` (127.0.0.1, a free port, its own home) for the whole test run: the tests that run
     flows in child processes report to it instead of each starting an ephemeral server (about 30 s each on two
-    loaded cores). Ephemeral mode keeps its own tests (tests/spine/test_flow.py, tests/spine/test_resume.py)."""
+    loaded cores). Ephemeral mode keeps its own tests (tests/spine/test_flow.py, tests/spine/test_resume.py).
+    Under pytest-xdist the workers share it (see :func:`_shared_prefect_server`); the tests tell their flow runs
+    apart by their parameters or deployments, never by counting the server's runs."""
     from flows.serving import free_port, start_server
 
+    shared = getattr(request.config, "workerinput", {}).get(_SHARED_DIR)
+    if shared:
+        yield _shared_prefect_server(Path(shared))
+        return
     server = start_server("127.0.0.1", free_port(), tmp_path_factory.mktemp("prefect-server"), timeout_s=300)
     yield server
     server.stop()
+
+
+# ---- one Prefect server for all pytest-xdist workers ---------------------------------------------------------------
+# An idle `prefect server` costs about 1.4 CPU-s a minute and 12 to start (BENCHMARKS.md): one per worker was 4 % of
+# the suite's CPU. The first worker that needs it starts it in a folder the controller made, under a file lock, and
+# writes its address and process id there; the others read them; the controller stops it when the run ends.
+_SHARED_DIR = "rollflow_shared_dir"
+_SERVER_FILE = "prefect-server.json"
+
+
+@dataclass(frozen=True)
+class _SharedServer:
+    """The part of flows.serving.LocalServer the tests use, for a server another process started."""
+
+    api_url: str
+
+
+def _shared_prefect_server(shared: Path) -> _SharedServer:
+    """The run's one server: started by the first worker to ask (the lock makes the others wait for it)."""
+    import fcntl
+    import json
+
+    from flows.serving import free_port, is_healthy, start_server
+
+    with open(shared / "prefect-server.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        record = shared / _SERVER_FILE
+        if record.exists():
+            api_url = json.loads(record.read_text())["api_url"]
+            assert is_healthy(api_url, timeout_s=10.0), f"the shared Prefect server {api_url} does not answer"
+            return _SharedServer(api_url)
+        server = start_server("127.0.0.1", free_port(), shared / "prefect-server", timeout_s=300)
+        record.write_text(json.dumps({"api_url": server.api_url, "pid": server.process.pid}))
+        return _SharedServer(server.api_url)
+
+
+def pytest_configure_node(node) -> None:
+    """xdist controller: every worker gets the run's shared folder (made for the first)."""
+    config = node.config
+    if not hasattr(config, "_rollflow_shared_dir"):
+        config._rollflow_shared_dir = tempfile.mkdtemp(prefix="rollflow-test-shared-")
+    node.workerinput[_SHARED_DIR] = config._rollflow_shared_dir
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    """xdist controller, at the end of the run: stop the shared server and remove the shared folder."""
+    shared = getattr(config, "_rollflow_shared_dir", None)
+    if shared:
+        _stop_shared_server(Path(shared))
+        shutil.rmtree(shared, ignore_errors=True)
+
+
+def _stop_shared_server(shared: Path) -> None:
+    """SIGTERM the shared server's process group (it runs in its own session), SIGKILL it if it lingers."""
+    import json
+    import signal
+    import time
+
+    record = shared / _SERVER_FILE
+    if not record.exists():
+        return
+    pid = json.loads(record.read_text())["pid"]
+    for sig, wait_s in ((signal.SIGTERM, 20.0), (signal.SIGKILL, 5.0)):
+        try:
+            os.killpg(pid, sig)
+        except ProcessLookupError:
+            return
+        deadline = time.monotonic() + wait_s
+        while time.monotonic() < deadline:
+            try:
+                os.killpg(pid, 0)
+            except ProcessLookupError:
+                return
+            time.sleep(0.2)
 
 
 @pytest.fixture(scope="session")
