@@ -148,14 +148,62 @@ class Location:
 
 
 def read_manifest(loc: Location) -> dict | None:
+    """The manifest of the folder ``loc`` (None when it has none). Raises :class:`SchemaError` naming the file and
+    the fix when it is not a file, not JSON, not an object, or a field readers use has the wrong type."""
     m = loc.child(MANIFEST)
-    if not m.exists():
+    kind = loc.fs.get_file_info(m.path).type
+    if kind == pafs.FileType.NotFound:
         return None
+    fix = f"delete the folder {loc.path} and re-run the stage that produced it"
+    if kind != pafs.FileType.File:
+        raise SchemaError(f"manifest {m.path} is not a file; {fix}")
     try:
-        return json.loads(m.read_text())
-    except json.JSONDecodeError as err:
-        raise SchemaError(f"manifest {m.path} is not valid JSON ({err}); delete the folder {loc.path} and re-run "
-                          "the stage that produced it") from None
+        manifest = json.loads(m.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise SchemaError(f"manifest {m.path} is not valid JSON ({err}); {fix}") from None
+    problem = manifest_problem(manifest)
+    if problem is not None:
+        raise SchemaError(f"manifest {m.path} is damaged: {problem}; {fix}")
+    return manifest
+
+
+# the JSON type of each manifest field that readers use; a manifest holds those of its kind (an example table has
+# no inputs, a checkpoint no files), so a missing field is for its reader to report
+_FIELD_TYPES = {"stage": str, "version": str, "table": str, "fingerprint": str, ATTEMPT_KEY: str, "rows": int,
+                "created_unix": float, "inputs": dict, "files": list, "objects": list, "metrics": dict,
+                "section": dict, "params": dict, "state": dict, "state_in": dict, "context": dict}
+_JSON_NAMES = {str: "a string", int: "an integer", float: "a number", dict: "an object", list: "a list",
+               bool: "a boolean", type(None): "null"}
+
+
+def _is(value, kind: type) -> bool:
+    """Whether the JSON ``value`` has the JSON type ``kind`` (an integer is a number; a boolean is neither)."""
+    if isinstance(value, bool):
+        return kind is bool
+    return isinstance(value, (int, float) if kind is float else kind)
+
+
+def _json_name(value) -> str:
+    return next((name for kind, name in _JSON_NAMES.items() if _is(value, kind)), type(value).__name__)
+
+
+def manifest_problem(manifest) -> str | None:
+    """What is wrong with the shape of a parsed manifest (``"field 'rows' is a string, expected an integer"``), or
+    None: an object whose fields readers use have their types, inputs that name their folders, files their names."""
+    if not isinstance(manifest, dict):
+        return f"holds {_json_name(manifest)}, not a JSON object"
+    for key, kind in _FIELD_TYPES.items():
+        if key in manifest and not _is(manifest[key], kind):
+            return f"field '{key}' is {_json_name(manifest[key])}, expected {_JSON_NAMES[kind]}"
+    for name, entry in manifest.get("inputs", {}).items():
+        if not isinstance(entry, dict) or not _is(entry.get("path"), str) \
+                or not _is(entry.get("fingerprint", ""), str):
+            return f"input '{name}' is not an object with a string 'path' (and 'fingerprint')"
+    for key in ("files", "objects"):
+        if not all(isinstance(f, dict) and _is(f.get("name"), str) for f in manifest.get(key, [])):
+            return f"field '{key}' holds an entry that is not an object with a string 'name'"
+    bad = next((k for k, v in manifest.get("metrics", {}).items() if not _is(v, float)), None)
+    return None if bad is None else f"metric '{bad}' is {_json_name(manifest['metrics'][bad])}, expected a number"
 
 
 def folder_fingerprint(loc: Location) -> str:

@@ -23,7 +23,8 @@ Organisation (ids are ``<command>-<what is bad>``):
 * ``STAGE`` — ``rollflow stage``: unknown stage, a folder that is not that stage's output (a rollout turn's too),
   bad ``--set``, recorded inputs that are gone, an output that is a file, ``--checkpoint`` for a stage that is not a
   rollout (the rollout replay's own refusals: tests/rollout/test_rollout_flow.py).
-* ``FOLDERS`` — ``lineage``, ``report``, ``inspect``, ``validate``, ``show`` on paths that are not what they read.
+* ``FOLDERS`` — ``lineage``, ``report``, ``inspect``, ``validate``, ``show`` on paths that are not what they read,
+  and stored folders that are damaged (a manifest that is not an object or has a field of the wrong type).
 * ``TOOLS`` — ``example``, ``rlvr-example``, ``demo``, ``deploy``, ``server``: option values and paths.
 * ``USAGE`` — Click's own refusals (unknown or missing options): exit 2 with the option named, no traceback.
 
@@ -335,6 +336,22 @@ FOLDERS = {
                                                        "rollflow example --output DIR"]),
     "show-not-a-rollout": (["show", "emptydir"], ["holds no rollout (no episodes/ folder)",
                                                   "pass the --output folder of rollflow rollout"]),
+    "inspect-manifest-not-an-object": (["inspect", "@manifest_list"],
+                                       ["manifest_list/manifest.json is damaged", "holds a list, not a JSON object",
+                                        "delete the folder", "re-run the stage that produced it"]),
+    "inspect-manifest-a-folder": (["inspect", "@manifest_folder"], ["manifest_folder/manifest.json is not a file"]),
+    "inspect-manifest-not-utf8": (["inspect", "@manifest_binary"], ["manifest_binary/manifest.json is not valid JSON"]),
+    "inspect-manifest-metric-not-a-number": (["inspect", "@manifest_metric_text"],
+                                             ["manifest_metric_text/manifest.json is damaged",
+                                              "metric 'loss' is a string, expected a number"]),
+    "validate-manifest-field-of-wrong-type": (["validate", "@manifest_rows_text"],
+                                              ["manifest_rows_text/manifest.json is damaged",
+                                               "field 'rows' is a string, expected an integer"]),
+    "lineage-manifest-input-without-path": (["lineage", "@manifest_input_no_path"],
+                                            ["manifest_input_no_path/manifest.json is damaged",
+                                             "input 'samples' is not an object with a string 'path'"]),
+    "stage-manifest-not-an-object": (["stage", "advantages", "--from", "@manifest_list"],
+                                     ["manifest_list/manifest.json is damaged", "holds a list"]),
 }
 
 TOOLS = {
@@ -410,10 +427,32 @@ def shared(tmp_path_factory, data_root, tiny_model) -> dict[str, str]:
                                                                         table.column("response").to_pylist()],
                                                     pa.binary()), root / "binary_response"),
         "samples": str(samples),
+        **_damaged_manifests(samples, root),
         "advantaged": write_samples(_advantaged(read_table(samples)), root / "advantaged"),
         "model": str(tiny_model),
         "quick": QUICK, "h100": H100, "rlvr": RLVR_TRAIN, "rollout": ROLLOUT, "score_config": RLVR_SCORE,
     }
+
+
+def _damaged_manifests(samples: Path, root: Path) -> dict[str, str]:
+    """Copies of the samples table whose manifest.json is damaged, by name."""
+    import shutil
+
+    manifest = json.loads((samples / "manifest.json").read_text())
+    texts = {"manifest_list": "[1, 2]", "manifest_binary": b"\xff\xfe{}",
+             "manifest_rows_text": json.dumps({**manifest, "rows": "many"}),
+             "manifest_metric_text": json.dumps({**manifest, "metrics": {"loss": "low"}}),
+             "manifest_input_no_path": json.dumps({**manifest, "inputs": {"samples": {"fingerprint": "0" * 64}}}),
+             "manifest_folder": None}
+    for name, text in texts.items():
+        shutil.copytree(samples, root / name)
+        target = root / name / "manifest.json"
+        target.unlink()
+        if text is None:
+            target.mkdir()
+        else:
+            target.write_bytes(text if isinstance(text, bytes) else text.encode())
+    return {name: str(root / name) for name in texts}
 
 
 def _fake_stage_output(folder: Path, inputs: dict[str, str]) -> None:
