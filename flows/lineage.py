@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import pyarrow.fs as pafs
 
 from schemas.errors import RollflowError
-from stages.storage import MANIFEST, Location, folder_fingerprint, read_manifest
+from stages.storage import MANIFEST, Location, damaged_manifest, folder_fingerprint, read_manifest
 
 
 @dataclass(frozen=True)
@@ -52,6 +52,8 @@ def _fingerprint_now(source: Location) -> str:
 def _edges(loc: Location, manifest: dict) -> list[Edge]:
     edges = []
     for name, info in sorted(manifest.get("inputs", {}).items()):
+        if "fingerprint" not in info:
+            raise damaged_manifest(loc, f"input '{name}' records no fingerprint")
         source = loc.recorded(info["path"])
         current = _fingerprint_now(source) if source.exists() else None
         edges.append(Edge(name, info["path"], info["fingerprint"], current))

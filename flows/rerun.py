@@ -25,7 +25,7 @@ from pydantic import BaseModel
 from schemas.config import parse_overrides, validate_config
 from schemas.errors import RollflowError
 from stages.runner import StageResult
-from stages.storage import Location, read_manifest
+from stages.storage import Location, manifest_field, read_manifest
 
 # (section, inputs by name, output folder, force, the old output's manifest) -> the result
 Rerun = Callable[[BaseModel, dict[str, str], str, bool, dict], StageResult]
@@ -178,9 +178,9 @@ def rerun_stage(name: str, old_output: str, overrides: list[str], output: str | 
                             "wrote, e.g. runs/<run>/iter_0000/rewarded for response_rewards, "
                             "runs/<run>/iter_0000/checkpoint for train_step, runs/<run>/iter_0000/eval for eval")
     section_model, rerun = table[name]()
-    section = validate_config(section_model, _apply(manifest["section"], parse_overrides(overrides)),
-                              f"{old.path}/manifest.json + overrides")
-    inputs = {k: v["path"] for k, v in manifest["inputs"].items()}
+    section = validate_config(section_model, _apply(manifest_field(old, manifest, "section"),
+                                                    parse_overrides(overrides)), f"{old.path}/manifest.json + overrides")
+    inputs = {k: v["path"] for k, v in manifest_field(old, manifest, "inputs").items()}
     for key, path in inputs.items():
         if not Location.of(path).is_dir():
             raise RollflowError(f"input '{key}' of {old.path} (recorded in its manifest.json) no longer exists at "

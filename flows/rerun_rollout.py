@@ -24,7 +24,7 @@ from schemas.errors import RollflowError
 from schemas.rollout_config import RolloutConfig, TurnSection, turn_section
 from stages.rollout.driver import EPISODES_DIR, SAMPLES_DIR, TURNS_DIR, Reuse, earlier_tables, run_rollout
 from stages.rollout.engine_pool import checkpoint_fingerprint
-from stages.storage import MANIFEST, Location, is_uri, read_manifest
+from stages.storage import MANIFEST, Location, is_uri, manifest_field, read_manifest
 
 ROLLOUT_STAGES = ("rollout_turn", "rollout_reset")
 # what may change from a turn on: the turns before it, which are reused, were played under everything else
@@ -75,7 +75,8 @@ def _section(name: str, old: Location, rollout: Location, manifest: dict, overri
     from flows.rerun import _apply
 
     changes = parse_overrides(overrides)
-    section = validate_config(TurnSection, _apply(manifest["section"], changes), f"{old.path}/manifest.json + --set")
+    section = validate_config(TurnSection, _apply(manifest_field(old, manifest, "section"), changes),
+                              f"{old.path}/manifest.json + --set")
     fixed = sorted(k for k in changes if k.split(".")[0] not in FROM_A_TURN)
     if name == "rollout_turn" and fixed:
         raise RollflowError(

@@ -154,17 +154,29 @@ def read_manifest(loc: Location) -> dict | None:
     kind = loc.fs.get_file_info(m.path).type
     if kind == pafs.FileType.NotFound:
         return None
-    fix = f"delete the folder {loc.path} and re-run the stage that produced it"
     if kind != pafs.FileType.File:
-        raise SchemaError(f"manifest {m.path} is not a file; {fix}")
+        raise damaged_manifest(loc, "it is not a file")
     try:
         manifest = json.loads(m.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise SchemaError(f"manifest {m.path} is not valid JSON ({err}); {fix}") from None
+        raise damaged_manifest(loc, f"it is not valid JSON ({err})") from None
     problem = manifest_problem(manifest)
     if problem is not None:
-        raise SchemaError(f"manifest {m.path} is damaged: {problem}; {fix}")
+        raise damaged_manifest(loc, problem)
     return manifest
+
+
+def damaged_manifest(loc: Location, problem: str) -> SchemaError:
+    """The error for the manifest of ``loc`` that ``problem`` makes unusable, with the fix."""
+    return SchemaError(f"manifest {loc.child(MANIFEST).path} is damaged: {problem}; delete the folder {loc.path} and "
+                       "re-run the stage that produced it")
+
+
+def manifest_field(loc: Location, manifest: dict, key: str):
+    """``manifest[key]`` of the manifest of ``loc``; a :func:`damaged_manifest` error when it has no such field."""
+    if key not in manifest:
+        raise damaged_manifest(loc, f"it has no field '{key}'")
+    return manifest[key]
 
 
 # the JSON type of each manifest field that readers use; a manifest holds those of its kind (an example table has
@@ -211,7 +223,7 @@ def folder_fingerprint(loc: Location) -> str:
     names, sizes and modification times."""
     manifest = read_manifest(loc)
     if manifest is not None:
-        return manifest["fingerprint"]
+        return manifest_field(loc, manifest, "fingerprint")
     h = hashlib.sha256()
     for info in sorted((i for i in loc.list() if i.path.endswith(".parquet")), key=lambda i: i.path):
         h.update(f"{info.base_name}:{info.size}:{info.mtime_ns}".encode())

@@ -42,7 +42,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from schemas.errors import RollflowError, SchemaError
-from stages.storage import MANIFEST, Location, is_uri, read_manifest
+from stages.storage import MANIFEST, Location, is_uri, manifest_field, read_manifest
 
 log = logging.getLogger("rollflow.checkpoint")
 
@@ -211,7 +211,7 @@ def checkpoint_fingerprint(path: str) -> str:
     loc = Location.of(path if is_uri(path) else str(local_path(path)))
     manifest = read_manifest(loc)
     if manifest is not None:
-        return manifest["fingerprint"]
+        return manifest_field(loc, manifest, "fingerprint")
     folder = Path(loc.path)
     h = hashlib.sha256()
     for p in sorted(folder.rglob("*")):

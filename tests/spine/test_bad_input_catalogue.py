@@ -24,7 +24,8 @@ Organisation (ids are ``<command>-<what is bad>``):
   bad ``--set``, recorded inputs that are gone, an output that is a file, ``--checkpoint`` for a stage that is not a
   rollout (the rollout replay's own refusals: tests/rollout/test_rollout_flow.py).
 * ``FOLDERS`` — ``lineage``, ``report``, ``inspect``, ``validate``, ``show`` on paths that are not what they read,
-  and stored folders that are damaged (a manifest that is not an object or has a field of the wrong type).
+  and stored folders that are damaged (a manifest that is not an object, lacks a field its reader needs or
+  has one of the wrong type).
 * ``TOOLS`` — ``example``, ``rlvr-example``, ``demo``, ``deploy``, ``server``: option values and paths.
 * ``USAGE`` — Click's own refusals (unknown or missing options): exit 2 with the option named, no traceback.
 
@@ -339,8 +340,10 @@ FOLDERS = {
     "inspect-manifest-not-an-object": (["inspect", "@manifest_list"],
                                        ["manifest_list/manifest.json is damaged", "holds a list, not a JSON object",
                                         "delete the folder", "re-run the stage that produced it"]),
-    "inspect-manifest-a-folder": (["inspect", "@manifest_folder"], ["manifest_folder/manifest.json is not a file"]),
-    "inspect-manifest-not-utf8": (["inspect", "@manifest_binary"], ["manifest_binary/manifest.json is not valid JSON"]),
+    "inspect-manifest-a-folder": (["inspect", "@manifest_folder"], ["manifest_folder/manifest.json is damaged",
+                                                                   "it is not a file"]),
+    "inspect-manifest-not-utf8": (["inspect", "@manifest_binary"], ["manifest_binary/manifest.json is damaged",
+                                                                    "it is not valid JSON"]),
     "inspect-manifest-metric-not-a-number": (["inspect", "@manifest_metric_text"],
                                              ["manifest_metric_text/manifest.json is damaged",
                                               "metric 'loss' is a string, expected a number"]),
@@ -352,6 +355,15 @@ FOLDERS = {
                                              "input 'samples' is not an object with a string 'path'"]),
     "stage-manifest-not-an-object": (["stage", "advantages", "--from", "@manifest_list"],
                                      ["manifest_list/manifest.json is damaged", "holds a list"]),
+    "lineage-manifest-input-without-fingerprint": (["lineage", "@manifest_input_no_fingerprint"],
+                                                   ["manifest_input_no_fingerprint/manifest.json is damaged",
+                                                    "input 'samples' records no fingerprint"]),
+    "lineage-input-manifest-without-fingerprint": (["lineage", "@reads_no_fingerprint"],
+                                                   ["manifest_no_fingerprint/manifest.json is damaged",
+                                                    "it has no field 'fingerprint'", "re-run the stage"]),
+    "stage-manifest-without-section": (["stage", "advantages", "--from", "@manifest_no_section"],
+                                       ["manifest_no_section/manifest.json is damaged",
+                                        "it has no field 'section'"]),
 }
 
 TOOLS = {
@@ -443,6 +455,11 @@ def _damaged_manifests(samples: Path, root: Path) -> dict[str, str]:
              "manifest_rows_text": json.dumps({**manifest, "rows": "many"}),
              "manifest_metric_text": json.dumps({**manifest, "metrics": {"loss": "low"}}),
              "manifest_input_no_path": json.dumps({**manifest, "inputs": {"samples": {"fingerprint": "0" * 64}}}),
+             "manifest_input_no_fingerprint": json.dumps({**manifest, "inputs": {"samples": {"path": str(samples)}}}),
+             "manifest_no_fingerprint": json.dumps({k: v for k, v in manifest.items() if k != "fingerprint"}),
+             "reads_no_fingerprint": json.dumps({**manifest, "inputs": {"samples": {
+                 "path": str(root / "manifest_no_fingerprint"), "fingerprint": "0" * 64}}}),
+             "manifest_no_section": json.dumps({**manifest, "stage": "advantages", "inputs": {}}),
              "manifest_folder": None}
     for name, text in texts.items():
         shutil.copytree(samples, root / name)
