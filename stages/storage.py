@@ -232,11 +232,12 @@ def folder_fingerprint(loc: Location) -> str:
 
 def read_table_schema(loc: Location, table: str):
     """The common Arrow schema of the Parquet files in ``loc``. Raises :class:`SchemaError` naming a file that is
-    missing, corrupt or whose schema differs from the others."""
+    missing, corrupt, not the one its manifest lists, or whose schema differs from the others."""
     if not loc.is_dir():
         raise SchemaError(f"{table} input {loc.path} does not exist or is not a folder; pass the folder that holds "
                           "the Parquet files")
     files = loc.parquet_files()
+    listed = _listed_rows(loc, table, files)
     if not files:
         raise SchemaError(f"{table} input {loc.path} holds no .parquet files; pass a stage output folder or a folder "
                           "of Parquet files (rollflow example --output DIR makes one)")
@@ -244,17 +245,40 @@ def read_table_schema(loc: Location, table: str):
     for path in files:
         try:
             with loc.fs.open_input_file(path) as f:
-                this = pq.read_schema(f)
+                meta = pq.read_metadata(f)
         except Exception as err:  # pyarrow raises ArrowInvalid / OSError for corrupt files
             raise SchemaError(f"{table} input file {path} is not a readable Parquet file ({err}); restore it from the "
                               "stage that wrote it or re-run that stage") from None
-        this = this.remove_metadata()
+        if listed.get(path, meta.num_rows) != meta.num_rows:
+            raise SchemaError(f"{table} input file {path} holds {meta.num_rows} rows where the manifest of {loc.path} "
+                              f"lists {listed[path]}: it was replaced after the stage wrote it; restore it from the "
+                              "stage that wrote it or re-run that stage")
+        this = meta.schema.to_arrow_schema().remove_metadata()
         if schema is None:
             schema = this
         elif not this.equals(schema):
             raise SchemaError(f"{table} input file {path} has schema {this} which differs from the other files "
                               f"({schema}); all files of a table must share one schema")
     return schema
+
+
+def _listed_rows(loc: Location, table: str, files: list[str]) -> dict[str, int | None]:
+    """The rows of each Parquet file the manifest of ``loc`` lists (None where it records none), by path; {} for a
+    folder without a manifest or whose manifest lists no files. Raises :class:`SchemaError` when a listed file is
+    missing or ``files`` holds one the manifest does not list (a table's files are those its stage wrote)."""
+    manifest = read_manifest(loc)
+    if manifest is None or "files" not in manifest:
+        return {}
+    listed = {f"{loc.path}/{f['name']}": f.get("rows") for f in manifest["files"]}
+    missing = sorted(set(listed) - set(files))
+    if missing:
+        raise SchemaError(f"{table} input {loc.path}: {missing[0]} is listed in its manifest but missing; restore it "
+                          "from the stage that wrote it or re-run that stage")
+    extra = sorted(set(files) - set(listed))
+    if extra:
+        raise SchemaError(f"{table} input {loc.path}: {extra[0]} is not one of the files its manifest lists (it was "
+                          "not written by the stage); move it out of the folder or re-run that stage")
+    return listed
 
 
 # An AWS error of the SDK as pyarrow reports it: "AWS Error NETWORK_CONNECTION during HeadBucket operation: ..."

@@ -25,7 +25,7 @@ Organisation (ids are ``<command>-<what is bad>``):
   rollout (the rollout replay's own refusals: tests/rollout/test_rollout_flow.py).
 * ``FOLDERS`` — ``lineage``, ``report``, ``inspect``, ``validate``, ``show`` on paths that are not what they read,
   and stored folders that are damaged (a manifest that is not an object, lacks a field its reader needs or
-  has one of the wrong type).
+  has one of the wrong type; part files that are not those the manifest lists).
 * ``TOOLS`` — ``example``, ``rlvr-example``, ``demo``, ``deploy``, ``server``: option values and paths.
 * ``USAGE`` — Click's own refusals (unknown or missing options): exit 2 with the option named, no traceback.
 
@@ -355,6 +355,16 @@ FOLDERS = {
                                              "input 'samples' is not an object with a string 'path'"]),
     "stage-manifest-not-an-object": (["stage", "advantages", "--from", "@manifest_list"],
                                      ["manifest_list/manifest.json is damaged", "holds a list"]),
+    "inspect-part-listed-but-missing": (["inspect", "@part_missing"],
+                                        ["part_missing/part-00000.parquet is listed in its manifest but missing",
+                                         "restore it from the stage that wrote it or re-run that stage"]),
+    "validate-part-not-listed": (["validate", "@part_unlisted"],
+                                 ["part_unlisted/part-00007.parquet is not one of the files its manifest lists",
+                                  "move it out of the folder or re-run that stage"]),
+    "recompute-part-not-listed": (["recompute", "--input", "@part_unlisted", "--config", "@gigpo", "--output", "out"],
+                                  ["part-00007.parquet is not one of the files its manifest lists"]),
+    "validate-part-replaced": (["validate", "@part_replaced"], ["part_replaced/part-00000.parquet holds 5 rows where "
+                                                                "the manifest of", "lists", "it was replaced"]),
     "lineage-manifest-input-without-fingerprint": (["lineage", "@manifest_input_no_fingerprint"],
                                                    ["manifest_input_no_fingerprint/manifest.json is damaged",
                                                     "input 'samples' records no fingerprint"]),
@@ -439,10 +449,10 @@ def shared(tmp_path_factory, data_root, tiny_model) -> dict[str, str]:
                                                                         table.column("response").to_pylist()],
                                                     pa.binary()), root / "binary_response"),
         "samples": str(samples),
-        **_damaged_manifests(samples, root),
+        **_damaged_manifests(samples, root), **_damaged_parts(samples, root),
         "advantaged": write_samples(_advantaged(read_table(samples)), root / "advantaged"),
         "model": str(tiny_model),
-        "quick": QUICK, "h100": H100, "rlvr": RLVR_TRAIN, "rollout": ROLLOUT, "score_config": RLVR_SCORE,
+        "quick": QUICK, "h100": H100, "gigpo": GIGPO, "rlvr": RLVR_TRAIN, "rollout": ROLLOUT, "score_config": RLVR_SCORE,
     }
 
 
@@ -470,6 +480,21 @@ def _damaged_manifests(samples: Path, root: Path) -> dict[str, str]:
         else:
             target.write_bytes(text if isinstance(text, bytes) else text.encode())
     return {name: str(root / name) for name in texts}
+
+
+def _damaged_parts(samples: Path, root: Path) -> dict[str, str]:
+    """Copies of the samples table (one part file) whose files are not those its manifest lists, by name."""
+    import shutil
+
+    import pyarrow.parquet as pq
+
+    copies = {name: root / name for name in ("part_missing", "part_unlisted", "part_replaced")}
+    for folder in copies.values():
+        shutil.copytree(samples, folder)
+    (copies["part_missing"] / "part-00000.parquet").unlink()
+    shutil.copy(samples / "part-00000.parquet", copies["part_unlisted"] / "part-00007.parquet")
+    pq.write_table(read_table(samples).slice(0, 5), copies["part_replaced"] / "part-00000.parquet")
+    return {name: str(folder) for name, folder in copies.items()}
 
 
 def _fake_stage_output(folder: Path, inputs: dict[str, str]) -> None:
