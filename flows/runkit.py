@@ -226,6 +226,29 @@ def check_plan(config, resources: dict[str, float]) -> None:
     plan.check()
 
 
+def read_frozen_config(run: Location) -> dict | None:
+    """The config the run in the folder ``run`` was frozen with (its config.json), None when it has none. Raises a
+    ConfigError naming the file and the fix when it is not a file, not JSON or not a mapping of options."""
+    from pyarrow.fs import FileType
+
+    from schemas.errors import ConfigError
+
+    path = run.child(CONFIG_FILE)
+    kind = run.fs.get_file_info(path.path).type
+    if kind == FileType.NotFound:
+        return None
+    fix = ("restore it from a copy, or start a new run (another run_name): it is the config the run was started "
+           "with, which a resume reads")
+    try:
+        data = json.loads(path.read_text()) if kind == FileType.File else None
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise ConfigError(f"run config {path.uri()} is not valid JSON ({err}); {fix}") from None
+    if not isinstance(data, dict):
+        what = "not a file" if kind != FileType.File else "not a mapping of options"
+        raise ConfigError(f"run config {path.uri()} is {what}; {fix}")
+    return data
+
+
 def frozen_config_state(run: Location, config, cfg: dict) -> str:
     """How the run folder ``run`` stands to the config ``cfg`` (``config`` validated): ``"new"`` (no frozen config
     yet), ``"same"``, or ``"max_steps"`` (the same run lengthened or shortened). Refuses a different config with a
@@ -234,9 +257,9 @@ def frozen_config_state(run: Location, config, cfg: dict) -> str:
     from schemas.config import validate_config
 
     path = run.child(CONFIG_FILE)
-    if not path.exists():
+    old = read_frozen_config(run)
+    if old is None:
         return "new"
-    old = json.loads(path.read_text())
     if old == cfg:
         return "same"
     frozen = validate_config(type(config), old, path.path)

@@ -3,7 +3,6 @@ checkpoint on a run's held-out levels), ``train-step``, ``logprobs`` and ``value
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Callable, Optional
 
@@ -28,16 +27,17 @@ def train(config: Optional[Path] = typer.Option(None, "--config", help="YAML con
     if (config is None) == (resume is None):
         _fail(ValueError("pass either --config FILE (a new run) or --resume RUN_DIR (continue a run)"))
     if resume is not None:
-        from flows.runkit import CONFIG_FILE
+        from flows.runkit import CONFIG_FILE, read_frozen_config
         from stages.storage import Location
 
-        frozen = _guard(lambda: Location.of(resume.rstrip("/")).child(CONFIG_FILE))
-        if not frozen.exists():
+        folder = _guard(lambda: Location.of(resume.rstrip("/")))
+        data = _guard(lambda: read_frozen_config(folder))
+        if data is None:
             _fail(FileNotFoundError(f"{resume} has no {CONFIG_FILE}; pass the folder of a run started by "
                                     "`rollflow train --config`"))
         if overrides:
             _fail(ValueError("--set cannot change a run being resumed; start a new run (another run_name) instead"))
-        data, where = json.loads(frozen.read_text()), frozen.uri()
+        where = folder.child(CONFIG_FILE).uri()
     else:
         data = _guard(lambda: load_config_data(config, parse_overrides(overrides or [])))
         where = str(config)

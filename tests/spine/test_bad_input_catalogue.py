@@ -11,7 +11,7 @@ Organisation (ids are ``<command>-<what is bad>``):
 * ``TRAIN`` — ``rollflow train`` with an agentic config: arguments, config file, ``--set``, option values,
   environments (unknown type, impossible map size, unknown keyword, missing data), paths (run folder under a file,
   ``pretrain`` that is not a model folder) and run-folder states (started with another config, ``--resume`` of a
-  folder that is not a run, ``--set`` on a resume).
+  folder that is not a run, a damaged frozen config.json, ``--set`` on a resume).
 * ``PLAN`` — ``rollflow plan``: config file, ``--set``, and plans the cluster cannot schedule (GPUs, CPUs).
 * ``RLVR`` — ``rollflow train`` with an RLVR config: reward workers (unknown, bad kwargs, not importable, a run-time
   service given as a kwarg), prompt files, group sizes, validation routes.
@@ -62,7 +62,9 @@ H100 = str(REPO / "configs/train_frozenlake_grpo_h100.yaml")
 # argv may name @quick, @rlvr, @rollout, @score_config, @responses, @samples, @advantaged, @model, @port and the
 # entries of the working folder the fixture `work` makes: afile (a file), emptydir/, notckpt/ (a folder without a
 # model), noweights/ (config.json only), notyaml.yaml, list.yaml, other_runs/quickstart (a run frozen with another
-# config), stage_out/ (an advantages output whose inputs are gone), stage_ok/ (one whose inputs exist).
+# config), damaged_runs/quickstart and list_runs/quickstart (runs whose config.json is not JSON / a list), stage_out/
+# (an advantages output whose inputs are gone), stage_ok/ (one whose inputs exist); and the shared damaged copies of
+# @samples: @manifest_* (its manifest.json damaged), @reads_no_fingerprint, @part_* (its part files changed).
 
 TRAIN = {
     "train-no-config": (["train"], ["pass either --config FILE (a new run) or --resume RUN_DIR"]),
@@ -107,6 +109,12 @@ TRAIN = {
                                             "rollflow train --resume", "or choose a new run_name"]),
     "train-resume-not-a-run": (["train", "--resume", "emptydir"], ["emptydir has no config.json",
                                                                    "pass the folder of a run started by"]),
+    "train-resume-config-not-json": (["train", "--resume", "damaged_runs/quickstart"],
+                                     ["run config", "damaged_runs/quickstart/config.json is not valid JSON",
+                                      "restore it from a copy, or start a new run (another run_name)"]),
+    "train-run-config-not-a-mapping": (["train", "--config", "@quick", "--set", "runs_dir=list_runs"],
+                                       ["run config", "list_runs/quickstart/config.json is not a mapping of options",
+                                        "restore it from a copy"]),
     "train-resume-with-set": (["train", "--resume", "other_runs/quickstart", "--set", "max_steps=3"],
                               ["--set cannot change a run being resumed", "start a new run"]),
     "train-zero-stage-unknown": (["train", "--config", "@quick", "--set",
@@ -525,6 +533,9 @@ def work(tmp_path, monkeypatch, no_services) -> Path:
     frozen = validate_config(TrainFlowConfig, other, "other").model_dump(mode="json")
     (tmp_path / "other_runs" / "quickstart").mkdir(parents=True)
     (tmp_path / "other_runs" / "quickstart" / "config.json").write_text(json.dumps(frozen))
+    for runs, text in (("damaged_runs", '{"run_name": "quick'), ("list_runs", "[1]")):
+        (tmp_path / runs / "quickstart").mkdir(parents=True)
+        (tmp_path / runs / "quickstart" / "config.json").write_text(text)
     _fake_stage_output(tmp_path / "stage_out", {"samples": str(tmp_path / "gone"), "rewarded": str(tmp_path / "gone")})
     _fake_stage_output(tmp_path / "stage_ok", {"samples": str(tmp_path / "emptydir"),
                                                "rewarded": str(tmp_path / "emptydir")})
