@@ -230,14 +230,17 @@ def folder_fingerprint(loc: Location) -> str:
     return h.hexdigest()
 
 
-def read_table_schema(loc: Location, table: str):
+def read_table_schema(loc: Location, table: str, allow_empty: bool = False):
     """The common Arrow schema of the Parquet files in ``loc``. Raises :class:`SchemaError` naming a file that is
-    missing, corrupt, not the one its manifest lists, or whose schema differs from the others."""
+    missing, corrupt, not the one its manifest lists, or whose schema differs from the others. ``allow_empty``: a
+    folder without Parquet files (a table of no rows) gives None instead of an error."""
     if not loc.is_dir():
         raise SchemaError(f"{table} input {loc.path} does not exist or is not a folder; pass the folder that holds "
                           "the Parquet files")
     files = loc.parquet_files()
     listed = _listed_rows(loc, table, files)
+    if not files and allow_empty:
+        return None
     if not files:
         raise SchemaError(f"{table} input {loc.path} holds no .parquet files; pass a stage output folder or a folder "
                           "of Parquet files (rollflow example --output DIR makes one)")

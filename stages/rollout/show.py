@@ -11,7 +11,7 @@ import pyarrow.compute as pc
 import pyarrow.dataset as pads
 
 from schemas.errors import SchemaError
-from stages.storage import Location
+from stages.storage import Location, read_table_schema
 
 SHOW_COLUMNS = ["traj_id", "group_id", "env_id", "level_seed", "turn_idx", "observation", "next_observation",
                 "text", "action_content", "action_valid", "action_effective", "reward", "format_penalty",
@@ -20,10 +20,9 @@ SHOW_COLUMNS = ["traj_id", "group_id", "env_id", "level_seed", "turn_idx", "obse
 
 
 def _read(loc: Location, columns: list[str], env_ids: list[int] | None = None) -> pa.Table:
-    files = loc.parquet_files()
-    if not files:
+    if read_table_schema(loc, "rollout table", allow_empty=True) is None:  # names a missing or corrupt file
         return pa.table({c: [] for c in columns})
-    dataset = pads.dataset(files, filesystem=loc.fs)
+    dataset = pads.dataset(loc.parquet_files(), filesystem=loc.fs)
     where = pc.field("env_id").isin(env_ids) if env_ids is not None else None
     return dataset.to_table(columns=columns, filter=where)
 

@@ -62,7 +62,8 @@ H100 = str(REPO / "configs/train_frozenlake_grpo_h100.yaml")
 # argv may name @quick, @rlvr, @rollout, @score_config, @responses, @samples, @advantaged, @model, @port and the
 # entries of the working folder the fixture `work` makes: afile (a file), emptydir/, notckpt/ (a folder without a
 # model), noweights/ (config.json only), notyaml.yaml, list.yaml, other_runs/quickstart (a run frozen with another
-# config), damaged_runs/quickstart and list_runs/quickstart (runs whose config.json is not JSON / a list), stage_out/
+# config), damaged_runs/quickstart and list_runs/quickstart (runs whose config.json is not JSON / a list),
+# rollout_bad/ (a rollout whose episodes/ part file is not Parquet), stage_out/
 # (an advantages output whose inputs are gone), stage_ok/ (one whose inputs exist); and the shared damaged copies of
 # @samples: @manifest_* (its manifest.json damaged), @reads_no_fingerprint, @part_* (its part files changed).
 
@@ -345,6 +346,9 @@ FOLDERS = {
                                                        "rollflow example --output DIR"]),
     "show-not-a-rollout": (["show", "emptydir"], ["holds no rollout (no episodes/ folder)",
                                                   "pass the --output folder of rollflow rollout"]),
+    "show-episodes-part-corrupt": (["show", "rollout_bad"], ["rollout table input file",
+                                                             "rollout_bad/episodes/part-00000.parquet is not a readable "
+                                                             "Parquet file", "re-run that stage"]),
     "inspect-manifest-not-an-object": (["inspect", "@manifest_list"],
                                        ["manifest_list/manifest.json is damaged", "holds a list, not a JSON object",
                                         "delete the folder", "re-run the stage that produced it"]),
@@ -533,6 +537,8 @@ def work(tmp_path, monkeypatch, no_services) -> Path:
     frozen = validate_config(TrainFlowConfig, other, "other").model_dump(mode="json")
     (tmp_path / "other_runs" / "quickstart").mkdir(parents=True)
     (tmp_path / "other_runs" / "quickstart" / "config.json").write_text(json.dumps(frozen))
+    (tmp_path / "rollout_bad" / "episodes").mkdir(parents=True)
+    (tmp_path / "rollout_bad" / "episodes" / "part-00000.parquet").write_bytes(b"PAR1 cut short")
     for runs, text in (("damaged_runs", '{"run_name": "quick'), ("list_runs", "[1]")):
         (tmp_path / runs / "quickstart").mkdir(parents=True)
         (tmp_path / runs / "quickstart" / "config.json").write_text(text)
