@@ -32,7 +32,7 @@ import pyarrow.parquet as pq
 
 from schemas.errors import SchemaError
 from stages.metrics import METRICS_DIR, TIME_PREFIX, read_metrics
-from stages.storage import Location, local_side
+from stages.storage import Location, local_side, read_table_schema
 
 REPORT_DIR = "report"
 MAX_LINES = 10  # lines per plot; more matching metrics are listed on the page, not drawn
@@ -194,7 +194,14 @@ def find_turn_files(run: Location) -> list[str]:
     turns = Location(run.fs, folders[-1])
     return [f for i in sorted(turns.list(), key=lambda i: i.base_name)
             if i.type == pafs.FileType.Directory and i.base_name.startswith("turn_")
-            for f in Location(run.fs, i.path).parquet_files()]
+            for f in _turn_files(Location(run.fs, i.path))]
+
+
+def _turn_files(turn: Location) -> list[str]:
+    """The Parquet files of the turn table ``turn``, checked to be those its manifest lists and readable (a
+    SchemaError names the one that is not)."""
+    read_table_schema(turn, "turn table", allow_empty=True)
+    return turn.parquet_files()
 
 
 def _read_turns(files: list[str], fs=None) -> pa.Table:
@@ -334,6 +341,9 @@ def write_report(run_dir: str | Path, episodes: Iterable[Sequence[dict] | dict] 
         what = "is a file, not a folder" if where.exists() else "does not exist"
         raise SchemaError(f"report: run folder {run_dir} {what}; pass a run folder (runs/<run>)")
     table = read_metrics(str(run_dir))
+    if episodes is None:  # read before anything is written: a damaged turn table fails the report, not half of it
+        files = find_turn_files(where)
+        episodes = episodes_from_turns(_read_turns(files, where.fs), max_episodes) if files else []
     out = Path(output) if output else run / REPORT_DIR
     out.mkdir(parents=True, exist_ok=True)
     plots: dict[str, Path] = {}
@@ -358,9 +368,6 @@ def write_report(run_dir: str | Path, episodes: Iterable[Sequence[dict] | dict] 
         images.append(("Wall time per stage", path.name))
     elif table.num_rows:
         missing.append("Wall time per stage: no rows carry wall_s")
-    if episodes is None:
-        files = find_turn_files(where)
-        episodes = episodes_from_turns(_read_turns(files, where.fs), max_episodes) if files else []
     page = out / "index.html"
     shown = Path(run_dir) if where.atomic_rename else where.uri()  # a store's run folder by its URI
     page.write_text(_page(shown, images, missing, table, render_episodes_html(list(episodes)[:max_episodes])),
