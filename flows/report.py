@@ -340,11 +340,14 @@ def write_report(run_dir: str | Path, episodes: Iterable[Sequence[dict] | dict] 
     if not where.is_dir():
         what = "is a file, not a folder" if where.exists() else "does not exist"
         raise SchemaError(f"report: run folder {run_dir} {what}; pass a run folder (runs/<run>)")
+    out = Path(output) if output else run / REPORT_DIR
+    if out.exists() and not out.is_dir():
+        raise SchemaError(f"report: {out} is a file, where the report's folder goes; move the file away, or pass "
+                          "--output DIR for the report")
     table = read_metrics(str(run_dir))
     if episodes is None:  # read before anything is written: a damaged turn table fails the report, not half of it
         files = find_turn_files(where)
         episodes = episodes_from_turns(_read_turns(files, where.fs), max_episodes) if files else []
-    out = Path(output) if output else run / REPORT_DIR
     out.mkdir(parents=True, exist_ok=True)
     plots: dict[str, Path] = {}
     images: list[tuple[str, str]] = []

@@ -64,9 +64,9 @@ H100 = str(REPO / "configs/train_frozenlake_grpo_h100.yaml")
 # model), noweights/ (config.json only), notyaml.yaml, list.yaml, other_runs/quickstart (a run frozen with another
 # config), damaged_runs/quickstart and list_runs/quickstart (runs whose config.json is not JSON / a list),
 # rollout_bad/ (a rollout whose episodes/ part file is not Parquet), run_bad_turn/ (a run whose last turn table's
-# part file is not Parquet), stage_out/ (an advantages output whose inputs are gone), stage_ok/ (one whose inputs
-# exist); and the shared damaged copies of @samples: @manifest_* (its manifest.json damaged), @reads_no_fingerprint,
-# @part_* (its part files changed).
+# part file is not Parquet), run_report_file/ (a run whose report/ is a file), stage_out/ (an advantages output
+# whose inputs are gone), stage_ok/ (one whose inputs exist); and the shared damaged copies of @samples:
+# @manifest_* (its manifest.json damaged), @reads_no_fingerprint, @part_* (its part files changed).
 
 TRAIN = {
     "train-no-config": (["train"], ["pass either --config FILE (a new run) or --resume RUN_DIR"]),
@@ -343,6 +343,8 @@ FOLDERS = {
     "report-turn-part-corrupt": (["report", "run_bad_turn"], ["turn table input file", "run_bad_turn/iter_0000/"
                                                               "rollout/turns/turn_000/part-00000.parquet is not a "
                                                               "readable Parquet file", "re-run that stage"]),
+    "report-folder-is-a-file": (["report", "run_report_file"], ["report: run_report_file/report is a file",
+                                                                 "move the file away, or pass --output DIR"]),
     "inspect-missing": (["inspect", "nowhere"], ["nowhere does not exist or is not a folder",
                                                  "pass the folder that holds the Parquet files"]),
     "inspect-a-file": (["inspect", "afile"], ["afile does not exist or is not a folder"]),
@@ -547,6 +549,8 @@ def work(tmp_path, monkeypatch, no_services) -> Path:
     (tmp_path / "run_bad_turn" / "iter_0000" / "rollout" / "turns" / "turn_000").mkdir(parents=True)
     (tmp_path / "run_bad_turn" / "iter_0000" / "rollout" / "turns" / "turn_000" / "part-00000.parquet").write_bytes(
         b"PAR1 cut short")
+    (tmp_path / "run_report_file" / "metrics").mkdir(parents=True)
+    (tmp_path / "run_report_file" / "report").write_text("not the report\n")
     for runs, text in (("damaged_runs", '{"run_name": "quick'), ("list_runs", "[1]")):
         (tmp_path / runs / "quickstart").mkdir(parents=True)
         (tmp_path / runs / "quickstart" / "config.json").write_text(text)
