@@ -27,6 +27,22 @@ def run_folder(config) -> Location:
     return Location.of(f"{config.runs_dir}/{config.run_name}")
 
 
+def check_resumed_folder(folder: Location, config) -> None:
+    """``rollflow train --resume FOLDER``: the run folder the frozen ``config`` names (runs_dir/run_name) must be
+    FOLDER itself, or the resume would write into (or start anew) another folder."""
+    import os
+
+    run = run_folder(config)
+    local = run.atomic_rename and folder.atomic_rename
+    same = os.path.realpath(run.path) == os.path.realpath(folder.path) if local else run.uri() == folder.uri()
+    if not same:
+        from schemas.errors import ConfigError
+
+        raise ConfigError(f"{folder.uri()}/{CONFIG_FILE} names the run folder {run.uri()} (runs_dir/run_name), not "
+                          f"{folder.uri()}: the folder was moved or copied, or runs_dir is relative to another working "
+                          f"directory; resume it from the directory it was started in, or move it back to {run.uri()}")
+
+
 LOCAL_SIDE = ("logs", "tensorboard", "report")  # what a run folder holds as local files (stages/storage.py)
 
 

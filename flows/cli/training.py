@@ -43,7 +43,10 @@ def train(config: Optional[Path] = typer.Option(None, "--config", help="YAML con
         where = str(config)
     pipeline = _guard(lambda: pipeline_of(data, where))
     cfg = _guard(lambda: validate_config(pipeline.config_model(), data, where))
-    from flows.runkit import check_run
+    from flows.runkit import check_resumed_folder, check_run
+
+    if resume is not None:
+        _guard(lambda: check_resumed_folder(folder, cfg))
 
     _guard(lambda: pipeline.preflight(cfg, False))  # before Prefect and Ray start, and before the run's log is opened
     _guard(lambda: check_run(cfg, cfg.model_dump(mode="json")))

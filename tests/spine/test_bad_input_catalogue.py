@@ -11,7 +11,8 @@ Organisation (ids are ``<command>-<what is bad>``):
 * ``TRAIN`` — ``rollflow train`` with an agentic config: arguments, config file, ``--set``, option values,
   environments (unknown type, impossible map size, unknown keyword, missing data), paths (run folder under a file,
   ``pretrain`` that is not a model folder) and run-folder states (started with another config, ``--resume`` of a
-  folder that is not a run, a damaged frozen config.json, ``--set`` on a resume).
+  folder that is not a run, a damaged frozen config.json, a run folder moved away from the one its config names,
+  ``--set`` on a resume).
 * ``PLAN`` — ``rollflow plan``: config file, ``--set``, and plans the cluster cannot schedule (GPUs, CPUs).
 * ``RLVR`` — ``rollflow train`` with an RLVR config: reward workers (unknown, bad kwargs, not importable, a run-time
   service given as a kwarg), prompt files, group sizes, validation routes.
@@ -62,11 +63,12 @@ H100 = str(REPO / "configs/train_frozenlake_grpo_h100.yaml")
 # argv may name @quick, @rlvr, @rollout, @score_config, @responses, @samples, @advantaged, @model, @port and the
 # entries of the working folder the fixture `work` makes: afile (a file), emptydir/, notckpt/ (a folder without a
 # model), noweights/ (config.json only), notyaml.yaml, list.yaml, other_runs/quickstart (a run frozen with another
-# config), damaged_runs/quickstart and list_runs/quickstart (runs whose config.json is not JSON / a list),
-# rollout_bad/ (a rollout whose episodes/ part file is not Parquet), run_bad_turn/ (a run whose last turn table's
-# part file is not Parquet), run_report_file/ (a run whose report/ is a file), stage_out/ (an advantages output
-# whose inputs are gone), stage_ok/ (one whose inputs exist); and the shared damaged copies of @samples:
-# @manifest_* (its manifest.json damaged), @reads_no_fingerprint, @part_* (its part files changed).
+# config), moved_runs/quickstart (a copy of it), damaged_runs/quickstart and list_runs/quickstart (runs whose
+# config.json is not JSON / a list), rollout_bad/ (a rollout whose episodes/ part file is not Parquet), run_bad_turn/
+# (a run whose last turn table's part file is not Parquet), run_report_file/ (a run whose report/ is a file),
+# stage_out/ (an advantages output whose inputs are gone), stage_ok/ (one whose inputs exist); and the shared damaged
+# copies of @samples: @manifest_* (its manifest.json damaged), @reads_no_fingerprint, @part_* (its part files
+# changed).
 
 TRAIN = {
     "train-no-config": (["train"], ["pass either --config FILE (a new run) or --resume RUN_DIR"]),
@@ -117,6 +119,10 @@ TRAIN = {
     "train-run-config-not-a-mapping": (["train", "--config", "@quick", "--set", "runs_dir=list_runs"],
                                        ["run config", "list_runs/quickstart/config.json is not a mapping of options",
                                         "restore it from a copy"]),
+    "train-resume-moved-run": (["train", "--resume", "moved_runs/quickstart"],
+                               ["moved_runs/quickstart/config.json names the run folder", "other_runs/quickstart",
+                                "the folder was moved or copied", "resume it from the directory it was started in, "
+                                "or move it back"]),
     "train-resume-with-set": (["train", "--resume", "other_runs/quickstart", "--set", "max_steps=3"],
                               ["--set cannot change a run being resumed", "start a new run"]),
     "train-zero-stage-unknown": (["train", "--config", "@quick", "--set",
@@ -543,6 +549,8 @@ def work(tmp_path, monkeypatch, no_services) -> Path:
     frozen = validate_config(TrainFlowConfig, other, "other").model_dump(mode="json")
     (tmp_path / "other_runs" / "quickstart").mkdir(parents=True)
     (tmp_path / "other_runs" / "quickstart" / "config.json").write_text(json.dumps(frozen))
+    (tmp_path / "moved_runs" / "quickstart").mkdir(parents=True)
+    (tmp_path / "moved_runs" / "quickstart" / "config.json").write_text(json.dumps(frozen))
     (tmp_path / "rollout_bad" / "episodes").mkdir(parents=True)
     (tmp_path / "rollout_bad" / "episodes" / "part-00000.parquet").write_bytes(b"PAR1 cut short")
     (tmp_path / "run_bad_turn" / "metrics").mkdir(parents=True)
