@@ -163,6 +163,6 @@ PIPELINES.register("rlvr")(Pipeline(_rlvr_model, _rlvr_flow, _rlvr_summary, _rlv
 def pipeline_of(data: dict[str, Any], where: str) -> Pipeline:
     """The pipeline a raw config mapping names (``pipeline: agentic | rlvr``)."""
     name = data.get("pipeline", DEFAULT_PIPELINE)
-    if name not in PIPELINES:
+    if not isinstance(name, str) or name not in PIPELINES:
         raise ConfigError(f"{where}: pipeline {name!r} is unknown; set pipeline to one of {PIPELINES.names()}")
     return PIPELINES.get(name)

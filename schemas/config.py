@@ -162,6 +162,15 @@ class RuntimeConfig(OmitDefaults):
         return dict(self.stage_resources.get(stage, {}))
 
 
+def raw_section(data: dict, name: str) -> dict | None:
+    """The raw mapping of section ``name`` of a config mapping ({} when it is absent or null), or None when it is
+    not a mapping (a before-validator then leaves it alone, and the model reports the wrong type)."""
+    value = data.get(name)
+    if value is None:
+        return {}
+    return value if isinstance(value, dict) else None
+
+
 def one_runtime(data: dict, sections: tuple[str, ...]) -> dict:
     """A run config's raw mapping with its top-level ``runtime`` (the cluster and batch settings of
     :class:`RuntimeConfig`) copied into the ``runtime`` of each of ``sections``, so that every stage of the run uses
@@ -170,13 +179,16 @@ def one_runtime(data: dict, sections: tuple[str, ...]) -> dict:
     too, holds every section's runtime)."""
     unset = RuntimeConfig()
     defaults = {field: getattr(unset, field) for field in RuntimeConfig.model_fields}  # the dump leaves some out
-    top = {**defaults, **(data.get("runtime") or {})}
+    runtime = raw_section(data, "runtime")
+    if runtime is None:
+        return data  # the model reports the wrong type
+    top = {**defaults, **runtime}
     out = dict(data)
     for name in sections:
-        section = data.get(name) or {}
-        if not isinstance(section, dict):
+        section = raw_section(data, name)
+        nested = None if section is None else raw_section(section, "runtime")
+        if nested is None:
             continue  # the model reports the wrong type
-        nested = section.get("runtime") or {}
         for field in defaults:
             if field in nested and nested[field] not in (top[field], defaults[field]):
                 raise ValueError(f"{name}.runtime.{field} ({nested[field]!r}) differs from runtime.{field} "

@@ -12,7 +12,7 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
-from schemas.config import Frozen, one_runtime
+from schemas.config import Frozen, one_runtime, raw_section
 from schemas.rlvr_config import RewardsConfig, RLVRConfig
 from schemas.rollout_config import EngineConfig, GeneratingArgs
 from schemas.run_config import RUN_NAME, RunOptions
@@ -76,10 +76,10 @@ class RLVRTrainConfig(RLVRConfig, RunOptions):
     def _one_budget(cls, data: dict) -> dict:
         """The generation budget is set once and used twice (generation, and the max_len_mask of the sample masks).
         A conflicting explicit value is an error."""
-        if not isinstance(data, dict):
-            return data
-        budget = (data.get("generating_args") or {}).get("max_new_tokens",
-                                                         GeneratingArgs.model_fields["max_new_tokens"].default)
+        generating_args = raw_section(data, "generating_args") if isinstance(data, dict) else None
+        if generating_args is None:
+            return data  # the model reports the wrong type
+        budget = generating_args.get("max_new_tokens", GeneratingArgs.model_fields["max_new_tokens"].default)
         if data.get("max_new_tokens") not in (None, budget):
             raise ValueError(f"max_new_tokens ({data['max_new_tokens']}) differs from generating_args.max_new_tokens "
                              f"({budget}); set generating_args.max_new_tokens only")

@@ -18,7 +18,7 @@ from typing import Annotated, Any, ClassVar, Literal
 from pydantic import AliasChoices, BeforeValidator, Field, SerializerFunctionWrapHandler, model_serializer, model_validator
 
 from schemas.capabilities import POLICY_LOSS_CAPABILITIES, estimator_capabilities
-from schemas.config import AdvEstimator, Frozen, OmitDefaults, RuntimeConfig
+from schemas.config import AdvEstimator, Frozen, OmitDefaults, RuntimeConfig, raw_section
 from schemas.devices import DeviceMapping
 from schemas.loss_config import LossOptions
 from schemas.precision import short_validator
@@ -395,7 +395,9 @@ def estimator_into_train(data: dict, default: str) -> dict:
     needs it to know whether a critic trains). The estimator is set once: a different explicit
     ``train.adv_estimator`` is an error."""
     top = data.get("adv_estimator", default)
-    train = dict(data.get("train") or {})
+    train = raw_section(data, "train")
+    if train is None:
+        return data  # the model reports the wrong type
     if "adv_estimator" in train and train["adv_estimator"] != top:
         raise ValueError(f"train.adv_estimator ({train['adv_estimator']}) differs from adv_estimator ({top}); "
                          "set it once, at the top level")
