@@ -24,7 +24,9 @@ KLPenalty = Literal["kl", "abs", "mse", "k3", "full"]
 
 
 class Frozen(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="forbid", validate_default=True)
+    # .nan / .inf are refused everywhere: no option means anything with them (a clip, coefficient or bound of nan
+    # turns every value it touches into nan; null is the way to switch an option off)
+    model_config = ConfigDict(frozen=True, extra="forbid", validate_default=True, allow_inf_nan=False)
 
 
 class OmitDefaults(Frozen):
@@ -307,6 +309,10 @@ def format_validation_error(err: ValidationError, source: str) -> str:
         msg = e["msg"].removeprefix("Value error, ")
         if e["type"] == "extra_forbidden":
             msg = "unknown option; check the spelling against configs/ and docs (ROLL option names)"
+        elif e["type"] == "finite_number":
+            msg = (f"must be a finite number, not {e['input']!r}, because no option means anything with nan or "
+                   "infinity (a nan bound or coefficient turns what it touches into nan); write a number, or null "
+                   "where the option can be switched off")
         lines.append(f"  field '{loc}': {msg}")
     return "\n".join(lines)
 

@@ -105,6 +105,27 @@ def test_shared_advantage_rules_run_in_every_pipeline(model, path, override, phr
         load_config(model, REPO / "configs" / path, override)
 
 
+@pytest.mark.parametrize("model,path,override", [
+    (RecomputeConfig, "recompute_grpo.yaml", "advantage_clip=.nan"),
+    (RecomputeConfig, "recompute_grpo.yaml", "gamma=nan"),
+    (TrainFlowConfig, "train_frozenlake_grpo.yaml", "train.pg_clip=.inf"),
+    (TrainFlowConfig, "train_frozenlake_grpo.yaml", "rollout.format_penalty=-.inf"),
+    (TrainFlowConfig, "train_frozenlake_grpo.yaml", "train.train_infer_correction.is_weight.upper_bound=.nan"),
+    (TrainFlowConfig, "train_frozenlake_grpo.yaml", "train.actor_train.training_args.max_grad_norm=.inf"),
+    (TrainFlowConfig, "train_frozenlake_grpo.yaml", "runtime.stage_resources={train_step: {trainer_node: .inf}}"),
+    (RLVRConfig, "rlvr_math.yaml", "difficulty_high_threshold=.nan"),
+    (RLVRTrainConfig, "rlvr_train_math.yaml", "generating_args.temperature=.inf"),
+], ids=lambda v: getattr(v, "__name__", v))
+def test_non_finite_numbers_are_refused_with_the_field_and_the_fix(model, path, override):
+    """.nan and .inf parse as floats and pass every bound they are not compared with (nan) or satisfy (inf): a nan
+    clip or coefficient would turn advantages or losses into nan a stage later."""
+    with pytest.raises(ConfigError) as err:
+        load_config(model, REPO / "configs" / path, parse_overrides([override]))
+    text = str(err.value)
+    assert f"field '{override.split('=')[0].split('{')[0]}" in text and "must be a finite number" in text, text
+    assert "write a number, or null where the option can be switched off" in text
+
+
 def test_several_violations_are_reported_together():
     with pytest.raises(ConfigError) as err:
         validate_config(RecomputeConfig, {"gamma": 3, "lambd": -1, "nope": 1})
