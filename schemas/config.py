@@ -270,6 +270,30 @@ def section(config: BaseModel, model: type[S]) -> S:
 M = TypeVar("M", bound=BaseModel)
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """PyYAML's safe loader, except that a key written twice in one mapping is an error (PyYAML keeps the last one
+    silently, so the first value a user reads in the file is not the one the run uses)."""
+
+    def construct_mapping(self, node, deep=False):
+        if isinstance(node, yaml.MappingNode):
+            lines: dict[Any, int] = {}
+            for key_node, _ in node.value:
+                if key_node.tag == "tag:yaml.org,2002:merge":
+                    continue  # `<<: *anchor` merges; its keys may be overridden
+                key = self.construct_object(key_node, deep=deep)
+                line = key_node.start_mark.line + 1
+                if isinstance(key, (str, int, float, bool)) and key in lines:
+                    raise yaml.constructor.ConstructorError(
+                        None, None, f"key {key!r} appears twice in one mapping (lines {lines[key]} and {line}), and "
+                        "only the last value would be used; remove one of them", key_node.start_mark)
+                lines[key] = line
+        return super().construct_mapping(node, deep=deep)
+
+
+def _yaml(text: str) -> Any:
+    return yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506 (a SafeLoader)
+
+
 def _set_dotted(data: dict, dotted: str, value: Any) -> None:
     keys = dotted.split(".")
     node = data
@@ -288,7 +312,7 @@ def parse_overrides(items: list[str] | tuple[str, ...]) -> dict[str, Any]:
             raise ConfigError(f"override '{item}' must look like key=value (e.g. adv_estimator=grpo)")
         key, raw = item.split("=", 1)
         try:
-            out[key.strip()] = yaml.safe_load(raw)
+            out[key.strip()] = _yaml(raw)
         except yaml.YAMLError as err:
             mark = getattr(err, "problem", None) or str(err).splitlines()[0]
             raise ConfigError(f"override '{item}': the value {raw!r} is not valid YAML ({mark}); quote it as a "
@@ -334,7 +358,7 @@ def load_config_data(path: str | Path | None, overrides: dict[str, Any] | None =
     data: dict = {}
     if path is not None:
         try:
-            loaded = yaml.safe_load(Path(path).read_text())
+            loaded = _yaml(Path(path).read_text())
         except FileNotFoundError:
             raise ConfigError(f"config file {path} does not exist; pass a file from configs/") from None
         except yaml.YAMLError as err:

@@ -151,6 +151,21 @@ def test_file_errors(tmp_path):
     assert load_config(RecomputeConfig, bad) == load_config(RecomputeConfig, None)
 
 
+def test_a_key_written_twice_is_an_error_with_both_lines(tmp_path):
+    """PyYAML keeps the last of two equal keys silently: the value a reader sees first is not the one the run uses."""
+    bad = tmp_path / "twice.yaml"
+    bad.write_text("gamma: 0.9\nreward_normalization:\n  method: mean\n  method: mean_std\n")
+    with pytest.raises(ConfigError, match=re.escape("twice.yaml is not valid YAML: key 'method' appears twice in one "
+                                                    "mapping (lines 3 and 4)")) as err:
+        load_config(RecomputeConfig, bad)
+    assert "remove one of them" in str(err.value)
+    with pytest.raises(ConfigError, match=re.escape("key 'gamma' appears twice")):
+        parse_overrides(["reward_normalization={gamma: 1, gamma: 0.5}"])
+    assert parse_overrides(  # a merge's keys may be overridden
+        ["reward_normalization={<<: {method: mean, grouping: batch}, method: mean_std}"]) == {
+        "reward_normalization": {"method": "mean_std", "grouping": "batch"}}
+
+
 def test_sections_hold_only_what_a_stage_reads():
     cfg = load_config(RecomputeConfig, CONFIGS[0], {"gamma": 0.5, "runtime.batch_rows": 7})
     rewards = section(cfg, ResponseRewardSection)
