@@ -259,6 +259,14 @@ class TrainSection(LossOptions):
     actor_train: WorkerTrainConfig = Field(default_factory=WorkerTrainConfig, description="The trained policy.")
     critic_train: WorkerTrainConfig = Field(default_factory=WorkerTrainConfig, description="The critic (gae only).")
 
+    @model_validator(mode="after")
+    def _value_clip_rule(self) -> "TrainSection":
+        if self.value_clip is not None and self.value_clip <= 0:
+            raise ValueError(f"value_clip ({self.value_clip}) must be null or > 0, because the critic's values are "
+                             f"clipped to old value ± value_clip and a bound <= 0 leaves no range; set value_clip: "
+                             "null to turn value clipping off, or e.g. 0.5")
+        return self
+
     @property
     def needs_critic(self) -> bool:
         """Whether the estimator uses critic values (the table's capability, not a name test)."""

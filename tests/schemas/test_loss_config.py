@@ -40,3 +40,16 @@ def test_bad_correction_entries_name_the_entry():
     with pytest.raises(ConfigError, match=r"sum_norm_constant \(0.0\) must be > 0"):
         validate_config(TrainStepConfig, {"sum_norm_constant": 0})
     assert TrainInferCorrectionConfig.from_dict({"is_weight": None, "filters": None}) == TrainInferCorrectionConfig()
+
+
+@pytest.mark.parametrize("written, phrases", [
+    ({"value_clip": 0}, ["field '(top level)'", "value_clip (0.0) must be null or > 0",
+                         "set value_clip: null to turn value clipping off"]),
+], ids=lambda v: str(v)[:40])
+def test_meaningless_loss_values_name_the_field_and_the_fix(written, phrases):
+    """Values ROLL's loss would compute with but that mean nothing (an empty clip range, a bound that zeroes or flips
+    every weight) are refused when the config is loaded, not by a training worker, or never."""
+    with pytest.raises(ConfigError) as err:
+        validate_config(TrainStepConfig, written, "train.yaml")
+    for phrase in phrases:
+        assert phrase in str(err.value), str(err.value)

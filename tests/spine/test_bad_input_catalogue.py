@@ -165,6 +165,10 @@ TRAIN = {
                                      ["field 'train'", "actor_train.strategy_args.deepspeed_config.zero_optimization."
                                       "offload_optimizer moves GPU state to host memory", "runtime.use_gpu: false",
                                       "remove offload_optimizer, or set runtime.use_gpu: true"]),
+    "train-value-clip-zero": (["train", "--config", "@quick", "--set", "adv_estimator=gae", "--set",
+                               "train.value_clip=0"],
+                              ["field 'train'", "value_clip (0.0) must be null or > 0",
+                               "set value_clip: null to turn value clipping off"]),
     "train-lora-with-zero3": (["train", "--config", "@quick", "--set", "train.actor_train={model_args: {lora_rank: 8}, "
                                "strategy_args: {zero_stage: 3}}"],
                               ["field 'train.actor_train'", "model_args.lora_rank with strategy_args.zero_stage 3 is "
