@@ -32,6 +32,15 @@ class IsWeightConfig(Frozen):
     upper_bound: float | None = Field(1.2, description="Clamp the weight to [0, upper_bound] (null: no clamp).")
     detach: bool = Field(True, description="Stop the gradient through the weight.")
 
+    @model_validator(mode="after")
+    def _positive_bound(self) -> "IsWeightConfig":
+        if self.upper_bound is not None and self.upper_bound <= 0:
+            raise ValueError(f"is_weight.upper_bound ({self.upper_bound}) must be null or > 0, because the weight is "
+                             f"clamped to [0, upper_bound] and a bound <= 0 makes every weight {self.upper_bound} "
+                             "(no gradient, or the loss's sign flipped); use e.g. 1.2 (ROLL's default), or null for "
+                             "no clamp")
+        return self
+
 
 class FilterConfig(Frozen):
     """One entry of ROLL's ``train_infer_correction.filters``: keep tokens with low ≤ ratio/diff[agg_type] ≤ high."""

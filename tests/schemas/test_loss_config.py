@@ -45,6 +45,10 @@ def test_bad_correction_entries_name_the_entry():
 @pytest.mark.parametrize("written, phrases", [
     ({"value_clip": 0}, ["field '(top level)'", "value_clip (0.0) must be null or > 0",
                          "set value_clip: null to turn value clipping off"]),
+    ({"train_infer_correction": {"is_weight": {"enabled": True, "upper_bound": -1}}},
+     ["field 'train_infer_correction.is_weight'", "is_weight.upper_bound (-1.0) must be null or > 0",
+      "makes every weight -1.0", "use e.g. 1.2 (ROLL's default), or null for no clamp"]),
+    ({"train_infer_correction": {"is_weight": {"upper_bound": 0}}}, ["is_weight.upper_bound (0.0) must be null"]),
 ], ids=lambda v: str(v)[:40])
 def test_meaningless_loss_values_name_the_field_and_the_fix(written, phrases):
     """Values ROLL's loss would compute with but that mean nothing (an empty clip range, a bound that zeroes or flips
