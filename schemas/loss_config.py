@@ -54,6 +54,19 @@ class FilterConfig(Frozen):
     diff_low: float = Field(-0.2, description="Lowest kept gap.")
     diff_high: float = Field(0.2, description="Highest kept gap.")
 
+    @model_validator(mode="after")
+    def _ranges(self) -> "FilterConfig":
+        for kind in ("ratio", "diff"):
+            low, high = getattr(self, f"{kind}_low"), getattr(self, f"{kind}_high")
+            if low > high:
+                raise ValueError(f"{kind}_low ({low}) must not exceed {kind}_high ({high}), because a token is kept "
+                                 f"when {kind}_low <= {kind} <= {kind}_high and an empty range drops every token; "
+                                 "swap them")
+        if self.ratio_high <= 0:
+            raise ValueError(f"ratio_high ({self.ratio_high}) must be > 0, because the ratio e^(old - infer) is "
+                             "positive and every token would be dropped; use e.g. 1.2")
+        return self
+
 
 class TrainInferCorrectionConfig(Frozen):
     """ROLL's ``train_infer_correction`` (spec §6.6); a null entry means its default, as in ROLL's YAML."""

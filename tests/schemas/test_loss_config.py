@@ -49,6 +49,13 @@ def test_bad_correction_entries_name_the_entry():
      ["field 'train_infer_correction.is_weight'", "is_weight.upper_bound (-1.0) must be null or > 0",
       "makes every weight -1.0", "use e.g. 1.2 (ROLL's default), or null for no clamp"]),
     ({"train_infer_correction": {"is_weight": {"upper_bound": 0}}}, ["is_weight.upper_bound (0.0) must be null"]),
+    ({"train_infer_correction": {"filters": [{}, {"enabled": True, "ratio_low": 1.2, "ratio_high": 0.8}]}},
+     ["field 'train_infer_correction.filters[1]'", "ratio_low (1.2) must not exceed ratio_high (0.8)",
+      "an empty range drops every token; swap them"]),
+    ({"train_infer_correction": {"filters": [{"diff_enabled": True, "diff_low": 0.3}]}},
+     ["field 'train_infer_correction.filters[0]'", "diff_low (0.3) must not exceed diff_high (0.2)"]),
+    ({"train_infer_correction": {"filters": [{"ratio_low": 0, "ratio_high": 0}]}},
+     ["ratio_high (0.0) must be > 0", "use e.g. 1.2"]),
 ], ids=lambda v: str(v)[:40])
 def test_meaningless_loss_values_name_the_field_and_the_fix(written, phrases):
     """Values ROLL's loss would compute with but that mean nothing (an empty clip range, a bound that zeroes or flips
