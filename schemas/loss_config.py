@@ -107,7 +107,8 @@ class LossOptions(Frozen):
     entropy_loss_coef: float = Field(0.0, ge=0, description="Entropy bonus coefficient.")
     ratio_type: Literal["token", "segment"] = Field("token", description="Agentic ratio: per token or per turn.")
     importance_sampling: Literal["token", "seq"] = Field("token", description="RLVR ratio: per token or sequence.")
-    rl_loss_coef: float = Field(1.0, description="RLVR scale of pg + KL terms.")
+    rl_loss_coef: float = Field(1.0, gt=0, description="RLVR scale of pg + KL terms (> 0: a negative scale "
+                                                       "ascends the loss, 0 leaves only the entropy bonus).")
     difficulty_loss_weight: bool = Field(False, description="RLVR difficulty sample weights.")
     length_loss_weight: bool = Field(False, description="RLVR length sample weights.")
     train_infer_correction: TrainInferCorrectionConfig = Field(

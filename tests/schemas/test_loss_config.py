@@ -56,6 +56,8 @@ def test_bad_correction_entries_name_the_entry():
      ["field 'train_infer_correction.filters[0]'", "diff_low (0.3) must not exceed diff_high (0.2)"]),
     ({"train_infer_correction": {"filters": [{"ratio_low": 0, "ratio_high": 0}]}},
      ["ratio_high (0.0) must be > 0", "use e.g. 1.2"]),
+    ({"rl_loss_coef": -1}, ["field 'rl_loss_coef'", "greater than 0"]),
+    ({"rl_loss_coef": 0}, ["field 'rl_loss_coef'", "greater than 0"]),
 ], ids=lambda v: str(v)[:40])
 def test_meaningless_loss_values_name_the_field_and_the_fix(written, phrases):
     """Values ROLL's loss would compute with but that mean nothing (an empty clip range, a bound that zeroes or flips

@@ -216,6 +216,8 @@ RLVR = {
                                     "found: code, ifeval, math, mcq"]),
     "rlvr-generating-args-not-a-mapping": (["train", "--config", "@rlvr", "--set", "generating_args=128"],
                                            ["field 'generating_args'", "Input should be a valid dictionary"]),
+    "rlvr-negative-rl-loss-coef": (["train", "--config", "@rlvr", "--set", "train.rl_loss_coef=-1"],
+                                   ["field 'train.rl_loss_coef'", "greater than 0"]),
     "rlvr-group-of-one": (["train", "--config", "@rlvr", "--set", "num_return_sequences_in_group=1"],
                           ["num_return_sequences_in_group (1) must be at least 2",
                            "set num_return_sequences_in_group: 8"]),
