@@ -12,7 +12,8 @@ from __future__ import annotations
 import string
 from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BeforeValidator, Field, SerializerFunctionWrapHandler, model_serializer, model_validator
+from pydantic import (BeforeValidator, Field, SerializerFunctionWrapHandler, field_validator, model_serializer,
+                      model_validator)
 
 from schemas.config import Frozen, OmitDefaults, RuntimeConfig
 from schemas.devices import DeviceMapping
@@ -62,6 +63,15 @@ class GeneratingArgs(Frozen):
     top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling mass; 1.0 disables it.")
     top_k: int = Field(-1, description="Keep the k most likely tokens; <= 0 disables it.")
     stop: tuple[str, ...] = Field((), description="Strings that end a reply (kept in the reply), e.g. '</answer>'.")
+
+    @field_validator("stop")
+    @classmethod
+    def _no_empty_stop(cls, value: tuple[str, ...]) -> tuple[str, ...]:
+        if any(not s for s in value):
+            raise ValueError(f"stop {list(value)} holds an empty string, which every reply contains (each would end "
+                             "before its first token); remove it, or write the text that ends a reply, e.g. "
+                             "'</answer>'")
+        return value
 
 
 class EngineConfig(OmitDefaults):
