@@ -92,6 +92,15 @@ class RLVRTrainConfig(RLVRConfig, RunOptions):
         :func:`schemas.config.one_runtime`)."""
         return one_runtime(data, ("logprobs", "train")) if isinstance(data, dict) else data
 
+    @model_validator(mode="after")
+    def _engine_window(self) -> "RLVRTrainConfig":
+        window = self.engine.max_model_len
+        if window is not None and window < self.sequence_length:
+            raise ValueError(f"engine.max_model_len ({window}) must be >= sequence_length ({self.sequence_length}), "
+                             "because a prompt and its response of sequence_length tokens must fit the engine's "
+                             f"context; raise engine.max_model_len to {self.sequence_length} or leave it unset")
+        return self
+
     def validation_rewards(self) -> RewardsConfig:
         """The reward routes of the validation prompts (the validation's own, else the run's)."""
         return self.validation.rewards or self.rewards
