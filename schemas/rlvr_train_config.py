@@ -93,7 +93,14 @@ class RLVRTrainConfig(RLVRConfig, RunOptions):
         return one_runtime(data, ("logprobs", "train")) if isinstance(data, dict) else data
 
     @model_validator(mode="after")
-    def _engine_window(self) -> "RLVRTrainConfig":
+    def _lengths(self) -> "RLVRTrainConfig":
+        budget = self.generating_args.max_new_tokens
+        if budget >= self.sequence_length:
+            raise ValueError(f"generating_args.max_new_tokens ({budget}) must be below sequence_length "
+                             f"({self.sequence_length}), because sequence_length holds the prompt and the response "
+                             "(ROLL: max_new_tokens = sequence_length - prompt_length) and a budget it cannot hold is "
+                             "cut per prompt, so max_len_mask no longer finds the truncated responses; raise "
+                             "sequence_length or lower generating_args.max_new_tokens")
         window = self.engine.max_model_len
         if window is not None and window < self.sequence_length:
             raise ValueError(f"engine.max_model_len ({window}) must be >= sequence_length ({self.sequence_length}), "
