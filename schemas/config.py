@@ -173,6 +173,14 @@ def raw_section(data: dict, name: str) -> dict | None:
     return value if isinstance(value, dict) else None
 
 
+def _valid(model: type[BaseModel], data: dict) -> bool:
+    try:
+        model.model_validate(data)
+    except ValidationError:
+        return False
+    return True
+
+
 def one_runtime(data: dict, sections: tuple[str, ...]) -> dict:
     """A run config's raw mapping with its top-level ``runtime`` (the cluster and batch settings of
     :class:`RuntimeConfig`) copied into the ``runtime`` of each of ``sections``, so that every stage of the run uses
@@ -182,8 +190,8 @@ def one_runtime(data: dict, sections: tuple[str, ...]) -> dict:
     unset = RuntimeConfig()
     defaults = {field: getattr(unset, field) for field in RuntimeConfig.model_fields}  # the dump leaves some out
     runtime = raw_section(data, "runtime")
-    if runtime is None:
-        return data  # the model reports the wrong type
+    if runtime is None or not _valid(RuntimeConfig, runtime):
+        return data  # the model reports the bad runtime once, where it was written
     top = {**defaults, **runtime}
     out = dict(data)
     for name in sections:

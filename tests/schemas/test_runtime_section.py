@@ -78,3 +78,13 @@ def test_stage_resources_name_a_pinnable_stage_and_a_positive_custom_resource(pi
         validate_config(TrainFlowConfig, {"runtime": {"stage_resources": pins}})
     for word in words:
         assert word in str(err.value)
+
+
+@pytest.mark.parametrize("model, path", [(TrainFlowConfig, "configs/train_frozenlake_quickstart.yaml"),
+                                         (RLVRTrainConfig, "configs/rlvr_train_math.yaml")])
+def test_a_bad_top_level_runtime_is_reported_once_where_it_was_written(model, path):
+    """Not also under each section it would have been copied into (fields the user never wrote)."""
+    with pytest.raises(ConfigError) as err:
+        load_config(model, REPO / path, {"runtime.batch_rows": 0, "runtime.bogus": 1})
+    fields = [line.split(":")[0].strip() for line in str(err.value).splitlines()[1:]]
+    assert fields == ["field 'runtime.batch_rows'", "field 'runtime.bogus'"], str(err.value)
