@@ -17,7 +17,7 @@ from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import AliasChoices, BeforeValidator, Field, SerializerFunctionWrapHandler, model_serializer, model_validator
 
-from schemas.capabilities import POLICY_LOSS_CAPABILITIES, estimator_capabilities
+from schemas.capabilities import ESTIMATOR_CAPABILITIES, POLICY_LOSS_CAPABILITIES, estimator_capabilities
 from schemas.config import AdvEstimator, Frozen, OmitDefaults, RuntimeConfig, raw_section
 from schemas.devices import DeviceMapping
 from schemas.loss_config import LossOptions
@@ -404,8 +404,8 @@ def estimator_into_train(data: dict, default: str) -> dict:
     ``train.adv_estimator`` is an error."""
     top = data.get("adv_estimator", default)
     train = raw_section(data, "train")
-    if train is None:
-        return data  # the model reports the wrong type
+    if train is None or not isinstance(top, str) or top not in ESTIMATOR_CAPABILITIES:
+        return data  # the model reports the wrong type, or the unknown estimator once, where it was written
     if "adv_estimator" in train and train["adv_estimator"] != top:
         raise ValueError(f"train.adv_estimator ({train['adv_estimator']}) differs from adv_estimator ({top}); "
                          "set it once, at the top level")

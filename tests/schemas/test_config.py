@@ -126,6 +126,15 @@ def test_non_finite_numbers_are_refused_with_the_field_and_the_fix(model, path, 
     assert "write a number, or null where the option can be switched off" in text
 
 
+@pytest.mark.parametrize("model,path", [(TrainFlowConfig, "train_frozenlake_grpo.yaml"),
+                                        (RLVRTrainConfig, "rlvr_train_math.yaml")], ids=lambda v: getattr(v, "__name__", v))
+def test_an_unknown_estimator_is_reported_once_where_it_was_written(model, path):
+    """Not also as train.adv_estimator, the copy the training section would have received."""
+    with pytest.raises(ConfigError) as err:
+        load_config(model, REPO / "configs" / path, {"adv_estimator": "ppo"})
+    assert [line.split(":")[0].strip() for line in str(err.value).splitlines()[1:]] == ["field 'adv_estimator'"]
+
+
 def test_several_violations_are_reported_together():
     with pytest.raises(ConfigError) as err:
         validate_config(RecomputeConfig, {"gamma": 3, "lambd": -1, "nope": 1})
