@@ -305,10 +305,14 @@ def _yaml(text: str) -> Any:
 def _set_dotted(data: dict, dotted: str, value: Any) -> None:
     keys = dotted.split(".")
     node = data
-    for k in keys[:-1]:
-        node = node.setdefault(k, {})
+    for depth, k in enumerate(keys[:-1]):
+        if node.get(k) is None:  # absent, or an empty section (`rollout:` with nothing under it)
+            node[k] = {}
+        node = node[k]
         if not isinstance(node, dict):
-            raise ConfigError(f"override '{dotted}': '{k}' is not a section")
+            kind = "a list" if isinstance(node, list) else f"the value {node!r}"
+            raise ConfigError(f"override '{dotted}': '{k}' is not a section but {kind}, which has no options inside; "
+                              f"set it whole (--set '{'.'.join(keys[:depth + 1])}=...'), or check the key path")
     node[keys[-1]] = value
 
 

@@ -61,6 +61,21 @@ def test_overrides_are_dotted_and_yaml_typed(tmp_path):
         load_config(RecomputeConfig, None, {"gamma": 1.0, "gamma.x": 2})
 
 
+def test_an_override_into_a_value_names_the_fix_and_one_into_an_empty_section_works(tmp_path):
+    with pytest.raises(ConfigError, match=re.escape("'gamma' is not a section but the value 1.0, which has no options "
+                                                    "inside; set it whole (--set 'gamma=...'), or check the key path")):
+        load_config(RecomputeConfig, None, {"gamma": 1.0, "gamma.x": 2})
+    with pytest.raises(ConfigError, match=re.escape("'filters' is not a section but a list, which has no options "
+                                                    "inside; set it whole (--set 'train.train_infer_correction.filters"
+                                                    "=...')")):
+        load_config(TrainFlowConfig, None, parse_overrides(["train.train_infer_correction.filters=[{}]",
+                                                            "train.train_infer_correction.filters.0.enabled=true"]))
+    empty = tmp_path / "empty_section.yaml"
+    empty.write_text("adv_estimator: grpo\nreward_normalization:\n")  # a section whose options are all left out
+    cfg = load_config(RecomputeConfig, empty, parse_overrides(["reward_normalization.method=mean_std"]))
+    assert cfg.reward_normalization.method == "mean_std"
+
+
 @pytest.mark.parametrize("data,phrases", [
     ({"reward_clip": 0}, ["field '(top level)'", "reward_clip (0.0) must be null or > 0", "set reward_clip: null"]),
     ({"advantage_clip": -2}, ["advantage_clip (-2.0) must be null or > 0", "advantage_clip: null"]),
