@@ -21,7 +21,7 @@ from schemas.precision import long_validator
 
 SampleLevel = Literal["step", "trajectory"]
 # ``auto`` (accepted on input) becomes bfloat16 where the hardware computes bf16 natively, else float32
-EngineDtype = Annotated[str, BeforeValidator(long_validator)]
+EngineDtype = Annotated[Literal["float32", "bfloat16", "float16"], BeforeValidator(long_validator)]
 
 # Fields each prompt template may use (str.format names); checked at load time.
 FIRST_USER_FIELDS = {"instruction", "observation", "turn", "actions_left", "answer_options"}
