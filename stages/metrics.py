@@ -63,8 +63,12 @@ def part_file_name(iteration: int, stage: str) -> str:
 
 
 def _part_files(metrics_dir: Location) -> list[str]:
-    """Committed part files (hidden temporary files of an interrupted write are not parts)."""
+    """Committed part files (hidden temporary files of an interrupted write are not parts); none when there is no
+    ``metrics_dir``, a SchemaError naming it when it is there but not a folder."""
     if not metrics_dir.is_dir():
+        if metrics_dir.exists():
+            raise SchemaError(f"metrics table {metrics_dir.uri()} is a file, where a run keeps its metrics (a folder "
+                              "of part files that MetricsLog writes); move the file out of the run folder")
         return []
     return [p for p in metrics_dir.parquet_files() if p.rsplit("/", 1)[-1].startswith("part-iter")]
 

@@ -66,6 +66,7 @@ H100 = str(REPO / "configs/train_frozenlake_grpo_h100.yaml")
 # config), moved_runs/quickstart (a copy of it), damaged_runs/quickstart and list_runs/quickstart (runs whose
 # config.json is not JSON / a list), rollout_bad/ (a rollout whose episodes/ part file is not Parquet), run_bad_turn/
 # (a run whose last turn table's part file is not Parquet), run_report_file/ (a run whose report/ is a file),
+# run_metrics_file/ (a run whose metrics/ is a file),
 # stage_out/ (an advantages output whose inputs are gone), stage_ok/ (one whose inputs exist); and the shared damaged
 # copies of @samples: @manifest_* (its manifest.json damaged), @reads_no_fingerprint, @part_* (its part files
 # changed).
@@ -388,6 +389,9 @@ FOLDERS = {
                                                               "readable Parquet file", "re-run that stage"]),
     "report-folder-is-a-file": (["report", "run_report_file"], ["report: run_report_file/report is a file",
                                                                  "move the file away, or pass --output DIR"]),
+    "report-metrics-is-a-file": (["report", "run_metrics_file"], ["metrics table", "run_metrics_file/metrics is a "
+                                                                   "file, where a run keeps its metrics",
+                                                                   "move the file out of the run folder"]),
     "inspect-missing": (["inspect", "nowhere"], ["nowhere does not exist or is not a folder",
                                                  "pass the folder that holds the Parquet files"]),
     "inspect-a-file": (["inspect", "afile"], ["afile does not exist or is not a folder"]),
@@ -596,6 +600,9 @@ def work(tmp_path, monkeypatch, no_services) -> Path:
         b"PAR1 cut short")
     (tmp_path / "run_report_file" / "metrics").mkdir(parents=True)
     (tmp_path / "run_report_file" / "report").write_text("not the report\n")
+    (tmp_path / "run_metrics_file").mkdir()
+    (tmp_path / "run_metrics_file" / "config.json").write_text("{}\n")
+    (tmp_path / "run_metrics_file" / "metrics").write_text("not the metrics\n")
     for runs, text in (("damaged_runs", '{"run_name": "quick'), ("list_runs", "[1]")):
         (tmp_path / runs / "quickstart").mkdir(parents=True)
         (tmp_path / runs / "quickstart" / "config.json").write_text(text)
