@@ -184,6 +184,9 @@ def manifest_field(loc: Location, manifest: dict, key: str):
 _FIELD_TYPES = {"stage": str, "version": str, "table": str, "fingerprint": str, ATTEMPT_KEY: str, "rows": int,
                 "created_unix": float, "inputs": dict, "files": list, "objects": list, "metrics": dict,
                 "section": dict, "params": dict, "state": dict, "state_in": dict, "context": dict}
+# the JSON type of each field inside params / section that readers take from a stored table's manifest (the group
+# size rollflow validate checks complete groups of); null or absent: not recorded
+_NESTED_TYPES = {("params", "group_size"): int, ("section", "group_size"): int}
 _JSON_NAMES = {str: "a string", int: "an integer", float: "a number", dict: "an object", list: "a list",
                bool: "a boolean", type(None): "null"}
 
@@ -207,6 +210,10 @@ def manifest_problem(manifest) -> str | None:
     for key, kind in _FIELD_TYPES.items():
         if key in manifest and not _is(manifest[key], kind):
             return f"field '{key}' is {_json_name(manifest[key])}, expected {_JSON_NAMES[kind]}"
+    for (outer, key), kind in _NESTED_TYPES.items():
+        value = manifest.get(outer, {}).get(key)
+        if value is not None and not _is(value, kind):
+            return f"field '{outer}.{key}' is {_json_name(value)}, expected {_JSON_NAMES[kind]}"
     for name, entry in manifest.get("inputs", {}).items():
         if not isinstance(entry, dict) or not _is(entry.get("path"), str) \
                 or not _is(entry.get("fingerprint", ""), str):
