@@ -185,6 +185,7 @@ def rerun_stage(name: str, old_output: str, overrides: list[str], output: str | 
         if not Location.of(path).is_dir():
             raise RollflowError(f"input '{key}' of {old.path} (recorded in its manifest.json) no longer exists at "
                                 f"{path}; restore it, or re-run the command that wrote it first")
+    _check_models(section, inputs)
     tag = _tag(section, inputs)
     target = output or Location(old.fs, f"{old.path}@{tag}").uri()
     from stages.preflight import check_output_location
@@ -198,6 +199,19 @@ def rerun_stage(name: str, old_output: str, overrides: list[str], output: str | 
     if downstream:
         lines += _rerun_downstream(old, result.output, tag, force)
     return lines
+
+
+def _check_models(section: BaseModel, inputs: dict[str, str]) -> None:
+    """The model folders a re-run reads (a recorded checkpoint input: training step, evaluation; a log-prob section's
+    checkpoint and reference, a values section's critic) must be whole, before Ray starts: read_checkpoint names a
+    damaged file. Folders on an object store are left to their download."""
+    from stages.storage import is_uri
+    from stages.train.checkpoint import read_checkpoint
+
+    named = [inputs.get("checkpoint"), *(getattr(section, key, None) for key in ("checkpoint", "reference", "critic"))]
+    for folder in named:
+        if isinstance(folder, str) and not is_uri(folder):
+            read_checkpoint(folder)
 
 
 def _siblings(first: Location) -> dict[str, tuple[Location, dict]]:

@@ -288,7 +288,7 @@ def frozen_config_state(run: Location, config, cfg: dict) -> str:
 def check_run(config, cfg: dict) -> None:
     """What ``rollflow train`` checks of the run itself before Prefect and Ray start and before anything is written
     into the run folder (its log included): the folder can be written, a folder started with another config is
-    refused, and ``pretrain`` (when set) is an HF model folder."""
+    refused, ``pretrain`` (when set) is an HF model folder, and the run's newest checkpoint is whole."""
     from stages.generation.engines import check_model_dir
     from stages.preflight import check_output_location
 
@@ -297,6 +297,21 @@ def check_run(config, cfg: dict) -> None:
     frozen_config_state(run, config, cfg)
     if config.pretrain:
         check_model_dir(config.pretrain)
+    check_last_checkpoint(config)
+
+
+def check_last_checkpoint(config) -> None:
+    """The newest committed checkpoint of the run (what a resumed run continues from) must be a model folder whose
+    files are whole (stages/train/checkpoint.py ``read_checkpoint``); a SchemaError naming the damaged file
+    otherwise. A run folder on an object store is left to the download of its checkpoint."""
+    from flows.pipelines import PIPELINES
+    from stages.train.checkpoint import read_checkpoint
+
+    run = run_folder(config)
+    pipeline = PIPELINES.get(config.pipeline)
+    done = pipeline.committed_steps(run.uri()) if run.atomic_rename else 0
+    if done:
+        read_checkpoint(f"{pipeline.step_dir()(run.uri(), done - 1)}/checkpoint")
 
 
 def save_run_config(run: Location, config, cfg: dict) -> None:

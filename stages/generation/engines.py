@@ -148,7 +148,11 @@ def build_engine(backend: str, model_dir: str | os.PathLike, **options: Any) -> 
 
 
 def check_model_dir(model_dir: str | os.PathLike) -> Path:
-    """An HF checkpoint folder must hold config.json and safetensors weights; else a RollflowError with the fix."""
+    """An HF checkpoint folder must hold config.json and safetensors weights, and its files must be whole
+    (stages/model_files.py: JSON that parses, safetensors as long as their headers say, ...); else a RollflowError
+    with the fix."""
+    from stages.model_files import check_model_files
+
     folder = Path(model_dir)
     if not (folder / "config.json").is_file():
         raise RollflowError(f"model folder {folder} has no config.json; pass an HF-format checkpoint folder "
@@ -156,6 +160,7 @@ def check_model_dir(model_dir: str | os.PathLike) -> Path:
     if not any(folder.glob("*.safetensors")):
         raise RollflowError(f"model folder {folder} has no *.safetensors weights; save the checkpoint with "
                             "save_pretrained(..., safe_serialization=True)")
+    check_model_files(folder)
     return folder
 
 

@@ -97,11 +97,14 @@ def _has_weights(folder: Path) -> bool:
 
 def read_checkpoint(path: str) -> CheckpointInfo:
     """Inspect a checkpoint (a training output or a plain HF model folder). Raises SchemaError naming the folder
-    and what is missing."""
+    and what is missing, or the file that is damaged (stages/model_files.py)."""
+    from stages.model_files import check_model_files
+
     folder = local_path(path)
     if not folder.is_dir() or not _has_weights(folder):
         raise SchemaError(f"checkpoint {folder} is not a Hugging Face model folder (config.json plus *.safetensors); "
                           "pass the default model folder or an earlier train-step output")
+    check_model_files(folder)
     state = {}
     if (folder / TRAIN_STATE).is_file():
         state = json.loads((folder / TRAIN_STATE).read_text())

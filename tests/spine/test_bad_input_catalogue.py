@@ -64,12 +64,13 @@ H100 = str(REPO / "configs/train_frozenlake_grpo_h100.yaml")
 # entries of the working folder the fixture `work` makes: afile (a file), emptydir/, notckpt/ (a folder without a
 # model), noweights/ (config.json only), notyaml.yaml, list.yaml, other_runs/quickstart (a run frozen with another
 # config), moved_runs/quickstart (a copy of it), damaged_runs/quickstart and list_runs/quickstart (runs whose
-# config.json is not JSON / a list), rollout_bad/ (a rollout whose episodes/ part file is not Parquet), run_bad_turn/
-# (a run whose last turn table's part file is not Parquet), run_report_file/ (a run whose report/ is a file),
-# run_metrics_file/ (a run whose metrics/ is a file),
-# stage_out/ (an advantages output whose inputs are gone), stage_ok/ (one whose inputs exist); and the shared damaged
-# copies of @samples: @manifest_* (its manifest.json damaged), @reads_no_fingerprint, @part_* (its part files
-# changed).
+# config.json is not JSON / a list), ckpt_runs/quickstart (a run whose last checkpoint's train_state.json is not
+# JSON), rollout_bad/ (a rollout whose episodes/ part file is not Parquet), run_bad_turn/ (a run whose last turn
+# table's part file is not Parquet), run_report_file/ (a run whose report/ is a file), run_metrics_file/ (a run whose
+# metrics/ is a file), stage_out/ (an advantages output whose inputs are gone), stage_ok/ (one whose inputs exist);
+# and the shared damaged copies of @samples: @manifest_* (its manifest.json damaged), @reads_no_fingerprint, @part_*
+# (its part files changed); small checkpoints with a damaged file, @ckpt_* (CHECKPOINT_DAMAGES), and stage outputs
+# that recorded one, @train_step_out and @eval_out.
 
 TRAIN = {
     "train-no-config": (["train"], ["pass either --config FILE (a new run) or --resume RUN_DIR"]),
@@ -140,6 +141,10 @@ TRAIN = {
                                ["moved_runs/quickstart/config.json names the run folder", "other_runs/quickstart",
                                 "the folder was moved or copied", "resume it from the directory it was started in, "
                                 "or move it back"]),
+    "train-resume-last-checkpoint-damaged": (["train", "--resume", "ckpt_runs/quickstart"],
+                                             ["model folder", "ckpt_runs/quickstart/iter_0000/checkpoint: "
+                                              "train_state.json is not valid JSON", "restore the folder from a copy",
+                                              "deleting iter_<k> and the iterations after it and resuming the run"]),
     "train-resume-with-set": (["train", "--resume", "other_runs/quickstart", "--set", "max_steps=3"],
                               ["--set cannot change a run being resumed", "start a new run"]),
     "train-zero-stage-unknown": (["train", "--config", "@quick", "--set",
@@ -244,6 +249,18 @@ EVAL = {
                                     ["model folder notckpt has no config.json", "pass an HF-format checkpoint"]),
     "eval-checkpoint-missing": (["eval", "--config", "@quick", "--checkpoint", "nowhere", "--output", "out"],
                                 ["model folder nowhere has no config.json"]),
+    "eval-checkpoint-weights-cut-short": (["eval", "--config", "@quick", "--checkpoint", "@ckpt_weights_cut",
+                                           "--output", "out"],
+                                          ["model folder", "ckpt_weights_cut: model.safetensors holds",
+                                           "bytes where its header says", "(cut short)",
+                                           "restore the folder from a copy, or make it again"]),
+    "eval-checkpoint-tokenizer-not-json": (["eval", "--config", "@quick", "--checkpoint", "@ckpt_tokenizer_not_json",
+                                            "--output", "out"],
+                                           ["ckpt_tokenizer_not_json: tokenizer.json is not valid JSON",
+                                            "restore the folder from a copy"]),
+    "eval-checkpoint-manifest-damaged": (["eval", "--config", "@quick", "--checkpoint", "@ckpt_manifest_not_json",
+                                          "--output", "out"],
+                                         ["ckpt_manifest_not_json/manifest.json is damaged", "it is not valid JSON"]),
     "eval-output-is-a-file": (["eval", "--config", "@quick", "--output", "afile"],
                               ["output", "afile is an existing file", "pass a folder"]),
     "eval-output-under-a-file": (["eval", "--config", "@quick", "--output", "afile/eval"],
@@ -298,6 +315,10 @@ ROLLOUT_CASES = {
                                     ["afile/ro lies under", "which is a file"]),
     "rollout-checkpoint-not-a-model": (["rollout", "--config", "@rollout", "--output", "out", "--checkpoint",
                                         "notckpt"], ["model folder notckpt has no config.json"]),
+    "rollout-checkpoint-config-not-json": (["rollout", "--config", "@rollout", "--output", "out", "--checkpoint",
+                                            "@ckpt_config_not_json"],
+                                           ["ckpt_config_not_json: config.json is not valid JSON",
+                                            "restore the folder from a copy"]),
     "rollout-checkpoint-without-weights": (["rollout", "--config", "@rollout", "--output", "out", "--checkpoint",
                                             "noweights"], ["model folder noweights has no *.safetensors weights"]),
 }
@@ -344,6 +365,28 @@ FORWARD = {
                                   ["nowhere is not a Hugging Face model folder"]),
     "train-step-checkpoint-not-a-model": (["train-step", "--samples", "@advantaged", "--checkpoint", "emptydir",
                                            "--output", "out"], ["emptydir is not a Hugging Face model folder"]),
+    "train-step-train-state-not-json": (["train-step", "--samples", "@advantaged", "--checkpoint",
+                                         "@ckpt_train_state_not_json", "--output", "out"],
+                                        ["ckpt_train_state_not_json: train_state.json is not valid JSON",
+                                         "restore the folder from a copy"]),
+    "train-step-train-state-field-of-wrong-type": (["train-step", "--samples", "@advantaged", "--checkpoint",
+                                                    "@ckpt_step_text", "--output", "out"],
+                                                   ["ckpt_step_text: train_state.json field 'global_step' is a "
+                                                    "string, expected an integer"]),
+    "train-step-deepspeed-state-cut-short": (["train-step", "--samples", "@advantaged", "--checkpoint",
+                                              "@ckpt_state_cut", "--output", "out"],
+                                             ["ckpt_state_cut: deepspeed/actor/state/mp_rank_00_model_states.pt is not "
+                                              "a whole torch file"]),
+    "logprobs-checkpoint-weights-cut-short": (["logprobs", "--samples", "@samples", "--checkpoint",
+                                               "@ckpt_weights_cut", "--output", "out"],
+                                              ["ckpt_weights_cut: model.safetensors holds", "(cut short)"]),
+    "logprobs-reference-shard-missing": (["logprobs", "--samples", "@samples", "--checkpoint", "@model",
+                                          "--reference", "@ckpt_shard_missing", "--output", "out"],
+                                         ["ckpt_shard_missing: model.safetensors.index.json lists the shard "
+                                          "model-00002-of-00002.safetensors, which is missing"]),
+    "values-checkpoint-manifest-damaged": (["values", "--samples", "@samples", "--checkpoint",
+                                            "@ckpt_manifest_not_json", "--output", "out"],
+                                           ["ckpt_manifest_not_json/manifest.json is damaged"]),
     "train-step-config-not-yaml": (["train-step", "--samples", "@advantaged", "--checkpoint", "@model",
                                     "--config", "notyaml.yaml", "--output", "out"], ["is not valid YAML"]),
 }
@@ -371,6 +414,11 @@ STAGE = {
     "stage-checkpoint-not-a-rollout": (["stage", "advantages", "--from", "stage_ok", "--checkpoint", "emptydir"],
                                        ["--checkpoint is for a rollout replay (rollout_turn, rollout_reset)",
                                         "leave --checkpoint out"]),
+    "stage-train-step-checkpoint-damaged": (["stage", "train_step", "--from", "@train_step_out"],
+                                            ["ckpt_config_not_json: config.json is not valid JSON",
+                                             "restore the folder from a copy"]),
+    "stage-eval-checkpoint-damaged": (["stage", "eval", "--from", "@eval_out"],
+                                      ["ckpt_weights_cut: model.safetensors holds", "(cut short)"]),
     "stage-output-is-a-file": (["stage", "advantages", "--from", "stage_ok", "--set", "gamma=0.9", "--output",
                                 "afile"], ["afile is an existing file", "pass a folder"]),
 }
@@ -520,6 +568,7 @@ def shared(tmp_path_factory, data_root, tiny_model) -> dict[str, str]:
         "samples": str(samples),
         **_damaged_manifests(samples, root), **_damaged_parts(samples, root),
         "advantaged": write_samples(_advantaged(read_table(samples)), root / "advantaged"),
+        **_damaged_checkpoints(root),
         "model": str(tiny_model),
         "quick": QUICK, "h100": H100, "gigpo": GIGPO, "rlvr": RLVR_TRAIN, "rollout": ROLLOUT, "score_config": RLVR_SCORE,
     }
@@ -568,6 +617,61 @@ def _damaged_parts(samples: Path, root: Path) -> dict[str, str]:
     return {name: str(folder) for name, folder in copies.items()}
 
 
+def _small_checkpoint(folder: Path) -> Path:
+    """A run checkpoint's files in small (weights of one tensor): what the pre-flight reads of a model folder."""
+    import zipfile
+
+    import numpy as np
+    from safetensors.numpy import save_file
+
+    (folder / "deepspeed/actor/state").mkdir(parents=True)
+    (folder / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    (folder / "tokenizer.json").write_text(json.dumps({"version": "1.0"}))
+    save_file({"w": np.zeros(4, np.float32)}, str(folder / "model.safetensors"))
+    (folder / "train_state.json").write_text(json.dumps({"global_step": 1, "optimizer_steps": 1, "world_size": 1}))
+    with zipfile.ZipFile(folder / "deepspeed/actor/state/mp_rank_00_model_states.pt", "w") as state:
+        state.writestr("archive/data.pkl", b"x" * 64)
+    (folder / "manifest.json").write_text(json.dumps({"stage": "train_step", "fingerprint": "0" * 64}))
+    return folder
+
+
+# a damaged copy of a small checkpoint -> (its file, the new contents)
+CHECKPOINT_DAMAGES = {"ckpt_weights_cut": ("model.safetensors", None),  # cut short by 4 bytes
+                      "ckpt_config_not_json": ("config.json", b'{"model_type": '),
+                      "ckpt_tokenizer_not_json": ("tokenizer.json", b'{"version'),
+                      "ckpt_train_state_not_json": ("train_state.json", b'{"global_step": 1,'),
+                      "ckpt_step_text": ("train_state.json", b'{"global_step": "one"}'),
+                      "ckpt_manifest_not_json": ("manifest.json", b'{"stage": "train'),
+                      "ckpt_state_cut": ("deepspeed/actor/state/mp_rank_00_model_states.pt", b"PK\x03\x04 cut"),
+                      "ckpt_shard_missing": ("model.safetensors.index.json",
+                                             b'{"weight_map": {"w": "model-00002-of-00002.safetensors"}}')}
+
+
+def _damaged_checkpoints(root: Path) -> dict[str, str]:
+    """Small checkpoints with one file damaged (:data:`CHECKPOINT_DAMAGES`), and stage outputs whose recorded
+    checkpoint is one: a training step's (train_step_out) and an evaluation's (eval_out)."""
+    from schemas.config import load_config_data, validate_config
+    from schemas.train_config import TrainSection
+    from schemas.train_flow_config import TrainFlowConfig
+
+    folders = {}
+    for name, (file, text) in CHECKPOINT_DAMAGES.items():
+        target = _small_checkpoint(root / name) / file
+        target.write_bytes(text if text is not None else target.read_bytes()[:-4])
+        folders[name] = str(root / name)
+    quick = validate_config(TrainFlowConfig, load_config_data(QUICK, {}), QUICK)
+    outputs = {"train_step_out": ("train_step", validate_config(TrainSection, {}, "train"),
+                                  {"checkpoint": folders["ckpt_config_not_json"], "samples": str(root)}),
+               "eval_out": ("eval", quick.eval_rollout(), {"checkpoint": folders["ckpt_weights_cut"]})}
+    for name, (stage, section, inputs) in outputs.items():
+        (root / name).mkdir()
+        manifest = {"stage": stage, "section": section.model_dump(mode="json"), "state_in": {},
+                    "inputs": {key: {"path": path} for key, path in inputs.items()}}
+        (root / name / "manifest.json").write_text(json.dumps(manifest))
+        folders[name] = str(root / name)
+    return folders
+
+
 def _fake_stage_output(folder: Path, inputs: dict[str, str]) -> None:
     """An advantages output as far as ``rollflow stage`` reads it before Ray: its manifest (section and inputs)."""
     from schemas.config import AdvantageSection, section
@@ -596,6 +700,11 @@ def work(tmp_path, monkeypatch, no_services) -> Path:
     frozen = validate_config(TrainFlowConfig, other, "other").model_dump(mode="json")
     (tmp_path / "other_runs" / "quickstart").mkdir(parents=True)
     (tmp_path / "other_runs" / "quickstart" / "config.json").write_text(json.dumps(frozen))
+    resumable = validate_config(TrainFlowConfig, load_config_data(QUICK, {"runs_dir": "ckpt_runs"}), "ckpt_runs")
+    (tmp_path / "ckpt_runs" / "quickstart" / "iter_0000").mkdir(parents=True)
+    (tmp_path / "ckpt_runs" / "quickstart" / "config.json").write_text(json.dumps(resumable.model_dump(mode="json")))
+    state = _small_checkpoint(tmp_path / "ckpt_runs" / "quickstart" / "iter_0000" / "checkpoint") / "train_state.json"
+    state.write_text('{"global_step": 1,')
     (tmp_path / "moved_runs" / "quickstart").mkdir(parents=True)
     (tmp_path / "moved_runs" / "quickstart" / "config.json").write_text(json.dumps(frozen))
     (tmp_path / "rollout_bad" / "episodes").mkdir(parents=True)

@@ -12,12 +12,21 @@ from schemas.errors import RollflowError
 from stages.train import checkpoint as ckpt
 
 
+def _weights(path: Path) -> None:
+    """A whole safetensors file without tensors (its 8-byte header length, then the header ``{}``)."""
+    path.write_bytes((2).to_bytes(8, "little") + b"{}")
+
+
 def _trained_checkpoint(folder: Path, step: int) -> str:
-    """The files of a trained checkpoint, as the training step lays them out (contents do not matter here)."""
+    """The files of a trained checkpoint, as the training step lays them out (their contents do not matter here,
+    but they are whole files, as read_checkpoint checks: stages/model_files.py)."""
+    import zipfile
+
     (folder / ckpt.ACTOR_STATE / "state").mkdir(parents=True)
-    (folder / ckpt.ACTOR_STATE / "state" / "optim.pt").write_bytes(b"x" * 64)
+    with zipfile.ZipFile(folder / ckpt.ACTOR_STATE / "state" / "optim.pt", "w") as state:  # torch's zip format
+        state.writestr("optim/data.pkl", b"x" * 64)
     (folder / "config.json").write_text("{}")
-    (folder / "model.safetensors").write_bytes(b"w")
+    _weights(folder / "model.safetensors")
     (folder / ckpt.TRAIN_STATE).write_text(json.dumps({"global_step": step, "optimizer_steps": step,
                                                        "world_size": 1}))
     return str(folder)
@@ -49,7 +58,7 @@ def _weights_only_checkpoint(folder: Path, step: int, origin: str, samples: list
     """A weights-only checkpoint's files: weights and a replay record from ``origin`` over ``samples``."""
     folder.mkdir(parents=True)
     (folder / "config.json").write_text("{}")
-    (folder / "model.safetensors").write_bytes(b"w")
+    _weights(folder / "model.safetensors")
     replay = {"from": origin, "steps": [{"samples": s, "fingerprint": "f", "section": {}} for s in samples]}
     (folder / ckpt.TRAIN_STATE).write_text(json.dumps({"global_step": step, "optimizer_steps": step,
                                                        "world_size": 1, "replay": replay}))
@@ -80,7 +89,7 @@ def test_weights_only_checkpoints_keep_the_state_they_replay_from(tmp_path):
 
 def test_a_plain_model_folder_trains_from_a_fresh_optimizer(tmp_path):
     (tmp_path / "config.json").write_text("{}")
-    (tmp_path / "model.safetensors").write_bytes(b"w")
+    _weights(tmp_path / "model.safetensors")
     info = ckpt.read_checkpoint(str(tmp_path))
     assert info.global_step == 0 and info.actor_state is None
     ckpt.check_trainable(info)

@@ -1,0 +1,142 @@
+"""Cheap checks of the files of a model folder before anything loads it: a plain HF folder (the default model, the
+tiny model), a run's checkpoint (train_state.json, manifest.json, LoRA adapters, DeepSpeed state) or a critic inside
+one. Each file is checked as far as it can be without torch or transformers: every JSON file parses to an object (a
+checkpoint's train_state.json and manifest.json to their shapes), a safetensors file's header parses and the file is
+as long as the header says (an 8-byte little-endian header length, the JSON header, then the tensors' bytes up to
+the largest ``data_offsets`` end), the shards a ``*.safetensors.index.json`` lists are there, and a DeepSpeed state
+file (torch's zip format) ends in its zip directory. A damaged file is reported with the folder, the file, what is
+wrong and the fix, before Prefect and Ray start (stages/generation/engines.py ``check_model_dir``,
+stages/train/checkpoint.py ``read_checkpoint``)."""
+
+from __future__ import annotations
+
+import json
+import zipfile
+from pathlib import Path
+
+from schemas.errors import SchemaError
+from stages.storage import MANIFEST, Location, read_manifest
+
+TRAIN_STATE = "train_state.json"  # stages/train/checkpoint.py TRAIN_STATE
+INDEX_SUFFIX = ".safetensors.index.json"
+DEEPSPEED_DIR = "deepspeed"
+# the fields of train_state.json that readers use (stages/train/checkpoint.py read_checkpoint, check_trainable) and
+# their JSON types; None: null is allowed (a checkpoint without a replay record, or without a DeepSpeed stage)
+_TRAIN_STATE_FIELDS = {"global_step": (int,), "optimizer_steps": (int,), "world_size": (int, None),
+                       "zero_stage": (int, None), "replay": (dict, None), "lora": (dict, None)}
+_JSON_NAMES = {int: "an integer", dict: "an object", str: "a string", list: "a list", None: "null"}
+
+
+def check_model_files(folder: Path) -> None:
+    """Raise a SchemaError naming the first damaged file of the model folder ``folder`` (see the module
+    docstring); the files that are there only: which ones a folder must hold is for its reader to say. A damaged
+    manifest.json gets the error of every manifest reader (stages/storage.py ``read_manifest``)."""
+    read_manifest(Location.of(str(folder)))
+    for path in sorted(p for p in folder.rglob("*") if p.is_file() and p != folder / MANIFEST):
+        problem = _file_problem(folder, path)
+        if problem is not None:
+            raise SchemaError(f"model folder {folder}: {path.relative_to(folder)} {problem}; restore the folder "
+                              "from a copy, or make it again: a run's checkpoint (runs/<run>/iter_<k>/checkpoint) by "
+                              "deleting iter_<k> and the iterations after it and resuming the run, the default model "
+                              "by deleting its folder (it is converted again on next use)")
+
+
+def _file_problem(folder: Path, path: Path) -> str | None:
+    """What is wrong with the file ``path`` of the model folder ``folder``, or None."""
+    if path.suffix == ".json":
+        return _json_problem(path)
+    if path.suffix == ".safetensors":
+        return safetensors_problem(path)
+    if path.suffix == ".pt" and path.relative_to(folder).parts[0] == DEEPSPEED_DIR and not zipfile.is_zipfile(path):
+        return "is not a whole torch file (it does not end in its zip directory: cut short?)"
+    return None
+
+
+def _read_json(path: Path) -> tuple[object, str | None]:
+    """The parsed JSON file ``path``, or (None, what is wrong)."""
+    try:
+        return json.loads(path.read_bytes()), None
+    except (ValueError, UnicodeDecodeError) as err:
+        return None, f"is not valid JSON ({err})"
+
+
+def _json_problem(path: Path) -> str | None:
+    data, problem = _read_json(path)
+    if problem is not None:
+        return problem
+    if not isinstance(data, dict):
+        return f"holds {_json_name(data)}, not a JSON object"
+    if path.name == TRAIN_STATE:
+        return _train_state_problem(data)
+    if path.name.endswith(INDEX_SUFFIX):
+        return _index_problem(path, data)
+    return None
+
+
+def _json_name(value) -> str:
+    if value is None:
+        return "null"
+    kind = bool if isinstance(value, bool) else type(value)
+    return _JSON_NAMES.get(kind, f"a {type(value).__name__}")
+
+
+def _has_type(value, kinds: tuple) -> bool:
+    if value is None:
+        return None in kinds
+    return not isinstance(value, bool) and any(k is not None and isinstance(value, k) for k in kinds)
+
+
+def _train_state_problem(state: dict) -> str | None:
+    """The fields of a checkpoint's train state that readers use: their types, and a replay record's shape."""
+    for key, kinds in _TRAIN_STATE_FIELDS.items():
+        if key in state and not _has_type(state[key], kinds):
+            expected = " or ".join(_JSON_NAMES[k] for k in kinds)
+            return f"field '{key}' is {_json_name(state[key])}, expected {expected}"
+    replay = state.get("replay")
+    if replay is not None and not (isinstance(replay.get("from"), str) and isinstance(replay.get("steps"), list)
+                                   and all(isinstance(s, dict) and isinstance(s.get("samples"), str)
+                                           for s in replay["steps"])):
+        return "field 'replay' is not an object with a string 'from' and a list of 'steps' that name their 'samples'"
+    return None
+
+
+def _index_problem(path: Path, index: dict) -> str | None:
+    """A sharded model's index: a ``weight_map`` of tensor name -> shard file, every shard there."""
+    shards = index.get("weight_map")
+    if not isinstance(shards, dict) or not all(isinstance(f, str) for f in shards.values()):
+        return "has no 'weight_map' object of tensor names to shard files"
+    missing = sorted({f for f in shards.values() if not (path.parent / f).is_file()})
+    return f"lists the shard {missing[0]}, which is missing" if missing else None
+
+
+def safetensors_problem(path: Path) -> str | None:
+    """What is wrong with the safetensors file ``path`` as far as its header tells, without reading the tensors: an
+    8-byte little-endian header length, a JSON object of tensors with ``data_offsets``, then exactly the bytes up to
+    the largest end offset (safetensors refuses a file longer or shorter than that)."""
+    size = path.stat().st_size
+    with path.open("rb") as f:
+        head = f.read(8)
+        length = int.from_bytes(head, "little") if len(head) == 8 else None
+        if length is None or 8 + length > size:
+            return f"is cut short or not a safetensors file: {size} bytes, fewer than the header it announces"
+        try:
+            header = json.loads(f.read(length))
+        except (ValueError, UnicodeDecodeError) as err:
+            return f"has a header that is not valid JSON ({err})"
+    if not isinstance(header, dict):
+        return "has a header that is not a JSON object"
+    ends = [_data_end(entry) for name, entry in header.items() if name != "__metadata__"]
+    if None in ends:
+        return "has a tensor entry without two integer data_offsets in its header"
+    expected = 8 + length + max(ends, default=0)
+    if size != expected:
+        how = "cut short" if size < expected else "bytes after its tensors"
+        return f"holds {size} bytes where its header says {expected} ({how})"
+    return None
+
+
+def _data_end(entry) -> int | None:
+    offsets = entry.get("data_offsets") if isinstance(entry, dict) else None
+    if not (isinstance(offsets, list) and len(offsets) == 2 and all(_has_type(o, (int,)) for o in offsets)):
+        return None
+    return offsets[1]
