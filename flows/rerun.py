@@ -29,6 +29,7 @@ from stages.storage import Location, manifest_field, read_manifest
 
 # (section, inputs by name, output folder, force, the old output's manifest) -> the result
 Rerun = Callable[[BaseModel, dict[str, str], str, bool, dict], StageResult]
+RUNNER_STAGES = ("response_rewards", "advantages", "rewards", "rlvr_samples")  # re-run by _runner_stage (state_in)
 
 
 def _runner_stage(stage_class: Any) -> tuple[type[BaseModel], Rerun]:
@@ -177,6 +178,7 @@ def rerun_stage(name: str, old_output: str, overrides: list[str], output: str | 
         raise RollflowError(f"{old.path} is not an output of stage {name} ({holds}); pass the folder the stage "
                             "wrote, e.g. runs/<run>/iter_0000/rewarded for response_rewards, "
                             "runs/<run>/iter_0000/checkpoint for train_step, runs/<run>/iter_0000/eval for eval")
+    _check_record(old, manifest)
     section_model, rerun = table[name]()
     section = validate_config(section_model, _apply(manifest_field(old, manifest, "section"),
                                                     parse_overrides(overrides)), f"{old.path}/manifest.json + overrides")
@@ -186,6 +188,8 @@ def rerun_stage(name: str, old_output: str, overrides: list[str], output: str | 
             raise RollflowError(f"input '{key}' of {old.path} (recorded in its manifest.json) no longer exists at "
                                 f"{path}; restore it, or re-run the command that wrote it first")
     _check_models(section, inputs)
+    if downstream:
+        _downstream(old)  # a damaged manifest there is refused before anything runs
     tag = _tag(section, inputs)
     target = output or Location(old.fs, f"{old.path}@{tag}").uri()
     from stages.preflight import check_output_location
@@ -246,6 +250,25 @@ def _affected(first: Location, reads: str | None = None) -> dict[str, tuple[Loca
     return affected
 
 
+def _check_record(loc: Location, manifest: dict) -> None:
+    """The fields of the manifest of ``loc`` a re-run of it reads (its section; the state a stage run by the runner
+    continues from); a damaged_manifest error naming a missing one."""
+    manifest_field(loc, manifest, "section")
+    if manifest.get("stage") in RUNNER_STAGES:
+        manifest_field(loc, manifest, "state_in")
+
+
+def _downstream(first: Location, reads: str | None = None) -> dict[str, tuple[Location, dict]]:
+    """:func:`_affected` (what a downstream walk from ``first`` re-runs), each re-runnable output's manifest holding
+    what its re-run reads (:func:`_check_record`)."""
+    table = _rerunnable()
+    affected = _affected(first, reads)
+    for loc, m in affected.values():
+        if m.get("stage") in table:
+            _check_record(loc, m)
+    return affected
+
+
 def _rerun_downstream(first_old: Location, first_new: str, tag: str, force: bool,
                       reads: str | None = None) -> list[str]:
     """Re-run every output downstream of ``first_old`` (re-run into ``first_new``) with its recorded section and
@@ -254,7 +277,7 @@ def _rerun_downstream(first_old: Location, first_new: str, tag: str, force: bool
     ``reads``: the table of ``first_old`` its readers record (default ``first_old``; a rollout's samples), which
     ``first_new`` replaces."""
     table = _rerunnable()
-    pending = _affected(first_old, reads)
+    pending = _downstream(first_old, reads)
     if not pending:
         return [f"no output beside {first_old.uri()} reads it; nothing downstream to recompute"]
     lines: list[str] = []
@@ -277,7 +300,7 @@ def _rerun_downstream(first_old: Location, first_new: str, tag: str, force: bool
                              "stale")
                 continue
             section_model, rerun = table[stage]()
-            section = validate_config(section_model, m["section"], f"{loc.path}/manifest.json")
+            section = validate_config(section_model, manifest_field(loc, m, "section"), f"{loc.path}/manifest.json")
             target = Location(loc.fs, f"{loc.path}@{tag}").uri()
             result = rerun(section, {k: replaced.get(v, v) for k, v in inputs.items()}, target, force, m)
             lines.append(_line(stage, result, loc))

@@ -180,7 +180,7 @@ def rerun_rollout(name: str, old_output: str, overrides: list[str], output: str 
     ``rollout_reset``) from there with ``overrides`` applied to its turn section, into ``output`` (default
     ``<rollout>@<tag>``); with ``downstream``, re-run what reads the rollout's samples beside the rollout folder
     (:func:`flows.rerun._rerun_downstream`). Returns the lines to print."""
-    from flows.rerun import _rerun_downstream, _tag
+    from flows.rerun import _downstream, _rerun_downstream, _tag
     from stages.cluster import ensure_ray
     from stages.preflight import check_output_location
     from stages.rollout.driver import check_rollout
@@ -195,6 +195,8 @@ def rerun_rollout(name: str, old_output: str, overrides: list[str], output: str 
     tag = _tag(section, {"previous": reuse.previous if reuse else "", "checkpoint": model})
     target = _target(rollout, output, tag)
     check_output_location(target)
+    if downstream:
+        _downstream(rollout, reads=rollout.child(SAMPLES_DIR).uri())  # a damaged manifest there: before anything runs
     ensure_ray()  # once the request is valid (the manifest holds no runtime settings: $RAY_ADDRESS or a local one)
     result = run_rollout(config, target, model, force=force, reuse=reuse, label=f"[rollflow stage] {name}")
     first = len(reuse.turns) if reuse else 0

@@ -24,7 +24,7 @@ from stages import progress
 from stages.rollout.engine_pool import EnginePool, checkpoint_fingerprint
 from stages.rollout.stages import ResetStage, SamplesStage, TurnStage
 from stages.runner import StageResult, run_stage
-from stages.storage import Location, is_uri, read_manifest
+from stages.storage import Location, damaged_manifest, is_uri, manifest_field, read_manifest
 
 log = logging.getLogger("rollflow.rollout")
 
@@ -273,7 +273,8 @@ def run_eval(config: RolloutConfig, output: str, checkpoint: str | None = None, 
 def earlier_tables(turn: Location) -> list[Location]:
     """The tables turn folder ``turn`` was played from, oldest first: the reset table, then turns 0..k-1, found by
     following each turn manifest's ``previous`` input (a replay's first turn reads the turn before it in the
-    rollout it replays). Raises a ConfigError naming a link that is gone or is not a rollout table."""
+    rollout it replays). Raises a ConfigError naming a link that is gone or is not a rollout table, a SchemaError
+    naming a turn manifest that records no previous table."""
     chain: list[Location] = []
     here = turn
     while True:
@@ -283,7 +284,10 @@ def earlier_tables(turn: Location) -> list[Location]:
                               f"{turn.path} was played from it; restore it, or replay from an earlier turn")
         if manifest["stage"] == ResetStage.name:
             return chain[::-1]
-        here = here.recorded(manifest["inputs"]["previous"]["path"])
+        inputs = manifest_field(here, manifest, "inputs")
+        if "previous" not in inputs:
+            raise damaged_manifest(here, "it records no input 'previous' (the table its turn was played from)")
+        here = here.recorded(inputs["previous"]["path"])
         chain.append(here)
 
 

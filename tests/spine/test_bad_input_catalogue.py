@@ -67,7 +67,9 @@ H100 = str(REPO / "configs/train_frozenlake_grpo_h100.yaml")
 # config.json is not JSON / a list), ckpt_runs/quickstart (a run whose last checkpoint's train_state.json is not
 # JSON), rollout_bad/ (a rollout whose episodes/ part file is not Parquet), run_bad_turn/ (a run whose last turn
 # table's part file is not Parquet), run_report_file/ (a run whose report/ is a file), run_metrics_file/ (a run whose
-# metrics/ is a file), stage_out/ (an advantages output whose inputs are gone), stage_ok/ (one whose inputs exist);
+# metrics/ is a file), stage_out/ (an advantages output whose inputs are gone), stage_ok/ (one whose inputs exist),
+# stage_no_state/ (one without state_in), chain/first and chain/reader (an advantages output and one reading it
+# without a section), ro_turn/turns/turn_001 (a turn table that records no previous table);
 # and the shared damaged copies of @samples: @manifest_* (its manifest.json damaged), @reads_no_fingerprint, @part_*
 # (its part files changed); small checkpoints with a damaged file, @ckpt_* (CHECKPOINT_DAMAGES), and stage outputs
 # that recorded one, @train_step_out and @eval_out.
@@ -488,6 +490,15 @@ FOLDERS = {
     "lineage-input-manifest-without-fingerprint": (["lineage", "@reads_no_fingerprint"],
                                                    ["manifest_no_fingerprint/manifest.json is damaged",
                                                     "it has no field 'fingerprint'", "re-run the stage"]),
+    "stage-manifest-without-state-in": (["stage", "advantages", "--from", "stage_no_state"],
+                                        ["stage_no_state/manifest.json is damaged", "it has no field 'state_in'",
+                                         "re-run the stage that produced it"]),
+    "stage-downstream-manifest-without-section": (["stage", "advantages", "--from", "chain/first", "--downstream"],
+                                                  ["chain/reader/manifest.json is damaged",
+                                                   "it has no field 'section'"]),
+    "stage-rollout-turn-without-previous": (["stage", "rollout_turn", "--from", "ro_turn/turns/turn_001"],
+                                            ["ro_turn/turns/turn_001/manifest.json is damaged",
+                                             "it records no input 'previous'"]),
     "stage-manifest-without-section": (["stage", "advantages", "--from", "@manifest_no_section"],
                                        ["manifest_no_section/manifest.json is damaged",
                                         "it has no field 'section'"]),
@@ -722,8 +733,24 @@ def work(tmp_path, monkeypatch, no_services) -> Path:
         (tmp_path / runs / "quickstart").mkdir(parents=True)
         (tmp_path / runs / "quickstart" / "config.json").write_text(text)
     _fake_stage_output(tmp_path / "stage_out", {"samples": str(tmp_path / "gone"), "rewarded": str(tmp_path / "gone")})
+    _fake_stage_output(tmp_path / "stage_no_state", {"samples": str(tmp_path / "emptydir"),
+                                                     "rewarded": str(tmp_path / "emptydir")})
+    manifest = json.loads((tmp_path / "stage_no_state" / "manifest.json").read_text())
+    manifest.pop("state_in")
+    (tmp_path / "stage_no_state" / "manifest.json").write_text(json.dumps(manifest))
     _fake_stage_output(tmp_path / "stage_ok", {"samples": str(tmp_path / "emptydir"),
                                                "rewarded": str(tmp_path / "emptydir")})
+    (tmp_path / "chain").mkdir()
+    _fake_stage_output(tmp_path / "chain" / "first", {"samples": str(tmp_path / "emptydir"),
+                                                      "rewarded": str(tmp_path / "emptydir")})
+    _fake_stage_output(tmp_path / "chain" / "reader", {"samples": str(tmp_path / "chain" / "first"),
+                                                       "rewarded": str(tmp_path / "emptydir")})
+    manifest = json.loads((tmp_path / "chain" / "reader" / "manifest.json").read_text())
+    manifest.pop("section")
+    (tmp_path / "chain" / "reader" / "manifest.json").write_text(json.dumps(manifest))
+    (tmp_path / "ro_turn" / "turns" / "turn_001").mkdir(parents=True)
+    (tmp_path / "ro_turn" / "turns" / "turn_001" / "manifest.json").write_text(json.dumps(
+        {"stage": "rollout_turn", "inputs": {}, "state_in": {"turn": 1}}))
     return tmp_path
 
 
