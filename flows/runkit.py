@@ -301,9 +301,10 @@ def check_run(config, cfg: dict) -> None:
 
 
 def check_last_checkpoint(config) -> None:
-    """The newest committed checkpoint of the run (what a resumed run continues from) must be a model folder whose
-    files are whole (stages/train/checkpoint.py ``read_checkpoint``); a SchemaError naming the damaged file
-    otherwise. A run folder on an object store is left to the download of its checkpoint."""
+    """The newest committed checkpoint of the run (what a resumed run continues from) and, when it holds weights only,
+    the checkpoint its training replays from must be model folders whose files are whole
+    (stages/train/checkpoint.py ``read_checkpoint``); a SchemaError naming the damaged file otherwise. A run folder
+    on an object store is left to the download of its checkpoint."""
     from flows.pipelines import PIPELINES
     from stages.train.checkpoint import read_checkpoint
 
@@ -311,7 +312,9 @@ def check_last_checkpoint(config) -> None:
     pipeline = PIPELINES.get(config.pipeline)
     done = pipeline.committed_steps(run.uri()) if run.atomic_rename else 0
     if done:
-        read_checkpoint(f"{pipeline.step_dir()(run.uri(), done - 1)}/checkpoint")
+        info = read_checkpoint(f"{pipeline.step_dir()(run.uri(), done - 1)}/checkpoint")
+        if info.replay is not None:
+            read_checkpoint(info.replay["from"])
 
 
 def save_run_config(run: Location, config, cfg: dict) -> None:

@@ -60,19 +60,19 @@ RLVR_SCORE = str(REPO / "configs/rlvr_math.yaml")
 H100 = str(REPO / "configs/train_frozenlake_grpo_h100.yaml")
 
 # ---- the catalogue: id -> (argv, phrases the message must contain) ----------------------------------------------
-# argv may name @quick, @rlvr, @rollout, @score_config, @responses, @samples, @advantaged, @model, @port and the
-# entries of the working folder the fixture `work` makes: afile (a file), emptydir/, notckpt/ (a folder without a
-# model), noweights/ (config.json only), notyaml.yaml, list.yaml, other_runs/quickstart (a run frozen with another
-# config), moved_runs/quickstart (a copy of it), damaged_runs/quickstart and list_runs/quickstart (runs whose
-# config.json is not JSON / a list), ckpt_runs/quickstart (a run whose last checkpoint's train_state.json is not
-# JSON), rollout_bad/ (a rollout whose episodes/ part file is not Parquet), run_bad_turn/ (a run whose last turn
-# table's part file is not Parquet), run_report_file/ (a run whose report/ is a file), run_metrics_file/ (a run whose
-# metrics/ is a file), stage_out/ (an advantages output whose inputs are gone), stage_ok/ (one whose inputs exist),
-# stage_no_state/ (one without state_in), chain/first and chain/reader (an advantages output and one reading it
-# without a section), ro_turn/turns/turn_001 (a turn table that records no previous table);
-# and the shared damaged copies of @samples: @manifest_* (its manifest.json damaged), @reads_no_fingerprint, @part_*
-# (its part files changed); small checkpoints with a damaged file, @ckpt_* (CHECKPOINT_DAMAGES), and stage outputs
-# that recorded one, @train_step_out and @eval_out.
+# argv may name @quick, @rlvr, @rollout, @score_config, @responses, @samples, @advantaged, @model, @port and the entries
+# of the working folder the fixture `work` makes: afile (a file), emptydir/, notckpt/ (a folder without a model),
+# noweights/ (config.json only), notyaml.yaml, list.yaml, other_runs/quickstart (a run frozen with another config),
+# moved_runs/quickstart (a copy of it), damaged_runs/quickstart and list_runs/quickstart (runs whose config.json is not
+# JSON / a list), ckpt_runs/quickstart (a run whose last checkpoint's train_state.json is not JSON),
+# replay_runs/quickstart (one whose last checkpoint replays from one with damaged DeepSpeed state), rollout_bad/ (a
+# rollout whose episodes/ part file is not Parquet), run_bad_turn/ (a run whose last turn table's part file is not
+# Parquet), run_report_file/ (a run whose report/ is a file), run_metrics_file/ (a run whose metrics/ is a file),
+# stage_out/ (an advantages output whose inputs are gone), stage_ok/ (one whose inputs exist), stage_no_state/ (one
+# without state_in), chain/first and chain/reader (an advantages output and one reading it without a section),
+# ro_turn/turns/turn_001 (a turn table that records no previous table); and the shared damaged copies of @samples:
+# @manifest_* (its manifest.json damaged), @reads_no_fingerprint, @part_* (its part files changed); small checkpoints
+# with a damaged file, @ckpt_* (CHECKPOINT_DAMAGES), and stage outputs that recorded one, @train_step_out and @eval_out.
 
 TRAIN = {
     "train-no-config": (["train"], ["pass either --config FILE (a new run) or --resume RUN_DIR"]),
@@ -147,6 +147,9 @@ TRAIN = {
                                              ["model folder", "ckpt_runs/quickstart/iter_0000/checkpoint: "
                                               "train_state.json is not valid JSON", "restore the folder from a copy",
                                               "deleting iter_<k> and the iterations after it and resuming the run"]),
+    "train-resume-replay-origin-damaged": (["train", "--resume", "replay_runs/quickstart"],
+                                           ["model folder", "replay_runs/quickstart/iter_0000/checkpoint: deepspeed/"
+                                            "actor/state/mp_rank_00_model_states.pt is not a whole torch file"]),
     "train-resume-with-set": (["train", "--resume", "other_runs/quickstart", "--set", "max_steps=3"],
                               ["--set cannot change a run being resumed", "start a new run"]),
     "train-zero-stage-unknown": (["train", "--config", "@quick", "--set",
@@ -658,6 +661,20 @@ CHECKPOINT_DAMAGES = {"ckpt_weights_cut": ("model.safetensors", None),  # cut sh
                                              b'{"weight_map": {"w": "model-00002-of-00002.safetensors"}}')}
 
 
+def _replaying_run(run: Path, frozen) -> None:
+    """A run folder (its config ``frozen``) whose newest checkpoint, iter_0001's, holds weights only and replays from
+    iter_0000's, whose DeepSpeed state file is cut short."""
+    import shutil
+
+    origin = _small_checkpoint(run / "iter_0000" / "checkpoint")
+    (origin / "deepspeed/actor/state/mp_rank_00_model_states.pt").write_bytes(b"PK\x03\x04 cut")
+    newest = _small_checkpoint(run / "iter_0001" / "checkpoint")
+    shutil.rmtree(newest / "deepspeed")
+    replay = {"from": str(origin), "steps": [{"samples": str(run), "fingerprint": "f", "section": {}}]}
+    (newest / "train_state.json").write_text(json.dumps({"global_step": 2, "replay": replay}))
+    (run / "config.json").write_text(json.dumps(frozen.model_dump(mode="json")))
+
+
 def _damaged_checkpoints(root: Path) -> dict[str, str]:
     """Small checkpoints with one file damaged (:data:`CHECKPOINT_DAMAGES`), and stage outputs whose recorded
     checkpoint is one: a training step's (train_step_out) and an evaluation's (eval_out)."""
@@ -716,6 +733,8 @@ def work(tmp_path, monkeypatch, no_services) -> Path:
     (tmp_path / "ckpt_runs" / "quickstart" / "config.json").write_text(json.dumps(resumable.model_dump(mode="json")))
     state = _small_checkpoint(tmp_path / "ckpt_runs" / "quickstart" / "iter_0000" / "checkpoint") / "train_state.json"
     state.write_text('{"global_step": 1,')
+    _replaying_run(tmp_path / "replay_runs" / "quickstart", validate_config(
+        TrainFlowConfig, load_config_data(QUICK, {"runs_dir": "replay_runs"}), "replay_runs"))
     (tmp_path / "moved_runs" / "quickstart").mkdir(parents=True)
     (tmp_path / "moved_runs" / "quickstart" / "config.json").write_text(json.dumps(frozen))
     (tmp_path / "rollout_bad" / "episodes").mkdir(parents=True)
