@@ -115,7 +115,9 @@ def _agentic_preflight(config, evaluation: bool) -> None:
 
 def _rlvr_preflight(config, evaluation: bool) -> None:
     """The prompt files exist and every reward route names a worker that takes its kwargs: for training, the
-    run's prompts and routes; for validation (in a run with eval_steps, or ``rollflow eval``) the validation's."""
+    run's prompts and routes; for validation (in a run with eval_steps, or ``rollflow eval``) the validation's; the
+    options of every engine the run keeps (the generation engines', an LLM judge's) are their backend's."""
+    from stages.generation.engines import check_engine_options
     from stages.rlvr.generate import prompts_section
     from stages.rlvr.stages import check_routes
 
@@ -126,6 +128,8 @@ def _rlvr_preflight(config, evaluation: bool) -> None:
         val = config.validation.prompts
         prompts_section(val.data_dir, val.domains, val.limit, field="validation.prompts")
         check_routes(config.validation_rewards(), "validation.rewards" if config.validation.rewards else "rewards")
+    for use in _rlvr_engines(config, evaluation):  # after the routes: whether a judge runs depends on their workers
+        check_engine_options(use.engine.backend, use.engine.options, f"{use.section}.options")
 
 
 def _agentic_engines(config) -> list:
@@ -135,21 +139,22 @@ def _agentic_engines(config) -> list:
     return default_engines(config)
 
 
-def rlvr_judged(config) -> bool:
+def rlvr_judged(config, evaluation: bool = False) -> bool:
     """Whether an RLVR run needs its LLM judge's engines: a reward route of the run, or of its validation when it
-    validates, calls a model."""
+    validates, calls a model (``evaluation``: a validation route, for ``rollflow eval``)."""
     from stages.rlvr.generate import needs_model
 
-    return needs_model(config.rewards) or (config.validation.eval_steps > 0
-                                           and needs_model(config.validation_rewards()))
+    validates = evaluation or config.validation.eval_steps > 0
+    return (not evaluation and needs_model(config.rewards)) or (validates and needs_model(config.validation_rewards()))
 
 
-def _rlvr_engines(config) -> list:
-    """The generation engines, and the LLM judge's when a route needs it (both live for the whole run)."""
+def _rlvr_engines(config, evaluation: bool = False) -> list:
+    """The generation engines, and the LLM judge's when a route needs it (both live for the whole run, or for
+    ``rollflow eval`` when ``evaluation``)."""
     from stages.plan import EngineUse, default_engines
 
     engines = default_engines(config)
-    if rlvr_judged(config):
+    if rlvr_judged(config, evaluation):
         engines.append(EngineUse("LLM judge engine", "judge.engine", config.judge.engine))
     return engines
 

@@ -96,7 +96,9 @@ class EngineConfig(OmitDefaults):
                                                            "episodes of the turn split evenly over the engines.")
     options: dict[str, Any] = Field(default_factory=dict, description="Extra keyword arguments of the backend "
                                                                       "(vllm: kv_cache_space_gib, enforce_eager, "
-                                                                      "...; hf: max_batch_size).")
+                                                                      "...; hf: max_batch_size); checked "
+                                                                      "against the backend's engine before Ray "
+                                                                      "starts.")
     env_vars: dict[str, str] = Field(default_factory=dict, description="Environment variables of the engine "
                                                                        "actors (e.g. VLLM_CPU_OMP_THREADS_BIND).")
     sleep_level: Literal[0, 1, 2] = Field(0, description="ROLL's sleep_level of the inference engine: between "

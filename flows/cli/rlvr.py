@@ -80,12 +80,16 @@ def score(input: Path = typer.Option(..., "--input", help="Folder of stored resp
     from stages.preflight import check_steps
 
     _guard(lambda: check_steps(score_steps(str(input), str(output), cfg, advantages=advantages)))  # before Ray starts
-    connect(cfg.runtime)
     cfg = _with_judge(cfg, judge_model, judge_backend)
+    from stages.rlvr.generate import needs_model
+
+    if needs_model(cfg.rewards):
+        from stages.generation.engines import check_engine_options
+
+        _guard(lambda: check_engine_options(cfg.judge.engine.backend, cfg.judge.engine.options, "judge.engine.options"))
+    connect(cfg.runtime)
     from flows.rlvr import score_responses
     from stages.rlvr.generate import judge_pool, judge_services
-
-    from stages.rlvr.generate import needs_model
 
     pool = _guard(lambda: judge_pool(cfg.judge)) if needs_model(cfg.rewards) else None
     try:

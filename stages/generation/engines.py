@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import hashlib
 import importlib
+import inspect
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -136,15 +137,41 @@ class EngineMemory(Protocol):
 GENERATION_BACKENDS: Registry[type] = Registry("generation backend")
 
 
+def backend_class(backend: str) -> type:
+    """The engine class of ``backend`` ("vllm" | "hf"): the one lookup of ``GENERATION_BACKENDS``."""
+    for module in _BACKEND_MODULES:
+        importlib.import_module(module)
+    return GENERATION_BACKENDS.get(backend)
+
+
 def build_engine(backend: str, model_dir: str | os.PathLike, **options: Any) -> Engine:
     """Build the engine of ``backend`` ("vllm" | "hf") for the HF checkpoint folder ``model_dir``.
 
     ``options`` are the backend's keyword arguments (dtype, max_model_len, ...; see each backend class).
     """
-    for module in _BACKEND_MODULES:
-        importlib.import_module(module)
-    engine_class = GENERATION_BACKENDS.get(backend)
-    return engine_class(check_model_dir(model_dir), **options)
+    return backend_class(backend)(check_model_dir(model_dir), **options)
+
+
+def backend_options(backend: str) -> list[str]:
+    """The options ``backend`` accepts: the keyword arguments of its engine class (after the model folder)."""
+    parameters = list(inspect.signature(backend_class(backend)).parameters.values())[1:]
+    return [p.name for p in parameters if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+
+
+def check_engine_options(backend: str, options: dict[str, Any], field: str) -> None:
+    """Every key of an engine section's ``options`` (``field``, e.g. "rollout.engine.options") is a keyword
+    argument of the ``backend``'s engine class; a backend may check its options further (``check_options``).
+    Before Ray starts: an unknown key would otherwise fail the engine actor's constructor after the run began."""
+    accepted = backend_options(backend)
+    unknown = sorted(set(options) - set(accepted))
+    if unknown:
+        raise ConfigError(f"{field}: {', '.join(map(repr, unknown))} is not an option of the '{backend}' generation "
+                          f"backend, because options are passed to its engine's constructor, which accepts only "
+                          f"{', '.join(accepted)}; remove it or use one of those (options of the other backend do not "
+                          f"carry over when the backend changes: --set {field}={{}} clears them)")
+    check = getattr(backend_class(backend), "check_options", None)
+    if check is not None:
+        check(options, field)
 
 
 def check_model_dir(model_dir: str | os.PathLike) -> Path:

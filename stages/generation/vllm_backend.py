@@ -13,12 +13,16 @@ shared with another module has its quant method's ``process_weights_after_loadin
 
 from __future__ import annotations
 
+import ast
+import functools
 import gc
+import importlib.util
 import logging
 import os
+from pathlib import Path
 from typing import Any, Sequence
 
-from schemas.errors import RollflowError
+from schemas.errors import ConfigError, RollflowError
 from stages.generation.engines import (
     FINISH_LENGTH,
     FINISH_STOP,
@@ -118,6 +122,34 @@ def _device_free_bytes() -> int | None:
     return int(torch.cuda.mem_get_info()[0])
 
 
+@functools.cache
+def vllm_engine_arguments() -> frozenset[str] | None:
+    """The keyword arguments ``vllm.LLM`` accepts: its constructor's named arguments and the fields of the
+    ``EngineArgs`` dataclass its other keywords go to, read from the installed vLLM's source without importing it
+    (importing vllm.engine.arg_utils takes 30 s or more on a loaded 2-core machine). None where vLLM is not
+    installed or its source is not laid out as expected (then nothing is checked: the engine refuses a bad name)."""
+    spec = importlib.util.find_spec("vllm")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    root = Path(list(spec.submodule_search_locations)[0])
+    try:
+        llm = _class_node(root / "entrypoints" / "llm.py", "LLM")
+        engine_args = _class_node(root / "engine" / "arg_utils.py", "EngineArgs")
+    except (OSError, SyntaxError, ValueError):
+        return None
+    if llm is None or engine_args is None:
+        return None
+    init = next((n for n in llm.body if isinstance(n, ast.FunctionDef) and n.name == "__init__"), None)
+    named = [a.arg for a in (init.args.args[1:] + init.args.kwonlyargs)] if init else []
+    fields = [n.target.id for n in engine_args.body if isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name)]
+    return frozenset(named + fields) if named and fields else None
+
+
+def _class_node(path: Path, name: str) -> ast.ClassDef | None:
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    return next((n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == name), None)
+
+
 @GENERATION_BACKENDS.register("vllm")
 class VLLMEngine:
     """``vllm.LLM`` over an HF checkpoint folder, returning token ids and the sampled tokens' raw log-probs.
@@ -133,6 +165,22 @@ class VLLMEngine:
     """
 
     _live_in_process = 0  # vLLM keeps its distributed state per process: one in-process engine at a time
+
+    @staticmethod
+    def check_options(options: dict[str, Any], field: str) -> None:
+        """``engine_kwargs`` (passed to ``vllm.LLM``) must be a mapping of ``vllm.LLM``'s keyword arguments or
+        ``EngineArgs`` fields (:func:`vllm_engine_arguments`); unchecked where vLLM is not installed here."""
+        extra = options.get("engine_kwargs") or {}
+        if not isinstance(extra, dict):
+            raise ConfigError(f"{field}.engine_kwargs is {extra!r}, but it holds keyword arguments of vllm.LLM; "
+                              "write a mapping, e.g. {max_num_seqs: 64}")
+        accepted = vllm_engine_arguments()
+        unknown = sorted(set(extra) - accepted) if accepted else []
+        if unknown:
+            raise ConfigError(f"{field}.engine_kwargs: {', '.join(map(repr, unknown))} is not a keyword argument of "
+                              "vllm.LLM nor a field of vLLM's EngineArgs (of the vLLM installed here), which would "
+                              "refuse it when the engine is built; remove it or correct its name (vLLM's engine "
+                              "arguments: https://docs.vllm.ai/en/latest/configuration/engine_args.html)")
 
     def __init__(self, model_dir: str, dtype: str = "bfloat16", max_model_len: int = 2048,
                  enforce_eager: bool | None = None, kv_cache_space_gib: int | None = 2,

@@ -69,9 +69,10 @@ def check_rollout(config: RolloutConfig, output: str | None = None, checkpoint: 
     """What a rollout of ``config`` can check before Prefect and Ray start (``rollflow rollout``; a training run and
     ``rollflow eval`` for their rollouts, ``field`` naming the config section they sit in, e.g. ``"rollout."``):
     every tag names a registered environment that builds from its env_config (map size, keyword names), the
-    ``checkpoint`` is an HF model folder and ``output`` can be written. Raises a ConfigError naming the field."""
+    ``checkpoint`` is an HF model folder, the engine's options are its backend's and ``output`` can be written.
+    Raises a ConfigError naming the field."""
     from stages.envs import make_env
-    from stages.generation.engines import check_model_dir
+    from stages.generation.engines import check_engine_options, check_model_dir
     from stages.preflight import check_output_location
     from stages.rollout.episode import env_kwargs
 
@@ -86,6 +87,7 @@ def check_rollout(config: RolloutConfig, output: str | None = None, checkpoint: 
         except (ValueError, OSError) as err:
             raise ConfigError(f"{config_field}: environment '{entry.tag}' cannot be built from it ({err}); fix "
                               f"{config_field}") from None
+    check_engine_options(config.engine.backend, config.engine.options, f"{field}engine.options")
     if checkpoint is not None:
         check_model_dir(checkpoint)
     if output is not None:

@@ -47,6 +47,14 @@ def test_the_shipped_training_configs_are_found():
 
 
 @pytest.mark.parametrize("path", TRAINING_CONFIGS, ids=lambda p: p.name)
+def test_every_shipped_training_config_passes_its_preflight(path):
+    """What ``rollflow train`` checks before Prefect and Ray start (the engines' options among it) passes."""
+    data = load_config_data(path, {})
+    pipeline = pipeline_of(data, str(path))
+    pipeline.preflight(validate_config(pipeline.config_model(), data, str(path)), False)
+
+
+@pytest.mark.parametrize("path", TRAINING_CONFIGS, ids=lambda p: p.name)
 def test_every_shipped_training_config_fits_the_resources_it_names(path):
     """CPU configs on this 2-CPU machine (or the CPUs their runtime names); the _h100 configs on one GPU (the
     engine, forward and training workers colocated: a third of GPU 0 each) with the CPUs of the lent H100 machines

@@ -14,8 +14,10 @@ from stages.generation.engines import (
     GenRequest,
     GenResult,
     SamplingSpec,
+    backend_options,
     build_engine,
     chat_prompt_token_ids,
+    check_engine_options,
     check_model_dir,
     expand_requests,
     load_tokenizer,
@@ -28,6 +30,44 @@ def test_backends_are_registered_under_their_names() -> None:
     with pytest.raises(KeyError, match="known: hf, vllm"):
         build_engine("sglang", ".")
     assert GENERATION_BACKENDS.names() == ["hf", "vllm"]
+
+
+def test_engine_options_are_the_backend_constructor_arguments() -> None:
+    """An engine section's options are checked against its backend's constructor before Ray starts: an unknown key
+    (or the other backend's) names the key, the backend and the accepted keys."""
+    assert "max_batch_size" in backend_options("hf") and "kv_cache_space_gib" not in backend_options("hf")
+    assert {"kv_cache_space_gib", "engine_kwargs"} <= set(backend_options("vllm"))
+    check_engine_options("vllm", {"kv_cache_space_gib": 2, "gpu_memory_utilization": 0.3}, "rollout.engine.options")
+    check_engine_options("hf", {"max_batch_size": 8}, "engine.options")
+    with pytest.raises(ConfigError, match=r"rollout.engine.options: 'kv_cache_space_gib' is not an option of the "
+                                          r"'hf' generation backend.*max_batch_size"):
+        check_engine_options("hf", {"kv_cache_space_gib": 2}, "rollout.engine.options")
+
+
+@pytest.mark.parametrize("name", ["rollout_frozenlake", "rollout_sokoban", "webshop", "gem_guess_the_number"])
+def test_shipped_rollout_configs_give_their_backend_its_options(name: str) -> None:
+    from schemas.config import load_config
+    from schemas.rollout_config import RolloutConfig
+
+    engine = load_config(RolloutConfig, Path(__file__).resolve().parents[2] / f"configs/{name}.yaml").engine
+    check_engine_options(engine.backend, engine.options, "engine.options")
+
+
+def test_vllm_engine_kwargs_are_checked_against_vllm_without_importing_it() -> None:
+    import sys
+
+    from stages.generation.vllm_backend import vllm_engine_arguments
+
+    accepted = vllm_engine_arguments()
+    if accepted is None:
+        pytest.skip("vLLM is not installed here")
+    assert {"max_num_seqs", "enable_chunked_prefill", "worker_extension_cls", "seed"} <= accepted
+    check_engine_options("vllm", {"engine_kwargs": {"max_num_seqs": 4}}, "engine.options")
+    with pytest.raises(ConfigError, match="engine.options.engine_kwargs: 'max_num_seq' is not a keyword argument"):
+        check_engine_options("vllm", {"engine_kwargs": {"max_num_seq": 4}}, "engine.options")
+    with pytest.raises(ConfigError, match="engine.options.engine_kwargs is 4, .* write a mapping"):
+        check_engine_options("vllm", {"engine_kwargs": 4}, "engine.options")
+    assert "vllm.engine.arg_utils" not in sys.modules or "vllm" in sys.modules  # read from source, not imported
 
 
 @pytest.mark.parametrize("bad", [dict(temperature=-0.1), dict(top_p=0.0), dict(top_p=1.5), dict(max_new_tokens=0),
