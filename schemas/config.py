@@ -21,6 +21,11 @@ from schemas.errors import ConfigError
 AdvEstimator = Literal[tuple(ESTIMATOR_CAPABILITIES)]  # type: ignore[valid-type]
 NormType = Literal["batch", "group", "running"]
 KLPenalty = Literal["kl", "abs", "mse", "k3", "full"]
+# reward_normalization.grouping: ROLL's names (and ours) of the samples table column a group shares (spec §5.2; ROLL's
+# traj_group_id is our group_id, its tags our tag); "batch" is one group. The response_rewards stage reads them here.
+GROUPING_COLUMNS = {"traj_group_id": "group_id", "tags": "tag", "traj_id": "traj_id", "group_id": "group_id",
+                    "tag": "tag"}
+Grouping = Literal[("batch", *GROUPING_COLUMNS)]  # type: ignore[valid-type]
 
 
 class Frozen(BaseModel):
@@ -49,8 +54,9 @@ class OmitDefaults(Frozen):
 class RewardNormalizationConfig(Frozen):
     """Agentic reward normalisation (spec §5.2)."""
 
-    grouping: str = Field("batch", description="'batch' for one group, or the column to group by: traj_group_id "
-                                               "(= group_id here), tags, state_group_id.")
+    grouping: Grouping = Field("batch", description="'batch' for one group, or the column to group by: "
+                                                    "traj_group_id (= group_id here: the episodes of one level), "
+                                                    "tags (= tag: one environment), traj_id (one episode's rows).")
     method: Literal["identity", "mean", "mean_std", "asym_clip"] = Field(
         "identity", description="Deprecated ROLL field deriving the norm types: identity, mean, mean_std, asym_clip.")
     norm_mean_type: Literal["batch", "group"] | None = Field(None, description="Explicit mean type; wins over method.")

@@ -21,7 +21,7 @@ import numpy as np
 import pyarrow as pa
 from pydantic import BaseModel
 
-from schemas.config import ResponseRewardSection
+from schemas.config import GROUPING_COLUMNS, ResponseRewardSection
 from schemas.errors import ConfigError, InvariantError, SchemaError
 from schemas.rlvr_config import RLVRRewardSection
 from schemas.rlvr_tables import SCORED
@@ -29,9 +29,6 @@ from schemas.tables import REWARDED, SAMPLES, TableSpec, check_row_invariants, c
 from stages.runner import Stage, StageContext, read_partials, write_partials
 from stages.storage import Location
 
-# ROLL's grouping names → our columns (spec §5.2; ROLL's traj_group_id is our group_id)
-GROUPING_COLUMNS = {"traj_group_id": "group_id", "tags": "tag", "traj_id": "traj_id", "group_id": "group_id",
-                    "tag": "tag"}
 NARROW = ["row_id", "group_id", "traj_id", "turn_idx", "num_turns", "tag", "score", "episode_score"]
 
 

@@ -150,6 +150,20 @@ def test_an_unknown_estimator_is_reported_once_where_it_was_written(model, path)
     assert [line.split(":")[0].strip() for line in str(err.value).splitlines()[1:]] == ["field 'adv_estimator'"]
 
 
+@pytest.mark.parametrize("grouping", ["", "traj_group", "state_group_id", "score"])
+@pytest.mark.parametrize("model,path", [(RecomputeConfig, "recompute_grpo.yaml"),
+                                        (TrainFlowConfig, "train_frozenlake_grpo.yaml")],
+                         ids=lambda v: getattr(v, "__name__", v))
+def test_a_grouping_that_names_no_column_is_refused_with_the_choices(model, path, grouping):
+    """It failed only in the response_rewards stage, after the rollout (or a recompute's first stages)."""
+    with pytest.raises(ConfigError) as err:
+        load_config(model, REPO / "configs" / path, {"reward_normalization": {"grouping": grouping}})
+    assert "field 'reward_normalization.grouping'" in str(err.value)
+    assert "'batch', 'traj_group_id', 'tags', 'traj_id', 'group_id' or 'tag'" in str(err.value)
+    for name in ("batch", "traj_group_id", "tags", "traj_id", "group_id", "tag"):
+        load_config(model, REPO / "configs" / path, {"reward_normalization": {"grouping": name}})
+
+
 def test_several_violations_are_reported_together():
     with pytest.raises(ConfigError) as err:
         validate_config(RecomputeConfig, {"gamma": 3, "lambd": -1, "nope": 1})

@@ -245,6 +245,8 @@ CONFIG_CASES = {
     "bad_enum": ("adv_estimator: ppo\n", ["field 'adv_estimator'", "'gae'", "'grpo'"]),
     "bad_nested_enum": ("reward_normalization:\n  method: zscore\n",
                         ["field 'reward_normalization.method'", "'mean_std'"]),
+    "grouping_names_no_column": ("reward_normalization:\n  grouping: traj\n",
+                                 ["field 'reward_normalization.grouping'", "'traj_group_id'", "'tags'"]),
     "gamma_out_of_range": ("gamma: 1.5\n", ["field 'gamma'", "less than or equal to 1"]),
     "group_size_one": ("adv_estimator: grpo\ngroup_size: 1\nreward_normalization:\n  grouping: traj_group_id\n"
                        "  method: mean_std\n", ["group_size (1) must be at least 2", "set group_size"]),

@@ -125,6 +125,9 @@ TRAIN = {
     "train-unknown-engine-option": (["train", "--config", "@quick", "--set", "rollout.engine.options={bogus: 1}"],
                                     ["rollout.engine.options: 'bogus' is not an option of the 'vllm' generation "
                                      "backend", "kv_cache_space_gib"]),
+    "train-grouping-names-no-column": (["train", "--config", "@quick", "--set", "reward_normalization.grouping=''"],
+                                       ["field 'reward_normalization.grouping'",
+                                        "'batch', 'traj_group_id', 'tags', 'traj_id', 'group_id' or 'tag'"]),
     "train-runs-dir-under-a-file": (["train", "--config", "@quick", "--set", "runs_dir=afile"],
                                     ["afile/quickstart lies under", "which is a file", "pass a folder path"]),
     "train-pretrain-not-a-model": (["train", "--config", "@quick", "--set", "pretrain=notckpt"],
