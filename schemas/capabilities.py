@@ -49,12 +49,14 @@ class PolicyLossCapabilities:
 
     ``levels``: the importance-ratio granularities it offers; ``level_field``: the loss option choosing one (None:
     only ``token``). ``uses_final_mask``: it reads ``final_mask`` and its global counts (RLVR sample masks).
+    ``own_options``: loss options no other loss reads (the others ignore them, as ROLL's do).
     """
 
     name: str
     levels: tuple[str, ...]
     level_field: str | None = None
     uses_final_mask: bool = False
+    own_options: tuple[str, ...] = ()
 
     def offers_level(self, field: str, value: str) -> bool:
         """Whether the loss honours ``field: value``: ``token`` is every loss's level; another value only where
@@ -82,7 +84,8 @@ ESTIMATOR_CAPABILITIES: Mapping[str, EstimatorCapabilities] = _table(
 POLICY_LOSS_CAPABILITIES: Mapping[str, PolicyLossCapabilities] = _table(
     PolicyLossCapabilities("agentic", ("token", "segment"), "ratio_type"),
     PolicyLossCapabilities("base", ("token",)),
-    PolicyLossCapabilities("rlvr", ("token", "seq"), "importance_sampling", uses_final_mask=True),
+    PolicyLossCapabilities("rlvr", ("token", "seq"), "importance_sampling", uses_final_mask=True,
+                           own_options=("rl_loss_coef", "difficulty_loss_weight", "length_loss_weight")),
 )
 
 

@@ -107,10 +107,14 @@ class LossOptions(Frozen):
     entropy_loss_coef: float = Field(0.0, ge=0, description="Entropy bonus coefficient.")
     ratio_type: Literal["token", "segment"] = Field("token", description="Agentic ratio: per token or per turn.")
     importance_sampling: Literal["token", "seq"] = Field("token", description="RLVR ratio: per token or sequence.")
-    rl_loss_coef: float = Field(1.0, gt=0, description="RLVR scale of pg + KL terms (> 0: a negative scale "
-                                                       "ascends the loss, 0 leaves only the entropy bonus).")
-    difficulty_loss_weight: bool = Field(False, description="RLVR difficulty sample weights.")
-    length_loss_weight: bool = Field(False, description="RLVR length sample weights.")
+    rl_loss_coef: float = Field(1.0, gt=0, description="Scale of the pg + KL terms of the rlvr policy loss (ROLL's "
+                                                       "RLVR actor, spec §6.5; > 0: a negative scale ascends the "
+                                                       "loss, 0 leaves only the entropy bonus). The agentic and base "
+                                                       "losses do not read it (nor does ROLL's agentic pipeline): "
+                                                       "another value needs policy_loss: rlvr.")
+    difficulty_loss_weight: bool = Field(False, description="RLVR difficulty sample weights (policy_loss: rlvr "
+                                                            "only).")
+    length_loss_weight: bool = Field(False, description="RLVR length sample weights (policy_loss: rlvr only).")
     train_infer_correction: TrainInferCorrectionConfig = Field(
         default_factory=TrainInferCorrectionConfig, description="ROLL's train/infer mismatch correction "
                                                                 "{is_weight: {...}, filters: [...]} (spec §6.6).")

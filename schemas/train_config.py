@@ -267,6 +267,18 @@ class TrainSection(LossOptions):
                              "null to turn value clipping off, or e.g. 0.5")
         return self
 
+    @model_validator(mode="after")
+    def _options_of_another_loss(self) -> "TrainSection":
+        for loss in POLICY_LOSS_CAPABILITIES.values():
+            for name in loss.own_options:
+                value, default = getattr(self, name), type(self).model_fields[name].default
+                if loss.name != self.policy_loss and value != default:
+                    raise ValueError(f"{name} ({value}) is read only by the {loss.name} policy loss, but policy_loss "
+                                     f"is {self.policy_loss}, which ignores it (as ROLL's agentic and base actor "
+                                     f"losses do, spec §6.3-6.5), so it would change nothing; set policy_loss: "
+                                     f"{loss.name}, or remove {name} (default {default})")
+        return self
+
     @property
     def needs_critic(self) -> bool:
         """Whether the estimator uses critic values (the table's capability, not a name test)."""

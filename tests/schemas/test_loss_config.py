@@ -66,3 +66,18 @@ def test_meaningless_loss_values_name_the_field_and_the_fix(written, phrases):
         validate_config(TrainStepConfig, written, "train.yaml")
     for phrase in phrases:
         assert phrase in str(err.value), str(err.value)
+
+
+
+@pytest.mark.parametrize("option, value", [("rl_loss_coef", 0.5), ("difficulty_loss_weight", True),
+                                           ("length_loss_weight", True)])
+@pytest.mark.parametrize("loss", ["agentic", "base"])
+def test_an_option_only_the_rlvr_loss_reads_is_refused_with_another_loss(loss, option, value):
+    """ROLL's agentic and base actor losses (spec §6.3, §6.4) never read these: the value changed nothing."""
+    with pytest.raises(ConfigError) as err:
+        validate_config(TrainStepConfig, {"policy_loss": loss, option: value}, "train.yaml")
+    for phrase in (f"{option} ({value}) is read only by the rlvr policy loss", f"policy_loss is {loss}, which "
+                   "ignores it", f"set policy_loss: rlvr, or remove {option}"):
+        assert phrase in str(err.value), str(err.value)
+    assert getattr(validate_config(TrainStepConfig, {"policy_loss": "rlvr", option: value}), option) == value
+    validate_config(TrainStepConfig, {"policy_loss": loss, option: TrainStepConfig.model_fields[option].default})

@@ -128,6 +128,10 @@ TRAIN = {
     "train-grouping-names-no-column": (["train", "--config", "@quick", "--set", "reward_normalization.grouping=''"],
                                        ["field 'reward_normalization.grouping'",
                                         "'batch', 'traj_group_id', 'tags', 'traj_id', 'group_id' or 'tag'"]),
+    "train-rl-loss-coef-of-the-rlvr-loss": (["train", "--config", "@quick", "--set", "train.rl_loss_coef=0.5"],
+                                            ["field 'train'", "rl_loss_coef (0.5) is read only by the rlvr policy "
+                                             "loss, but policy_loss is agentic, which ignores it",
+                                             "set policy_loss: rlvr, or remove rl_loss_coef"]),
     "train-runs-dir-under-a-file": (["train", "--config", "@quick", "--set", "runs_dir=afile"],
                                     ["afile/quickstart lies under", "which is a file", "pass a folder path"]),
     "train-pretrain-not-a-model": (["train", "--config", "@quick", "--set", "pretrain=notckpt"],
