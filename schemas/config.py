@@ -7,6 +7,7 @@ A ROLL user recognises the top level: ``adv_estimator``, ``gamma``, ``lambd``, `
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 from typing import Annotated, Any, ClassVar, Literal, TypeVar
 
@@ -32,6 +33,24 @@ class Frozen(BaseModel):
     # .nan / .inf are refused everywhere: no option means anything with them (a clip, coefficient or bound of nan
     # turns every value it touches into nan; null is the way to switch an option off)
     model_config = ConfigDict(frozen=True, extra="forbid", validate_default=True, allow_inf_nan=False)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_section_is_default(cls, data: Any) -> Any:
+        """A section written with nothing under it (``reward_normalization:``, YAML null) is its defaults, in every
+        config model alike (as ``--set`` into it already was); a required section, and an option whose null means
+        something (``X | None``), keep the null and the model reports or uses it."""
+        if not isinstance(data, dict):
+            return data
+        empty = [name for name in _sections_with_defaults(cls) if name in data and data[name] is None]
+        return {k: v for k, v in data.items() if k not in empty} if empty else data
+
+
+@functools.cache
+def _sections_with_defaults(model: type[BaseModel]) -> tuple[str, ...]:
+    """The fields of ``model`` that hold a config model (a section) and have a default, by the key written for them."""
+    return tuple(f.alias or name for name, f in model.model_fields.items()
+                 if isinstance(f.annotation, type) and issubclass(f.annotation, BaseModel) and not f.is_required())
 
 
 class OmitDefaults(Frozen):

@@ -164,6 +164,29 @@ def test_a_grouping_that_names_no_column_is_refused_with_the_choices(model, path
         load_config(model, REPO / "configs" / path, {"reward_normalization": {"grouping": name}})
 
 
+@pytest.mark.parametrize("model,path,name", [
+    (RecomputeConfig, "recompute_grpo.yaml", "reward_normalization"), (RecomputeConfig, "recompute_grpo.yaml", "runtime"),
+    (TrainFlowConfig, "train_frozenlake_grpo.yaml", "reward_normalization"),
+    (TrainFlowConfig, "train_frozenlake_grpo.yaml", "eval"), (TrainFlowConfig, "train_frozenlake_grpo.yaml", "train"),
+    (RLVRConfig, "rlvr_math.yaml", "judge"), (RLVRTrainConfig, "rlvr_train_math.yaml", "validation"),
+], ids=lambda v: getattr(v, "__name__", v))
+def test_an_empty_section_is_its_defaults_in_every_config(tmp_path, model, path, name):
+    """`name:` with nothing under it (YAML null) was refused in a recompute config ("Input should be a valid
+    dictionary") but taken as the defaults for some sections of a training config."""
+    without = re.sub(rf"(?ms)^{name}:.*?(?=^\S|\Z)", "", (REPO / "configs" / path).read_text())
+    assert f"\n{name}:" not in without
+    (tmp_path / "absent.yaml").write_text(without)
+    (tmp_path / "empty.yaml").write_text(f"{without}\n{name}:\n")
+    assert load_config(model, tmp_path / "empty.yaml") == load_config(model, tmp_path / "absent.yaml")
+
+
+def test_a_required_section_left_empty_is_still_refused(tmp_path):
+    cfg = tmp_path / "rlvr.yaml"
+    cfg.write_text("rewards:\n")
+    with pytest.raises(ConfigError, match="field 'rewards': Input should be a valid dictionary"):
+        load_config(RLVRConfig, cfg)
+
+
 def test_several_violations_are_reported_together():
     with pytest.raises(ConfigError) as err:
         validate_config(RecomputeConfig, {"gamma": 3, "lambd": -1, "nope": 1})
