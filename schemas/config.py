@@ -136,6 +136,18 @@ class AlgorithmConfig(AdvantageOptions):
     episode_reward_weight: float = Field(1.0, description="GiGPO weight of the episode-level normalised reward.")
     step_reward_weight: float = Field(1.0, description="GiGPO weight of the step-level normalised reward.")
 
+    # a distinct name: a subclass's validator of the same name would replace this one instead of running after it
+    @model_validator(mode="after")
+    def _reward_weight_rules(self) -> "AlgorithmConfig":
+        if estimator_capabilities(self.adv_estimator).response_reward == "gigpo" and self.episode_reward_weight == 0 \
+                and self.step_reward_weight == 0:
+            raise ValueError("episode_reward_weight and step_reward_weight are both 0, so GiGPO rewards would be 0; "
+                             "set episode_reward_weight: 1.0")
+        if self.episode_reward_weight < 0 or self.step_reward_weight < 0:
+            raise ValueError("episode_reward_weight and step_reward_weight must be >= 0, because a negative weight "
+                             "rewards failure; use 0 to switch a part off")
+        return self
+
 
 # The stages whose Ray tasks and actors take custom resources from ``runtime.stage_resources``: the recompute
 # stages' map tasks, the forward workers of the log-prob and value passes (one pool, set by the ``logprobs``

@@ -87,12 +87,6 @@ class TrainFlowConfig(AlgorithmConfig, RunOptions):
             raise ValueError(f"rollout.env.group_size ({env.group_size}) must be at least 2 when rewards are "
                              "normalised per traj_group_id, because a group of one has no spread and every reward "
                              "would become 0; set rollout.env.group_size: 8")
-        if est.response_reward == "gigpo" and self.episode_reward_weight == 0 and self.step_reward_weight == 0:
-            raise ValueError("episode_reward_weight and step_reward_weight are both 0, so GiGPO rewards would be 0; "
-                             "set episode_reward_weight: 1.0")
-        if self.episode_reward_weight < 0 or self.step_reward_weight < 0:
-            raise ValueError("episode_reward_weight and step_reward_weight must be >= 0, because a negative weight "
-                             "rewards failure; use 0 to switch a part off")
         if not policy_loss_capabilities(self.train.policy_loss).offers_level("ratio_type", self.train.ratio_type):
             raise ValueError("train.ratio_type segment (GSPO-style per-turn ratio) is a feature of the agentic loss; "
                              "set train.policy_loss: agentic")

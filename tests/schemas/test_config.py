@@ -92,6 +92,11 @@ def test_an_override_into_a_value_names_the_fix_and_one_into_an_empty_section_wo
     ({"adv_estimator": "gigpo", "group_size": 1, "reward_normalization": {"grouping": "traj_group_id",
                                                                           "method": "mean_std"}},
      ["group_size (1) must be at least 2", "set group_size: 8"]),
+    ({"adv_estimator": "gigpo", "episode_reward_weight": -1.0},
+     ["episode_reward_weight and step_reward_weight must be >= 0", "use 0 to switch a part off"]),
+    ({"adv_estimator": "gigpo", "step_reward_weight": -0.5}, ["must be >= 0, because a negative weight"]),
+    ({"adv_estimator": "gigpo", "episode_reward_weight": 0, "step_reward_weight": 0},
+     ["both 0, so GiGPO rewards would be 0", "set episode_reward_weight: 1.0"]),
 ])
 def test_rule_violations_name_field_rule_and_fix(data, phrases):
     with pytest.raises(ConfigError) as err:

@@ -247,6 +247,8 @@ CONFIG_CASES = {
                         ["field 'reward_normalization.method'", "'mean_std'"]),
     "grouping_names_no_column": ("reward_normalization:\n  grouping: traj\n",
                                  ["field 'reward_normalization.grouping'", "'traj_group_id'", "'tags'"]),
+    "negative_reward_weight": ("adv_estimator: gigpo\nstep_reward_weight: -1\n",
+                               ["step_reward_weight must be >= 0", "use 0 to switch a part off"]),
     "gamma_out_of_range": ("gamma: 1.5\n", ["field 'gamma'", "less than or equal to 1"]),
     "group_size_one": ("adv_estimator: grpo\ngroup_size: 1\nreward_normalization:\n  grouping: traj_group_id\n"
                        "  method: mean_std\n", ["group_size (1) must be at least 2", "set group_size"]),
