@@ -134,6 +134,11 @@ class RLVRConfig(AdvantageOptions):
             raise ValueError(f"difficulty_low_threshold ({self.difficulty_low_threshold}) must be below "
                              f"difficulty_high_threshold ({self.difficulty_high_threshold}), because the kept pass "
                              "rates lie strictly between them and an empty interval masks every row; e.g. 0.0 and 1.0")
+        if self.difficulty_mask and n < 2:
+            raise ValueError("difficulty_mask keeps a prompt's responses by the mean score of its group, but "
+                             f"num_return_sequences_in_group is {n}, and with groups of one it keeps every row "
+                             "(ROLL's difficulty_mask, spec §3.5), so it would change nothing; set "
+                             "num_return_sequences_in_group: 8, or difficulty_mask: false")
         return self
 
 

@@ -35,6 +35,9 @@ def test_mixed_config_routes_four_domains_to_registered_workers():
     ({"max_len_mask": True}, r"max_len_mask needs max_new_tokens, because .* set max_new_tokens"),
     ({"difficulty_mask": True, "difficulty_low_threshold": 0.9, "difficulty_high_threshold": 0.1},
      r"difficulty_low_threshold \(0.9\) must be below"),
+    ({"difficulty_mask": True, "num_return_sequences_in_group": 1},
+     r"num_return_sequences_in_group is 1, and with groups of one it keeps every row .* set "
+     r"num_return_sequences_in_group: 8, or difficulty_mask: false"),
     ({"reward_clip": 0}, r"reward_clip \(0.0\) must be null or > 0"),
     ({"advantage_clip": -1}, r"advantage_clip \(-1.0\) must be null or > 0"),
     ({"target_kl": 0}, r"target_kl \(0.0\) must be > 0"),
