@@ -70,7 +70,8 @@ class JudgeConfig(Frozen):
                                                        "verdict line first and a brief explanation after it, so a reply "
                                                        "cut at the budget keeps its verdict.")
     sequence_length: int = Field(2048, gt=0, description="Judge prompt + reply tokens; a longer prompt is not judged "
-                                                         "(its row cannot be scored).")
+                                                         "(its row cannot be scored). Also the judge engine's context "
+                                                         "window unless judge.engine.max_model_len (>= it) is set.")
 
     @model_validator(mode="after")
     def _reply_fits(self) -> "JudgeConfig":
@@ -78,6 +79,12 @@ class JudgeConfig(Frozen):
             raise ValueError("judge.engine.device_mapping / sleep_level: the judge's engine is not colocated (it "
                              "scores while the policy's engine is awake, and it keeps its own reservation); remove "
                              "them and set judge.engine.num_gpus_per_engine for a GPU of its own")
+        window = self.engine.max_model_len
+        if window is not None and window < self.sequence_length:
+            raise ValueError(f"judge.engine.max_model_len ({window}) must be >= judge.sequence_length "
+                             f"({self.sequence_length}), because a judge prompt and its reply of sequence_length tokens "
+                             f"must fit the engine's context; raise judge.engine.max_model_len to "
+                             f"{self.sequence_length} or leave it unset")
         if self.max_new_tokens >= self.sequence_length:
             raise ValueError(f"judge.max_new_tokens ({self.max_new_tokens}) must be below judge.sequence_length "
                              f"({self.sequence_length}), because the judge prompt needs room too; raise "

@@ -267,7 +267,12 @@ def judge_pool(judge):
     from stages.rollout.engine_pool import EnginePool
 
     check_judge_cpus(judge.engine)
-    return EnginePool(judge.engine, resolve_model_dir(judge.model), judge.sequence_length)
+    return EnginePool(judge.engine, resolve_model_dir(judge.model), judge_window(judge))
+
+
+def judge_window(judge) -> int:
+    """The context window of the judge's engine: ``judge.engine.max_model_len``, else ``judge.sequence_length``."""
+    return judge.engine.max_model_len or judge.sequence_length
 
 
 def check_judge_cpus(engine) -> None:

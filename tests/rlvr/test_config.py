@@ -75,3 +75,14 @@ def test_the_judge_has_its_own_engine_and_a_reply_budget_that_fits():
     assert cfg.judge.max_new_tokens < cfg.judge.sequence_length
     with pytest.raises(ConfigError, match=r"judge.max_new_tokens \(4096\) must be below judge.sequence_length"):
         config(judge={"max_new_tokens": 4096})
+
+
+def test_the_judge_engine_window_is_its_max_model_len_and_holds_a_judge_prompt():
+    """judge.engine.max_model_len was ignored: the judge's engine always got judge.sequence_length as its window."""
+    from stages.rlvr.generate import judge_window
+
+    assert judge_window(config().judge) == 2048
+    assert judge_window(config(judge={"engine": {"max_model_len": 4096}}).judge) == 4096
+    with pytest.raises(ConfigError, match=r"judge.engine.max_model_len \(1024\) must be >= judge.sequence_length "
+                                          r"\(2048\).* raise judge.engine.max_model_len to 2048 or leave it unset"):
+        config(judge={"engine": {"max_model_len": 1024}})

@@ -388,6 +388,10 @@ SCORE = {
                                                  "--judge-backend", "hf"],
                                                 ["judge.engine.options: 'kv_cache_space_gib' is not an option of "
                                                  "the 'hf' generation backend", "max_batch_size"]),
+    "score-judge-window-below-its-sequence-length": (["score", "--input", "@responses", "--config", "@score_config",
+                                                      "--output", "out", "--set", "judge.engine.max_model_len=512"],
+                                                     ["judge.engine.max_model_len (512) must be >= "
+                                                      "judge.sequence_length (2048)", "or leave it unset"]),
     "score-output-under-a-file": (["score", "--input", "@responses", "--config", "@score_config", "--output",
                                    "afile/scores"], ["lies under", "which is a file", "pass a folder path"]),
     "score-response-null": (["score", "--input", "@null_response", "--config", "@score_config", "--output", "out"],
