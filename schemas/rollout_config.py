@@ -23,6 +23,11 @@ SampleLevel = Literal["step", "trajectory"]
 # ``auto`` (accepted on input) becomes bfloat16 where the hardware computes bf16 natively, else float32
 EngineDtype = Annotated[Literal["float32", "bfloat16", "float16"], BeforeValidator(long_validator)]
 
+# Backend keyword arguments the engine pool sets from an engine section's own fields (stages/rollout/engine_pool.py
+# EnginePool._options): option key -> field.
+SECTION_SET_OPTIONS = {"dtype": "dtype", "max_model_len": "max_model_len", "num_threads": "threads",
+                       "sleep_mode": "sleep_level"}
+
 # Fields each prompt template may use (str.format names); checked at load time.
 FIRST_USER_FIELDS = {"instruction", "observation", "turn", "actions_left", "answer_options"}
 NEXT_USER_FIELDS = {"observation", "turn", "actions_left", "reward", "action_desc", "reply", "answer_options"}
@@ -98,7 +103,8 @@ class EngineConfig(OmitDefaults):
                                                                       "(vllm: kv_cache_space_gib, enforce_eager, "
                                                                       "...; hf: max_batch_size); checked "
                                                                       "against the backend's engine before Ray "
-                                                                      "starts.")
+                                                                      "starts. dtype, max_model_len, threads and "
+                                                                      "sleep_level are this section's fields.")
     env_vars: dict[str, str] = Field(default_factory=dict, description="Environment variables of the engine "
                                                                        "actors (e.g. VLLM_CPU_OMP_THREADS_BIND).")
     sleep_level: Literal[0, 1, 2] = Field(0, description="ROLL's sleep_level of the inference engine: between "
@@ -113,6 +119,17 @@ class EngineConfig(OmitDefaults):
                                           "Equal to train.runtime.device_mapping (and logprobs'): colocated, the "
                                           "roles share those GPUs (schemas/devices.py). null: the engines reserve "
                                           "num_gpus_per_engine GPUs of their own.")
+
+    @field_validator("options")
+    @classmethod
+    def _options_not_set_by_fields(cls, options: dict[str, Any]) -> dict[str, Any]:
+        taken = [(key, field) for key, field in SECTION_SET_OPTIONS.items() if key in options]
+        if taken:
+            key, field = taken[0]
+            raise ValueError(f"'{key}' is passed to the backend from engine.{field}, and an option of that name "
+                             f"would override it past the section's checks (and past what a rollout's fingerprint "
+                             f"hashes); set engine.{field} instead and remove '{key}' from the options")
+        return options
 
 
 # A tag names a column value, a group id prefix and a metric path (rollout/<tag>/...): no '/' and no name that is

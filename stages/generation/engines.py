@@ -162,7 +162,9 @@ def check_engine_options(backend: str, options: dict[str, Any], field: str) -> N
     """Every key of an engine section's ``options`` (``field``, e.g. "rollout.engine.options") is a keyword
     argument of the ``backend``'s engine class; a backend may check its options further (``check_options``).
     Before Ray starts: an unknown key would otherwise fail the engine actor's constructor after the run began."""
-    accepted = backend_options(backend)
+    from schemas.rollout_config import SECTION_SET_OPTIONS
+
+    accepted = [key for key in backend_options(backend) if key not in SECTION_SET_OPTIONS]  # those: the section's
     unknown = sorted(set(options) - set(accepted))
     if unknown:
         raise ConfigError(f"{field}: {', '.join(map(repr, unknown))} is not an option of the '{backend}' generation "

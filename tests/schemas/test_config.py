@@ -192,6 +192,20 @@ def test_a_required_section_left_empty_is_still_refused(tmp_path):
         load_config(RLVRConfig, cfg)
 
 
+@pytest.mark.parametrize("key,field", [("dtype", "dtype"), ("max_model_len", "max_model_len"),
+                                       ("num_threads", "threads"), ("sleep_mode", "sleep_level")])
+def test_an_engine_option_the_section_sets_from_a_field_is_refused(key, field):
+    """The engine pool passes these from the section's own fields and let options override them: options.dtype
+    skipped the dtype choices, options.max_model_len the window rule, and neither reached the rollout's fingerprint."""
+    from schemas.rollout_config import RolloutConfig
+
+    with pytest.raises(ConfigError) as err:
+        load_config(RolloutConfig, REPO / "configs/rollout_frozenlake.yaml", {"engine": {"options": {key: 1}}})
+    for phrase in ("field 'engine.options'", f"'{key}' is passed to the backend from engine.{field}",
+                   f"set engine.{field} instead and remove '{key}' from the options"):
+        assert phrase in str(err.value), str(err.value)
+
+
 def test_several_violations_are_reported_together():
     with pytest.raises(ConfigError) as err:
         validate_config(RecomputeConfig, {"gamma": 3, "lambd": -1, "nope": 1})

@@ -329,12 +329,17 @@ ROLLOUT_CASES = {
     "rollout-unknown-engine-option": (["rollout", "--config", "@rollout", "--output", "out", "--set",
                                        "engine.options={bogus: 1}"],
                                       ["engine.options: 'bogus' is not an option of the 'vllm' generation backend",
-                                       "kv_cache_space_gib", "engine_kwargs", "remove it or use one of those"]),
+                                       "which accepts only enforce_eager, kv_cache_space_gib", "engine_kwargs",
+                                       "remove it or use one of those"]),
     "rollout-option-of-the-other-backend": (["rollout", "--config", "@rollout", "--output", "out", "--set",
                                              "engine.backend=hf"],
                                             ["engine.options: 'kv_cache_space_gib' is not an option of the 'hf' "
                                              "generation backend", "max_batch_size",
                                              "--set engine.options={} clears them"]),
+    "rollout-engine-option-of-a-field": (["rollout", "--config", "@rollout", "--output", "out", "--set",
+                                          "engine.options.dtype=float64"],
+                                         ["field 'engine.options'", "'dtype' is passed to the backend from "
+                                          "engine.dtype", "set engine.dtype instead"]),
     "rollout-unknown-vllm-engine-kwarg": (["rollout", "--config", "@rollout", "--output", "out", "--set",
                                            "engine.options.engine_kwargs={max_num_seq: 4}"],
                                           ["engine.options.engine_kwargs: 'max_num_seq' is not a keyword argument of "
