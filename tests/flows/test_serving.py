@@ -68,6 +68,28 @@ def test_deploy_command_refuses_bad_input_before_serving(tmp_path):
     assert "error: deploy: no Prefect server given" in result.stderr
 
 
+def test_a_training_deployment_gets_the_training_runs_checks_before_it_is_registered(tmp_path, prefect_server,
+                                                                                      monkeypatch):
+    """``deploy --flow train`` refuses what ``rollflow train`` refuses before it starts (here an environment that is
+    not registered), exit 2, and registers nothing on the server."""
+    from prefect.client.orchestration import get_client
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+    from typer.testing import CliRunner
+
+    from flows.cli import app
+
+    monkeypatch.chdir(tmp_path)
+    quick = str(REPO / "configs/train_frozenlake_quickstart.yaml")
+    result = CliRunner().invoke(app, ["deploy", "--flow", "train", "--config", quick, "--interval", "60", "--name",
+                                      "refused-tick", "--api-url", prefect_server.api_url,
+                                      "--set", "rollout.env.tag=Chess"])
+    assert result.exit_code == 2, result.output
+    assert "rollout.env.tag 'Chess' is not a registered environment" in result.output
+    with temporary_settings(updates={PREFECT_API_URL: prefect_server.api_url}), get_client(sync_client=True) as client:
+        assert not [d for d in client.read_deployments() if d.name == "refused-tick"]
+    assert not (tmp_path / "runs").exists()
+
+
 @pytest.mark.server
 def test_scheduled_deployment_runs_on_a_local_server(tmp_path, prefect_server, cli_env):
     from prefect.client.orchestration import get_client
