@@ -17,7 +17,8 @@ from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import AliasChoices, BeforeValidator, Field, SerializerFunctionWrapHandler, model_serializer, model_validator
 
-from schemas.capabilities import ESTIMATOR_CAPABILITIES, POLICY_LOSS_CAPABILITIES, estimator_capabilities
+from schemas.capabilities import (ESTIMATOR_CAPABILITIES, POLICY_LOSS_CAPABILITIES, estimator_capabilities,
+                                 policy_loss_capabilities)
 from schemas.config import AdvEstimator, Frozen, OmitDefaults, RuntimeConfig, raw_section
 from schemas.devices import DeviceMapping
 from schemas.loss_config import LossOptions
@@ -277,6 +278,20 @@ class TrainSection(LossOptions):
                                      f"is {self.policy_loss}, which ignores it (as ROLL's agentic and base actor "
                                      f"losses do, spec §6.3-6.5), so it would change nothing; set policy_loss: "
                                      f"{loss.name}, or remove {name} (default {default})")
+        return self
+
+    @model_validator(mode="after")
+    def _ratio_level_of_another_loss(self) -> "TrainSection":
+        """ratio_type: segment (the agentic loss) and importance_sampling: seq (the rlvr loss) with a policy loss that
+        has no such ratio: that loss computes per-token ratios whatever they say (spec §6.3-6.5)."""
+        ours = policy_loss_capabilities(self.policy_loss)
+        for loss in POLICY_LOSS_CAPABILITIES.values():
+            field = loss.level_field
+            if field is not None and not ours.offers_level(field, getattr(self, field)):
+                raise ValueError(f"{field} {getattr(self, field)} is a ratio of the {loss.name} policy loss, but "
+                                 f"policy_loss is {self.policy_loss}, whose ratios are per token whatever {field} "
+                                 f"says (spec §6.3-6.5), so it would change nothing; set policy_loss: {loss.name}, "
+                                 f"or {field}: token")
         return self
 
     @property

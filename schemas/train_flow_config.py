@@ -11,7 +11,7 @@ from typing import ClassVar, Literal
 
 from pydantic import Field, model_validator
 
-from schemas.capabilities import estimator_capabilities, policy_loss_capabilities
+from schemas.capabilities import estimator_capabilities
 from schemas.config import AlgorithmConfig, RuntimeConfig, one_runtime
 from schemas.rollout_config import EnvManagerConfig, EnvTag, OmitUnsetMixed, RolloutConfig, check_tags_partition
 from schemas.run_config import RunOptions
@@ -87,9 +87,6 @@ class TrainFlowConfig(AlgorithmConfig, RunOptions):
             raise ValueError(f"rollout.env.group_size ({env.group_size}) must be at least 2 when rewards are "
                              "normalised per traj_group_id, because a group of one has no spread and every reward "
                              "would become 0; set rollout.env.group_size: 8")
-        if not policy_loss_capabilities(self.train.policy_loss).offers_level("ratio_type", self.train.ratio_type):
-            raise ValueError("train.ratio_type segment (GSPO-style per-turn ratio) is a feature of the agentic loss; "
-                             "set train.policy_loss: agentic")
         self.eval_env()  # the evaluation's tags and partition (errors name eval.*)
         if self.train.runtime.num_workers > 1 and episodes < self.train.runtime.num_workers:
             raise ValueError(f"{episodes} episodes per iteration cannot feed {self.train.runtime.num_workers} training "

@@ -81,3 +81,18 @@ def test_an_option_only_the_rlvr_loss_reads_is_refused_with_another_loss(loss, o
         assert phrase in str(err.value), str(err.value)
     assert getattr(validate_config(TrainStepConfig, {"policy_loss": "rlvr", option: value}), option) == value
     validate_config(TrainStepConfig, {"policy_loss": loss, option: TrainStepConfig.model_fields[option].default})
+
+@pytest.mark.parametrize("option, value, owner", [("ratio_type", "segment", "agentic"),
+                                                  ("importance_sampling", "seq", "rlvr")])
+@pytest.mark.parametrize("loss", ["agentic", "base", "rlvr"])
+def test_a_ratio_level_of_another_loss_is_refused(loss, option, value, owner):
+    """A per-turn (agentic) or per-sequence (rlvr) ratio with a loss whose ratios are per token changed nothing."""
+    if loss == owner:
+        assert getattr(validate_config(TrainStepConfig, {"policy_loss": loss, option: value}), option) == value
+        return
+    with pytest.raises(ConfigError) as err:
+        validate_config(TrainStepConfig, {"policy_loss": loss, option: value}, "train.yaml")
+    for phrase in (f"{option} {value} is a ratio of the {owner} policy loss", f"policy_loss is {loss}",
+                   f"set policy_loss: {owner}, or {option}: token"):
+        assert phrase in str(err.value), str(err.value)
+    validate_config(TrainStepConfig, {"policy_loss": loss, option: "token"})
