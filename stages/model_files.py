@@ -15,16 +15,16 @@ import zipfile
 from pathlib import Path
 
 from schemas.errors import SchemaError
-from stages.storage import MANIFEST, Location, read_manifest
+from stages.storage import JSON_TYPE_NAMES, MANIFEST, Location, is_json_type, json_type_name, read_manifest
 
 TRAIN_STATE = "train_state.json"  # stages/train/checkpoint.py TRAIN_STATE
 INDEX_SUFFIX = ".safetensors.index.json"
 DEEPSPEED_DIR = "deepspeed"
 # the fields of train_state.json that readers use (stages/train/checkpoint.py read_checkpoint, check_trainable) and
-# their JSON types; None: null is allowed (a checkpoint without a replay record, or without a DeepSpeed stage)
-_TRAIN_STATE_FIELDS = {"global_step": (int,), "optimizer_steps": (int,), "world_size": (int, None),
-                       "zero_stage": (int, None), "replay": (dict, None), "lora": (dict, None)}
-_JSON_NAMES = {int: "an integer", dict: "an object", str: "a string", list: "a list", None: "null"}
+# their JSON types; null is allowed where a checkpoint may have no replay record or no DeepSpeed stage
+_NULL = type(None)
+_TRAIN_STATE_FIELDS = {"global_step": (int,), "optimizer_steps": (int,), "world_size": (int, _NULL),
+                       "zero_stage": (int, _NULL), "replay": (dict, _NULL), "lora": (dict, _NULL)}
 
 
 def check_model_files(folder: Path) -> None:
@@ -65,7 +65,7 @@ def _json_problem(path: Path) -> str | None:
     if problem is not None:
         return problem
     if not isinstance(data, dict):
-        return f"holds {_json_name(data)}, not a JSON object"
+        return f"holds {json_type_name(data)}, not a JSON object"
     if path.name == TRAIN_STATE:
         return _train_state_problem(data)
     if path.name.endswith(INDEX_SUFFIX):
@@ -73,25 +73,12 @@ def _json_problem(path: Path) -> str | None:
     return None
 
 
-def _json_name(value) -> str:
-    if value is None:
-        return "null"
-    kind = bool if isinstance(value, bool) else type(value)
-    return _JSON_NAMES.get(kind, f"a {type(value).__name__}")
-
-
-def _has_type(value, kinds: tuple) -> bool:
-    if value is None:
-        return None in kinds
-    return not isinstance(value, bool) and any(k is not None and isinstance(value, k) for k in kinds)
-
-
 def _train_state_problem(state: dict) -> str | None:
     """The fields of a checkpoint's train state that readers use: their types, and a replay record's shape."""
     for key, kinds in _TRAIN_STATE_FIELDS.items():
-        if key in state and not _has_type(state[key], kinds):
-            expected = " or ".join(_JSON_NAMES[k] for k in kinds)
-            return f"field '{key}' is {_json_name(state[key])}, expected {expected}"
+        if key in state and not any(is_json_type(state[key], kind) for kind in kinds):
+            expected = " or ".join(JSON_TYPE_NAMES[kind] for kind in kinds)
+            return f"field '{key}' is {json_type_name(state[key])}, expected {expected}"
     replay = state.get("replay")
     if replay is not None and not (isinstance(replay.get("from"), str) and isinstance(replay.get("steps"), list)
                                    and all(isinstance(s, dict) and isinstance(s.get("samples"), str)
@@ -137,6 +124,6 @@ def safetensors_problem(path: Path) -> str | None:
 
 def _data_end(entry) -> int | None:
     offsets = entry.get("data_offsets") if isinstance(entry, dict) else None
-    if not (isinstance(offsets, list) and len(offsets) == 2 and all(_has_type(o, (int,)) for o in offsets)):
+    if not (isinstance(offsets, list) and len(offsets) == 2 and all(is_json_type(o, int) for o in offsets)):
         return None
     return offsets[1]

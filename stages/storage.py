@@ -187,42 +187,43 @@ _FIELD_TYPES = {"stage": str, "version": str, "table": str, "fingerprint": str, 
 # the JSON type of each field inside params / section that readers take from a stored table's manifest (the group
 # size rollflow validate checks complete groups of); null or absent: not recorded
 _NESTED_TYPES = {("params", "group_size"): int, ("section", "group_size"): int}
-_JSON_NAMES = {str: "a string", int: "an integer", float: "a number", dict: "an object", list: "a list",
+JSON_TYPE_NAMES = {str: "a string", int: "an integer", float: "a number", dict: "an object", list: "a list",
                bool: "a boolean", type(None): "null"}
 
 
-def _is(value, kind: type) -> bool:
+def is_json_type(value, kind: type) -> bool:
     """Whether the JSON ``value`` has the JSON type ``kind`` (an integer is a number; a boolean is neither)."""
     if isinstance(value, bool):
         return kind is bool
     return isinstance(value, (int, float) if kind is float else kind)
 
 
-def _json_name(value) -> str:
-    return next((name for kind, name in _JSON_NAMES.items() if _is(value, kind)), type(value).__name__)
+def json_type_name(value) -> str:
+    """How a message names the JSON type of ``value`` ("an integer", "null", ...)."""
+    return next((name for kind, name in JSON_TYPE_NAMES.items() if is_json_type(value, kind)), type(value).__name__)
 
 
 def manifest_problem(manifest) -> str | None:
     """What is wrong with the shape of a parsed manifest (``"field 'rows' is a string, expected an integer"``), or
     None: an object whose fields readers use have their types, inputs that name their folders, files their names."""
     if not isinstance(manifest, dict):
-        return f"holds {_json_name(manifest)}, not a JSON object"
+        return f"holds {json_type_name(manifest)}, not a JSON object"
     for key, kind in _FIELD_TYPES.items():
-        if key in manifest and not _is(manifest[key], kind):
-            return f"field '{key}' is {_json_name(manifest[key])}, expected {_JSON_NAMES[kind]}"
+        if key in manifest and not is_json_type(manifest[key], kind):
+            return f"field '{key}' is {json_type_name(manifest[key])}, expected {JSON_TYPE_NAMES[kind]}"
     for (outer, key), kind in _NESTED_TYPES.items():
         value = manifest.get(outer, {}).get(key)
-        if value is not None and not _is(value, kind):
-            return f"field '{outer}.{key}' is {_json_name(value)}, expected {_JSON_NAMES[kind]}"
+        if value is not None and not is_json_type(value, kind):
+            return f"field '{outer}.{key}' is {json_type_name(value)}, expected {JSON_TYPE_NAMES[kind]}"
     for name, entry in manifest.get("inputs", {}).items():
-        if not isinstance(entry, dict) or not _is(entry.get("path"), str) \
-                or not _is(entry.get("fingerprint", ""), str):
+        if not isinstance(entry, dict) or not is_json_type(entry.get("path"), str) \
+                or not is_json_type(entry.get("fingerprint", ""), str):
             return f"input '{name}' is not an object with a string 'path' (and 'fingerprint')"
     for key in ("files", "objects"):
-        if not all(isinstance(f, dict) and _is(f.get("name"), str) for f in manifest.get(key, [])):
+        if not all(isinstance(f, dict) and is_json_type(f.get("name"), str) for f in manifest.get(key, [])):
             return f"field '{key}' holds an entry that is not an object with a string 'name'"
-    bad = next((k for k, v in manifest.get("metrics", {}).items() if not _is(v, float)), None)
-    return None if bad is None else f"metric '{bad}' is {_json_name(manifest['metrics'][bad])}, expected a number"
+    bad = next((k for k, v in manifest.get("metrics", {}).items() if not is_json_type(v, float)), None)
+    return None if bad is None else f"metric '{bad}' is {json_type_name(manifest['metrics'][bad])}, expected a number"
 
 
 def folder_fingerprint(loc: Location) -> str:
