@@ -1,4 +1,6 @@
-"""Access to ROLL's golden vectors in ``../shared/spec/golden`` (see its README for layout and tolerances).
+"""Access to ROLL's golden vectors, shipped in ``tests/golden_vectors`` (a copy of the public subset in
+``../shared/spec/golden``; see its README for layout and tolerances). A fresh clone runs every conformance test with
+nothing beside it; a missing vector or manifest is a failure, never a skip.
 
 Families: a golden *family* is every case of one ROLL function (the manifest's ``roll_function``). Conformance tests
 are parametrised over a whole family (:func:`family`), never over the case names that happen to be in the folder,
@@ -25,7 +27,7 @@ from typing import Iterable
 import numpy as np
 import pytest
 
-GOLDEN_DIR = Path(os.environ.get("ROLLFLOW_GOLDEN_DIR", Path(__file__).resolve().parents[2] / "shared/spec/golden"))
+GOLDEN_DIR = Path(os.environ.get("ROLLFLOW_GOLDEN_DIR", Path(__file__).resolve().parent / "golden_vectors"))
 EPS32 = float(np.finfo(np.float32).eps)
 ULPS = 8
 
@@ -61,14 +63,22 @@ class GoldenCase:
         return self.params
 
 
+class GoldenMissing(AssertionError):
+    """The golden vectors (or one of them) are not where the repository keeps them."""
+
+
 @lru_cache(maxsize=1)
 def _manifest_file() -> dict:
     path = GOLDEN_DIR / "manifest.json"
-    return json.loads(path.read_text()) if path.exists() else {}
+    if not path.is_file():
+        raise GoldenMissing(f"golden manifest {path} is missing: the repository ships ROLL's golden vectors in "
+                            f"tests/golden_vectors; restore them (git checkout -- tests/golden_vectors) or point "
+                            f"ROLLFLOW_GOLDEN_DIR at a copy")
+    return json.loads(path.read_text())
 
 
 def manifest() -> dict[str, dict]:
-    """Case name → manifest entry ({} if the golden folder is absent)."""
+    """Case name → manifest entry (raises :class:`GoldenMissing` if the golden folder is absent)."""
     return {c["case"]: c for c in _manifest_file().get("cases", [])}
 
 
@@ -78,7 +88,7 @@ def generated_with() -> dict:
 
 
 def case_names(prefix: str) -> list[str]:
-    """Names of all golden cases starting with ``prefix`` (empty if the golden folder is absent)."""
+    """Names of all golden cases starting with ``prefix``."""
     return sorted(n for n in manifest() if n.startswith(prefix))
 
 
@@ -93,9 +103,10 @@ def family_where(test, *functions: str) -> list[str]:
 
 
 def load(name: str) -> GoldenCase:
-    if not manifest():
-        pytest.skip(f"golden vectors not found at {GOLDEN_DIR}")
     meta = manifest()[name]
+    if not (GOLDEN_DIR / meta["file"]).is_file():
+        raise GoldenMissing(f"golden vector {GOLDEN_DIR / meta['file']} (case {name}) is missing; restore "
+                            f"tests/golden_vectors from git")
     with np.load(GOLDEN_DIR / meta["file"], allow_pickle=False) as data:
         inputs = {k[4:]: data[k] for k in data.files if k.startswith("in__")}
         outputs = {k[5:]: data[k] for k in data.files if k.startswith("out__")}

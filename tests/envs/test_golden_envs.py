@@ -230,7 +230,7 @@ def _check_roll_compat_retries(case: golden.GoldenCase, seeds: list[int]) -> Non
 
 
 @pytest.mark.parametrize("name", _env_cases("instruction") or [pytest.param(None, marks=pytest.mark.skip(
-    reason="the golden set (../shared/spec/golden) holds no environment-instruction case"))])
+    reason="the golden set (tests/golden_vectors) holds no environment-instruction case"))])
 def test_golden_instructions(name):
     case = golden.load(name)
     env = _make(_env_class(case), case)
