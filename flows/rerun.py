@@ -192,9 +192,11 @@ def rerun_stage(name: str, old_output: str, overrides: list[str], output: str | 
         _downstream(old)  # a damaged manifest there is refused before anything runs
     tag = _tag(section, inputs)
     target = output or Location(old.fs, f"{old.path}@{tag}").uri()
-    from stages.preflight import check_output_location
+    from stages.outputs import check_output, stage_writes
 
-    check_output_location(target)
+    check_output(target, stage_writes(f"rollflow stage {name}", name),
+                 {"--from": old.uri(), **{f"'{key}' (recorded in {old.path}/manifest.json)": path
+                                          for key, path in inputs.items()}})
     from stages.cluster import ensure_ray
 
     ensure_ray()  # once the request is valid (the manifest holds no runtime settings: $RAY_ADDRESS or a local cluster)

@@ -182,7 +182,7 @@ def rerun_rollout(name: str, old_output: str, overrides: list[str], output: str 
     (:func:`flows.rerun._rerun_downstream`). Returns the lines to print."""
     from flows.rerun import _downstream, _rerun_downstream, _tag
     from stages.cluster import ensure_ray
-    from stages.preflight import check_output_location
+    from stages.outputs import ROLLOUT_CHILDREN, Writes, check_output
     from stages.rollout.driver import check_rollout
 
     old, rollout, manifest = _old_output(name, old_output)
@@ -194,7 +194,8 @@ def rerun_rollout(name: str, old_output: str, overrides: list[str], output: str 
     section = turn_section(config)
     tag = _tag(section, {"previous": reuse.previous if reuse else "", "checkpoint": model})
     target = _target(rollout, output, tag)
-    check_output_location(target)
+    check_output(target, Writes(f"rollflow stage {name}", (), ROLLOUT_CHILDREN),
+                 {"--from (its rollout)": rollout.uri(), "checkpoint": model})
     if downstream:
         _downstream(rollout, reads=rollout.child(SAMPLES_DIR).uri())  # a damaged manifest there: before anything runs
     ensure_ray()  # once the request is valid (the manifest holds no runtime settings: $RAY_ADDRESS or a local one)

@@ -290,10 +290,10 @@ def check_run(config, cfg: dict) -> None:
     into the run folder (its log included): the folder can be written, a folder started with another config is
     refused, ``pretrain`` (when set) is an HF model folder, and the run's newest checkpoint is whole."""
     from stages.generation.engines import check_model_dir
-    from stages.preflight import check_output_location
+    from stages.outputs import check_output
 
     run = run_folder(config)
-    check_output_location(run.uri())
+    check_output(run.uri(), None, {"pretrain": config.pretrain}, flag="run folder (runs_dir/run_name)")
     frozen_config_state(run, config, cfg)
     if config.pretrain:
         check_model_dir(config.pretrain)

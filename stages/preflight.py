@@ -26,6 +26,7 @@ from pydantic import BaseModel
 
 from schemas.errors import ConfigError, InvariantError, SchemaError
 from schemas.tables import TableSpec, check_row_invariants, check_structure
+from stages.outputs import check_output, container_writes, stage_writes
 from stages.runner import Stage
 from stages.storage import Location, read_table_schema
 
@@ -73,9 +74,16 @@ def check_steps(steps: Sequence[Step]) -> dict[str, int]:
                 rows[path] = check_input(spec, step.inputs[name], needs.get(name, ()),
                                          getattr(step.section, "group_size", None))
         step.stage.preflight(step.section, {n: p for n, p in step.inputs.items() if _key(p) not in written}, schemas)
-        check_output_location(step.output)
+        on_disk = {f"{step.stage.name} input '{n}'": p for n, p in step.inputs.items() if _key(p) not in written}
+        check_output(step.output, stage_writes(f"stage {step.stage.name}", step.stage.name), on_disk)
         written[_key(step.output)] = (step.stage.output_schema(schemas), step.stage.name)
     return rows
+
+
+def check_command_output(who: str, output: str, steps: Sequence[Step], inputs: dict[str, str]) -> None:
+    """The top output folder of a command of several ``steps`` (recompute's, score's): none of its ``inputs``, not
+    inside a committed table, holding only the folders its steps write (:func:`stages.outputs.check_output`)."""
+    check_output(output, container_writes(who, {_key(s.output): s.stage.name for s in steps}, _key(output)), inputs)
 
 
 def check_input(spec: TableSpec, path: str, needs: Sequence[str] = (), group_size: int | None = None) -> int:

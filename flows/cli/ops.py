@@ -92,6 +92,11 @@ def _recompute_deployment(config, input, output, overrides, force):
     if input is None or output is None or not input.is_dir():
         _fail(ConfigError(f"deploy: --input {input} is not a folder; the recompute flow needs --input (the folder "
                           "of stored samples) and --output"))
+    from stages.outputs import Writes, check_output
+
+    _guard(lambda: check_output(str(output), Writes("rollflow recompute", (), {"rewarded": ("response_rewards",),
+                                                                             "advantaged": ("advantages",)}),
+                                {"--input": str(input)}))
     parameters = {"input_dir": str(input.resolve()), "output_dir": str(output.resolve()),
                   "cfg": cfg.model_dump(mode="json"), "force": force}
     from flows.recompute import recompute_flow
@@ -137,6 +142,10 @@ def report(run: Path = typer.Argument(..., help="A run folder (runs/<run>) with 
     from flows.report import check_run_folder, write_report
 
     _guard(lambda: check_run_folder(run))
+    if output is not None:
+        from stages.outputs import Writes, check_output
+
+        _guard(lambda: check_output(str(output), Writes("rollflow report", loose=True)))
     result = _guard(lambda: write_report(run, output=output, max_episodes=episodes))
     for stem, path in result.plots.items():
         typer.echo(f"{stem:<18} {path}")

@@ -77,9 +77,11 @@ def score(input: Path = typer.Option(..., "--input", help="Folder of stored resp
         _fail(ValueError(f"--judge-backend {judge_backend!r} must be vllm or hf"))
     cfg = _guard(lambda: load_config(RLVRConfig, config, parse_overrides(overrides or [])))
     from flows.rlvr import score_steps
-    from stages.preflight import check_steps
+    from stages.preflight import check_command_output, check_steps
 
-    _guard(lambda: check_steps(score_steps(str(input), str(output), cfg, advantages=advantages)))  # before Ray starts
+    steps = score_steps(str(input), str(output), cfg, advantages=advantages)
+    _guard(lambda: check_command_output("rollflow score", str(output), steps, {"--input": str(input)}))
+    _guard(lambda: check_steps(steps))  # before Ray starts
     cfg = _with_judge(cfg, judge_model, judge_backend)
     from stages.rlvr.generate import needs_model
 
@@ -126,6 +128,12 @@ def rlvr_example(output: Path = typer.Option(..., "--output", help="New folder f
     names = tuple(d.strip() for d in domains.split(",") if d.strip())
     if samples_per_prompt < 1 or (limit is not None and limit < 1):
         _fail(ValueError("--samples-per-prompt and --limit must be at least 1"))
+    from stages.outputs import check_output
+
+    from stages.storage import Location
+
+    if not _guard(lambda: Location.of(str(output)).exists()):
+        _guard(lambda: check_output(str(output), None))  # not inside a committed table (an existing folder: the writer)
     try:
         manifest = write_rlvr_example(RLVRExampleSpec(domains=names, n=samples_per_prompt, limit=limit, seed=seed),
                                       str(output))

@@ -39,9 +39,11 @@ def recompute(input: str = typer.Option(..., "--input", help="Folder of stored s
     from flows.recompute import recompute_flow, recompute_steps
     from flows.services import start_services
     from stages.cluster import check_stage_resources
-    from stages.preflight import check_steps
+    from stages.preflight import check_command_output, check_steps
 
-    _guard(lambda: check_steps(recompute_steps(str(input), str(output), cfg)))  # before Prefect and Ray start
+    steps = recompute_steps(str(input), str(output), cfg)
+    _guard(lambda: check_command_output("rollflow recompute", str(output), steps, {"--input": str(input)}))
+    _guard(lambda: check_steps(steps))  # before Prefect and Ray start
     _guard(lambda: start_services(cfg.runtime.ray_address, cfg.runtime.num_cpus))
     _guard(lambda: check_stage_resources(cfg.runtime))  # a stage pinned to resources no node has would wait forever
     result = _guard(lambda: recompute_flow(str(input), str(output), cfg.model_dump(mode="json"), force,
@@ -121,6 +123,12 @@ def example(output: str = typer.Option(..., "--output", help="New folder for the
                          "or trajectory"))
     spec = ExampleSpec(samples=samples, seed=seed, group_size=group_size, env=env, level=level,
                        response_len=(min_response, max_response))
+    from stages.outputs import check_output
+
+    from stages.storage import Location
+
+    if not _guard(lambda: Location.of(str(output)).exists()):
+        _guard(lambda: check_output(str(output), None))  # not inside a committed table (an existing folder: generate)
     manifest = _guard(lambda: generate(spec, str(output)))
     typer.echo(f"wrote {manifest['rows']:,} {level}-level rows in {manifest['groups']:,} groups of {group_size} "
                f"to {output}")

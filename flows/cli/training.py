@@ -161,12 +161,12 @@ def _check_evaluation(pipeline, cfg, checkpoint: str | None, output: Path) -> No
     """What ``rollflow eval`` checks before Prefect and Ray start: the pipeline's evaluation settings, the model
     folder (when one is named; the default model is converted on first use) and the output location."""
     from stages.generation.engines import check_model_dir
-    from stages.preflight import check_output_location
+    from stages.outputs import EVAL_WRITES, check_output
 
     pipeline.preflight(cfg, True)
     if checkpoint:
         check_model_dir(checkpoint)
-    check_output_location(str(output))
+    check_output(str(output), EVAL_WRITES, {"--checkpoint": checkpoint})
 
 
 def _state(result) -> str:
@@ -180,7 +180,8 @@ def _print_metrics(metrics: dict[str, float], prefixes: tuple[str, ...]) -> None
 
 
 def _prepare(model: str, config: Path | None, overrides: list[str] | None, table: str, samples: Path | str,
-             output: Path | str, needs: Callable = lambda cfg: (), checkpoints: tuple[Path | str | None, ...] = ()):
+             output: Path | str, needs: Callable = lambda cfg: (), checkpoints: tuple[Path | str | None, ...] = (),
+             stage: str = "", command: str = ""):
     """What the table-in, folder-out training commands do before their stage: load the config (``model``, a class
     name of schemas.train_config), print the dtype choice, check the input table (``table``, a contract of
     schemas.tables, with the columns ``needs(cfg)``), the model folders in ``checkpoints`` and the output path before
@@ -188,7 +189,8 @@ def _prepare(model: str, config: Path | None, overrides: list[str] | None, table
     import schemas.tables as tables
     import schemas.train_config as train_config
     from schemas.config import load_config, parse_overrides
-    from stages.preflight import check_input, check_output_location
+    from stages.outputs import check_output, stage_writes
+    from stages.preflight import check_input
     from stages.train.checkpoint import read_checkpoint
 
     cfg = _guard(lambda: load_config(getattr(train_config, model), config, parse_overrides(overrides or [])))
@@ -196,7 +198,8 @@ def _prepare(model: str, config: Path | None, overrides: list[str] | None, table
     _guard(lambda: check_input(getattr(tables, table), str(samples), needs(cfg)))
     for checkpoint in filter(None, checkpoints):
         _guard(lambda: read_checkpoint(str(checkpoint)))
-    _guard(lambda: check_output_location(str(output)))
+    _guard(lambda: check_output(str(output), stage_writes(f"rollflow {command}", stage),
+                                {"--samples": str(samples), **{f"model folder {c}": str(c) for c in checkpoints if c}}))
     connect(cfg.runtime)
     return cfg
 
@@ -215,7 +218,7 @@ def train_step(samples: str = typer.Option(..., "--samples", help="Advantaged ta
                force: bool = typer.Option(False, "--force", help="Train even if the output is up to date.")) -> None:
     """One PPO training step (actor, and critic for gae) on DeepSpeed under Ray Train; writes a checkpoint."""
     cfg = _prepare("TrainStepConfig", config, overrides, "ADVANTAGED", samples, output,
-                   lambda cfg: ("values",) if cfg.needs_critic else (), (checkpoint,))
+                   lambda cfg: ("values",) if cfg.needs_critic else (), (checkpoint,), "train_step", "train-step")
     from stages.train.stage import run_train_step
 
     result = _guard(lambda: run_train_step(str(samples), str(checkpoint), cfg, str(output), force=force))
@@ -234,7 +237,8 @@ def logprobs(samples: Path = typer.Option(..., "--samples", help="Samples table 
              overrides: Optional[list[str]] = OverrideOpt,
              force: bool = typer.Option(False, "--force")) -> None:
     """Add old_log_probs (and ref_log_probs, entropy) to a samples table, in a Ray Data actor pool."""
-    cfg = _prepare("ForwardConfig", config, overrides, "SAMPLES", samples, output, checkpoints=(checkpoint, reference))
+    cfg = _prepare("ForwardConfig", config, overrides, "SAMPLES", samples, output, checkpoints=(checkpoint, reference),
+                   stage="logprobs", command="logprobs")
     from stages.train.stage import run_logprobs
 
     result = _guard(lambda: run_logprobs(str(samples), str(checkpoint), cfg, str(output),
@@ -252,7 +256,8 @@ def values(samples: Path = typer.Option(..., "--samples", help="Samples table fo
            overrides: Optional[list[str]] = OverrideOpt,
            force: bool = typer.Option(False, "--force")) -> None:
     """Add the critic's values to a samples table (gae), in a Ray Data actor pool."""
-    cfg = _prepare("ForwardConfig", config, overrides, "SAMPLES", samples, output, checkpoints=(checkpoint,))
+    cfg = _prepare("ForwardConfig", config, overrides, "SAMPLES", samples, output, checkpoints=(checkpoint,),
+                   stage="values", command="values")
     from stages.train.stage import run_values
 
     result = _guard(lambda: run_values(str(samples), str(checkpoint), cfg, str(output), force=force))

@@ -73,7 +73,7 @@ def check_rollout(config: RolloutConfig, output: str | None = None, checkpoint: 
     Raises a ConfigError naming the field."""
     from stages.envs import make_env
     from stages.generation.engines import check_engine_options, check_model_dir
-    from stages.preflight import check_output_location
+    from stages.outputs import ROLLOUT_CHILDREN, Writes, check_output
     from stages.rollout.episode import env_kwargs
 
     _check_env(config, field)
@@ -91,7 +91,7 @@ def check_rollout(config: RolloutConfig, output: str | None = None, checkpoint: 
     if checkpoint is not None:
         check_model_dir(checkpoint)
     if output is not None:
-        check_output_location(output)
+        check_output(output, Writes("rollflow rollout", (), ROLLOUT_CHILDREN), {"--checkpoint": checkpoint})
 
 
 def _env_config_field(config: RolloutConfig, tag: str, field: str) -> str:

@@ -290,6 +290,6 @@ def test_output_that_is_a_file_or_under_one(tiny, tmp_path):
     """Refused before any stage, with the path named (the cleanup of a failed commit never hides the cause)."""
     afile = tmp_path / "afile"
     afile.write_text("keep me")
-    assert_user_error(recompute(tiny, afile), [str(afile), "which is a file", "pass a folder"])
+    assert_user_error(recompute(tiny, afile), [str(afile), "is an existing file", "pass a folder"])
     assert_user_error(recompute(tiny, afile / "sub" / "out"), [str(afile), "which is a file"])
     assert afile.read_text() == "keep me"

@@ -621,7 +621,8 @@ def shared(tmp_path_factory, data_root, tiny_model) -> dict[str, str]:
     write_rlvr_example(RLVRExampleSpec(domains=("math",), n=8, limit=2), str(responses))
     table = read_table(responses)
     samples = data_root / "catalogue_samples"
-    generate(ExampleSpec(samples=16, seed=4, rows_per_file=1000, **SMALL), str(samples))
+    if not samples.exists():  # made once a session (tests/spine/test_data_loss.py uses this fixture too)
+        generate(ExampleSpec(samples=16, seed=4, rows_per_file=1000, **SMALL), str(samples))
     return {
         "responses": str(responses),
         "null_response": write_samples(replace_value(table, "response", 3, None), root / "null_response"),

@@ -1,0 +1,167 @@
+"""Where a command may write: the one check of an output folder against the command's inputs and against what the
+folder (and the folders above it) already hold, run in every command's pre-flight before anything starts.
+
+A command writes only into a folder that is new, or that holds what this command writes (its own earlier output: a
+re-run resumes or skips it, ``--force`` redoes it). It never writes into, over or around one of its own inputs, into
+a committed table of another stage, into a folder inside a committed table (a table's folder holds its part files
+and manifest, nothing else), or into a folder holding files it did not write (a run folder, a folder of tables, a
+user's files), with or without ``--force``.
+
+Paths are compared resolved: a local path with its symlinks and ``..`` resolved (:func:`os.path.realpath`), an
+object-store URI with its path normalised (``..`` and repeated slashes; an object store has no links). Pure
+pyarrow: no Ray, no Prefect.
+"""
+
+from __future__ import annotations
+
+import os
+import posixpath
+from dataclasses import dataclass, field
+from typing import Mapping
+
+import pyarrow.fs as pafs
+
+from schemas.errors import ConfigError
+from stages.storage import MANIFEST, Location, is_uri, read_manifest
+
+
+@dataclass(frozen=True)
+class Writes:
+    """What a command writes into its output folder. ``stages``: the stages whose manifest it writes at the folder's
+    top (a table, a checkpoint, an evaluation record); a folder holding one of theirs is this command's own earlier
+    output. ``children``: the folders it writes inside, by name, each with the stages whose manifest that folder may
+    hold (empty: a folder of tables, e.g. a rollout's turns/). ``loose``: the command writes files of its own beside
+    whatever the folder holds (a report's plots), so only tables and runs are refused there."""
+
+    who: str
+    stages: tuple[str, ...] = ()
+    children: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+    loose: bool = False
+
+
+def resolved(where: str) -> str:
+    """The key a path is compared by: a local path made absolute with its symlinks and ``..`` resolved; a URI
+    (``s3://bucket/a/../b``) with its path normalised (``s3://bucket/b``)."""
+    where = str(where)
+    if is_uri(where):
+        scheme, rest = where.split("://", 1)
+        return f"{scheme}://{posixpath.normpath('/' + rest).lstrip('/')}"
+    return os.path.realpath(os.path.abspath(where))
+
+
+def _inside(path: str, folder: str) -> bool:
+    return path.startswith(folder.rstrip("/") + "/")
+
+
+def check_against_inputs(output: str, inputs: Mapping[str, str], flag: str = "--output") -> None:
+    """Refuse an ``output`` that is one of ``inputs`` (name -> path), lies inside one, or contains one (resolved, see
+    :func:`resolved`): writing there would overwrite, nest into, or replace an input of the command."""
+    out = resolved(output)
+    for name, path in inputs.items():
+        if path is None:
+            continue
+        key = resolved(path)
+        if out == key:
+            how = "is"
+        elif _inside(out, key):
+            how = "lies inside"
+        elif _inside(key, out):
+            how = "contains"
+        else:
+            continue
+        raise ConfigError(f"{flag} {output} {how} the command's input {name} ({path}; resolved {key}): writing there "
+                          "would overwrite or replace what the command reads, and nothing could be recomputed from "
+                          f"it; pass a new {flag} folder outside {path}")
+
+
+def _committed_ancestor(loc: Location) -> Location | None:
+    """The nearest folder above ``loc`` that holds a manifest (a committed table, checkpoint or record)."""
+    parent = loc.parent
+    while parent.path.strip("/") and parent.path != loc.path:
+        if parent.fs.get_file_info(parent.child(MANIFEST).path).type != pafs.FileType.NotFound:
+            return parent
+        loc, parent = parent, parent.parent
+    return None
+
+
+def _holds(manifest: dict | None, loc: Location) -> str:
+    if manifest is not None:
+        return f"a committed output of stage {manifest.get('stage', '?')} ({loc.child(MANIFEST).path})"
+    return "files"
+
+
+def _refuse(output: str, holds: str, writes: Writes) -> ConfigError:
+    return ConfigError(f"output {output} holds {holds}, which {writes.who} did not write; it writes only into a new "
+                       "folder or its own earlier output, with or without --force, so that nothing it did not write "
+                       "is replaced; pass a new --output folder (or move that folder away first)")
+
+
+def _check_contents(output: str, loc: Location, writes: Writes) -> None:
+    """What the existing folder ``loc`` holds must be this command's own earlier output (see :class:`Writes`)."""
+    manifest = read_manifest(loc)
+    if manifest is not None and manifest.get("stage") in writes.stages:
+        return
+    if manifest is not None:
+        raise _refuse(output, _holds(manifest, loc), writes)
+    for info in loc.fs.get_file_info(pafs.FileSelector(loc.path)):
+        name = info.base_name
+        if name.startswith("."):  # a killed attempt's leftovers (cleaned up by the next write)
+            continue
+        if writes.loose:
+            if name == "config.json" or name == "metrics":
+                raise _refuse(output, f"a run folder ({info.path})", writes)
+            continue
+        if name not in writes.children:
+            raise _refuse(output, f"'{name}'", writes)
+        child = Location(loc.fs, info.path)
+        if info.type == pafs.FileType.Directory:
+            inner = read_manifest(child)
+            if inner is not None and writes.children[name] and inner.get("stage") not in writes.children[name]:
+                raise _refuse(output, _holds(inner, child), writes)
+        else:
+            raise _refuse(output, f"a file '{name}'", writes)
+
+
+def check_output(output: str, writes: Writes | None, inputs: Mapping[str, str | None] | None = None,
+                 flag: str = "--output") -> None:
+    """The pre-flight check of a command's ``output`` folder: not a file and writable
+    (:func:`stages.preflight.check_output_location`), none of the command's ``inputs`` (name -> path; equal,
+    inside, containing: :func:`check_against_inputs`), not inside a committed table, and (``writes``; None: the
+    caller checks the folder's contents itself, a run folder) holding nothing the command did not write. Raises a
+    ConfigError naming the folder, what it holds and the fix."""
+    from stages.preflight import check_output_location
+
+    check_output_location(output)
+    check_against_inputs(output, {k: v for k, v in (inputs or {}).items() if v is not None}, flag)
+    loc = Location.of(output)
+    if not is_uri(output):
+        loc = Location(loc.fs, resolved(output))
+    owner = _committed_ancestor(loc)
+    if owner is not None:
+        raise ConfigError(f"{flag} {output} lies inside {owner.path}, a committed output of stage "
+                          f"{(read_manifest(owner) or {}).get('stage', '?')}: a table's folder holds its files and "
+                          "manifest only, and anything written into it would damage it; pass a folder outside "
+                          f"{owner.path}")
+    if writes is not None and loc.is_dir():
+        _check_contents(output, loc, writes)
+
+
+# the folders a rollout writes inside its output folder, with the stages of their manifests (turns/: a folder of them)
+ROLLOUT_CHILDREN = {"episodes": ("rollout_reset",), "turns": (), "samples": ("rollout_samples",)}
+# what an evaluation writes: an agentic one its rollout and record (stage eval), an RLVR one its prompts, responses
+# and scores
+EVAL_WRITES = Writes("rollflow eval", ("eval",), {**ROLLOUT_CHILDREN, "prompts": ("rlvr_prompts",),
+                                                  "responses": ("rlvr_generate",), "scored": ("rewards",)})
+
+
+def stage_writes(who: str, stage: str) -> Writes:
+    """What a command writing one stage's output writes: that stage's table (or checkpoint, or record)."""
+    return EVAL_WRITES if stage == "eval" else Writes(who, (stage,))
+
+
+def container_writes(who: str, outputs: Mapping[str, str], top: str) -> Writes:
+    """What a command of several stages writes into ``top``: a folder per stage (``outputs``: output folder ->
+    stage name), e.g. recompute's rewarded/ and advantaged/."""
+    prefix = top.rstrip("/") + "/"
+    children = {path[len(prefix):].split("/")[0]: (stage,) for path, stage in outputs.items() if path.startswith(prefix)}
+    return Writes(who, (), children)

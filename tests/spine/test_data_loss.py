@@ -1,0 +1,141 @@
+"""Commands that would destroy data are refused with nothing changed (issue 48): no command writes into a folder that
+holds something it did not write, and none overwrites, nests into or contains an input of what it runs, with or
+without ``--force`` (stages/outputs.py). Each case runs one command in-process, as the bad-input catalogue does
+(tests/spine/test_bad_input_catalogue.py, whose fixtures it reuses: Ray and Prefect cannot start), and asserts exit 2,
+one message naming the folder and the fix, every file under the working folder and the shared inputs unchanged byte
+for byte, and no new folder.
+
+The working folder of a case holds ``tbl/`` (a committed samples table), ``adv/`` (an advantages output whose recorded
+inputs are ``tbl``), ``link`` (a symlink to ``tbl``), ``runs/quickstart`` (a run folder) and ``notes/`` (a user's
+folder with a file).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from flows.cli import app
+from tests.spine.test_bad_input import assert_user_error
+from tests.spine.test_bad_input_catalogue import _argv, _fake_stage_output, no_services, shared  # noqa: F401
+
+runner = CliRunner()
+
+INPUT = "is the command's input"
+INSIDE_INPUT = "lies inside the command's input"
+CONTAINS_INPUT = "contains the command's input"
+HOLDS = "did not write; it writes only into a new folder or its own earlier output, with or without --force"
+IN_TABLE = "a table's folder holds its files and manifest only"
+
+# id -> (argv, phrases); argv names the working folder's entries and the catalogue's shared inputs (@samples, ...)
+CASES = {
+    # rollflow stage --output --force: the stage's own recorded input (before: it overwrote it, and lineage showed a
+    # table that reads itself), through a symlink, through `..`, inside it, around it, the --from folder itself
+    "stage-force-output-is-its-input": (["stage", "advantages", "--from", "adv", "--set", "gamma=0.9", "--output",
+                                         "tbl", "--force"], ["--output tbl", INPUT, "pass a new --output folder"]),
+    "stage-force-output-symlink-to-its-input": (["stage", "advantages", "--from", "adv", "--output", "link",
+                                                 "--force"], ["--output link", INPUT, "tbl"]),
+    "stage-force-output-dotdot-to-its-input": (["stage", "advantages", "--from", "adv", "--output", "adv/../tbl",
+                                                "--force"], [INPUT]),
+    "stage-output-inside-its-input": (["stage", "advantages", "--from", "adv", "--output", "tbl/again", "--force"],
+                                      [INSIDE_INPUT]),
+    "stage-output-contains-its-input": (["stage", "advantages", "--from", "adv", "--output", ".", "--force"],
+                                        [CONTAINS_INPUT]),
+    "stage-output-is-the-from-folder": (["stage", "advantages", "--from", "adv", "--output", "adv", "--force"],
+                                        ["--output adv", "is the command's input --from"]),
+    "stage-output-holds-a-run": (["stage", "advantages", "--from", "adv", "--output", "runs/quickstart", "--force"],
+                                 ["output runs/quickstart holds", HOLDS]),
+    # rollflow eval --output: a committed table (before: exit 0, its manifest replaced by the evaluation record)
+    "eval-output-holds-a-committed-table": (["eval", "--config", "@quick", "--output", "tbl"],
+                                            ["output tbl holds a committed output of stage example", HOLDS]),
+    "eval-output-holds-a-users-files": (["eval", "--config", "@quick", "--output", "notes"],
+                                        ["holds 'todo.txt'", "rollflow eval did not write"]),
+    "eval-output-is-its-checkpoint": (["eval", "--config", "@quick", "--checkpoint", "@model", "--output",
+                                       "@model"], [INPUT]),
+    # rollflow rollout --output inside a committed table (before: its tables nested inside it, exit 0)
+    "rollout-output-inside-a-committed-table": (["rollout", "--config", "@rollout", "--output", "tbl/rollout"],
+                                                ["lies inside", "a committed output of stage example", IN_TABLE]),
+    "rollout-output-holds-a-run": (["rollout", "--config", "@rollout", "--output", "runs"],
+                                   ["holds 'quickstart'", "rollflow rollout did not write"]),
+    "rollout-output-holds-a-committed-table": (["rollout", "--config", "@rollout", "--output", "tbl", "--force"],
+                                               ["committed output of stage example", HOLDS]),
+    "recompute-output-is-its-input": (["recompute", "--input", "tbl", "--config", "@gigpo", "--output", "tbl",
+                                       "--force"], ["--output tbl", INPUT, "--input"]),
+    "recompute-output-holds-another-table": (["recompute", "--input", "@samples", "--config", "@gigpo", "--output",
+                                              "adv", "--force"], ["committed output of stage advantages", HOLDS]),
+    "recompute-output-in-a-committed-table": (["recompute", "--input", "@samples", "--config", "@gigpo", "--output",
+                                               "tbl/recomputed"], [IN_TABLE]),
+    "score-output-holds-a-committed-table": (["score", "--input", "@responses", "--config", "@score_config",
+                                              "--output", "tbl", "--force"], ["committed output of stage example"]),
+    "score-output-is-its-input": (["score", "--input", "@responses", "--config", "@score_config", "--output",
+                                   "@responses"], [INPUT]),
+    "logprobs-output-is-its-samples": (["logprobs", "--samples", "tbl", "--checkpoint", "@model", "--output", "tbl",
+                                        "--force"], ["--output tbl", INPUT, "--samples"]),
+    "values-output-holds-another-table": (["values", "--samples", "@samples", "--checkpoint", "@model", "--output",
+                                           "adv", "--force"], ["committed output of stage advantages"]),
+    "train-step-output-inside-its-checkpoint": (["train-step", "--samples", "@advantaged", "--checkpoint", "@model",
+                                                 "--output", "@model/next", "--force"], [INSIDE_INPUT]),
+    "train-runs-dir-inside-a-committed-table": (["train", "--config", "@quick", "--set", "runs_dir=tbl"],
+                                                ["run folder (runs_dir/run_name)", IN_TABLE]),
+    "report-output-is-a-committed-table": (["report", "runs/quickstart", "--output", "tbl"],
+                                           ["committed output of stage example", "rollflow report did not write"]),
+    "example-output-inside-a-committed-table": (["example", "--output", "tbl/more", "--samples", "16"], [IN_TABLE]),
+    "rlvr-example-output-inside-a-committed-table": (["rlvr-example", "--output", "tbl/more", "--limit", "1"],
+                                                     [IN_TABLE]),
+}
+
+
+def tree_state(folder: str | Path) -> dict[str, str]:
+    """Every entry under ``folder`` (hidden ones included, symlinks not followed): a file's sha256, a folder as
+    ``dir``, a link as its target."""
+    root, out = Path(folder), {}
+    for dirpath, dirs, files in os.walk(root):
+        for name in dirs + files:
+            p = Path(dirpath) / name
+            rel = str(p.relative_to(root))
+            out[rel] = (f"-> {os.readlink(p)}" if p.is_symlink() else "dir" if p.is_dir()
+                        else hashlib.sha256(p.read_bytes()).hexdigest())
+    return out
+
+
+@pytest.fixture
+def work(tmp_path, monkeypatch, no_services, shared) -> Path:  # noqa: F811
+    monkeypatch.chdir(tmp_path)
+    shutil.copytree(shared["samples"], tmp_path / "tbl")
+    _fake_stage_output(tmp_path / "adv", {"samples": str(tmp_path / "tbl"), "rewarded": str(tmp_path / "tbl")})
+    (tmp_path / "link").symlink_to(tmp_path / "tbl")
+    (tmp_path / "runs" / "quickstart" / "metrics").mkdir(parents=True)
+    (tmp_path / "runs" / "quickstart" / "config.json").write_text(json.dumps({"run_name": "quickstart"}))
+    (tmp_path / "notes").mkdir()
+    (tmp_path / "notes" / "todo.txt").write_text("keep me\n")
+    return tmp_path
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_refused_with_nothing_changed(case, work, shared):  # noqa: F811
+    argv, phrases = CASES[case]
+    argv = [a.replace("@model", shared["model"]) if a.startswith("@model/") else a for a in argv]
+    inputs = {k: v for k, v in shared.items() if Path(v).is_dir()}
+    before = {"work": tree_state(work), **{k: tree_state(v) for k, v in inputs.items()}}
+    assert_user_error(runner.invoke(app, _argv(argv, shared)), phrases)
+    after = {"work": tree_state(work), **{k: tree_state(v) for k, v in inputs.items()}}
+    assert after == before, "every input byte for byte, and no new folder or file"
+
+
+def test_own_earlier_output_and_new_folders_are_accepted(work):
+    """What the check lets through: a new folder, an empty one, and the command's own earlier output (a re-run
+    resumes or skips it; --force redoes it)."""
+    from stages.outputs import EVAL_WRITES, Writes, check_output, stage_writes
+
+    check_output(str(work / "new" / "deeper"), stage_writes("rollflow logprobs", "logprobs"), {"--samples": "tbl"})
+    (work / "empty").mkdir()
+    check_output(str(work / "empty"), EVAL_WRITES, {})
+    check_output("adv", stage_writes("rollflow stage advantages", "advantages"), {"samples": "tbl"})
+    (work / "ro" / "turns" / "turn_000").mkdir(parents=True)
+    check_output(str(work / "ro"), Writes("rollflow rollout", (), {"episodes": (), "turns": (), "samples": ()}))
