@@ -14,7 +14,8 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from schemas.config import AdvantageSection, ResponseRewardSection
-from schemas.errors import RollflowError
+from schemas.errors import ConfigError, RollflowError
+from schemas.names import folder_name, name_max
 from stages.storage import Location
 
 log = logging.getLogger("rollflow.train")
@@ -23,8 +24,14 @@ RUN_LOG = "logs/rollflow.log"  # the command's log (flows/console.py), appended 
 
 
 def run_folder(config) -> Location:
-    """The run folder ``<runs_dir>/<run_name>`` of a training config (either pipeline)."""
-    return Location.of(f"{config.runs_dir}/{config.run_name}")
+    """The run folder ``<runs_dir>/<run_name>`` of a training config (either pipeline). ``run_name`` becomes its name
+    through :func:`schemas.names.folder_name`, against the longest name the filesystem of ``runs_dir`` allows: a
+    ConfigError naming the rule and the fix, before anything is created."""
+    try:
+        name = folder_name(config.run_name, "run_name", name_max(config.runs_dir))
+    except ValueError as err:
+        raise ConfigError(f"{err} (runs_dir {config.runs_dir})") from None
+    return Location.of(f"{config.runs_dir}/{name}")
 
 
 def check_resumed_folder(folder: Location, config) -> None:

@@ -15,7 +15,7 @@ from pydantic import Field, model_validator
 from schemas.config import Frozen, one_runtime, raw_section
 from schemas.rlvr_config import RewardsConfig, RLVRConfig
 from schemas.rollout_config import EngineConfig, GeneratingArgs
-from schemas.run_config import RUN_NAME, RunOptions
+from schemas.run_config import RunOptions
 
 
 class PromptSetConfig(Frozen):
@@ -57,7 +57,8 @@ class RLVRTrainConfig(RLVRConfig, RunOptions):
     length, initial policy, log-prob and training sections are :class:`RunOptions`'s."""
 
     pipeline: Literal["rlvr"] = Field("rlvr", description="Which training flow runs this config.")
-    run_name: str = Field("rlvr", min_length=1, pattern=RUN_NAME, description="Folder name under runs_dir.")
+    run_name: str = Field("rlvr", description="Folder name under runs_dir: letters, digits, '_', '-' and '.', not "
+                                              "'.' or '..', at most 255 bytes.")
     seed: int = Field(42, ge=0, description="Seed of the prompt order and of every sampling request.")
     rollout_batch_size: int = Field(8, gt=0, description="Prompts per step (ROLL name); each gets "
                                                          "num_return_sequences_in_group responses.")

@@ -6,13 +6,13 @@ from __future__ import annotations
 
 from typing import ClassVar
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from schemas.config import Frozen
 from schemas.devices import check_device_mappings
+from schemas.names import run_name
 from schemas.train_config import ForwardConfig, TrainStepConfig, estimator_into_train
 
-RUN_NAME = r"^[A-Za-z0-9_.-]+$"
 
 
 class RunOptions(Frozen):
@@ -20,13 +20,20 @@ class RunOptions(Frozen):
 
     engine_field: ClassVar[str] = "engine"  # where the generation engine section sits (agentic: rollout.engine)
 
-    run_name: str = Field("run", min_length=1, pattern=RUN_NAME, description="Folder name under runs_dir.")
+    run_name: str = Field("run", description="Folder name under runs_dir: letters, digits, '_', '-' and '.', not "
+                                             "'.' or '..', at most 255 bytes.")
     runs_dir: str = Field("runs", description="Where run folders live (a local path or a pyarrow filesystem URI).")
     max_steps: int = Field(3, gt=0, description="Training steps, i.e. iterations (ROLL's max_steps).")
     pretrain: str | None = Field(None, description="Initial policy: an HF checkpoint folder (null: the default "
                                                    "model, SmolLM2-135M-Instruct converted from the shipped GGUF).")
     logprobs: ForwardConfig = Field(default_factory=ForwardConfig, description="old/ref log-prob stage.")
     train: TrainStepConfig = Field(default_factory=TrainStepConfig, description="Actor (and critic) training.")
+
+    @field_validator("run_name")
+    @classmethod
+    def _run_name(cls, value: str) -> str:
+        """It becomes the run folder's name (schemas/names.py)."""
+        return run_name(value)
 
     def train_step_config(self) -> TrainStepConfig:
         """The training section (its estimator equals the run's: :meth:`_one_estimator`)."""

@@ -83,6 +83,15 @@ CASES = {
                                                  "--output", "@model/next", "--force"], [INSIDE_INPUT]),
     "train-runs-dir-inside-a-committed-table": (["train", "--config", "@quick", "--set", "runs_dir=tbl"],
                                                 ["run folder (runs_dir/run_name)", IN_TABLE]),
+    # names that leave their folder (schemas/names.py): before, run_name '..' wrote config, logs and metrics into the
+    # parent of runs_dir, and a very long one crashed with "File name too long" after creating folders
+    "train-run-name-parent-folder": (["train", "--config", "@quick", "--set", "runs_dir=runs/inner", "--set",
+                                      "run_name=.."], ["field 'run_name'", "'..' names the parent folder",
+                                                       "use a short name"]),
+    "train-run-name-too-long": (["train", "--config", "@quick", "--set", "run_name=" + "r" * 300],
+                                ["field 'run_name'", "300 bytes long", "at most 255 bytes"]),
+    "train-rlvr-run-name-itself": (["train", "--config", "@rlvr", "--set", "run_name=."],
+                                   ["field 'run_name'", "'.' names the folder itself"]),
     "report-output-is-a-committed-table": (["report", "runs/quickstart", "--output", "tbl"],
                                            ["committed output of stage example", "rollflow report did not write"]),
     "example-output-inside-a-committed-table": (["example", "--output", "tbl/more", "--samples", "16"], [IN_TABLE]),
