@@ -113,7 +113,9 @@ class LossOptions(Frozen):
                                                        "losses do not read it (nor does ROLL's agentic pipeline): "
                                                        "another value needs policy_loss: rlvr.")
     difficulty_loss_weight: bool = Field(False, description="RLVR difficulty sample weights (policy_loss: rlvr "
-                                                            "only).")
+                                                            "only): each row's pg loss weighed by 0.5 + 1.5·clip("
+                                                            "difficulty, 0, 1), from the training table's per-row "
+                                                            "'difficulty' column (rollflow train-step).")
     length_loss_weight: bool = Field(False, description="RLVR length sample weights (policy_loss: rlvr only).")
     train_infer_correction: TrainInferCorrectionConfig = Field(
         default_factory=TrainInferCorrectionConfig, description="ROLL's train/infer mismatch correction "

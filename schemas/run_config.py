@@ -56,6 +56,19 @@ class RunOptions(Frozen):
         return self
 
     @model_validator(mode="after")
+    def _difficulty_source(self) -> "RunOptions":
+        """difficulty_loss_weight weighs rows by the training table's per-row ``difficulty`` column (spec §6.5),
+        which no stage of a training run writes: refused here rather than by the first training step."""
+        if "difficulty" in self.train.table_needs:
+            raise ValueError("train.difficulty_loss_weight weighs each row's policy loss by the per-row 'difficulty' "
+                             "column of the training table (0.5 + 1.5·clip(difficulty, 0, 1), spec §6.5), but no "
+                             "stage of a training run writes that column (the prompt files' difficulty is not "
+                             "carried into the samples), so the first training step would fail; set "
+                             "train.difficulty_loss_weight: false, or train a table that has the column with "
+                             "rollflow train-step")
+        return self
+
+    @model_validator(mode="after")
     def _device_mappings(self) -> "RunOptions":
         """ROLL's device_mapping rules: which roles share GPUs, and that a colocated engine sleeps between rollouts
         (schemas/devices.py)."""

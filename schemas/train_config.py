@@ -299,6 +299,15 @@ class TrainSection(LossOptions):
         """Whether the estimator uses critic values (the table's capability, not a name test)."""
         return estimator_capabilities(self.adv_estimator).needs_critic
 
+    @property
+    def table_needs(self) -> tuple[str, ...]:
+        """The optional columns of the advantaged table this section trains on: the critic's ``values``, and the
+        per-row ``difficulty`` that difficulty_loss_weight weighs rows by (spec §6.5; off under roll_compat, where
+        ROLL never applies it [BUG-8])."""
+        critic = ("values",) if self.needs_critic else ()
+        weighted = self.difficulty_loss_weight and self.policy_loss == "rlvr" and not self.roll_compat
+        return critic + (("difficulty",) if weighted else ())
+
     def loss_config(self) -> LossOptions:
         """The loss options alone (what ``stages.losses`` reads), without the section's own fields."""
         return LossOptions.model_validate({name: getattr(self, name) for name in LossOptions.model_fields})

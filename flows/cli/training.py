@@ -218,7 +218,7 @@ def train_step(samples: str = typer.Option(..., "--samples", help="Advantaged ta
                force: bool = typer.Option(False, "--force", help="Train even if the output is up to date.")) -> None:
     """One PPO training step (actor, and critic for gae) on DeepSpeed under Ray Train; writes a checkpoint."""
     cfg = _prepare("TrainStepConfig", config, overrides, "ADVANTAGED", samples, output,
-                   lambda cfg: ("values",) if cfg.needs_critic else (), (checkpoint,), "train_step", "train-step")
+                   lambda cfg: cfg.table_needs, (checkpoint,), "train_step", "train-step")
     from stages.train.stage import run_train_step
 
     result = _guard(lambda: run_train_step(str(samples), str(checkpoint), cfg, str(output), force=force))

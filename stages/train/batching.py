@@ -22,6 +22,7 @@ import torch
 from schemas.errors import InvariantError, SchemaError
 from stages.algos.ragged import Ragged
 
+ROW_COLUMNS = ("difficulty",)  # one number per row the loss reads (RLVR's difficulty_loss_weight, spec §6.5)
 NEXT_TOKEN_COLUMNS = ("old_log_probs", "ref_log_probs", "infer_logprobs", "advantages", "returns", "values",
                       "train_infer_is_weight", "final_response_mask")
 
@@ -37,12 +38,14 @@ def take(r: Ragged, rows: np.ndarray) -> Ragged:
 
 @dataclass(frozen=True)
 class TokenRows:
-    """``B`` ragged rows: ``input_ids`` and ``response_mask`` (L each) and next-token float columns (L - 1 each)."""
+    """``B`` ragged rows: ``input_ids`` and ``response_mask`` (L each), next-token float columns (L - 1 each) and
+    per-row columns (``(B,)`` each, :data:`ROW_COLUMNS`, as stored: the loss checks and converts them)."""
 
     input_ids: Ragged
     response_mask: Ragged
     next_token: dict[str, Ragged] = field(default_factory=dict)
     row_ids: np.ndarray | None = None
+    per_row: dict[str, np.ndarray] = field(default_factory=dict)
 
     @classmethod
     def from_arrow(cls, table: pa.Table, where: str, columns: tuple[str, ...] = NEXT_TOKEN_COLUMNS) -> "TokenRows":
@@ -54,8 +57,9 @@ class TokenRows:
         ids = Ragged.from_arrow(table.column("input_ids"), np.int64)
         mask = Ragged.from_arrow(table.column("response_mask"), np.int64)
         rid = table.column("row_id").to_numpy(zero_copy_only=False) if "row_id" in table.column_names else None
+        per_row = {c: table.column(c).to_numpy(zero_copy_only=False) for c in ROW_COLUMNS if c in table.column_names}
         rows = cls(ids, mask, {c: Ragged.from_arrow(table.column(c), np.float32) for c in columns
-                               if c in table.column_names}, rid)
+                               if c in table.column_names}, rid, per_row)
         rows.check(where)
         return rows
 
@@ -109,13 +113,15 @@ class TokenRows:
     def take(self, rows: np.ndarray) -> "TokenRows":
         return TokenRows(take(self.input_ids, rows), take(self.response_mask, rows),
                          {k: take(v, rows) for k, v in self.next_token.items()},
-                         None if self.row_ids is None else self.row_ids[np.asarray(rows, dtype=np.int64)])
+                         None if self.row_ids is None else self.row_ids[np.asarray(rows, dtype=np.int64)],
+                         {k: v[np.asarray(rows, dtype=np.int64)] for k, v in self.per_row.items()})
 
     def with_next_token(self, name: str, column: Ragged) -> "TokenRows":
-        return TokenRows(self.input_ids, self.response_mask, {**self.next_token, name: column}, self.row_ids)
+        return TokenRows(self.input_ids, self.response_mask, {**self.next_token, name: column}, self.row_ids,
+                         self.per_row)
 
     def with_response_mask(self, mask: Ragged) -> "TokenRows":
-        return TokenRows(self.input_ids, mask, self.next_token, self.row_ids)
+        return TokenRows(self.input_ids, mask, self.next_token, self.row_ids, self.per_row)
 
 
 # ---- micro-batches --------------------------------------------------------------------------------------------
@@ -168,7 +174,8 @@ def split_by_rows(num_rows: int, rows_per_micro_batch: int) -> list[np.ndarray]:
 class MicroBatch:
     """One padded micro-batch of ``b`` rows, ``S`` = longest row: ``(b, S)`` int64 ``input_ids``,
     ``attention_mask``, ``position_ids``, ``response_mask``; ``(b, S-1)`` float32 next-token columns; ``lengths``
-    ``(b,)``. ``padding_step``: a stand-in with no real row (its loss is multiplied by 0)."""
+    ``(b,)``. ``padding_step``: a stand-in with no real row (its loss is multiplied by 0). ``per_row``: the rows'
+    per-row columns, ``(b,)`` each (:data:`ROW_COLUMNS`; host arrays)."""
 
     input_ids: torch.Tensor
     attention_mask: torch.Tensor
@@ -177,6 +184,7 @@ class MicroBatch:
     next_token: dict[str, torch.Tensor]
     lengths: np.ndarray
     padding_step: bool = False
+    per_row: dict[str, np.ndarray] = field(default_factory=dict)
 
     @property
     def num_rows(self) -> int:
@@ -199,7 +207,7 @@ class MicroBatch:
         move = lambda t: t.to(device, non_blocking=True)  # noqa: E731
         return MicroBatch(move(self.input_ids), move(self.attention_mask), move(self.position_ids),
                           move(self.response_mask), {k: move(v) for k, v in self.next_token.items()}, self.lengths,
-                          self.padding_step)
+                          self.padding_step, self.per_row)
 
 
 def pad_micro_batch(rows: TokenRows, index: np.ndarray, pad_token_id: int = 0) -> MicroBatch:
@@ -223,7 +231,7 @@ def pad_micro_batch(rows: TokenRows, index: np.ndarray, pad_token_id: int = 0) -
     response = torch.from_numpy(sub.response_mask.to_padded(width, fill=0).astype(np.int64))
     next_token = {k: torch.from_numpy(v.to_padded(width - 1, fill=0.0).astype(np.float32))
                   for k, v in sub.next_token.items()}
-    return MicroBatch(ids, attention, positions, response, next_token, lengths)
+    return MicroBatch(ids, attention, positions, response, next_token, lengths, per_row=sub.per_row)
 
 
 def real_tokens(mb: MicroBatch) -> torch.Tensor:

@@ -378,7 +378,7 @@ class ActorObjective:
                             train_infer_is_weight=t.get("train_infer_is_weight"), entropy=entropy,
                             final_mask=t.get("final_response_mask"), num_tokens=plan.num_tokens,
                             num_seqs=plan.num_seqs, final_num_tokens=plan.final_num_tokens,
-                            final_num_seqs=plan.final_num_seqs)
+                            final_num_seqs=plan.final_num_seqs, difficulty=mb.per_row.get("difficulty"))
         loss, metrics = self.loss_fn(inputs, self.loss_cfg)
         if old is None and not mb.padding_step:
             lp = unpad_next_token(log_probs, mb.lengths)
@@ -591,7 +591,7 @@ def peak_memory(dist: DistInfo) -> Metrics:
 
 # Columns the training step reads (the rest of the advantaged table stays on disk).
 TRAIN_COLUMNS = ("row_id", "input_ids", "response_mask", "advantages", "returns", "values", "old_log_probs",
-                 "ref_log_probs", "infer_logprobs", "final_response_mask")
+                 "ref_log_probs", "infer_logprobs", "final_response_mask", "difficulty")
 
 
 def read_train_table(samples, names: list[str]):

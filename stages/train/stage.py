@@ -88,7 +88,7 @@ def run_train_step(samples: str, checkpoint: str, cfg: TrainStepConfig, output: 
     out = Location.of(output)
     info = ckpt.read_checkpoint(checkpoint)
     schema = read_table_schema(samples_loc, ADVANTAGED.name)
-    needs = ("values",) if section.needs_critic else ()
+    needs = section.table_needs
     ADVANTAGED.check_schema(schema, samples_loc.path, needs)
     state_in = {"checkpoint": ckpt.checkpoint_fingerprint(info.path)}
     fp = stage_fingerprint(TrainStage, section, {"samples": samples_loc}, state_in)

@@ -441,6 +441,10 @@ FORWARD = {
     "values-checkpoint-manifest-damaged": (["values", "--samples", "@samples", "--checkpoint",
                                             "@ckpt_manifest_not_json", "--output", "out"],
                                            ["ckpt_manifest_not_json/manifest.json is damaged"]),
+    "train-step-difficulty-weight-without-the-column": (["train-step", "--samples", "@advantaged", "--checkpoint",
+                                                        "@model", "--output", "out", "--set", "policy_loss=rlvr",
+                                                        "--set", "difficulty_loss_weight=true"],
+                                                       ["advantaged table at", "missing column 'difficulty'"]),
     "train-step-config-not-yaml": (["train-step", "--samples", "@advantaged", "--checkpoint", "@model",
                                     "--config", "notyaml.yaml", "--output", "out"], ["is not valid YAML"]),
 }
