@@ -34,6 +34,11 @@ def server(host: str = typer.Option("127.0.0.1", "--host", help="Address to list
     """Start a local Prefect server (API + UI) and keep it running until Ctrl-C."""
     from flows.serving import start_server
 
+    if home is not None and not home.is_file():  # a file: start_server says so
+        from stages.outputs import Writes, check_output
+
+        # its database and log would land among a table's or a run's files
+        _guard(lambda: check_output(str(home), Writes("rollflow server", loose=True), flag="--home"))
     srv = _guard(lambda: start_server(host, port, home or _default_server_home(), timeout))
     typer.echo(f"Prefect server at {srv.url} (UI), database and log in {srv.home}\n"
                f"point flows and `rollflow deploy` at it with:\n  export PREFECT_API_URL={srv.api_url}\n"

@@ -142,6 +142,10 @@ def demo(run_dir: Path = typer.Option(Path("runs/demo"), "--run-dir"),
     from stages.example import ExampleSpec, generate
 
     cfg = _guard(lambda: load_config(RecomputeConfig, config))  # a bad config writes nothing
+    from stages.outputs import Writes, check_output
+
+    _guard(lambda: check_output(str(run_dir), Writes("rollflow demo", (), {"samples": ("example",), "recompute": ()}),
+                                flag="--run-dir"))
     samples_dir = run_dir / "samples"
     if not samples_dir.exists():
         manifest = _guard(lambda: generate(ExampleSpec(samples=4096, seed=0), str(samples_dir)))
