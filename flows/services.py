@@ -1,12 +1,14 @@
 """Start the two services a command's flow needs side by side: Prefect's ephemeral API server (a subprocess; about
 10-15 s on two cores, its database migrating on a new PREFECT_HOME) and the local Ray cluster (about 5 s). The flow
 would start them one after the other; started here, the flow finds both running. A flow started any other way (a
-deployment, a test calling it) starts them itself, so this is only a head start."""
+deployment, a test calling it) starts them itself, so this is only a head start; but only a server started here is
+deaf to a terminal's Ctrl-C (below), so every command that runs a flow starts its services here."""
 
 from __future__ import annotations
 
 import logging
 import os
+import signal
 import threading
 
 log = logging.getLogger("rollflow")
@@ -28,6 +30,11 @@ class _PrefectStart(threading.Thread):
         self.error: BaseException | None = None
 
     def run(self) -> None:
+        # the server is started with SIGINT blocked, which it inherits (a blocked signal stays blocked across exec,
+        # and uvicorn installs handlers without unblocking it): a terminal's Ctrl-C, sent to the whole process group,
+        # reaches the command only, which marks its flow run and then stops the server (flows/interrupt.py). Blocked
+        # on this thread only; Python runs signal handlers on the main thread anyway.
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
         try:
             from prefect.server.api.server import SubprocessASGIServer
 

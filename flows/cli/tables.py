@@ -151,7 +151,9 @@ def demo(run_dir: Path = typer.Option(Path("runs/demo"), "--run-dir"),
         manifest = _guard(lambda: generate(ExampleSpec(samples=4096, seed=0), str(samples_dir)))
         typer.echo(f"generated {manifest['rows']:,} example rows in {samples_dir}")
     from flows.recompute import recompute_flow
+    from flows.services import start_services
 
+    _guard(lambda: start_services(cfg.runtime.ray_address, cfg.runtime.num_cpus))
     result = _guard(lambda: recompute_flow(str(samples_dir), str(run_dir / "recompute"), cfg.model_dump(mode="json")))
     _print_recompute(result)
     typer.echo(f"\nconfig {config}; outputs under {run_dir / 'recompute'} (rollflow inspect DIR to look again)")
