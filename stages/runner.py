@@ -43,6 +43,14 @@ log = logging.getLogger("rollflow.runner")
 TMP_MARK = ".tmp-"
 OLD_MARK = ".old-"
 ATTEMPT_MARK = ".attempt-"  # object stores: the prefix, inside the output folder, of one attempt's files
+# every output this process committed or found committed, in that order (an interrupted command says what it has:
+# flows/interrupt.py)
+COMMITTED: list[str] = []
+
+
+def _committed(output: Location, result: tuple[dict[str, Any], bool]) -> tuple[dict[str, Any], bool]:
+    COMMITTED.append(output.uri())
+    return result
 
 
 @dataclass
@@ -362,12 +370,12 @@ def commit_folder(output: Location, fingerprint: str, fill: Callable[[Location],
     ``local`` (``fill`` writes with local paths: DeepSpeed, Hugging Face) ``fill`` gets a local staging folder whose
     files are then uploaded into the attempt."""
     if not output.atomic_rename:
-        return _commit_attempt(output, fingerprint, _staged(fill) if local else fill, who=who, other=other,
-                               force=force)
+        return _committed(output, _commit_attempt(output, fingerprint, _staged(fill) if local else fill, who=who,
+                                                  other=other, force=force))
     cleanup_leftovers(output)
     existing = _existing_output(output, fingerprint, force, who, other)
     if existing is not None:
-        return existing, True
+        return _committed(output, (existing, True))
     tmp = output.parent.child(f".{output.name}{TMP_MARK}{os.getpid()}-{uuid.uuid4().hex[:8]}")
     created_parent = not output.parent.exists()
     with unwrapped_errors():
@@ -380,7 +388,7 @@ def commit_folder(output: Location, fingerprint: str, fill: Callable[[Location],
             if created_parent and not output.parent.list():  # leave no empty output folder behind either
                 output.parent.rmtree()
             raise
-    return manifest, False
+    return _committed(output, (manifest, False))
 
 
 def _drop_attempts(output: Location, keep: str | None) -> None:
@@ -475,18 +483,18 @@ def commit_record(output: Location, fingerprint: str, build: Callable[[], dict[s
         raise RollflowError(f"{output.path}: the parts of this output are missing; run the stage that writes them")
     existing = read_manifest(output)
     if existing is not None and existing.get("fingerprint") == fingerprint and not force:
-        return existing, True
+        return _committed(output, (existing, True))
     for info in output.list():  # the temporary file of a killed earlier write
         if info.base_name.startswith(f".{MANIFEST}{TMP_MARK}"):
             output.fs.delete_file(info.path)
     manifest = {**build(), "fingerprint": fingerprint}
     if not output.atomic_rename:  # an object store: one PUT is atomic (and a move would be a copy)
         output.child(MANIFEST).write_text(json.dumps(manifest, indent=1, sort_keys=True))
-        return manifest, False
+        return _committed(output, (manifest, False))
     tmp = output.child(f".{MANIFEST}{TMP_MARK}{os.getpid()}-{uuid.uuid4().hex[:8]}")
     tmp.write_text(json.dumps(manifest, indent=1, sort_keys=True))
     output.fs.move(tmp.path, output.child(MANIFEST).path)
-    return manifest, False
+    return _committed(output, (manifest, False))
 
 
 def _input_schemas(stage: Stage, section: BaseModel, inputs: dict[str, Location]) -> dict[str, pa.Schema]:

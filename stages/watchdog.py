@@ -136,6 +136,12 @@ def _record_tree(known: dict[int, int], table: ProcessTable) -> dict[int, int]:
 
 # this process's id -> the write end of its watchdog's pipe, held open for the process's lifetime
 _PIPES: dict[int, int] = {}
+_WATCHDOGS: dict[int, int] = {}  # this process's id -> its watchdog's
+
+
+def watchdog_pid() -> int | None:
+    """The process id of this process's watchdog (None if none was started)."""
+    return _WATCHDOGS.get(os.getpid())
 
 
 def start(pids: tuple[int, ...] = ()) -> None:
@@ -148,12 +154,13 @@ def start(pids: tuple[int, ...] = ()) -> None:
     if os.getpid() in _PIPES or not os.path.isdir("/proc"):
         return
     read_end, write_end = os.pipe()
-    subprocess.Popen([sys.executable, "-m", "stages.watchdog", str(read_end), str(os.getpid()), *map(str, pids)],
-                     pass_fds=(read_end,), start_new_session=True, stdin=subprocess.DEVNULL,
-                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                     cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    proc = subprocess.Popen([sys.executable, "-m", "stages.watchdog", str(read_end), str(os.getpid()),
+                             *map(str, pids)], pass_fds=(read_end,), start_new_session=True, stdin=subprocess.DEVNULL,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     os.close(read_end)
     _PIPES[os.getpid()] = write_end
+    _WATCHDOGS[os.getpid()] = proc.pid
 
 
 def main(argv: list[str]) -> int:

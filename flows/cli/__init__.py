@@ -15,6 +15,9 @@ __all__ = ["app", "main"]
 
 
 def main() -> None:
+    from flows import interrupt
+
+    interrupt.install(sys.argv[1:])  # Ctrl-C: stop the work, one line (what is committed, how to resume), exit 130
     try:
         app()
     except KeyboardInterrupt:

@@ -32,6 +32,7 @@ def server(host: str = typer.Option("127.0.0.1", "--host", help="Address to list
            timeout: float = typer.Option(120.0, "--timeout", help="Seconds to wait for the server to be healthy.")
            ) -> None:
     """Start a local Prefect server (API + UI) and keep it running until Ctrl-C."""
+    from flows import interrupt
     from flows.serving import start_server
 
     if home is not None and not home.is_file():  # a file: start_server says so
@@ -39,6 +40,7 @@ def server(host: str = typer.Option("127.0.0.1", "--host", help="Address to list
 
         # its database and log would land among a table's or a run's files
         _guard(lambda: check_output(str(home), Writes("rollflow server", loose=True), flag="--home"))
+    interrupt.keep_keyboard_interrupt()  # Ctrl-C is how this command ends: it stops the server (below)
     srv = _guard(lambda: start_server(host, port, home or _default_server_home(), timeout))
     typer.echo(f"Prefect server at {srv.url} (UI), database and log in {srv.home}\n"
                f"point flows and `rollflow deploy` at it with:\n  export PREFECT_API_URL={srv.api_url}\n"
@@ -72,6 +74,7 @@ def deploy(config: Optional[Path] = typer.Option(None, "--config", help="YAML co
            force: bool = typer.Option(False, "--force", help="recompute: every run recomputes all stages.")) -> None:
     """Register a scheduled deployment of a flow on a Prefect server and execute its runs until Ctrl-C
     (which pauses the schedule)."""
+    from flows import interrupt
     from flows.serving import deploy as serve_deployment
     from flows.serving import make_schedule, resolve_api_url
     from schemas.errors import ConfigError
@@ -84,6 +87,7 @@ def deploy(config: Optional[Path] = typer.Option(None, "--config", help="YAML co
     when = f"cron '{cron}' ({timezone or 'UTC'})" if cron else f"every {interval:g} s"
     typer.echo(f"deployment {target.name}/{name} on {api}: {when}, {what}\nserving: due runs execute here, one "
                "at a time; Ctrl-C stops and pauses the schedule")
+    interrupt.keep_keyboard_interrupt()  # Ctrl-C is how this command ends: it pauses the schedule (flows/serving.py)
     _guard(lambda: serve_deployment(target, name, cron=cron, interval_s=interval, timezone=timezone,
                                     parameters=parameters, api_url=api))
 

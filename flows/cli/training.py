@@ -3,6 +3,7 @@ checkpoint on a run's held-out levels), ``train-step``, ``logprobs`` and ``value
 
 from __future__ import annotations
 
+import shlex
 from pathlib import Path
 from typing import Callable, Optional
 
@@ -54,6 +55,9 @@ def train(config: Optional[Path] = typer.Option(None, "--config", help="YAML con
     from flows.runkit import publish_run, run_log
 
     run, log = _guard(lambda: run_log(cfg))
+    from flows import interrupt
+
+    interrupt.resume_with(f"rollflow train --resume {shlex.quote(interrupt.shown(run))}")
     console.log_to(log)
     typer.echo(f"run {run}  (log: {console.log_path()})")
     announce_precision()

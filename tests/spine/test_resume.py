@@ -1,11 +1,15 @@
-"""The issue's "done" criterion: ``rollflow recompute`` killed with SIGKILL mid-way and started again produces output
-identical to an uninterrupted run (compared row by row, not by file names)."""
+"""The issue's "done" criterion: ``rollflow recompute`` killed with SIGKILL mid-way, or interrupted with Ctrl-C (SIGINT
+to its whole process group, as a terminal sends it), and started again produces output identical to an
+uninterrupted run (compared row by row, not by file names)."""
 
 from __future__ import annotations
 
 import json
 import os
+import signal
+import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -13,7 +17,7 @@ import pytest
 from stages.example import ExampleSpec, generate
 from tests.spine.conftest import SMALL
 from tests.spine.helpers import GIGPO, assert_tables_equal, config, read_table, run_recompute, siblings
-from tests.processes import rollflow_here, sigkill_when
+from tests.processes import group_members, rollflow_here, sigkill_when, wait_gone
 
 ROLLFLOW = str(Path(sys.executable).parent / "rollflow")
 BATCH_ROWS = 100  # 40 batches a stage: a kill lands mid-stage, as with bigger tables
@@ -35,10 +39,36 @@ def _in_progress(out: Path) -> bool:
     return False
 
 
-@pytest.mark.slow
-def test_sigkill_mid_run_then_rerun_gives_the_uninterrupted_output(data_root, tmp_path, ray_cluster, prefect_server):
+@pytest.fixture(scope="module")
+def big_set(data_root) -> str:
+    """4000 step-level rows in 8 files: 40 batches a stage."""
     samples = str(data_root / "big")
     generate(ExampleSpec(samples=4000, seed=11, rows_per_file=500, **SMALL), samples)
+    return samples
+
+
+@pytest.fixture(scope="module")
+def big_reference(big_set, data_root, ray_cluster) -> Path:
+    """The uninterrupted recompute of ``big_set`` (rewarded/ and advantaged/ under the returned folder)."""
+    reference = data_root / "big_reference"
+    run_recompute(big_set, str(reference), config(GIGPO, runtime={"batch_rows": BATCH_ROWS}))
+    return reference
+
+
+def _assert_resumed_identical(out: Path, reference: Path) -> None:
+    for name in ("rewarded", "advantaged"):
+        assert_tables_equal(read_table(out / name), read_table(reference / name), name)
+        resumed = json.loads((out / name / "manifest.json").read_text())
+        fresh = json.loads((reference / name / "manifest.json").read_text())
+        assert resumed["fingerprint"] == fresh["fingerprint"]
+        assert resumed["rows"] == fresh["rows"] >= 4000
+        assert resumed["metrics"] == pytest.approx(fresh["metrics"], rel=1e-12, abs=1e-15)
+
+
+@pytest.mark.slow
+def test_sigkill_mid_run_then_rerun_gives_the_uninterrupted_output(big_set, big_reference, tmp_path, ray_cluster,
+                                                                   prefect_server):
+    samples = big_set
     out = tmp_path / "out"
     cmd = [ROLLFLOW, "recompute", "--input", samples, "--config", GIGPO, "--output", str(out),
            "--set", f"runtime.batch_rows={BATCH_ROWS}", "--set", "runtime.num_cpus=2"]
@@ -58,12 +88,50 @@ def test_sigkill_mid_run_then_rerun_gives_the_uninterrupted_output(data_root, tm
     assert "computed in" in rerun.stdout.splitlines()[1]
     assert siblings(out / "advantaged") == ["advantaged"] and siblings(out / "rewarded") == ["rewarded"]
 
-    reference = tmp_path / "reference"
-    run_recompute(samples, str(reference), config(GIGPO, runtime={"batch_rows": BATCH_ROWS}))
-    for name in ("rewarded", "advantaged"):
-        assert_tables_equal(read_table(out / name), read_table(reference / name), name)
-        resumed = json.loads((out / name / "manifest.json").read_text())
-        fresh = json.loads((reference / name / "manifest.json").read_text())
-        assert resumed["fingerprint"] == fresh["fingerprint"]
-        assert resumed["rows"] == fresh["rows"] >= 4000
-        assert resumed["metrics"] == pytest.approx(fresh["metrics"], rel=1e-12, abs=1e-15)
+    _assert_resumed_identical(out, big_reference)
+
+
+@pytest.mark.slow
+def test_ctrl_c_mid_run_stops_with_one_line_and_a_rerun_resumes(big_set, big_reference, tmp_path, ray_cluster,
+                                                                 prefect_server):
+    """SIGINT to the command's whole process group mid-way through the advantages stage: the command, not Prefect's
+    ephemeral server in the same group, decides what it means. Exit 130, one line on the console (what is committed,
+    how to resume), no traceback, no log record; the flow run is marked Cancelled on the server, which outlived the
+    interrupt; nothing of the group is left; the same command resumes to the uninterrupted tables. The child joins
+    the session's Ray cluster (RAY_ADDRESS: its tasks end with its driver) and starts its own ephemeral Prefect
+    server, the service a terminal's Ctrl-C killed (issue 48)."""
+    import ray
+
+    out, cache = tmp_path / "out", tmp_path / "cache"
+    cmd = [ROLLFLOW, "recompute", "--input", big_set, "--config", GIGPO, "--output", str(out),
+           "--set", f"runtime.batch_rows={BATCH_ROWS}"]
+    env = {**_child_env(tmp_path / "prefect"), "RAY_ADDRESS": ray.get_runtime_context().gcs_address,
+           "ROLLFLOW_CACHE": str(cache)}  # the command's log: cache/logs/recompute.log
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        deadline = time.monotonic() + 500
+        while not _in_progress(out):
+            assert proc.poll() is None, f"finished (rc {proc.returncode}) before the advantages stage"
+            assert time.monotonic() < deadline, "the advantages stage never came"
+            time.sleep(0.05)
+        os.killpg(proc.pid, signal.SIGINT)
+        stdout, stderr = proc.communicate(timeout=60)  # a safety bound; benchmarks/kill_trials.py measures the time
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert proc.returncode == 130, stdout + stderr
+    resume = "rollflow " + " ".join(cmd[1:])
+    assert stderr.splitlines() == [f"interrupted: 1 output(s) committed (the last: {out / 'rewarded'}); resume with "
+                                   f"{resume}"], stderr
+    assert "Traceback" not in stdout + stderr and "ERROR" not in stdout + stderr
+    assert wait_gone(proc.pid, 30), f"left behind: {group_members(proc.pid)}"
+    log = (cache / "logs" / "recompute.log").read_text()
+    assert "Prefect flow run" in log and "marked Cancelled" in log, "Prefect's server died before the command"
+    assert (out / "rewarded" / "manifest.json").exists() and not (out / "advantaged").exists()
+
+    rerun = rollflow_here(*cmd[1:], api_url=prefect_server.api_url)
+    assert rerun.exit_code == 0, rerun.output[-3000:]
+    assert "up to date, skipped" in rerun.stdout.splitlines()[0], "the committed first stage is not redone"
+    _assert_resumed_identical(out, big_reference)
