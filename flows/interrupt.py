@@ -10,7 +10,8 @@ which then reported the crash to a server the same SIGINT had killed, and the ru
 ``EventsWorker`` errors and a traceback (issue 48).
 
 :func:`install` (once, where the command line starts) makes SIGINT end the command in the handler itself, on the
-main thread, so no stage starts or commits after it:
+main thread, so no stage starts or commits after it (or, when the main thread is held in a library's C code for more
+than a second, on a thread woken by the signal, :func:`_watch_wakeups`):
 
 1. one line on stderr: what this command committed (the one runner records every output it commits or finds
    committed, :data:`stages.runner.COMMITTED`) and the command that resumes;
@@ -42,7 +43,9 @@ log = logging.getLogger("rollflow")
 EXIT_STATUS = 130  # 128 + SIGINT, as a shell reports a command ended by Ctrl-C
 PREFECT_WAIT_S = 2.0  # at most this long for Prefect (mark the run, stop the server): the whole stop stays within 5 s
 
-_state: dict = {"resume": None, "stopping": False}
+HANDLER_WAIT_S = 1.0  # how long the wakeup watcher leaves a SIGINT to the main thread's handler
+_state: dict = {"resume": None, "stopping": False, "handled": False}
+_lock = threading.Lock()
 
 
 def install(argv: list[str]) -> None:
@@ -50,6 +53,29 @@ def install(argv: list[str]) -> None:
     whose re-run resumes it unless the command names another way (:func:`resume_with`). Main thread only."""
     _state["resume"] = "rollflow " + shlex.join(argv)
     signal.signal(signal.SIGINT, _on_interrupt)
+    read_end, write_end = os.pipe()
+    os.set_blocking(write_end, False)
+    signal.set_wakeup_fd(write_end, warn_on_full_buffer=False)
+    threading.Thread(target=_watch_wakeups, args=(read_end,), name="rollflow-interrupt", daemon=True).start()
+
+
+def _watch_wakeups(read_end: int) -> None:
+    """Python runs a signal handler on the main thread between two bytecodes, so a main thread waiting inside a
+    library's C code (Ray's start-up waits for its processes there, under load for seconds) delays it. Python's C
+    handler writes every signal's number into the wakeup pipe at once: this thread reads it, and stops the command
+    itself when the main thread's handler has not begun within HANDLER_WAIT_S (without the Prefect run context only
+    the main thread sees: the runs are then left to Prefect's own crash detection)."""
+    while True:
+        data = os.read(read_end, 64)
+        if signal.SIGINT not in data:
+            continue
+        if _state["stopping"]:  # a second Ctrl-C
+            os._exit(EXIT_STATUS)
+        deadline = time.monotonic() + HANDLER_WAIT_S
+        while not _state["stopping"] and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if _begin():
+            _stop(from_main_thread=False)
 
 
 def resume_with(command: str) -> None:
@@ -81,25 +107,56 @@ def summary_line(committed: list[str], resume: str | None) -> str:
     return f"interrupted: {what}; resume with {resume or 'the same command'}"
 
 
+def _begin() -> bool:
+    """True for the one caller that stops the command (the main thread's handler, or the wakeup watcher)."""
+    with _lock:
+        if _state["stopping"]:
+            return False
+        _state["stopping"] = True
+        return True
+
+
 def _on_interrupt(signum, frame) -> None:
-    if _state["stopping"]:  # a second Ctrl-C: no more waiting
+    if _begin():
+        _stop(from_main_thread=True)
+    if _state["handled"]:  # a second Ctrl-C: no more waiting
         os._exit(EXIT_STATUS)
-    _state["stopping"] = True
+    _state["handled"] = True
+    while True:  # the watcher is stopping the command: the main thread does nothing more
+        time.sleep(1.0)
+
+
+def _steps(from_main_thread: bool):
+    """The stopping steps, in order, as (name, function); each runs whatever the one before it did."""
+    # modules are looked up, never imported here: the main thread may be half-way through an import
+    runner = sys.modules.get("stages.runner")
+    line = summary_line(runner.COMMITTED if runner else [], _state["resume"])
+    flow_runs: list = []
+    prefix = "\r\x1b[K" if sys.stderr.isatty() else ""
+
+    def prefect_runs() -> None:
+        flow_runs.extend(_prefect_runs() if from_main_thread else [])  # the main thread's Prefect context
+
+    def stop_processes() -> None:
+        log.info("interrupted: stopped %d process(es) the command started", _stop_processes())
+
+    return [("the line", lambda: os.write(2, f"{prefix}{line}\n".encode())),
+            ("the console", _close_console),
+            ("the log", lambda: log.info("%s (SIGINT)", line)),
+            ("the Prefect runs", prefect_runs),
+            ("the processes", stop_processes),
+            ("Prefect's runs", lambda: _cancel_prefect(flow_runs)),
+            ("Prefect's server", _stop_prefect_server)]
+
+
+def _stop(from_main_thread: bool) -> None:
+    """Stop the command (the steps of the module's docstring) and exit with EXIT_STATUS."""
     try:
-        # modules are looked up, never imported here: the main thread may be half-way through an import
-        runner = sys.modules.get("stages.runner")
-        line = summary_line(runner.COMMITTED if runner else [], _state["resume"])
-        flow_runs = _prefect_runs()  # the main thread's Prefect context, read here, where the handler runs
-        prefix = "\r\x1b[K" if sys.stderr.isatty() else ""
-        os.write(2, f"{prefix}{line}\n".encode())
-        _close_console()
-        log.info("%s (SIGINT)", line)
-        stopped = _stop_processes()
-        log.info("interrupted: stopped %d process(es) the command started", stopped)
-        _cancel_prefect(flow_runs)
-        _stop_prefect_server()
-    except BaseException as err:  # noqa: BLE001 (the command ends either way; the log file says why it ended so)
-        log.info("interrupted: stopping failed (%s: %s)", type(err).__name__, err)  # the file only
+        for name, step in _steps(from_main_thread):
+            try:
+                step()
+            except BaseException as err:  # noqa: BLE001 (the next steps run, the command ends either way)
+                log.info("interrupted: stopping %s failed (%s: %s)", name, type(err).__name__, err)  # the file
     finally:
         for handler in logging.getLogger().handlers:
             try:
@@ -112,6 +169,10 @@ def _on_interrupt(signum, frame) -> None:
 def _close_console() -> None:
     """Point stdout and stderr at the command's log file (at /dev/null without one): what the stopping work still
     prints (a library's error about a connection that went away) stays off the console."""
+    root = logging.getLogger()
+    for handler in list(root.handlers):
+        if type(handler).__name__ == "ConsoleHandler":
+            root.removeHandler(handler)
     console = sys.modules.get("flows.console")
     for stream in (sys.stdout, sys.stderr):
         try:
@@ -123,10 +184,6 @@ def _close_console() -> None:
     os.dup2(target, 1)
     os.dup2(target, 2)
     os.close(target)
-    root = logging.getLogger()
-    for handler in list(root.handlers):
-        if type(handler).__name__ == "ConsoleHandler":
-            root.removeHandler(handler)
 
 
 def _stop_processes() -> int:
@@ -151,12 +208,12 @@ def _stop_processes() -> int:
 
 def _prefect_runs() -> list[tuple[str, object]]:
     """(kind, id) of the flow run and task run the main thread is in, if Prefect is loaded at all."""
-    if "prefect.context" not in sys.modules:
+    context = sys.modules.get("prefect.context")
+    flow_run_context = getattr(context, "FlowRunContext", None)  # None: Prefect not loaded, or half-way through
+    if flow_run_context is None or not hasattr(context, "TaskRunContext"):
         return []
-    from prefect.context import FlowRunContext, TaskRunContext
-
     runs = []
-    for kind, ctx in (("task", TaskRunContext.get()), ("flow", FlowRunContext.get())):
+    for kind, ctx in (("task", context.TaskRunContext.get()), ("flow", flow_run_context.get())):
         run = getattr(ctx, f"{kind}_run", None) if ctx is not None else None
         if run is not None:
             runs.append((kind, run.id))
@@ -192,10 +249,10 @@ def _cancel_prefect(runs: list[tuple[str, object]]) -> None:
 
 def _prefect_server():
     """Prefect's ephemeral server object of this process, if one was started."""
-    module = sys.modules.get("prefect.server.api.server")
-    if module is None:
+    server_class = getattr(sys.modules.get("prefect.server.api.server"), "SubprocessASGIServer", None)
+    if server_class is None:  # not loaded, or half-way through its import: no server started
         return None
-    return next((s for s in module.SubprocessASGIServer._instances.values() if s.server_process is not None), None)
+    return next((s for s in server_class._instances.values() if s.server_process is not None), None)
 
 
 def _prefect_server_pid() -> int | None:
