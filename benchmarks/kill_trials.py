@@ -19,6 +19,20 @@ checkpoint); the quickstart trials are here.
     python benchmarks/kill_trials.py --command score --trials 4 --seed 0
 
 Last line: ``RESULT command=... trials=N identical=K double_kills=D``.
+
+``--sigint`` runs Ctrl-C trials instead (issue 48): SIGINT to each command's whole process group, as a terminal
+sends it, at a few points spread over its uninterrupted wall time (``--points``, at k/(points+1) of it); each
+command's own services (a local Ray cluster, Prefect's ephemeral server) are started as a user's are. A trial
+measures the seconds from the SIGINT to the command's exit and checks exit status 130, exactly one line on the
+console after the interrupt (``interrupted: ...``, what is committed and how to resume), no traceback and no log
+record; then runs the command that line names and compares its tables with the uninterrupted run's. The commands:
+the four above and ``stage`` (``rollflow stage response_rewards`` with another normalization, on a recompute made
+first); train is the heavy one (the default model, vLLM and DeepSpeed), so the default leaves it out.
+
+    python benchmarks/kill_trials.py --sigint --commands recompute,score,stage,rollout --points 2
+
+Last line: ``RESULT sigint commands=... sigint_trials=N sigint_max_exit_s=S sigint_exit_130=K sigint_one_line=K
+sigint_resumed_identical=K``.
 """
 
 from __future__ import annotations
@@ -26,6 +40,7 @@ from __future__ import annotations
 import argparse
 import os
 import random
+import shlex
 import signal
 import subprocess
 import sys
@@ -66,6 +81,16 @@ def prepare(command: str, root: Path) -> tuple[list[str], list[str]]:
         for item in sets:
             args += ["--set", item]
         return args, ["episodes", "samples"]
+    if command == "stage":
+        base = root / "base"
+        samples = root / "samples"
+        subprocess.run(rollflow("example", "--output", str(samples), "--samples", "4000", "--seed", "1"), check=True,
+                       cwd=REPO, capture_output=True)
+        subprocess.run(rollflow("recompute", "--input", str(samples), "--config", "configs/recompute_gigpo.yaml",
+                                "--set", "runtime.batch_rows=200", "--output", str(base)), check=True, cwd=REPO,
+                       capture_output=True)
+        return (["stage", "response_rewards", "--from", str(base / "rewarded"), "--set",
+                 "reward_normalization.method=mean"], ["."])
     if command == "train":
         per_iteration = ["rollout/samples", "logprobs", "rewarded", "advantaged", "eval/samples"]
         return (["train", "--config", "configs/train_frozenlake_quickstart.yaml", "--no-report"],
@@ -142,16 +167,118 @@ def same(a, b) -> bool:
     return True
 
 
+def interrupt(args: list[str], output: Path, env: dict, after: float) -> dict:
+    """Run the command into ``output`` and SIGINT its whole process group after ``after`` seconds (if it is still
+    running). Returns its exit status, the seconds from the SIGINT to its exit (None: it ended first; a command
+    that outlives the SIGINT by 120 s is SIGKILLed, status None), and what it printed after the SIGINT."""
+    out_log, err_log = output.parent / f"{output.name}.stdout", output.parent / f"{output.name}.stderr"
+    with open(out_log, "w") as out, open(err_log, "w") as err:
+        proc = subprocess.Popen(command_line(args, output), cwd=REPO, env=env, stdout=out, stderr=err,
+                                start_new_session=True)
+        exit_s = None
+        try:
+            proc.wait(timeout=after)
+        except subprocess.TimeoutExpired:
+            printed = out_log.stat().st_size, err_log.stat().st_size
+            os.killpg(proc.pid, signal.SIGINT)
+            sent = time.monotonic()
+            try:
+                proc.wait(timeout=120)
+                exit_s = time.monotonic() - sent
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+        else:
+            printed = None
+        _wait_group(proc.pid)
+    after_out = out_log.read_text()[printed[0]:] if printed else ""
+    after_err = err_log.read_text()[printed[1]:] if printed else ""
+    return {"rc": proc.returncode if exit_s is not None or printed is None else None, "exit_s": exit_s,
+            "printed": after_out + after_err, "stderr": after_err}
+
+
+def _wait_group(pgid: int, seconds: float = 60) -> None:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        try:
+            os.killpg(pgid, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.5)
+
+
+def resume_command(line: str) -> list[str]:
+    """The command the interrupted command's line names (``... resume with rollflow ARGS``), as an argv."""
+    words = shlex.split(line.rsplit("resume with ", 1)[1])
+    assert words[0] == "rollflow", line
+    return rollflow(*words[1:])
+
+
+def sigint_trials(names: list[str], points: int, root: Path, env: dict) -> None:
+    """The Ctrl-C trials of each command in ``names`` at ``points`` points; prints a table and the RESULT line."""
+    print(f"{'command':<10} {'SIGINT at (s)':>13} {'rc':>4} {'exit (s)':>9} {'one line':>9} {'resume rc':>10} "
+          f"{'identical':>10}")
+    rows = []
+    for name in names:
+        work = root / name
+        work.mkdir()
+        command, tables = prepare(name, work)
+        rc, wall = run(command, work / "reference", env, None)
+        if rc != 0:
+            raise SystemExit(f"{name}: the uninterrupted run failed (rc {rc}); see {work / 'reference.log'}")
+        reference = {t: read(work / "reference" / t) for t in tables}
+        for k in range(1, points + 1):
+            at = wall * k / (points + 1)
+            out = work / f"sigint{k}"
+            trial = interrupt(command, out, env, at)
+            if trial["exit_s"] is None and trial["rc"] is not None:
+                print(f"{name:<10} {at:>13.1f} finished before the interrupt")
+                continue
+            lines = trial["stderr"].splitlines()
+            one_line = (len(lines) == 1 and lines[0].startswith("interrupted: ") and
+                        trial["printed"].strip() == lines[0])  # so no traceback, no log record either
+            resumed_rc = None
+            if lines and "resume with " in lines[-1]:
+                argv = resume_command(lines[-1])
+                with open(work / f"sigint{k}.resume.log", "w") as log:
+                    resumed_rc = subprocess.run(argv, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                                start_new_session=True).returncode
+            ok = resumed_rc == 0 and all((out / t / "manifest.json").exists() and same(read(out / t), reference[t])
+                                         for t in tables)
+            if name == "train" and ok:
+                last = f"{RUN}/iter_0001/checkpoint"
+                ok = same_weights(out / last, work / "reference" / last)
+            rows.append((trial["rc"], trial["exit_s"], one_line, ok))
+            exit_s = f"{trial['exit_s']:.1f}" if trial["exit_s"] is not None else "-"
+            print(f"{name:<10} {at:>13.1f} {str(trial['rc']):>4} {exit_s:>9} {str(one_line):>9} "
+                  f"{str(resumed_rc):>10} {str(ok):>10}")
+    exits = [r[1] for r in rows if r[1] is not None]
+    print(f"RESULT sigint commands={','.join(names)} sigint_trials={len(rows)} "
+          f"sigint_max_exit_s={max(exits) if exits else float('nan'):.1f} "
+          f"sigint_exit_130={sum(r[0] == 130 for r in rows)} sigint_one_line={sum(r[2] for r in rows)} "
+          f"sigint_resumed_identical={sum(r[3] for r in rows)}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--command", default="score", choices=["score", "recompute", "rollout", "train"])
     parser.add_argument("--trials", type=int, default=4)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--sigint", action="store_true", help="Ctrl-C trials (SIGINT to the process group) of "
+                                                             "--commands instead of SIGKILL trials of --command")
+    parser.add_argument("--commands", default="recompute,score,stage,rollout",
+                        help="--sigint: comma-separated, of score, recompute, rollout, stage, train")
+    parser.add_argument("--points", type=int, default=2, help="--sigint: interrupts per command")
     args = parser.parse_args()
     rng = random.Random(args.seed)
-    root = Path(tempfile.mkdtemp(prefix=f"rollflow-kill-{args.command}-"))
+    root = Path(tempfile.mkdtemp(prefix=f"rollflow-{'sigint' if args.sigint else 'kill-' + args.command}-"))
     env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "PREFECT_API_URL")}
     env.update({"PREFECT_HOME": str(root / "prefect"), "RAY_USAGE_STATS_ENABLED": "0", "PYTHONHASHSEED": "0"})
+    if args.sigint:
+        print(f"work in {root}")
+        env["PYTHONUNBUFFERED"] = "1"  # what a command printed before the SIGINT is in its files by then
+        sigint_trials([c.strip() for c in args.commands.split(",") if c.strip()], args.points, root, env)
+        return
     command, tables = prepare(args.command, root)
     rc, wall = run(command, root / "reference", env, None)
     if rc != 0:
