@@ -44,7 +44,7 @@ EXIT_STATUS = 130  # 128 + SIGINT, as a shell reports a command ended by Ctrl-C
 PREFECT_WAIT_S = 2.0  # at most this long for Prefect (mark the run, stop the server): the whole stop stays within 5 s
 
 HANDLER_WAIT_S = 1.0  # how long the wakeup watcher leaves a SIGINT to the main thread's handler
-_state: dict = {"resume": None, "stopping": False, "handled": False}
+_state: dict = {"resume": None, "stopping": False, "handled": False, "keyboard_interrupt": False}
 _lock = threading.Lock()
 
 
@@ -67,7 +67,7 @@ def _watch_wakeups(read_end: int) -> None:
     the main thread sees: the runs are then left to Prefect's own crash detection)."""
     while True:
         data = os.read(read_end, 64)
-        if signal.SIGINT not in data:
+        if signal.SIGINT not in data or _state["keyboard_interrupt"]:
             continue
         if _state["stopping"]:  # a second Ctrl-C
             os._exit(EXIT_STATUS)
@@ -84,7 +84,9 @@ def resume_with(command: str) -> None:
 
 
 def keep_keyboard_interrupt() -> None:
-    """For the commands that serve until Ctrl-C: SIGINT raises ``KeyboardInterrupt``, which they catch to stop."""
+    """For the commands that serve until Ctrl-C: SIGINT raises ``KeyboardInterrupt``, which they catch to stop (the
+    wakeup watcher leaves it to them)."""
+    _state["keyboard_interrupt"] = True
     signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
