@@ -37,8 +37,8 @@ import sys, time
 from flows import interrupt
 interrupt.install(["server"])
 interrupt.keep_keyboard_interrupt()
-print("ready", flush=True)
 try:
+    print("ready", flush=True)
     time.sleep(60)
 except KeyboardInterrupt:
     print("stopping the server", flush=True)
