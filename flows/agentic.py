@@ -75,7 +75,7 @@ def train_flow(cfg: dict) -> dict:
     from stages.metrics import MetricsLog
 
     config = validate_config(TrainFlowConfig, cfg)
-    run, base, pool = start_run(config, cfg, config.rollout.engine.max_model_len or config.rollout.sequence_length)
+    run, base, pool = start_run(config, cfg)
     workers = KeptWorkers.of(config, run.uri())
     started = time.time()
     summary: dict[str, Any] = {"run": run.uri(), "iterations": []}
@@ -140,8 +140,7 @@ def eval_flow(cfg: dict, checkpoint: str, output: str) -> dict:
     rt = config.runtime
     ensure_ray(rt.ray_address, rt.num_cpus, data_memory_mb=rt.data_memory_mb)
     model = resolve_model_dir(checkpoint)
-    pool = EnginePool(config.generation_engine(), model, config.rollout.engine.max_model_len
-                      or config.rollout.sequence_length)
+    pool = EnginePool(config.generation_engine(), model, config.generation_window())
     try:
         ev = eval_task(config, output, model, pool)
     finally:

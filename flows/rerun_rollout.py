@@ -19,6 +19,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from flows.restage import apply_overrides, rerun_downstream, rerun_tag
+from flows.restage import downstream as downstream_of
 from schemas.config import parse_overrides, validate_config
 from schemas.errors import RollflowError
 from schemas.rollout_config import RolloutConfig, TurnSection, turn_section
@@ -26,7 +28,6 @@ from stages.rollout.driver import EPISODES_DIR, SAMPLES_DIR, TURNS_DIR, Reuse, e
 from stages.rollout.engine_pool import checkpoint_fingerprint
 from stages.storage import MANIFEST, Location, is_uri, manifest_field, read_manifest
 
-ROLLOUT_STAGES = ("rollout_turn", "rollout_reset")
 # what may change from a turn on: the turns before it, which are reused, were played under everything else
 FROM_A_TURN = ("generating_args", "engine")
 _EXAMPLE = {"rollout_turn": "a rollout's turn folder, e.g. runs/<run>/iter_0000/rollout/turns/turn_001",
@@ -72,10 +73,8 @@ def _reuse(old: Location, manifest: dict) -> Reuse:
 def _section(name: str, old: Location, rollout: Location, manifest: dict, overrides: list[str]) -> TurnSection:
     """The old turn section with ``overrides`` (dotted keys of the turn section) applied, validated; from a turn only
     the keys of :data:`FROM_A_TURN` may change."""
-    from flows.rerun import _apply
-
     changes = parse_overrides(overrides)
-    section = validate_config(TurnSection, _apply(manifest_field(old, manifest, "section"), changes),
+    section = validate_config(TurnSection, apply_overrides(manifest_field(old, manifest, "section"), changes),
                               f"{old.path}/manifest.json + --set")
     fixed = sorted(k for k in changes if k.split(".")[0] not in FROM_A_TURN)
     if name == "rollout_turn" and fixed:
@@ -179,8 +178,7 @@ def rerun_rollout(name: str, old_output: str, overrides: list[str], output: str 
     """Replay the rollout that holds ``old_output`` (a turn folder for ``rollout_turn``, the episodes folder for
     ``rollout_reset``) from there with ``overrides`` applied to its turn section, into ``output`` (default
     ``<rollout>@<tag>``); with ``downstream``, re-run what reads the rollout's samples beside the rollout folder
-    (:func:`flows.rerun._rerun_downstream`). Returns the lines to print."""
-    from flows.rerun import _downstream, _rerun_downstream, _tag
+    (:func:`flows.restage.rerun_downstream`). Returns the lines to print."""
     from stages.cluster import ensure_ray
     from stages.outputs import ROLLOUT_CHILDREN, Writes, check_output
     from stages.rollout.driver import check_rollout
@@ -192,12 +190,12 @@ def rerun_rollout(name: str, old_output: str, overrides: list[str], output: str 
     model = _checkpoint(old, manifest, checkpoint)
     check_rollout(config)  # the environments build from the (changed) section
     section = turn_section(config)
-    tag = _tag(section, {"previous": reuse.previous if reuse else "", "checkpoint": model})
+    tag = rerun_tag(section, {"previous": reuse.previous if reuse else "", "checkpoint": model})
     target = _target(rollout, output, tag)
     check_output(target, Writes(f"rollflow stage {name}", (), ROLLOUT_CHILDREN),
                  {"--from (its rollout)": rollout.uri(), "checkpoint": model})
     if downstream:
-        _downstream(rollout, reads=rollout.child(SAMPLES_DIR).uri())  # a damaged manifest there: before anything runs
+        downstream_of(rollout, reads=rollout.child(SAMPLES_DIR).uri())  # a damaged manifest there: before anything runs
     ensure_ray()  # once the request is valid (the manifest holds no runtime settings: $RAY_ADDRESS or a local one)
     result = run_rollout(config, target, model, force=force, reuse=reuse, label=f"[rollflow stage] {name}")
     first = len(reuse.turns) if reuse else 0
@@ -211,7 +209,7 @@ def rerun_rollout(name: str, old_output: str, overrides: list[str], output: str 
         lines.append(f"  (the rollout recorded no engine settings beyond backend, dtype and max_model_len: the "
                      f"engine ran with the defaults, {config.engine.num_engines} engine(s))")
     if downstream:
-        lines += _rerun_downstream(rollout, result.samples.output, tag, force,
+        lines += rerun_downstream(rollout, result.samples.output, tag, force,
                                    reads=rollout.child(SAMPLES_DIR).uri())
     return lines
 

@@ -28,6 +28,7 @@ from flows.runkit import (KeptWorkers, logprobs_task, record, run_folder, sleep_
 from schemas.config import validate_config
 from schemas.errors import RollflowError
 from schemas.rlvr_train_config import RLVRTrainConfig
+from schemas.stage_specs import is_declared, stage_spec
 from stages.preflight import Step
 from stages.storage import Location
 
@@ -46,9 +47,10 @@ def reward_step(responses: str, out: str, cfg, services: dict | None = None) -> 
 
 def samples_step(responses: str, out: str) -> Step:
     """``responses`` and their scores → ``<out>/samples``, the token table of every pipeline."""
-    from stages.rlvr.stages import SamplesSection, SamplesStage
+    from stages.rlvr.stages import RLVRSamplesStage, SamplesSection
 
-    return Step(SamplesStage(), SamplesSection(), {"responses": responses, "scored": f"{out}/scored"}, f"{out}/samples")
+    return Step(RLVRSamplesStage(), SamplesSection(), {"responses": responses, "scored": f"{out}/scored"},
+                f"{out}/samples")
 
 
 def chain_steps(out: str, cfg, samples: str) -> list[Step]:
@@ -76,11 +78,6 @@ def score_steps(input_dir: str, output_dir: str, cfg, *, advantages: bool = Fals
     return steps
 
 
-# what a stage carries from one step to the next in its manifest's state: (key, its value at the first step; None:
-# absent until a step has written it)
-CARRIED = {"response_rewards": ("running_moments", {}), "advantages": ("kl_ctrl", None)}
-
-
 def run_steps(steps: list[Step], cfg, *, force: bool = False, state_in: dict | None = None,
               training_progress: float | None = None) -> dict[str, Any]:
     """Run ``steps`` in order through the runner; results by output folder name (scored, samples, rewarded,
@@ -94,9 +91,10 @@ def run_steps(steps: list[Step], cfg, *, force: bool = False, state_in: dict | N
     for step in steps:
         if step.stage.name == "rewards":
             state = {key: state_in[key] for key in RUN_CONTEXT if key in state_in}
-        else:
-            key, first = CARRIED.get(step.stage.name, (None, None))
-            value = state_in.get(key, first) if key else None
+        else:  # what the stage carries from one step to the next (its declaration's carries)
+            spec = stage_spec(step.stage.name) if is_declared(step.stage.name) else None
+            key = spec.carries[0] if spec is not None and spec.carries else None
+            value = state_in[key] if key in state_in else spec.first_carried() if spec is not None else None
             state = {} if value is None else {key: value}
         results[step.output.rstrip("/").rsplit("/", 1)[-1]] = run_stage(
             step.stage, step.section, step.inputs, step.output, force=force, batch_rows=cfg.runtime.batch_rows,
@@ -158,7 +156,7 @@ def _generate(config: RLVRTrainConfig, section_values: dict, prompts: str, check
     from stages.runner import run_stage
 
     engine = EngineIdentity(backend=config.engine.backend, dtype=config.engine.dtype,
-                            max_model_len=config.engine.max_model_len or config.sequence_length)
+                            max_model_len=config.generation_window())
     section = GenerateSection(**{"seed": config.seed, "sequence_length": config.sequence_length, "engine": engine,
                                  **section_values})
     pool.use_checkpoint(checkpoint)
@@ -256,7 +254,7 @@ def rlvr_train_flow(cfg: dict) -> dict:
     refuse_old_layout(run_folder(config))
     validates = config.validation.eval_steps > 0
     judged = rlvr_judged(config)  # the judge's engines are part of the run's resource plan (flows/pipelines.py)
-    run, base, pool = start_run(config, cfg, config.engine.max_model_len or config.sequence_length)
+    run, base, pool = start_run(config, cfg)
     judge = judge_pool(config.judge) if judged else None  # the judge's own engine (built on first use)
     workers = KeptWorkers.of(config, run.uri())
     started = time.time()
@@ -351,7 +349,7 @@ def rlvr_eval_flow(cfg: dict, checkpoint: str | None, output: str) -> dict:
     rt = config.runtime
     ensure_ray(rt.ray_address, rt.num_cpus, data_memory_mb=rt.data_memory_mb)
     model = resolve_model_dir(checkpoint or config.pretrain)
-    pool = EnginePool(config.generation_engine(), model, config.engine.max_model_len or config.sequence_length)
+    pool = EnginePool(config.generation_engine(), model, config.generation_window())
     judge = judge_pool(config.judge) if needs_model(config.validation_rewards()) else None
     try:
         prompts = prompts_task(config.validation.prompts, f"{output}/prompts")

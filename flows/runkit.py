@@ -194,7 +194,7 @@ def record(metrics, iteration: int, stage: str, result: Any, values: dict | None
     return logged
 
 
-def start_run(config, cfg: dict, max_model_len: int):
+def start_run(config, cfg: dict):
     """The set-up both training flows share: freeze ``cfg`` in the run folder (refusing a different one), start or
     join Ray, check the run's resource plan on the cluster (:func:`check_plan`: CPUs and GPUs of every stage, the
     engines of its pipeline included, e.g. an LLM judge's), resolve the initial policy, and make the engine pool
@@ -213,7 +213,7 @@ def start_run(config, cfg: dict, max_model_len: int):
     base = resolve_model_dir(config.pretrain)
     from stages.plan import gpu_shares
 
-    return run, base, EnginePool(config.generation_engine(), base, max_model_len,
+    return run, base, EnginePool(config.generation_engine(), base, config.generation_window(),
                                  gpus_per_engine=gpu_shares(config)["engine"])
 
 

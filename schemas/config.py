@@ -17,6 +17,7 @@ from pydantic import (BaseModel, ConfigDict, Field, SerializerFunctionWrapHandle
 
 from schemas.capabilities import ESTIMATOR_CAPABILITIES, estimator_capabilities
 from schemas.errors import ConfigError
+from schemas.stage_specs import pinnable_stages
 
 # the names of the capability table's rows (gae, reinforce, grpo, gigpo, step_reinforce, agentic_reinforce)
 AdvEstimator = Literal[tuple(ESTIMATOR_CAPABILITIES)]  # type: ignore[valid-type]
@@ -149,10 +150,6 @@ class AlgorithmConfig(AdvantageOptions):
         return self
 
 
-# The stages whose Ray tasks and actors take custom resources from ``runtime.stage_resources``: the recompute
-# stages' map tasks, the forward workers of the log-prob and value passes (one pool, set by the ``logprobs``
-# section) and the training step's workers.
-PINNABLE_STAGES = ("response_rewards", "advantages", "logprobs", "train_step")
 # resources a stage asks for through its own options (num_cpus..., use_gpu, ...), or that Ray manages itself
 RAY_BUILTIN_RESOURCES = ("CPU", "GPU", "memory", "object_store_memory")
 
@@ -180,9 +177,9 @@ class RuntimeConfig(OmitDefaults):
     @classmethod
     def _known_stages_and_custom_resources(cls, value: dict[str, dict[str, float]]) -> dict[str, dict[str, float]]:
         for stage, resources in value.items():
-            if stage not in PINNABLE_STAGES:
+            if stage not in pinnable_stages():  # the stages declared pinnable (schemas/stage_specs.py)
                 raise ValueError(f"runtime.stage_resources names stage '{stage}', which takes no custom Ray resources; "
-                                 f"use one of {', '.join(PINNABLE_STAGES)}")
+                                 f"use one of {', '.join(pinnable_stages())}")
             for name, amount in resources.items():
                 where = f"runtime.stage_resources.{stage}.{name}"
                 if name in RAY_BUILTIN_RESOURCES or name.startswith("node:"):
@@ -197,7 +194,8 @@ class RuntimeConfig(OmitDefaults):
         return value
 
     def resources_for(self, stage: str) -> dict[str, float]:
-        """The custom Ray resources each task or actor of ``stage`` (one of PINNABLE_STAGES) asks for ({} if none)."""
+        """The custom Ray resources each task or actor of ``stage`` (a pinnable stage, schemas/stage_specs.py) asks
+        for ({} if none)."""
         return dict(self.stage_resources.get(stage, {}))
 
 

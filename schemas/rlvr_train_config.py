@@ -72,6 +72,10 @@ class RLVRTrainConfig(RLVRConfig, RunOptions):
         """The engine settings (the engines live for the whole run)."""
         return self.engine
 
+    def generation_window(self) -> int:
+        """The context length of the generation engines (:meth:`EngineConfig.window`)."""
+        return self.engine.window(self.sequence_length)
+
     @model_validator(mode="before")
     @classmethod
     def _one_budget(cls, data: dict) -> dict:

@@ -120,6 +120,11 @@ class EngineConfig(OmitDefaults):
                                           "roles share those GPUs (schemas/devices.py). null: the engines reserve "
                                           "num_gpus_per_engine GPUs of their own.")
 
+    def window(self, sequence_length: int) -> int:
+        """The context length the engine runs with: ``max_model_len``, else the run's ``sequence_length`` (decided
+        here only: the rollout, RLVR generation, an LLM judge and every engine pool read it)."""
+        return self.max_model_len or sequence_length
+
     @field_validator("options")
     @classmethod
     def _options_not_set_by_fields(cls, options: dict[str, Any]) -> dict[str, Any]:
@@ -461,7 +466,7 @@ class SamplesSection(Frozen):
 
 def turn_section(config: RolloutConfig) -> TurnSection:
     engine = EngineIdentity(backend=config.engine.backend, dtype=config.engine.dtype,
-                            max_model_len=config.engine.max_model_len or config.sequence_length)
+                            max_model_len=config.engine.window(config.sequence_length))
     return TurnSection(seed=config.seed, iteration=config.iteration, run_name=config.run_name,
                        sample_level=config.sample_level, sequence_length=config.sequence_length,
                        format_penalty=config.format_penalty, on_invalid_action=config.on_invalid_action,

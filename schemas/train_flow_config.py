@@ -97,6 +97,10 @@ class TrainFlowConfig(AlgorithmConfig, RunOptions):
         """The engine settings of the rollout (the engines live for the whole run)."""
         return self.rollout.engine
 
+    def generation_window(self) -> int:
+        """The context length of the rollout's engines (:meth:`EngineConfig.window`)."""
+        return self.rollout.engine.window(self.rollout.sequence_length)
+
     def rollout_for(self, iteration: int) -> RolloutConfig:
         """The rollout of a training iteration: new levels and samples each iteration, row ids named by run."""
         return self.rollout.model_copy(update={"iteration": iteration, "run_name": self.run_name})

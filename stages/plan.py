@@ -51,6 +51,7 @@ from pathlib import Path
 from typing import Any, Iterable, Sequence
 
 from schemas.errors import RollflowError
+from schemas.stage_specs import PHASES, stage_specs
 
 ROLLOUT_TASK_CPUS = 0.25  # stages/rollout/stages.py and stages/rlvr/generate.py: TASK_CPUS of the generation tasks
 DATA_TASK_SHARE = 0.5  # Ray Data's read/write tasks beside the log-prob actors
@@ -100,9 +101,6 @@ class Need:
     @property
     def total_gpus(self) -> float:
         return self.count * self.gpus
-
-
-PHASES = ("generation", "log-probs / values", "rewards / advantages", "training step")
 
 
 @dataclass
@@ -229,8 +227,7 @@ def _gib(params: int | None, bytes_per: float, extra_gib: float = 0.0) -> float 
 def default_engines(config) -> list[EngineUse]:
     """The engines a config keeps for the whole run when no list is given: its generation engines (the pipelines'
     own lists, an RLVR judge's engines included, are flows/pipelines.py's ``engines``)."""
-    return [EngineUse("generation engine", "rollout.engine" if hasattr(config, "rollout") else "engine",
-                      config.generation_engine())]
+    return [EngineUse("generation engine", config.engine_field, config.generation_engine())]
 
 
 def _equal_share(roles: int) -> float:
@@ -302,10 +299,10 @@ def run_needs(config, engines: Sequence[EngineUse] | None = None) -> list[Need]:
     needs.append(Need("log-prob / value actors", 1, fwd.cpus_per_actor, 0.0, "log-probs / values",
                       None if fwd_gpus else _gib(params, dtype_bytes(fwd.dtype) * models),
                       f"1 of up to {fwd.num_actors}" if fwd.num_actors > 1 else ""))
-    for stage in ("response_rewards", "advantages"):  # one map task at least (its CPU fits beside nothing else)
-        if pins(stage):
-            needs.append(Need(f"{stage} tasks", 1, 0.0, 0.0, "rewards / advantages", section=_PIN.format(stage),
-                              custom=pins(stage)))
+    for spec in stage_specs():  # the declared pinnable map-task stages: one task at least (CPU beside nothing else)
+        if spec.pinnable and spec.phase == "rewards / advantages" and pins(spec.name):
+            needs.append(Need(f"{spec.name} tasks", 1, 0.0, 0.0, spec.phase, section=_PIN.format(spec.name),
+                              custom=pins(spec.name)))
     needs.append(Need("Ray Data read/write tasks", 1, DATA_TASK_SHARE, 0.0, "log-probs / values"))
     rt = train.runtime
     actor = train.actor_train

@@ -272,7 +272,7 @@ def judge_pool(judge):
 
 def judge_window(judge) -> int:
     """The context window of the judge's engine: ``judge.engine.max_model_len``, else ``judge.sequence_length``."""
-    return judge.engine.max_model_len or judge.sequence_length
+    return judge.engine.window(judge.sequence_length)
 
 
 def check_judge_cpus(engine) -> None:

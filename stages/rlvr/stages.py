@@ -3,7 +3,7 @@
 * :class:`RewardStage` — ``responses`` → ``scored``: batches go to an actor pool; each actor builds one
   :class:`~stages.rewards.RewardRouter` (workers hold sandboxes, caches, clients: built inside the actor, never
   pickled) and scores its batches, routed by the domain column.
-* :class:`SamplesStage` — ``responses`` + ``scored`` → ``samples``: the step's token table in the layout every
+* :class:`RLVRSamplesStage` — ``responses`` + ``scored`` → ``samples``: the step's token table in the layout every
   samples table has, on which the log-prob, value, response-rewards (stages/response_rewards.py, with ``scored``
   for the workers' scores and domains), advantages and training stages of both pipelines run.
 
@@ -249,7 +249,7 @@ class _ToSamples:
         return table
 
 
-class SamplesStage(Stage):
+class RLVRSamplesStage(Stage):
     """``responses`` + ``scored`` → ``samples``: the RLVR step's token table in the layout of every samples table,
     so that the log-prob, value, advantages and training stages of both pipelines run on it unchanged. Response-aligned
     ``infer_logprobs`` / ``old_log_probs`` / ``ref_log_probs`` / ``values`` become next-token columns (zeros on the

@@ -105,7 +105,7 @@ def test_pruning_leaves_re_run_checkpoints_and_the_originals_alone(tmp_path):
 
 
 def test_a_walk_from_a_re_run_output_reaches_the_re_runs_that_read_it_and_one_from_an_original_does_not(tmp_path):
-    from flows.rerun import _affected
+    from flows.restage import affected as _affected
 
     def out(name: str, reads: str | None = None, stage: str = "eval") -> None:
         inputs = {"checkpoint": {"path": str(tmp_path / reads), "fingerprint": "f"}} if reads else {}
@@ -125,7 +125,7 @@ def test_a_walk_from_a_rollout_starts_at_its_samples_among_the_outputs_beside_th
     ``rollout`` re-runs what read ``rollout/samples`` beside the rollout folder — log-probs, values, rewards,
     advantages, the training step and the evaluation of its checkpoint — and not an earlier replay's outputs; a walk
     from that replay (``rollout@a``) reaches the outputs that read its samples."""
-    from flows.rerun import _affected
+    from flows.restage import affected as _affected
 
     def out(name: str, stage: str, **reads: str) -> None:
         inputs = {key: {"path": str(tmp_path / path), "fingerprint": "f"} for key, path in reads.items()}

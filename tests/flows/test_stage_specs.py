@@ -1,0 +1,75 @@
+"""The stage declarations (schemas/stage_specs.py): one per stage, and every reader takes them from there."""
+
+from __future__ import annotations
+
+import importlib
+
+import pytest
+
+from flows.restage import known, rerun_of
+from schemas.config import RuntimeConfig
+from schemas.stage_specs import StageSpec, declare_stage, is_declared, pinnable_stages, stage_spec, stage_specs
+from stages.runner import Stage
+
+STAGE_MODULES = ("stages.advantages", "stages.response_rewards", "stages.rlvr.stages", "stages.rlvr.generate",
+                 "stages.rollout.stages", "stages.rollout.driver", "stages.train.stage")
+
+
+def _stage_classes() -> list[type]:
+    for module in STAGE_MODULES:
+        importlib.import_module(module)
+    found, frontier = [], list(Stage.__subclasses__())
+    while frontier:
+        cls = frontier.pop()
+        frontier.extend(cls.__subclasses__())
+        if cls.__module__.startswith("stages.") and "name" in vars(cls):
+            found.append(cls)
+    return found
+
+
+def test_a_second_declaration_of_a_name_is_refused():
+    with pytest.raises(ValueError, match="declared twice"):
+        declare_stage(StageSpec("advantages", "AdvantageSection", ("samples",), "advantaged", rerun="runner",
+                                runner_class="stages.advantages:AdvantagesStage"))
+    assert stage_spec("advantages").carries == ("kl_ctrl", None), "the first declaration stays"
+
+
+def test_a_declaration_is_checked_when_it_is_made():
+    with pytest.raises(ValueError, match="phase"):
+        StageSpec("x", "S", (), "x", phase="dinner", rerun="eval")
+    with pytest.raises(ValueError, match="runner_class"):
+        StageSpec("x", "S", (), "x", rerun="runner")
+    with pytest.raises(ValueError, match="redo"):
+        StageSpec("x", "S", (), "x")
+
+
+def test_every_stage_class_is_declared_and_the_runner_classes_match_their_declaration():
+    names = {cls.name for cls in _stage_classes()}
+    from stages.rollout.driver import EvalStage
+    from stages.train.stage import TrainStage
+
+    names |= {EvalStage.name, TrainStage.name}
+    assert names == {s.name for s in stage_specs()}
+    for spec in stage_specs():
+        if spec.rerun == "runner":
+            module, _, cls_name = spec.runner_class.partition(":")
+            cls = getattr(importlib.import_module(module), cls_name)
+            assert cls.name == spec.name
+            assert set(cls.input_specs) == set(spec.reads), spec.name
+
+
+def test_the_class_names_of_stages_are_unique():
+    classes = _stage_classes()
+    assert len({c.__name__ for c in classes}) == len(classes), sorted(c.__name__ for c in classes)
+
+
+def test_the_readers_take_the_declarations():
+    assert pinnable_stages() == ("response_rewards", "advantages", "logprobs", "train_step")
+    RuntimeConfig(stage_resources={name: {"node_a": 1} for name in pinnable_stages()})
+    with pytest.raises(ValueError, match="use one of response_rewards, advantages, logprobs, train_step"):
+        RuntimeConfig(stage_resources={"rewards": {"node_a": 1}})
+    assert known().split(", ") == [s.name for s in stage_specs() if s.rerun is not None]
+    assert rerun_of("rlvr_generate") is None and rerun_of("nonsense") is None and not is_declared("nonsense")
+    assert rerun_of("advantages")[0].__name__ == stage_spec("advantages").section
+    assert stage_spec("response_rewards").first_carried() == {}
+    assert stage_spec("response_rewards").first_carried() is not stage_spec("response_rewards").carries[1]
