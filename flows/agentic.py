@@ -16,14 +16,14 @@ from typing import Any
 
 from prefect import flow
 
+from flows.pipeline_specs import PIPELINE_SPECS
 from flows.runkit import (KeptWorkers, advantages_task, logprobs_task, record, rewards_task, sleep_engines,
                           stage_task, start_run, train_and_keep, values_task)
 from schemas.config import AdvantageSection, ResponseRewardSection, section, validate_config
 from schemas.train_flow_config import TrainFlowConfig
 
 
-def iter_dir(run: str, iteration: int) -> str:
-    return f"{run}/iter_{iteration:04d}"
+iter_dir = PIPELINE_SPECS.get("agentic").step_dir  # runs/<run>/iter_<k>
 
 
 @stage_task("rollout")

@@ -23,6 +23,7 @@ from typing import Any
 
 from prefect import flow
 
+from flows.pipeline_specs import PIPELINE_SPECS, rlvr_judged
 from flows.runkit import (KeptWorkers, logprobs_task, record, run_folder, sleep_engines, stage_task, start_run,
                           train_and_keep, values_task)
 from schemas.config import validate_config
@@ -33,8 +34,7 @@ from stages.preflight import Step
 from stages.storage import Location
 
 
-def step_dir(run: str, step: int) -> str:
-    return f"{run}/step_{step:04d}"
+step_dir = PIPELINE_SPECS.get("rlvr").step_dir  # runs/<run>/step_<k>
 
 
 def reward_step(responses: str, out: str, cfg, services: dict | None = None) -> Step:
@@ -246,14 +246,13 @@ def chain_task(config: RLVRTrainConfig, samples: str, output: str, state_in: dic
 @flow(name="rlvr-train")  # progress lines go to stdout; Prefect logs to the log file (flows/console.py)
 def rlvr_train_flow(cfg: dict) -> dict:
     """Run (or resume) the RLVR training run described by ``cfg`` (an :class:`RLVRTrainConfig` as JSON)."""
-    from flows.pipelines import rlvr_judged
     from stages.metrics import MetricsLog
     from stages.rlvr.generate import judge_pool
 
     config = validate_config(RLVRTrainConfig, cfg)
     refuse_old_layout(run_folder(config))
     validates = config.validation.eval_steps > 0
-    judged = rlvr_judged(config)  # the judge's engines are part of the run's resource plan (flows/pipelines.py)
+    judged = rlvr_judged(config)  # the judge's engines are part of the run's resource plan (flows/pipeline_specs.py)
     run, base, pool = start_run(config, cfg)
     judge = judge_pool(config.judge) if judged else None  # the judge's own engine (built on first use)
     workers = KeptWorkers.of(config, run.uri())

@@ -13,6 +13,7 @@ from typing import Any
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
+from flows.pipeline_specs import PIPELINE_SPECS
 from schemas.config import AdvantageSection, ResponseRewardSection
 from schemas.errors import ConfigError, RollflowError
 from schemas.names import folder_name, name_max
@@ -232,11 +233,10 @@ def sleep_engines(pool, metrics, iteration: int) -> None:
 
 def run_plan(config, resources: dict[str, float]):
     """The resource plan (stages/plan.py) of a training config on a cluster of ``resources``, with the engines its
-    pipeline keeps for the whole run (flows/pipelines.py)."""
-    from flows.pipelines import PIPELINES
+    pipeline keeps for the whole run (its declaration, flows/pipeline_specs.py)."""
     from stages.plan import make_plan
 
-    return make_plan(config, resources, PIPELINES.get(config.pipeline).engines(config))
+    return make_plan(config, resources, PIPELINE_SPECS.get(config.pipeline).engines(config))
 
 
 def check_plan(config, resources: dict[str, float]) -> None:
@@ -312,14 +312,13 @@ def check_last_checkpoint(config) -> None:
     the checkpoint its training replays from must be model folders whose files are whole
     (stages/train/checkpoint.py ``read_checkpoint``); a SchemaError naming the damaged file otherwise. A run folder
     on an object store is left to the download of its checkpoint."""
-    from flows.pipelines import PIPELINES
     from stages.train.checkpoint import read_checkpoint
 
     run = run_folder(config)
-    pipeline = PIPELINES.get(config.pipeline)
+    pipeline = PIPELINE_SPECS.get(config.pipeline)
     done = pipeline.committed_steps(run.uri()) if run.atomic_rename else 0
     if done:
-        info = read_checkpoint(f"{pipeline.step_dir()(run.uri(), done - 1)}/checkpoint")
+        info = read_checkpoint(f"{pipeline.step_dir(run.uri(), done - 1)}/checkpoint")
         if info.replay is not None:
             read_checkpoint(info.replay["from"])
 
