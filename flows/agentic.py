@@ -11,17 +11,16 @@ workers keep their DeepSpeed engines from one step to the next (:class:`KeptWork
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 from prefect import flow
 
+from flows.loop import (TRAIN_STEP, VALUES_STEP, Evaluation, IterStep, PipelineFlow, Run, advantages_step,
+                        logprobs_step, rewards_step, run_pipeline)
 from flows.pipeline_specs import PIPELINE_SPECS
-from flows.runkit import (KeptWorkers, advantages_task, logprobs_task, record, rewards_task, sleep_engines,
-                          stage_task, start_run, train_and_keep, values_task)
+from flows.runkit import stage_task
 from schemas.config import AdvantageSection, ResponseRewardSection, section, validate_config
 from schemas.train_flow_config import TrainFlowConfig
-
 
 iter_dir = PIPELINE_SPECS.get("agentic").step_dir  # runs/<run>/iter_<k>
 
@@ -69,62 +68,35 @@ def _rollout_metrics(result: Any) -> dict[str, float]:
     return out
 
 
+def _summarize(r: Run, evaluated: dict | None) -> dict:
+    return {"iteration": r.iteration, "checkpoint": r.checkpoint, "train_metrics": r.results["train"].metrics,
+            "rollout_metrics": r.results["rollout"].samples.metrics, "eval_metrics": evaluated}
+
+
+# The agentic pipeline: per iteration rollout -> logprobs (-> values) -> rewarded -> advantaged -> checkpoint, and the
+# held-out evaluation before training and every eval.eval_steps iterations.
+AGENTIC = PipelineFlow(
+    spec=PIPELINE_SPECS.get("agentic"),
+    iteration=(
+        IterStep("rollout", lambda r: rollout_task(r.config, r.iteration, r.out("rollout"), r.checkpoint, r.pool),
+                 metrics=lambda ro: _rollout_metrics(ro), generation=True),
+        logprobs_step(lambda r: r.results["rollout"].samples.output),
+        VALUES_STEP,
+        rewards_step(rewards_section, Run.tokens),
+        advantages_step(lambda config: section(config, AdvantageSection)),
+        TRAIN_STEP,
+    ),
+    evaluation=Evaluation("eval", "eval_base", "eval", every=lambda config: config.eval.eval_steps,
+                          run=lambda r, output, checkpoint, when: eval_task(r.config, output, checkpoint, r.pool),
+                          metrics=lambda ev: _rollout_metrics(ev), summary=lambda ev: ev.samples.metrics),
+    summarize=_summarize, base_summary="base_eval", step_word="iteration")
+
+
 @flow(name="train")  # progress lines go to stdout; Prefect logs to the log file (flows/console.py)
 def train_flow(cfg: dict) -> dict:
-    """Run (or resume) the training run described by ``cfg`` (a :class:`TrainFlowConfig` as JSON)."""
-    from stages.metrics import MetricsLog
-
-    config = validate_config(TrainFlowConfig, cfg)
-    run, base, pool = start_run(config, cfg)
-    workers = KeptWorkers.of(config, run.uri())
-    started = time.time()
-    summary: dict[str, Any] = {"run": run.uri(), "iterations": []}
-    with MetricsLog(run.uri()) as metrics:
-        try:
-            checkpoint = base
-            trained: list[str] = []  # this run's checkpoints, oldest first
-            kl_state: dict = {}
-            if config.eval.eval_steps:
-                ev = eval_task(config, f"{run.uri()}/eval_base", checkpoint, pool)
-                record(metrics, 0, "eval", ev, _rollout_metrics(ev), label="eval before training")
-                summary["base_eval"] = ev.samples.metrics
-            for k in range(config.max_steps):
-                here = iter_dir(run.uri(), k)
-                ro = rollout_task(config, k, f"{here}/rollout", checkpoint, pool)
-                record(metrics, k, "rollout", ro, _rollout_metrics(ro))
-                sleep_engines(pool, metrics, k)  # colocation: the GPU is the next stages' until the next rollout
-                lp = logprobs_task(config, ro.samples.output, checkpoint, base, f"{here}/logprobs", workers)
-                record(metrics, k, "logprobs", lp)
-                samples = lp.output
-                if config.train_step_config().needs_critic:
-                    vals = values_task(config, samples, checkpoint, f"{here}/values", workers)
-                    record(metrics, k, "values", vals)
-                    samples = vals.output
-                rw = rewards_task(rewards_section(config), samples, f"{here}/rewarded",
-                                  batch_rows=config.runtime.batch_rows,
-                                  resources=config.runtime.resources_for("response_rewards"))
-                record(metrics, k, "response_rewards", rw)
-                adv = advantages_task(section(config, AdvantageSection), samples, rw.output, f"{here}/advantaged",
-                                      kl_state, batch_rows=config.runtime.batch_rows,
-                                      resources=config.runtime.resources_for("advantages"))
-                record(metrics, k, "advantages", adv)
-                kl_state = adv.state
-                tr = train_and_keep(config, k, adv.output, checkpoint, f"{here}/checkpoint", workers, metrics, trained)
-                checkpoint = tr.output
-                evaluated = None
-                if config.eval.eval_steps and (k + 1) % config.eval.eval_steps == 0:
-                    ev = eval_task(config, f"{here}/eval", checkpoint, pool)
-                    # the metrics table files it under k + 1 (the policy after k + 1 steps); the line says when it ran
-                    record(metrics, k + 1, "eval", ev, _rollout_metrics(ev), label=f"eval after iteration {k}")
-                    evaluated = ev.samples.metrics
-                summary["iterations"].append({"iteration": k, "checkpoint": checkpoint, "train_metrics": tr.metrics,
-                                              "rollout_metrics": ro.samples.metrics, "eval_metrics": evaluated})
-        finally:
-            workers.close()
-            pool.close()
-    summary["seconds"] = time.time() - started
-    summary["checkpoint"] = checkpoint
-    return summary
+    """Run (or resume) the training run described by ``cfg`` (a :class:`TrainFlowConfig` as JSON): the agentic
+    declaration run by the one loop (flows/loop.py)."""
+    return run_pipeline(AGENTIC, validate_config(TrainFlowConfig, cfg), cfg)
 
 
 @flow(name="eval")  # the progress lines go to stdout; Prefect logs to the log file (flows/console.py)

@@ -17,17 +17,18 @@ controller travel in the manifests' state.
 
 from __future__ import annotations
 
-import time
 from types import SimpleNamespace
 from typing import Any
 
 from prefect import flow
 
+from flows.loop import (TRAIN_STEP, VALUES_STEP, Evaluation, IterStep, PipelineFlow, Run, advantages_step,
+                        logprobs_step, rewards_step, run_pipeline)
 from flows.pipeline_specs import PIPELINE_SPECS, rlvr_judged
-from flows.runkit import (KeptWorkers, logprobs_task, record, run_folder, sleep_engines, stage_task, start_run,
-                          train_and_keep, values_task)
+from flows.runkit import run_folder, stage_task
 from schemas.config import validate_config
 from schemas.errors import RollflowError
+from schemas.rlvr_config import rlvr_advantage_section, rlvr_reward_section
 from schemas.rlvr_train_config import RLVRTrainConfig
 from schemas.stage_specs import is_declared, stage_spec
 from stages.preflight import Step
@@ -236,81 +237,71 @@ def score_task(config: RLVRTrainConfig, step: int, responses: str, output: str, 
                      training_progress=progress)
 
 
-@stage_task("rewards_and_advantages")
-def chain_task(config: RLVRTrainConfig, samples: str, output: str, state_in: dict) -> dict[str, Any]:
-    """Sample masks and normalised rewards, then token rewards and advantages on ``samples`` (the step's token
-    table with its log-probs, and values for GAE) → ``rewarded``, ``advantaged``."""
-    return run_steps(chain_steps(output, config, samples), config, state_in=state_in)
+def _setup(r: Run) -> None:
+    """The prompts (and validation prompts), the LLM judge's engines when a route needs them (built on first use),
+    and the running reward moments the first step starts from."""
+    from stages.rlvr.generate import judge_pool
+
+    config = r.config
+    # the judge's engines are part of the run's resource plan (flows/pipeline_specs.py)
+    r.held["judge"] = judge_pool(config.judge) if rlvr_judged(config) else None
+    r.held["prompts"] = prompts_task(config.prompts, r.run.child("prompts").uri()).output
+    if config.validation.eval_steps > 0:
+        r.held["val_prompts"] = prompts_task(config.validation.prompts, r.run.child("val_prompts").uri()).output
+    r.state["running_moments"] = stage_spec("response_rewards").first_carried()
+
+
+def _close(r: Run) -> None:
+    if r.held.get("judge") is not None:
+        r.held["judge"].close()
+
+
+def _score(r: Run) -> dict[str, Any]:
+    """The reward workers' scores and the step's token table, by the names they are recorded under."""
+    done = score_task(r.config, r.iteration, r.results["generate"].output, r.here, r.held.get("judge"))
+    return {"rewards": done["scored"], "samples": done["samples"]}
+
+
+def _finite(metrics: dict, key: str) -> float | None:
+    value = metrics.get(key)
+    return float(value) if isinstance(value, (int, float)) and value == value else None
+
+
+def _summarize(r: Run, validated: dict | None) -> dict:
+    return {"iteration": r.iteration, "checkpoint": r.checkpoint, "train_metrics": r.results["train"].metrics,
+            "score": _finite(r.results["rewards"].metrics, "critic/score/mean"),
+            "generate_metrics": r.results["generate"].metrics, "validation": validated}
+
+
+# The RLVR pipeline: per step generate -> scored, samples -> logprobs (-> values) -> rewarded -> advantaged ->
+# checkpoint, and the validation before training and every validation.eval_steps steps.
+RLVR = PipelineFlow(
+    spec=PIPELINE_SPECS.get("rlvr"),
+    iteration=(
+        IterStep("generate", lambda r: generate_task(r.config, r.iteration, r.held["prompts"], r.checkpoint, r.pool,
+                                                     r.out("responses")), generation=True),
+        IterStep("score", _score, records=("rewards", "samples")),  # the reward workers, then the token table
+        logprobs_step(lambda r: r.results["samples"].output),
+        VALUES_STEP,
+        rewards_step(rlvr_reward_section, lambda r: r.out("samples"), scored=lambda r: r.out("scored")),
+        advantages_step(rlvr_advantage_section),
+        TRAIN_STEP,
+    ),
+    evaluation=Evaluation(
+        "validation", "val_base", "validation", every=lambda config: config.validation.eval_steps,
+        run=lambda r, output, checkpoint, when: validation_task(r.config, r.held["val_prompts"], checkpoint, r.pool,
+                                                                r.held.get("judge"), output, when),
+        metrics=lambda val: val.metrics, summary=lambda val: val.metrics),
+    summarize=_summarize, base_summary="base_validation", step_word="step",
+    before_start=lambda config: refuse_old_layout(run_folder(config)), setup=_setup, close=_close,
+    summary_fields={"pipeline": "rlvr"})
 
 
 @flow(name="rlvr-train")  # progress lines go to stdout; Prefect logs to the log file (flows/console.py)
 def rlvr_train_flow(cfg: dict) -> dict:
-    """Run (or resume) the RLVR training run described by ``cfg`` (an :class:`RLVRTrainConfig` as JSON)."""
-    from stages.metrics import MetricsLog
-    from stages.rlvr.generate import judge_pool
-
-    config = validate_config(RLVRTrainConfig, cfg)
-    refuse_old_layout(run_folder(config))
-    validates = config.validation.eval_steps > 0
-    judged = rlvr_judged(config)  # the judge's engines are part of the run's resource plan (flows/pipeline_specs.py)
-    run, base, pool = start_run(config, cfg)
-    judge = judge_pool(config.judge) if judged else None  # the judge's own engine (built on first use)
-    workers = KeptWorkers.of(config, run.uri())
-    started = time.time()
-    summary: dict[str, Any] = {"run": run.uri(), "pipeline": "rlvr", "iterations": []}
-    checkpoint, state = base, {}
-    trained: list[str] = []  # this run's checkpoints, oldest first
-    needs_critic = config.train_step_config().needs_critic
-    with MetricsLog(run.uri()) as metrics:
-        try:
-            prompts = prompts_task(config.prompts, run.child("prompts").uri())
-            if validates:
-                val_prompts = prompts_task(config.validation.prompts, run.child("val_prompts").uri()).output
-                val = validation_task(config, val_prompts, checkpoint, pool, judge, f"{run.uri()}/val_base",
-                                      "before training")
-                record(metrics, 0, "validation", val, val.metrics, label="validation before training")
-                summary["base_validation"] = val.metrics
-            for k in range(config.max_steps):
-                here = step_dir(run.uri(), k)
-                gen = generate_task(config, k, prompts.output, checkpoint, pool, f"{here}/responses")
-                record(metrics, k, "generate", gen)
-                sleep_engines(pool, metrics, k)  # colocation: the GPU is the next stages' until the next generation
-                scoring = score_task(config, k, gen.output, here, judge)
-                scored = record(metrics, k, "rewards", scoring["scored"])
-                record(metrics, k, "samples", scoring["samples"])
-                lp = logprobs_task(config, scoring["samples"].output, checkpoint, base, f"{here}/logprobs", workers)
-                record(metrics, k, "logprobs", lp)
-                tokens = lp.output
-                if needs_critic:
-                    vals = values_task(config, lp.output, checkpoint, f"{here}/values", workers)
-                    record(metrics, k, "values", vals)
-                    tokens = vals.output
-                chain = chain_task(config, tokens, here, state)
-                record(metrics, k, "response_rewards", chain["rewarded"])
-                advantaged = chain["advantaged"]
-                record(metrics, k, "advantages", advantaged)
-                state = {**chain["rewarded"].state, **advantaged.state}
-                tr = train_and_keep(config, k, advantaged.output, checkpoint, f"{here}/checkpoint", workers, metrics,
-                                    trained)
-                checkpoint = tr.output
-                validated = None
-                if validates and (k + 1) % config.validation.eval_steps == 0:
-                    val = validation_task(config, val_prompts, checkpoint, pool, judge, f"{here}/validation",
-                                          f"after step {k}")
-                    # the metrics table files it under k + 1 (the policy after k + 1 steps), as agentic evaluations
-                    record(metrics, k + 1, "validation", val, val.metrics, label=f"validation after step {k}")
-                    validated = val.metrics
-                summary["iterations"].append({"iteration": k, "checkpoint": checkpoint, "train_metrics": tr.metrics,
-                                              "score": scored.get("critic/score/mean"),
-                                              "generate_metrics": gen.metrics, "validation": validated})
-        finally:
-            workers.close()
-            pool.close()
-            if judge is not None:
-                judge.close()
-    summary["seconds"] = time.time() - started
-    summary["checkpoint"] = checkpoint
-    return summary
+    """Run (or resume) the RLVR training run described by ``cfg`` (an :class:`RLVRTrainConfig` as JSON): the RLVR
+    declaration run by the one loop (flows/loop.py)."""
+    return run_pipeline(RLVR, validate_config(RLVRTrainConfig, cfg), cfg)
 
 
 def rlvr_summary_lines(summary: dict) -> list[str]:

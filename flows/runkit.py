@@ -128,22 +128,26 @@ def values_task(config, samples: str, checkpoint: str, output: str,
 
 
 @stage_task("response_rewards")
-def rewards_task(rewards: ResponseRewardSection, samples: str, output: str, *, force: bool = False,
-                 batch_rows: int = 1024, resources: dict[str, float] | None = None) -> Any:
-    """Response-level rewards of a samples table (agentic flow and recompute flow); ``resources``: the custom Ray
-    resources its tasks ask for (``runtime.resources_for("response_rewards")``)."""
+def rewards_task(rewards: ResponseRewardSection, samples: str, output: str, *, scored: str | None = None,
+                 state_in: dict | None = None, force: bool = False, batch_rows: int = 1024,
+                 resources: dict[str, float] | None = None) -> Any:
+    """Response-level rewards of a samples table (both training pipelines and the recompute flow): ``scored``, the
+    reward workers' scores (RLVR's section); ``state_in``, the running moments of the previous step (RLVR);
+    ``resources``: the custom Ray resources its tasks ask for (``runtime.resources_for("response_rewards")``)."""
     from stages.response_rewards import ResponseRewardsStage
     from stages.runner import run_stage
 
-    return run_stage(ResponseRewardsStage(), rewards, {"samples": samples}, output, force=force, batch_rows=batch_rows,
-                     resources=resources)
+    inputs = {"samples": samples, **({"scored": scored} if scored is not None else {})}
+    return run_stage(ResponseRewardsStage(), rewards, inputs, output, force=force, batch_rows=batch_rows,
+                     state_in=state_in, resources=resources)
 
 
 @stage_task("advantages")
 def advantages_task(advantages: AdvantageSection, samples: str, rewarded: str, output: str, state_in: dict | None,
                     *, force: bool = False, batch_rows: int = 1024, resources: dict[str, float] | None = None) -> Any:
     """Token rewards and advantages of a samples table and its rewarded rows; ``state_in`` carries the KL
-    controller of the previous iteration (agentic flow and recompute flow); ``resources`` as in :func:`rewards_task`."""
+    controller of the previous iteration (both training pipelines and the recompute flow); ``resources`` as in
+    :func:`rewards_task`."""
     from stages.advantages import AdvantagesStage
     from stages.runner import run_stage
 

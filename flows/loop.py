@@ -1,0 +1,226 @@
+"""The one iteration loop: it runs a training pipeline's declaration (:class:`PipelineFlow`).
+
+A pipeline declares the ordered steps of an iteration (:class:`IterStep`: a stage, or a few stages run as one task,
+recorded under their names) and its evaluation (:class:`Evaluation`: before training and every ``eval_steps``
+iterations); the loop runs them in order, the same way for every pipeline: it starts the run (frozen config, Ray,
+resource plan, engine pool, kept workers), records each step's metrics and progress line, lets the engines sleep
+after generation, threads the state the stages carry from one iteration to the next (their declarations'
+``carries``, schemas/stage_specs.py), keeps the training checkpoints, and closes what the run holds at its end.
+``flows/agentic.py`` and ``flows/rlvr.py`` hold the two declarations and no loop of their own.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from flows.pipeline_specs import PipelineSpec
+from flows.runkit import (KeptWorkers, advantages_task, logprobs_task, record, rewards_task, sleep_engines, start_run,
+                          train_and_keep, values_task)
+from schemas.stage_specs import is_declared, stage_spec
+from stages.storage import Location
+
+
+@dataclass
+class Run:
+    """What the steps of a run read and write: the config, the run folder and its kept parts, the policy being
+    trained, the carried state, and this iteration's results by step name."""
+
+    config: Any
+    run: Location
+    base: str  # the initial policy folder
+    pool: Any  # the generation engines (stages.rollout.engine_pool.EnginePool)
+    workers: KeptWorkers
+    metrics: Any  # stages.metrics.MetricsLog
+    checkpoint: str  # the policy the next step reads
+    state: dict = field(default_factory=dict)  # carried from one iteration to the next, by state key
+    held: dict = field(default_factory=dict)  # what the pipeline's set-up made (RLVR: prompts, judge engines)
+    trained: list[str] = field(default_factory=list)  # this run's checkpoints, oldest first
+    iteration: int = -1
+    here: str = ""  # the iteration's folder
+    results: dict = field(default_factory=dict)  # this iteration's results by step name
+
+    def out(self, name: str) -> str:
+        """The folder ``name`` of this iteration."""
+        return f"{self.here}/{name}"
+
+    def tokens(self) -> str:
+        """This iteration's token table with its log-probs (and values, when the critic's were computed); a pipeline
+        that reads stored samples (a step named ``samples``) without computing them: those."""
+        return next(self.results[name] for name in ("values", "logprobs", "samples") if name in self.results).output
+
+    def carried(self, stage: str) -> dict:
+        """The state stage ``stage`` continues from: what its declaration carries (``carries``), as the previous
+        iteration (or the pipeline's set-up) left it in :attr:`state`; {} when nothing is there."""
+        spec = stage_spec(stage) if is_declared(stage) else None
+        key = spec.carries[0] if spec is not None and spec.carries else None
+        return {key: self.state[key]} if key in self.state else {}
+
+    def keep(self, stage: str, result: Any) -> Any:
+        """Keep the state ``result`` of stage ``stage`` carries to the next iteration; returns ``result``."""
+        spec = stage_spec(stage) if is_declared(stage) else None
+        key = spec.carries[0] if spec is not None and spec.carries else None
+        if key is not None and key in result.state:
+            self.state[key] = result.state[key]
+        return result
+
+
+def _always(config) -> bool:
+    return True
+
+
+@dataclass(frozen=True)
+class IterStep:
+    """One step of an iteration: ``run`` returns its result (a stage result, or several by name, see ``records``),
+    kept in ``Run.results[name]``; the metrics table files it under ``name``."""
+
+    name: str
+    run: Callable[[Run], Any]
+    when: Callable[[Any], bool] = _always  # whether a run of this config has the step (values: with a critic)
+    # the metrics a step's result records (default: its own metrics); None for a step that records several stages
+    metrics: Callable[[Any], dict] | None = None
+    records: tuple[str, ...] = ()  # a step of several stages: the names its result holds, recorded one by one
+    generation: bool = False  # the engines sleep after it (colocation: the GPU is the next stages' until then)
+    trains: bool = False  # the training step: its checkpoint is the policy from now on
+
+
+@dataclass(frozen=True)
+class Evaluation:
+    """A pipeline's evaluation of a checkpoint: before training and after every ``every(config)`` iterations (0:
+    never), into ``<run>/<base_dir>`` and ``<iteration>/<dir>``, recorded under ``name``."""
+
+    name: str  # "eval", "validation"
+    base_dir: str
+    dir: str
+    every: Callable[[Any], int]
+    run: Callable[[Run, str, str, str], Any]  # (run, output, checkpoint, when: "before training", "after ...")
+    metrics: Callable[[Any], dict]  # what the metrics table records
+    summary: Callable[[Any], dict]  # what the run's summary keeps
+
+
+@dataclass(frozen=True)
+class PipelineFlow:
+    """A training pipeline, declared: its folders (``spec``), the steps of an iteration in order, its evaluation,
+    what it sets up before the first iteration and closes after the last, and what its summary keeps."""
+
+    spec: PipelineSpec
+    iteration: tuple[IterStep, ...]
+    evaluation: Evaluation
+    summarize: Callable[[Run, dict | None], dict]  # an iteration's summary entry (with the evaluation's, or None)
+    base_summary: str  # the summary key of the evaluation before training
+    step_word: str  # "iteration", "step": how the progress lines name an iteration
+    before_start: Callable[[Any], None] = lambda config: None  # checks of the run folder before anything starts
+    setup: Callable[[Run], None] = lambda run: None  # fills Run.held (inside the metrics log)
+    close: Callable[[Run], None] = lambda run: None  # closes what setup made
+    summary_fields: dict = field(default_factory=dict)  # constant entries of the summary (e.g. the pipeline)
+
+
+def _run_step(step: IterStep, r: Run) -> None:
+    result = step.run(r)
+    r.results[step.name] = result
+    k = r.iteration
+    if step.trains:  # train_and_keep recorded it
+        r.checkpoint = result.output
+        return
+    if step.records:
+        for name in step.records:
+            r.results[name] = result[name]
+            record(r.metrics, k, name, result[name])
+    else:
+        record(r.metrics, k, step.name, result, step.metrics(result) if step.metrics else None)
+    if step.generation:
+        sleep_engines(r.pool, r.metrics, k)
+
+
+# The steps both pipelines share, from the token table on (samples -> logprobs (-> values) -> rewarded -> advantaged
+# -> checkpoint), run one way.
+
+def logprobs_step(samples: Callable[[Run], str]) -> IterStep:
+    """Old (and reference) log-probs of the iteration's token table (``samples(run)``), under the current policy."""
+    return IterStep("logprobs", lambda r: logprobs_task(r.config, samples(r), r.checkpoint, r.base, r.out("logprobs"),
+                                                        r.workers))
+
+
+def _needs_critic(config) -> bool:
+    return config.train_step_config().needs_critic
+
+
+VALUES_STEP = IterStep("values", lambda r: values_task(r.config, r.results["logprobs"].output, r.checkpoint,
+                                                      r.out("values"), r.workers), when=_needs_critic)
+
+
+def rewards_step(section: Callable[[Any], Any], samples: Callable[[Run], str],
+                 scored: Callable[[Run], str | None] = lambda r: None) -> IterStep:
+    """Response-level rewards (``section(config)``) of the table ``samples(run)`` (with the workers' scores,
+    ``scored(run)``, for RLVR's section) -> ``rewarded``, continuing from the state the stage carries."""
+    def run(r: Run) -> Any:
+        rt = r.config.runtime
+        return r.keep("response_rewards", rewards_task(
+            section(r.config), samples(r), r.out("rewarded"), scored=scored(r), state_in=r.carried("response_rewards"),
+            batch_rows=rt.batch_rows, resources=rt.resources_for("response_rewards")))
+
+    return IterStep("response_rewards", run)
+
+
+def advantages_step(section: Callable[[Any], Any]) -> IterStep:
+    """Token rewards and advantages (``section(config)``) of the token table and its rewarded rows -> ``advantaged``,
+    continuing from the KL controller the previous iteration left."""
+    def run(r: Run) -> Any:
+        rt = r.config.runtime
+        return r.keep("advantages", advantages_task(
+            section(r.config), r.tokens(), r.results["response_rewards"].output, r.out("advantaged"),
+            r.carried("advantages"), batch_rows=rt.batch_rows, resources=rt.resources_for("advantages")))
+
+    return IterStep("advantages", run)
+
+
+def _train(r: Run) -> Any:
+    return train_and_keep(r.config, r.iteration, r.results["advantages"].output, r.checkpoint, r.out("checkpoint"),
+                          r.workers, r.metrics, r.trained)
+
+
+TRAIN_STEP = IterStep("train", _train, trains=True)  # the training step every iteration ends with
+
+
+def run_pipeline(flow: PipelineFlow, config, cfg: dict) -> dict:
+    """Run (or resume) the training run of ``config`` (validated from ``cfg``) as ``flow`` declares it. Returns the
+    run's summary: its folder, one entry per iteration, the evaluation before training, seconds, last checkpoint."""
+    from stages.metrics import MetricsLog
+
+    flow.before_start(config)
+    run, base, pool = start_run(config, cfg)
+    r = Run(config, run, base, pool, None, None, base)  # type: ignore[arg-type]
+    r.workers = KeptWorkers.of(config, run.uri())
+    started = time.time()
+    summary: dict[str, Any] = {"run": run.uri(), **flow.summary_fields, "iterations": []}
+    ev = flow.evaluation
+    every = ev.every(config)
+    steps = [s for s in flow.iteration if s.when(config)]
+    with MetricsLog(run.uri()) as metrics:
+        r.metrics = metrics
+        try:
+            flow.setup(r)
+            if every:
+                result = ev.run(r, f"{run.uri()}/{ev.base_dir}", r.checkpoint, "before training")
+                record(metrics, 0, ev.name, result, ev.metrics(result), label=f"{ev.name} before training")
+                summary[flow.base_summary] = ev.summary(result)
+            for k in range(config.max_steps):
+                r.iteration, r.here, r.results = k, flow.spec.step_dir(run.uri(), k), {}
+                for step in steps:
+                    _run_step(step, r)
+                evaluated = None
+                if every and (k + 1) % every == 0:
+                    when = f"after {flow.step_word} {k}"
+                    result = ev.run(r, r.out(ev.dir), r.checkpoint, when)
+                    # the metrics table files it under k + 1 (the policy after k + 1 steps); the line says when it ran
+                    record(metrics, k + 1, ev.name, result, ev.metrics(result), label=f"{ev.name} {when}")
+                    evaluated = ev.summary(result)
+                summary["iterations"].append(flow.summarize(r, evaluated))
+        finally:
+            r.workers.close()
+            pool.close()
+            flow.close(r)
+    summary["seconds"] = time.time() - started
+    summary["checkpoint"] = r.checkpoint
+    return summary
