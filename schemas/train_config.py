@@ -23,6 +23,7 @@ from schemas.config import AdvEstimator, Frozen, OmitDefaults, RuntimeConfig, ra
 from schemas.devices import DeviceMapping
 from schemas.loss_config import LossOptions
 from schemas.precision import short_validator
+from schemas.toolchain import optimizer_validator, torch_compile_validator
 
 # ``auto`` (accepted on input) becomes bf16 where the hardware computes bf16 natively, else fp32 (schemas/precision.py)
 Precision = Annotated[Literal["fp32", "bf16", "fp16"], BeforeValidator(short_validator)]
@@ -167,8 +168,10 @@ OFFLOAD_DEVICES = ("none", "cpu", "nvme")
 OFFLOAD_MIN_STAGE = {"offload_optimizer": 1, "offload_param": 3}
 
 
-class StrategyArgs(Frozen):
+class StrategyArgs(OmitDefaults):
     """``<worker>.strategy_args``: the DeepSpeed engine."""
+
+    omit_when_default: ClassVar[dict[str, Any]] = {"optimizer": "torch_adamw"}  # fingerprints as before it
 
     strategy_name: Literal["deepspeed_train"] = Field("deepspeed_train", description="Training backend.")
     zero_stage: Literal[0, 1, 2, 3] = Field(2, description="DeepSpeed ZeRO stage: 0 (plain data parallel), 1 (optimizer "
@@ -180,9 +183,17 @@ class StrategyArgs(Frozen):
                                              "zero_optimization.offload_optimizer (ZeRO >= 1) and "
                                              "zero_optimization.offload_param (ZeRO 3), each {device: cpu|nvme|none, "
                                              "nvme_path: ... for nvme}, on GPU workers only.")
-    torch_compile: bool = Field(False, description="Compile each decoder layer with torch.compile (fuses the "
-                                "norm, rotary and gated-MLP element-wise work; the first micro-batches of a new shape "
-                                "pay the compile). For GPU runs; on CPU it needs a C++ compiler.")
+    torch_compile: Annotated[bool, BeforeValidator(torch_compile_validator)] = Field(
+        False, description="Compile each decoder layer with torch.compile (fuses the norm, rotary and gated-MLP "
+        "element-wise work; the first micro-batches of a new shape pay the compile). It needs a C compiler and "
+        "Python's headers: on a host without them true becomes false, with one warning, and the run's config "
+        "records false (schemas/toolchain.py).")
+    optimizer: Annotated[Literal["torch_adamw", "fused_adam"], BeforeValidator(optimizer_validator)] = Field(
+        "auto", description="The AdamW implementation: auto (torch_adamw unless DeepSpeed's kernel is already built "
+        "on this host; the run's config records the choice), torch_adamw (torch.optim.AdamW through DeepSpeed, "
+        "fused on CUDA: nothing to build) or fused_adam (DeepSpeed's FusedAdam, or its CPU Adam with "
+        "offload_optimizer: compiled on first use unless prebuilt, so it needs nvcc of torch's CUDA major version "
+        "or a C++ compiler; the GPU pre-flight checks). On CPU workers DeepSpeed runs torch's AdamW either way.")
 
     @model_validator(mode="after")
     def _zero_rules(self) -> "StrategyArgs":
