@@ -13,6 +13,7 @@ rule is tested with a faked driver, capability or memory. No Ray import.
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 from dataclasses import dataclass
@@ -52,6 +53,7 @@ class HostProbe:
     nvcc: str | None = None
     compile_missing: str | None = None
     fused_adam_built: bool = False
+    alloc_conf: str | None = None  # PYTORCH_CUDA_ALLOC_CONF of this process (Ray's workers inherit it)
 
 
 @dataclass(frozen=True)
@@ -65,6 +67,7 @@ class GpuNeeds:
     bf16_fields: tuple[str, ...] = ()
     fused_adam_fields: tuple[str, ...] = ()
     compile_fields: tuple[str, ...] = ()
+    sleep_fields: tuple[str, ...] = ()
 
 
 # ---- the rules (pure) ---------------------------------------------------------------------------------------------
@@ -134,6 +137,17 @@ def compiler_problems(host: HostProbe, needs: GpuNeeds) -> list[str]:
     return out
 
 
+def allocator_problem(host: HostProbe, needs: GpuNeeds) -> str | None:
+    """vLLM's sleep mode allocates the weights and KV cache through its own CUDA memory pool, which does not work
+    with the caching allocator's expandable segments; an engine would fail or not free its memory when asleep."""
+    if not needs.sleep_fields or "expandable_segments:true" not in (host.alloc_conf or "").replace(" ", "").lower():
+        return None
+    return (f"PYTORCH_CUDA_ALLOC_CONF={host.alloc_conf} is set, but {', '.join(needs.sleep_fields)} put(s) the "
+            "engines to sleep, and vLLM's sleep allocator does not work with expandable_segments:True (Ray's "
+            "workers inherit the variable); unset it for the run, or set sleep_level: 0 with engines on GPUs of "
+            "their own")
+
+
 def problems(host: HostProbe, needs: GpuNeeds) -> list[str]:
     """Every reason this host cannot run what ``needs`` asks, each a sentence with the fix (empty: it can)."""
     if needs.gpus <= 0 or (not host.gpus and not host.torch_sees_cuda):
@@ -141,7 +155,8 @@ def problems(host: HostProbe, needs: GpuNeeds) -> list[str]:
     driver = driver_problem(host)
     if driver:
         return [driver]  # nothing else can be checked through a torch that sees no GPU
-    return [p for p in (bf16_problem(host, needs), memory_problem(host, needs)) if p] + compiler_problems(host, needs)
+    return ([p for p in (bf16_problem(host, needs), memory_problem(host, needs), allocator_problem(host, needs)) if p]
+            + compiler_problems(host, needs))
 
 
 # ---- what a run needs, from its config and plan -------------------------------------------------------------------
@@ -170,7 +185,8 @@ def needs_of(config, plan) -> GpuNeeds:
         gpus=plan.gpus_needed(), memory_gib=memory,
         bf16_fields=tuple(p for p, v in fields if p.endswith("dtype") and v in ("bf16", "bfloat16")),
         fused_adam_fields=tuple(p for p, v in fields if p.endswith("strategy_args.optimizer") and v == "fused_adam"),
-        compile_fields=tuple(p for p, v in fields if p.endswith("strategy_args.torch_compile") and v is True))
+        compile_fields=tuple(p for p, v in fields if p.endswith("strategy_args.torch_compile") and v is True),
+        sleep_fields=tuple(f"{p} {v}" for p, v in fields if p.endswith("sleep_level") and isinstance(v, int) and v > 0))
 
 
 # ---- the probe (reads the host) -----------------------------------------------------------------------------------
@@ -209,7 +225,8 @@ def probe(smi_output: str | None = None) -> HostProbe:
     return HostProbe(driver=driver, gpus=gpus, torch_cuda=torch.version.cuda,
                      torch_sees_cuda=torch.cuda.is_available(), nvcc=toolchain.nvcc_release() if gpus else None,
                      compile_missing=toolchain.compile_missing(),
-                     fused_adam_built=toolchain.deepspeed_op_built("fused_adam"))
+                     fused_adam_built=toolchain.deepspeed_op_built("fused_adam"),
+                     alloc_conf=os.environ.get("PYTORCH_CUDA_ALLOC_CONF"))
 
 
 def check_run(config, plan, host: HostProbe | None = None) -> list[str]:

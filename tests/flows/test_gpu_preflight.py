@@ -93,6 +93,7 @@ def test_the_h100_config_on_an_old_driver_is_refused_by_its_plan():
     needs = needs_of(config, plan)
     assert needs.gpus == pytest.approx(1, abs=1e-3) and needs.memory_gib > 1
     assert "train.actor_train.model_args.dtype" in needs.bf16_fields and "rollout.engine.dtype" in needs.bf16_fields
+    assert needs.sleep_fields == ("rollout.engine.sleep_level 2",)
     assert plan.fits
     check_run(config, plan, replace(GOOD, driver="550.54.15", torch_sees_cuda=False))
     with pytest.raises(PlanError, match="GPU pre-flight: torch is built for CUDA 13.0.*>= 580"):
@@ -103,3 +104,11 @@ def test_a_cpu_host_plans_gpu_runs_as_a_what_if():
     """No nvidia-smi and no CUDA here: ``rollflow plan --gpus 1`` of a GPU config still plans (nothing to probe)."""
     config = load(H100_CONFIG)
     assert run_plan(config, {"CPU": 16.0, "GPU": 1.0}).fits
+
+
+def test_expandable_segments_with_sleeping_engines_is_refused():
+    needs = replace(NEEDS, sleep_fields=("rollout.engine.sleep_level 2",))
+    found = problems(replace(GOOD, alloc_conf="expandable_segments:True"), needs)
+    assert len(found) == 1 and "sleep allocator" in found[0] and "rollout.engine.sleep_level 2" in found[0]
+    assert problems(replace(GOOD, alloc_conf="expandable_segments:True"), NEEDS) == []
+    assert problems(replace(GOOD, alloc_conf="max_split_size_mb:512"), needs) == []
