@@ -327,7 +327,9 @@ class TrainSection(LossOptions):
 class TrainRuntimeConfig(RuntimeConfig):
     """Where the training step runs (not part of its fingerprint)."""
 
-    omit_when_default: ClassVar[dict[str, Any]] = {**RuntimeConfig.omit_when_default, "device_mapping": None}
+    omit_when_default: ClassVar[dict[str, Any]] = {**RuntimeConfig.omit_when_default, "device_mapping": None,
+                                                   "placement_timeout_s": 600.0, "engine_build_timeout_s": 1200.0,
+                                                   "step_timeout_s": 7200.0}
 
     num_workers: int = Field(2, gt=0, description="Ray Train workers (data-parallel ranks).")
     use_gpu: bool = Field(False, description="One GPU per worker and the nccl backend (else gloo on CPU).")
@@ -345,6 +347,16 @@ class TrainRuntimeConfig(RuntimeConfig):
                                           "indexes of the training workers (one per worker, use_gpu: true). Equal to "
                                           "the engine's: colocated, generation and training share those GPUs "
                                           "(schemas/devices.py). null: one GPU of their own per worker.")
+    placement_timeout_s: float | None = Field(600.0, gt=0, description="Seconds the training workers may wait to be "
+                                              "placed by Ray (their processes started) before the step fails with "
+                                              "what they ask and what the cluster has free (null: wait forever).")
+    engine_build_timeout_s: float | None = Field(1200.0, gt=0, description="Seconds a worker may spend building its "
+                                                 "DeepSpeed engines (loading the model, the optimizer, a resumed "
+                                                 "state) on top of the step limit, before the step fails naming the "
+                                                 "stalled worker (null: no limit).")
+    step_timeout_s: float | None = Field(7200.0, gt=0, description="Seconds one training step may take on a worker "
+                                         "before it fails naming the stalled worker, its process and host (null: "
+                                         "no limit).")
 
     def torch_threads(self) -> int:
         return self.threads or max(1, int(self.cpus_per_worker))
