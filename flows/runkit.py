@@ -238,9 +238,12 @@ def sleep_engines(pool, metrics, iteration: int) -> None:
 def run_plan(config, resources: dict[str, float]):
     """The resource plan (stages/plan.py) of a training config on a cluster of ``resources``, with the engines its
     pipeline keeps for the whole run (its declaration, flows/pipeline_specs.py)."""
+    from stages.gpu_preflight import check_run
     from stages.plan import make_plan
 
-    return make_plan(config, resources, PIPELINE_SPECS.get(config.pipeline).engines(config))
+    plan = make_plan(config, resources, PIPELINE_SPECS.get(config.pipeline).engines(config))
+    check_run(config, plan)  # this host's driver, GPUs and compilers against what the run asks (exit 2 if short)
+    return plan
 
 
 def check_plan(config, resources: dict[str, float]) -> None:

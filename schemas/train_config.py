@@ -23,6 +23,7 @@ from schemas.config import AdvEstimator, Frozen, OmitDefaults, RuntimeConfig, ra
 from schemas.devices import DeviceMapping
 from schemas.loss_config import LossOptions
 from schemas.precision import short_validator
+from schemas.toolchain import optimizer_validator, torch_compile_validator
 
 # ``auto`` (accepted on input) becomes bf16 where the hardware computes bf16 natively, else fp32 (schemas/precision.py)
 Precision = Annotated[Literal["fp32", "bf16", "fp16"], BeforeValidator(short_validator)]
@@ -167,8 +168,10 @@ OFFLOAD_DEVICES = ("none", "cpu", "nvme")
 OFFLOAD_MIN_STAGE = {"offload_optimizer": 1, "offload_param": 3}
 
 
-class StrategyArgs(Frozen):
+class StrategyArgs(OmitDefaults):
     """``<worker>.strategy_args``: the DeepSpeed engine."""
+
+    omit_when_default: ClassVar[dict[str, Any]] = {"optimizer": "torch_adamw"}  # fingerprints as before it
 
     strategy_name: Literal["deepspeed_train"] = Field("deepspeed_train", description="Training backend.")
     zero_stage: Literal[0, 1, 2, 3] = Field(2, description="DeepSpeed ZeRO stage: 0 (plain data parallel), 1 (optimizer "
@@ -180,9 +183,17 @@ class StrategyArgs(Frozen):
                                              "zero_optimization.offload_optimizer (ZeRO >= 1) and "
                                              "zero_optimization.offload_param (ZeRO 3), each {device: cpu|nvme|none, "
                                              "nvme_path: ... for nvme}, on GPU workers only.")
-    torch_compile: bool = Field(False, description="Compile each decoder layer with torch.compile (fuses the "
-                                "norm, rotary and gated-MLP element-wise work; the first micro-batches of a new shape "
-                                "pay the compile). For GPU runs; on CPU it needs a C++ compiler.")
+    torch_compile: Annotated[bool, BeforeValidator(torch_compile_validator)] = Field(
+        False, description="Compile each decoder layer with torch.compile (fuses the norm, rotary and gated-MLP "
+        "element-wise work; the first micro-batches of a new shape pay the compile). It needs a C compiler and "
+        "Python's headers: on a host without them true becomes false, with one warning, and the run's config "
+        "records false (schemas/toolchain.py).")
+    optimizer: Annotated[Literal["torch_adamw", "fused_adam"], BeforeValidator(optimizer_validator)] = Field(
+        "auto", description="The AdamW implementation: auto (torch_adamw unless DeepSpeed's kernel is already built "
+        "on this host; the run's config records the choice), torch_adamw (torch.optim.AdamW through DeepSpeed, "
+        "fused on CUDA: nothing to build) or fused_adam (DeepSpeed's FusedAdam, or its CPU Adam with "
+        "offload_optimizer: compiled on first use unless prebuilt, so it needs nvcc of torch's CUDA major version "
+        "or a C++ compiler; the GPU pre-flight checks). On CPU workers DeepSpeed runs torch's AdamW either way.")
 
     @model_validator(mode="after")
     def _zero_rules(self) -> "StrategyArgs":
@@ -316,7 +327,9 @@ class TrainSection(LossOptions):
 class TrainRuntimeConfig(RuntimeConfig):
     """Where the training step runs (not part of its fingerprint)."""
 
-    omit_when_default: ClassVar[dict[str, Any]] = {**RuntimeConfig.omit_when_default, "device_mapping": None}
+    omit_when_default: ClassVar[dict[str, Any]] = {**RuntimeConfig.omit_when_default, "device_mapping": None,
+                                                   "placement_timeout_s": 600.0, "engine_build_timeout_s": 1200.0,
+                                                   "step_timeout_s": 7200.0}
 
     num_workers: int = Field(2, gt=0, description="Ray Train workers (data-parallel ranks).")
     use_gpu: bool = Field(False, description="One GPU per worker and the nccl backend (else gloo on CPU).")
@@ -334,6 +347,16 @@ class TrainRuntimeConfig(RuntimeConfig):
                                           "indexes of the training workers (one per worker, use_gpu: true). Equal to "
                                           "the engine's: colocated, generation and training share those GPUs "
                                           "(schemas/devices.py). null: one GPU of their own per worker.")
+    placement_timeout_s: float | None = Field(600.0, gt=0, description="Seconds the training workers may wait to be "
+                                              "placed by Ray (their processes started) before the step fails with "
+                                              "what they ask and what the cluster has free (null: wait forever).")
+    engine_build_timeout_s: float | None = Field(1200.0, gt=0, description="Seconds a worker may spend building its "
+                                                 "DeepSpeed engines (loading the model, the optimizer, a resumed "
+                                                 "state) on top of the step limit, before the step fails naming the "
+                                                 "stalled worker (null: no limit).")
+    step_timeout_s: float | None = Field(7200.0, gt=0, description="Seconds one training step may take on a worker "
+                                         "before it fails naming the stalled worker, its process and host (null: "
+                                         "no limit).")
 
     def torch_threads(self) -> int:
         return self.threads or max(1, int(self.cpus_per_worker))

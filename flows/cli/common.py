@@ -33,12 +33,13 @@ def guard(fn):
 
 
 def announce_precision() -> None:
-    """Print which dtypes ``dtype: auto`` resolved to while the command's config was loaded, and why."""
-    from schemas.precision import choices_line
+    """Print which dtypes ``dtype: auto`` resolved to while the command's config was loaded, and why; and what the
+    optimizer, torch_compile and sampler options resolved to on this host (schemas/toolchain.py)."""
+    from schemas import precision, toolchain
 
-    line = choices_line()
-    if line:
-        typer.echo(f"[setup] {line}")
+    for line in (precision.choices_line(), toolchain.choices_line()):
+        if line:
+            typer.echo(f"[setup] {line}")
 
 
 def connect(runtime) -> None:

@@ -30,6 +30,7 @@ from stages.generation.engines import (
     load_tokenizer,
     stop_string_hit,
 )
+from stages.generation.weight_check import check_served, probe_names, sample
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
            "float16": torch.float16, "fp16": torch.float16}
@@ -207,6 +208,15 @@ class HFEngine:
                 f"wrong shapes {wrong[:3]}; save the trained model with the same architecture")
         self.model.load_state_dict(state, strict=False)
         self.model_dir = folder
+        self.check_weights(folder)
+
+    def check_weights(self, folder: str | os.PathLike) -> int:
+        """Raise when the model's weights differ from the checkpoint in ``folder`` (stages/generation/
+        weight_check.py); returns how many tensors were compared."""
+        params = dict(self.model.named_parameters())
+        names = probe_names(params)
+        dtype = next(iter(params.values())).dtype
+        return check_served({n: sample(params[n]) for n in names}, folder, dtype, "hf")
 
     def sleep(self, level: int) -> dict[str, int]:
         """Give the model's memory back (:class:`~stages.generation.engines.EngineMemory`). The decode loop keeps no

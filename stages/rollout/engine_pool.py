@@ -221,7 +221,7 @@ class EnginePool:
         start = time.time()
         threads = str(self._threads())
         env_vars = {"OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads, "TOKENIZERS_PARALLELISM": "false",
-                    **self.config.env_vars}
+                    **self.config.backend_env(), **self.config.env_vars}
         remote = ray.remote(EngineActor).options(num_cpus=self.config.num_cpus_per_engine,
                                                  num_gpus=self.gpus_per_engine,
                                                  runtime_env={"env_vars": env_vars}, max_restarts=0)

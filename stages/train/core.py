@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from schemas.errors import ConfigError, InvariantError, RollflowError
-from schemas.train_config import TrainSection, TrainStepConfig, WorkerTrainConfig
+from schemas.train_config import StrategyArgs, TrainSection, TrainStepConfig, WorkerTrainConfig
 from stages.algos.ragged import Ragged
 from stages.train.batching import (BatchingPolicy, MicroBatch, MiniBatchPlan, TokenLogits, TokenRows,
                                    causal_lm_logits, forward_packed, pad_micro_batch, plan_step, select_logits,
@@ -125,11 +125,26 @@ def deepspeed_config(worker: WorkerTrainConfig, on_gpu: bool) -> dict:
         "fp16": {"enabled": precision == "fp16"},
         "optimizer": {"type": "AdamW", "params": {
             "lr": t.learning_rate, "betas": [t.adam_beta1, t.adam_beta2], "eps": t.adam_epsilon,
-            "weight_decay": t.weight_decay, "torch_adam": not on_gpu}},
+            "weight_decay": t.weight_decay, **optimizer_params(worker.strategy_args, on_gpu)}},
         "steps_per_print": 10 ** 9,
         "wall_clock_breakdown": False,
     }
+    if on_gpu and worker.strategy_args.optimizer == "torch_adamw" and worker.strategy_args.offloads():
+        config["zero_force_ds_cpu_optimizer"] = False  # torch's AdamW on the offloaded CPU state: no build
     return _merge(config, worker.strategy_args.deepspeed_config)
+
+
+def optimizer_params(strategy: StrategyArgs, on_gpu: bool) -> dict:
+    """DeepSpeed's optimizer switches for ``strategy.optimizer`` (schemas/toolchain.py). torch_adamw (and every CPU
+    engine): torch.optim.AdamW (``torch_adam``, decoupled decay by ``adam_w_mode``), fused on CUDA, nothing to build;
+    with offload_optimizer DeepSpeed must be told a torch optimizer on CPU is meant. fused_adam: DeepSpeed's
+    FusedAdam (its CPU Adam with offload_optimizer), built on first use unless prebuilt."""
+    if on_gpu and strategy.optimizer == "fused_adam":
+        return {"torch_adam": False, "adam_w_mode": True}
+    params = {"torch_adam": True, "adam_w_mode": True}
+    if on_gpu and "offload_optimizer" not in strategy.offloads():
+        params["fused"] = True
+    return params
 
 
 def _merge(base: dict, extra: dict) -> dict:

@@ -19,11 +19,16 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+import socket
 import tempfile
 import threading
+import time
 import uuid
+from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
+from schemas.errors import RollflowError
 from stages.storage import Location, is_uri
 
 log = logging.getLogger("rollflow.train")
@@ -47,6 +52,7 @@ class Mailbox:
 
         self._inboxes = [queue.Queue() for _ in range(ranks)]
         self._replies = queue.Queue()
+        self._states: dict[int, tuple[str, int, str, float]] = {}
 
     def send(self, request: Any) -> None:
         for inbox in self._inboxes:
@@ -59,6 +65,15 @@ class Mailbox:
             return self._inboxes[rank].get(timeout=timeout)
         except queue.Empty:
             return _NOTHING
+
+    def checkin(self, rank: int, state: str, pid: int, host: str) -> None:
+        """``rank`` is now in ``state`` (joining, idle, building engines, training), in process ``pid`` on ``host``."""
+        self._states[rank] = (state, pid, host, time.monotonic())
+
+    def states(self) -> dict[int, tuple[str, int, str, float]]:
+        """Each rank that checked in: (state, pid, host, seconds in that state, by this actor's clock)."""
+        now = time.monotonic()
+        return {rank: (state, pid, host, now - since) for rank, (state, pid, host, since) in self._states.items()}
 
     def reply(self, answer: str) -> None:
         self._replies.put(answer)
@@ -73,6 +88,51 @@ class Mailbox:
 
 
 _NOTHING = "<nothing>"
+JOINING, IDLE, BUILDING, TRAINING = "joining the process group", "idle", "building its engines", "training"
+
+
+class TrainingStalled(RollflowError):
+    """A training worker was not placed, or stalled, past its limit (runtime.*_timeout_s)."""
+
+
+@dataclass(frozen=True)
+class Limits:
+    """The limits of ``runtime`` (TrainRuntimeConfig), seconds or None (no limit)."""
+
+    placement: float | None
+    build: float | None
+    step: float | None
+
+    @classmethod
+    def of(cls, runtime) -> "Limits":
+        return cls(runtime.placement_timeout_s, runtime.engine_build_timeout_s, runtime.step_timeout_s)
+
+    def of_state(self, state: str) -> tuple[float | None, str]:
+        """The limit on one stay in ``state`` and the fields that set it."""
+        if state == TRAINING:
+            return self.step, "step_timeout_s"
+        if state in (BUILDING, JOINING):
+            if self.build is None and self.step is None:
+                return None, ""
+            return (self.build or 0.0) + (self.step or 0.0), "engine_build_timeout_s + step_timeout_s"
+        return None, ""
+
+
+def stall(states: dict[int, tuple[str, int, str, float]], ranks: int, waited: float, limits: Limits) -> str | None:
+    """Why a step that has waited ``waited`` seconds since its group started should stop (None: keep waiting).
+    ``states``: the mailbox's (state, pid, host, seconds in it) per rank that checked in. Pure."""
+    missing = [r for r in range(ranks) if r not in states]
+    if missing:
+        if limits.placement is not None and waited > limits.placement:
+            return (f"{len(missing)} of {ranks} training workers (rank(s) {missing}) were not placed by Ray within "
+                    f"runtime.placement_timeout_s ({limits.placement:g} s)")
+        return None
+    for rank, (state, pid, host, age) in sorted(states.items()):
+        limit, fields = limits.of_state(state)
+        if limit is not None and age > limit:
+            return (f"training worker rank {rank} (pid {pid} on {host}) has been {state} for {age:.0f} s, past "
+                    f"runtime.{fields} ({limit:g} s); py-spy dump --pid {pid} shows where it waits")
+    return None
 
 
 def _requests(mailbox, rank: int):
@@ -94,10 +154,17 @@ def _serve(config: dict) -> None:
     from schemas.train_config import TrainSection
     from stages.train.core import init_distributed, read_train_table, train_and_save
 
-    dist = init_distributed(config["threads"])
+    import ray.train
+
     mailbox = config["mailbox"]
+    rank = ray.train.get_context().get_world_rank()
+    checkin = partial(_checkin, mailbox, rank)
+    checkin(JOINING)
+    dist = init_distributed(config["threads"])
+    checkin(IDLE)
     held = None
     for request in _requests(mailbox, dist.rank):
+        checkin(BUILDING if held is None else TRAINING)
         samples: Location = request["samples"]
         table = read_train_table(samples, request["columns"])
         if table is None or table.num_rows == 0:
@@ -108,8 +175,15 @@ def _serve(config: dict) -> None:
                                  committed_as=request["committed_as"] if config["keep"] else None,
                                  full_state=request["full_state"], store=samples.fs)
         _return_cached_gpu_memory()  # a colocated engine wakes into it
+        checkin(IDLE)
         if dist.rank == 0:
             mailbox.reply.remote(request["id"])
+
+
+def _checkin(mailbox, rank: int, state: str) -> None:
+    import ray
+
+    ray.get(mailbox.checkin.remote(rank, state, os.getpid(), socket.gethostname()))
 
 
 def _return_cached_gpu_memory() -> None:
@@ -155,6 +229,7 @@ class TrainerGroup:
             while not self._reply(request["id"]):
                 if not self._fit.is_alive():
                     raise self._failure or RuntimeError("the training workers stopped before finishing the step")
+                self._check_progress()
         except BaseException as err:
             self._drop()
             real = unwrap(err)
@@ -163,6 +238,22 @@ class TrainerGroup:
             raise
         if not self.keep:
             self.close()
+
+    def _check_progress(self) -> None:
+        """Raise :class:`TrainingStalled` when a worker was not placed, or stalls, past its limit."""
+        import ray
+
+        states = ray.get(self._mailbox.states.remote())
+        problem = stall(states, self.runtime.num_workers, time.monotonic() - self._started, Limits.of(self.runtime))
+        if problem is None:
+            return
+        if len(states) < self.runtime.num_workers:
+            free = {k: round(v, 2) for k, v in sorted(ray.available_resources().items())
+                    if k in ("CPU", "GPU") or k in self.worker_resources()}
+            problem += (f": each asks {self.worker_resources()} and the cluster has {free} free now; another stage or "
+                        "process holds the rest (ray status), or the plan does not fit: rollflow plan --config ... "
+                        "shows what each stage reserves")
+        raise TrainingStalled(problem)
 
     def _reply(self, want: str) -> bool:
         import ray
@@ -181,7 +272,7 @@ class TrainerGroup:
         if root is not None:  # a run folder on object storage: Ray Train's few files go to a local temporary folder
             os.makedirs(root, exist_ok=True)
         self._storage = tempfile.mkdtemp(prefix=".ray-train-", dir=root)
-        self._mailbox = ray.remote(num_cpus=0, max_concurrency=rt.num_workers + 2)(Mailbox).remote(rt.num_workers)
+        self._mailbox = ray.remote(num_cpus=0, max_concurrency=rt.num_workers + 3)(Mailbox).remote(rt.num_workers)
         kwargs = {
             "train_loop_config": {"mailbox": self._mailbox, "threads": rt.torch_threads(), "keep": self.keep},
             "scaling_config": ScalingConfig(num_workers=rt.num_workers, use_gpu=rt.use_gpu,
@@ -191,6 +282,7 @@ class TrainerGroup:
                                     failure_config=FailureConfig(max_failures=0)),
         }
         self._failure = None
+        self._started = time.monotonic()
         self._fit = threading.Thread(target=self._run, args=(kwargs,), name="rollflow-train-group", daemon=True)
         self._fit.start()
         log.info("training workers: %d (%s), kept across steps: %s", rt.num_workers,

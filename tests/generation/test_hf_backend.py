@@ -147,3 +147,22 @@ def test_real_model_short_generation(default_model: Path) -> None:
     assert greedy.finish_reason == "stop" and greedy.response_token_ids[-1] == engine.tokenizer.eos_token_id
     assert "<|im_end|>" not in greedy.text
     engine.close()
+
+
+def test_the_weights_served_are_checked_against_the_checkpoint(tiny_engine, tiny_model: Path, tmp_path: Path) -> None:
+    """Every load and wake compares sampled tensors with the checkpoint's files: equal for the checkpoint loaded,
+    and a different weight file (the reload that did not happen) is named with its tensor."""
+    assert tiny_engine.check_weights(tiny_model) >= 3  # embedding, norms, projections of the first and last layer
+    changed = save_perturbed_copy(tiny_model, tmp_path / "changed", relative_scale=0.5)
+    with pytest.raises(RollflowError, match=r"does not serve the checkpoint it was asked for: its \S+ differs from"):
+        tiny_engine.check_weights(changed)
+
+
+def test_probe_names_pick_unfused_tensors_of_the_first_and_last_layer() -> None:
+    from stages.generation.weight_check import probe_names
+
+    names = [f"model.layers.{i}.{p}" for i in range(3) for p in ("self_attn.o_proj.weight", "mlp.down_proj.weight",
+                                                                  "self_attn.qkv_proj.weight")]
+    assert probe_names(["model.embed_tokens.weight", "model.norm.weight", *names]) == [
+        "model.embed_tokens.weight", "model.norm.weight", "model.layers.0.self_attn.o_proj.weight",
+        "model.layers.2.mlp.down_proj.weight"]

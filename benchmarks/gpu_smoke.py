@@ -1,0 +1,211 @@
+"""First contact with a GPU: does what a GPU run needs work here, without Ray, vLLM or a package index (issue 45)?
+
+For a GPU machine with torch, transformers, peft and DeepSpeed (the wheels carried in); at most about 8 minutes.
+Each check prints one line and ``RESULT`` at the end sums them up:
+
+1. the GPU pre-flight of ``rollflow plan`` (stages/gpu_preflight.py): driver vs torch's CUDA, compute capability,
+   free memory, nvcc and the C compiler, and the choices of schemas/toolchain.py (optimizer, torch_compile);
+2. a DeepSpeed training step (ZeRO-2, bf16, nccl, one rank) on a small random Qwen2.5-shaped model with the default
+   optimizer (``auto``: torch's fused AdamW, nothing compiled), then again with ``torch_compile``: losses finite;
+3. log-probs on CUDA (bf16) against the same model's on CPU (fp32): the largest difference;
+4. ROLL's loss golden cases on CUDA (tests/losses/test_actor_golden.py's ``test_same_result_on_cuda``);
+5. two processes sharing the GPU as the colocated plan does: a second process holds memory while this one trains a
+   step; the memory each sees before and after.
+
+    python benchmarks/gpu_smoke.py            # on the GPU machine
+    python benchmarks/gpu_smoke.py --dry-run  # anywhere: the pre-flight and the plan of checks, nothing on a GPU
+
+Last line: ``RESULT preflight=ok|<n> problems optimizer=... train=ok compiled=ok logprob_max_diff=... golden=5/5
+shared_gpu=ok``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import multiprocessing as mp
+import os
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+SMALL = {"vocab_size": 4096, "hidden_size": 256, "intermediate_size": 704, "num_hidden_layers": 4,
+         "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 2048, "rope_theta": 1e6,
+         "rms_norm_eps": 1e-6, "tie_word_embeddings": True, "hidden_act": "silu", "attention_dropout": 0.0}
+
+
+def preflight() -> tuple[str, list[str]]:
+    from schemas import toolchain
+    from stages.gpu_preflight import GpuNeeds, probe, problems
+
+    host = probe()
+    needs = GpuNeeds(gpus=1, memory_gib=2.0, bf16_fields=("smoke dtype bf16",))
+    found = problems(host, needs) if host.gpus or host.torch_sees_cuda else ["no GPU: nvidia-smi lists none and "
+                                                                               "torch sees no CUDA"]
+    optimizer, why = toolchain.choose_optimizer("auto", "cuda", host.fused_adam_built)
+    print(f"pre-flight: driver {host.driver}, torch CUDA {host.torch_cuda}, sees CUDA {host.torch_sees_cuda}, "
+          f"GPUs {[(g.name, g.capability, round(g.free_gib, 1)) for g in host.gpus]}, nvcc {host.nvcc}, "
+          f"compiler {'ok' if host.compile_missing is None else host.compile_missing}")
+    print(f"pre-flight: optimizer auto -> {optimizer} ({why}); problems: {found or 'none'}")
+    return optimizer, found
+
+
+def build_model(folder: Path) -> None:
+    import torch
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(Qwen2Config(**SMALL), dtype=torch.float32).save_pretrained(folder)
+
+
+def train_config(compile_layers: bool):
+    from schemas.config import validate_config
+    from schemas.train_config import TrainSection
+
+    return validate_config(TrainSection, {
+        "adv_estimator": "grpo", "ppo_epochs": 1, "compute_entropy_metric": False,
+        "actor_train": {"model_args": {"dtype": "bf16"}, "training_args": {"learning_rate": 1e-5,
+                                                                             "per_device_train_batch_size": 16},
+                        "strategy_args": {"zero_stage": 2, "torch_compile": compile_layers},
+                        "max_tokens_per_microbatch_in_train": 4096}})
+
+
+def train_steps(model_dir: str, table, dist, compile_layers: bool) -> tuple[bool, str, float]:
+    """Two training steps; (losses finite, the optimizer DeepSpeed built, seconds)."""
+    from stages.train.core import Engine, load_actor_model, rows_of_table, train_step
+
+    cfg = train_config(compile_layers)
+    actor = Engine(load_actor_model(model_dir), cfg.actor_train, dist, "actor")
+    rows = rows_of_table(table, "smoke")
+    start = time.perf_counter()
+    reports = [train_step(rows, actor, None, cfg, dist, step, pad_token_id=0) for step in range(2)]
+    seconds = time.perf_counter() - start
+    finite = all(math.isfinite(r.metrics.get("actor/pg_loss", float("nan"))) for r in reports)
+    optimizer = type(getattr(actor.engine, "basic_optimizer", actor.engine.optimizer)).__name__
+    del actor
+    return finite, optimizer, seconds
+
+
+def logprob_diff(model_dir: str, table) -> float:
+    import numpy as np
+
+    from stages.train.batching import TokenRows
+    from stages.train.forward import forward_rows, load_forward_model
+
+    rows = TokenRows.from_arrow(table.slice(0, 8), "smoke", columns=())
+    out = {}
+    for device, dtype in (("cpu", "fp32"), ("cuda", "bf16")):
+        model = load_forward_model(model_dir, "log_probs", dtype, device=device)
+        result = forward_rows(model, rows, 4096, device=device)
+        out[device] = np.asarray(result.columns["log_probs"].to_arrow().flatten(), dtype=np.float64)
+    return float(np.max(np.abs(out["cpu"] - out["cuda"])))
+
+
+def golden_on_cuda() -> tuple[int, int]:
+    sys.path.insert(0, str(REPO))
+    from tests.losses import test_actor_golden as golden
+
+    names = golden._one_per_kind()
+    passed = 0
+    for name in names:
+        try:
+            golden.test_same_result_on_cuda(name)
+            passed += 1
+        except Exception:  # noqa: BLE001 (reported, the smoke goes on)
+            print(f"golden {name}: FAILED\n{traceback.format_exc(limit=3)}")
+    return passed, len(names)
+
+
+def _hold_memory(gib: float, ready, done) -> None:
+    """The second process of a shared GPU (a colocated engine's stand-in): hold ``gib`` until told."""
+    import torch
+
+    block = torch.empty(int(gib * 2**30), dtype=torch.uint8, device="cuda")
+    ready.set()
+    done.wait(300)
+    del block
+
+
+def shared_gpu(model_dir: str, table, dist, gib: float = 4.0) -> str:
+    import torch
+
+    ctx = mp.get_context("spawn")
+    ready, done = ctx.Event(), ctx.Event()
+    other = ctx.Process(target=_hold_memory, args=(gib, ready, done))
+    other.start()
+    try:
+        if not ready.wait(120):
+            return "the second process did not start"
+        free_before, total = torch.cuda.mem_get_info()
+        finite, _, _ = train_steps(model_dir, table, dist, compile_layers=False)
+        torch.cuda.empty_cache()
+        free_after, _ = torch.cuda.mem_get_info()
+    finally:
+        done.set()
+        other.join(60)
+    print(f"shared GPU: another process holds {gib:g} GiB; free {free_before / 2**30:.1f} GiB before the step, "
+          f"{free_after / 2**30:.1f} GiB after (of {total / 2**30:.1f}); losses finite {finite}")
+    return "ok" if finite and free_after > 0 else "failed"
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--dry-run", action="store_true", help="the pre-flight and the list of checks only")
+    args = parser.parse_args()
+    optimizer, problems = preflight()
+    results = {"preflight": "ok" if not problems else f"{len(problems)}_problems", "optimizer": optimizer}
+    import torch
+
+    if args.dry_run or not torch.cuda.is_available():
+        why = "dry run" if args.dry_run else "no CUDA device (torch.cuda.is_available() is False)"
+        print(f"{why}: would run a DeepSpeed step (default optimizer, then torch_compile), log-probs on CUDA vs CPU, "
+              "the loss golden cases on CUDA and two processes sharing the GPU")
+        print("RESULT " + " ".join(f"{k}={v}" for k, v in results.items()) + f" gpu_checks=skipped({why.split(':')[0]})")
+        return 0 if args.dry_run else 1
+
+    from _common import make_table
+
+    from stages.train.core import init_distributed
+
+    work = Path(tempfile.mkdtemp(prefix="rollflow-gpu-smoke-"))
+    build_model(work / "model")
+    table = make_table(32, (64, 256), seed=0, vocab=SMALL["vocab_size"])
+    dist = init_distributed()
+    checks = {
+        "train": lambda: train_steps(str(work / "model"), table, dist, compile_layers=False),
+        "compiled": lambda: train_steps(str(work / "model"), table, dist, compile_layers=True),
+        "logprob_max_diff": lambda: logprob_diff(str(work / "model"), table),
+        "golden": golden_on_cuda,
+        "shared_gpu": lambda: shared_gpu(str(work / "model"), table, dist),
+    }
+    for name, check in checks.items():
+        start = time.perf_counter()
+        try:
+            value = check()
+        except Exception as err:  # noqa: BLE001 (each check reports; the smoke goes on)
+            traceback.print_exc(limit=4)
+            results[name] = f"error({type(err).__name__})"
+            continue
+        if name in ("train", "compiled"):
+            finite, built, seconds = value
+            print(f"{name}: 2 DeepSpeed steps in {seconds:.1f} s, optimizer {built}, losses finite {finite}")
+            results[name] = "ok" if finite else "nonfinite"
+        elif name == "golden":
+            results[name] = f"{value[0]}/{value[1]}"
+        elif name == "logprob_max_diff":
+            results[name] = f"{value:.3g}"
+        else:
+            results[name] = value
+        print(f"{name}: {results[name]} ({time.perf_counter() - start:.1f} s)")
+    print("RESULT " + " ".join(f"{k}={v}" for k, v in results.items()))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
