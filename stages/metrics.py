@@ -31,7 +31,7 @@ import re
 import time
 from numbers import Real
 from pathlib import Path
-from typing import Mapping
+from typing import TYPE_CHECKING, Mapping, Sequence
 
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -39,6 +39,9 @@ import pyarrow.parquet as pq
 
 from schemas.errors import SchemaError
 from stages.storage import Location, local_side
+
+if TYPE_CHECKING:
+    from stages.trackers import Tracker
 
 METRICS_DIR = "metrics"
 TENSORBOARD_DIR = "tensorboard"
@@ -124,37 +127,30 @@ def _remove_dead_writers_temporaries(metrics_dir: Path) -> None:
 
 
 class MetricsLog:
-    """Append-or-replace metrics of one run; see the module docstring. Use as a context manager or call close()."""
+    """Append-or-replace metrics of one run; see the module docstring. Use as a context manager or call close().
 
-    def __init__(self, run_dir: str | os.PathLike, tensorboard: bool = True) -> None:
+    ``trackers``: where every stage's rows go besides the table (stages/trackers.py ``open_trackers``, in the order
+    given); by default the TensorBoard mirror alone (none with ``tensorboard=False``)."""
+
+    def __init__(self, run_dir: str | os.PathLike, tensorboard: bool = True,
+                 trackers: Sequence["Tracker"] | None = None) -> None:
         self.run_dir = str(run_dir)
         self.metrics = Location.of(self.run_dir).child(METRICS_DIR)
         local = self.metrics.atomic_rename
         self.metrics_dir = Path(self.metrics.path) if local else None
-        # a run folder on an object store: the events go to its local side (TensorBoard's writer needs local files)
-        self.tensorboard_dir = Path(local_side(self.metrics.parent)) / TENSORBOARD_DIR
         self.metrics.fs.create_dir(self.metrics.path, recursive=True)
         if local:
             _remove_dead_writers_temporaries(self.metrics_dir)
-        self._tensorboard = tensorboard
-        self._writer = None
-        existing = read_metrics(self.run_dir)
-        if not local and existing.num_rows == 0 and self.tensorboard_dir.is_dir():
-            import shutil  # events of an earlier run folder of this name, deleted from the store since
-
-            shutil.rmtree(self.tensorboard_dir)
-        # the mirror is assumed to hold the table; a missing mirror is rebuilt from it at the first log()
-        self._mirrored_up_to: int | None = None
-        self._mirrored_stages: set[str] = set()  # stages mirrored at iteration _mirrored_up_to
-        self._note_mirrored(existing)
-        self._rebuild_mirror = tensorboard and existing.num_rows > 0 and not self._event_files()
-        self._purge_from: int | None = None  # set by drop_after: TensorBoard must forget steps >= this
+        if trackers is None:
+            trackers = [TensorBoardMirror(self.run_dir)] if tensorboard else []
+        self.trackers = list(trackers)
 
     # ---- the table ----------------------------------------------------------------------------------------------
 
     def log(self, iteration: int, stage: str, metrics: Mapping[str, object], wall_s: float | None = None) -> str:
-        """Write the metrics of ``stage`` in ``iteration`` (replacing any earlier ones of that pair). Returns the
-        part file. ``wall_s``: the stage's wall time, stored on every row and logged as ``time/<stage>``."""
+        """Write the metrics of ``stage`` in ``iteration`` (replacing any earlier ones of that pair), then hand the
+        rows to each tracker. Returns the part file. ``wall_s``: the stage's wall time, stored on every row and
+        logged as ``time/<stage>``."""
         if not isinstance(iteration, int) or isinstance(iteration, bool) or iteration < 0:
             raise ValueError(f"metrics log {self.metrics.path}: iteration {iteration!r} must be an int >= 0")
         if not stage or not isinstance(stage, str):
@@ -174,8 +170,8 @@ class MetricsLog:
         else:  # one PUT: the object appears whole or not at all
             with path.fs.open_output_stream(path.path) as f:
                 pq.write_table(table, f)
-        if self._tensorboard:
-            self._mirror(iteration, table)
+        for tracker in self.trackers:
+            tracker.log(iteration, stage, table)
         return path.path
 
     def has(self, iteration: int, stage: str) -> bool:
@@ -190,8 +186,9 @@ class MetricsLog:
             if int(re.match(r"part-iter(\d+)-", path.rsplit("/", 1)[-1]).group(1)) > iteration:
                 self.metrics.fs.delete_file(path)
                 dropped += 1
-        if dropped and self._mirrored_up_to is not None and self._mirrored_up_to > iteration:
-            self._purge_from = iteration + 1
+        if dropped:
+            for tracker in self.trackers:
+                tracker.drop_after(iteration)
         return dropped
 
     def table(self) -> pa.Table:
@@ -210,7 +207,52 @@ class MetricsLog:
                          "timestamp": pa.array([now_us] * n, pa.timestamp("us", tz="UTC"))},
                         schema=METRICS_SCHEMA)
 
-    # ---- the TensorBoard mirror ---------------------------------------------------------------------------------
+    def close(self) -> None:
+        """Close every tracker (each is closed even when an earlier one fails; the first failure is raised)."""
+        failure = None
+        for tracker in self.trackers:
+            try:
+                tracker.close()
+            except Exception as err:  # noqa: BLE001 - re-raised below, after the others are closed
+                failure = failure or err
+        if failure is not None:
+            raise failure
+
+    def __enter__(self) -> "MetricsLog":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class TensorBoardMirror:
+    """The TensorBoard mirror of a run's metrics table (see the module docstring): the ``tensorboard`` tracker."""
+
+    def __init__(self, run_dir: str) -> None:
+        self.run_dir = run_dir
+        metrics = Location.of(run_dir).child(METRICS_DIR)
+        # a run folder on an object store: the events go to its local side (TensorBoard's writer needs local files)
+        self.tensorboard_dir = Path(local_side(metrics.parent)) / TENSORBOARD_DIR
+        self._writer = None
+        existing = read_metrics(run_dir)
+        if not metrics.atomic_rename and existing.num_rows == 0 and self.tensorboard_dir.is_dir():
+            import shutil  # events of an earlier run folder of this name, deleted from the store since
+
+            shutil.rmtree(self.tensorboard_dir)
+        # the mirror is assumed to hold the table; a missing mirror is rebuilt from it at the first log()
+        self._mirrored_up_to: int | None = None
+        self._mirrored_stages: set[str] = set()  # stages mirrored at iteration _mirrored_up_to
+        self._note_mirrored(existing)
+        self._rebuild_mirror = existing.num_rows > 0 and not self._event_files()
+        self._purge_from: int | None = None  # set by drop_after: TensorBoard must forget steps >= this
+
+    def log(self, iteration: int, stage: str, new_rows: pa.Table) -> None:
+        self._mirror(iteration, new_rows)
+
+    def drop_after(self, iteration: int) -> None:
+        """The table's iterations after ``iteration`` are gone: TensorBoard forgets them at the next log()."""
+        if self._mirrored_up_to is not None and self._mirrored_up_to > iteration:
+            self._purge_from = iteration + 1
 
     def _event_files(self) -> list[Path]:
         if self.tensorboard_dir is None or not self.tensorboard_dir.is_dir():
@@ -277,12 +319,6 @@ class MetricsLog:
         if self._writer is not None:
             self._writer.close()
             self._writer = None
-
-    def __enter__(self) -> "MetricsLog":
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
 
 class _EventFile:
