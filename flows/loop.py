@@ -187,6 +187,7 @@ def run_pipeline(flow: PipelineFlow, config, cfg: dict) -> dict:
     """Run (or resume) the training run of ``config`` (validated from ``cfg``) as ``flow`` declares it. Returns the
     run's summary: its folder, one entry per iteration, the evaluation before training, seconds, last checkpoint."""
     from stages.metrics import MetricsLog
+    from stages.trackers import open_trackers
 
     flow.before_start(config)
     run, base, pool = start_run(config, cfg)
@@ -197,7 +198,7 @@ def run_pipeline(flow: PipelineFlow, config, cfg: dict) -> dict:
     ev = flow.evaluation
     every = ev.every(config)
     steps = [s for s in flow.iteration if s.when(config)]
-    with MetricsLog(run.uri()) as metrics:
+    with MetricsLog(run.uri(), trackers=open_trackers(config, run, cfg)) as metrics:  # ROLL's track_with
         r.metrics = metrics
         try:
             flow.setup(r)

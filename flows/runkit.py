@@ -51,7 +51,7 @@ def check_resumed_folder(folder: Location, config) -> None:
                           f"directory; resume it from the directory it was started in, or move it back to {run.uri()}")
 
 
-LOCAL_SIDE = ("logs", "tensorboard", "report")  # what a run folder holds as local files (stages/storage.py)
+LOCAL_SIDE = ("logs", "tensorboard", "mlflow", "wandb", "report")  # a run folder's local files (stages/storage.py)
 
 
 def run_log(config) -> tuple[str, str]:
@@ -302,9 +302,11 @@ def frozen_config_state(run: Location, config, cfg: dict) -> str:
 def check_run(config, cfg: dict) -> None:
     """What ``rollflow train`` checks of the run itself before Prefect and Ray start and before anything is written
     into the run folder (its log included): the folder can be written, a folder started with another config is
-    refused, ``pretrain`` (when set) is an HF model folder, and the run's newest checkpoint is whole."""
+    refused, ``pretrain`` (when set) is an HF model folder, the run's newest checkpoint is whole, and every tracker
+    of ``track_with`` is installed and reachable (stages/trackers.py)."""
     from stages.generation.engines import check_model_dir
     from stages.outputs import check_output
+    from stages.trackers import check_trackers
 
     run = run_folder(config)
     check_output(run.uri(), None, {"pretrain": config.pretrain}, flag="run folder (runs_dir/run_name)")
@@ -312,6 +314,7 @@ def check_run(config, cfg: dict) -> None:
     if config.pretrain:
         check_model_dir(config.pretrain)
     check_last_checkpoint(config)
+    check_trackers(config, run)
 
 
 def check_last_checkpoint(config) -> None:

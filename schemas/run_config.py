@@ -8,15 +8,15 @@ from typing import ClassVar
 
 from pydantic import Field, field_validator, model_validator
 
-from schemas.config import Frozen
 from schemas.devices import check_device_mappings
 from schemas.names import run_name
+from schemas.tracking import TrackingOptions
 from schemas.train_config import ForwardConfig, TrainStepConfig, estimator_into_train
 
 
-
-class RunOptions(Frozen):
-    """The run folder, its length, the initial policy, and the log-prob and training sections."""
+class RunOptions(TrackingOptions):
+    """The run folder, its length, the initial policy, the log-prob and training sections, and where the metrics go
+    besides the metrics table (:class:`TrackingOptions`: ROLL's track_with and tracker_kwargs)."""
 
     engine_field: ClassVar[str] = "engine"  # where the generation engine section sits (agentic: rollout.engine)
 
