@@ -14,6 +14,9 @@ the run folder's ``trackers/<name>.json`` holds the tracker run's id (MLflow's r
 with ``resume="allow"``) and, per stage, the last iteration sent. Opening catches up the rows of the table the
 tracker lacks (a run killed between the table and the tracker), and a stage logged again at an iteration already
 sent (a resumed run re-running an iteration) is not sent again: these trackers keep the first values of a step.
+W&B's service writes a session's files when its run finishes, so its state counts a step as sent only after a
+clean close: a killed session leaves no W&B points, and the resume sends them again (MLflow's are committed by
+each request, so its state is written after each).
 
 The libraries are imported when a tracker is opened or checked, not at module import: importing mlflow and wandb
 takes seconds, and every command imports the metrics module (its ``--help`` must stay fast).
@@ -117,6 +120,10 @@ class _AppendOnly:
     sent per stage), each ``(iteration, stage)`` sent once, the table's unsent rows sent at open."""
 
     name = ""
+    # whether a point is in the tracker's store once send() returns (MLflow: a committed request); otherwise the
+    # state records what was sent only at a clean close (W&B's service buffers its files: a killed run keeps none
+    # of its session's points, so a resume sends them all again)
+    durable_send = True
 
     def __init__(self, run: Location) -> None:
         self.run = run
@@ -143,7 +150,8 @@ class _AppendOnly:
             return  # this tracker holds the step already (its store keeps every point: no duplicates)
         self.send(iteration, values)
         self.sent[stage] = iteration
-        self.save()
+        if self.durable_send:
+            self.save()
 
     def save(self) -> None:
         self.state["sent"] = self.sent
@@ -329,6 +337,7 @@ class WandbTracker(_AppendOnly):
     ``run.log(values, step=iteration)``; resumed by its id with ``resume="allow"``."""
 
     name = "wandb"
+    durable_send = False  # wandb's service writes the session's files at finish(); a killed run leaves none
 
     def __init__(self, options, run: Location, params: Mapping[str, Any]) -> None:
         import wandb
@@ -355,7 +364,9 @@ class WandbTracker(_AppendOnly):
         self.wandb_run.log(values, step=iteration)
 
     def close(self) -> None:
+        """Finish the W&B run (its files are written whole now), then record what it holds."""
         self.wandb_run.finish()
+        self.save()
 
 
 TRACKERS.register("wandb")(TrackerSpec(_wandb_check, WandbTracker))

@@ -241,3 +241,34 @@ def test_mlflow_without_a_uri_keeps_its_store_in_the_run_folder_and_resumes_the_
     assert [(m.step, m.value) for m in client.get_metric_history(state["run"], "actor/pg_loss")] == \
         [(0, _metrics(0, "train")["actor/pg_loss"]), (1, _metrics(1, "train")["actor/pg_loss"])]
     assert not (tmp_path / "local" / "tensorboard").exists()  # track_with without tensorboard: no event files
+
+
+KILLED_SESSION = """
+import os, signal, sys
+from flows.runkit import run_folder
+from schemas.config import validate_config
+from schemas.train_flow_config import TrainFlowConfig
+from stages.metrics import MetricsLog
+from stages.trackers import open_trackers
+config = validate_config(TrainFlowConfig, {"run_name": "killed", "runs_dir": sys.argv[1], "track_with": "wandb"})
+run = run_folder(config)
+log = MetricsLog(run.uri(), trackers=open_trackers(config, run, config.model_dump(mode="json")))
+for k in (0, 1):
+    log.log(k, "train", {"actor/pg_loss": float(k)})
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def test_a_killed_wandb_session_is_sent_again_by_the_resume(tmp_path):
+    """W&B's service writes a session's files at finish: a SIGKILLed run leaves none of its points, so the resume
+    sends the table's rows again, into the same W&B run id, once each."""
+    own_service = {k: v for k, v in os.environ.items() if not k.startswith("WANDB_")}  # not this process's service
+    killed = subprocess.run([sys.executable, "-c", KILLED_SESSION, str(tmp_path)], env=own_service, timeout=300)
+    assert killed.returncode == -signal.SIGKILL
+    config = validate_config(TrainFlowConfig, {"run_name": "killed", "runs_dir": str(tmp_path), "track_with": "wandb"})
+    run = run_folder(config)
+    run_id = read_state(run, "wandb")["run"]
+    with MetricsLog(run.uri(), trackers=open_trackers(config, run, config.model_dump(mode="json"))) as log:
+        log.log(2, "train", {"actor/pg_loss": 2.0})
+    points, _ = wandb_history(Path(run.path) / "wandb", run_id)
+    assert sorted(points["actor/pg_loss"]) == [(0, 0.0), (1, 1.0), (2, 2.0)]
