@@ -8,6 +8,7 @@ from __future__ import annotations
 import glob
 import json
 import os
+import re
 import signal
 import socket
 import struct
@@ -123,7 +124,10 @@ def wandb_history(wandb_dir: Path, run_id: str) -> tuple[dict[str, list[tuple[in
     """``name → [(step, value)]`` over every offline session of the W&B run ``run_id``, and each session's config."""
     points: dict[str, list[tuple[int, float]]] = {}
     configs = []
-    for path in sorted(glob.glob(f"{wandb_dir}/offline-run-*-{run_id}/run-{run_id}.wandb")):
+    # a session started in the same second as an earlier one gets the folder name with "-1" (then "-2", ...)
+    folders = [f for f in glob.glob(f"{wandb_dir}/offline-run-*-{run_id}*")
+               if re.fullmatch(rf"offline-run-\d{{8}}_\d{{6}}-{run_id}(-\d+)?", os.path.basename(f))]
+    for path in sorted(f"{f}/run-{run_id}.wandb" for f in folders):
         for record in wandb_offline_records(path):
             kind = record.WhichOneof("record_type")
             if kind == "history":
