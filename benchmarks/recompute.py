@@ -5,8 +5,10 @@
     runs ROLL's per-position loops in torch, as ROLL does.
 
 Usage: python benchmarks/recompute.py --samples 200000 [--scale 10] [--data-memory-mb MB] [--skip-padded]
+       [--skip-default-floor]
 With --scale K the chain also runs on K× fewer rows first, to report the peak-RSS growth of K× more rows.
-Last line: RESULT rows_per_s=… tokens_per_s=… peak_rss_mb=… peak_pss_mb=… io_floor_ratio=… padded_speedup=…
+Last line: RESULT rows_per_s=… tokens_per_s=… peak_rss_mb=… peak_pss_mb=… io_floor_ratio=… io_floor_default_ratio=…
+padded_speedup=…
 [rss_growth_10x=… pss_growth_10x=…]
 """
 
@@ -107,21 +109,29 @@ def run_chain(samples: Path, out: Path, cfg: RecomputeConfig) -> float:
     return time.time() - t
 
 
-def io_floor(samples: Path, out: Path) -> float:
+def io_floor(samples: Path, out: Path, defaults: bool = False) -> float:
     """Read every input file with pyarrow and write a table with the output's columns (the four new list columns
-    copied from an input list column of the same shape) — the chain's bytes in and out, no compute."""
+    copied from an input list column of the same shape) — the chain's bytes in and out, no compute. The files are
+    written with the options the chain's writer uses (stages/runner.py ``parquet_write_options``); ``defaults``:
+    with pyarrow's default options instead (the floor of the runs before issue 49, which dictionary-encoded every
+    column)."""
+    from stages.runner import parquet_write_options
+
+    def write(table: pa.Table, where: Path) -> None:
+        pq.write_table(table, where, **({} if defaults else parquet_write_options(table.schema)))
+
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True)
     t = time.time()
     for i, f in enumerate(sorted(samples.glob("*.parquet"))):
         table = pq.read_table(f)
         narrow = table.select(["row_id", "score"])
-        pq.write_table(narrow, out / f"rewarded-{i}.parquet")
+        write(narrow, out / f"rewarded-{i}.parquet")
         like = table.column("old_log_probs")
         for name in ("token_level_rewards", "advantages", "returns", "raw_advantages"):
             table = table.append_column(name, like)
         table = table.append_column("response_level_rewards", table.column("score"))
-        pq.write_table(table, out / f"part-{i}.parquet")
+        write(table, out / f"part-{i}.parquet")
     return time.time() - t
 
 
@@ -195,6 +205,8 @@ def main() -> None:
     ap.add_argument("--scale", type=int, default=0, help="also run on samples/scale rows to measure RSS growth")
     ap.add_argument("--cache", type=Path, default=REPO / ".cache/bench/recompute")
     ap.add_argument("--skip-padded", action="store_true")
+    ap.add_argument("--skip-default-floor", action="store_true",
+                    help="do not also time the I/O floor with pyarrow's default writer options")
     ap.add_argument("--data-memory-mb", type=float, default=None,
                     help="runtime.data_memory_mb of the chain (default: the config's)")
     args = ap.parse_args()
@@ -214,10 +226,13 @@ def main() -> None:
     with PeakMemory() as mem:
         chain_s = run_chain(samples, args.cache / "out_chain", cfg)
     floor_s = io_floor(samples, args.cache / "out_floor")
+    floor_default_s = None if args.skip_default_floor else io_floor(samples, args.cache / "out_floor", defaults=True)
+    shutil.rmtree(args.cache / "out_floor", ignore_errors=True)
     padded_s = None if args.skip_padded else padded_chain(samples, args.cache / "out_padded", cfg)
     print(f"\nmachine: {os.cpu_count()} CPUs, {psutil.virtual_memory().total / 2**30:.0f} GiB; config {CONFIG.name}")
     print(f"{'what':<34}{'seconds':>10}{'rows/s':>12}{'tokens/s':>14}")
     for name, s in (("rollflow recompute chain (Ray)", chain_s), ("I/O floor (pyarrow read+write)", floor_s),
+                    ("I/O floor, pyarrow default writer", floor_default_s),
                     ("padded single-process (ROLL-style)", padded_s)):
         if s is not None:
             print(f"{name:<34}{s:>10.1f}{args.samples / s:>12.0f}{tokens / s:>14.0f}")
@@ -227,6 +242,7 @@ def main() -> None:
                                       f"PSS {small_mem.pss / mb:.0f} MB" if small_mem else ""))
     result = (f"RESULT rows_per_s={args.samples / chain_s:.0f} tokens_per_s={tokens / chain_s:.0f} "
               f"peak_rss_mb={mem.rss / mb:.0f} peak_pss_mb={mem.pss / mb:.0f} io_floor_ratio={chain_s / floor_s:.2f}")
+    result += f" io_floor_default_ratio={chain_s / floor_default_s:.2f}" if floor_default_s else ""
     result += f" padded_speedup={padded_s / chain_s:.2f}" if padded_s else ""
     if small_mem:
         result += (f" rss_growth_{args.scale}x={mem.rss / small_mem.rss:.2f}"
