@@ -8,6 +8,8 @@ A ROLL user recognises the top level: ``adv_estimator``, ``gamma``, ``lambd``, `
 from __future__ import annotations
 
 import functools
+import importlib
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, ClassVar, Literal, TypeVar
 
@@ -388,10 +390,70 @@ def format_validation_error(err: ValidationError, source: str) -> str:
     return "\n".join(lines)
 
 
+@dataclass(frozen=True)
+class CommandConfig:
+    """The config model of a command: ``model`` (``module:class``), the ``command`` that takes it, what such a config
+    describes, and where examples of it are."""
+
+    model: str
+    command: str
+    what: str
+    examples: str
+
+    def resolve(self) -> type[BaseModel]:
+        module, name = self.model.split(":")
+        return getattr(importlib.import_module(module), name)
+
+
+# Every command's config model, most specific first (a scoring config's options are a subset of an RLVR training
+# config's). Looked up only by :func:`other_command_config`; named by path because those modules import this one.
+COMMAND_CONFIGS = (
+    CommandConfig("schemas.config:RecomputeConfig", "rollflow recompute", "rewards and advantages of stored "
+                  "trajectories", "configs/recompute_*.yaml"),
+    CommandConfig("schemas.rollout_config:RolloutConfig", "rollflow rollout", "episodes played by a policy",
+                  "configs/rollout_*.yaml"),
+    CommandConfig("schemas.train_config:ForwardConfig", "rollflow logprobs or rollflow values", "a forward pass "
+                  "over a samples table", "schemas/train_config.py ForwardConfig"),
+    CommandConfig("schemas.rlvr_config:RLVRConfig", "rollflow score", "scoring of stored responses by reward "
+                  "workers", "configs/rlvr_math.yaml"),
+    CommandConfig("schemas.train_config:TrainStepConfig", "rollflow train-step", "one training step",
+                  "schemas/train_config.py TrainStepConfig"),
+    CommandConfig("schemas.train_flow_config:TrainFlowConfig", "rollflow train, plan or eval", "an agentic "
+                  "training run", "configs/train_*.yaml"),
+    CommandConfig("schemas.rlvr_train_config:RLVRTrainConfig", "rollflow train, plan or eval with pipeline: rlvr",
+                  "an RLVR training run", "configs/rlvr_train_*.yaml"),
+)
+
+
+def _option_names(model: type[BaseModel]) -> set[str]:
+    return {f.alias or name for name, f in model.model_fields.items()}
+
+
+def other_command_config(model: type[BaseModel], data: dict) -> tuple[CommandConfig, CommandConfig] | None:
+    """(the config kind ``data`` is, the kind ``model`` is) when ``data`` has options ``model`` does not know and
+    they are all options of another command's config; else None."""
+    kinds = [(kind, kind.resolve()) for kind in COMMAND_CONFIGS]
+    own = next((kind for kind, m in kinds if m is model), None)
+    keys = {k for k in data if isinstance(k, str)}
+    if own is None or keys <= _option_names(model):
+        return None
+    other = next((kind for kind, m in kinds if m is not model and keys <= _option_names(m)), None)
+    return (other, own) if other is not None else None
+
+
 def validate_config(model: type[M], data: dict, source: str = "(dict)") -> M:
     try:
         return model.model_validate(data)
     except ValidationError as err:
+        kinds = other_command_config(model, data)
+        if kinds is not None:
+            other, own = kinds
+            foreign = sorted(k for k in data if isinstance(k, str) and k not in _option_names(model))
+            options = f"options {', '.join(foreign)} are not options" if len(foreign) > 1 else \
+                f"option {foreign[0]} is not an option"
+            raise ConfigError(f"config {source} is a config of {other.command} ({other.what}): its {options} of "
+                              f"{own.command}; use it with {other.command}, or pass a config of {own.command} "
+                              f"({own.examples})") from None
         raise ConfigError(format_validation_error(err, source)) from None
 
 
@@ -401,18 +463,38 @@ def load_config(model: type[M], path: str | Path | None, overrides: dict[str, An
 
 
 def load_config_data(path: str | Path | None, overrides: dict[str, Any] | None = None) -> dict:
-    """The raw mapping of YAML ``path`` (or {}) with dotted ``overrides`` applied, not yet validated."""
-    data: dict = {}
-    if path is not None:
-        try:
-            loaded = _yaml(Path(path).read_text())
-        except FileNotFoundError:
-            raise ConfigError(f"config file {path} does not exist; pass a file from configs/") from None
-        except yaml.YAMLError as err:
-            raise ConfigError(f"config file {path} is not valid YAML: {err}") from None
-        if loaded is not None and not isinstance(loaded, dict):
-            raise ConfigError(f"config file {path} must hold a mapping of options at the top level")
-        data = loaded or {}
+    """The raw mapping of YAML ``path`` (or {}) with dotted ``overrides`` applied, not yet validated. The one place a
+    command's config file is opened: it must exist, be a file, be UTF-8 text, parse as YAML and hold a non-empty
+    mapping of options; else a ConfigError naming the file and the fix."""
+    data = read_config_file(Path(path)) if path is not None else {}
     for key, value in (overrides or {}).items():
         _set_dotted(data, key, value)
     return data
+
+
+def read_config_file(path: Path) -> dict:
+    """The options of the YAML config file ``path`` (see :func:`load_config_data`)."""
+    if path.is_dir():
+        raise ConfigError(f"config file {path} is a folder; pass a YAML file (e.g. one from configs/)")
+    try:
+        raw = path.read_bytes()
+    except FileNotFoundError:
+        raise ConfigError(f"config file {path} does not exist; pass a file from configs/") from None
+    except OSError as err:
+        raise ConfigError(f"config file {path} cannot be read ({err.strerror}); pass a file you can read") from None
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise ConfigError(f"config file {path} is not UTF-8 text (byte {raw[err.start]:#04x} at offset {err.start}); "
+                          "a config is YAML text: save it as UTF-8, or pass the YAML file instead") from None
+    try:
+        loaded = _yaml(text)
+    except yaml.YAMLError as err:
+        raise ConfigError(f"config file {path} is not valid YAML: {err}") from None
+    if loaded is None or loaded == {}:
+        raise ConfigError(f"config file {path} holds no options (it is empty or only comments), so the command "
+                          "would run on defaults it was not asked for; write its options (see configs/), or leave "
+                          "out --config to use the defaults on purpose")
+    if not isinstance(loaded, dict):
+        raise ConfigError(f"config file {path} must hold a mapping of options at the top level")
+    return loaded

@@ -82,8 +82,9 @@ def deploy(config: Optional[Path] = typer.Option(None, "--config", help="YAML co
     if flow not in FLOWS:
         _fail(ConfigError(f"deploy: --flow {flow!r} is not deployable; choose one of {list(FLOWS)}"))
     _guard(lambda: make_schedule(cron, interval, timezone))
-    api = _guard(lambda: resolve_api_url(api_url))
+    # what the user wrote (the config, its files) is checked before the server is asked
     target, parameters, what = _DEPLOYMENTS[flow](config, input, output, overrides or [], force)
+    api = _guard(lambda: resolve_api_url(api_url))
     when = f"cron '{cron}' ({timezone or 'UTC'})" if cron else f"every {interval:g} s"
     typer.echo(f"deployment {target.name}/{name} on {api}: {when}, {what}\nserving: due runs execute here, one "
                "at a time; Ctrl-C stops and pauses the schedule")

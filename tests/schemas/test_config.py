@@ -9,7 +9,7 @@ import pytest
 from pydantic import ValidationError
 
 from schemas.config import (AdvantageOptions, AdvantageSection, AlgorithmConfig, RecomputeConfig, ResponseRewardSection,
-                            load_config, parse_overrides, section, validate_config)
+                            load_config, load_config_data, parse_overrides, section, validate_config)
 from schemas.errors import ConfigError
 from schemas.rlvr_config import RLVRConfig
 from schemas.rlvr_train_config import RLVRTrainConfig
@@ -227,8 +227,29 @@ def test_file_errors(tmp_path):
     bad.write_text("- 1\n- 2\n")
     with pytest.raises(ConfigError, match="must hold a mapping"):
         load_config(RecomputeConfig, bad)
-    bad.write_text("")
-    assert load_config(RecomputeConfig, bad) == load_config(RecomputeConfig, None)
+    for text in (b"", b"# only a comment\n", b"{}\n"):  # defaults the user did not ask for: --config left out says so
+        bad.write_bytes(text)
+        with pytest.raises(ConfigError, match="bad.yaml holds no options .* leave out --config"):
+            load_config(RecomputeConfig, bad)
+    bad.write_bytes("gamma: 0.9  # \u00e9t\u00e9\n".encode("latin-1"))
+    with pytest.raises(ConfigError, match="bad.yaml is not UTF-8 text .byte 0xe9 at offset 14.; .* save it as UTF-8"):
+        load_config(RecomputeConfig, bad)
+    with pytest.raises(ConfigError, match=f"config file {tmp_path} is a folder; pass a YAML file"):
+        load_config(RecomputeConfig, tmp_path)
+
+
+def test_a_config_of_another_command_names_the_command_that_takes_it():
+    """Before: one 'unknown option, check the spelling' line per key of the other command's config."""
+    rollout = load_config_data(REPO / "configs/rollout_frozenlake.yaml")
+    with pytest.raises(ConfigError, match=re.escape("x.yaml is a config of rollflow rollout (episodes played by a "
+                                                    "policy)")) as err:
+        validate_config(RecomputeConfig, rollout, "x.yaml")
+    assert "use it with rollflow rollout, or pass a config of rollflow recompute" in str(err.value)
+    with pytest.raises(ConfigError, match="its option group_size is not an option of rollflow score; use it with "
+                                          "rollflow recompute"):
+        validate_config(RLVRConfig, {"group_size": 8}, "x.yaml")
+    with pytest.raises(ConfigError, match="field 'gama': unknown option; check the spelling"):  # a typo stays one
+        validate_config(RecomputeConfig, {"gama": 0.9}, "x.yaml")
 
 
 def test_a_key_written_twice_is_an_error_with_both_lines(tmp_path):

@@ -587,6 +587,41 @@ TOOLS = {
                               ["home", "afile is a file", "pass a folder"]),
 }
 
+# config files that are not a YAML mapping of options of the command (issue 48): refused when the file is read, by
+# every command alike (schemas/config.py read_config_file, other_command_config), before Ray, Prefect or a folder
+CONFIG_FILES = {
+    "train-config-is-a-folder": (["train", "--config", "emptydir"], ["config file emptydir is a folder",
+                                                                     "pass a YAML file"]),
+    "plan-config-not-utf8": (["plan", "--config", "latin1.yaml"], ["latin1.yaml is not UTF-8 text (byte 0xe9",
+                                                                   "save it as UTF-8"]),
+    "train-config-empty": (["train", "--config", "empty.yaml"], ["empty.yaml holds no options",
+                                                                 "leave out --config to use the defaults"]),
+    "rollout-config-only-comments": (["rollout", "--config", "comments.yaml", "--output", "out"],
+                                     ["comments.yaml holds no options (it is empty or only comments)"]),
+    "score-config-empty": (["score", "--input", "@responses", "--config", "empty.yaml", "--output", "out"],
+                           ["empty.yaml holds no options"]),
+    "logprobs-config-is-a-folder": (["logprobs", "--samples", "@samples", "--checkpoint", "@model", "--config",
+                                     "emptydir", "--output", "out"], ["config file emptydir is a folder"]),
+    "train-config-of-rollout": (["train", "--config", "@rollout"],
+                                ["is a config of rollflow rollout (episodes played by a policy)",
+                                 "are not options of rollflow train, plan or eval", "use it with rollflow rollout"]),
+    "score-config-of-recompute": (["score", "--input", "@responses", "--config", "@gigpo", "--output", "out"],
+                                  ["is a config of rollflow recompute", "use it with rollflow recompute",
+                                   "or pass a config of rollflow score (configs/rlvr_math.yaml)"]),
+    "rollout-config-of-train": (["rollout", "--config", "@quick", "--output", "out"],
+                                ["is a config of rollflow train, plan or eval (an agentic training run)"]),
+    "train-step-config-of-score": (["train-step", "--samples", "@advantaged", "--checkpoint", "@model", "--config",
+                                    "@score_config", "--output", "out"],
+                                   ["is a config of rollflow score", "not options of rollflow train-step"]),
+    "eval-config-of-score": (["eval", "--config", "@score_config", "--output", "out"],
+                             ["is a config of rollflow score", "use it with rollflow score"]),
+    "deploy-config-of-rlvr-training": (["deploy", "--interval", "60", "--input", "emptydir", "--output", "out",
+                                        "--config", "@rlvr"],
+                                       ["is a config of rollflow train, plan or eval with pipeline: rlvr",
+                                        "not options of rollflow recompute"]),
+    "demo-config-empty": (["demo", "--run-dir", "demo", "--config", "empty.yaml"], ["empty.yaml holds no options"]),
+}
+
 # Click's own refusals print its usage box, not rollflow's "error:" line
 USAGE = {
     "train-unknown-option": (["train", "--confg", "x.yaml"], ["No such option: --confg", "--config"]),
@@ -598,7 +633,7 @@ USAGE = {
                                      ["Invalid value for '--samples'", "valid integer"]),
 }
 
-CATALOGUE = {**TRAIN, **PLAN, **RLVR, **EVAL, **ROLLOUT_CASES, **SCORE, **FORWARD, **STAGE, **FOLDERS, **TOOLS}
+CATALOGUE = {**CONFIG_FILES, **TRAIN, **PLAN, **RLVR, **EVAL, **ROLLOUT_CASES, **SCORE, **FORWARD, **STAGE, **FOLDERS, **TOOLS}
 
 
 @pytest.fixture
@@ -778,6 +813,9 @@ def work(tmp_path, monkeypatch, no_services) -> Path:
     (tmp_path / "noweights" / "config.json").write_text("{}\n")
     (tmp_path / "notyaml.yaml").write_text("run_name: [quickstart\n")
     (tmp_path / "list.yaml").write_text("- run_name\n- max_steps\n")
+    (tmp_path / "latin1.yaml").write_bytes("run_name: caf\u00e9\n".encode("latin-1"))
+    (tmp_path / "empty.yaml").write_bytes(b"")
+    (tmp_path / "comments.yaml").write_text("# the options go here\n")
     other = load_config_data(QUICK, {"runs_dir": "other_runs", "rollout.seed": 8})
     frozen = validate_config(TrainFlowConfig, other, "other").model_dump(mode="json")
     (tmp_path / "other_runs" / "quickstart").mkdir(parents=True)
