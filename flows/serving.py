@@ -32,6 +32,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
+import zoneinfo
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -180,6 +181,8 @@ def make_schedule(cron: str | None = None, interval_s: float | None = None, time
     from prefect.schedules import Cron, Interval
     from pydantic import ValidationError
 
+    if timezone is not None:
+        check_timezone(timezone)
     if (cron is None) == (interval_s is None):
         raise ConfigError("deploy: give exactly one schedule, --cron '0 3 * * *' (cron, in UTC unless --timezone) "
                           "or --interval SECONDS")
@@ -194,6 +197,16 @@ def make_schedule(cron: str | None = None, interval_s: float | None = None, time
     if not interval_s > 0:
         raise ConfigError(f"deploy: --interval {interval_s} must be > 0 seconds")
     return Interval(dt.timedelta(seconds=interval_s), timezone=timezone)
+
+
+def check_timezone(name: str) -> None:
+    """``--timezone`` must name an IANA time zone (the tz database Prefect's schedules read); else a ConfigError that
+    names --timezone (Prefect's own refusal reads as a bad --cron)."""
+    try:
+        zoneinfo.ZoneInfo(name)
+    except (zoneinfo.ZoneInfoNotFoundError, ValueError):
+        raise ConfigError(f"deploy: --timezone {name!r} is not a time zone name; use an IANA name such as UTC, "
+                          "Europe/Paris or America/New_York") from None
 
 
 def resolve_api_url(api_url: str | None = None) -> str:

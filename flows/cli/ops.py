@@ -26,10 +26,10 @@ def _default_server_home() -> Path:
 
 @app.command()
 def server(host: str = typer.Option("127.0.0.1", "--host", help="Address to listen on."),
-           port: int = typer.Option(4200, "--port", help="Port of the API and UI."),
+           port: int = typer.Option(4200, "--port", min=1, max=65535, help="Port of the API and UI."),
            home: Optional[Path] = typer.Option(None, "--home", help="Folder of the server's database and log "
                                                                      "(default: .cache/prefect-server)."),
-           timeout: float = typer.Option(120.0, "--timeout", help="Seconds to wait for the server to be healthy.")
+           timeout: float = typer.Option(120.0, "--timeout", min=1, help="Seconds to wait for the server to be healthy.")
            ) -> None:
     """Start a local Prefect server (API + UI) and keep it running until Ctrl-C."""
     from flows import interrupt
@@ -61,7 +61,7 @@ def deploy(config: Optional[Path] = typer.Option(None, "--config", help="YAML co
            output: Optional[Path] = typer.Option(None, "--output", help="recompute: folder the flow writes "
                                                                         "(re-runs skip up-to-date stages)."),
            cron: Optional[str] = typer.Option(None, "--cron", help="Cron schedule, e.g. '0 3 * * *' (03:00 daily)."),
-           interval: Optional[float] = typer.Option(None, "--interval", help="Or: run every SECONDS."),
+           interval: Optional[float] = typer.Option(None, "--interval", min=1, help="Or: run every SECONDS."),
            timezone: Optional[str] = typer.Option(None, "--timezone", help="Time zone of --cron (default UTC)."),
            name: str = typer.Option("scheduled", "--name", help="Deployment name (flow/name in Prefect)."),
            flow: str = typer.Option("recompute", "--flow", help=f"Flow to deploy: {', '.join(FLOWS)} (train: the "
@@ -146,7 +146,7 @@ _DEPLOYMENTS = {"recompute": _recompute_deployment, "train": _train_deployment} 
 def report(run: Path = typer.Argument(..., help="A run folder (runs/<run>) with a metrics/ table."),
            output: Optional[Path] = typer.Option(None, "--output", help="Folder for the plots and index.html "
                                                                        "(default RUN/report)."),
-           episodes: int = typer.Option(3, "--episodes", help="Sample episodes shown from the last rollout.")
+           episodes: int = typer.Option(3, "--episodes", min=0, help="Sample episodes shown from the last rollout.")
            ) -> None:
     """Write PNG plots of a run's metrics per iteration and an HTML page with them and sample episodes."""
     from flows.report import check_run_folder, write_report

@@ -82,6 +82,10 @@ def score(input: Path = typer.Option(..., "--input", help="Folder of stored resp
     steps = score_steps(str(input), str(output), cfg, advantages=advantages)
     _guard(lambda: check_command_output("rollflow score", str(output), steps, {"--input": str(input)}))
     _guard(lambda: check_steps(steps))  # before Ray starts
+    if advantages:  # the chain's groups, on the input: before its first stage commits
+        from stages.rlvr.stages import check_response_groups
+
+        _guard(lambda: check_response_groups(str(input), cfg.rewards.domain_column, cfg.num_return_sequences_in_group))
     cfg = _with_judge(cfg, judge_model, judge_backend)
     from stages.rlvr.generate import needs_model
 
@@ -118,16 +122,15 @@ def score(input: Path = typer.Option(..., "--input", help="Folder of stored resp
 
 @app.command("rlvr-example")
 def rlvr_example(output: Path = typer.Option(..., "--output", help="New folder for the responses table."),
-                 samples_per_prompt: int = typer.Option(8, "--samples-per-prompt", help="Responses per prompt (n)."),
-                 limit: Optional[int] = typer.Option(None, "--limit", help="Prompts per domain (default: all)."),
+                 samples_per_prompt: int = typer.Option(8, "--samples-per-prompt", min=1, help="Responses per prompt (n)."),
+                 limit: Optional[int] = typer.Option(None, "--limit", min=1, help="Prompts per domain (default: "
+                                                                                   "all)."),
                  domains: str = typer.Option("math,code,mcq,ifeval", "--domains", help="Comma-separated domains."),
-                 seed: int = typer.Option(0, "--seed")) -> None:
+                 seed: int = typer.Option(0, "--seed", min=0, help="Seed of the answers drawn.")) -> None:
     """Write a responses table from data/rlvr with hand-written correct/incorrect/garbage answers (no model)."""
     from stages.rlvr.example import RLVRExampleSpec, write_rlvr_example
 
     names = tuple(d.strip() for d in domains.split(",") if d.strip())
-    if samples_per_prompt < 1 or (limit is not None and limit < 1):
-        _fail(ValueError("--samples-per-prompt and --limit must be at least 1"))
     from stages.outputs import check_output
 
     from stages.storage import Location

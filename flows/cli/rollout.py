@@ -72,9 +72,9 @@ def rollout(config: Optional[Path] = typer.Option(None, "--config", help="YAML c
 
 @app.command()
 def show(path: str = typer.Argument(..., help="A rollout output folder (a path or a URI)."),
-         episodes: int = typer.Option(3, "--episodes", "-n", help="How many episodes to show (in episode order)."),
+         episodes: int = typer.Option(3, "--episodes", "-n", min=1, help="How many episodes to show (in episode order)."),
          traj_id: Optional[str] = typer.Option(None, "--traj", help="Show only this episode (a traj_id)."),
-         max_text: int = typer.Option(400, "--max-text", help="Characters of model text shown per turn.")) -> None:
+         max_text: int = typer.Option(400, "--max-text", min=1, help="Characters of model text shown per turn.")) -> None:
     """Render a rollout's episodes turn by turn: observation, model text, parsed action, reward."""
     from stages.rollout.show import render_rollout
 

@@ -98,7 +98,8 @@ def inspect(path: str = typer.Argument(..., help="A table folder (a path or a UR
 
 @app.command()
 def validate(path: str = typer.Argument(..., help="A table folder (a path or a URI)."),
-             group_size: Optional[int] = typer.Option(None, help="Check complete groups of this size.")) -> None:
+             group_size: Optional[int] = typer.Option(None, min=1, help="Check complete groups of this "
+                                                                           "size.")) -> None:
     """Check a table's schema and invariants (exit 2 on the first violation)."""
     from flows.tableview import validate as check
 
@@ -108,13 +109,15 @@ def validate(path: str = typer.Argument(..., help="A table folder (a path or a U
 @app.command()
 def example(output: str = typer.Option(..., "--output", help="New folder for the generated samples (a path "
                                                                "or a URI)."),
-            samples: int = typer.Option(2048, "--samples", help="Rows to generate (rounded up to whole groups)."),
-            seed: int = typer.Option(0, "--seed"),
-            group_size: int = typer.Option(8, "--group-size"),
+            samples: int = typer.Option(2048, "--samples", min=1, help="Rows to generate (rounded up to whole "
+                                                                        "groups)."),
+            seed: int = typer.Option(0, "--seed", min=0, help="Seed of the generated data."),
+            group_size: int = typer.Option(8, "--group-size", min=1, help="Trajectories per group."),
             env: str = typer.Option("frozenlake", "--env", help="frozenlake or sokoban (reward shape)."),
             level: str = typer.Option("step", "--level", help="step (one row per turn) or trajectory."),
-            min_response: int = typer.Option(64, "--min-response"),
-            max_response: int = typer.Option(512, "--max-response")) -> None:
+            min_response: int = typer.Option(64, "--min-response", min=0, help="Shortest response, tokens."),
+            max_response: int = typer.Option(512, "--max-response", min=1, help="Longest response, tokens (at "
+                                                                                 "least --min-response).")) -> None:
     """Generate realistic stored trajectories (FrozenLake/Sokoban-shaped) for trying rollflow."""
     from stages.example import ExampleSpec, generate
 

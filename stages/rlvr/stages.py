@@ -27,6 +27,7 @@ from schemas.rlvr_config import RewardsConfig
 from schemas.rlvr_tables import RESPONSE_ALIGNED, RESPONSES, SCORED, check_response_rows
 from schemas.config import Frozen
 from schemas.tables import SAMPLES, check_row_invariants
+from stages.algos.rlvr_chain import check_groups
 from stages.runner import ACTOR_POOL, Stage, StageContext
 from stages.storage import Location, folder_fingerprint
 
@@ -105,6 +106,19 @@ def _check_routed(responses: Location, section: RewardsConfig) -> None:
                           f"{', '.join(repr(v) for v in missing[:5])} have no reward route (routed: "
                           f"{', '.join(sorted(section.routes))}); add rewards.routes entries for them or a '*' "
                           "fallback route")
+
+
+def check_response_groups(responses: str, domain_column: str, n: int) -> None:
+    """``rollflow score --advantages``: every prompt of the on-disk responses table has ``n`` responses
+    (num_return_sequences_in_group), all of one domain, checked on the driver over two columns before the first stage
+    commits; else the chain would stop at its response-rewards stage, after committing scored/ and samples/, naming
+    its own samples/ output as the culprit."""
+    import pyarrow.dataset as pads
+
+    loc = Location.of(responses)
+    table = pads.dataset(loc.parquet_files(), filesystem=loc.fs).to_table(columns=["prompt_id", domain_column])
+    check_groups(table.column("prompt_id").to_numpy(zero_copy_only=False),
+                 table.column(domain_column).cast(pa.string()).to_numpy(zero_copy_only=False), n, loc.path)
 
 
 # run-time values the reward stage hands to the workers that read them (stages.rewards.registry.run_context); they

@@ -368,6 +368,11 @@ ROLLOUT_CASES = {
 }
 
 SCORE = {
+    # before: scored/ and samples/ were committed, then the chain blamed its own samples/ output
+    "score-wrong-group-size": (["score", "--input", "@responses", "--config", "@score_config", "--output", "out",
+                                "--advantages", "--set", "num_return_sequences_in_group=3"],
+                               ["responses table at", "/responses: prompt_id", "has 8 responses, expected "
+                                "num_return_sequences_in_group=3"]),
     "score-unknown-worker": (["score", "--input", "@responses", "--config", "@score_config", "--output", "out",
                               "--set", "rewards.routes.math.worker=nope"],
                              ["rewards.routes.math: unknown reward worker 'nope'", "registered:"]),
@@ -565,20 +570,20 @@ TOOLS = {
                             ["--env 'chess'", "--env must be frozenlake or sokoban"]),
     "example-output-exists": (["example", "--output", "emptydir", "--samples", "16"],
                               ["emptydir already exists", "choose a new --output folder or delete it first"]),
-    "example-zero-samples": (["example", "--output", "ex", "--samples", "0"], ["samples (0) must be at least 1"]),
     "example-response-range": (["example", "--output", "ex", "--min-response", "50", "--max-response", "10"],
                                ["response_len (50, 10) must satisfy 0 <= min <= max"]),
     "rlvr-example-unknown-domain": (["rlvr-example", "--output", "rx", "--domains", "chemistry"],
                                     ["unknown example domain 'chemistry'", "choose from math, code, mcq, ifeval"]),
     "rlvr-example-output-exists": (["rlvr-example", "--output", "afile", "--limit", "1"],
                                    ["afile already exists", "choose a new --output folder"]),
-    "rlvr-example-zero-samples": (["rlvr-example", "--output", "rx", "--samples-per-prompt", "0"],
-                                  ["--samples-per-prompt and --limit must be at least 1"]),
     "demo-config-missing": (["demo", "--run-dir", "demo", "--config", "nope.yaml"], ["nope.yaml does not exist"]),
     "deploy-unknown-flow": (["deploy", "--flow", "rollout"], ["--flow 'rollout' is not deployable",
                                                               "choose one of ['recompute', 'train']"]),
     "deploy-bad-cron": (["deploy", "--cron", "every day", "--input", "emptydir", "--output", "out"],
                         ["--cron 'every day' is not a valid cron schedule", "use 5 fields"]),
+    "deploy-bad-timezone": (["deploy", "--cron", "0 3 * * *", "--timezone", "Mars/Base", "--input", "emptydir",
+                             "--output", "out"], ["--timezone 'Mars/Base' is not a time zone name",
+                                                  "use an IANA name such as UTC"]),
     "deploy-no-schedule": (["deploy", "--input", "emptydir", "--output", "out"],
                            ["give exactly one schedule", "--interval SECONDS"]),
     "deploy-no-server": (["deploy", "--interval", "60", "--input", "emptydir", "--output", "out"],
@@ -629,6 +634,26 @@ USAGE = {
     "plan-missing-config": (["plan", "--cpus", "2"], ["Missing option '--config'"]),
     "rollout-missing-output": (["rollout", "--config", "@rollout"], ["Missing option '--output'"]),
     "score-missing-input": (["score", "--config", "@score_config", "--output", "out"], ["Missing option '--input'"]),
+    # every numeric option has its bounds (test_every_numeric_option_states_its_bounds); before, --group-size 0
+    # skipped the check and said OK, a negative one blamed the data, show -n -1 showed all but the last episode
+    "validate-group-size-zero": (["validate", "@samples", "--group-size", "0"],
+                                 ["Invalid value for '--group-size'", "greater than or equal to 1"]),
+    "validate-group-size-negative": (["validate", "@samples", "--group-size", "-8"],
+                                     ["Invalid value for '--group-size'"]),
+    "show-negative-episodes": (["show", "emptydir", "-n", "-1"], ["Invalid value for '--episodes'"]),
+    "show-zero-text": (["show", "emptydir", "--max-text", "0"], ["Invalid value for '--max-text'"]),
+    "example-zero-samples": (["example", "--output", "ex", "--samples", "0"], ["Invalid value for '--samples'"]),
+    "example-negative-seed": (["example", "--output", "ex", "--seed", "-1"], ["Invalid value for '--seed'"]),
+    "rlvr-example-zero-samples": (["rlvr-example", "--output", "rx", "--samples-per-prompt", "0"],
+                                  ["Invalid value for '--samples-per-prompt'"]),
+    "rlvr-example-zero-limit": (["rlvr-example", "--output", "rx", "--limit", "0"], ["Invalid value for '--limit'"]),
+    "report-negative-episodes": (["report", "emptydir", "--episodes", "-2"], ["Invalid value for '--episodes'"]),
+    "server-port-out-of-range": (["server", "--port", "70000"], ["Invalid value for '--port'",
+                                                                 "less than or equal to 65535"]),
+    "server-zero-timeout": (["server", "--timeout", "0"], ["Invalid value for '--timeout'"]),
+    "deploy-zero-interval": (["deploy", "--interval", "0", "--input", "emptydir", "--output", "out"],
+                             ["Invalid value for '--interval'"]),
+    "plan-negative-cpus": (["plan", "--config", "@quick", "--cpus", "-1"], ["Invalid value for '--cpus'"]),
     "example-samples-not-a-number": (["example", "--output", "ex", "--samples", "many"],
                                      ["Invalid value for '--samples'", "valid integer"]),
 }
@@ -895,6 +920,21 @@ def test_bad_usage(case, work, shared):
         assert phrase in text, f"{phrase!r} not in:\n{result.output}"
     assert "Traceback" not in result.output and "--help" in text, "Click names the option and where to look"
     assert _digests(work, shared) == before
+
+
+def test_every_numeric_option_states_its_bounds():
+    """Every int or float option of every command has a lower bound (typer's min), and --help states it."""
+    import typer.main
+
+    commands = typer.main.get_command(app).commands
+    numeric = [(name, p) for name, c in commands.items() for p in c.params if p.bare_type() in ("int", "float")]
+    assert len(numeric) >= 15
+    unbounded = [f"{name} --{p.name}" for name, p in numeric if p.min is None]
+    assert not unbounded, f"options without bounds: {unbounded}"
+    for name in sorted({name for name, _ in numeric}):
+        text = " ".join(runner.invoke(app, [name, "--help"]).output.replace("│", " ").split())
+        for _, p in [(n, p) for n, p in numeric if n == name]:
+            assert f"x>={p.min}" in text or f"{p.min}<=x" in text, f"{name} --help does not state --{p.name}'s bounds"
 
 
 def test_catalogue_covers_every_command():

@@ -86,10 +86,10 @@ def test_example_is_deterministic_and_valid(tmp_path):
     assert "complete groups of 8" in ok(["validate", tmp_path / "a"])
     fails(["example", "--output", tmp_path / "a"], "already exists")
     fails(["example", "--output", tmp_path / "d", "--env", "chess"], "--env must be frozenlake or sokoban")
-    fails(["example", "--output", tmp_path / "d", "--group-size", "0"], "group_size (0) must be at least 1")
+    fails(["example", "--output", tmp_path / "d", "--group-size", "0"], "Invalid value for '--group-size'")
     fails(["example", "--output", tmp_path / "d", "--min-response", "9", "--max-response", "3"],
           "response_len (9, 3) must satisfy 0 <= min <= max")
-    fails(["example", "--output", tmp_path / "d", "--samples", "0"], "samples (0) must be at least 1")
+    fails(["example", "--output", tmp_path / "d", "--samples", "0"], "Invalid value for '--samples'")
     assert not (tmp_path / "d").exists()
 
 
