@@ -45,8 +45,9 @@ class PromptsSection(Frozen):
 
 def prompts_section(data_dir: str | None, domains: tuple[str, ...], limit: int | None,
                     field: str = "prompts") -> PromptsSection:
-    """The section of :class:`PromptsStage`; refuses missing files with the list of what exists (``field``: the
-    config section of the prompt set, for the message)."""
+    """The section of :class:`PromptsStage`; refuses missing files with the list of what exists, and files that hold
+    no prompt or a line that is not one (:func:`read_prompt_rows`: the rows the stage will read), so that the
+    pre-flight finds them before Ray starts (``field``: the config section of the prompt set, for the message)."""
     folder = Path(data_dir) if data_dir else DATA_DIR
     h = hashlib.sha256()
     for domain in domains:
@@ -56,18 +57,35 @@ def prompts_section(data_dir: str | None, domains: tuple[str, ...], limit: int |
             raise ConfigError(f"{field}: {path} does not exist; {field}.domains must name JSONL files in "
                               f"{folder} (found: {', '.join(have) or 'none'})")
         h.update(path.read_bytes())
-    return PromptsSection(data_dir=str(folder), domains=tuple(domains), limit=limit, digest=h.hexdigest())
+    section = PromptsSection(data_dir=str(folder), domains=tuple(domains), limit=limit, digest=h.hexdigest())
+    read_prompt_rows(section, field)
+    return section
 
 
-def read_prompt_rows(s: PromptsSection) -> list[dict]:
+def _prompt_lines(path: Path, field: str) -> list[str]:
+    """The non-blank lines of the prompt file ``path``; a ConfigError when it is not UTF-8 or holds none."""
+    try:
+        lines = [ln for ln in path.read_bytes().decode("utf-8").splitlines() if ln.strip()]
+    except UnicodeDecodeError as err:
+        raise ConfigError(f"{field}: prompts file {path} is not UTF-8 text (offset {err.start}); a prompts file is "
+                          "JSONL, one JSON object per line: save it as UTF-8") from None
+    if not lines:
+        raise ConfigError(f"{field}: prompts file {path} holds no prompts; write one JSON object per line with id, "
+                          f"prompt and ground_truth, or remove '{path.stem}' from {field}.domains")
+    return lines
+
+
+def read_prompt_rows(s: PromptsSection, field: str = "prompts") -> list[dict]:
     """The prompt rows of the section's files; each line must be a JSON object with the PROMPTS fields."""
     rows, seen = [], set()
     for domain in s.domains:
         path = Path(s.data_dir) / f"{domain}.jsonl"
-        lines = [ln for ln in path.read_text().splitlines() if ln.strip()][: s.limit]
+        lines = _prompt_lines(path, field)[: s.limit]
         for number, line in enumerate(lines, 1):
             try:
                 task = json.loads(line)
+                if not isinstance(task, dict):
+                    raise TypeError(f"the line holds {type(task).__name__}, not a JSON object")
                 row = {"prompt_id": str(task["id"]), "domain": str(task.get("domain", domain)),
                        "tag": str(task.get("tag", domain)), "prompt": str(task["prompt"]),
                        "ground_truth": str(task["ground_truth"])}

@@ -232,6 +232,24 @@ RLVR = {
                                      "rewards.routes.math={worker: llm_judge, kwargs: {generate: x}}"],
                                     ["rewards.routes.math", "'generate' is a run-time service given by the stage",
                                      "remove it from the worker kwargs"]),
+    # prompt files are read whole in the pre-flight (issue 48); before, an empty one crashed with an Arrow error and
+    # a line without a field was reported after Ray started and the run folder was written
+    "rlvr-prompt-file-empty": (["train", "--config", "@rlvr", "--set", "prompts.data_dir=prompts_empty"],
+                               ["prompts: prompts file prompts_empty/math.jsonl holds no prompts",
+                                "or remove 'math' from prompts.domains"]),
+    "rlvr-prompt-line-without-field": (["train", "--config", "@rlvr", "--set", "prompts.data_dir=prompts_field"],
+                                       ["prompts file prompts_field/math.jsonl, line 2: KeyError('ground_truth')",
+                                        "each line must be a JSON object with id, prompt and ground_truth"]),
+    "rlvr-prompt-line-not-an-object": (["train", "--config", "@rlvr", "--set", "prompts.data_dir=prompts_list"],
+                                       ["prompts_list/math.jsonl, line 1", "not a JSON object"]),
+    "rlvr-prompt-file-not-utf8": (["train", "--config", "@rlvr", "--set", "prompts.data_dir=prompts_latin1"],
+                                  ["prompts_latin1/math.jsonl is not UTF-8 text", "save it as UTF-8"]),
+    "eval-rlvr-validation-prompts-empty": (["eval", "--config", "@rlvr", "--output", "out", "--set",
+                                            "validation.prompts.data_dir=prompts_empty", "--set",
+                                            "validation.prompts.domains=[math]", "--set",
+                                            "validation.rewards={routes: {math: {worker: math_rule}}}"],
+                                           ["validation.prompts: prompts file prompts_empty/math.jsonl holds no "
+                                            "prompts"]),
     "rlvr-unknown-prompt-domain": (["train", "--config", "@rlvr", "--set", "prompts.domains=[chemistry]"],
                                    ["prompts:", "chemistry.jsonl does not exist", "prompts.domains must name JSONL",
                                     "found: code, ifeval, math, mcq"]),
@@ -841,6 +859,13 @@ def work(tmp_path, monkeypatch, no_services) -> Path:
     (tmp_path / "latin1.yaml").write_bytes("run_name: caf\u00e9\n".encode("latin-1"))
     (tmp_path / "empty.yaml").write_bytes(b"")
     (tmp_path / "comments.yaml").write_text("# the options go here\n")
+    good = '{"id": "p1", "prompt": "1+1?", "ground_truth": "2"}\n'
+    for folder, text in (("prompts_empty", b"\n"), ("prompts_field", (good + '{"id": "p2", "prompt": "2+2?"}\n').encode()),
+                         ("prompts_list", b'["p1", "1+1?", "2"]\n'),
+                         ("prompts_latin1", '{"id": "p1", "prompt": "caf\u00e9?", "ground_truth": "2"}\n'.encode(
+                             "latin-1"))):
+        (tmp_path / folder).mkdir()
+        (tmp_path / folder / "math.jsonl").write_bytes(text)
     other = load_config_data(QUICK, {"runs_dir": "other_runs", "rollout.seed": 8})
     frozen = validate_config(TrainFlowConfig, other, "other").model_dump(mode="json")
     (tmp_path / "other_runs" / "quickstart").mkdir(parents=True)
