@@ -56,12 +56,16 @@ def test_prompt_files_errors_name_the_file_line_and_fix(tmp_path):
     with pytest.raises(ConfigError, match="found: none"):
         prompts_section(str(tmp_path), ("math",), None)
     (tmp_path / "math.jsonl").write_text('{"id": "a", "prompt": "1+1?", "ground_truth": "2"}\n{"id": "a"}\n')
-    section = prompts_section(str(tmp_path), ("math",), None)
-    with pytest.raises(ConfigError, match=r"math.jsonl, line 2: .*'prompt'"):
-        read_prompt_rows(section)
+    with pytest.raises(ConfigError, match=r"math.jsonl, line 2: .*'prompt'"):  # the pre-flight reads the rows
+        prompts_section(str(tmp_path), ("math",), None)
+    section = prompts_section(str(tmp_path), ("math",), 1)  # the rows a limit leaves out are not read
+    assert [row["prompt_id"] for row in read_prompt_rows(section)] == ["a"]
     (tmp_path / "math.jsonl").write_text('{"id": "a", "prompt": "x", "ground_truth": "2"}\n' * 2)
     with pytest.raises(ConfigError, match="occurs twice"):
-        read_prompt_rows(prompts_section(str(tmp_path), ("math",), None))
+        prompts_section(str(tmp_path), ("math",), None)
+    (tmp_path / "math.jsonl").write_text("\n")
+    with pytest.raises(ConfigError, match="math.jsonl holds no prompts"):
+        prompts_section(str(tmp_path), ("math",), None)
 
 
 def test_a_run_folder_of_the_two_pass_layout_is_refused_with_the_fix(tmp_path):
