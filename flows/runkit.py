@@ -304,7 +304,7 @@ def check_run(config, cfg: dict) -> None:
     into the run folder (its log included): the folder can be written, a folder started with another config is
     refused, ``pretrain`` (when set) is an HF model folder, the run's newest checkpoint is whole, and every tracker
     of ``track_with`` is installed and reachable (stages/trackers.py)."""
-    from stages.generation.engines import check_model_dir
+    from stages.generation.engines import preflight_model_dir
     from stages.outputs import check_output
     from stages.trackers import check_trackers
 
@@ -312,7 +312,7 @@ def check_run(config, cfg: dict) -> None:
     check_output(run.uri(), None, {"pretrain": config.pretrain}, flag="run folder (runs_dir/run_name)")
     frozen_config_state(run, config, cfg)
     if config.pretrain:
-        check_model_dir(config.pretrain)
+        preflight_model_dir(config.pretrain)
     check_last_checkpoint(config)
     check_trackers(config, run)
 

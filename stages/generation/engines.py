@@ -193,6 +193,17 @@ def check_model_dir(model_dir: str | os.PathLike) -> Path:
     return folder
 
 
+def preflight_model_dir(model_dir: str | os.PathLike) -> Path:
+    """:func:`check_model_dir`, and what the engine will do with the folder: its config builds an architecture whose
+    tensors and shapes are those of the weights, and its tokenizer loads (stages/model_load_check.py; imports torch
+    and transformers, so only the pre-flight calls it, not each engine)."""
+    from stages.model_load_check import check_model_loads
+
+    folder = check_model_dir(model_dir)
+    check_model_loads(folder)
+    return folder
+
+
 def sample_seed(seed: int, sample_index: int) -> int:
     """The seed of sample ``sample_index`` of a request seeded ``seed``: a stable 31-bit hash of both.
 

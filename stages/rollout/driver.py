@@ -72,7 +72,7 @@ def check_rollout(config: RolloutConfig, output: str | None = None, checkpoint: 
     ``checkpoint`` is an HF model folder, the engine's options are its backend's and ``output`` can be written.
     Raises a ConfigError naming the field."""
     from stages.envs import make_env
-    from stages.generation.engines import check_engine_options, check_model_dir
+    from stages.generation.engines import check_engine_options, preflight_model_dir
     from stages.outputs import ROLLOUT_CHILDREN, Writes, check_output
     from stages.rollout.episode import env_kwargs
 
@@ -89,7 +89,7 @@ def check_rollout(config: RolloutConfig, output: str | None = None, checkpoint: 
                               f"{config_field}") from None
     check_engine_options(config.engine.backend, config.engine.options, f"{field}engine.options")
     if checkpoint is not None:
-        check_model_dir(checkpoint)
+        preflight_model_dir(checkpoint)
     if output is not None:
         check_output(output, Writes("rollflow rollout", (), ROLLOUT_CHILDREN), {"--checkpoint": checkpoint})
 

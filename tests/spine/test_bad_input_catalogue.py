@@ -316,6 +316,19 @@ EVAL = {
     "eval-rlvr-unknown-validation-worker": (["eval", "--config", "@rlvr", "--output", "out", "--set",
                                              "validation.rewards.routes.mcq.worker=nope"],
                                             ["validation.rewards.routes.mcq: unknown reward worker 'nope'"]),
+    # model folders an engine cannot load, found by reading their headers, config and tokenizer (issue 48); before,
+    # they passed the file checks and failed about 45 s later inside the engine actor with a traceback
+    "eval-checkpoint-weights-of-other-shapes": (["eval", "--config", "@quick", "--checkpoint", "@model_shapes",
+                                                 "--output", "out"],
+                                                ["model_shapes: tensor", "has shape [64, 16] in the weights but "
+                                                 "[64, 32] in LlamaForCausalLM", "the weights belong to another model"]),
+    "eval-checkpoint-of-another-architecture": (["eval", "--config", "@quick", "--checkpoint", "@model_gpt2",
+                                                 "--output", "out"],
+                                                ["model_gpt2: its weights are not those of the architecture its "
+                                                 "config.json names", "of GPT2LMHeadModel are missing"]),
+    "eval-checkpoint-without-tokenizer": (["eval", "--config", "@quick", "--checkpoint", "@model_no_tokenizer",
+                                           "--output", "out"],
+                                          ["model_no_tokenizer: its tokenizer does not load", "tokenizer.json"]),
     "eval-rlvr-validation-prompts-missing": (["eval", "--config", "@rlvr", "--output", "out", "--set",
                                               "validation.prompts.data_dir=emptydir"],
                                              ["validation.prompts:", "mcq.jsonl does not exist",
@@ -631,6 +644,11 @@ CONFIG_FILES = {
     "score-config-of-recompute": (["score", "--input", "@responses", "--config", "@gigpo", "--output", "out"],
                                   ["is a config of rollflow recompute", "use it with rollflow recompute",
                                    "or pass a config of rollflow score (configs/rlvr_math.yaml)"]),
+    "rollout-checkpoint-without-tokenizer": (["rollout", "--config", "@rollout", "--checkpoint", "@model_no_tokenizer",
+                                              "--output", "out"], ["its tokenizer does not load"]),
+    "rollout-checkpoint-of-another-architecture": (["rollout", "--config", "@rollout", "--checkpoint", "@model_gpt2",
+                                                    "--output", "out"],
+                                                   ["are not those of the architecture its config.json names"]),
     "rollout-config-of-train": (["rollout", "--config", "@quick", "--output", "out"],
                                 ["is a config of rollflow train, plan or eval (an agentic training run)"]),
     "train-step-config-of-score": (["train-step", "--samples", "@advantaged", "--checkpoint", "@model", "--config",
@@ -714,7 +732,7 @@ def shared(tmp_path_factory, data_root, tiny_model) -> dict[str, str]:
         "samples": str(samples),
         **_damaged_manifests(samples, root), **_damaged_parts(samples, root),
         "advantaged": write_samples(_advantaged(read_table(samples)), root / "advantaged"),
-        **_damaged_checkpoints(root),
+        **_damaged_checkpoints(root), **_mismatched_models(root, tiny_model),
         "model": str(tiny_model),
         "quick": QUICK, "h100": H100, "gigpo": GIGPO, "rlvr": RLVR_TRAIN, "rollout": ROLLOUT, "score_config": RLVR_SCORE,
     }
@@ -791,6 +809,34 @@ CHECKPOINT_DAMAGES = {"ckpt_weights_cut": ("model.safetensors", None),  # cut sh
                       "ckpt_state_cut": ("deepspeed/actor/state/mp_rank_00_model_states.pt", b"PK\x03\x04 cut"),
                       "ckpt_shard_missing": ("model.safetensors.index.json",
                                              b'{"weight_map": {"w": "model-00002-of-00002.safetensors"}}')}
+
+
+def _mismatched_models(root: Path, tiny: Path) -> dict[str, str]:
+    """Small whole model folders (a one-layer llama, zero weights) whose files pass stages/model_files.py but that
+    an engine cannot load: weights of other shapes than config.json says (model_shapes), config.json of another
+    architecture (model_gpt2), no tokenizer (model_no_tokenizer)."""
+    import numpy as np
+    import torch
+    import transformers
+    from safetensors.numpy import save_file
+
+    small = {**json.loads((tiny / "config.json").read_text()), "vocab_size": 64, "hidden_size": 16,
+             "intermediate_size": 32, "head_dim": 8, "num_hidden_layers": 1}
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(transformers.LlamaConfig(**small))
+    weights = {n: np.zeros(tuple(t.shape), np.float32) for n, t in model.state_dict().items() if n != "lm_head.weight"}
+    configs = {"model_shapes": {**small, "hidden_size": 32, "head_dim": 16},
+               "model_gpt2": {"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"], "n_embd": 16, "n_layer": 1,
+                              "n_head": 2, "vocab_size": 64},
+               "model_no_tokenizer": small}
+    for name, cfg in configs.items():
+        (root / name).mkdir()
+        (root / name / "config.json").write_text(json.dumps(cfg))
+        save_file(weights, str(root / name / "model.safetensors"))
+        if name != "model_no_tokenizer":
+            for file in ("tokenizer.json", "tokenizer_config.json"):
+                (root / name / file).write_bytes((tiny / file).read_bytes())
+    return {name: str(root / name) for name in configs}
 
 
 def _replaying_run(run: Path, frozen) -> None:

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from schemas.errors import RollflowError, SchemaError
-from stages.generation.engines import check_model_dir
+from stages.generation.engines import check_model_dir, preflight_model_dir
 from stages.model_files import safetensors_problem
 from stages.train.checkpoint import read_checkpoint
 
@@ -46,6 +46,8 @@ def test_whole_model_folders_pass(default_model, tiny_model, tmp_path):
         assert read_checkpoint(str(model)).global_step == 0
     ckpt = _checkpoint(tmp_path / "ckpt", tiny_model)
     check_model_dir(ckpt)
+    for model in (default_model, tiny_model, ckpt):  # and an engine can load them (config, weights, tokenizer)
+        assert preflight_model_dir(model) == model
     assert read_checkpoint(str(ckpt)).global_step == 1
     shutil.rmtree(ckpt / "deepspeed")  # a weights-only checkpoint: its replay record
     replay = {"from": str(tiny_model), "steps": [{"samples": str(tmp_path), "fingerprint": "f", "section": {}}]}
