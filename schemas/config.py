@@ -430,14 +430,17 @@ def _option_names(model: type[BaseModel]) -> set[str]:
 
 
 def other_command_config(model: type[BaseModel], data: dict) -> tuple[CommandConfig, CommandConfig] | None:
-    """(the config kind ``data`` is, the kind ``model`` is) when ``data`` has options ``model`` does not know and
-    they are all options of another command's config; else None."""
+    """(the config kind ``data`` is, the kind ``model`` is) when ``data`` has options ``model`` does not know, they
+    are all options of another command's config, and most of its options are that command's (a ``--set`` of the
+    command's own option on another command's config is still that config; one stray option is not)."""
     kinds = [(kind, kind.resolve()) for kind in COMMAND_CONFIGS]
     own = next((kind for kind, m in kinds if m is model), None)
     keys = {k for k in data if isinstance(k, str)}
-    if own is None or keys <= _option_names(model):
+    foreign = keys - _option_names(model)
+    if own is None or not foreign:
         return None
-    other = next((kind for kind, m in kinds if m is not model and keys <= _option_names(m)), None)
+    other = next((kind for kind, m in kinds if m is not model and foreign <= _option_names(m)
+                  and len(keys & _option_names(m)) > len(keys - _option_names(m))), None)
     return (other, own) if other is not None else None
 
 

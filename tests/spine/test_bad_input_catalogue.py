@@ -607,6 +607,8 @@ TOOLS = {
                                     ["unknown example domain 'chemistry'", "choose from math, code, mcq, ifeval"]),
     "rlvr-example-output-exists": (["rlvr-example", "--output", "afile", "--limit", "1"],
                                    ["afile already exists", "choose a new --output folder"]),
+    "demo-run-dir-under-a-file": (["demo", "--run-dir", "afile/demo"], ["/afile/demo lies under", "/afile, which is a "
+                                                                        "file; pass a folder path"]),
     "demo-config-missing": (["demo", "--run-dir", "demo", "--config", "nope.yaml"], ["nope.yaml does not exist"]),
     "deploy-unknown-flow": (["deploy", "--flow", "rollout"], ["--flow 'rollout' is not deployable",
                                                               "choose one of ['recompute', 'train']"]),
