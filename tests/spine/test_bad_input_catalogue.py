@@ -336,6 +336,11 @@ EVAL = {
 }
 
 ROLLOUT_CASES = {
+    "rollout-checkpoint-without-tokenizer": (["rollout", "--config", "@rollout", "--checkpoint", "@model_no_tokenizer",
+                                              "--output", "out"], ["its tokenizer does not load"]),
+    "rollout-checkpoint-of-another-architecture": (["rollout", "--config", "@rollout", "--checkpoint", "@model_gpt2",
+                                                    "--output", "out"],
+                                                   ["are not those of the architecture its config.json names"]),
     "rollout-config-not-yaml": (["rollout", "--config", "notyaml.yaml", "--output", "out"], ["is not valid YAML"]),
     "rollout-unknown-env-type": (["rollout", "--config", "@rollout", "--output", "out", "--set", "env.tag=Chess"],
                                  ["env.tag 'Chess' is not a registered environment", "use one of:"]),
@@ -646,11 +651,6 @@ CONFIG_FILES = {
     "score-config-of-recompute": (["score", "--input", "@responses", "--config", "@gigpo", "--output", "out"],
                                   ["is a config of rollflow recompute", "use it with rollflow recompute",
                                    "or pass a config of rollflow score (configs/rlvr_math.yaml)"]),
-    "rollout-checkpoint-without-tokenizer": (["rollout", "--config", "@rollout", "--checkpoint", "@model_no_tokenizer",
-                                              "--output", "out"], ["its tokenizer does not load"]),
-    "rollout-checkpoint-of-another-architecture": (["rollout", "--config", "@rollout", "--checkpoint", "@model_gpt2",
-                                                    "--output", "out"],
-                                                   ["are not those of the architecture its config.json names"]),
     "rollout-config-of-train": (["rollout", "--config", "@quick", "--output", "out"],
                                 ["is a config of rollflow train, plan or eval (an agentic training run)"]),
     "train-step-config-of-score": (["train-step", "--samples", "@advantaged", "--checkpoint", "@model", "--config",
