@@ -61,8 +61,9 @@ def test_deploy_command_refuses_bad_input_before_serving(tmp_path):
     """The CLI exits 2 with one message when there is no server (no Prefect run is started)."""
     env = {**os.environ, "PREFECT_HOME": str(tmp_path / "home")}
     env.pop("PREFECT_API_URL", None)
+    (tmp_path / "samples").mkdir()  # the config and folders are checked first (an output inside the input is refused)
     result = subprocess.run([sys.executable, "-m", "flows.cli", "deploy", "--config", str(GIGPO), "--input",
-                             str(tmp_path), "--output", str(tmp_path / "out"), "--cron", "0 3 * * *"],
+                             str(tmp_path / "samples"), "--output", str(tmp_path / "out"), "--cron", "0 3 * * *"],
                             cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
     assert result.returncode == 2, result.stderr
     assert "error: deploy: no Prefect server given" in result.stderr
