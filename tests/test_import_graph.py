@@ -1,0 +1,45 @@
+"""No import circles among our own modules (tools/import_graph.py): the graph counts every import statement,
+function-level ones included, so a circle cannot hide inside a function."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tools"))
+try:
+    import import_graph
+finally:
+    sys.path.remove(str(ROOT / "tools"))
+
+# Known circles, owned elsewhere (issue #43, "An honest import graph"): flows/ belongs to the `pipeline` helper, who
+# removes these with the one iteration loop. A component may shrink (a subset of an entry passes); any other circle,
+# or one of these grown by a module, fails. Delete an entry once its circle is gone.
+KNOWN_CIRCLES = (
+    {"flows.agentic", "flows.pipelines", "flows.rlvr", "flows.runkit"},  # issue #43, owner: pipeline
+    {"flows.rerun", "flows.rerun_rollout"},  # issue #43, owner: pipeline
+    {"stages.train.core", "stages.train.lora"},  # issue #43, owner: imports
+)
+
+
+def test_no_import_circles_beyond_the_known_ones():
+    circles = import_graph.strongly_connected(import_graph.own_edges())
+    new = [c for c in circles if not any(set(c) <= known for known in KNOWN_CIRCLES)]
+    assert not new, "import circles (tools/import_graph.py): " + "; ".join(" <-> ".join(c) for c in new)
+
+
+def test_a_circle_through_a_function_level_import_is_found(tmp_path):
+    """A plants ``import b`` at module top, b ``from a import x`` inside a function: one component {a, b}; the
+    package edge of ``p/__init__`` is not one."""
+    package = tmp_path / "p"
+    package.mkdir()
+    (package / "__init__.py").write_text("from p import a\n")
+    (package / "a.py").write_text("from p import b\nx = 1\n")
+    (package / "b.py").write_text("def f():\n    from .a import x\n    return x\n")
+    (package / "c.py").write_text("import p.a\n")
+    graph = import_graph.own_edges(tmp_path, ("p",))
+    assert graph == {"p": {"p.a"}, "p.a": {"p.b"}, "p.b": {"p.a"}, "p.c": {"p.a"}}
+    assert import_graph.strongly_connected(graph) == [["p.a", "p.b"]]
+    deferred = [(i.source, i.target) for i in import_graph.imports(tmp_path, ("p",)) if i.deferred]
+    assert deferred == [("p.b", "p.a")]
