@@ -52,6 +52,8 @@ from typing import Any, Iterable, Sequence
 
 from schemas.errors import RollflowError
 from schemas.stage_specs import PHASES, stage_specs
+from stages.generation.model_store import DEFAULT_MODEL_NAME
+from stages.paths import cache_root_path
 
 ROLLOUT_TASK_CPUS = 0.25  # stages/rollout/stages.py and stages/rlvr/generate.py: TASK_CPUS of the generation tasks
 DATA_TASK_SHARE = 0.5  # Ray Data's read/write tasks beside the log-prob actors
@@ -185,8 +187,6 @@ def parameter_count(shape: dict) -> int | None:
 def model_shape(model_dir: str | None) -> dict | None:
     """The ``config.json`` of ``model_dir`` (None: the default model, converted or not); None when unreadable."""
     if model_dir is None:
-        from stages.generation.model_store import DEFAULT_MODEL_NAME, cache_root_path
-
         converted = cache_root_path() / "models" / DEFAULT_MODEL_NAME / "config.json"
         return _read_json(converted) or dict(DEFAULT_MODEL_SHAPE)
     from stages.storage import is_uri

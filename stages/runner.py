@@ -37,6 +37,7 @@ from pydantic import BaseModel
 
 from schemas.errors import RollflowError, SchemaError
 from schemas.tables import TableSpec
+from stages.paths import cache_root_path
 from stages.storage import ATTEMPT_KEY, MANIFEST, Location, folder_fingerprint, read_manifest, read_table_schema
 
 log = logging.getLogger("rollflow.runner")
@@ -433,7 +434,6 @@ def _staged(fill: Callable[[Location], dict[str, Any]]) -> Callable[[Location], 
         import shutil
         import tempfile
 
-        from stages.generation.model_store import cache_root_path
         from stages.storage import upload_folder
 
         root = cache_root_path() / "staging"

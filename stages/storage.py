@@ -22,6 +22,7 @@ import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
 from schemas.errors import ConfigError, SchemaError
+from stages.paths import cache_root_path
 
 MANIFEST = "manifest.json"
 ATTEMPT_KEY = "attempt"  # the manifest field naming the attempt prefix of an object-store output
@@ -391,8 +392,6 @@ def local_side(loc: Location) -> str:
     ``<cache>/mirror/<scheme>/<bucket>/<path>`` (uploaded into the store by :func:`publish_local_side`)."""
     if loc.atomic_rename:
         return loc.path
-    from stages.generation.model_store import cache_root_path
-
     return str(cache_root_path() / MIRROR_DIR / loc.fs.type_name / loc.path)
 
 

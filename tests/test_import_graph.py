@@ -19,7 +19,6 @@ finally:
 KNOWN_CIRCLES = (
     {"flows.agentic", "flows.pipelines", "flows.rlvr", "flows.runkit"},  # issue #43, owner: pipeline
     {"flows.rerun", "flows.rerun_rollout"},  # issue #43, owner: pipeline
-    {"stages.train.core", "stages.train.lora"},  # issue #43, owner: imports
 )
 
 

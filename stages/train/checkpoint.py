@@ -42,7 +42,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from schemas.errors import RollflowError, SchemaError
-from stages.storage import MANIFEST, Location, is_uri, manifest_field, read_manifest
+from stages.paths import cache_root_path
+from stages.storage import MANIFEST, Location, fetch_committed, is_uri, manifest_field, read_manifest
 
 log = logging.getLogger("rollflow.checkpoint")
 
@@ -84,9 +85,6 @@ def local_path(path: str) -> Path:
     once into the rollflow cache (``objstore/<fingerprint>-<attempt>``: what its manifest lists), since DeepSpeed and
     Hugging Face read local files."""
     if is_uri(path):
-        from stages.generation.model_store import cache_root_path
-        from stages.storage import fetch_committed
-
         return Path(fetch_committed(Location.of(path), str(cache_root_path() / "objstore")))
     return Path(path).resolve()
 

@@ -31,6 +31,8 @@ from stages.algos.ragged import Ragged
 from stages.train.batching import (BatchingPolicy, MicroBatch, MiniBatchPlan, TokenLogits, TokenRows,
                                    causal_lm_logits, forward_packed, pad_micro_batch, plan_step, select_logits,
                                    unpad_next_token)
+from stages.train import lora
+from stages.train.models import load_actor_model, load_critic_model
 
 log = logging.getLogger("rollflow.train")
 REPO = Path(__file__).resolve().parents[2]
@@ -160,10 +162,8 @@ class Engine:
     def __init__(self, model: torch.nn.Module, worker: WorkerTrainConfig, dist: DistInfo, role: str):
         import deepspeed
 
-        from stages.train.lora import is_lora
-
         self.role, self.worker, self.dist = role, worker, dist
-        self.lora = is_lora(model)
+        self.lora = lora.is_lora(model)
         if not worker.model_args.disable_gradient_checkpointing:
             model.gradient_checkpointing_enable()
             if self.lora:  # frozen embeddings: reentrant checkpointing needs inputs that require grad
@@ -254,9 +254,7 @@ class Engine:
         if self.partitioned:
             return gathered_state_dict(self.module, self.dist.rank == 0)
         if self.lora:
-            from stages.train.lora import merged_state_dict
-
-            return merged_state_dict(self.module)
+            return lora.merged_state_dict(self.module)
         return {k: v.detach().to("cpu") for k, v in self.module.state_dict().items()}
 
     def save_pretrained(self, folder: Path, adapter: Path) -> None:
@@ -271,11 +269,9 @@ class Engine:
         if not self.lora:
             self.module.save_pretrained(folder, state_dict=self.state_dict_for_save(), safe_serialization=True)
             return
-        from stages.train.lora import save_adapter
-
         self.module.get_base_model().save_pretrained(folder, state_dict=self.state_dict_for_save(),
                                                      safe_serialization=True)
-        save_adapter(self.module, str(adapter))
+        lora.save_adapter(self.module, str(adapter))
 
 
 def gathered_state_dict(module: torch.nn.Module, keep: bool) -> dict[str, torch.Tensor] | None:
@@ -313,44 +309,6 @@ def compile_decoder_layers(model: torch.nn.Module) -> None:
                           "false for this model")
     for layer in layers:
         layer.compile(dynamic=True)
-
-
-def disable_dropout(model: torch.nn.Module) -> torch.nn.Module:
-    """Set every dropout to 0: the ratio of new to old log-probs must compare the same function (and the critic's
-    value head would otherwise get Hugging Face's default classifier dropout of 0.1)."""
-    for module in model.modules():
-        if isinstance(module, torch.nn.Dropout):
-            module.p = 0.0
-    for name in ("attention_dropout", "hidden_dropout", "classifier_dropout"):
-        if getattr(model.config, name, None):
-            setattr(model.config, name, 0.0)
-    return model
-
-
-def load_actor_model(model_dir: str, worker: WorkerTrainConfig | None = None) -> torch.nn.Module:
-    from transformers import AutoModelForCausalLM
-
-    return disable_dropout(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32))
-
-
-def load_critic_model(critic_dir: str | None, actor_dir: str, seed: int) -> torch.nn.Module:
-    """The critic: a saved one, or the actor's backbone with a new one-label value head initialised from ``seed``
-    (deterministic, so the values stage and the first training step see the same critic). No dropout."""
-    from transformers import AutoConfig, AutoModelForTokenClassification
-
-    if critic_dir is not None:
-        return disable_dropout(AutoModelForTokenClassification.from_pretrained(critic_dir, dtype=torch.float32))
-    config = AutoConfig.from_pretrained(actor_dir, num_labels=1)
-    model = disable_dropout(AutoModelForTokenClassification.from_pretrained(actor_dir, config=config,
-                                                                            dtype=torch.float32))
-    generator = torch.Generator().manual_seed(seed)
-    head = model.score
-    with torch.no_grad():
-        std = getattr(model.config, "initializer_range", 0.02)
-        head.weight.copy_(torch.randn(head.weight.shape, generator=generator) * std)
-        if head.bias is not None:
-            head.bias.zero_()
-    return model
 
 
 # ---- objectives ---------------------------------------------------------------------------------------------------
@@ -677,7 +635,6 @@ def lora_bases(info, cfg: TrainSection) -> dict[str, dict]:
 def build_actor_model(info, worker: WorkerTrainConfig, base: dict | None) -> torch.nn.Module:
     """The actor of checkpoint ``info``: its weights, or with LoRA (``base``: its :func:`lora_bases` entry) the
     base model wrapped with the adapters, set from the checkpoint's adapter when it has one."""
-    from stages.train import lora
     from stages.train.checkpoint import ACTOR_ADAPTER
 
     if base is None:
@@ -691,7 +648,6 @@ def build_actor_model(info, worker: WorkerTrainConfig, base: dict | None) -> tor
 def build_critic_model(info, worker: WorkerTrainConfig, base: dict | None) -> torch.nn.Module:
     """The critic of checkpoint ``info`` (:func:`load_critic_model`), or with LoRA its base critic wrapped with the
     adapters (the value head trains fully), set from the checkpoint's critic adapter when it has one."""
-    from stages.train import lora
     from stages.train.checkpoint import CRITIC_ADAPTER
 
     if base is None:

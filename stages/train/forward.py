@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from stages.algos.ragged import Ragged
+from stages.train import models
 from stages.train.batching import (TokenRows, causal_lm_logits, forward_packed, pad_micro_batch, select_logits,
                                    split_by_real_tokens, split_by_token_budget, unpad_next_token)
 
@@ -94,8 +95,6 @@ def load_forward_model(path: str, kind: str, dtype: str = "fp32", *, actor_dir: 
     """The model of a forward pass, in eval mode: a causal LM (``log_probs``; with ``adapter``, the base model at
     ``path`` plus that LoRA adapter, :func:`stages.train.lora.load_with_adapter`) or the critic (``values``: the saved
     critic at ``path``, or, when ``path`` holds none yet, a new head on ``actor_dir`` seeded as training does)."""
-    from stages.train.core import load_critic_model
-
     torch_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype]
     if torch.device(device).type == "cuda" and not torch.cuda.is_available():
         import os
@@ -106,15 +105,13 @@ def load_forward_model(path: str, kind: str, dtype: str = "fp32", *, actor_dir: 
                           f"{torch.__version__}, CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r}); "
                           "set device: cpu, or install a CUDA build of torch on the GPU nodes")
     if kind == "values":
-        model = load_critic_model(path if actor_dir is None else None, actor_dir or path, seed)
+        model = models.load_critic_model(path if actor_dir is None else None, actor_dir or path, seed)
     elif adapter is not None:
         from stages.train.lora import load_with_adapter
 
         model = load_with_adapter(path, adapter)  # cast below with its adapter, as DeepSpeed casts the trained one
     else:
-        from stages.train.core import load_actor_model
-
-        model = load_actor_model(path)
+        model = models.load_actor_model(path)
     return model.to(device=device, dtype=torch_dtype).eval()
 
 

@@ -19,6 +19,7 @@ import torch
 
 from schemas.errors import ConfigError, RollflowError
 from schemas.train_config import ModelArgs
+from stages.train import models
 
 ADAPTER_NAME = "default"
 CRITIC_HEAD = "score"  # the value head of AutoModelForTokenClassification: trained fully, saved with the adapter
@@ -122,12 +123,10 @@ def load_with_adapter(base_dir: str, adapter_dir: str) -> torch.nn.Module:
     weights; the adapter adds ``r (d_in + d_out)`` per adapted layer."""
     from peft import LoraConfig, get_peft_model
 
-    from stages.train.core import load_actor_model
-
     config = LoraConfig.from_pretrained(adapter_dir)
     config.inference_mode = True
     with torch.random.fork_rng(devices=[]):  # peft draws an initial A, overwritten below: leave the global RNG alone
-        model = get_peft_model(load_actor_model(base_dir), config)
+        model = get_peft_model(models.load_actor_model(base_dir), config)
     load_adapter(model, adapter_dir)
     return model.eval()
 

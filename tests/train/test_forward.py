@@ -7,8 +7,8 @@ import torch
 
 from stages.losses import entropy_from_logits, log_probs_from_logits
 from stages.train.batching import TokenRows
-from stages.train.core import load_actor_model, load_critic_model
 from stages.train.forward import forward_rows, load_forward_model
+from stages.train.models import load_actor_model, load_critic_model
 from tests.train.tables import advantaged_rows
 
 

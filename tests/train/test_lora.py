@@ -17,9 +17,10 @@ from schemas.errors import ConfigError, RollflowError
 from schemas.train_config import TrainStepConfig
 from stages.train.batching import TokenRows
 from stages.train.checkpoint import read_checkpoint
-from stages.train.core import Engine, load_actor_model, rows_of_table, run_training, train_and_save, train_step
+from stages.train.core import Engine, rows_of_table, run_training, train_and_save, train_step
 from stages.train.forward import forward_rows
 from stages.train.lora import merged_state_dict, trainable_parameter_count, wrap
+from stages.train.models import load_actor_model
 from tests.train.tables import advantaged_rows
 from tests.train.test_core import section, with_model_log_probs
 
@@ -244,21 +245,21 @@ def _two_model_jobs(checkpoint: str, reference: str):
 
 def _run_jobs(jobs, dtype: str, table, output, monkeypatch) -> tuple:
     """The log-prob table of ``jobs`` through a forward actor, and the models it loaded (counted at the loader)."""
-    import stages.train.core as core
+    import stages.train.models as models
     from stages.storage import Location
     from stages.train.stage import LOGPROBS, ForwardActor
 
     loaded = []
-    real = core.load_actor_model
+    real = models.load_actor_model
 
     def counting(path, *args, **kwargs):
         model = real(path, *args, **kwargs)
         loaded.append(model)
         return model
-    monkeypatch.setattr(core, "load_actor_model", counting)
+    monkeypatch.setattr(models, "load_actor_model", counting)
     actor = ForwardActor(jobs, dtype, 64, 2, Location.of(str(output)), LOGPROBS, "t")
     out = actor(table)
-    monkeypatch.setattr(core, "load_actor_model", real)
+    monkeypatch.setattr(models, "load_actor_model", real)
     return out, loaded, actor.models
 
 

@@ -15,8 +15,8 @@ from typer.testing import CliRunner
 from schemas.errors import ConfigError, SchemaError
 from schemas.train_config import ForwardConfig
 from stages.train.batching import TokenRows
-from stages.train.core import load_actor_model, load_critic_model
 from stages.train.forward import forward_rows
+from stages.train.models import load_actor_model, load_critic_model
 from stages.train.stage import ForwardWorkers, run_logprobs, run_values
 from stages.storage import Location, read_manifest
 from tests.objstore import BUCKET, objects, s3  # noqa: F401  (s3: a local S3 server for this module, a fixture)
