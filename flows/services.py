@@ -43,21 +43,21 @@ class _PrefectStart(threading.Thread):
             self.error = err
 
 
-def start_services(ray_address: str | None, num_cpus: int | None) -> None:
-    """Start Prefect's ephemeral server (when the flows will use one) on a thread while Ray starts on this one
-    (``ray_address``/``num_cpus`` as the config's ``runtime`` says); return once both are up. A failure of either
-    is raised here, as the flow would have raised it."""
-    from stages.cluster import ensure_ray
+def start_services(runtime) -> None:
+    """Start Prefect's ephemeral server (when the flows will use one) on a thread while Ray starts on this one, as
+    the config's ``runtime`` section says (address, CPUs, Ray Data's memory bound: ``connect_runtime``); return once
+    both are up. A failure of either is raised here, as the flow would have raised it."""
+    from stages.cluster import connect_runtime
 
     prefect = _PrefectStart() if _ephemeral_prefect() else None
     if prefect is not None:
         prefect.start()
     try:
-        ensure_ray(ray_address, num_cpus)
+        connect_runtime(runtime)
     finally:
         if prefect is not None:
             prefect.join()
     if prefect is not None and prefect.error is not None:
         raise prefect.error
     log.info("services up: Prefect %s, Ray %s", "ephemeral" if prefect else os.environ.get("PREFECT_API_URL"),
-             ray_address or os.environ.get("RAY_ADDRESS") or "local")
+             runtime.ray_address or os.environ.get("RAY_ADDRESS") or "local")

@@ -214,6 +214,13 @@ def ensure_ray(address: str | None = None, num_cpus: int | None = None, progress
     return settings
 
 
+def connect_runtime(runtime) -> dict:
+    """:func:`ensure_ray` with every cluster setting of a config's ``runtime`` section (``schemas.config.RuntimeConfig``):
+    the cluster's address, the local cluster's CPUs and the bound on Ray Data's in-flight blocks
+    (``data_memory_mb``). The one way a command or a service start applies its ``runtime`` section."""
+    return ensure_ray(runtime.ray_address, runtime.num_cpus, data_memory_mb=runtime.data_memory_mb)
+
+
 def cluster_resources(address: str | None = None, num_cpus: int | None = None) -> dict[str, float]:
     """The resources a run would get, without starting anything: the Ray cluster's (``ray.cluster_resources()``) when
     ``address`` or ``$RAY_ADDRESS`` names one (joined, read, left), else this machine's as a local cluster of

@@ -45,7 +45,7 @@ def announce_precision() -> None:
 def connect(runtime) -> None:
     """Join or start the Ray cluster a command's config names (its ``runtime`` section): once, when the command
     starts; the stages it runs use that cluster."""
-    from stages.cluster import check_stage_resources, ensure_ray
+    from stages.cluster import check_stage_resources, connect_runtime
 
-    guard(lambda: ensure_ray(runtime.ray_address, runtime.num_cpus))
+    guard(lambda: connect_runtime(runtime))
     guard(lambda: check_stage_resources(runtime))

@@ -44,7 +44,7 @@ def recompute(input: str = typer.Option(..., "--input", help="Folder of stored s
     steps = recompute_steps(str(input), str(output), cfg)
     _guard(lambda: check_command_output("rollflow recompute", str(output), steps, {"--input": str(input)}))
     _guard(lambda: check_steps(steps))  # before Prefect and Ray start
-    _guard(lambda: start_services(cfg.runtime.ray_address, cfg.runtime.num_cpus))
+    _guard(lambda: start_services(cfg.runtime))
     _guard(lambda: check_stage_resources(cfg.runtime))  # a stage pinned to resources no node has would wait forever
     result = _guard(lambda: recompute_flow(str(input), str(output), cfg.model_dump(mode="json"), force,
                                            preflight=False))
@@ -156,7 +156,7 @@ def demo(run_dir: Path = typer.Option(Path("runs/demo"), "--run-dir"),
     from flows.recompute import recompute_flow
     from flows.services import start_services
 
-    _guard(lambda: start_services(cfg.runtime.ray_address, cfg.runtime.num_cpus))
+    _guard(lambda: start_services(cfg.runtime))
     result = _guard(lambda: recompute_flow(str(samples_dir), str(run_dir / "recompute"), cfg.model_dump(mode="json")))
     _print_recompute(result)
     typer.echo(f"\nconfig {config}; outputs under {run_dir / 'recompute'} (rollflow inspect DIR to look again)")

@@ -64,7 +64,7 @@ def train(config: Optional[Path] = typer.Option(None, "--config", help="YAML con
     from flows.services import start_services
 
     try:
-        _guard(lambda: start_services(cfg.runtime.ray_address, cfg.runtime.num_cpus))
+        _guard(lambda: start_services(cfg.runtime))
         summary = _guard(lambda: pipeline.flow()(cfg.model_dump(mode="json")))
         for line in pipeline.summary_lines()(summary):
             typer.echo(line)
@@ -154,7 +154,7 @@ def evaluate(config: Path = typer.Option(..., "--config", help="YAML config of a
     announce_precision()
     from flows.services import start_services
 
-    _guard(lambda: start_services(cfg.runtime.ray_address, cfg.runtime.num_cpus))
+    _guard(lambda: start_services(cfg.runtime))
     run_eval, lines = pipeline.evaluation()
     summary = _guard(lambda: run_eval(cfg.model_dump(mode="json"), target, str(output)))
     for line in lines(summary):

@@ -1,5 +1,6 @@
 """The local Ray cluster a process starts (stages/cluster.py): Ray Data's Parquet reader it sets reads each file in its
-own task, it is stopped when its driver is SIGKILLed, and a start that times out is cleaned up and tried again."""
+own task, it is stopped when its driver is SIGKILLed, a start that times out is cleaned up and tried again, and every
+command applies its runtime section's Ray Data memory bound."""
 
 from __future__ import annotations
 
@@ -145,3 +146,26 @@ def test_the_log_monitor_of_a_started_cluster_lists_its_folder_every_few_seconds
         env = dict(item.split("=", 1) for item in f.read().decode().split("\0") if "=" in item)
     for name, value in LOG_MONITOR_ENV.items():
         assert env.get(name) == os.environ.get(name, value), name
+
+
+def test_every_command_applies_the_runtime_memory_bound(ray_cluster):
+    """``runtime.data_memory_mb`` bounds Ray Data's in-flight blocks for the commands that join Ray through
+    ``connect`` (rollout, score, train-step, logprobs, values) and through ``start_services`` (train, eval,
+    recompute), as the flows' own ``ensure_ray`` does; before, those two left it out and Ray's default applied."""
+    import ray.data
+    from prefect.settings import PREFECT_SERVER_ALLOW_EPHEMERAL_MODE, temporary_settings
+
+    from flows.cli.common import connect
+    from flows.services import start_services
+    from schemas.config import RuntimeConfig
+
+    ctx = ray.data.DataContext.get_current()
+    before = ctx.execution_options.resource_limits
+    try:
+        for start, mb in ((connect, 48.0), (start_services, 80.0)):
+            with temporary_settings(updates={PREFECT_SERVER_ALLOW_EPHEMERAL_MODE: False}):  # Ray only, no server
+                start(RuntimeConfig(num_cpus=2, data_memory_mb=mb))
+            limits = ray.data.DataContext.get_current().execution_options.resource_limits
+            assert limits.object_store_memory == mb * 2**20, (start.__name__, limits)
+    finally:
+        ctx.execution_options.resource_limits = before
