@@ -21,10 +21,17 @@ from typing import Any
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.dataset as pads
 
 from schemas.config import AdvantageSection
 from schemas.errors import InvariantError
 from schemas.tables import ADVANTAGED, REWARDED, SAMPLES, check_row_invariants
+from stages.algos.estimators import estimator
+from stages.algos.kl import get_kl_controller, kl_controller_from_state
+from stages.algos.ragged import Ragged
+from stages.algos.response_rewards import agentic_response_level_mask
+from stages.algos.token_chain import (TokenRows, final_response_mask, next_token_mask, stats_from_partials, token_batch,
+                                      token_rewards, whiten_partials_by_domain)
 from stages.runner import Stage, StageContext, read_partials, sum_partials, write_partials
 from stages.storage import Location, folder_fingerprint
 
@@ -51,8 +58,6 @@ def indexed(table: pa.Table, where: str) -> tuple[Any, dict[str, np.ndarray]]:
 
 def reward_lookup(files: list[str], fs, key: str):
     """The table in ``files`` :func:`indexed`, cached per worker process under ``key`` (one table at a time)."""
-    import pyarrow.dataset as pads
-
     if key not in REWARD_LOOKUP_CACHE:
         table = pads.dataset(files, filesystem=fs).to_table()
         where = f"table at {files[0].rsplit('/', 1)[0]}" if files else "table"
@@ -79,9 +84,6 @@ def joined_rows(lookup: tuple, batch: pa.Table, missing: str) -> dict[str, np.nd
 
 def token_rows(batch: pa.Table):
     """The block's :class:`~stages.algos.token_chain.TokenRows` (token mask ``response_mask[1:]``)."""
-    from stages.algos.ragged import Ragged
-    from stages.algos.token_chain import TokenRows, next_token_mask
-
     cols = {c: Ragged.from_arrow(batch.column(c), np.float32) for c in NEXT_TOKEN_INPUTS if c in batch.column_names}
     return TokenRows(Ragged.from_arrow(batch.column("input_ids"), np.int32),
                      next_token_mask(Ragged.from_arrow(batch.column("response_mask"), np.float32)), cols)
@@ -97,8 +99,6 @@ class _AdvantageBatch:
 
     def _inputs(self, batch: pa.Table):
         """The block's rewarded values (by row_id), sample mask, domains and token rows."""
-        from stages.algos.response_rewards import agentic_response_level_mask
-
         check_row_invariants(SAMPLES, batch, self.where)
         rewards = joined_rows(self.rewarded, batch, f"samples table at {self.where}: row_id '{{row_id}}' has no "
                               "response-level reward in the rewarded table; re-run the rewards stage on this input")
@@ -108,16 +108,12 @@ class _AdvantageBatch:
         return rewards, np.asarray(sample_mask, np.float32), domains, token_rows(batch)
 
     def _compute(self, batch: pa.Table, final: bool):
-        from stages.algos.token_chain import token_batch
-
         rewards, sample_mask, domains, tokens = self._inputs(batch)
         result = token_batch(tokens, rewards["response_level_rewards"], sample_mask, domains, self.s, self.kl_coef,
                              reward_stats=self.reward_stats, advantage_stats=self.advantage_stats, final=final)
         return rewards, domains, tokens, result
 
     def reward_partials(self, batch: pa.Table) -> pa.Table:
-        from stages.algos.token_chain import final_response_mask, token_rewards, whiten_partials_by_domain
-
         rewards, sample_mask, domains, tokens = self._inputs(batch)
         tok = token_rewards(tokens, rewards["response_level_rewards"], self.s, self.kl_coef)
         fmask = final_response_mask(tokens, sample_mask)
@@ -125,15 +121,11 @@ class _AdvantageBatch:
                                                          tok.token_level_rewards.offsets, domains))
 
     def advantage_partials(self, batch: pa.Table) -> pa.Table:
-        from stages.algos.token_chain import whiten_partials_by_domain
-
         _, domains, _, result = self._compute(batch, final=False)
         return _partials_table(whiten_partials_by_domain(result.advantages.values, result.final_mask,
                                                          result.advantages.offsets, domains))
 
     def __call__(self, batch: pa.Table) -> pa.Table:
-        from stages.algos.ragged import Ragged
-
         rewards, _, tokens, result = self._compute(batch, final=True)
         out = batch
         for name in COPIED:
@@ -164,8 +156,6 @@ def _partials_table(parts: dict[str, tuple[float, float, float]]) -> pa.Table:
 def _domain_stats(ds, fn, options: dict) -> dict:
     """Sum per-domain whitening partials over all blocks → ``{domain: (mean, var) | None}`` (``options``: the
     stage's Ray task options)."""
-    from stages.algos.token_chain import stats_from_partials
-
     total: dict[str, list[float]] = {}
     for row in ds.map_batches(fn, batch_format="pyarrow", **options).take_all():
         acc = total.setdefault(row["domain"], [0.0, 0.0, 0.0])
@@ -185,16 +175,12 @@ class AdvantagesStage(Stage):
     input_specs = {"samples": SAMPLES, "rewarded": REWARDED}
 
     def required_columns(self, section: AdvantageSection) -> dict[str, tuple[str, ...]]:
-        from stages.algos.estimators import estimator
-
         needs: tuple[str, ...] = ("values",) if estimator(section.adv_estimator).needs_critic else ()
         if section.add_token_level_kl:
             needs += ("old_log_probs", "ref_log_probs")
         return {"samples": needs}
 
     def _controller(self, ctx: StageContext):
-        from stages.algos.kl import get_kl_controller, kl_controller_from_state
-
         s = ctx.section
         state = ctx.state_in.get("kl_ctrl")
         return kl_controller_from_state(state) if state else get_kl_controller(s.init_kl_coef, s.target_kl,

@@ -11,6 +11,12 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
+
+from schemas.errors import RollflowError
+from stages import progress as bars, watchdog
+from stages.plan import PlanError, local_resources, stage_resource_problems
+from stages.watchdog import cmdline, start_time, tree
 
 log = logging.getLogger("rollflow.cluster")
 
@@ -107,8 +113,6 @@ def watch_local_cluster() -> None:
     (its processes are not this one's descendants: not ours to stop)."""
     import ray
 
-    from stages import watchdog
-
     node = getattr(ray._private.worker, "_global_node", None)
     if node is not None:
         watchdog.start(tuple(info.process.pid for infos in node.all_processes.values() for info in infos
@@ -126,8 +130,6 @@ def _start_local_ray(num_cpus: int | None) -> None:
     """``ray.init`` of a new local cluster of ``num_cpus`` CPUs, up to LOCAL_START_TRIES times when Ray's own start-up
     times out (see above); any other error, or the last time-out, is raised with the cause and the fix."""
     import ray
-
-    from schemas.errors import RollflowError
 
     for name, value in LOG_MONITOR_ENV.items():  # read by the log monitor ray.init starts (see above)
         os.environ.setdefault(name, value)
@@ -158,11 +160,7 @@ def _stop_failed_start() -> int:
     """SIGKILL the processes a failed local ``ray.init`` of this process left running (its GCS server, log monitor,
     dashboard, reaper, and any agent still alive): this process's descendants started from Ray's package; returns
     how many. Ray keeps no handle on them after the failure. Linux only (/proc); elsewhere 0."""
-    import signal
-
     import ray
-
-    from stages.watchdog import cmdline, start_time, tree
 
     if not os.path.isdir("/proc"):
         return 0
@@ -186,8 +184,6 @@ def ensure_ray(address: str | None = None, num_cpus: int | None = None, progress
     grows with the object store)."""
     import ray
     import ray.data
-
-    from stages import progress as bars
 
     configure_threads()
     route_ray_logs()
@@ -225,9 +221,6 @@ def cluster_resources(address: str | None = None, num_cpus: int | None = None) -
     """The resources a run would get, without starting anything: the Ray cluster's (``ray.cluster_resources()``) when
     ``address`` or ``$RAY_ADDRESS`` names one (joined, read, left), else this machine's as a local cluster of
     ``num_cpus`` CPUs (default: all) would declare them (stages/plan.py, :func:`local_resources`)."""
-    from schemas.errors import RollflowError
-    from stages.plan import local_resources
-
     address = address or os.environ.get("RAY_ADDRESS")
     if not address or address == "local":
         return local_resources(num_cpus)
@@ -253,8 +246,6 @@ def check_stage_resources(runtime) -> None:
     the training flows check the same in their resource plan (stages/plan.py)."""
     import ray
 
-    from stages.plan import PlanError, stage_resource_problems
-
     if runtime.stage_resources:
         problems = stage_resource_problems(runtime, {k: float(v) for k, v in ray.cluster_resources().items()})
         if problems:
@@ -265,8 +256,6 @@ def require_ray(who: str) -> None:
     """Raise a clear error when this process has no Ray connection: the stage entry points run on the cluster their
     command or flow started (:func:`ensure_ray`), never on one that Ray Data would start by itself."""
     import ray
-
-    from schemas.errors import RollflowError
 
     if not ray.is_initialized():
         raise RollflowError(f"{who} runs its work on a Ray cluster, and this process has not connected to one; call "

@@ -20,7 +20,10 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from schemas.errors import ConfigError
 from schemas.tables import SAMPLES
+from stages.runner import commit_folder
+from stages.storage import MANIFEST, Location
 
 VOCAB = 49152
 
@@ -163,8 +166,6 @@ def _chunk_table(rng, spec: ExampleSpec, episodes: list[dict]) -> pa.Table:
 
 def _check_spec(spec: ExampleSpec) -> None:
     """Reject settings that would loop forever (``group_size`` 0) or fail deep inside numpy."""
-    from schemas.errors import ConfigError
-
     for name in ("samples", "group_size", "max_turns", "states_per_level", "rows_per_file"):
         if getattr(spec, name) < 1:
             raise ConfigError(f"example {name} ({getattr(spec, name)}) must be at least 1; pass a positive value")
@@ -184,8 +185,6 @@ def generate(spec: ExampleSpec, output: str) -> dict:
     Returns the manifest. Written atomically: a temporary folder renamed into place (on an object store, the
     runner's attempt protocol: stages/runner.py ``commit_folder``).
     """
-    from stages.storage import MANIFEST, Location
-
     _check_spec(spec)
     out = Location.of(output)
     if out.exists() and (out.atomic_rename or out.list()):
@@ -193,8 +192,6 @@ def generate(spec: ExampleSpec, output: str) -> dict:
     params = asdict(spec)
     fingerprint = hashlib.sha256(json.dumps(params, sort_keys=True).encode()).hexdigest()
     if not out.atomic_rename:
-        from stages.runner import commit_folder
-
         return commit_folder(out, fingerprint, lambda folder: _write_parts(spec, folder), who="example",
                              other="another table")[0]
     tmp = out.parent.child(f".{out.name}.tmp-example")

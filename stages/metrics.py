@@ -28,6 +28,8 @@ import hashlib
 import math
 import os
 import re
+import shutil
+import socket
 import time
 from numbers import Real
 from pathlib import Path
@@ -39,6 +41,7 @@ import pyarrow.parquet as pq
 
 from schemas.errors import SchemaError
 from stages.storage import Location, local_side
+from stages.watchdog import start_time
 
 if TYPE_CHECKING:
     from stages.trackers import Tracker
@@ -117,8 +120,6 @@ _TMP_PREFIX = ".tmp-"
 def _remove_dead_writers_temporaries(metrics_dir: Path) -> None:
     """Delete the part files a killed run was writing (``.tmp-<part>-<pid>`` whose process is gone): its rename
     never came, so the part it replaced (or none) still stands. A live writer's file is left alone."""
-    from stages.watchdog import start_time
-
     for tmp in metrics_dir.glob(f"{_TMP_PREFIX}*"):
         pid = tmp.name.rsplit("-", 1)[-1]
         if pid.isdigit() and int(pid) != os.getpid() and start_time(int(pid)) is not None:
@@ -236,8 +237,6 @@ class TensorBoardMirror:
         self._writer = None
         existing = read_metrics(run_dir)
         if not metrics.atomic_rename and existing.num_rows == 0 and self.tensorboard_dir.is_dir():
-            import shutil  # events of an earlier run folder of this name, deleted from the store since
-
             shutil.rmtree(self.tensorboard_dir)
         # the mirror is assumed to hold the table; a missing mirror is rebuilt from it at the first log()
         self._mirrored_up_to: int | None = None
@@ -342,8 +341,6 @@ class _EventFile:
 
     @classmethod
     def create(cls, folder: Path) -> "_EventFile":
-        import socket
-
         folder.mkdir(parents=True, exist_ok=True)
         seconds = [int(m.group(1)) for f in folder.glob(cls.PREFIX + "*")
                    if (m := re.match(re.escape(cls.PREFIX) + r"(\d+)\.", f.name))]

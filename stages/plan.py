@@ -50,10 +50,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
+from schemas.devices import colocated_with, roles_of
 from schemas.errors import RollflowError
 from schemas.stage_specs import PHASES, stage_specs
 from stages.generation.model_store import DEFAULT_MODEL_NAME
 from stages.paths import cache_root_path
+from stages.storage import is_uri
 
 ROLLOUT_TASK_CPUS = 0.25  # stages/rollout/stages.py and stages/rlvr/generate.py: TASK_CPUS of the generation tasks
 DATA_TASK_SHARE = 0.5  # Ray Data's read/write tasks beside the log-prob actors
@@ -189,8 +191,6 @@ def model_shape(model_dir: str | None) -> dict | None:
     if model_dir is None:
         converted = cache_root_path() / "models" / DEFAULT_MODEL_NAME / "config.json"
         return _read_json(converted) or dict(DEFAULT_MODEL_SHAPE)
-    from stages.storage import is_uri
-
     if is_uri(model_dir):
         return None
     return _read_json(Path(model_dir) / "config.json")
@@ -245,8 +245,6 @@ def gpu_shares(config) -> dict[str, float]:
     without a mapping reserves what its section says (num_gpus_per_engine, gpus_per_actor, one GPU per training
     worker). The one place these numbers are made: the plan, the engine pool, the forward workers and the training
     group all read them here."""
-    from schemas.devices import colocated_with, roles_of
-
     roles = roles_of(config)
     engine, fwd, rt = config.generation_engine(), config.logprobs, config.train_step_config().runtime
     own = {"engine": float(engine.num_gpus_per_engine),
@@ -257,8 +255,6 @@ def gpu_shares(config) -> dict[str, float]:
 
 
 def _colocation_note(config, name: str) -> str:
-    from schemas.devices import colocated_with, roles_of
-
     roles = roles_of(config)
     partners = colocated_with(roles, name)
     if not partners:

@@ -19,6 +19,7 @@ from typing import Any, Callable
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.dataset as pads
 from pydantic import BaseModel
 
 from schemas.config import GROUPING_COLUMNS, ResponseRewardSection
@@ -26,6 +27,12 @@ from schemas.errors import ConfigError, InvariantError, SchemaError
 from schemas.rlvr_config import RLVRRewardSection
 from schemas.rlvr_tables import SCORED
 from schemas.tables import REWARDED, SAMPLES, TableSpec, check_row_invariants, check_structure
+from stages.advantages import indexed, take_by_row_id
+from stages.algos.estimators import estimator
+from stages.algos.ragged import Ragged, row_sum
+from stages.algos.response_rewards import RewardNormSettings, compute_response_level_rewards, discounted_returns
+from stages.algos.reward_norm import RunningMoments
+from stages.algos.rlvr_chain import rlvr_response_rewards
 from stages.runner import Stage, StageContext, read_partials, write_partials
 from stages.storage import Location
 
@@ -36,9 +43,6 @@ NARROW = ["row_id", "group_id", "traj_id", "turn_idx", "num_turns", "tag", "scor
 
 def response_rewards_table(table: pa.Table, section: ResponseRewardSection, where: str) -> tuple[pa.Table, dict]:
     """Whole narrow ``samples`` table → ``rewarded`` table (row_id + reward columns) and metrics (spec §5.1, §5.4)."""
-    from stages.algos.estimators import estimator
-    from stages.algos.response_rewards import RewardNormSettings, compute_response_level_rewards, discounted_returns
-
     check_row_invariants(SAMPLES, table, where)
     check_structure(table, where, section.group_size)
     est = estimator(section.adv_estimator)
@@ -83,8 +87,6 @@ def response_rewards_table(table: pa.Table, section: ResponseRewardSection, wher
 
 def _rlvr_narrow(batch: pa.Table) -> pa.Table:
     """A samples block → (row_id, prompt_id = group_id, response_length = Σ response_mask, int64)."""
-    from stages.algos.ragged import Ragged, row_sum
-
     lengths = row_sum(Ragged.from_arrow(batch.column("response_mask"), np.int64)).astype(np.int64)
     return pa.table({"row_id": batch.column("row_id"), "prompt_id": batch.column("group_id"),
                      "response_length": pa.array(lengths, pa.int64())})
@@ -94,10 +96,6 @@ def rlvr_rewards_table(narrow: pa.Table, scored: pa.Table, section: RLVRRewardSe
                        where: str, scored_where: str) -> tuple[pa.Table, dict, dict]:
     """Whole narrow table (row_id, prompt_id, response_length) + the ``scored`` table → ``rewarded`` rows, metrics and
     the running moments per domain after this table."""
-    from stages.advantages import indexed, take_by_row_id
-    from stages.algos.reward_norm import RunningMoments
-    from stages.algos.rlvr_chain import rlvr_response_rewards
-
     narrow = narrow.sort_by([("prompt_id", "ascending"), ("row_id", "ascending")])
     lookup = indexed(scored, f"scored table at {scored_where}")
     joined = take_by_row_id(lookup, narrow, f"samples table at {where}: row_id '{{row_id}}' has no score in the "
@@ -161,8 +159,6 @@ def _agentic_whole_table(batch: pa.Table, section: ResponseRewardSection, ctx: S
 
 
 def _rlvr_whole_table(narrow: pa.Table, section: RLVRRewardSection, ctx: StageContext):
-    import pyarrow.dataset as pads
-
     scored = ctx.inputs["scored"]
     scores = pads.dataset(scored.parquet_files(), filesystem=scored.fs).to_table(
         columns=["row_id", "scores", "response_level_rewards", "domain"])

@@ -23,6 +23,9 @@ import json
 import logging
 import os
 import re
+import shutil
+import sys
+import tempfile
 import time
 import uuid
 from abc import ABC, abstractmethod
@@ -38,7 +41,8 @@ from pydantic import BaseModel
 from schemas.errors import RollflowError, SchemaError
 from schemas.tables import TableSpec
 from stages.paths import cache_root_path
-from stages.storage import ATTEMPT_KEY, MANIFEST, Location, folder_fingerprint, read_manifest, read_table_schema
+from stages.storage import (ATTEMPT_KEY, MANIFEST, Location, folder_fingerprint, read_manifest, read_table_schema,
+                            upload_folder)
 
 log = logging.getLogger("rollflow.runner")
 TMP_MARK = ".tmp-"
@@ -94,8 +98,6 @@ def write_partials(output: Location, key: str, partials: dict[str, Any]) -> None
 
     ``key`` must identify the batch deterministically (e.g. its first row id), so a retried task overwrites its
     own file instead of counting twice."""
-    import hashlib
-
     side = output.child(SIDE_DIR)
     side.fs.create_dir(side.path, recursive=True)
     name = hashlib.sha256(key.encode()).hexdigest()[:32]
@@ -258,8 +260,6 @@ class _HideReportedUserErrors(logging.Filter):
     RollflowError (bad input or config) the runner's caller prints one clear message instead."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        import sys
-
         exc = record.exc_info[1] if record.exc_info else sys.exc_info()[1]
         return _find_rollflow_error(exc) is None
 
@@ -431,11 +431,6 @@ def _staged(fill: Callable[[Location], dict[str, Any]]) -> Callable[[Location], 
     """``fill`` run into a local staging folder (under the rollflow cache) whose files are then uploaded to the
     folder it is given; the staging folder is removed either way."""
     def run(attempt: Location) -> dict[str, Any]:
-        import shutil
-        import tempfile
-
-        from stages.storage import upload_folder
-
         root = cache_root_path() / "staging"
         root.mkdir(parents=True, exist_ok=True)
         staging = tempfile.mkdtemp(prefix=f"{attempt.name}-", dir=root)

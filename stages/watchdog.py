@@ -12,7 +12,9 @@ elsewhere the watchdog is not started.
 from __future__ import annotations
 
 import os
+import select
 import signal
+import subprocess
 import sys
 import time
 
@@ -103,8 +105,6 @@ def watch(fd: int, roots: list[int], every: float = 0.5) -> int:
     The descendants are recorded while waiting (every ``every`` seconds), not only at the end: Ray starts its GCS
     and raylet to die with the command (PR_SET_PDEATHSIG), so by the time the watchdog wakes, the raylet may be gone
     and its agents and workers already handed to init, out of reach of a tree walk."""
-    import select
-
     table = ProcessTable()
     known = {pid: t for pid in roots if (t := start_time(pid)) is not None}
     while True:
@@ -149,8 +149,6 @@ def start(pids: tuple[int, ...] = ()) -> None:
     too: the local Ray cluster (GCS, raylet, agents, workers) and Prefect's ephemeral API server, which outlive a
     killed command otherwise. ``pids``: processes known now (a Ray cluster just started), recorded at once rather
     than on the watchdog's next walk of this process's descendants. Linux only (/proc)."""
-    import subprocess
-
     if os.getpid() in _PIPES or not os.path.isdir("/proc"):
         return
     read_end, write_end = os.pipe()

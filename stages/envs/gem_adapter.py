@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import copy
 import importlib
+import importlib.util
 import json
 import logging
 import random
@@ -587,8 +588,6 @@ LOCAL_DATA = {"gem:math": ("math:GSM8K", "data/gem/math.jsonl"), "gem:qa": ("qa:
 
 def gem_installed() -> bool:
     """Whether the gem-llm package can be imported (checked without importing it)."""
-    import importlib.util
-
     return importlib.util.find_spec("gem") is not None
 
 

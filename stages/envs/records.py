@@ -7,6 +7,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pyarrow as pa
+import pyarrow.parquet as pq
+
 from schemas.errors import ConfigError
 
 SUFFIXES = (".jsonl", ".json", ".parquet")
@@ -58,9 +61,6 @@ def _json(text: str, path: Path, where: str):
 
 
 def _parquet_rows(path: Path) -> list[dict]:
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
     try:
         return pq.read_table(path).to_pylist()
     except (pa.ArrowException, OSError) as exc:

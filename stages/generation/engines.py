@@ -29,6 +29,8 @@ from pathlib import Path
 from typing import Any, Protocol, Sequence, runtime_checkable
 
 from schemas.errors import ConfigError, RollflowError
+from schemas.rollout_config import SECTION_SET_OPTIONS
+from stages.model_files import check_model_files
 from stages.registry import Registry
 
 FINISH_STOP = "stop"
@@ -162,8 +164,6 @@ def check_engine_options(backend: str, options: dict[str, Any], field: str) -> N
     """Every key of an engine section's ``options`` (``field``, e.g. "rollout.engine.options") is a keyword
     argument of the ``backend``'s engine class; a backend may check its options further (``check_options``).
     Before Ray starts: an unknown key would otherwise fail the engine actor's constructor after the run began."""
-    from schemas.rollout_config import SECTION_SET_OPTIONS
-
     accepted = [key for key in backend_options(backend) if key not in SECTION_SET_OPTIONS]  # those: the section's
     unknown = sorted(set(options) - set(accepted))
     if unknown:
@@ -180,8 +180,6 @@ def check_model_dir(model_dir: str | os.PathLike) -> Path:
     """An HF checkpoint folder must hold config.json and safetensors weights, and its files must be whole
     (stages/model_files.py: JSON that parses, safetensors as long as their headers say, ...); else a RollflowError
     with the fix."""
-    from stages.model_files import check_model_files
-
     folder = Path(model_dir)
     if not (folder / "config.json").is_file():
         raise RollflowError(f"model folder {folder} has no config.json; pass an HF-format checkpoint folder "

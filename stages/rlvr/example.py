@@ -28,6 +28,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from schemas.rlvr_tables import RESPONSES
+from stages.rewards.math_rule import normalise_answer, plain_number
+from stages.storage import MANIFEST, Location
 
 DATA_DIR = Path(__file__).resolve().parents[2] / "data" / "rlvr"
 DOMAINS = ("math", "code", "mcq", "ifeval")
@@ -55,8 +57,6 @@ def row_id(*parts: object) -> str:
 
 def _wrong_number(answer: str) -> str:
     """``answer + 1`` for a plain number or ``\\frac{a}{b}``; else a number that differs from it."""
-    from stages.rewards.math_rule import normalise_answer, plain_number
-
     value = plain_number(normalise_answer(answer))
     if value is None:
         return "123456789"
@@ -155,8 +155,6 @@ def _data_digest(spec: RLVRExampleSpec) -> str:
 
 def write_rlvr_example(spec: RLVRExampleSpec, output: str) -> dict:
     """Write the example ``responses`` table as Parquet parts plus a manifest into the new folder ``output``."""
-    from stages.storage import MANIFEST, Location
-
     out = Location.of(output)
     if out.exists():
         raise FileExistsError(f"{out.path} already exists; choose a new --output folder or delete it first")

@@ -20,14 +20,21 @@ from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.dataset as pads
 from pydantic import Field
 
+import stages.rewards
 from schemas.config import Frozen
 from schemas.errors import ConfigError
 from schemas.rlvr_tables import RESPONSES
 from schemas.rollout_config import EngineIdentity, GeneratingArgs
 from schemas.tables import TableSpec
+from stages.generation.engines import SamplingSpec
+from stages.rewards.registry import required_services, resolve_worker, run_context
 from stages.rlvr.example import DATA_DIR, row_id
+from stages.rollout.driver import resolve_model_dir
+from stages.rollout.engine_pool import EnginePool
+from stages.rollout.stages import in_blocks
 from stages.runner import Stage, StageContext, read_partials, sum_partials, write_partials
 from stages.storage import Location
 
@@ -142,8 +149,6 @@ class GenerateSection(Frozen):
 
 def _sampling(s: GenerateSection, prompt_id: str):
     """The sampling request of one prompt: ``n`` samples, seeded by (seed, step, prompt id)."""
-    from stages.generation.engines import SamplingSpec
-
     g = s.generating_args
     seed = int.from_bytes(hashlib.sha256(f"rlvr:{s.seed}:{s.step}:{prompt_id}".encode()).digest()[:4], "little")
     return SamplingSpec(temperature=g.temperature, top_p=g.top_p, top_k=g.top_k, max_new_tokens=g.max_new_tokens,
@@ -179,8 +184,6 @@ class GenerateStage(Stage):
         self.ticker = ticker  # a stages.progress.Ticker (responses generated) or None
 
     def build(self, ctx: StageContext):
-        import pyarrow.dataset as pads
-
         s: GenerateSection = ctx.section
         ticker = self.ticker
         loc = ctx.inputs["prompts"]
@@ -214,8 +217,6 @@ class GenerateStage(Stage):
             return pa.table({f.name: pa.array(cols[f.name], f.type) for f in schema}, schema=schema)
 
         per_engine = math.ceil(chosen.num_rows / len(handles))
-        from stages.rollout.stages import in_blocks
-
         return in_blocks(chosen, per_engine).map_batches(generate_batch, batch_format="pyarrow", batch_size=None,
                                                          num_cpus=TASK_CPUS)
 
@@ -249,8 +250,6 @@ class EngineGenerate:
     def generate(self, prompts: list[str]) -> list[str | None]:
         import ray
 
-        from stages.generation.engines import SamplingSpec
-
         spec = SamplingSpec(temperature=self.temperature, max_new_tokens=self.max_new_tokens, seed=self.seed)
         texts: list[str | None] = [None] * len(prompts)
         results, _ = ray.get(self.handles[0].complete.remote(self.system_prompt, list(prompts),
@@ -262,9 +261,6 @@ class EngineGenerate:
 
 def needs_model(rewards) -> bool:
     """Whether a route of ``rewards`` (a RewardsConfig) names a worker that calls a model (the LLM judge)."""
-    import stages.rewards  # noqa: F401  (registers the built-in workers)
-    from stages.rewards.registry import required_services, resolve_worker
-
     return any("generate" in required_services(resolve_worker(r.worker)) for r in rewards.routes.values())
 
 
@@ -272,18 +268,12 @@ def reads_context(rewards, name: str) -> bool:
     """Whether a route of ``rewards`` names a worker that reads the run-time context value ``name`` (e.g. the
     detection worker's ``training_progress``). A run passes the value only then, so the reward stage's fingerprint
     changes only where the value changes its scores."""
-    import stages.rewards  # noqa: F401  (registers the built-in workers)
-    from stages.rewards.registry import resolve_worker, run_context
-
     return any(name in run_context(resolve_worker(r.worker)) for r in rewards.routes.values())
 
 
 def judge_pool(judge):
     """An engine pool over the judge model of ``judge`` (a JudgeConfig), for the routes that need a model
     (:func:`needs_model`); the caller closes it. The judge has its own engine: it is never the policy being trained."""
-    from stages.rollout.driver import resolve_model_dir
-    from stages.rollout.engine_pool import EnginePool
-
     check_judge_cpus(judge.engine)
     return EnginePool(judge.engine, resolve_model_dir(judge.model), judge_window(judge))
 
@@ -297,8 +287,6 @@ def check_judge_cpus(engine) -> None:
     """The judge's engines hold their CPUs while the reward stage runs beside them: at least one CPU of the cluster
     must stay free for the stage's actors and Ray Data's tasks, otherwise the stage waits forever (STACK.md)."""
     import ray
-
-    from schemas.errors import ConfigError
 
     held = engine.num_cpus_per_engine * engine.num_engines
     cpus = ray.cluster_resources().get("CPU", 0.0)

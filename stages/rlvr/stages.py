@@ -16,18 +16,26 @@ the callable. :class:`stages.rlvr.generate.EngineGenerate` is that factory over 
 
 from __future__ import annotations
 
+import inspect
 from typing import Any, Callable, Mapping
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
+import pyarrow.dataset as pads
 
+import stages.rewards
+from schemas.config import Frozen
 from schemas.errors import ConfigError, RollflowError, SchemaError
 from schemas.rlvr_config import RewardsConfig
-from schemas.rlvr_tables import RESPONSE_ALIGNED, RESPONSES, SCORED, check_response_rows
-from schemas.config import Frozen
+from schemas.rlvr_tables import RESPONSES, RESPONSE_ALIGNED, SCORED, check_response_rows
 from schemas.tables import SAMPLES, check_row_invariants
-from stages.algos.rlvr_chain import check_groups
+from stages.advantages import joined_rows
+from stages.algos.ragged import Ragged
+from stages.algos.rlvr_chain import check_groups, response_tokens
+from stages.rewards import RewardRouter
+from stages.rewards.registry import build_worker, required_services, resolve_worker
+from stages.rewards.routing import FALLBACK_DOMAIN
 from stages.runner import ACTOR_POOL, Stage, StageContext
 from stages.storage import Location, folder_fingerprint
 
@@ -43,11 +51,6 @@ def check_routes(section: RewardsConfig, field: str = "rewards") -> None:
     is built once (a throwaway instance; the actors build their own), the kwargs of one with services (an LLM judge)
     are bound to its signature. Pure python, before Prefect and Ray start; ``field``: the config section of the
     routes, for the message."""
-    import inspect
-
-    import stages.rewards  # noqa: F401  (registers the built-in workers)
-    from stages.rewards.registry import build_worker, required_services, resolve_worker
-
     for domain, route in section.routes.items():
         try:
             entry = resolve_worker(route.worker)
@@ -72,8 +75,6 @@ def check_routes(section: RewardsConfig, field: str = "rewards") -> None:
 def _preflight(section: RewardsConfig, services: Mapping[str, ServiceFactory]) -> None:
     """Fail before Ray starts work: every route names a resolvable worker that takes its kwargs
     (:func:`check_routes`) and whose services the stage has."""
-    from stages.rewards.registry import required_services, resolve_worker
-
     check_routes(section)
     for domain, route in section.routes.items():
         missing = [name for name in required_services(resolve_worker(route.worker)) if name not in services]
@@ -92,10 +93,6 @@ def _check_domain_column(section: RewardsConfig, schema: pa.Schema, where: str) 
 def _check_routed(responses: Location, section: RewardsConfig) -> None:
     """Every value of the domain column has a route (or there is a '*' fallback): checked on the driver over that
     one column, so a missing route fails before any row is scored."""
-    import pyarrow.dataset as pads
-
-    from stages.rewards.routing import FALLBACK_DOMAIN
-
     if FALLBACK_DOMAIN in section.routes:
         return
     column = pads.dataset(responses.parquet_files(), filesystem=responses.fs).to_table(
@@ -113,8 +110,6 @@ def check_response_groups(responses: str, domain_column: str, n: int) -> None:
     (num_return_sequences_in_group), all of one domain, checked on the driver over two columns before the first stage
     commits; else the chain would stop at its response-rewards stage, after committing scored/ and samples/, naming
     its own samples/ output as the culprit."""
-    import pyarrow.dataset as pads
-
     loc = Location.of(responses)
     table = pads.dataset(loc.parquet_files(), filesystem=loc.fs).to_table(columns=["prompt_id", domain_column])
     check_groups(table.column("prompt_id").to_numpy(zero_copy_only=False),
@@ -136,9 +131,6 @@ class ScoreBatch:
 
     def __init__(self, routes: dict, domain_column: str, services: Mapping[str, ServiceFactory], where: str,
                  context: Mapping[str, Any] | None = None):
-        import stages.rewards  # noqa: F401  (registers the built-in workers)
-        from stages.rewards import RewardRouter
-
         self.where = where
         self.router = RewardRouter(routes, domain_column, {name: make() for name, make in services.items()}, context)
 
@@ -206,8 +198,6 @@ class RewardStage(Stage):
             _check_routed(Location.of(where), section)
 
     def finalize(self, ctx: StageContext, written: Location):
-        import pyarrow.dataset as pads
-
         table = pads.dataset(written.parquet_files(), filesystem=written.fs).to_table(
             columns=["scores", "reward_worker"])
         scores = table.column("scores")
@@ -236,10 +226,6 @@ class _ToSamples:
         self.scored, self.where = scored, where
 
     def __call__(self, batch: pa.Table) -> pa.Table:
-        from stages.advantages import joined_rows
-        from stages.algos.ragged import Ragged
-        from stages.algos.rlvr_chain import response_tokens
-
         check_response_rows(batch, self.where)
         scored = joined_rows(self.scored, batch, f"responses table at {self.where}: row_id '{{row_id}}' has no row in "
                              "the scored table; score this responses table with the reward stage first")

@@ -21,10 +21,17 @@ from typing import Any, Callable
 from schemas.errors import ConfigError
 from schemas.rollout_config import RolloutConfig, samples_section, turn_section
 from stages import progress
-from stages.rollout.engine_pool import EnginePool, checkpoint_fingerprint
+from stages.cluster import require_ray
+from stages.envs import ENVIRONMENTS, env_spec, make_env
+from stages.generation.engines import check_engine_options, check_model_dir, preflight_model_dir
+from stages.generation.model_store import default_model_dir
+from stages.outputs import ROLLOUT_CHILDREN, Writes, check_output
+from stages.rollout.engine_pool import EnginePool, checkpoint_fingerprint, local_model_dir
+from stages.rollout.episode import env_kwargs
 from stages.rollout.stages import ResetStage, SamplesStage, TurnStage
-from stages.runner import StageResult, run_stage
+from stages.runner import StageResult, commit_record, run_stage, stage_fingerprint
 from stages.storage import Location, damaged_manifest, is_uri, manifest_field, read_manifest
+from stages.train.checkpoint import checkpoint_fingerprint as model_fingerprint
 
 log = logging.getLogger("rollflow.rollout")
 
@@ -57,10 +64,6 @@ class RolloutResult:
 def resolve_model_dir(checkpoint: str | None) -> str:
     """``checkpoint`` (an HF folder; a checkpoint on an object store: its local copy, downloaded once) or the
     default model, converted once."""
-    from stages.generation.engines import check_model_dir
-    from stages.generation.model_store import default_model_dir
-    from stages.rollout.engine_pool import local_model_dir
-
     return str(check_model_dir(local_model_dir(checkpoint)) if checkpoint else default_model_dir())
 
 
@@ -71,11 +74,6 @@ def check_rollout(config: RolloutConfig, output: str | None = None, checkpoint: 
     every tag names a registered environment that builds from its env_config (map size, keyword names), the
     ``checkpoint`` is an HF model folder, the engine's options are its backend's and ``output`` can be written.
     Raises a ConfigError naming the field."""
-    from stages.envs import make_env
-    from stages.generation.engines import check_engine_options, preflight_model_dir
-    from stages.outputs import ROLLOUT_CHILDREN, Writes, check_output
-    from stages.rollout.episode import env_kwargs
-
     _check_env(config, field)
     section = turn_section(config)
     for entry in config.env_layout():
@@ -103,8 +101,6 @@ def _env_config_field(config: RolloutConfig, tag: str, field: str) -> str:
 def _check_env(config: RolloutConfig, field: str = "") -> None:
     """Every tag names a registered environment (itself, or its custom_envs env_type) and has the data it needs
     (``field``: the config section the rollout sits in, for the messages)."""
-    from stages.envs import ENVIRONMENTS, env_spec
-
     for entry in config.env_layout():
         declared = entry.tag in (config.custom_envs or {})
         where = (f"{field}custom_envs.{entry.tag}.env_type '{entry.env_type}'" if declared else
@@ -171,8 +167,6 @@ def run_rollout(config: RolloutConfig, output: str, checkpoint: str | None = Non
     terminal, see :mod:`stages.progress`). ``reuse``: start from another rollout's committed reset table and turns
     0..k-1 (read where they are, not copied) and play turn k on (``rollflow stage rollout_turn``).
     """
-    from stages.cluster import require_ray
-
     start = time.time()
     notify = on_event or (lambda name, info: None)
     _check_env(config)
@@ -249,9 +243,6 @@ def run_eval(config: RolloutConfig, output: str, checkpoint: str | None = None, 
     checkpoint as its input. So ``rollflow lineage`` sees which checkpoint an evaluation read and ``rollflow stage``
     re-runs it (on a re-trained checkpoint too). The tables' own fingerprints are those of any rollout, so a run
     folder written before these records resumes with its evaluations up to date (only the manifest is added)."""
-    from stages.runner import commit_record, stage_fingerprint
-    from stages.train.checkpoint import checkpoint_fingerprint as model_fingerprint
-
     result = run_rollout(config, output, checkpoint, force=force, pool=pool, on_event=on_event, label=label)
     start = time.time()
     # the checkpoint as named (a URI on an object store, not its local copy), so lineage and re-runs find it

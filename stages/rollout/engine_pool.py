@@ -14,6 +14,7 @@ are pure Python and take milliseconds. The Ray Data task stays thin: rows in, ro
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import time
@@ -22,8 +23,14 @@ from typing import TYPE_CHECKING, Any, Sequence
 
 import pyarrow as pa
 
+from schemas.errors import ConfigError, RollflowError
 from schemas.rollout_config import EngineConfig
-from stages.generation.engines import GenRequest, GenResult
+from stages.generation.engines import EngineMemory, GenRequest, GenResult, build_engine, load_tokenizer
+from stages.rollout.episode import play_turn, reset_row, turn_request
+from stages.rollout.prompts import ChatFormat
+from stages.rollout.tables import rows_to_table
+from stages.storage import ATTEMPT_KEY, Location, is_uri, read_manifest
+from stages.train.checkpoint import local_path
 
 if TYPE_CHECKING:
     from schemas.rollout_config import TurnSection
@@ -35,8 +42,6 @@ class EngineActor:
     """One generation engine in a Ray actor (wrapped with ``ray.remote`` by :class:`EnginePool`)."""
 
     def __init__(self, backend: str, model_dir: str, options: dict[str, Any]) -> None:
-        from stages.generation.engines import build_engine
-
         start = time.time()
         self.engine = build_engine(backend, model_dir, **options)
         self.model_dir = model_dir
@@ -49,9 +54,6 @@ class EngineActor:
 
     def _chat_format(self, system_prompt: str, examples: tuple = ()):
         """The checkpoint's chat format (tokenizer + template pieces), loaded once per checkpoint and prompt."""
-        from stages.generation.engines import load_tokenizer
-        from stages.rollout.prompts import ChatFormat
-
         key = (self.model_dir, system_prompt, examples)
         if getattr(self, "_chat_key", None) != key:
             self._chat_cache = ChatFormat.of(load_tokenizer(self.model_dir), system_prompt, examples)
@@ -60,17 +62,11 @@ class EngineActor:
 
     def reset(self, section: "TurnSection", env_ids: list[int]) -> pa.Table:
         """The reset rows (first prompts) of episodes ``env_ids``."""
-        from stages.rollout.episode import reset_row
-        from stages.rollout.tables import rows_to_table
-
         chat = self._chat(section.prompt)
         return rows_to_table([reset_row(section, chat, env_id) for env_id in env_ids])
 
     def play(self, section: "TurnSection", previous: pa.Table) -> tuple[pa.Table, dict[str, float]]:
         """One turn of the episodes in ``previous`` (their latest rows): generate, step, build next prompts."""
-        from stages.rollout.episode import play_turn, turn_request
-        from stages.rollout.tables import rows_to_table
-
         chat = self._chat(section.prompt)
         rows = previous.to_pylist()
         start = time.time()
@@ -96,10 +92,6 @@ class EngineActor:
         """Single-turn chat completions: each user message after ``system_prompt``, sampled with its
         :class:`SamplingSpec` (``n`` samples each), the token budget cut to fit ``sequence_length``. Returns the
         results and the engine's seconds."""
-        import dataclasses
-
-        from schemas.errors import ConfigError
-
         chat = self._chat_format(system_prompt)
         requests = []
         for message, spec in zip(user_messages, sampling):
@@ -120,9 +112,6 @@ class EngineActor:
 
     def sleep(self, level: int) -> dict[str, int]:
         """Give the engine's memory back (:class:`~stages.generation.engines.EngineMemory`); what it released."""
-        from schemas.errors import ConfigError
-        from stages.generation.engines import EngineMemory
-
         if not isinstance(self.engine, EngineMemory):
             raise ConfigError(f"the {type(self.engine).__name__} engine cannot sleep; set sleep_level: 0 in the "
                               "engine section")
@@ -144,11 +133,7 @@ class EngineActor:
 def local_model_dir(model_dir: str | os.PathLike) -> str:
     """The local folder an engine loads for ``model_dir``: the folder itself, or for a checkpoint on an object store
     (``s3://...``) its local copy in the rollflow cache (stages.train.checkpoint.local_path; downloaded once)."""
-    from stages.storage import is_uri
-
     if is_uri(model_dir):
-        from stages.train.checkpoint import local_path
-
         return str(local_path(str(model_dir)))
     return str(Path(model_dir).resolve())
 
@@ -159,8 +144,6 @@ def checkpoint_fingerprint(model_dir: str | os.PathLike) -> dict[str, Any]:
     an object store: its URI, its manifest's fingerprint and the attempt that holds it (a retrained checkpoint is a
     new attempt), not its local copy's times, so a copy downloaded anew (another machine, a cleared cache) leaves
     the rollouts played with it up to date."""
-    from stages.storage import is_uri
-
     if is_uri(model_dir):
         return _store_checkpoint_identity(str(model_dir))
     folder = Path(model_dir).resolve()
@@ -169,9 +152,6 @@ def checkpoint_fingerprint(model_dir: str | os.PathLike) -> dict[str, Any]:
 
 
 def _store_checkpoint_identity(uri: str) -> dict[str, Any]:
-    from schemas.errors import RollflowError
-    from stages.storage import ATTEMPT_KEY, Location, read_manifest
-
     loc = Location.of(uri)
     manifest = read_manifest(loc)
     if manifest is None or ATTEMPT_KEY not in manifest:

@@ -18,6 +18,7 @@ from typing import Any, Sequence
 
 from schemas.errors import RollflowError
 from schemas.rollout_config import PromptConfig
+from stages.generation.engines import chat_prompt_token_ids
 
 _PROBE_USER, _PROBE_REPLY = "rollflow-probe-user", "rollflow-probe-reply"
 
@@ -74,8 +75,6 @@ class ChatFormat:
 
     def single_turn_ids(self, user_content: str) -> list[int]:
         """System + one user message + the assistant header, as token ids."""
-        from stages.generation.engines import chat_prompt_token_ids
-
         return chat_prompt_token_ids(self.tokenizer, self._head(self.system_prompt, self.examples)
                                      + [{"role": "user", "content": user_content}])
 

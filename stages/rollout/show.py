@@ -11,6 +11,7 @@ import pyarrow.compute as pc
 import pyarrow.dataset as pads
 
 from schemas.errors import SchemaError
+from stages.rollout.driver import EPISODES_DIR, committed_turn_dirs, reset_dir
 from stages.storage import Location, read_table_schema
 
 SHOW_COLUMNS = ["traj_id", "group_id", "env_id", "level_seed", "turn_idx", "observation", "next_observation",
@@ -54,8 +55,6 @@ def _turn_lines(row: dict, max_text: int) -> list[str]:
 
 def render_rollout(output: str, episodes: int = 3, traj_id: str | None = None, max_text: int = 400) -> str:
     """The first ``episodes`` episodes of the rollout in ``output`` (or the one named ``traj_id``), turn by turn."""
-    from stages.rollout.driver import EPISODES_DIR, committed_turn_dirs, reset_dir
-
     out = Location.of(output)
     reset_loc = reset_dir(output)
     if reset_loc is None:

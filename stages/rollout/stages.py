@@ -28,6 +28,7 @@ import pyarrow.dataset as pads
 from schemas.errors import InvariantError
 from schemas.rollout_config import SamplesSection, TurnSection
 from schemas.tables import SAMPLES, check_row_invariants, check_structure
+from stages.rollout.samples import episode_summary, rollout_metrics, turns_to_samples
 from stages.rollout.tables import NARROW_COLUMNS, TURNS, rows_to_table
 from stages.runner import Stage, StageContext, read_partials, sum_partials, write_partials
 from stages.storage import Location
@@ -195,8 +196,6 @@ class SamplesStage(Stage):
         self._metrics: dict[str, float] = {}
 
     def build(self, ctx: StageContext):
-        from stages.rollout.samples import episode_summary, rollout_metrics, turns_to_samples
-
         section: SamplesSection = ctx.section
         locations = [ctx.inputs[name] for name in self.turn_names]
         narrow = read_narrow(locations, NARROW_COLUMNS + ["level_seed"])

@@ -21,6 +21,7 @@ import torch
 
 from schemas.errors import InvariantError, SchemaError
 from stages.algos.ragged import Ragged
+from stages.losses import entropy_from_logits, token_log_probs
 
 ROW_COLUMNS = ("difficulty",)  # one number per row the loss reads (RLVR's difficulty_loss_weight, spec §6.5)
 NEXT_TOKEN_COLUMNS = ("old_log_probs", "ref_log_probs", "infer_logprobs", "advantages", "returns", "values",
@@ -281,15 +282,11 @@ class TokenLogits:
     def log_probs(self, mb: MicroBatch) -> torch.Tensor:
         """``(b, S-1)`` float32 log-probs of ``mb``'s next tokens, 0 off the loss mask: ROLL's
         ``op_compute_log_probs`` (spec §1.8) evaluated at the entries only."""
-        from stages.losses import token_log_probs
-
         labels, on = mb.input_ids[self.rows, self.cols + 1], mb.response_mask[self.rows, self.cols + 1]
         return self.scatter(token_log_probs(self.values, labels, on))
 
     def entropy(self) -> torch.Tensor:
         """``(b, S-1)`` float32 entropy at the entries, 0 elsewhere (``op_compute_entropy`` at the loss tokens)."""
-        from stages.losses import entropy_from_logits
-
         return self.scatter(entropy_from_logits(self.values))
 
 

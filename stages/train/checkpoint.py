@@ -38,10 +38,12 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
 from schemas.errors import RollflowError, SchemaError
+from stages.model_files import check_model_files
 from stages.paths import cache_root_path
 from stages.storage import MANIFEST, Location, fetch_committed, is_uri, manifest_field, read_manifest
 
@@ -96,8 +98,6 @@ def _has_weights(folder: Path) -> bool:
 def read_checkpoint(path: str) -> CheckpointInfo:
     """Inspect a checkpoint (a training output or a plain HF model folder). Raises SchemaError naming the folder
     and what is missing, or the file that is damaged (stages/model_files.py)."""
-    from stages.model_files import check_model_files
-
     folder = local_path(path)
     if not folder.is_dir() or not _has_weights(folder):
         raise SchemaError(f"checkpoint {folder} is not a Hugging Face model folder (config.json plus *.safetensors); "
@@ -153,8 +153,6 @@ def disk_full_error(folder: str, checkpoint: str, err: BaseException) -> Rollflo
     """When writing a checkpoint into ``folder`` failed (``err``) and its disk has less room than a checkpoint of
     the model in ``checkpoint`` needs (about 8x its weights: weights, fp32 master copy and Adam moments), the error
     that says so and how to fix it; None otherwise (torch reports a full disk as "iostream error")."""
-    import shutil
-
     weights = sum(p.stat().st_size for p in Path(checkpoint).iterdir() if p.suffix in WEIGHT_SUFFIXES)
     free = shutil.disk_usage(folder).free
     if free >= 8 * weights:

@@ -11,11 +11,15 @@ Process-wide settings (threads, DeepSpeed's accelerator and comm op) are set in 
 
 from __future__ import annotations
 
+import argparse
 import json
 import logging
 import math
 import os
+import re
+import resource
 import socket
+import tempfile
 import time
 from dataclasses import dataclass, field, replace
 from functools import partial
@@ -23,15 +27,23 @@ from pathlib import Path
 from typing import Any, Callable
 
 import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
 import torch
 
+from schemas.config import load_config
 from schemas.errors import ConfigError, InvariantError, RollflowError
 from schemas.train_config import StrategyArgs, TrainSection, TrainStepConfig, WorkerTrainConfig
 from stages.algos.ragged import Ragged
-from stages.train.batching import (BatchingPolicy, MicroBatch, MiniBatchPlan, TokenLogits, TokenRows,
-                                   causal_lm_logits, forward_packed, pad_micro_batch, plan_step, select_logits,
-                                   unpad_next_token)
+from stages.losses import (LossInputs, agg_loss, apply_train_infer_correction_to_batch, critic_loss,
+                           policy_loss as lookup_policy_loss)
+from stages.storage import Location, folder_fingerprint, read_table_schema
 from stages.train import lora
+from stages.train.batching import (BatchingPolicy, MicroBatch, MiniBatchPlan, TokenLogits, TokenRows, causal_lm_logits,
+                                   forward_packed, pad_micro_batch, plan_step, select_logits, unpad_next_token)
+from stages.train.checkpoint import (ACTOR_ADAPTER, ACTOR_STATE, CRITIC_ADAPTER, CRITIC_DIR, CRITIC_STATE,
+                                     checkpoint_fingerprint, copy_tokenizer, read_checkpoint, replay_record,
+                                     write_train_state)
 from stages.train.models import load_actor_model, load_critic_model
 
 log = logging.getLogger("rollflow.train")
@@ -93,8 +105,6 @@ def deepspeed_arch_list(value: str) -> str:
     """``TORCH_CUDA_ARCH_LIST`` as DeepSpeed's op builder can read it. Its JIT build of FusedAdam parses every entry
     as numbers, so an architecture-specific entry such as ``9.0a`` (set by Hopper images) stops the build with
     "invalid literal for int()"; the optimizer kernels need only the base architecture: ``9.0a`` -> ``9.0``."""
-    import re
-
     return re.sub(r"(\d+\.\d+)[a-z]+", r"\1", value)
 
 
@@ -320,8 +330,6 @@ class ActorObjective:
     for later epochs (ROLL's cache path, spec §6.3 step 2)."""
 
     def __init__(self, policy_loss: str, loss_cfg, entropy_metric: bool = True):
-        from stages.losses import policy_loss as lookup_policy_loss
-
         self.loss_fn = lookup_policy_loss(policy_loss)
         self.loss_cfg = loss_cfg
         self.entropy_metric = entropy_metric
@@ -334,8 +342,6 @@ class ActorObjective:
     def __call__(self, logits: TokenLogits | torch.Tensor, mb: MicroBatch, rows: np.ndarray, plan: MiniBatchPlan,
                  ) -> tuple[torch.Tensor, Metrics]:
         """``logits``: the engine's :class:`TokenLogits`, or full ``(b, S, V)`` logits (ROLL's golden cases)."""
-        from stages.losses import LossInputs
-
         mask = mb.loss_mask
         if not isinstance(logits, TokenLogits):
             logits = TokenLogits.from_dense(logits, mb)
@@ -364,8 +370,6 @@ class ActorObjective:
         return loss, metrics
 
     def _agg(self, x: torch.Tensor, mask: torch.Tensor, plan: MiniBatchPlan) -> torch.Tensor:
-        from stages.losses import agg_loss
-
         c = self.loss_cfg
         return agg_loss(x.detach(), mask, c.loss_agg_mode, plan.num_tokens, plan.num_seqs,
                         sum_norm_constant=c.sum_norm_constant)
@@ -387,8 +391,6 @@ class CriticObjective:
 
     def __call__(self, output: torch.Tensor, mb: MicroBatch, rows: np.ndarray, plan: MiniBatchPlan,
                  ) -> tuple[torch.Tensor, Metrics]:
-        from stages.losses import critic_loss
-
         values = output[:, :-1, 0].float()
         t = mb.next_token
         loss, metrics = critic_loss(values, t["values"], t["returns"], mb.loss_mask, self.value_clip)
@@ -532,8 +534,6 @@ def apply_train_infer_correction(rows: TokenRows, cfg: TrainSection) -> TokenRow
     """ROLL's pipeline-level train/infer correction (spec §6.6, recompute on): with ``old_log_probs`` and
     ``infer_logprobs`` present and a correction configured, add ``train_infer_is_weight`` and filter the response
     mask before the normalisers are counted. Per-row math, so it runs on the whole table at once."""
-    from stages.losses import apply_train_infer_correction_to_batch
-
     c = cfg.train_infer_correction  # the section is a LossOptions: the typed correction itself
     configured = c.is_weight.enabled or any(f.enabled for f in c.filters)
     if not configured or "old_log_probs" not in rows.next_token or "infer_logprobs" not in rows.next_token:
@@ -551,8 +551,6 @@ def apply_train_infer_correction(rows: TokenRows, cfg: TrainSection) -> TokenRow
 
 def peak_memory(dist: DistInfo) -> Metrics:
     """Peak resident memory of the busiest rank (and peak accelerator memory on GPU), in MiB."""
-    import resource
-
     mine = [resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0,
             torch.cuda.max_memory_allocated() / 2 ** 20 if dist.device.type == "cuda" else 0.0]
     ranks = _gather(mine, dist)
@@ -570,9 +568,6 @@ TRAIN_COLUMNS = ("row_id", "input_ids", "response_mask", "advantages", "returns"
 def read_train_table(samples, names: list[str]):
     """The columns of the advantaged table that training reads (of ``names``, the table's columns), every Parquet
     part of the stage folder ``samples`` (a :class:`stages.storage.Location`) in order; None when it has no part."""
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
     columns = [c for c in TRAIN_COLUMNS if c in names]
     parts = [pq.read_table(p, columns=columns, filesystem=samples.fs) for p in samples.parquet_files()]
     return pa.concat_tables(parts) if parts else None
@@ -623,8 +618,6 @@ def lora_bases(info, cfg: TrainSection) -> dict[str, dict]:
         if trained:
             out[role] = record
         elif role == "actor":  # the base's content fingerprint lets the log-prob stage see it is the reference
-            from stages.train.checkpoint import checkpoint_fingerprint
-
             out[role] = {"options": options, "base": info.path, "base_fingerprint": checkpoint_fingerprint(info.path)}
         else:
             out[role] = {"options": options, "base": info.critic_dir, "actor_base": info.path,
@@ -635,8 +628,6 @@ def lora_bases(info, cfg: TrainSection) -> dict[str, dict]:
 def build_actor_model(info, worker: WorkerTrainConfig, base: dict | None) -> torch.nn.Module:
     """The actor of checkpoint ``info``: its weights, or with LoRA (``base``: its :func:`lora_bases` entry) the
     base model wrapped with the adapters, set from the checkpoint's adapter when it has one."""
-    from stages.train.checkpoint import ACTOR_ADAPTER
-
     if base is None:
         return load_actor_model(info.path, worker)
     model = lora.wrap(load_actor_model(base["base"], worker), worker.model_args, "actor", worker.training_args.seed)
@@ -648,8 +639,6 @@ def build_actor_model(info, worker: WorkerTrainConfig, base: dict | None) -> tor
 def build_critic_model(info, worker: WorkerTrainConfig, base: dict | None) -> torch.nn.Module:
     """The critic of checkpoint ``info`` (:func:`load_critic_model`), or with LoRA its base critic wrapped with the
     adapters (the value head trains fully), set from the checkpoint's critic adapter when it has one."""
-    from stages.train.checkpoint import CRITIC_ADAPTER
-
     if base is None:
         return load_critic_model(info.critic_dir, info.path, worker.training_args.seed)
     model = lora.wrap(load_critic_model(base["base"], base["actor_base"], base["seed"]), worker.model_args, "critic",
@@ -722,11 +711,6 @@ def replay_engines(info, cfg: TrainSection, dist: DistInfo, store=None) -> tuple
     engines; the replayed actor's weights are compared with the checkpoint's (a difference is logged: a GPU's
     non-deterministic kernels may give one). Under a section other than the recorded one, the replayed state is
     handed over through a temporary DeepSpeed checkpoint, as a resume under a new section would load it."""
-    import tempfile
-
-    from stages.storage import Location, folder_fingerprint, read_table_schema
-    from stages.train.checkpoint import read_checkpoint
-
     steps = info.replay["steps"]
     sections = [TrainSection.model_validate(step["section"]) for step in steps]
     if any(s != sections[0] for s in sections):
@@ -820,10 +804,6 @@ def train_and_save(table, where: str, checkpoint: str, cfg: TrainSection, output
     ``where``: the table's path or URI; ``store``: its filesystem, when it came with the request (an object store's,
     holding the driver's credentials), for the tables of a replay and the record's fingerprint.
     """
-    from stages.storage import Location, folder_fingerprint
-    from stages.train.checkpoint import (ACTOR_ADAPTER, ACTOR_STATE, CRITIC_ADAPTER, CRITIC_DIR, CRITIC_STATE,
-                                         copy_tokenizer, read_checkpoint, replay_record)
-
     info = read_checkpoint(checkpoint)
     bases = lora_bases(info, cfg)  # also refuses LoRA options other than the checkpoint's
     section = cfg.model_dump(mode="json")
@@ -867,8 +847,6 @@ def _write_state(out: Path, info, report: StepReport, actor: Engine, dist: DistI
                  replay: dict | None, bases: dict[str, dict]) -> None:
     """Rank 0 writes the step's train state (counters, metrics, the replay record of a weights-only checkpoint,
     the LoRA bases) beside the weights."""
-    from stages.train.checkpoint import write_train_state
-
     if dist.rank == 0:
         write_train_state(str(out), ({"lora": bases} if bases else {}) | {
             "global_step": info.global_step + 1, "optimizer_steps": actor.optimizer_steps,
@@ -884,10 +862,6 @@ def main(argv: list[str] | None = None) -> None:
     """``python -m stages.train.core --samples DIR --checkpoint DIR --config FILE --output DIR``: the training step
     without Ray (one process, or every rank under ``torchrun`` / ``deepspeed``). Writes the checkpoint folder
     (no manifest: that is the stage's job) and prints the metrics as JSON on rank 0."""
-    import argparse
-
-    from schemas.config import load_config
-
     parser = argparse.ArgumentParser(description=main.__doc__)
     for name in ("samples", "checkpoint", "config", "output"):
         parser.add_argument(f"--{name}", required=name != "config")
@@ -895,8 +869,6 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     cfg = load_config(TrainStepConfig, args.config)
     dist = init_distributed(args.threads)
-    from stages.storage import Location, read_table_schema
-
     loc = Location.of(args.samples)  # the Parquet parts only (a stage output folder also holds its manifest)
     table = read_train_table(loc, read_table_schema(loc, "advantaged").names)
     report = run_training(table, args.samples, args.checkpoint, cfg, args.output, dist)

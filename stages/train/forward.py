@@ -9,18 +9,23 @@ run through the model, and the next-token results cut back to ``L - 1`` entries 
 
 from __future__ import annotations
 
+import json
+import os
 import time
 from dataclasses import dataclass, field
 from functools import partial
+from pathlib import Path
 from typing import NamedTuple
 
 import numpy as np
 import torch
 
+from schemas.errors import ConfigError, RollflowError
 from stages.algos.ragged import Ragged
 from stages.train import models
 from stages.train.batching import (TokenRows, causal_lm_logits, forward_packed, pad_micro_batch, select_logits,
                                    split_by_real_tokens, split_by_token_budget, unpad_next_token)
+from stages.train.lora import load_adapter, load_with_adapter, same_adapter_options
 
 
 @dataclass
@@ -97,18 +102,12 @@ def load_forward_model(path: str, kind: str, dtype: str = "fp32", *, actor_dir: 
     critic at ``path``, or, when ``path`` holds none yet, a new head on ``actor_dir`` seeded as training does)."""
     torch_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype]
     if torch.device(device).type == "cuda" and not torch.cuda.is_available():
-        import os
-
-        from schemas.errors import ConfigError
-
         raise ConfigError(f"device: cuda, but this process (pid {os.getpid()}) sees no CUDA device (torch "
                           f"{torch.__version__}, CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r}); "
                           "set device: cpu, or install a CUDA build of torch on the GPU nodes")
     if kind == "values":
         model = models.load_critic_model(path if actor_dir is None else None, actor_dir or path, seed)
     elif adapter is not None:
-        from stages.train.lora import load_with_adapter
-
         model = load_with_adapter(path, adapter)  # cast below with its adapter, as DeepSpeed casts the trained one
     else:
         model = models.load_actor_model(path)
@@ -117,9 +116,6 @@ def load_forward_model(path: str, kind: str, dtype: str = "fp32", *, actor_dir: 
 
 def _same_architecture(a: str, b: str) -> bool:
     """Two HF model folders whose config.json describe the same architecture (weights may differ)."""
-    import json
-    from pathlib import Path
-
     def arch(folder: str) -> dict:
         config = json.loads((Path(folder) / "config.json").read_text())
         return {k: v for k, v in config.items() if k not in ("_name_or_path", "transformers_version", "torch_dtype",
@@ -132,8 +128,6 @@ def load_weights_in_place(model: torch.nn.Module, path: str) -> bool:
     """Copy the safetensors weights of the HF folder ``path`` into ``model`` (same architecture, already in its
     dtype and device) — a new checkpoint of the same policy without building the model again. Returns False (and
     changes nothing) when the folder's tensors do not match the model's: then load it afresh."""
-    from pathlib import Path
-
     from safetensors.torch import load_file
 
     files = sorted(Path(path).glob("*.safetensors"))
@@ -208,15 +202,11 @@ class ForwardModels:
 def _adapter_in_place(held: tuple[ModelIdent, torch.nn.Module], ident: ModelIdent) -> bool:
     """Copy the adapter of ``ident`` into the held LoRA model when it holds the same base (path and content, dtype,
     device) with an adapter of the same options; False (the held model is then dropped) otherwise."""
-    from stages.train.lora import load_adapter, same_adapter_options
-
     was, model = held
     if not (was.adapter is not None and ident.base_fingerprint and (was.path, was.base_fingerprint, was.kind,
             was.dtype, was.device) == (ident.path, ident.base_fingerprint, ident.kind, ident.dtype, ident.device)
             and same_adapter_options(model, ident.adapter)):
         return False
-    from schemas.errors import RollflowError
-
     try:
         load_adapter(model, ident.adapter)  # copied into the model's dtype, as a fresh load casts it
     except RollflowError:

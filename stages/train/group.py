@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import os
+import queue
 import shutil
 import socket
 import tempfile
@@ -28,7 +29,8 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
-from schemas.errors import RollflowError
+from schemas.errors import RollflowError, SchemaError
+from schemas.train_config import TrainSection
 from stages.storage import Location, is_uri
 
 log = logging.getLogger("rollflow.train")
@@ -48,8 +50,6 @@ class Mailbox:
     the request to stop), :meth:`answer` returns None."""
 
     def __init__(self, ranks: int):
-        import queue
-
         self._inboxes = [queue.Queue() for _ in range(ranks)]
         self._replies = queue.Queue()
         self._states: dict[int, tuple[str, int, str, float]] = {}
@@ -59,8 +59,6 @@ class Mailbox:
             inbox.put(request)
 
     def receive(self, rank: int, timeout: float) -> Any:
-        import queue
-
         try:
             return self._inboxes[rank].get(timeout=timeout)
         except queue.Empty:
@@ -79,8 +77,6 @@ class Mailbox:
         self._replies.put(answer)
 
     def answer(self, timeout: float) -> str | None:
-        import queue
-
         try:
             return self._replies.get(timeout=timeout)
         except queue.Empty:
@@ -150,8 +146,6 @@ def _requests(mailbox, rank: int):
 def _serve(config: dict) -> None:
     """One Ray Train worker: join the process group once, then run every step request sent to this rank until the
     group closes. Rank 0 replies with the request's id once the checkpoint folder is written."""
-    from schemas.errors import SchemaError
-    from schemas.train_config import TrainSection
     from stages.train.core import init_distributed, read_train_table, train_and_save
 
     import ray.train

@@ -13,6 +13,8 @@ generator seeded by ``training_args.seed``, so every rank, and a replay of the s
 
 from __future__ import annotations
 
+import json
+import os
 from pathlib import Path
 
 import torch
@@ -20,6 +22,7 @@ import torch
 from schemas.errors import ConfigError, RollflowError
 from schemas.train_config import ModelArgs
 from stages.train import models
+from stages.train.checkpoint import ACTOR_ADAPTER
 
 ADAPTER_NAME = "default"
 CRITIC_HEAD = "score"  # the value head of AutoModelForTokenClassification: trained fully, saved with the adapter
@@ -150,8 +153,6 @@ def merged_drift(base_dir: str, adapter_dir: str, merged_dir: str) -> tuple[floa
     """How far the adapter of ``adapter_dir`` on the base weights of ``base_dir`` is from the merged weights of the
     checkpoint ``merged_dir``: ``(max |W + s B A - M|, max |M|)`` over every tensor (``inf`` when the names, shapes
     or adapter options do not fit). Read one tensor at a time (safetensors), so it needs no model in memory."""
-    import json
-
     from safetensors import safe_open
     from safetensors.torch import load_file
 
@@ -202,10 +203,6 @@ def why_not_adapter_base(info, reference: str, reference_fingerprint: str = "") 
     machine). Then the
     reference's log-probs are the LoRA model's with its adapter switched off, and one model serves both. Otherwise
     the reason (the reference is loaded as a model of its own)."""
-    import os
-
-    from stages.train.checkpoint import ACTOR_ADAPTER
-
     record = (info.lora or {}).get("actor")
     if record is None:
         return "the checkpoint's actor was not trained with LoRA"

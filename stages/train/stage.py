@@ -15,16 +15,21 @@ from __future__ import annotations
 import json
 import logging
 import os
+import resource
 import time
 import warnings
+import zlib
 from dataclasses import dataclass
 from typing import Any
 
 import pyarrow as pa
+import pyarrow.parquet as pq
 
 from schemas.errors import ConfigError, RollflowError
 from schemas.tables import ADVANTAGED, FLOATS, SAMPLES, TableSpec, check_row_invariants
 from schemas.train_config import ForwardConfig, LogProbSection, TrainSection, TrainStepConfig, ValuesSection
+from stages import progress
+from stages.cluster import require_ray
 from stages.runner import (ACTOR_POOL, Stage, StageContext, StageResult, commit_folder, read_partials, run_stage,
                            stage_fingerprint, sum_partials, unwrap_error, write_partials)
 from stages.storage import Location, folder_fingerprint, is_uri, read_table_schema
@@ -58,9 +63,6 @@ def _worker_error(err: BaseException) -> BaseException:
 def _step(group: TrainerGroup, samples: Location, checkpoint: str, cfg: TrainStepConfig, tmp: str, final: str,
           label: str, full_state: bool) -> None:
     """One step on ``group``: the workers read the table themselves and write the checkpoint into ``tmp``."""
-    from stages import progress
-    from stages.cluster import require_ray
-
     require_ray("the training step")
     names = read_table_schema(samples, "advantaged").names
     with progress.bar(label, "micro-batches") as ticker:  # rank 0 counts its micro-batches
@@ -139,8 +141,6 @@ def _train_into(tmp: Location, out: Location, samples: Location, info: ckpt.Chec
 
 
 def _parquet_meta(loc: Location):
-    import pyarrow.parquet as pq
-
     for path in loc.parquet_files():
         with loc.fs.open_input_file(path) as f:
             yield pq.read_metadata(f)
@@ -184,8 +184,6 @@ def forward_batch(models: list, jobs: list[ForwardJob], batch: pa.Table, max_tok
                   spec: TableSpec, where: str, device: str = "cpu", packed: bool = False) -> pa.Table:
     """The rows of ``batch`` plus each job's result columns (ragged in, ragged out; row order kept), checked against
     ``spec``; the batch's counters are recorded beside ``output`` (:func:`stages.runner.write_partials`)."""
-    import resource
-
     from stages.train.batching import TokenRows
     from stages.train.forward import forward_rows
 
@@ -320,8 +318,6 @@ def _forward_on_worker(batch: pa.Table, actors: list, **kwargs) -> pa.Table:
     assignment is deterministic) and return its result."""
     import ray
 
-    import zlib
-
     key = batch.column("row_id")[0].as_py() if batch.num_rows else 0
     actor = actors[zlib.crc32(str(key).encode()) % len(actors)]
     return ray.get(actor.run.remote(batch=batch, **kwargs))
@@ -453,8 +449,6 @@ def run_logprobs(samples: str, checkpoint: str, config: ForwardConfig, output: s
                  force: bool = False, workers: ForwardWorkers | None = None) -> StageResult:
     """``samples`` + ``old_log_probs`` (+ ``ref_log_probs`` under ``reference``, default: the checkpoint, when
     ``enable_reference``; + ``entropy``) → ``output``, via the runner (skip when up to date)."""
-    from stages.cluster import require_ray
-
     info = ckpt.read_checkpoint(checkpoint)
     ref_info = ckpt.read_checkpoint(reference) if (reference and config.enable_reference) else None
     if config.enable_reference and ref_info is None:
@@ -476,8 +470,6 @@ def run_values(samples: str, checkpoint: str, config: ForwardConfig, output: str
                workers: ForwardWorkers | None = None) -> StageResult:
     """``samples`` + ``values`` under the critic of ``checkpoint`` (its ``critic/`` folder, or a new value head on
     its actor seeded with ``config.seed`` before the first training step) → ``output``."""
-    from stages.cluster import require_ray
-
     info = ckpt.read_checkpoint(checkpoint)
     section = ValuesSection(critic=info.path, seed=config.seed, dtype=config.dtype,
                             max_tokens_per_microbatch_in_infer=config.max_tokens_per_microbatch_in_infer)
