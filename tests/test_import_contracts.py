@@ -22,8 +22,11 @@ def lint(root: Path) -> subprocess.CompletedProcess:
     """``lint-imports`` over the packages under ``root`` with ``root/pyproject.toml``'s contracts."""
     inherited = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p and Path(p).resolve() != ROOT]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root), *inherited])}
-    return subprocess.run([sys.executable, "-c", LINT], cwd=root, env=env, capture_output=True, text=True,
+    done = subprocess.run([sys.executable, "-c", LINT], cwd=root, env=env, capture_output=True, text=True,
                           timeout=300)
+    if "No module named 'importlinter'" in done.stderr:
+        pytest.fail(f"import-linter is not installed in {sys.prefix}; requirements.lock pins it: run `make setup`")
+    return done
 
 
 @pytest.fixture(scope="module")
