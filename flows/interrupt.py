@@ -14,7 +14,7 @@ main thread, so no stage starts or commits after it (or, when the main thread is
 than a second, on a thread woken by the signal, :func:`_watch_wakeups`):
 
 1. one line on stderr: what this command committed (the one runner records every output it commits or finds
-   committed, :data:`stages.runner.COMMITTED`) and the command that resumes;
+   committed, :data:`stages.commit.COMMITTED`) and the command that resumes;
 2. the console is closed: whatever the stopping work still prints goes to the command's log file;
 3. the work stops: every process the command started (its local Ray cluster's workers, actors and engines first,
    then the cluster's own processes; a joined cluster drops the command's tasks and actors when its driver goes);
@@ -131,8 +131,8 @@ def _on_interrupt(signum, frame) -> None:
 def _steps(from_main_thread: bool):
     """The stopping steps, in order, as (name, function); each runs whatever the one before it did."""
     # modules are looked up, never imported here: the main thread may be half-way through an import
-    runner = sys.modules.get("stages.runner")
-    line = summary_line(runner.COMMITTED if runner else [], _state["resume"])
+    commit = sys.modules.get("stages.commit")
+    line = summary_line(commit.COMMITTED if commit else [], _state["resume"])
     flow_runs: list = []
     prefix = "\r\x1b[K" if sys.stderr.isatty() else ""
 

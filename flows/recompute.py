@@ -15,7 +15,8 @@ from schemas.config import AdvantageSection, RecomputeConfig, ResponseRewardSect
 from stages.preflight import Step, check_steps
 from stages.advantages import AdvantagesStage
 from stages.response_rewards import ResponseRewardsStage
-from stages.runner import StageResult, cleanup_leftovers
+from stages.commit import cleanup_leftovers
+from stages.runner import StageResult
 from stages.storage import Location
 
 

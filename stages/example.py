@@ -22,7 +22,7 @@ import pyarrow.parquet as pq
 
 from schemas.errors import ConfigError
 from schemas.tables import SAMPLES
-from stages.runner import commit_folder
+from stages.commit import commit_folder
 from stages.storage import MANIFEST, Location
 
 VOCAB = 49152
@@ -183,7 +183,7 @@ def generate(spec: ExampleSpec, output: str) -> dict:
     """Write ``spec.samples`` rows (rounded up to whole groups) as Parquet parts plus a manifest into ``output``.
 
     Returns the manifest. Written atomically: a temporary folder renamed into place (on an object store, the
-    runner's attempt protocol: stages/runner.py ``commit_folder``).
+    runner's attempt protocol: stages/commit.py ``commit_folder``).
     """
     _check_spec(spec)
     out = Location.of(output)

@@ -22,6 +22,7 @@ from schemas.errors import ConfigError
 from schemas.rollout_config import RolloutConfig, samples_section, turn_section
 from stages import progress
 from stages.cluster import require_ray
+from stages.commit import commit_record
 from stages.envs import ENVIRONMENTS, env_spec, make_env
 from stages.generation.engines import check_engine_options, check_model_dir, preflight_model_dir
 from stages.generation.model_store import default_model_dir
@@ -29,7 +30,7 @@ from stages.outputs import ROLLOUT_CHILDREN, Writes, check_output
 from stages.rollout.engine_pool import EnginePool, checkpoint_fingerprint, local_model_dir
 from stages.rollout.episode import env_kwargs
 from stages.rollout.stages import ResetStage, SamplesStage, TurnStage
-from stages.runner import StageResult, commit_record, run_stage, stage_fingerprint
+from stages.runner import StageResult, run_stage, stage_fingerprint
 from stages.storage import Location, damaged_manifest, is_uri, manifest_field, read_manifest
 from stages.train.checkpoint import checkpoint_fingerprint as model_fingerprint
 
@@ -239,7 +240,7 @@ def run_eval(config: RolloutConfig, output: str, checkpoint: str | None = None, 
              pool: EnginePool | None = None, on_event: Callable[[str, dict[str, Any]], None] | None = None,
              label: str = "eval") -> RolloutResult:
     """:func:`run_rollout` of the held-out rollout ``config`` with ``checkpoint`` into ``output``, then the folder's
-    own manifest (:func:`stages.runner.commit_record`): stage ``eval``, the rollout config as its section, the
+    own manifest (:func:`stages.commit.commit_record`): stage ``eval``, the rollout config as its section, the
     checkpoint as its input. So ``rollflow lineage`` sees which checkpoint an evaluation read and ``rollflow stage``
     re-runs it (on a re-trained checkpoint too). The tables' own fingerprints are those of any rollout, so a run
     folder written before these records resumes with its evaluations up to date (only the manifest is added)."""

@@ -27,7 +27,7 @@ engines of ``from`` (stages/train/core.py ``load_engines``): the same inputs fro
 engines, so a resumed run equals an uninterrupted one (tests/trainflow), while the steps between write only
 their weights.
 Checkpoints are written into a temporary sibling and renamed into place with the manifest last, like every stage
-output (stages/runner.py). Local checkpoint folders must be on a filesystem every worker can write (local or
+output (stages/commit.py). Local checkpoint folders must be on a filesystem every worker can write (local or
 shared): DeepSpeed and Hugging Face write files with local paths. A checkpoint on an object store (``s3://...``) is
 written into a local staging folder and uploaded under the runner's attempt protocol (manifest last); read back, it
 is downloaded once into the rollflow cache (:func:`local_path`; docs/object-storage.md).

@@ -30,8 +30,10 @@ from schemas.tables import ADVANTAGED, FLOATS, SAMPLES, TableSpec, check_row_inv
 from schemas.train_config import ForwardConfig, LogProbSection, TrainSection, TrainStepConfig, ValuesSection
 from stages import progress
 from stages.cluster import require_ray
-from stages.runner import (ACTOR_POOL, Stage, StageContext, StageResult, commit_folder, read_partials, run_stage,
-                           stage_fingerprint, sum_partials, unwrap_error, write_partials)
+from stages.commit import commit_folder
+from stages.ray_errors import unwrap_error
+from stages.runner import (ACTOR_POOL, Stage, StageContext, StageResult, read_partials, run_stage, stage_fingerprint,
+                           sum_partials, write_partials)
 from stages.storage import Location, folder_fingerprint, is_uri, read_table_schema
 from stages.train import checkpoint as ckpt
 from stages.train.group import TrainerGroup

@@ -364,7 +364,7 @@ def no_cuda_error(samples, model, out):
     # the log-prob stage's own actor pool (not the kept workers) with device: cuda on this cluster: two actors of half
     # a GPU are scheduled (no wait for a GPU) and refuse to load in a process without CUDA, committing nothing
     from schemas.train_config import ForwardConfig
-    from stages.runner import unwrap_error
+    from stages.ray_errors import unwrap_error
     from stages.train.stage import run_logprobs
 
     config = ForwardConfig(max_tokens_per_microbatch_in_infer=64, rows_per_batch=4, num_actors=2, cpus_per_actor=0.5,

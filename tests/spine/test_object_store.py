@@ -59,7 +59,7 @@ def _fill_with(table: pa.Table, fail_after: int | None = None):
 
 
 def test_failed_write_keeps_the_previous_output_and_stale_attempts_are_removed(s3, step_set):
-    from stages.runner import commit_folder
+    from stages.commit import commit_folder
 
     table = read_table(step_set)
     out = Location.of(f"s3://{BUCKET}/proto/copy")
@@ -235,7 +235,7 @@ def test_metrics_table_on_s3_replaces_parts_and_reads_back(s3):
 
 def test_a_record_of_committed_parts_on_s3_is_written_last_and_kept_when_up_to_date(s3):
     """A rollout's folder: each part committed by its own stage, then the folder's own manifest (commit_record)."""
-    from stages.runner import commit_folder, commit_record
+    from stages.commit import commit_folder, commit_record
 
     folder = Location.of(f"s3://{BUCKET}/record")
     part = folder.child("turn_000")
@@ -252,7 +252,7 @@ def test_dropping_a_checkpoints_training_state_on_s3_rewrites_its_manifest_first
     """train.max_ckpt_to_keep on a run folder on s3:// (stages/train/checkpoint.py keep_training_state): the older
     checkpoint's DeepSpeed state objects go, its manifest no longer lists them (a download of it is complete), its
     fingerprint and weights stay; the newest keeps its state."""
-    from stages.runner import commit_folder
+    from stages.commit import commit_folder
     from stages.train.checkpoint import keep_training_state
 
     def fill(folder: Location) -> dict:

@@ -14,7 +14,7 @@ from typer.testing import CliRunner
 
 from flows.cli import app
 from schemas.errors import RollflowError
-from stages.runner import commit_record
+from stages.commit import commit_record
 from stages.storage import Location
 
 runner = CliRunner()
