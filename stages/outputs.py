@@ -122,15 +122,31 @@ def _check_contents(output: str, loc: Location, writes: Writes) -> None:
             raise _refuse(output, f"a file '{name}'", writes)
 
 
+def check_output_location(output: str) -> None:
+    """``output`` must be a folder or not exist yet, under a folder this process may write into (local paths; an
+    object store's permissions show at the first write)."""
+    loc = Location.of(output)
+    if loc.fs.get_file_info(loc.path).type == pafs.FileType.File:
+        raise ConfigError(f"output {loc.path} is an existing file; pass a folder (new or a stage output) instead")
+    ancestor = loc.parent
+    while ancestor.path.strip("/") and ancestor.fs.get_file_info(ancestor.path).type == pafs.FileType.NotFound:
+        ancestor = ancestor.parent
+    if ancestor.fs.get_file_info(ancestor.path).type == pafs.FileType.File:
+        raise ConfigError(f"output {loc.path} lies under {ancestor.path}, which is a file; pass a folder path")
+    if isinstance(loc.fs, pafs.LocalFileSystem):
+        target = loc.path if loc.is_dir() else (ancestor.path or "/")
+        if not os.access(target, os.W_OK | os.X_OK):
+            raise ConfigError(f"output {loc.path}: this user may not write into {target}; pass a folder you can "
+                              "write (or fix its permissions)")
+
+
 def check_output(output: str, writes: Writes | None, inputs: Mapping[str, str | None] | None = None,
                  flag: str = "--output") -> None:
     """The pre-flight check of a command's ``output`` folder: not a file and writable
-    (:func:`stages.preflight.check_output_location`), none of the command's ``inputs`` (name -> path; equal,
+    (:func:`check_output_location`), none of the command's ``inputs`` (name -> path; equal,
     inside, containing: :func:`check_against_inputs`), not inside a committed table, and (``writes``; None: the
     caller checks the folder's contents itself, a run folder) holding nothing the command did not write. Raises a
     ConfigError naming the folder, what it holds and the fix."""
-    from stages.preflight import check_output_location
-
     check_output_location(output)
     check_against_inputs(output, {k: v for k, v in (inputs or {}).items() if v is not None}, flag)
     loc = Location.of(output)

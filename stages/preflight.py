@@ -14,17 +14,15 @@ committed, the outputs of earlier stages are (they are valid tables) and a re-ru
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import Sequence
 
 import pyarrow as pa
 import pyarrow.compute as pc
-import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 from pydantic import BaseModel
 
-from schemas.errors import ConfigError, InvariantError, SchemaError
+from schemas.errors import InvariantError, SchemaError
 from schemas.tables import TableSpec, check_row_invariants, check_structure
 from stages.outputs import check_output, container_writes, stage_writes
 from stages.runner import Stage
@@ -93,24 +91,6 @@ def check_input(spec: TableSpec, path: str, needs: Sequence[str] = (), group_siz
     loc = Location.of(path)
     spec.check_schema(read_table_schema(loc, spec.name), loc.path, tuple(needs))
     return check_table_data(spec, loc, group_size)
-
-
-def check_output_location(output: str) -> None:
-    """``output`` must be a folder or not exist yet, under a folder this process may write into (local paths; an
-    object store's permissions show at the first write)."""
-    loc = Location.of(output)
-    if loc.fs.get_file_info(loc.path).type == pafs.FileType.File:
-        raise ConfigError(f"output {loc.path} is an existing file; pass a folder (new or a stage output) instead")
-    ancestor = loc.parent
-    while ancestor.path.strip("/") and ancestor.fs.get_file_info(ancestor.path).type == pafs.FileType.NotFound:
-        ancestor = ancestor.parent
-    if ancestor.fs.get_file_info(ancestor.path).type == pafs.FileType.File:
-        raise ConfigError(f"output {loc.path} lies under {ancestor.path}, which is a file; pass a folder path")
-    if isinstance(loc.fs, pafs.LocalFileSystem):
-        target = loc.path if loc.is_dir() else (ancestor.path or "/")
-        if not os.access(target, os.W_OK | os.X_OK):
-            raise ConfigError(f"output {loc.path}: this user may not write into {target}; pass a folder you can "
-                              "write (or fix its permissions)")
 
 
 def _columns_to_check(spec: TableSpec, names: list[str]) -> list[str]:
