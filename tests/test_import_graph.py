@@ -13,19 +13,10 @@ try:
 finally:
     sys.path.remove(str(ROOT / "tools"))
 
-# Known circles, owned elsewhere (issue #43, "An honest import graph"): flows/ belongs to the `pipeline` helper, who
-# removes these with the one iteration loop. A component may shrink (a subset of an entry passes); any other circle,
-# or one of these grown by a module, fails. Delete an entry once its circle is gone.
-KNOWN_CIRCLES = (
-    {"flows.agentic", "flows.pipelines", "flows.rlvr", "flows.runkit"},  # issue #43, owner: pipeline
-    {"flows.rerun", "flows.rerun_rollout"},  # issue #43, owner: pipeline
-)
 
-
-def test_no_import_circles_beyond_the_known_ones():
+def test_no_import_circles():
     circles = import_graph.strongly_connected(import_graph.own_edges())
-    new = [c for c in circles if not any(set(c) <= known for known in KNOWN_CIRCLES)]
-    assert not new, "import circles (tools/import_graph.py): " + "; ".join(" <-> ".join(c) for c in new)
+    assert not circles, "import circles (tools/import_graph.py): " + "; ".join(" <-> ".join(c) for c in circles)
 
 
 def test_a_circle_through_a_function_level_import_is_found(tmp_path):
