@@ -33,7 +33,7 @@ import socket
 import time
 from numbers import Real
 from pathlib import Path
-from typing import TYPE_CHECKING, Mapping, Sequence
+from typing import Mapping, Protocol, Sequence
 
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -42,9 +42,6 @@ import pyarrow.parquet as pq
 from schemas.errors import SchemaError
 from stages.storage import Location, local_side
 from stages.watchdog import start_time
-
-if TYPE_CHECKING:
-    from stages.trackers import Tracker
 
 METRICS_DIR = "metrics"
 TENSORBOARD_DIR = "tensorboard"
@@ -127,6 +124,17 @@ def _remove_dead_writers_temporaries(metrics_dir: Path) -> None:
         tmp.unlink(missing_ok=True)
 
 
+class Tracker(Protocol):
+    """An opened tracker (stages/trackers.py opens them): the rows a stage logged (``METRICS_SCHEMA``), iterations
+    dropped, the end of the run."""
+
+    def log(self, iteration: int, stage: str, rows: pa.Table) -> None: ...
+
+    def drop_after(self, iteration: int) -> None: ...
+
+    def close(self) -> None: ...
+
+
 class MetricsLog:
     """Append-or-replace metrics of one run; see the module docstring. Use as a context manager or call close().
 
@@ -134,7 +142,7 @@ class MetricsLog:
     given); by default the TensorBoard mirror alone (none with ``tensorboard=False``)."""
 
     def __init__(self, run_dir: str | os.PathLike, tensorboard: bool = True,
-                 trackers: Sequence["Tracker"] | None = None) -> None:
+                 trackers: Sequence[Tracker] | None = None) -> None:
         self.run_dir = str(run_dir)
         self.metrics = Location.of(self.run_dir).child(METRICS_DIR)
         local = self.metrics.atomic_rename

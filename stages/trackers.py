@@ -32,12 +32,12 @@ import secrets
 import urllib.error
 import urllib.request
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping, Protocol
+from typing import Any, Callable, Mapping
 
 import pyarrow as pa
 
 from schemas.errors import ConfigError
-from stages.metrics import TensorBoardMirror, read_metrics
+from stages.metrics import TensorBoardMirror, Tracker, read_metrics
 from stages.registry import Registry
 from stages.storage import Location, local_side
 
@@ -45,16 +45,6 @@ TRACKERS_DIR = "trackers"  # the run folder's tracker states (trackers/<name>.js
 MLFLOW_DIR = "mlflow"      # the run folder's own MLflow store (local side): mlflow.db and artifacts/
 WANDB_DIR = "wandb"        # W&B's offline files (local side): wandb/offline-run-<time>-<id>/
 CHECK_TIMEOUT_S = 5.0      # how long a pre-flight check waits for a tracking server
-
-
-class Tracker(Protocol):
-    """An opened tracker: the rows a stage logged (``METRICS_SCHEMA``), iterations dropped, the end of the run."""
-
-    def log(self, iteration: int, stage: str, rows: pa.Table) -> None: ...
-
-    def drop_after(self, iteration: int) -> None: ...
-
-    def close(self) -> None: ...
 
 
 @dataclass(frozen=True)
