@@ -23,7 +23,7 @@ import pyarrow as pa
 import pyarrow.dataset as pads
 from pydantic import Field
 
-import stages.rewards
+import stages.rewards  # noqa: F401  (registers the built-in workers)
 from schemas.config import Frozen
 from schemas.errors import ConfigError
 from schemas.rlvr_tables import RESPONSES

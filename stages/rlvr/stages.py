@@ -24,7 +24,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.dataset as pads
 
-import stages.rewards
+import stages.rewards  # noqa: F401  (registers the built-in workers)
 from schemas.config import Frozen
 from schemas.errors import ConfigError, RollflowError, SchemaError
 from schemas.rlvr_config import RewardsConfig
