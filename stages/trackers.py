@@ -38,6 +38,7 @@ import pyarrow as pa
 
 from schemas.errors import ConfigError
 from stages.metrics import TensorBoardMirror, Tracker, read_metrics
+from stages.outputs import check_output_location
 from stages.registry import Registry
 from stages.storage import Location, local_side
 
@@ -199,8 +200,6 @@ def mlflow_store(run: Location) -> str:
 
 def _mlflow_check(options, run: Location, field: str) -> None:
     """The library is installed; a server URI answers MLflow's /health; a database's folder can be written."""
-    from stages.preflight import check_output_location
-
     _require("mlflow", "mlflow-skinny", field)
     uri = options.tracking_uri
     if uri is None:
