@@ -1,0 +1,60 @@
+"""The synthetic RLVR tasks (stages/rlvr/synthetic.py) and the intervals the learning benchmark reports; no
+model runs."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from stages.rewards.registry import build_worker
+from stages.rlvr.intervals import paired_bootstrap_diff, wilson
+from stages.rlvr.synthetic import TASKS, make_rows
+
+
+def _right_and_wrong(task: str, gold: str) -> tuple[str, str]:
+    """A response the task's worker must score 1 and one it must score 0."""
+    if TASKS[task][1] == "ifeval":
+        return "the sea is calm and grey tonight.", "The Sea is calm and grey tonight."
+    if TASKS[task][1] == "math_rule":
+        return f"So the sum is \\boxed{{{gold}}}.", f"So the sum is \\boxed{{{int(gold) + 1}}}."
+    other = "A" if gold != "A" else "B"
+    return f"The largest is \\boxed{{{gold}}}.", f"The largest is \\boxed{{{other}}}."
+
+
+@pytest.mark.parametrize("task", list(TASKS))
+def test_a_task_is_the_same_on_every_call_and_its_splits_differ(task):
+    rows = make_rows(task, 20, "heldout")
+    assert rows == make_rows(task, 20, "heldout")
+    assert rows != make_rows(task, 20, "train")
+    assert rows != make_rows(task, 20, "heldout", seed=1)
+    for row in rows:
+        assert set(row) == {"id", "domain", "tag", "prompt", "ground_truth"} and row["domain"] == task
+    assert len({row["id"] for row in rows}) == 20
+
+
+@pytest.mark.parametrize("task", list(TASKS))
+def test_the_tasks_worker_scores_a_right_answer_1_and_a_wrong_one_0(task):
+    row = make_rows(task, 1, "heldout")[0]
+    right, wrong = _right_and_wrong(task, row["ground_truth"])
+    worker = build_worker(TASKS[task][1])
+    scores = worker.score_batch({"response": [right, wrong], "ground_truth": [row["ground_truth"]] * 2})["scores"]
+    assert scores == [1.0, 0.0]
+
+
+def test_wilson_interval_matches_its_formula_at_known_points():
+    low, high = wilson(0, 10)
+    assert low == 0.0 and high == pytest.approx(0.2775, abs=1e-4)
+    low, high = wilson(50, 100)
+    assert (low, high) == pytest.approx((0.4038, 0.5962), abs=1e-4)
+
+
+def test_paired_bootstrap_is_seeded_and_brackets_the_mean_difference():
+    rng = np.random.default_rng(3)
+    before = (rng.random(200) < 0.3).astype(float)
+    after = np.maximum(before, (rng.random(200) < 0.3).astype(float))
+    diff, low, high = paired_bootstrap_diff(before, after)
+    assert (diff, low, high) == paired_bootstrap_diff(before, after)
+    assert diff == pytest.approx(after.mean() - before.mean()) and 0 < low < diff < high
+    assert paired_bootstrap_diff(before, before) == (0.0, 0.0, 0.0)
+    with pytest.raises(ValueError, match="one length"):
+        paired_bootstrap_diff(before, after[:-1])
