@@ -73,7 +73,8 @@ TASKS: dict[str, tuple[Callable[[random.Random], tuple[str, str]], str]] = {
 def make_rows(task: str, n: int, split: str = "heldout", seed: int = 0, exclude: frozenset[str] = frozenset()
               ) -> list[dict]:
     """``n`` rows of ``task`` for ``split`` (distinct prompts, none in ``exclude``). Rows: ``{id, domain, tag,
-    prompt, ground_truth}`` with ``domain = task`` so a config routes the task to its worker by name."""
+    prompt, ground_truth}``; ``domain`` is ``<task>_<split>``, the stem of the file :func:`write_task` writes, since a
+    config names its prompt files and their reward routes by the same name."""
     if task not in TASKS:
         raise ValueError(f"unknown synthetic task '{task}'; known: {', '.join(TASKS)}")
     make, _ = TASKS[task]
@@ -87,8 +88,8 @@ def make_rows(task: str, n: int, split: str = "heldout", seed: int = 0, exclude:
         if prompt in seen and task != "lower":
             continue
         seen.add(prompt)
-        rows.append({"id": f"{task}-{split}-{len(rows):04d}", "domain": task, "tag": task, "prompt": prompt,
-                     "ground_truth": gold})
+        rows.append({"id": f"{task}-{split}-{len(rows):04d}", "domain": f"{task}_{split}", "tag": task,
+                     "prompt": prompt, "ground_truth": gold})
     return rows
 
 
