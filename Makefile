@@ -10,7 +10,7 @@ export TOKENIZERS_PARALLELISM := false
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 
-.PHONY: setup setup-gpu run run-cpu run-gpu demo test bench clean
+.PHONY: setup setup-gpu run run-cpu run-gpu run-rlvr demo test bench clean
 
 # A GPU machine (nvidia-smi lists a GPU) runs the GPU quickstart; HAS_GPU=0 forces the CPU one.
 HAS_GPU ?= $(shell nvidia-smi -L 2>/dev/null | grep -c '^GPU ')
@@ -41,6 +41,11 @@ endif
 
 run-cpu: setup
 	$(BIN)/rollflow train --config configs/train_frozenlake_quickstart.yaml
+
+# the RLVR quickstart: GRPO on a synthetic task the default model partly solves before training (two-digit addition
+# without carry, the answer in \boxed{}), held-out validation before training and every 4th step.
+run-rlvr: setup
+	$(BIN)/rollflow train --config configs/rlvr_train_add2.yaml
 
 # The CUDA set in a virtual environment of its own: requirements-gpu.lock (the gpu extra's CUDA vllm==0.32.0 on the
 # lock's torch==2.13.0, test tools and GEM's runtime packages, resolved from the package index alone: tools/lock_gpu.sh,
