@@ -38,6 +38,7 @@ class StageSpec:
     runner_class: str = ""  # "module:Class" of the Stage the runner runs from its section alone (rerun: runner)
     carries: tuple[str, Any] | None = None  # (state key, its value at the first iteration; None: absent until set)
     redo: str = ""  # for a stage that is not re-run: how to make its output again
+    validates: bool = False  # an RLVR validation (rollflow eval) writes its output too, as <output>/<writes>
 
     def __post_init__(self) -> None:
         if self.phase is not None and self.phase not in PHASES:
@@ -94,6 +95,22 @@ def pinnable_stages() -> tuple[str, ...]:
     return tuple(s.name for s in _SPECS.values() if s.pinnable)
 
 
+def rollout_children() -> dict[str, tuple[str, ...]]:
+    """The folders a rollout writes inside its output folder (``rollout/<child>``), each with the stages whose
+    manifests it holds; a folder of outputs (``turns/turn_<t>``) with none: {"episodes": ("rollout_reset",), ...}."""
+    children: dict[str, tuple[str, ...]] = {}
+    for s in _SPECS.values():
+        parts = s.writes.split("/")
+        if parts[0] == "rollout":
+            children[parts[1]] = (s.name,) if len(parts) == 2 else ()
+    return children
+
+
+def validation_children() -> dict[str, tuple[str, ...]]:
+    """The folders an RLVR validation (rollflow eval) writes inside its output folder, each with its stage."""
+    return {s.writes: (s.name,) for s in _SPECS.values() if s.validates}
+
+
 def rerunnable_stages() -> tuple[str, ...]:
     """The stages ``rollflow stage`` re-runs."""
     return tuple(s.name for s in _SPECS.values() if s.rerun is not None)
@@ -115,7 +132,7 @@ for _spec in (
               carries=("kl_ctrl", None)),
     # rule workers; an LLM judge's scores need rollflow score
     StageSpec("rewards", "RewardsConfig", ("responses",), "scored", phase="rewards / advantages", rerun="runner",
-              runner_class="stages.rlvr.stages:RewardStage"),
+              runner_class="stages.rlvr.stages:RewardStage", validates=True),
     StageSpec("rlvr_samples", "rlvr SamplesSection", ("responses", "scored"), "samples",
               phase="rewards / advantages", rerun="runner", runner_class="stages.rlvr.stages:RLVRSamplesStage"),
     StageSpec("logprobs", "LogProbSection", ("samples",), "logprobs", phase="log-probs / values", pinnable=True,
@@ -129,7 +146,8 @@ for _spec in (
     StageSpec("rollout_reset", "TurnSection", (), "rollout/episodes", phase="generation", rerun="rollout"),
     StageSpec("rollout_samples", "rollout SamplesSection", ("turn_<t>",), "rollout/samples", phase="generation",
               redo=_ROLLOUT_REDO),
-    StageSpec("rlvr_prompts", "PromptsSection", (), "prompts", redo=_RLVR_REDO),
-    StageSpec("rlvr_generate", "GenerateSection", ("prompts",), "responses", phase="generation", redo=_RLVR_REDO),
+    StageSpec("rlvr_prompts", "PromptsSection", (), "prompts", redo=_RLVR_REDO, validates=True),
+    StageSpec("rlvr_generate", "GenerateSection", ("prompts",), "responses", phase="generation", redo=_RLVR_REDO,
+              validates=True),
 ):
     declare_stage(_spec)

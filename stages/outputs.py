@@ -22,6 +22,7 @@ from typing import Mapping
 import pyarrow.fs as pafs
 
 from schemas.errors import ConfigError
+from schemas.stage_specs import rollout_children, validation_children
 from stages.storage import MANIFEST, Location, is_uri, read_manifest
 
 
@@ -162,12 +163,12 @@ def check_output(output: str, writes: Writes | None, inputs: Mapping[str, str | 
         _check_contents(output, loc, writes)
 
 
-# the folders a rollout writes inside its output folder, with the stages of their manifests (turns/: a folder of them)
-ROLLOUT_CHILDREN = {"episodes": ("rollout_reset",), "turns": (), "samples": ("rollout_samples",)}
+# the folders a rollout writes inside its output folder, with the stages of their manifests (turns/: a folder of
+# them), from the stage declarations (schemas/stage_specs.py)
+ROLLOUT_CHILDREN = rollout_children()
 # what an evaluation writes: an agentic one its rollout and record (stage eval), an RLVR one its prompts, responses
 # and scores
-EVAL_WRITES = Writes("rollflow eval", ("eval",), {**ROLLOUT_CHILDREN, "prompts": ("rlvr_prompts",),
-                                                  "responses": ("rlvr_generate",), "scored": ("rewards",)})
+EVAL_WRITES = Writes("rollflow eval", ("eval",), {**ROLLOUT_CHILDREN, **validation_children()})
 
 
 def stage_writes(who: str, stage: str) -> Writes:

@@ -73,3 +73,14 @@ def test_the_readers_take_the_declarations():
     assert rerun_of("advantages")[0].__name__ == stage_spec("advantages").section
     assert stage_spec("response_rewards").first_carried() == {}
     assert stage_spec("response_rewards").first_carried() is not stage_spec("response_rewards").carries[1]
+
+
+def test_the_output_check_takes_the_folders_a_rollout_and_a_validation_write_from_the_declarations():
+    """stages/outputs.py keeps no list of rollout or evaluation stage names: a rollout's folders and an RLVR
+    validation's come from each stage's ``writes`` (a folder of outputs, turns/turn_<t>, names no stage)."""
+    from stages.outputs import EVAL_WRITES, ROLLOUT_CHILDREN
+
+    assert ROLLOUT_CHILDREN == {"episodes": ("rollout_reset",), "turns": (), "samples": ("rollout_samples",)}
+    assert EVAL_WRITES.stages == ("eval",)
+    assert dict(EVAL_WRITES.children) == {**ROLLOUT_CHILDREN, "prompts": ("rlvr_prompts",),
+                                          "responses": ("rlvr_generate",), "scored": ("rewards",)}
