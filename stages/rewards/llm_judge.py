@@ -30,7 +30,8 @@ logger = logging.getLogger(__name__)
 
 Generate = Callable[[list[str]], Sequence[str | None]]
 
-VERDICT_PROMPT = """You are grading an answer to a question against a reference answer.
+# what both judge prompts show the judge: the question, the reference and the answer to grade
+_GRADING_HEADER = """You are grading an answer to a question against a reference answer.
 
 Question:
 {question}
@@ -41,25 +42,16 @@ Reference answer:
 Answer to grade:
 {response}
 
-Decide whether the answer to grade is correct, i.e. equivalent to the reference answer. Begin your reply with \
+"""
+
+VERDICT_PROMPT = _GRADING_HEADER + """Decide whether the answer to grade is correct, i.e. equivalent to the reference answer. Begin your reply with \
 exactly one line of the form
 VERDICT: CORRECT
 or
 VERDICT: INCORRECT
 then explain briefly on the following lines."""
 
-SCORE_PROMPT = """You are grading an answer to a question against a reference answer.
-
-Question:
-{question}
-
-Reference answer:
-{reference}
-
-Answer to grade:
-{response}
-
-Rate the answer to grade from 0 (wrong) to 10 (fully correct). Begin your reply with exactly one line of the form
+SCORE_PROMPT = _GRADING_HEADER + """Rate the answer to grade from 0 (wrong) to 10 (fully correct). Begin your reply with exactly one line of the form
 Score: N/10
 then explain briefly on the following lines."""
 
