@@ -19,6 +19,7 @@ Class attributes a worker may declare (capabilities, read by the router, so no c
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Protocol, Sequence
@@ -56,6 +57,17 @@ def batch_size(rows: Rows) -> int:
         raise InvariantError(f"reward batch: columns have different lengths {lengths}; every column needs one "
                              "value per response")
     return next(iter(lengths.values()), 0)
+
+
+def json_ground_truth(ground_truth: Any, what: str, error: type[Exception]) -> Any:
+    """A row's ``ground_truth`` decoded when it is a JSON string or bytes, as it is otherwise (a list or dict already);
+    ``error("<what> not valid JSON (...)")`` when the string is not JSON (``what``: e.g. "tests are")."""
+    if not isinstance(ground_truth, (str, bytes)):
+        return ground_truth
+    try:
+        return json.loads(ground_truth)
+    except ValueError as decode_error:
+        raise error(f"{what} not valid JSON ({decode_error})") from None
 
 
 def outputs(scores: list[Score], rewards: list[Score] | None = None) -> dict[str, list[Score]]:

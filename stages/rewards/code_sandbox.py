@@ -20,13 +20,12 @@ introspection; stdin/stdout tests are compared outside the sandbox and cannot be
 
 from __future__ import annotations
 
-import json
 import secrets
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-from stages.rewards.base import GROUND_TRUTH, RESPONSE, Rows, Score, outputs
+from stages.rewards.base import GROUND_TRUTH, RESPONSE, Rows, Score, json_ground_truth, outputs
 from stages.rewards.registry import REWARD_WORKERS
 from stages.rewards.sandbox import Sandbox, SandboxLimits, SandboxResult, default_sandbox
 from stages.rewards.text import after_last_think, last_code_block, strip_special_tokens
@@ -71,12 +70,7 @@ class CodeTest:
 
 def parse_tests(ground_truth: Any) -> list[CodeTest]:
     """``ground_truth`` (JSON string, list or ``{"tests": [...]}``) → tests; :class:`BadTests` if malformed."""
-    spec = ground_truth
-    if isinstance(spec, (str, bytes)):
-        try:
-            spec = json.loads(spec)
-        except ValueError as error:
-            raise BadTests(f"tests are not valid JSON ({error})") from None
+    spec = json_ground_truth(ground_truth, "tests are", BadTests)
     if isinstance(spec, dict):
         spec = spec.get("tests")
     if not isinstance(spec, list) or not spec:

@@ -18,7 +18,7 @@ import json
 import re
 from typing import Any, Callable
 
-from stages.rewards.base import GROUND_TRUTH, RESPONSE, Rows, Score, outputs
+from stages.rewards.base import GROUND_TRUTH, RESPONSE, Rows, Score, json_ground_truth, outputs
 from stages.rewards.registry import REWARD_WORKERS
 from stages.rewards.text import after_last_think, repetition_penalty, strip_special_tokens
 
@@ -172,12 +172,7 @@ CONSTRAINTS: dict[str, Callable[..., bool]] = {f.__name__: f for f in (
 
 
 def parse_constraints(ground_truth: Any) -> list[dict]:
-    spec = ground_truth
-    if isinstance(spec, (str, bytes)):
-        try:
-            spec = json.loads(spec)
-        except ValueError as error:
-            raise Unscorable(f"constraint is not valid JSON ({error})") from None
+    spec = json_ground_truth(ground_truth, "constraint is", Unscorable)
     spec = [spec] if isinstance(spec, dict) else spec
     if not isinstance(spec, list) or not spec or not all(isinstance(c, dict) for c in spec):
         raise Unscorable("expected a constraint object or a non-empty list of them")
