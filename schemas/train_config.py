@@ -324,6 +324,13 @@ class TrainSection(LossOptions):
         return LossOptions.model_validate({name: getattr(self, name) for name in LossOptions.model_fields})
 
 
+def _threads_field(per: str) -> Any:
+    """The ``threads`` option of a stage whose ``per`` (worker, actor) reserves ``cpus_per_<per>`` CPUs."""
+    return Field(None, gt=0, description=f"torch threads per {per} (default: max(1, floor(cpus_per_{per}))). More "
+                                         "threads than reserved CPUs borrow CPUs that idle during this stage (e.g. "
+                                         "the idle engine's).")
+
+
 class TrainRuntimeConfig(RuntimeConfig):
     """Where the training step runs (not part of its fingerprint)."""
 
@@ -334,9 +341,7 @@ class TrainRuntimeConfig(RuntimeConfig):
     num_workers: int = Field(2, gt=0, description="Ray Train workers (data-parallel ranks).")
     use_gpu: bool = Field(False, description="One GPU per worker and the nccl backend (else gloo on CPU).")
     cpus_per_worker: float = Field(1.0, gt=0, description="CPUs reserved per worker; torch threads = max(1, floor).")
-    threads: int | None = Field(None, gt=0, description="torch threads per worker (default: max(1, floor("
-                                                       "cpus_per_worker))). More threads than reserved CPUs borrow CPUs "
-                                                       "that idle during this stage (e.g. the idle engine's).")
+    threads: int | None = _threads_field("worker")
     keep_workers: bool = Field(True, description="A training flow keeps its worker group and their DeepSpeed engines "
                                                  "across steps (started once; a step that starts from the checkpoint "
                                                  "the previous one wrote reuses the engines in memory). Kept workers "
@@ -420,9 +425,7 @@ class ForwardConfig(OmitDefaults):
                                        "padding (ROLL's name; positions restart per row, so each attends to itself "
                                        "only); max_tokens_per_microbatch_in_infer then counts real tokens. The same "
                                        "values up to float rounding, so not part of the stage's fingerprint.")
-    threads: int | None = Field(None, gt=0, description="torch threads per actor (default: max(1, floor("
-                                                       "cpus_per_actor))). More threads than reserved CPUs borrow CPUs "
-                                                       "that idle during this stage (e.g. the idle engine's).")
+    threads: int | None = _threads_field("actor")
     device_mapping: DeviceMapping = Field(None, description="ROLL's device_mapping of the reference/old-log-prob "
                                           "workers: their GPU indexes (one per actor; device: cuda). Equal to the "
                                           "engine's and training's: colocated on those GPUs (schemas/devices.py). "
