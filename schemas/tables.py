@@ -157,6 +157,13 @@ def _first_bad_row(mask: np.ndarray) -> int:
     return int(np.flatnonzero(mask)[0])
 
 
+def _refuse_first_bad(bad: np.ndarray, message: Callable[[int], str]) -> None:
+    """``bad``: one bool per row (or group, trajectory). An :class:`InvariantError` with ``message(i)`` for the first
+    ``i`` it marks; nothing when it marks none."""
+    if bad.any():
+        raise InvariantError(message(_first_bad_row(bad)))
+
+
 def check_row_invariants(spec: TableSpec, batch: pa.Table, where: str) -> None:
     """Per-row invariants (block-local): aligned list lengths and finite numbers. Raises :class:`InvariantError`."""
     names = batch.column_names
@@ -177,14 +184,10 @@ def check_row_invariants(spec: TableSpec, batch: pa.Table, where: str) -> None:
                 continue
             want = base if col in spec.token_aligned else np.maximum(base - 1, 0)
             got = pc.list_value_length(batch.column(col)).to_numpy(zero_copy_only=False)
-            bad = got != want
-            if bad.any():
-                i = _first_bad_row(bad)
-                raise InvariantError(
-                    f"{spec.name} table at {where}: column '{col}' has {got[i]} entries in {rid(i)} but input_ids has "
-                    f"{base[i]} tokens; expected {want[i]} ({'L' if col in spec.token_aligned else 'L-1, next-token aligned'}). "
-                    "Fix the producer of this column."
-                )
+            _refuse_first_bad(got != want, lambda i: (
+                f"{spec.name} table at {where}: column '{col}' has {got[i]} entries in {rid(i)} but input_ids has "
+                f"{base[i]} tokens; expected {want[i]} ({'L' if col in spec.token_aligned else 'L-1, next-token aligned'}). "
+                "Fix the producer of this column."))
     for col in spec.finite:
         if col not in names:
             continue
@@ -203,11 +206,9 @@ def check_row_invariants(spec: TableSpec, batch: pa.Table, where: str) -> None:
                 raise InvariantError(f"{spec.name} table at {where}: column '{col}' is null in {rid(i)}; "
                                      "a score is required for every row.")
             vals = arr.to_numpy(zero_copy_only=False).astype(np.float64)
-            bad = ~np.isfinite(vals)
-            if bad.any():
-                i = _first_bad_row(bad)
-                raise InvariantError(f"{spec.name} table at {where}: column '{col}' is {vals[i]} in {rid(i)}; "
-                                     "values must be finite. Fix the reward/environment that produced it or drop the row.")
+            _refuse_first_bad(~np.isfinite(vals), lambda i: (
+                f"{spec.name} table at {where}: column '{col}' is {vals[i]} in {rid(i)}; values must be finite. Fix "
+                "the reward/environment that produced it or drop the row."))
     if spec.row_check is not None:
         spec.row_check(batch, where)
 
@@ -226,30 +227,21 @@ def check_structure(table: pa.Table, where: str, group_size: int | None) -> None
         + ([("num_turns", "min"), ("num_turns", "max")] if with_turns else []))
     lo, hi, n, distinct = (traj.column(c).to_numpy() for c in ("turn_idx_min", "turn_idx_max", "turn_idx_count",
                                                                  "turn_idx_count_distinct"))
-    bad = (lo != 0) | (hi != n - 1) | (distinct != n)
-    if bad.any():
-        i = _first_bad_row(bad)
-        raise InvariantError(
-            f"table at {where}: trajectory '{traj.column('traj_id')[i].as_py()}' has turn indices {lo[i]}..{hi[i]} "
-            f"({distinct[i]} distinct) over {n[i]} rows; they must be contiguous from 0 without repeats. A turn is "
-            "missing or duplicated: re-run the rollout for it or drop the trajectory.")
+    _refuse_first_bad((lo != 0) | (hi != n - 1) | (distinct != n), lambda i: (
+        f"table at {where}: trajectory '{traj.column('traj_id')[i].as_py()}' has turn indices {lo[i]}..{hi[i]} "
+        f"({distinct[i]} distinct) over {n[i]} rows; they must be contiguous from 0 without repeats. A turn is "
+        "missing or duplicated: re-run the rollout for it or drop the trajectory."))
     if with_turns:  # step-level rows: one per turn; trajectory-level rows: one per trajectory
         t_lo, t_hi = traj.column("num_turns_min").to_numpy(), traj.column("num_turns_max").to_numpy()
-        bad = (t_lo != t_hi) | ((n != 1) & (n != t_lo))
-        if bad.any():
-            i = _first_bad_row(bad)
-            raise InvariantError(
-                f"table at {where}: trajectory '{traj.column('traj_id')[i].as_py()}' has {n[i]} rows but num_turns "
-                f"{t_lo[i]}..{t_hi[i]}; step-level data needs one row per turn (trajectory-level data one row per "
-                "trajectory) with the same num_turns on each. A turn is missing: re-run the rollout for it or drop "
-                "the trajectory.")
+        _refuse_first_bad((t_lo != t_hi) | ((n != 1) & (n != t_lo)), lambda i: (
+            f"table at {where}: trajectory '{traj.column('traj_id')[i].as_py()}' has {n[i]} rows but num_turns "
+            f"{t_lo[i]}..{t_hi[i]}; step-level data needs one row per turn (trajectory-level data one row per "
+            "trajectory) with the same num_turns on each. A turn is missing: re-run the rollout for it or drop "
+            "the trajectory."))
     if group_size:
         groups = table.select(["group_id", "traj_id"]).group_by("group_id").aggregate([("traj_id", "count_distinct")])
         sizes = groups.column("traj_id_count_distinct").to_numpy()
-        bad = sizes != group_size
-        if bad.any():
-            i = _first_bad_row(bad)
-            raise InvariantError(
-                f"table at {where}: group '{groups.column('group_id')[i].as_py()}' has {sizes[i]} trajectories, expected "
-                f"group_size={group_size}, because advantages are normalised over complete groups. Drop incomplete "
-                "groups or set group_size to the size the data was generated with.")
+        _refuse_first_bad(sizes != group_size, lambda i: (
+            f"table at {where}: group '{groups.column('group_id')[i].as_py()}' has {sizes[i]} trajectories, expected "
+            f"group_size={group_size}, because advantages are normalised over complete groups. Drop incomplete "
+            "groups or set group_size to the size the data was generated with."))
