@@ -57,7 +57,7 @@ from stages.generation.model_store import DEFAULT_MODEL_NAME
 from stages.paths import cache_root_path
 from stages.storage import is_uri
 
-ROLLOUT_TASK_CPUS = 0.25  # stages/rollout/stages.py and stages/rlvr/generate.py: TASK_CPUS of the generation tasks
+ROLLOUT_TASK_CPUS = 0.25  # stages/rollout/stages.py: TASK_CPUS of the generation tasks
 DATA_TASK_SHARE = 0.5  # Ray Data's read/write tasks beside the log-prob actors
 GIB = 2**30
 _EPS = 1e-9

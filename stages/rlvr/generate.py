@@ -34,13 +34,12 @@ from stages.rewards.registry import required_services, resolve_worker, run_conte
 from stages.rlvr.example import DATA_DIR, row_id
 from stages.rollout.driver import resolve_model_dir
 from stages.rollout.engine_pool import EnginePool
-from stages.rollout.stages import in_blocks
+from stages.rollout.stages import EngineStage
 from stages.runner import Stage, StageContext, read_partials, sum_partials, write_partials
 from stages.storage import Location
 
 PROMPTS = TableSpec(name="prompts", required={"prompt_id": pa.string(), "domain": pa.string(), "tag": pa.string(),
                                               "prompt": pa.string(), "ground_truth": pa.string()})
-TASK_CPUS = 0.25
 
 
 class PromptsSection(Frozen):
@@ -170,18 +169,15 @@ def _response_rows(s: GenerateSection, prompts: list[dict], results) -> dict[str
     return cols
 
 
-class GenerateStage(Stage):
-    """``prompts`` → ``responses`` of one step: ``n`` samples per selected prompt from the pool's engines."""
+class GenerateStage(EngineStage):
+    """``prompts`` → ``responses`` of one step: ``n`` samples per selected prompt from the pool's engines (``ticker``:
+    responses generated)."""
 
     name = "rlvr_generate"
     version = "1"
     output_spec = RESPONSES
     section_model = GenerateSection
     input_specs = {"prompts": PROMPTS}
-
-    def __init__(self, pool, ticker=None) -> None:
-        self.pool = pool
-        self.ticker = ticker  # a stages.progress.Ticker (responses generated) or None
 
     def build(self, ctx: StageContext):
         s: GenerateSection = ctx.section
@@ -216,9 +212,7 @@ class GenerateStage(Stage):
                 ticker.add(len(cols["row_id"]))
             return pa.table({f.name: pa.array(cols[f.name], f.type) for f in schema}, schema=schema)
 
-        per_engine = math.ceil(chosen.num_rows / len(handles))
-        return in_blocks(chosen, per_engine).map_batches(generate_batch, batch_format="pyarrow", batch_size=None,
-                                                         num_cpus=TASK_CPUS)
+        return self.on_engines(chosen, math.ceil(chosen.num_rows / len(handles)), generate_batch)
 
     def finalize(self, ctx: StageContext, written: Location):
         total = sum_partials(read_partials(written))

@@ -66,7 +66,26 @@ def _engine_for(first_env_id: int, engines: int, total: int) -> int:
     return min(engines - 1, first_env_id * engines // max(total, 1))
 
 
-class ResetStage(Stage):
+class EngineStage(Stage):
+    """A stage whose Ray Data tasks hand their batches to the engine actors of ``pool`` (an EnginePool, started by
+    the caller): the rollout's reset and turns, RLVR's generation. ``ticker``: a stages.progress.Ticker of the rows
+    done, or None. Its metrics are the sums of the partials its tasks wrote."""
+
+    def __init__(self, pool, ticker=None) -> None:
+        self.pool, self.ticker = pool, ticker
+
+    @staticmethod
+    def on_engines(table: pa.Table, rows_per_block: int, fn):
+        """The Ray dataset of ``fn`` (a pyarrow table -> table) over ``table`` cut into blocks of ``rows_per_block``
+        rows, one light task (TASK_CPUS) per block, each handing its block whole to an engine."""
+        return in_blocks(table, rows_per_block).map_batches(fn, batch_format="pyarrow", batch_size=None,
+                                                            num_cpus=TASK_CPUS)
+
+    def finalize(self, ctx: StageContext, written: Location):
+        return sum_partials(read_partials(written)), {}
+
+
+class ResetStage(EngineStage):
     """Reset every episode's environment and build its first prompt (on the engine actors, which hold the
     tokenizer)."""
 
@@ -75,9 +94,6 @@ class ResetStage(Stage):
     output_spec = TURNS
     section_model = TurnSection
     input_specs: dict = {}
-
-    def __init__(self, pool) -> None:
-        self.pool = pool
 
     def build(self, ctx: StageContext):
         section: TurnSection = ctx.section
@@ -96,14 +112,10 @@ class ResetStage(Stage):
             return table
 
         ids = pa.table({"id": pa.array(range(total), pa.int64())})
-        return in_blocks(ids, math.ceil(total / len(handles))).map_batches(
-            reset_batch, batch_format="pyarrow", batch_size=None, num_cpus=TASK_CPUS)
-
-    def finalize(self, ctx: StageContext, written: Location):
-        return sum_partials(read_partials(written)), {}
+        return self.on_engines(ids, math.ceil(total / len(handles)), reset_batch)
 
 
-class TurnStage(Stage):
+class TurnStage(EngineStage):
     """Play turn ``turn`` of every active episode: generate with the pool's engines, step the environments."""
 
     name = "rollout_turn"
@@ -113,8 +125,8 @@ class TurnStage(Stage):
     input_specs = {"previous": TURNS}
 
     def __init__(self, turn: int, pool, active: int, ticker=None) -> None:
-        self.turn, self.pool, self.active = turn, pool, active
-        self.ticker = ticker  # a stages.progress.Ticker (episodes played) or None
+        super().__init__(pool, ticker)  # ticker: episodes played
+        self.turn, self.active = turn, active
 
     def _batch_size(self) -> int:
         configured = self.pool.config.batch_size
@@ -146,14 +158,10 @@ class TurnStage(Stage):
             return table
 
         active = read_table(ctx.inputs["previous"], where=pc.field("done") == False)  # noqa: E712
-        return in_blocks(active, self._batch_size()).map_batches(play_batch, batch_format="pyarrow",
-                                                                 batch_size=None, num_cpus=TASK_CPUS)
+        return self.on_engines(active, self._batch_size(), play_batch)
 
     def check_output(self, ctx: StageContext, written: Location) -> None:
         check_turn_table(written, ctx.output.path)
-
-    def finalize(self, ctx: StageContext, written: Location):
-        return sum_partials(read_partials(written)), {}
 
 
 def check_turn_table(loc: Location, where: str) -> None:
