@@ -73,6 +73,14 @@ class OmitDefaults(Frozen):
         return data
 
 
+def refuse_unless_above(label: str, value: float | None, bound: float, why: str, null_ok: bool = False) -> None:
+    """The rule of an optional number option that, when set, must exceed ``bound`` (in a model validator): a
+    ValueError "<label> (<value>) must be [null or ]> <bound>, <why>" otherwise (``null_ok``: the message offers
+    null, the option's 'off'; ``why``: the reason and the fix)."""
+    if value is not None and value <= bound:
+        raise ValueError(f"{label} ({value}) must be {'null or ' if null_ok else ''}> {bound:g}, {why}")
+
+
 class RewardNormalizationConfig(Frozen):
     """Agentic reward normalisation (spec §5.2)."""
 
@@ -112,19 +120,19 @@ class AdvantageOptions(Frozen):
     # a distinct name: a subclass's validator of the same name would replace this one instead of running after it
     @model_validator(mode="after")
     def _advantage_option_rules(self) -> "AdvantageOptions":
-        if self.reward_clip is not None and self.reward_clip <= 0:
-            raise ValueError(f"reward_clip ({self.reward_clip}) must be null or > 0, because ROLL treats 0 as 'off' "
-                             "and a negative bound is meaningless; set reward_clip: null to disable clipping")
-        if self.advantage_clip is not None and self.advantage_clip <= 0:
-            raise ValueError(f"advantage_clip ({self.advantage_clip}) must be null or > 0, because clamping to "
-                             f"±{self.advantage_clip} would zero every advantage; set advantage_clip: null to disable")
+        refuse_unless_above("reward_clip", self.reward_clip, 0, null_ok=True, why=(
+            "because ROLL treats 0 as 'off' "
+            "and a negative bound is meaningless; set reward_clip: null to disable clipping"))
+        refuse_unless_above("advantage_clip", self.advantage_clip, 0, null_ok=True, why=(
+            "because clamping to "
+            f"±{self.advantage_clip} would zero every advantage; set advantage_clip: null to disable"))
         if self.kl_penalty == "full":
             raise ValueError("kl_penalty 'full' needs each token's whole log-distribution over the vocabulary, but the "
                              "tables store only the sampled tokens' log-probs (old_log_probs, ref_log_probs); set "
                              "kl_penalty to kl, abs, mse or k3")
-        if self.target_kl is not None and self.target_kl <= 0:
-            raise ValueError(f"target_kl ({self.target_kl}) must be > 0, because the adaptive controller divides by "
-                             "it; set target_kl: null for a fixed KL coefficient")
+        refuse_unless_above("target_kl", self.target_kl, 0, why=(
+            "because the adaptive controller divides by "
+            "it; set target_kl: null for a fixed KL coefficient"))
         return self
 
 

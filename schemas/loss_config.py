@@ -13,7 +13,7 @@ from typing import Any, Literal, Mapping, get_args
 
 from pydantic import Field, FieldSerializationInfo, field_serializer, model_validator
 
-from schemas.config import Frozen, validate_config
+from schemas.config import Frozen, refuse_unless_above, validate_config
 from schemas.errors import ConfigError
 
 AggType = Literal["token", "geometric", "sequence", "segment"]
@@ -34,11 +34,11 @@ class IsWeightConfig(Frozen):
 
     @model_validator(mode="after")
     def _positive_bound(self) -> "IsWeightConfig":
-        if self.upper_bound is not None and self.upper_bound <= 0:
-            raise ValueError(f"is_weight.upper_bound ({self.upper_bound}) must be null or > 0, because the weight is "
-                             f"clamped to [0, upper_bound] and a bound <= 0 makes every weight {self.upper_bound} "
-                             "(no gradient, or the loss's sign flipped); use e.g. 1.2 (ROLL's default), or null for "
-                             "no clamp")
+        refuse_unless_above("is_weight.upper_bound", self.upper_bound, 0, null_ok=True, why=(
+            "because the weight is "
+            f"clamped to [0, upper_bound] and a bound <= 0 makes every weight {self.upper_bound} "
+            "(no gradient, or the loss's sign flipped); use e.g. 1.2 (ROLL's default), or null for "
+            "no clamp"))
         return self
 
 
@@ -125,13 +125,13 @@ class LossOptions(Frozen):
     # a distinct name: a subclass's validator of the same name would replace this one instead of running after it
     @model_validator(mode="after")
     def _loss_option_rules(self) -> "LossOptions":
-        if self.dual_clip_c is not None and self.dual_clip_c <= 1:
-            raise ValueError(f"dual_clip_c ({self.dual_clip_c}) must be > 1, because the dual clip bounds a negative "
-                             "advantage's loss at c*|A|; use e.g. 3.0, or null for ROLL's 1 + 2*pg_clip")
-        if self.sum_norm_constant is not None and self.sum_norm_constant <= 0:
-            raise ValueError(f"sum_norm_constant ({self.sum_norm_constant}) must be > 0, because it divides the "
-                             "summed token losses; use e.g. the maximum response length, or null for ROLL's padded "
-                             "length")
+        refuse_unless_above("dual_clip_c", self.dual_clip_c, 1, why=(
+            "because the dual clip bounds a negative "
+            "advantage's loss at c*|A|; use e.g. 3.0, or null for ROLL's 1 + 2*pg_clip"))
+        refuse_unless_above("sum_norm_constant", self.sum_norm_constant, 0, why=(
+            "because it divides the "
+            "summed token losses; use e.g. the maximum response length, or null for ROLL's padded "
+            "length"))
         return self
 
     @field_serializer("train_infer_correction")

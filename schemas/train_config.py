@@ -19,7 +19,7 @@ from pydantic import AliasChoices, BeforeValidator, Field, SerializerFunctionWra
 
 from schemas.capabilities import (ESTIMATOR_CAPABILITIES, POLICY_LOSS_CAPABILITIES, estimator_capabilities,
                                  policy_loss_capabilities)
-from schemas.config import AdvEstimator, Frozen, OmitDefaults, RuntimeConfig, raw_section
+from schemas.config import AdvEstimator, Frozen, OmitDefaults, RuntimeConfig, raw_section, refuse_unless_above
 from schemas.devices import DeviceMapping
 from schemas.loss_config import LossOptions
 from schemas.precision import short_validator
@@ -80,9 +80,9 @@ class ModelArgs(Frozen):
         if self.lora_rank <= 0:
             raise ValueError(f"lora_rank ({self.lora_rank}) must be > 0, because it is the inner size of the "
                              "adapter matrices B (d x r) and A (r x k); use e.g. 8, or null for full training")
-        if self.lora_alpha is not None and self.lora_alpha <= 0:
-            raise ValueError(f"lora_alpha ({self.lora_alpha}) must be > 0, because the adapter update is scaled by "
-                             "lora_alpha / lora_rank; use e.g. 2 x lora_rank, or null for lora_rank")
+        refuse_unless_above("lora_alpha", self.lora_alpha, 0, why=(
+            "because the adapter update is scaled by "
+            "lora_alpha / lora_rank; use e.g. 2 x lora_rank, or null for lora_rank"))
         if not self.lora_target_modules or any(not str(m).strip() for m in self.lora_target_modules):
             raise ValueError(f"lora_target_modules ({list(self.lora_target_modules)}) must name at least one linear "
                              "layer and no empty name, because LoRA adds its adapters there; use e.g. [q_proj, "
@@ -273,10 +273,10 @@ class TrainSection(LossOptions):
 
     @model_validator(mode="after")
     def _value_clip_rule(self) -> "TrainSection":
-        if self.value_clip is not None and self.value_clip <= 0:
-            raise ValueError(f"value_clip ({self.value_clip}) must be null or > 0, because the critic's values are "
-                             f"clipped to old value ± value_clip and a bound <= 0 leaves no range; set value_clip: "
-                             "null to turn value clipping off, or e.g. 0.5")
+        refuse_unless_above("value_clip", self.value_clip, 0, null_ok=True, why=(
+            "because the critic's values are "
+            f"clipped to old value ± value_clip and a bound <= 0 leaves no range; set value_clip: "
+            "null to turn value clipping off, or e.g. 0.5"))
         return self
 
     @model_validator(mode="after")
