@@ -85,7 +85,8 @@ def rerun_stage(name: str, old_output: str, overrides: list[str], output: str | 
 
     check_output(target, stage_writes(f"rollflow stage {name}", name),
                  {"--from": old.uri(), **{f"'{key}' (recorded in {old.path}/manifest.json)": path
-                                          for key, path in inputs.items()}})
+                                          for key, path in inputs.items()}},
+                 records=inputs)  # an output of this stage from other inputs is another command's, e.g. a run's
     from stages.cluster import ensure_ray
 
     ensure_ray()  # once the request is valid (the manifest holds no runtime settings: $RAY_ADDRESS or a local cluster)

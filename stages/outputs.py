@@ -97,10 +97,47 @@ def _refuse(output: str, holds: str, writes: Writes) -> ConfigError:
                        "is replaced; pass a new --output folder (or move that folder away first)")
 
 
-def _check_contents(output: str, loc: Location, writes: Writes) -> None:
-    """What the existing folder ``loc`` holds must be this command's own earlier output (see :class:`Writes`)."""
+def _other_inputs(manifest: dict, records: Mapping[str, str]) -> str | None:
+    """How the inputs ``manifest`` records differ from ``records`` (input name -> path, what this command's stage
+    records): another name, another folder (resolved), or the same folder holding another stage output than the one
+    it read (the fingerprint in the input's manifest against the recorded one; a folder without a manifest, a plain
+    table or model folder, is fingerprinted by each reader its own way and compared by path only). None when they
+    are the same."""
+    recorded = manifest.get("inputs") or {}
+    if not isinstance(recorded, dict) or sorted(recorded) != sorted(records):
+        return f"inputs {sorted(recorded) if isinstance(recorded, dict) else '?'} (this command's: {sorted(records)})"
+    for name, path in sorted(records.items()):
+        entry = recorded[name] if isinstance(recorded[name], dict) else {}
+        if resolved(str(entry.get("path", ""))) != resolved(path):
+            return f"input '{name}' from {entry.get('path')} (this command's: {path})"
+        then = entry.get("fingerprint")
+        now = (read_manifest(Location.of(path)) or {}).get("fingerprint") if Location.of(path).is_dir() else None
+        if isinstance(then, str) and isinstance(now, str) and now != then:
+            return f"input '{name}' from {path} as it was before it changed (fingerprint {then[:12]}, now {now[:12]})"
+    return None
+
+
+def _run_folder(loc: Location) -> Location | None:
+    """The training run folder (one holding config.json and metrics/, see flows/runkit.py) above ``loc`` whose own
+    folder ``loc`` is: no folder name between the run and ``loc`` has an ``@`` (``rollflow stage`` writes
+    ``<folder>@<tag>``), e.g. runs/<run>/iter_0001/advantaged. None when ``loc`` is no run's own folder."""
+    names, parent = [loc.name], loc.parent
+    while parent.path.strip("/") and parent.path != loc.path:
+        if parent.child("config.json").exists() and parent.child("metrics").is_dir():
+            return None if any("@" in name for name in names) else parent
+        names.append(parent.name)
+        loc, parent = parent, parent.parent
+    return None
+
+
+def _check_contents(output: str, loc: Location, writes: Writes, records: Mapping[str, str] | None) -> None:
+    """What the existing folder ``loc`` holds must be this command's own earlier output (see :class:`Writes`): of its
+    stage and, with ``records`` (see :func:`check_output`), from the same inputs."""
     manifest = read_manifest(loc)
     if manifest is not None and manifest.get("stage") in writes.stages:
+        other = _other_inputs(manifest, records) if records is not None else None
+        if other is not None:
+            raise _refuse(output, f"{_holds(manifest, loc)} from other inputs ({other})", writes)
         return
     if manifest is not None:
         raise _refuse(output, _holds(manifest, loc), writes)
@@ -142,11 +179,14 @@ def check_output_location(output: str) -> None:
 
 
 def check_output(output: str, writes: Writes | None, inputs: Mapping[str, str | None] | None = None,
-                 flag: str = "--output") -> None:
+                 flag: str = "--output", records: Mapping[str, str] | None = None) -> None:
     """The pre-flight check of a command's ``output`` folder: not a file and writable
     (:func:`check_output_location`), none of the command's ``inputs`` (name -> path; equal,
     inside, containing: :func:`check_against_inputs`), not inside a committed table, and (``writes``; None: the
-    caller checks the folder's contents itself, a run folder) holding nothing the command did not write. Raises a
+    caller checks the folder's contents itself, a run folder) holding nothing the command did not write: an output
+    of its stage counts as its own only when it records the inputs in ``records`` (input name -> path, the inputs
+    the stage records in its manifest; None: not compared), and a training run's own folder that already holds
+    something (runs/<run>/iter_0001/rollout; see :func:`_run_folder`) never does, as the run wrote it. Raises a
     ConfigError naming the folder, what it holds and the fix."""
     check_output_location(output)
     check_against_inputs(output, {k: v for k, v in (inputs or {}).items() if v is not None}, flag)
@@ -160,7 +200,11 @@ def check_output(output: str, writes: Writes | None, inputs: Mapping[str, str | 
                           "manifest only, and anything written into it would damage it; pass a folder outside "
                           f"{owner.path}")
     if writes is not None and loc.is_dir():
-        _check_contents(output, loc, writes)
+        run = None if writes.loose else _run_folder(loc)
+        if run is not None and any(not i.base_name.startswith(".")
+                                   for i in loc.fs.get_file_info(pafs.FileSelector(loc.path))):
+            raise _refuse(output, f"what training run {run.path} wrote", writes)
+        _check_contents(output, loc, writes, records)
 
 
 # the folders a rollout writes inside its output folder, with the stages of their manifests (turns/: a folder of

@@ -73,7 +73,8 @@ def check_steps(steps: Sequence[Step]) -> dict[str, int]:
                                          getattr(step.section, "group_size", None))
         step.stage.preflight(step.section, {n: p for n, p in step.inputs.items() if _key(p) not in written}, schemas)
         on_disk = {f"{step.stage.name} input '{n}'": p for n, p in step.inputs.items() if _key(p) not in written}
-        check_output(step.output, stage_writes(f"stage {step.stage.name}", step.stage.name), on_disk)
+        check_output(step.output, stage_writes(f"stage {step.stage.name}", step.stage.name), on_disk,
+                     records=step.inputs)
         written[_key(step.output)] = (step.stage.output_schema(schemas), step.stage.name)
     return rows
 

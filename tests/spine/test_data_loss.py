@@ -51,6 +51,24 @@ CASES = {
                                         ["--output adv", "is the command's input --from"]),
     "stage-output-holds-a-run": (["stage", "advantages", "--from", "adv", "--output", "runs/quickstart", "--force"],
                                  ["output runs/quickstart holds", HOLDS]),
+    # rollflow stage / rollout --output --force on an output of the same stage that this command did not write: from
+    # other inputs, from its input as it was before it changed, or a training run's own folder (before: replaced)
+    "stage-force-output-same-stage-other-inputs": (["stage", "advantages", "--from", "adv", "--output", "other",
+                                                    "--force"], ["output other holds a committed output of stage "
+                                                                 "advantages", "from other inputs", "input 'rewarded'",
+                                                                 HOLDS]),
+    "stage-force-output-same-stage-changed-input": (["stage", "advantages", "--from", "adv", "--output", "stale",
+                                                     "--force"], ["from other inputs", "before it changed", HOLDS]),
+    "stage-force-output-is-a-runs-table": (["stage", "advantages", "--from", "adv", "--output",
+                                            "runs/quickstart/iter_0001/advantaged", "--force"],
+                                           ["what training run", "runs/quickstart", HOLDS]),
+    "rollout-force-output-is-a-runs-rollout": (["rollout", "--config", "@rollout", "--output",
+                                                "runs/quickstart/iter_0001/rollout", "--force"],
+                                               ["what training run", "rollflow rollout did not write"]),
+    "recompute-force-output-holds-its-tables-from-other-inputs": (["recompute", "--input", "tbl", "--config",
+                                                                   "@gigpo", "--output", "rec", "--force"],
+                                                                  ["rec/rewarded holds a committed output of stage "
+                                                                   "response_rewards", "from other inputs", HOLDS]),
     # rollflow eval --output: a committed table (before: exit 0, its manifest replaced by the evaluation record)
     "eval-output-holds-a-committed-table": (["eval", "--config", "@quick", "--output", "tbl"],
                                             ["output tbl holds a committed output of stage example", HOLDS]),
@@ -123,11 +141,31 @@ def work(tmp_path, monkeypatch, no_services, shared) -> Path:  # noqa: F811
     shutil.copytree(shared["samples"], tmp_path / "tbl")
     _fake_stage_output(tmp_path / "adv", {"samples": str(tmp_path / "tbl"), "rewarded": str(tmp_path / "tbl")})
     (tmp_path / "link").symlink_to(tmp_path / "tbl")
-    (tmp_path / "runs" / "quickstart" / "metrics").mkdir(parents=True)
+    # outputs of the same stages this command did not write: from other inputs, from tbl before it changed, a run's
+    _fake_stage_output(tmp_path / "other", {"samples": str(tmp_path / "tbl"), "rewarded": shared["samples"]})
+    _fake_stage_output(tmp_path / "stale", {"samples": str(tmp_path / "tbl"), "rewarded": str(tmp_path / "tbl")})
+    _add_fingerprints(tmp_path / "stale", "0" * 64)
+    (tmp_path / "runs" / "quickstart" / "iter_0001").mkdir(parents=True)
+    _fake_stage_output(tmp_path / "runs" / "quickstart" / "iter_0001" / "advantaged",
+                       {"samples": str(tmp_path / "tbl"), "rewarded": str(tmp_path / "tbl")})
+    (tmp_path / "runs" / "quickstart" / "iter_0001" / "rollout" / "episodes").mkdir(parents=True)
+    (tmp_path / "runs" / "quickstart" / "iter_0001" / "rollout" / "episodes" / "manifest.json").write_text(
+        json.dumps({"stage": "rollout_reset", "inputs": {}, "state_in": {"checkpoint": "f" * 64}}))
+    (tmp_path / "rec" / "rewarded").mkdir(parents=True)
+    (tmp_path / "rec" / "rewarded" / "manifest.json").write_text(json.dumps(
+        {"stage": "response_rewards", "inputs": {"samples": {"path": shared["samples"]}}}))
+    (tmp_path / "runs" / "quickstart" / "metrics").mkdir(parents=True, exist_ok=True)
     (tmp_path / "runs" / "quickstart" / "config.json").write_text(json.dumps({"run_name": "quickstart"}))
     (tmp_path / "notes").mkdir()
     (tmp_path / "notes" / "todo.txt").write_text("keep me\n")
     return tmp_path
+
+
+def _add_fingerprints(folder: Path, fingerprint: str) -> None:
+    manifest = json.loads((folder / "manifest.json").read_text())
+    for entry in manifest["inputs"].values():
+        entry["fingerprint"] = fingerprint
+    (folder / "manifest.json").write_text(json.dumps(manifest))
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
@@ -152,3 +190,30 @@ def test_own_earlier_output_and_new_folders_are_accepted(work):
     check_output("adv", stage_writes("rollflow stage advantages", "advantages"), {"samples": "tbl"})
     (work / "ro" / "turns" / "turn_000").mkdir(parents=True)
     check_output(str(work / "ro"), Writes("rollflow rollout", (), {"episodes": (), "turns": (), "samples": ()}))
+
+
+def test_an_output_of_the_same_stage_is_its_own_only_from_the_same_inputs(work):
+    """An earlier output of the command's stage from the inputs it records (paths resolved, fingerprints as they are
+    now) is its own: a re-run resumes or skips it, --force redoes it; so is a ``rollflow stage`` output inside a run
+    folder (``<folder>@<tag>``). One from other inputs, or a run's own folder, is not."""
+    from schemas.errors import ConfigError
+    from stages.outputs import Writes, check_output, stage_writes
+    from stages.storage import Location, folder_fingerprint
+
+    writes = stage_writes("rollflow stage advantages", "advantages")
+    same = {"samples": "tbl", "rewarded": "link"}  # the symlink resolves to tbl
+    check_output("adv", writes, records=same)
+    _add_fingerprints(work / "adv", folder_fingerprint(Location.of(str(work / "tbl"))))
+    check_output("adv", writes, records=same)
+    with pytest.raises(ConfigError, match="before it changed"):
+        check_output("stale", writes, records=same)
+    with pytest.raises(ConfigError, match="inputs"):
+        check_output("adv", writes, records={"samples": "tbl"})
+    rerun = work / "runs" / "quickstart" / "iter_0001" / "advantaged@abc123"
+    shutil.copytree(work / "adv", rerun)
+    check_output(str(rerun), writes, records=same)
+    (work / "runs" / "quickstart" / "iter_0001" / "rollout@abc123" / "turns").mkdir(parents=True)
+    check_output("runs/quickstart/iter_0001/rollout@abc123",
+                 Writes("rollflow stage rollout_turn", (), {"episodes": (), "turns": (), "samples": ()}))
+    (work / "runs" / "quickstart" / "iter_0002").mkdir()
+    check_output("runs/quickstart/iter_0002", writes)  # empty: a new folder
