@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 import posixpath
+import re
 from dataclasses import dataclass, field
 from typing import Mapping
 
@@ -24,6 +25,9 @@ import pyarrow.fs as pafs
 from schemas.errors import ConfigError
 from schemas.stage_specs import rollout_children, validation_children
 from stages.storage import MANIFEST, Location, is_uri, read_manifest
+
+# a run's iteration folder: a pipeline's step prefix and the step in four digits (flows/pipeline_specs.py step_dir)
+ITERATION_FOLDER = re.compile(r"[a-z]+_\d{4,}")
 
 
 @dataclass(frozen=True)
@@ -119,12 +123,16 @@ def _other_inputs(manifest: dict, records: Mapping[str, str]) -> str | None:
 
 def _run_folder(loc: Location) -> Location | None:
     """The training run folder (one holding config.json and metrics/, see flows/runkit.py) above ``loc`` whose own
-    folder ``loc`` is: no folder name between the run and ``loc`` has an ``@`` (``rollflow stage`` writes
-    ``<folder>@<tag>``), e.g. runs/<run>/iter_0001/advantaged. None when ``loc`` is no run's own folder."""
+    folder ``loc`` is: inside one of the run's iteration folders (``<prefix><k:04d>``, as flows/pipeline_specs.py
+    names them: iter_0001, step_0001) and no folder name between the run and ``loc`` has an ``@`` (``rollflow
+    stage`` writes ``<folder>@<tag>``), e.g. runs/<run>/iter_0001/advantaged. None when ``loc`` is no run's own
+    folder: a folder a user names beside the iterations (README's ``rollflow eval --output runs/<run>/eval_1``) is
+    the user's, and resumes."""
     names, parent = [loc.name], loc.parent
     while parent.path.strip("/") and parent.path != loc.path:
         if parent.child("config.json").exists() and parent.child("metrics").is_dir():
-            return None if any("@" in name for name in names) else parent
+            own = ITERATION_FOLDER.fullmatch(names[-1]) and not any("@" in name for name in names)
+            return parent if own else None
         names.append(parent.name)
         loc, parent = parent, parent.parent
     return None

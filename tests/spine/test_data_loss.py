@@ -217,3 +217,18 @@ def test_an_output_of_the_same_stage_is_its_own_only_from_the_same_inputs(work):
                  Writes("rollflow stage rollout_turn", (), {"episodes": (), "turns": (), "samples": ()}))
     (work / "runs" / "quickstart" / "iter_0002").mkdir()
     check_output("runs/quickstart/iter_0002", writes)  # empty: a new folder
+
+
+def test_a_users_folder_beside_a_runs_iterations_resumes(work):
+    """README's ``rollflow eval ... --output runs/<run>/eval_1``: a folder the user names beside the run's iteration
+    folders is the user's; run again, the command finds its own earlier output and resumes. The run's own folders
+    (inside ``iter_<k>``/``step_<k>``) are still refused."""
+    from schemas.errors import ConfigError
+    from stages.outputs import EVAL_WRITES, check_output
+
+    child = sorted(EVAL_WRITES.children)[0]
+    for folder in ("eval_1", "step_0003/validation"):
+        (work / "runs" / "quickstart" / folder / child).mkdir(parents=True)
+    check_output("runs/quickstart/eval_1", EVAL_WRITES)
+    with pytest.raises(ConfigError, match="training run"):
+        check_output("runs/quickstart/step_0003/validation", EVAL_WRITES)
