@@ -17,7 +17,6 @@ The ``rewarded`` input (stages/response_rewards.py) says what kind of run it is,
 from __future__ import annotations
 
 import logging
-from typing import Any
 
 import numpy as np
 import pyarrow as pa
@@ -37,23 +36,83 @@ from stages.storage import Location, folder_fingerprint
 
 log = logging.getLogger("rollflow.advantages")
 
-REWARD_LOOKUP_CACHE: dict[str, tuple[Any, dict[str, np.ndarray]]] = {}
+REWARD_LOOKUP_CACHE: dict[str, tuple[RowIdIndex, dict[str, np.ndarray]]] = {}
 # columns of the rewarded table copied to the output (those it has)
 COPIED = ("response_level_rewards", "step_rewards", "episode_rewards_norm", "step_rewards_norm", "state_group_id",
           "domain", "scored")
 NEXT_TOKEN_INPUTS = ("old_log_probs", "ref_log_probs", "infer_logprobs", "values")
+KEY_CHUNK_ROWS = 65_536  # rows per step when packing ragged row_ids into fixed-width keys (bounds the scratch)
 
 
-def indexed(table: pa.Table, where: str) -> tuple[Any, dict[str, np.ndarray]]:
-    """``table`` as (pandas Index over its row_id, its other columns as numpy); a row_id that occurs twice is an
-    :class:`InvariantError` naming ``where``."""
-    import pandas as pd
+def row_id_keys(ids: pa.Array | pa.ChunkedArray) -> np.ndarray:
+    """n row_ids → n fixed-width byte keys (numpy ``S{w+1}``, w the longest id in bytes): each id's UTF-8 bytes, a
+    0x01 terminator, zero padding. Two keys are equal exactly when their ids are; nulls become the empty id."""
+    ids = ids.combine_chunks() if isinstance(ids, pa.ChunkedArray) else ids
+    ids = ids.cast(pa.large_string()) if not pa.types.is_large_string(ids.type) else ids
+    n = len(ids)
+    offsets = np.frombuffer(ids.buffers()[1], np.int64)[ids.offset:ids.offset + n + 1] if n else np.zeros(1, np.int64)
+    data = np.frombuffer(ids.buffers()[2], np.uint8) if n and ids.buffers()[2] is not None else np.zeros(0, np.uint8)
+    lengths = np.diff(offsets)
+    if ids.null_count:
+        lengths = np.where(ids.is_null().to_numpy(zero_copy_only=False), 0, lengths)
+    width = int(lengths.max()) + 1 if n else 1
+    out = np.zeros((n, width), np.uint8)
+    for lo in range(0, n, KEY_CHUNK_ROWS):
+        hi = min(n, lo + KEY_CHUNK_ROWS)
+        ln, start = lengths[lo:hi], offsets[lo:hi]
+        row = np.repeat(np.arange(lo, hi), ln)
+        col = np.arange(len(row)) - np.repeat(np.cumsum(ln) - ln, ln)
+        out[row, col] = data[np.repeat(start, ln) + col]
+        out[np.arange(lo, hi), ln] = 1
+    return out.view(f"S{width}").reshape(n)
 
-    index = pd.Index(table.column("row_id").to_numpy(zero_copy_only=False))
-    if not index.is_unique:
-        raise InvariantError(f"{where}: row_id '{index[index.duplicated()][0]}' occurs more than once; re-run the "
-                             "stage that wrote it")
-    return index, {c: table.column(c).to_numpy(zero_copy_only=False) for c in table.column_names if c != "row_id"}
+
+def _key_text(key: bytes) -> str:
+    """The row_id of a :func:`row_id_keys` key."""
+    return key.rstrip(b"\0")[:-1].decode("utf-8", "replace")
+
+
+class RowIdIndex:
+    """A table's row_ids as a sorted array of :func:`row_id_keys` (w+1 bytes a row, no Python objects; the pandas
+    Index of Python strings it replaces took ~7 times that, BENCHMARKS.md issue 49). :meth:`positions` answers in
+    key order: :meth:`build` also returns the permutation that puts the table's rows in that order."""
+
+    def __init__(self, sorted_keys: np.ndarray):
+        self.keys = sorted_keys
+
+    @classmethod
+    def build(cls, ids: pa.Array | pa.ChunkedArray) -> tuple[RowIdIndex, np.ndarray]:
+        """n row_ids → (their index, the (n,) int64 row positions in key order)."""
+        keys = row_id_keys(ids)
+        order = np.argsort(keys, kind="stable")
+        return cls(keys[order]), order
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+    def duplicate(self) -> str | None:
+        """A row_id that occurs more than once, or None."""
+        same = np.flatnonzero(self.keys[1:] == self.keys[:-1])
+        return _key_text(self.keys[same[0]]) if len(same) else None
+
+    def positions(self, ids: pa.Array | pa.ChunkedArray) -> tuple[np.ndarray, np.ndarray]:
+        """For each of ``ids``: (its position in the sorted keys, clipped; whether it is there), both shape (n,)."""
+        query = row_id_keys(ids)
+        if not len(self.keys):
+            return np.zeros(len(query), np.int64), np.zeros(len(query), bool)
+        pos = np.minimum(np.searchsorted(self.keys, query), len(self.keys) - 1)
+        return pos, self.keys[pos] == query
+
+
+def indexed(table: pa.Table, where: str) -> tuple[RowIdIndex, dict[str, np.ndarray]]:
+    """``table`` as (:class:`RowIdIndex` over its row_id, its other columns as numpy in the index's sorted order); a
+    row_id that occurs twice is an :class:`InvariantError` naming ``where``."""
+    index, order = RowIdIndex.build(table.column("row_id"))
+    dup = index.duplicate()
+    if dup is not None:
+        raise InvariantError(f"{where}: row_id '{dup}' occurs more than once; re-run the stage that wrote it")
+    return index, {c: table.column(c).to_numpy(zero_copy_only=False)[order] for c in table.column_names
+                   if c != "row_id"}
 
 
 def reward_lookup(files: list[str], fs, key: str):
@@ -70,10 +129,9 @@ def take_by_row_id(table: tuple, batch: pa.Table, missing: str) -> dict[str, np.
     """The columns of an :func:`indexed` table for the rows of ``batch``, matched by row_id. A row it lacks raises
     :class:`InvariantError` with ``missing`` (``{row_id}`` is replaced by the row's id)."""
     index, cols = table
-    ids = batch.column("row_id").to_numpy(zero_copy_only=False)
-    pos = index.get_indexer(ids)
-    if (pos < 0).any():
-        raise InvariantError(missing.format(row_id=ids[np.flatnonzero(pos < 0)[0]]))
+    pos, found = index.positions(batch.column("row_id"))
+    if not found.all():
+        raise InvariantError(missing.format(row_id=batch.column("row_id")[int(np.flatnonzero(~found)[0])].as_py()))
     return {c: v[pos] for c, v in cols.items()}
 
 

@@ -17,7 +17,7 @@ import pytest
 from schemas.config import AdvantageSection, Frozen, ResponseRewardSection, section
 from schemas.errors import InvariantError, RollflowError, SchemaError
 from schemas.tables import SAMPLES
-from stages.advantages import AdvantagesStage
+from stages.advantages import AdvantagesStage, indexed, take_by_row_id
 from stages.response_rewards import ResponseRewardsStage
 from stages.runner import Stage, StageContext, run_stage, stage_fingerprint
 from stages.storage import Location
@@ -267,3 +267,19 @@ def test_output_keeps_input_row_order_and_adds_columns(base_run, step_set):
     assert rewarded.column("row_id").equals(samples.column("row_id"))
     for name in samples.column_names:  # a stage adds columns and never mutates its input
         assert advantaged.column(name).equals(samples.column(name)), name
+
+
+def test_row_id_lookup_matches_ids_of_any_length_exactly():
+    """The advantages stage's join (a sorted array of fixed-width keys): ids of different lengths, ones that differ
+    only by a trailing NUL or 0x01 byte, non-ASCII and empty ids each find their own row; a missing or longer id and a
+    repeated id are errors naming it."""
+    ids = ["b", "a", "ccc", "a\x01", "a\x00", "", "dé", "a\x00\x01"]
+    lookup = indexed(pa.table({"row_id": pa.array(ids), "v": np.arange(len(ids), dtype=np.float64)}), "t")
+    query = ids[::-1] + ["a", "dé"]
+    got = take_by_row_id(lookup, pa.table({"row_id": pa.chunked_array([query[:3], query[3:]])}), "missing {row_id}")
+    assert got["v"].tolist() == [float(ids.index(q)) for q in query]
+    for absent in ("zzzzzzzz", "a\x02", "aa"):
+        with pytest.raises(InvariantError, match=f"missing {absent}"):
+            take_by_row_id(lookup, pa.table({"row_id": ["a", absent]}), "missing {row_id}")
+    with pytest.raises(InvariantError, match="t: row_id 'x' occurs more than once"):
+        indexed(pa.table({"row_id": ["x", "y", "x"]}), "t")
