@@ -443,9 +443,11 @@ def other_command_config(model: type[BaseModel], data: dict) -> tuple[CommandCon
     command's own option on another command's config is still that config; one stray option is not)."""
     kinds = [(kind, kind.resolve()) for kind in COMMAND_CONFIGS]
     own = next((kind for kind, m in kinds if m is model), None)
+    if own is None:  # a section's model (rollflow stage --set), which need not be a pydantic model
+        return None
     keys = {k for k in data if isinstance(k, str)}
     foreign = keys - _option_names(model)
-    if own is None or not foreign:
+    if not foreign:
         return None
     other = next((kind for kind, m in kinds if m is not model and foreign <= _option_names(m)
                   and len(keys & _option_names(m)) > len(keys - _option_names(m))), None)
