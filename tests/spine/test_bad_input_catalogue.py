@@ -252,7 +252,7 @@ RLVR = {
                                             "prompts"]),
     "rlvr-unknown-prompt-domain": (["train", "--config", "@rlvr", "--set", "prompts.domains=[chemistry]"],
                                    ["prompts:", "chemistry.jsonl does not exist", "prompts.domains must name JSONL",
-                                    "found: code, ifeval, math, mcq"]),
+                                    "found: add2_heldout, add2_train, code, ifeval, math, mcq"]),
     "rlvr-generating-args-not-a-mapping": (["train", "--config", "@rlvr", "--set", "generating_args=128"],
                                            ["field 'generating_args'", "Input should be a valid dictionary"]),
     "rlvr-negative-rl-loss-coef": (["train", "--config", "@rlvr", "--set", "train.rl_loss_coef=-1"],
