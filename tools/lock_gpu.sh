@@ -9,6 +9,10 @@ PY=${1:-${PY:-.venv/bin/python}}
 report=$(mktemp)
 trap 'rm -f "$report"' EXIT
 # shellcheck disable=SC2046  # one requirement per line
+# The current lock constrains the new resolution, so a re-lock after a change to pyproject.toml moves only what the
+# change needs; LOCK_UPGRADE=1 resolves everything afresh from the index's newest releases.
+constraints=()
+if [ "${LOCK_UPGRADE:-0}" != 1 ] && [ -f requirements-gpu.lock ]; then constraints=(-c requirements-gpu.lock); fi
 "$PY" -m pip install --isolated --dry-run --ignore-installed --quiet --report "$report" \
-    $("$PY" tools/gpu_lock.py requirements)
+    "${constraints[@]}" $("$PY" tools/gpu_lock.py requirements)
 "$PY" tools/gpu_lock.py write "$report"
