@@ -65,11 +65,13 @@ def _watch_wakeups(read_end: int) -> None:
     handler writes every signal's number into the wakeup pipe at once: this thread reads it, and stops the command
     itself when the main thread's handler has not begun within HANDLER_WAIT_S (without the Prefect run context only
     the main thread sees: the runs are then left to Prefect's own crash detection)."""
+    seen = 0  # SIGINTs read from the pipe: the main thread's handler may already be stopping for the first one
     while True:
         data = os.read(read_end, 64)
         if signal.SIGINT not in data or _state["keyboard_interrupt"]:
             continue
-        if _state["stopping"]:  # a second Ctrl-C
+        seen += data.count(signal.SIGINT)
+        if seen > 1 and _state["stopping"]:  # a second Ctrl-C
             os._exit(EXIT_STATUS)
         deadline = time.monotonic() + HANDLER_WAIT_S
         while not _state["stopping"] and time.monotonic() < deadline:
@@ -247,6 +249,9 @@ def _cancel_prefect(runs: list[tuple[str, object]]) -> None:
     worker = threading.Thread(target=guarded, name="rollflow-interrupt-prefect", daemon=True)
     worker.start()
     worker.join(PREFECT_WAIT_S)
+    if worker.is_alive():  # a loaded machine: the command ends all the same, and says so in its log
+        log.warning("interrupted: could not mark the Prefect runs Cancelled (Timeout: no answer within %.1f s)",
+                    PREFECT_WAIT_S)
 
 
 def _prefect_server():

@@ -128,7 +128,13 @@ def test_ctrl_c_mid_run_stops_with_one_line_and_a_rerun_resumes(big_set, big_ref
     assert "Traceback" not in stdout + stderr and "ERROR" not in stdout + stderr
     assert wait_gone(proc.pid, 30), f"left behind: {group_members(proc.pid)}"
     log = (cache / "logs" / "recompute.log").read_text()
-    assert "Prefect flow run" in log and "marked Cancelled" in log, "Prefect's server died before the command"
+    # the runs are marked Cancelled within flows/interrupt.py's PREFECT_WAIT_S; on a loaded machine that call may time
+    # out (logged, the command ends all the same), but it never finds the server gone (ConnectError: connection
+    # refused), as it did when a terminal's Ctrl-C killed the server first
+    cancelled = "Prefect flow run" in log and "marked Cancelled" in log
+    timed_out = "could not mark the Prefect runs Cancelled" in log and "Timeout" in log
+    assert cancelled or timed_out, f"Prefect's server died before the command: {log[-2000:]}"
+    assert "ConnectError" not in log, "Prefect's server died before the command"
     assert (out / "rewarded" / "manifest.json").exists() and not (out / "advantaged").exists()
 
     rerun = rollflow_here(*cmd[1:], api_url=prefect_server.api_url)
