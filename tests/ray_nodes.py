@@ -179,9 +179,16 @@ class RayNodes:
             self._watchdog = None
         shutil.rmtree(self.root, ignore_errors=True)
 
-    def alive(self) -> list[int]:
-        """Processes of this cluster still alive (empty after :meth:`stop`)."""
-        return [p for p, t in self._known.items() if start_time(p) == t]
+    def alive(self, wait_s: float = 10.0) -> list[int]:
+        """Processes of this cluster still alive (empty after :meth:`stop`), after waiting up to ``wait_s`` for those
+        already sent SIGKILL to be gone: on a loaded machine a killed process takes a moment to exit (seen: one Ray
+        process still there right after :meth:`stop`, gone a moment later); one never killed stays and is listed."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            left = [p for p, t in self._known.items() if start_time(p) == t]
+            if not left or time.monotonic() >= deadline:
+                return left
+            time.sleep(0.2)
 
 
 # Run in a child process (a test process may hold another Ray connection): what Ray's GCS recorded about every task
