@@ -18,6 +18,11 @@ import transformers
 
 from schemas.errors import SchemaError
 
+# transformers' own handler writes its warnings (a config's token ids outside a tiny vocabulary, ...) straight to the
+# stderr it found first, past the command's logging: route them into the process's log like every library's records
+transformers.utils.logging.disable_default_handler()
+transformers.utils.logging.enable_propagation()
+
 _FIX = ("pass the folder of a model saved with save_pretrained (config, safetensors weights and tokenizer of one "
         "model), e.g. a run's checkpoint runs/<run>/iter_<k>/checkpoint")
 
