@@ -1,6 +1,6 @@
-"""Access to ROLL's golden vectors, shipped in ``tests/golden_vectors`` (a copy of the public subset in
-``../shared/spec/golden``; see its README for layout and tolerances). A fresh clone runs every conformance test with
-nothing beside it; a missing vector or manifest is a failure, never a skip.
+"""Access to ROLL's golden vectors, shipped in ``tests/golden_vectors`` (a copy of the public subset in the spec's
+``shared/spec/golden`` beside the repository; see its README for layout and tolerances). A fresh clone runs every
+conformance test with nothing beside it; a missing vector or manifest is a failure, never a skip.
 
 Families: a golden *family* is every case of one ROLL function (the manifest's ``roll_function``). Conformance tests
 are parametrised over a whole family (:func:`family`), never over the case names that happen to be in the folder,

@@ -1,6 +1,6 @@
 """Every golden case belongs to a family (ROLL function) that some conformance test runs over in full.
 
-A family the table below does not know — a new ROLL function in ``../shared/spec/golden`` — fails here with its name
+A family the table below does not know — a new ROLL function in ``tests/golden_vectors`` — fails here with its name
 instead of going unchecked. Environment functions (``roll.pipeline.agentic.env.*``) are dispatched by kind in
 tests/envs/test_golden_envs.py, which fails on a kind it cannot check.
 """
@@ -77,8 +77,8 @@ def test_the_listed_test_files_exist_and_name_their_family():
 
 def test_the_golden_vectors_ship_with_the_repository():
     """Every case the manifest lists is a file in tests/golden_vectors, so a fresh clone runs every conformance test
-    with nothing beside it; where the spec's copy is at hand (../shared/spec/golden), ours holds every case of it
-    byte for byte."""
+    with nothing beside it; where the spec's copy is at hand (shared/spec/golden beside the repository), ours holds
+    every case of it byte for byte."""
     assert golden.GOLDEN_DIR.is_relative_to(TESTS) or "ROLLFLOW_GOLDEN_DIR" in os.environ
     missing = [meta["file"] for meta in golden.manifest().values() if not (golden.GOLDEN_DIR / meta["file"]).is_file()]
     assert not missing, f"golden vectors listed in the manifest but missing: {missing}"
