@@ -13,9 +13,9 @@ GEM returns. Two deliberate differences: a response GEM cannot parse gets ``form
 is GEM's own value for that environment, so by default nothing changes), and a step after the episode ended is a
 no-op (GEM would keep playing). ``env_instruction`` holds the answer-format hint GEM's prompt templates add.
 
-Determinism and stateless stepping: GEM draws from the global ``random`` / ``np.random``; every GEM call here runs
-with those swapped for the episode's own generators (under one lock), so an episode depends on its seed and actions
-only, never on what else ran in the process. ``get_state()`` is ``{seed, actions}``; ``restore`` rebuilds GEM's env
+Determinism and stateless stepping: GEM draws from the global ``random`` / ``np.random``; during every GEM call here
+GEM's own names for those point at the episode's private generators (one call at a time, under a lock), so an episode
+depends on its seed and actions only, never on what else ran or runs in the process (another thread's draws included). ``get_state()`` is ``{seed, actions}``; ``restore`` rebuilds GEM's env
 and replays the actions (a process-local snapshot cache skips the replay when the state was produced here). A game's
 stored action is the list of its ``\\boxed{...}`` candidates, which GEM's parsers read identically (see
 :func:`boxed_candidates`). Each episode starts from a copy of a pristine GEM env built once per configuration.
@@ -33,6 +33,7 @@ import json
 import logging
 import random
 import re
+import sys
 import threading
 from collections import OrderedDict
 from contextlib import contextmanager
@@ -65,7 +66,7 @@ CODE_INSTRUCTION = ("Write a Python 3 program that reads standard input and writ
 _SHARED_ATTRS = frozenset({"all_words", "available_words", "word_list", "word_data", "dataset", "dataset_iter", "ds",
                            "ds_iter", "reward_fn", "mp_pool", "thread_pool_executer"})
 _BOXED_CANDIDATE = re.compile(r"\\(?i:boxed)\{[^{}\\]*\}")
-_GEM_LOCK = threading.RLock()  # GEM uses the process-global RNGs: one GEM call at a time
+_GEM_LOCK = threading.RLock()  # GEM's module-level generator names are swapped per call: one GEM call at a time
 _SNAPSHOTS_MAX = 512
 
 
@@ -167,24 +168,89 @@ def _resolve_class(env_id: str) -> tuple[type, dict, Family]:
     return cls, dict(spec.kwargs), family
 
 
-# ---- the process-global RNGs, swapped per episode ------------------------------------------------------------------
-RngState = tuple  # (random.getstate(), np.random.get_state())
+# ---- the episode's own generators, in place of the process-global ones ---------------------------------------------
+RngState = tuple  # (random.Random().getstate(), np.random.RandomState().get_state())
+
+
+class _RandomView:
+    """The ``random`` module as GEM's modules see it during a call: its module functions (``seed``, ``choice``,
+    ``shuffle``, ...) are those of a private ``random.Random``; everything else (``Random``, ...) is the module's."""
+
+    def __init__(self, rng: random.Random) -> None:
+        self._rng = rng
+
+    def __getattr__(self, name: str) -> Any:
+        method = getattr(self._rng, name, None)
+        return method if callable(method) and not name.startswith("_") and not isinstance(method, type) \
+            else getattr(random, name)
+
+
+class _NumpyRandomView:
+    """``np.random`` as GEM's modules see it during a call: the legacy module functions (``seed``, ``choice``,
+    ``randint``, ...) are those of a private ``RandomState``; everything else (``default_rng``, ``Generator``, ...) is
+    numpy's own."""
+
+    def __init__(self, state: np.random.RandomState) -> None:
+        self._state = state
+
+    def __getattr__(self, name: str) -> Any:
+        method = getattr(self._state, name, None)
+        return method if callable(method) and not name.startswith("_") and not isinstance(method, type) \
+            else getattr(np.random, name)
+
+
+class _NumpyView:
+    """``numpy`` as GEM's modules see it during a call: numpy itself, but with :class:`_NumpyRandomView` as ``random``."""
+
+    def __init__(self, state: np.random.RandomState) -> None:
+        self.random = _NumpyRandomView(state)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(np, name)
+
+
+def _global_rng_names() -> list[tuple[Any, str, Any]]:
+    """``(module, name, value)`` for every name in GEM's loaded modules that refers to a process-global generator:
+    the ``random`` and ``numpy`` modules and functions bound to ``random``'s hidden instance (``from random import
+    shuffle``)."""
+    sites = []
+    for module_name, module in list(sys.modules.items()):
+        if module is None or not (module_name == "gem" or module_name.startswith("gem.")):
+            continue
+        for name, value in list(vars(module).items()):
+            if value is random or value is np or getattr(value, "__self__", None) is random._inst:
+                sites.append((module, name, value))
+    return sites
+
+
+@contextmanager
+def _private_generators(py: random.Random, npr: np.random.RandomState) -> Iterator[None]:
+    """GEM's module-level names for the global generators point at ``py``/``npr`` for the duration (call it under
+    ``_GEM_LOCK``). Swapping names rather than the globals' state keeps other threads' draws (Prefect's, Ray's, the
+    caller's) out of an episode, and the episode's draws out of theirs."""
+    sites = _global_rng_names()
+    random_view, numpy_view = _RandomView(py), _NumpyView(npr)
+    for module, name, value in sites:
+        setattr(module, name,
+                random_view if value is random else numpy_view if value is np else getattr(py, value.__name__))
+    try:
+        yield
+    finally:
+        for module, name, value in sites:
+            setattr(module, name, value)
 
 
 def run_isolated(fn: Callable[[], Any], rng: RngState | None) -> tuple[Any, RngState]:
-    """Run ``fn`` with the global ``random``/``np.random`` set to ``rng`` (untouched if ``None``); return its result
-    and the generators' state afterwards. The caller's global RNG state is restored either way."""
-    with _GEM_LOCK:
-        saved = (random.getstate(), np.random.get_state())
-        try:
-            if rng is not None:
-                random.setstate(rng[0])
-                np.random.set_state(rng[1])
-            result = fn()
-            return result, (random.getstate(), np.random.get_state())
-        finally:
-            random.setstate(saved[0])
-            np.random.set_state(saved[1])
+    """Run ``fn`` (a GEM call) with GEM drawing from its own generators, started from ``rng`` (fresh ones if
+    ``None``: GEM's ``reset(seed)`` seeds them); return its result and the generators' state afterwards. The
+    process-global ``random``/``np.random`` are neither read nor advanced, whatever other threads do meanwhile."""
+    py, npr = random.Random(), np.random.RandomState()
+    if rng is not None:
+        py.setstate(rng[0])
+        npr.set_state(rng[1])
+    with _GEM_LOCK, _private_generators(py, npr):
+        result = fn()
+    return result, (py.getstate(), npr.get_state())
 
 
 _CONSTRUCTION_RNG: RngState = (random.Random(0).getstate(), np.random.RandomState(0).get_state())

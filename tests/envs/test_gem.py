@@ -341,6 +341,38 @@ def test_global_rng_is_isolated():
     assert run(disturb=True) == first
 
 
+def test_other_threads_drawing_from_the_global_rng_do_not_change_an_episode():
+    """A thread drawing from ``random``/``np.random`` while GEM runs (Prefect's, Ray's in a real process) leaves the
+    episode as it was: GEM draws from the episode's own generators, not the globals (a full suite once saw WordSearch's
+    board differ between two resets with one seed, before the adapter swapped GEM's names instead of global state)."""
+    import threading
+
+    def episode() -> list:
+        env = make_env("game:WordSearch-v0-easy")
+        out = [env.reset(seed) for seed in range(3)]
+        sokoban = make_env("game:Sokoban-v0-easy")
+        out.append(sokoban.reset(4))
+        out += [sokoban.step(boxed(move))[:4] for move in ["up", "left", "down", "right"]]
+        return out
+
+    quiet = episode()
+    stop = threading.Event()
+
+    def draw() -> None:
+        while not stop.is_set():
+            random.random()
+            np.random.rand()
+
+    noise = threading.Thread(target=draw, daemon=True)
+    noise.start()
+    try:
+        noisy = [episode() for _ in range(3)]
+    finally:
+        stop.set()
+        noise.join()
+    assert all(run == quiet for run in noisy)
+
+
 def test_stepping_after_the_end_is_a_noop_and_gem_format_reward_is_default():
     env = make_env("game:TowerofHanoi-v0-easy")
     assert env.format_penalty == -0.1  # GEM's LanguageGameReward.format_error_reward
