@@ -11,8 +11,11 @@ process group, SIGKILL after a grace period; the run folder stays resumable). Th
 * the wall time of each iteration split by stage.
 
 It writes the run's report (PNG plots + HTML) and a summary JSON beside it, prints a table, and as its last line
-``RESULT base_valid=… final_valid=… best_valid=… base_success=… final_success=… best_success=… random_success=…
-iterations=… wall_s=… s_per_iter=… overhead_share=…`` (rates in [0, 1], measured in this one run; overhead_share is
+``RESULT base_valid=… final_valid=… best_valid=… base_success=… final_success=… best_success=… ci95_low=…
+ci95_high=… heldout_n=… random_success=… random_ci95_low=… random_ci95_high=… iterations=… wall_s=… s_per_iter=…
+overhead_share=…`` (rates in [0, 1], measured in this one run; ``ci95_low``/``ci95_high``: the paired bootstrap
+95 % interval (10,000 resamples of the held-out episodes) of final minus base success, ``heldout_n`` the episodes
+paired; ``random_ci95_*``: Wilson's interval of the random policy's rate; overhead_share is
 the share of the training iterations' wall time that is not generation, forward or backward compute, computed as
 benchmarks/iteration_overhead.py does). The random policy plays 64 episodes per held-out level (or the evaluation's
 ``eval.group_size`` where larger), so its rate is known to about 1.1 % (standard error); the policy's
@@ -34,6 +37,8 @@ import sys
 import time
 from collections import defaultdict
 from pathlib import Path
+
+import numpy as np
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
@@ -163,6 +168,26 @@ def evaluation_turns(run: Path) -> dict[int, list[Path]]:
     return {k: v for k, v in out.items() if v}
 
 
+def episode_successes(turn_folders: list[Path]) -> dict[tuple[str, int, int], bool]:
+    """Whether each held-out episode succeeded, by ``(tag, group_index, env_index)``: the evaluation plays the same
+    levels with the same sampling seeds every time, so the keys pair an episode across evaluations."""
+    import pyarrow.parquet as pq
+
+    out = {}
+    for folder in turn_folders:
+        for part in sorted(folder.glob("*.parquet")):
+            rows = pq.read_table(part, columns=["tag", "group_index", "env_index", "done", "success"]).to_pylist()
+            out.update({(r["tag"], r["group_index"], r["env_index"]): bool(r["success"]) for r in rows if r["done"]})
+    return out
+
+
+def paired_scores(turns: dict[int, list[Path]], before: int, after: int) -> tuple[np.ndarray, np.ndarray]:
+    """The success (0/1) of the episodes both evaluations played, in one order: shape (n,) each."""
+    a, b = episode_successes(turns[before]), episode_successes(turns[after])
+    keys = sorted(a.keys() & b.keys())
+    return np.array([a[k] for k in keys], float), np.array([b[k] for k in keys], float)
+
+
 def overhead_share(run: Path) -> float:
     """Share of the training iterations' wall time (iteration 0's start-up excluded when there are later ones) that
     is not generation, forward or backward compute — benchmarks/iteration_overhead.py's steady-state figure."""
@@ -190,10 +215,13 @@ def main() -> None:
     sets = [f"run_name={args.run_name}", f"runs_dir={args.runs_dir}", f"max_steps={args.max_steps}",
             *args.overrides]
     config = load_config(TrainFlowConfig, args.config, parse_overrides(sets))
-    from schemas.rollout_config import turn_section
-    from stages.rollout.baseline import random_policy_success
+    from stages.algos.intervals import paired_bootstrap_diff, wilson
+    from stages.rollout.baseline import evaluation_baseline
 
-    baseline = random_policy_success(turn_section(config.eval_rollout()), max(64, config.eval.group_size))  # SE ~1.1 %
+    baseline = evaluation_baseline(config)  # SE ~1.1 % on the shipped configs' levels
+    if baseline is None:
+        sys.exit(f"{args.config}: its environments have no list of legal actions, so there is no random-legal "
+                 "baseline; this benchmark is for FrozenLake and Sokoban configs")
     run = Path(args.runs_dir) / args.run_name
     cmd = [str(Path(sys.executable).parent / "rollflow"), "train", "--config", args.config, "--no-report"]
     for s in sets:
@@ -215,8 +243,10 @@ def main() -> None:
     if not done or done[0] != 0:
         sys.exit(f"no base evaluation in {run}/metrics; see {run / 'benchmark.log'}")
     trained = [i for i in done if i > 0 and (i - 1) in walls and "train" in walls[i - 1]]
-    print(f"\nrandom legal actions on the evaluation levels: success {baseline.success_rate:.3f} over "
-          f"{baseline.episodes} episodes of at most {baseline.longest} turns")
+    random_low, random_high = baseline.interval()
+    print(f"\nrandom legal actions on the evaluation levels: success {baseline.success_rate:.3f} (Wilson 95 % "
+          f"[{random_low:.3f}, {random_high:.3f}]) over {baseline.episodes} episodes of at most {baseline.longest} "
+          "turns")
     quality = {i: action_quality(folders) for i, folders in evaluation_turns(run).items()} \
         if config.rollout.env.tag == "FrozenLake" else {}
     print(f"{'eval after':>12} {'valid':>7} {'success':>8} {'toward':>7} {'random':>7} {'entropy':>7}"
@@ -240,13 +270,23 @@ def main() -> None:
 
     report = write_report(run)
     last = trained[-1] if trained else 0  # the last evaluation after a training iteration (eval_steps may skip some)
+    turns = evaluation_turns(run)
+    base, final = paired_scores(turns, 0, last) if last in turns and 0 in turns else (np.zeros(0), np.zeros(0))
+    diff, low, high = paired_bootstrap_diff(base, final) if len(base) else (float("nan"),) * 3
+    for label, x in (("base", base), ("final", final)):
+        lo, hi = wilson(x.sum(), len(x))
+        print(f"{label:>6} success: {x.mean() if len(x) else float('nan'):.3f} (Wilson 95 % [{lo:.3f}, {hi:.3f}], "
+              f"n={len(x)} episodes)")
+    print(f"  diff: {diff:+.3f} (paired bootstrap 95 % over episodes [{low:+.3f}, {high:+.3f}])")
     # every committed training iteration counts, evaluated or not; an iteration's evaluation is part of its time
     iter_walls = [sum(w.values()) for w in walls.values() if "train" in w]
     summary = {
         "base_valid": evals[0][key_v], "final_valid": evals[last][key_v],
         "best_valid": max(evals[i][key_v] for i in done),
         "base_success": evals[0][key_s], "final_success": evals[last][key_s],
-        "best_success": max(evals[i][key_s] for i in done), "random_success": baseline.success_rate,
+        "best_success": max(evals[i][key_s] for i in done), "ci95_low": low, "ci95_high": high,
+        "heldout_n": len(base), "random_success": baseline.success_rate, "random_ci95_low": random_low,
+        "random_ci95_high": random_high,
         "iterations": len(iter_walls), "wall_s": round(wall, 1), "exit_code": -1 if rc is None else rc,
         "s_per_iter": round(sum(iter_walls) / len(iter_walls), 1) if iter_walls else 0.0,
         "overhead_share": overhead_share(run),

@@ -31,7 +31,7 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
 from frozenlake_learning import run_budgeted  # noqa: E402
-from stages.rlvr.intervals import paired_bootstrap_diff, wilson  # noqa: E402
+from stages.algos.intervals import paired_bootstrap_diff, wilson  # noqa: E402
 
 
 def rollflow() -> str:

@@ -14,6 +14,19 @@ from stages.registry import Registry
 
 
 @dataclass(frozen=True)
+class ChanceLevel:
+    """What a pipeline's held-out success rate is read against: a policy without learning, its rate and Wilson 95 %
+    interval over ``episodes``; ``what`` says how it was measured."""
+
+    label: str
+    value: float
+    low: float
+    high: float
+    episodes: int
+    what: str
+
+
+@dataclass(frozen=True)
 class PipelineSpec:
     """A pipeline, declared: its name, config model, the prefix of its iteration folders, what a run checks before
     Prefect and Ray start, and the engines it keeps for its whole length."""
@@ -28,6 +41,8 @@ class PipelineSpec:
     preflight: Callable[[Any, bool], None]
     # the engines a run of a validated config keeps for its whole length (stages.plan.EngineUse), for its resource plan
     engines: Callable[[Any], list]
+    # the chance level of a validated config's held-out success rate (the report draws it), None where it has none
+    chance_level: Callable[[Any], ChanceLevel | None] = lambda config: None
 
     def step_dir(self, run: str, step: int) -> str:
         """The folder of iteration ``step`` of the run folder ``run``."""
@@ -115,6 +130,19 @@ def _rlvr_engines(config, evaluation: bool = False) -> list:
     return engines
 
 
+def _agentic_chance_level(config) -> ChanceLevel | None:
+    """Uniformly random legal actions on the evaluation's levels under its turn limit (stages/rollout/baseline.py);
+    None for environments without a list of legal actions."""
+    from stages.rollout.baseline import evaluation_baseline
+
+    found = evaluation_baseline(config)
+    if found is None:
+        return None
+    low, high = found.interval()
+    return ChanceLevel("random legal actions", found.success_rate, low, high, found.episodes,
+                       f"uniformly random legal actions on the evaluation's levels, at most {found.longest} turns")
+
+
 PIPELINE_SPECS.register("agentic")(PipelineSpec("agentic", _agentic_model, "iter_", _agentic_preflight,
-                                                _agentic_engines))
+                                                _agentic_engines, _agentic_chance_level))
 PIPELINE_SPECS.register("rlvr")(PipelineSpec("rlvr", _rlvr_model, "step_", _rlvr_preflight, _rlvr_engines))

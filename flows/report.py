@@ -18,6 +18,7 @@ dicts ``{observation, text, action, reward}`` (extra keys ``action_valid``, ``ne
 from __future__ import annotations
 
 import html
+import json
 import math
 import re
 from dataclasses import dataclass
@@ -30,7 +31,10 @@ import pyarrow.compute as pc
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
-from schemas.errors import SchemaError
+from flows.pipeline_specs import PIPELINE_SPECS, ChanceLevel
+from schemas.config import validate_config
+from schemas.errors import RollflowError, SchemaError
+from stages.algos.intervals import wilson
 from stages.metrics import METRICS_DIR, TIME_PREFIX, read_metrics
 from stages.storage import Location, local_side, read_table_schema
 
@@ -129,6 +133,50 @@ def stage_times(table: pa.Table) -> tuple[list[int], dict[str, np.ndarray]]:
     return iterations, {stage: out[stage] for stage in order}
 
 
+# The number of episodes behind a success rate: Wilson's 95 % interval of each point is drawn as a band.
+_EPISODES_OF = ((re.compile(r"^rollout/success_rate$"), ("rollout/episodes",)),
+                (re.compile(r"^rollout/(?P<tag>[^/]+)/success_rate$"), ("rollout/{tag}/episodes",)),
+                (re.compile(r"^env/(?P<tag>[^/]+)/success$"), ("rollout/{tag}/episodes", "rollout/episodes")))
+
+
+def success_band(table: pa.Table, name: str, stage: str) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+    """``(iterations (n,), low (n,), high (n,))``: Wilson's 95 % interval of the success rate ``name`` of ``stage``
+    at each iteration where the stage also logged how many episodes it rests on (``rollout/episodes``, or
+    ``rollout/<tag>/episodes`` for one environment of a mixed run); None for other metrics or without counts."""
+    for pattern, counts in _EPISODES_OF:
+        found = pattern.match(name)
+        if found is None:
+            continue
+        for count in counts:
+            cx, n = series(table, count.format(**found.groupdict()), stage)
+            if len(cx):
+                break
+        x, rate = series(table, name, stage)
+        episodes = dict(zip(cx.tolist(), n.tolist()))
+        keep = [i for i, it in enumerate(x.tolist()) if episodes.get(it, 0) > 0 and np.isfinite(rate[i])]
+        if not keep:
+            return None
+        bounds = np.array([wilson(rate[i] * episodes[x[i]], int(round(episodes[x[i]]))) for i in keep])
+        return x[keep], bounds[:, 0], bounds[:, 1]
+    return None
+
+
+def run_chance_level(run: Path) -> ChanceLevel | None:
+    """The chance-level reference of the run's held-out score, from its frozen config (``config.json``) and its
+    pipeline's declaration (agentic: the random-legal policy on the evaluation's levels); None when the run has no
+    frozen config or its pipeline declares none. A config this version cannot read gives None: the plots are still
+    worth drawing."""
+    path = run / "config.json"
+    if not path.is_file():
+        return None
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+        spec = PIPELINE_SPECS.get(data.get("pipeline", "agentic"))
+        return spec.chance_level(validate_config(spec.config_model(), data, str(path)))
+    except (RollflowError, ValueError, AttributeError, KeyError):
+        return None
+
+
 # ---- plotting -----------------------------------------------------------------------------------------------------
 
 def _figure():
@@ -138,16 +186,29 @@ def _figure():
     return fig, fig.add_subplot()
 
 
-def plot_lines(table: pa.Table, spec: PlotSpec, path: Path) -> list[str]:
-    """Write ``path`` (PNG) with one line per matching ``(name, stage)``; returns the labels drawn."""
+def plot_lines(table: pa.Table, spec: PlotSpec, path: Path, chance: ChanceLevel | None = None) -> list[str]:
+    """Write ``path`` (PNG) with one line per matching ``(name, stage)``, each success rate with its Wilson 95 %
+    band where the episode counts are logged (:func:`success_band`), and ``chance`` (the success plot's chance
+    level, with its interval) as a dashed line; returns the labels drawn."""
     fig, ax = _figure()
     pairs = matching(table, spec.pattern)
     names = [n for n, _ in pairs]
     labels = []
+    banded: set[tuple] = set()  # one band per distinct interval: a run logs the same rate under several names
     for name, stage in pairs[:MAX_LINES]:
         x, y = series(table, name, stage)
         label = name if names.count(name) == 1 else f"{name} [{stage}]"
-        ax.plot(x, y, marker="o" if len(x) <= 30 else None, markersize=3, label=label)
+        line, = ax.plot(x, y, marker="o" if len(x) <= 30 else None, markersize=3, label=label)
+        labels.append(label)
+        band = success_band(table, name, stage)
+        if band is not None and (key := tuple(np.concatenate(band).round(6))) not in banded:
+            banded.add(key)
+            ax.fill_between(band[0], band[1], band[2], color=line.get_color(), alpha=0.15, linewidth=0)
+            labels.append(f"{label}: 95 % interval")
+    if chance is not None and spec.stem == "success_rate":
+        label = f"{chance.label}: {chance.value:.3f} [{chance.low:.3f}, {chance.high:.3f}]"
+        ax.axhline(chance.value, color="grey", linestyle="--", linewidth=1, label=label)
+        ax.axhspan(chance.low, chance.high, color="grey", alpha=0.12, linewidth=0)
         labels.append(label)
     ax.set_title(spec.title)
     ax.set_xlabel("iteration")
@@ -280,7 +341,7 @@ pre{margin:0;white-space:pre-wrap;font-size:12px;max-width:420px}.missing{color:
 
 
 def _page(run_dir: Path | str, images: list[tuple[str, str]], missing: list[str], table: pa.Table,
-          episodes_html: str) -> str:
+          episodes_html: str, chance: ChanceLevel | None = None) -> str:
     rows = "\n".join(f"<tr><td>{html.escape(n)}</td><td>{html.escape(s)}</td><td>{it}</td><td>{_fmt(v)}</td></tr>"
                      for n, s, it, v in final_metrics(table))
     figures = "\n".join(f"<h3>{html.escape(title)}</h3><img src='{html.escape(name)}' alt='{html.escape(title)}'>"
@@ -300,9 +361,18 @@ def _page(run_dir: Path | str, images: list[tuple[str, str]], missing: list[str]
     return (f"<!DOCTYPE html><html><head><meta charset='utf-8'><title>rollflow report: {html.escape(_name(run_dir))}"
             f"</title><style>{_CSS}</style></head><body>"
             f"<h1>rollflow report: {html.escape(_name(run_dir))}</h1><p>{html.escape(str(run_dir))} — {span}, "
-            f"{table.num_rows} metric rows</p><h2>Per iteration</h2>{figures}{missing_html}{per_tag}"
+            f"{table.num_rows} metric rows</p><h2>Per iteration</h2>{_chance_html(chance)}{figures}{missing_html}"
+            f"{per_tag}"
             f"<h2>Final metrics</h2><table><tr><th>metric</th><th>stage</th><th>iteration</th><th>value</th></tr>"
             f"{rows}</table><h2>Sample episodes</h2>{episodes_html}</body></html>")
+
+
+def _chance_html(chance: ChanceLevel | None) -> str:
+    bands = "Shaded bands: Wilson's 95 % interval of each success rate over its episodes."
+    if chance is None:
+        return f"<p>{bands}</p>"
+    return (f"<p>{bands} Chance level (dashed): {html.escape(chance.label)}, {chance.value:.3f} (95 % "
+            f"[{chance.low:.3f}, {chance.high:.3f}], {chance.episodes} episodes; {html.escape(chance.what)}).</p>")
 
 
 def _name(run_dir: Path | str) -> str:
@@ -316,6 +386,7 @@ class Report:
     html: Path
     plots: dict[str, Path]
     missing: list[str]
+    chance: ChanceLevel | None = None  # the success plot's chance level, when the run's pipeline declares one
 
 
 def check_run_folder(run_dir: str | Path) -> None:
@@ -345,6 +416,7 @@ def write_report(run_dir: str | Path, episodes: Iterable[Sequence[dict] | dict] 
         raise SchemaError(f"report: {out} is a file, where the report's folder goes; move the file away, or pass "
                           "--output DIR for the report")
     table = read_metrics(str(run_dir))
+    chance = run_chance_level(run)
     if episodes is None:  # read before anything is written: a damaged turn table fails the report, not half of it
         files = find_turn_files(where)
         episodes = episodes_from_turns(_read_turns(files, where.fs), max_episodes) if files else []
@@ -361,7 +433,7 @@ def write_report(run_dir: str | Path, episodes: Iterable[Sequence[dict] | dict] 
                 missing.append(f"{spec.title}: no metric name matches {spec.pattern!r}")
             continue
         path = out / f"{spec.stem}.png"
-        plot_lines(table, spec, path)
+        plot_lines(table, spec, path, chance)
         plots[spec.stem] = path
         images.append((spec.title, path.name))
     if stage_times(table)[1]:
@@ -373,6 +445,6 @@ def write_report(run_dir: str | Path, episodes: Iterable[Sequence[dict] | dict] 
         missing.append("Wall time per stage: no rows carry wall_s")
     page = out / "index.html"
     shown = Path(run_dir) if where.atomic_rename else where.uri()  # a store's run folder by its URI
-    page.write_text(_page(shown, images, missing, table, render_episodes_html(list(episodes)[:max_episodes])),
+    page.write_text(_page(shown, images, missing, table, render_episodes_html(list(episodes)[:max_episodes]), chance),
                     encoding="utf-8")
-    return Report(html=page, plots=plots, missing=missing)
+    return Report(html=page, plots=plots, missing=missing, chance=chance)

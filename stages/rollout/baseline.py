@@ -12,7 +12,8 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
-from schemas.rollout_config import TurnSection
+from schemas.rollout_config import TurnSection, turn_section
+from stages.algos.intervals import wilson
 from stages.envs.registry import make_env
 from stages.rollout.episode import env_entry, env_kwargs, level_seed
 
@@ -23,11 +24,23 @@ class BaselineResult:
     episodes: int
     longest: int  # most turns any episode played (<= the rollout's max_steps)
 
+    def interval(self) -> tuple[float, float]:
+        """Wilson's 95 % interval of :attr:`success_rate` over :attr:`episodes`."""
+        return wilson(round(self.success_rate * self.episodes), self.episodes)
+
+
+def has_action_list(section: TurnSection) -> bool:
+    """Whether every environment of ``section`` has a finite list of legal actions (``action_lookup``: FrozenLake,
+    Sokoban), the random-legal policy's precondition; open-ended environments (GEM's games, WebShop) have none."""
+    entries = {e.tag: e for e in (env_entry(section, group * section.env.group_size)
+                                  for group in range(section.env.num_env_groups))}
+    return all(hasattr(make_env(e.env_type, **env_kwargs(section, e)), "action_lookup") for e in entries.values())
+
 
 def random_policy_success(section: TurnSection, episodes_per_level: int, seed: int = 0) -> BaselineResult:
     """Play ``episodes_per_level`` episodes of uniformly random actions (each a valid answer) on every level of
     ``section`` (a rollout's TurnSection: the levels its groups play), each at most its tag's ``max_steps`` turns,
-    as the rollout allows the policy."""
+    as the rollout allows the policy. Needs :func:`has_action_list`."""
     rng = random.Random(seed)
     wins = total = longest = 0
     for group in range(section.env.num_env_groups):
@@ -48,3 +61,14 @@ def random_policy_success(section: TurnSection, episodes_per_level: int, seed: i
             total += 1
             longest = max(longest, turns)
     return BaselineResult(wins / total, total, longest)
+
+
+def evaluation_baseline(config) -> BaselineResult | None:
+    """The random-legal policy on an agentic run's held-out evaluation (``config``: a TrainFlowConfig): its levels,
+    its turn limit, at least 64 episodes per level (the evaluation's ``group_size`` where larger), so the rate is
+    known to about 1 % (standard error) on the shipped configs' 16 levels; None when an environment has no list of
+    legal actions."""
+    section = turn_section(config.eval_rollout())
+    if not has_action_list(section):
+        return None
+    return random_policy_success(section, max(64, config.eval.group_size))

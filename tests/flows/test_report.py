@@ -201,3 +201,77 @@ def test_per_tag_table_holds_each_stages_last_values_per_environment(tmp_path):
     assert rows[3][3] == {"success_rate": 1.125, "valid_action_rate": 0.5}
     page = write_report(tmp_path, episodes=[]).html.read_text()
     assert "Per environment tag" in page and "<td>SimpleSokoban</td>" in page and "<td>1.125</td>" in page
+
+
+# ---- intervals and the chance level ---------------------------------------------------------------------------------
+def _rates_run(folder: Path) -> Path:
+    """Eval success rates with their episode counts (a mixed run's per-tag counts for one tag), and a rate logged
+    without any count."""
+    with MetricsLog(folder, tensorboard=False) as log:
+        for it, (rate, episodes) in enumerate([(0.25, 128), (0.5, 128), (1.0, 32)]):
+            log.log(it, "eval", {"rollout/success_rate": rate, "rollout/episodes": float(episodes),
+                                 "env/FrozenLake/success": rate / 2, "rollout/FrozenLake/episodes": 64.0,
+                                 "rollout/episode_score/mean": rate})
+            log.log(it, "rollout", {"rollout/success_rate": rate})  # no count: no band
+    return folder
+
+
+def test_success_band_is_wilsons_interval_over_the_logged_episodes(tmp_path):
+    from flows.report import success_band
+    from stages.algos.intervals import wilson
+
+    table = read_metrics(_rates_run(tmp_path))
+    x, low, high = success_band(table, "rollout/success_rate", "eval")
+    assert x.tolist() == [0, 1, 2]
+    expected = [wilson(32, 128), wilson(64, 128), wilson(32, 32)]
+    np.testing.assert_allclose(np.stack([low, high], 1), expected)
+    assert high[2] == 1.0 and low[1] < 0.5 < high[1]
+    # a tag's success rests on that tag's episodes, not the run's
+    _, tag_low, tag_high = success_band(table, "env/FrozenLake/success", "eval")
+    np.testing.assert_allclose([tag_low[0], tag_high[0]], wilson(0.125 * 64, 64))
+    assert success_band(table, "rollout/success_rate", "rollout") is None  # no count logged
+    assert success_band(table, "rollout/episodes", "eval") is None  # not a rate
+
+
+def test_success_plot_draws_the_chance_level_and_bands(tmp_path):
+    from flows.pipeline_specs import ChanceLevel
+    from flows.report import plot_lines
+
+    table = read_metrics(_rates_run(tmp_path / "run"))
+    chance = ChanceLevel("random legal actions", 0.155, 0.134, 0.179, 1024, "test")
+    success = next(s for s in PLOTS if s.stem == "success_rate")
+    labels = plot_lines(table, success, tmp_path / "s.png", chance)
+    assert "random legal actions: 0.155 [0.134, 0.179]" in labels
+    assert "rollout/success_rate [eval]: 95 % interval" in labels
+    assert "rollout/success_rate [rollout]: 95 % interval" not in labels
+    assert _is_png(tmp_path / "s.png")
+    reward = next(s for s in PLOTS if s.stem == "reward")
+    assert not any(label.startswith("random legal") for label in plot_lines(table, reward, tmp_path / "r.png", chance))
+
+
+def test_report_of_an_agentic_run_draws_the_random_legal_policy(tmp_path):
+    """The chance level comes from the run's frozen config: the random-legal policy on its evaluation levels, equal
+    to stages.rollout.baseline's; an RLVR run (no chance level declared) and a folder without config get none."""
+    import json
+
+    from schemas.config import load_config
+    from schemas.rlvr_train_config import RLVRTrainConfig
+    from schemas.train_flow_config import TrainFlowConfig
+    from stages.rollout.baseline import evaluation_baseline
+
+    repo = Path(__file__).resolve().parents[2]
+    config = load_config(TrainFlowConfig, str(repo / "configs/train_frozenlake_quickstart.yaml"), {})
+    run = _rates_run(tmp_path / "agentic")
+    (run / "config.json").write_text(json.dumps(config.model_dump(mode="json")))
+    report = write_report(run)
+    expected = evaluation_baseline(config)
+    assert report.chance is not None and report.chance.value == expected.success_rate
+    assert (report.chance.low, report.chance.high) == expected.interval()
+    assert report.chance.low < expected.success_rate < report.chance.high
+    assert "Chance level (dashed): random legal actions" in report.html.read_text()
+
+    rlvr = _rates_run(tmp_path / "rlvr")
+    rlvr_config = load_config(RLVRTrainConfig, str(repo / "configs/rlvr_train_add2.yaml"), {})
+    (rlvr / "config.json").write_text(json.dumps(rlvr_config.model_dump(mode="json")))
+    assert write_report(rlvr).chance is None
+    assert write_report(_rates_run(tmp_path / "bare")).chance is None

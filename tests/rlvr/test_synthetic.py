@@ -12,7 +12,7 @@ from schemas.config import load_config
 from schemas.rlvr_train_config import RLVRTrainConfig
 from stages.rewards.registry import build_worker
 from stages.rlvr.generate import prompts_section, read_prompt_rows
-from stages.rlvr.intervals import paired_bootstrap_diff, wilson
+from stages.algos.intervals import paired_bootstrap_diff, wilson
 from stages.rlvr.synthetic import TASKS, make_rows
 from tests.rlvr.helpers import REPO
 
