@@ -161,6 +161,20 @@ def success_band(table: pa.Table, name: str, stage: str) -> tuple[np.ndarray, np
     return None
 
 
+def metric_band(table: pa.Table, name: str, stage: str) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+    """The 95 % band of metric ``name`` of ``stage``, ``(iterations (n,), low (n,), high (n,))``: the interval the
+    stage logged beside a mean (``<x>/mean`` with ``<x>/ci95_low`` and ``<x>/ci95_high``, e.g. RLVR's validation
+    score), else a success rate's Wilson interval (:func:`success_band`); None when neither is known."""
+    if name.endswith("/mean"):
+        stem = name[: -len("/mean")]
+        lx, low = series(table, f"{stem}/ci95_low", stage)
+        hx, high = series(table, f"{stem}/ci95_high", stage)
+        if len(lx) and np.array_equal(lx, hx):
+            finite = np.isfinite(low) & np.isfinite(high)
+            return lx[finite], low[finite], high[finite]
+    return success_band(table, name, stage)
+
+
 def run_chance_level(run: Path) -> ChanceLevel | None:
     """The chance-level reference of the run's held-out score, from its frozen config (``config.json``) and its
     pipeline's declaration (agentic: the random-legal policy on the evaluation's levels); None when the run has no
@@ -187,8 +201,8 @@ def _figure():
 
 
 def plot_lines(table: pa.Table, spec: PlotSpec, path: Path, chance: ChanceLevel | None = None) -> list[str]:
-    """Write ``path`` (PNG) with one line per matching ``(name, stage)``, each success rate with its Wilson 95 %
-    band where the episode counts are logged (:func:`success_band`), and ``chance`` (the success plot's chance
+    """Write ``path`` (PNG) with one line per matching ``(name, stage)``, each with its 95 % band where it is known
+    (:func:`metric_band`), and ``chance`` (the success plot's chance
     level, with its interval) as a dashed line; returns the labels drawn."""
     fig, ax = _figure()
     pairs = matching(table, spec.pattern)
@@ -200,8 +214,8 @@ def plot_lines(table: pa.Table, spec: PlotSpec, path: Path, chance: ChanceLevel 
         label = name if names.count(name) == 1 else f"{name} [{stage}]"
         line, = ax.plot(x, y, marker="o" if len(x) <= 30 else None, markersize=3, label=label)
         labels.append(label)
-        band = success_band(table, name, stage)
-        if band is not None and (key := tuple(np.concatenate(band).round(6))) not in banded:
+        band = metric_band(table, name, stage)
+        if band is not None and len(band[0]) and (key := tuple(np.concatenate(band).round(6))) not in banded:
             banded.add(key)
             ax.fill_between(band[0], band[1], band[2], color=line.get_color(), alpha=0.15, linewidth=0)
             labels.append(f"{label}: 95 % interval")
@@ -368,7 +382,8 @@ def _page(run_dir: Path | str, images: list[tuple[str, str]], missing: list[str]
 
 
 def _chance_html(chance: ChanceLevel | None) -> str:
-    bands = "Shaded bands: Wilson's 95 % interval of each success rate over its episodes."
+    bands = ("Shaded bands: 95 % intervals (a success rate: Wilson's, over its episodes; a mean score: the interval "
+             "its stage logged).")
     if chance is None:
         return f"<p>{bands}</p>"
     return (f"<p>{bands} Chance level (dashed): {html.escape(chance.label)}, {chance.value:.3f} (95 % "

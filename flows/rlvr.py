@@ -211,8 +211,12 @@ def validation_task(config: RLVRTrainConfig, prompts: str, checkpoint: str, pool
 
 
 def validation_metrics(responses: str, scored: str, domain_column: str) -> dict[str, float]:
-    """Mean score over the scored rows, overall and per domain, and the number of unscored rows."""
+    """Mean score over the scored rows, overall and per domain (``val/[<domain>/]score/mean``), with its 95 %
+    interval (``.../ci95_low``, ``.../ci95_high``: Wilson's for 0/1 scores, else the normal approximation; the
+    report draws it) and the rows it rests on (``val/[<domain>/]scored``), and the number of unscored rows."""
     import numpy as np
+
+    from stages.algos.intervals import mean_interval
 
     domains = dict(zip(*(_read(responses, ["row_id", domain_column]).column(i).to_pylist() for i in (0, 1))))
     table = _read(scored, ["row_id", "scores"])
@@ -221,6 +225,10 @@ def validation_metrics(responses: str, scored: str, domain_column: str) -> dict[
     for name, keep in [("", None), *((f"{d}/", d) for d in sorted(set(domains.values())))]:
         values = [score for rid, score in rows if score is not None and (keep is None or domains[rid] == keep)]
         metrics[f"val/{name}score/mean"] = float(np.mean(values)) if values else 0.0
+        metrics[f"val/{name}scored"] = float(len(values))
+        if values:
+            low, high = mean_interval(np.array(values, float))
+            metrics[f"val/{name}score/ci95_low"], metrics[f"val/{name}score/ci95_high"] = low, high
     return metrics
 
 

@@ -35,3 +35,16 @@ def paired_bootstrap_diff(before: np.ndarray, after: np.ndarray, resamples: int 
     tail = (1 - level) / 2 * 100
     low, high = np.percentile(means, [tail, 100 - tail])
     return float(diff.mean()), float(low), float(high)
+
+
+def mean_interval(values: np.ndarray, z: float = Z95) -> tuple[float, float]:
+    """95 % interval of the mean of ``values`` (shape (n,)): Wilson's when every value is 0 or 1 (a pass rate),
+    else the normal approximation ``mean ± z·sd/√n`` (sample sd); ``(nan, nan)`` for no values."""
+    values = np.asarray(values, float)
+    n = len(values)
+    if n == 0:
+        return float("nan"), float("nan")
+    if np.isin(values, (0.0, 1.0)).all():
+        return wilson(float(values.sum()), n, z)
+    half = z * float(values.std(ddof=1)) / math.sqrt(n) if n > 1 else float("inf")
+    return float(values.mean()) - half, float(values.mean()) + half

@@ -275,3 +275,21 @@ def test_report_of_an_agentic_run_draws_the_random_legal_policy(tmp_path):
     (rlvr / "config.json").write_text(json.dumps(rlvr_config.model_dump(mode="json")))
     assert write_report(rlvr).chance is None
     assert write_report(_rates_run(tmp_path / "bare")).chance is None
+
+
+def test_a_mean_is_drawn_with_the_interval_its_stage_logged(tmp_path):
+    """RLVR's validation logs val/score/mean with val/score/ci95_low and ci95_high: that band is drawn, and the
+    interval metrics are no lines of their own."""
+    from flows.report import metric_band, plot_lines
+
+    with MetricsLog(tmp_path, tensorboard=False) as log:
+        for it in range(3):
+            log.log(it, "validation", {"val/score/mean": 0.2 + it / 10, "val/score/ci95_low": 0.1 + it / 10,
+                                       "val/score/ci95_high": 0.3 + it / 10, "val/scored": 100.0})
+    table = read_metrics(tmp_path)
+    x, low, high = metric_band(table, "val/score/mean", "validation")
+    assert x.tolist() == [0, 1, 2]
+    np.testing.assert_allclose(low, [0.1, 0.2, 0.3])
+    np.testing.assert_allclose(high, [0.3, 0.4, 0.5])
+    reward = next(s for s in PLOTS if s.stem == "reward")
+    assert plot_lines(table, reward, tmp_path / "r.png") == ["val/score/mean", "val/score/mean: 95 % interval"]

@@ -1,5 +1,5 @@
-"""The synthetic RLVR tasks (stages/rlvr/synthetic.py), the shipped quickstart task's config and data, and the
-intervals the learning benchmark reports. No model runs."""
+"""The synthetic RLVR tasks (stages/rlvr/synthetic.py) and the shipped quickstart task's config and data. No model
+runs."""
 
 from __future__ import annotations
 
@@ -12,7 +12,6 @@ from schemas.config import load_config
 from schemas.rlvr_train_config import RLVRTrainConfig
 from stages.rewards.registry import build_worker
 from stages.rlvr.generate import prompts_section, read_prompt_rows
-from stages.algos.intervals import paired_bootstrap_diff, wilson
 from stages.rlvr.synthetic import TASKS, make_rows
 from tests.rlvr.helpers import REPO
 
@@ -66,22 +65,3 @@ def test_the_quickstart_config_loads_and_its_shipped_files_are_the_generators_ou
     assert not train_prompts & {r["prompt"] for r in files["heldout"]}
     assert config.rewards.routes[f"{QUICKSTART}_train"].worker == TASKS[QUICKSTART][1]
     assert config.validation_rewards().routes[f"{QUICKSTART}_heldout"].worker == TASKS[QUICKSTART][1]
-
-
-def test_wilson_interval_matches_its_formula_at_known_points():
-    low, high = wilson(0, 10)
-    assert low == 0.0 and high == pytest.approx(0.2775, abs=1e-4)
-    low, high = wilson(50, 100)
-    assert (low, high) == pytest.approx((0.4038, 0.5962), abs=1e-4)
-
-
-def test_paired_bootstrap_is_seeded_and_brackets_the_mean_difference():
-    rng = np.random.default_rng(3)
-    before = (rng.random(200) < 0.3).astype(float)
-    after = np.maximum(before, (rng.random(200) < 0.3).astype(float))
-    diff, low, high = paired_bootstrap_diff(before, after)
-    assert (diff, low, high) == paired_bootstrap_diff(before, after)
-    assert diff == pytest.approx(after.mean() - before.mean()) and 0 < low < diff < high
-    assert paired_bootstrap_diff(before, before) == (0.0, 0.0, 0.0)
-    with pytest.raises(ValueError, match="one length"):
-        paired_bootstrap_diff(before, after[:-1])

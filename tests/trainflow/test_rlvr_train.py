@@ -13,6 +13,7 @@ import pytest
 from schemas.config import load_config, validate_config
 from schemas.errors import ConfigError
 from schemas.rlvr_train_config import RLVRTrainConfig
+from stages.algos.intervals import wilson
 from stages.rlvr.generate import prompts_section, read_prompt_rows, step_prompt_ids
 from tests.processes import rollflow_here
 
@@ -175,6 +176,13 @@ def test_rlvr_run_with_gae_and_token_kl_end_to_end_then_resume_skips_everything(
     assert not (run / "step_0000/validation").exists()
     validated = [m for m in metrics if m["stage"] == "validation" and m["name"] == "val/score/mean"]
     assert sorted(m["iteration"] for m in validated) == [0, 2]  # the policy after 0 and after 2 steps
+    by_name = {(m["iteration"], m["name"]): m["value"] for m in metrics if m["stage"] == "validation"}
+    for it in (0, 2):  # the interval the report draws, Wilson's over the 2 scored rows (MCQ scores are 0 or 1)
+        assert by_name[(it, "val/scored")] == 2.0
+        assert by_name[(it, "val/score/ci95_low")] <= by_name[(it, "val/score/mean")] <= \
+            by_name[(it, "val/score/ci95_high")]
+        assert (by_name[(it, "val/score/ci95_low")], by_name[(it, "val/score/ci95_high")]) == \
+            pytest.approx(wilson(2 * by_name[(it, "val/score/mean")], 2))
     assert "val score" in first.stdout
 
     # rollflow eval on the last checkpoint gives the run's own validation after its last step
