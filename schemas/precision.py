@@ -16,9 +16,11 @@ generate) say ``float32``/``bfloat16``. This module imports torch only when it h
 from __future__ import annotations
 
 import functools
+import glob
 import logging
 import os
 import platform
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -86,9 +88,23 @@ def cpu_hardware(flags: frozenset[str], environ=None) -> Hardware:
     return Hardware("cpu", f"CPU {isa}, {detail}", native)
 
 
+# Device nodes a GPU driver makes for the processes that may use a GPU: NVIDIA's (also inside a container given a
+# GPU), AMD's ROCm (torch.cuda on ROCm builds) and WSL's. Without any, torch.cuda.is_available() is False.
+_GPU_DEVICE_NODES = ("/dev/nvidiactl", "/dev/nvidia[0-9]*", "/proc/driver/nvidia/gpus/*", "/dev/kfd", "/dev/dxg")
+
+
+def gpu_device_nodes() -> list[str]:
+    """The GPU driver device nodes of this host (empty: torch could see no GPU here)."""
+    return [path for pattern in _GPU_DEVICE_NODES for path in glob.glob(pattern)]
+
+
 @functools.lru_cache(maxsize=1)
 def detect() -> Hardware:
-    """This host's compute hardware: the first CUDA GPU if torch sees one, else the CPU."""
+    """This host's compute hardware: the first CUDA GPU if torch sees one, else the CPU. torch is imported only where
+    a GPU driver's device node exists (or torch is loaded already): importing it takes 1-3 s on the 2-core machine,
+    and every config with a dtype field is validated through here, so a config error would wait for it."""
+    if "torch" not in sys.modules and not gpu_device_nodes():
+        return cpu_hardware(cpu_flags())
     try:
         import torch
 

@@ -95,12 +95,13 @@ def plan(config: Path = typer.Option(..., "--config", help="YAML config of a tra
     where they go) and whether the cluster can schedule it: exit 0 if it fits, 2 if not (with the rule, the numbers
     and the fix). Starts no engine, no Prefect, and no Ray cluster."""
     from flows.pipelines import pipeline_of
-    from flows.runkit import run_plan
     from schemas.config import load_config_data, parse_overrides, validate_config
 
     data = _guard(lambda: load_config_data(config, parse_overrides(overrides or [])))
     pipeline = _guard(lambda: pipeline_of(data, str(config)))
     cfg = _guard(lambda: validate_config(pipeline.config_model(), data, str(config)))
+    from flows.runkit import run_plan  # after the config's check: it loads Prefect (1-4 s on the 2-core machine)
+
     resources: dict[str, float] = {}
     if cpus is None or gpus is None:
         from stages.cluster import cluster_resources
