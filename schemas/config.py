@@ -92,6 +92,25 @@ class RewardNormalizationConfig(Frozen):
     norm_mean_type: Literal["batch", "group"] | None = Field(None, description="Explicit mean type; wins over method.")
     norm_std_type: Literal["batch", "group"] | None = Field(None, description="Explicit std type; wins over method.")
 
+    def group_scoped(self) -> bool:
+        """Whether a normalisation reads ``grouping``'s groups: a mean or std type that is ``group``, explicit or
+        derived from ``method`` (the rule of stages/algos/reward_norm.py resolve_norm_types: ``mean`` derives the
+        mean's scope, ``mean_std`` and ``asym_clip`` both; the scope is ``group`` unless grouping is ``batch``)."""
+        derived = {"mean": (True, False), "mean_std": (True, True), "asym_clip": (True, True)}.get(self.method,
+                                                                                                   (False, False))
+        return any(explicit == "group" or (explicit is None and from_method and self.grouping != "batch")
+                   for explicit, from_method in zip((self.norm_mean_type, self.norm_std_type), derived))
+
+    @model_validator(mode="after")
+    def _grouping_is_read(self) -> "RewardNormalizationConfig":
+        if self.grouping != "batch" and not self.group_scoped():
+            raise ValueError(f"grouping '{self.grouping}' is read by no normalisation: method '{self.method}' with "
+                             f"norm_mean_type {self.norm_mean_type} and norm_std_type {self.norm_std_type} "
+                             "normalises over no group, so the rewards would be those of grouping 'batch'; set "
+                             "method: mean_std (or norm_mean_type / norm_std_type: group) to normalise within each "
+                             "group, or remove grouping")
+        return self
+
 
 class AdvantageOptions(Frozen):
     """The token-reward and advantage options both pipelines share (ROLL's PPOConfig names and defaults), declared
@@ -130,6 +149,11 @@ class AdvantageOptions(Frozen):
             raise ValueError("kl_penalty 'full' needs each token's whole log-distribution over the vocabulary, but the "
                              "tables store only the sampled tokens' log-probs (old_log_probs, ref_log_probs); set "
                              "kl_penalty to kl, abs, mse or k3")
+        if self.kl_penalty != "kl" and not self.add_token_level_kl:
+            raise ValueError(f"kl_penalty '{self.kl_penalty}' is the estimator of the token-level KL, which "
+                             "add_token_level_kl: false leaves out of the token rewards, so it would change nothing "
+                             "(train.kl_loss_type is the KL loss's estimator); set add_token_level_kl: true, or "
+                             "remove kl_penalty")
         refuse_unless_above("target_kl", self.target_kl, 0, why=(
             "because the adaptive controller divides by "
             "it; set target_kl: null for a fixed KL coefficient"))

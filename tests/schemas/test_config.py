@@ -166,7 +166,7 @@ def test_a_grouping_that_names_no_column_is_refused_with_the_choices(model, path
     assert "field 'reward_normalization.grouping'" in str(err.value)
     assert "'batch', 'traj_group_id', 'tags', 'traj_id', 'group_id' or 'tag'" in str(err.value)
     for name in ("batch", "traj_group_id", "tags", "traj_id", "group_id", "tag"):
-        load_config(model, REPO / "configs" / path, {"reward_normalization": {"grouping": name}})
+        load_config(model, REPO / "configs" / path, {"reward_normalization": {"grouping": name, "method": "mean_std"}})
 
 
 @pytest.mark.parametrize("model,path,name", [

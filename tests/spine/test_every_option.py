@@ -1,0 +1,310 @@
+"""Every boolean and enumerated option of every command's config is exercised (issue 48: "an option that validates and
+then crashes cannot exist"), and an option set where nothing reads it is refused at load time.
+
+The options are walked from the config models themselves (``schemas.config.COMMAND_CONFIGS`` and every section
+model under them), each named by the model that declares it, so a shared option (``AdvantageOptions.kl_penalty``)
+counts once and a new option or a new value is picked up without an edit here. Each option is covered in exactly one
+of three ways, and :func:`test_every_option_is_covered_once` fails naming any option that is not:
+
+* ``AGENTIC_STAGES``: run here, value by value, through the two stages that read them (response_rewards and
+  advantages, the recompute chain) on a tiny step-level table; every value other than the base one either changes
+  the stages' output or is refused by the config with a ConfigError naming the option;
+* ``ELSEWHERE``: the module that runs the stage reading it (the rollout and its engines, the log-prob and training
+  workers, the trackers, the RLVR chain); the module must exist and name the option;
+* ``ONE_VALUE``: a literal of one value (nothing to choose).
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import types
+import typing
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pytest
+from pydantic import BaseModel
+
+from schemas.config import COMMAND_CONFIGS, RecomputeConfig, validate_config
+from schemas.errors import ConfigError
+from stages.example import ExampleSpec, generate
+from tests.spine.conftest import SMALL
+from tests.spine.helpers import REPO, read_table, run_recompute, write_samples
+
+# ---- the options, from the models ------------------------------------------------------------------------------------
+
+
+def _choices(annotation) -> tuple | None:
+    """The values of a boolean or enumerated annotation (None included when optional), else None."""
+    if annotation is bool:
+        return (True, False)
+    origin, args = typing.get_origin(annotation), typing.get_args(annotation)
+    if origin is typing.Literal:
+        return args
+    if origin is typing.Annotated:
+        return _choices(args[0])
+    if origin in (typing.Union, types.UnionType):
+        found = [_choices(a) for a in args if a is not type(None)]
+        if len(found) == 1 and found[0] is not None:
+            return (*found[0], *((None,) if type(None) in args else ()))
+    if origin in (list, tuple) and args and _choices(args[0]) is not None:  # a list of names: each name
+        return _choices(args[0])
+    return None
+
+
+def _submodels(annotation):
+    if inspect.isclass(annotation) and issubclass(annotation, BaseModel):
+        yield annotation
+    for arg in typing.get_args(annotation):
+        if not isinstance(arg, (str, int, float, bool)) and arg is not None:
+            yield from _submodels(arg)
+
+
+def _owner(model: type[BaseModel], name: str) -> type:
+    """The class of ``model``'s hierarchy that declares field ``name`` (the most derived one)."""
+    return next(k for k in model.__mro__ if name in k.__dict__.get("__annotations__", {}))
+
+
+def option_choices() -> dict[str, tuple]:
+    """``Owner.field`` -> its values, for every boolean or enumerated option under every command's config."""
+    options: dict[str, tuple] = {}
+    seen: set[type] = set()
+
+    def walk(model: type[BaseModel]) -> None:
+        if model in seen:
+            return
+        seen.add(model)
+        for name, field in model.model_fields.items():
+            values = _choices(field.annotation)
+            if values is not None:
+                options.setdefault(f"{_owner(model, name).__name__}.{name}", values)
+            for sub in _submodels(field.annotation):
+                walk(sub)
+
+    for kind in COMMAND_CONFIGS:
+        walk(kind.resolve())
+    return options
+
+
+# ---- how each is covered ---------------------------------------------------------------------------------------------
+
+# run here through the recompute chain: option -> (its path in RecomputeConfig, the base it is varied from: the
+# options it needs to be read at all)
+AGENTIC_STAGES = {
+    "AdvantageOptions.adv_estimator": ("adv_estimator", {}),
+    "AdvantageOptions.whiten_rewards": ("whiten_rewards", {}),
+    "AdvantageOptions.whiten_advantages": ("whiten_advantages", {}),
+    "AdvantageOptions.add_token_level_kl": ("add_token_level_kl", {}),
+    "AdvantageOptions.kl_penalty": ("kl_penalty", {"add_token_level_kl": True}),
+    "AdvantageOptions.roll_compat": ("roll_compat", {}),
+    "RewardNormalizationConfig.grouping": ("reward_normalization.grouping",
+                                           {"reward_normalization": {"method": "mean_std"}}),
+    "RewardNormalizationConfig.method": ("reward_normalization.method", {}),
+    "RewardNormalizationConfig.norm_mean_type": ("reward_normalization.norm_mean_type", {}),
+    "RewardNormalizationConfig.norm_std_type": ("reward_normalization.norm_std_type", {}),
+}
+# exercised by the stage that reads it in another module (the tiny model, the HF and vLLM engines, DeepSpeed): the
+# module's path; it must name the option
+ELSEWHERE = {
+    # the rollout (its episodes, prompts and samples) and its engines
+    "RolloutConfig.sample_level": "tests/rollout/test_samples.py",
+    "RolloutConfig.on_invalid_action": "tests/rollout/test_episode.py",
+    "PromptConfig.action_order": "tests/rollout/test_episode.py",
+    "EngineConfig.backend": "tests/rollout/test_vllm_rollout.py",
+    "EngineConfig.flashinfer_sampler": "tests/schemas/test_toolchain.py",
+    "EngineConfig.dtype": "tests/schemas/test_precision.py",
+    "EngineConfig.sleep_level": "tests/trainflow/test_train_flow.py",
+    # the log-prob / values workers
+    "ForwardConfig.enable_reference": "tests/train/test_stage.py",
+    "ForwardConfig.compute_entropy": "tests/train/test_done_when.py",
+    "ForwardConfig.dtype": "tests/schemas/test_precision.py",
+    "ForwardConfig.device": "tests/train/test_stage.py",
+    "ForwardConfig.use_sequence_packing": "tests/train/test_stage.py",
+    # the RLVR response rewards (sample masks, reward normalisation) on ROLL's golden chain
+    "RLVRConfig.max_len_mask": "tests/algos/test_response_level.py",
+    "RLVRConfig.difficulty_mask": "tests/rlvr/test_chain.py",
+    "RLVRConfig.error_max_len_clip": "tests/rlvr/test_chain.py",
+    "RLVRConfig.norm_mean_type": "tests/algos/test_response_level.py",
+    "RLVRConfig.norm_std_type": "tests/algos/test_response_level.py",
+    # the policy loss and the training step (the losses on ROLL's golden vectors, the step on DeepSpeed)
+    "LossOptions.use_pg_clip_range": "tests/losses/test_actor_properties.py",
+    "LossOptions.dual_clip_loss": "tests/losses/test_actor_properties.py",
+    "LossOptions.loss_agg_mode": "tests/train/test_conformance.py",
+    "LossOptions.use_kl_loss": "tests/losses/test_actor_properties.py",
+    "LossOptions.kl_loss_type": "tests/losses/test_actor_properties.py",
+    "LossOptions.ratio_type": "tests/losses/test_actor_properties.py",
+    "LossOptions.importance_sampling": "tests/losses/test_actor_properties.py",
+    "LossOptions.difficulty_loss_weight": "tests/train/test_difficulty_weight.py",
+    "LossOptions.length_loss_weight": "tests/train/test_conformance.py",
+    "IsWeightConfig.enabled": "tests/losses/test_train_infer.py",
+    "IsWeightConfig.weight_type": "tests/losses/test_train_infer.py",
+    "IsWeightConfig.detach": "tests/losses/test_train_infer.py",
+    "FilterConfig.enabled": "tests/losses/test_train_infer.py",
+    "FilterConfig.agg_type": "tests/losses/test_train_infer.py",
+    "FilterConfig.ratio_enabled": "tests/losses/test_train_infer.py",
+    "FilterConfig.diff_enabled": "tests/losses/test_train_infer.py",
+    "LossOptions.roll_compat": "tests/losses/test_actor_properties.py",
+    "TrainSection.adv_estimator": "tests/train/test_done_when.py",
+    "TrainSection.policy_loss": "tests/train/test_difficulty_weight.py",
+    "TrainSection.compute_entropy_metric": "tests/train/test_core.py",
+    "ModelArgs.dtype": "tests/schemas/test_precision.py",
+    "ModelArgs.disable_gradient_checkpointing": "tests/train/test_lora.py",
+    "TrainingArgs.lr_scheduler_type": "tests/train/test_core.py",
+    "StrategyArgs.zero_stage": "tests/train/test_core.py",
+    "StrategyArgs.torch_compile": "tests/flows/test_gpu_preflight.py",
+    "StrategyArgs.optimizer": "tests/train/test_core.py",
+    "WorkerTrainConfig.use_dynamic_batching_in_train": "tests/spine/test_every_option.py",
+    "WorkerTrainConfig.use_sequence_packing": "tests/train/test_core.py",
+    "TrainRuntimeConfig.use_gpu": "tests/flows/test_plan.py",
+    "TrainRuntimeConfig.keep_workers": "tests/flows/test_plan.py",
+    # where a run's metrics go
+    "TrackingOptions.track_with": "tests/flows/test_trackers.py",
+    "WandbOptions.mode": "tests/flows/test_trackers.py",
+}
+ONE_VALUE = {"TrainFlowConfig.pipeline", "RLVRTrainConfig.pipeline", "StrategyArgs.strategy_name"}
+
+
+def test_every_option_is_covered_once():
+    options = option_choices()
+    covered = [*AGENTIC_STAGES, *ELSEWHERE, *ONE_VALUE]
+    missing = sorted(set(options) - set(covered))
+    assert not missing, (f"options no test exercises: {missing}; add each to AGENTIC_STAGES (run here) or "
+                         "ELSEWHERE (the test module that runs the stage reading it)")
+    assert not sorted(set(covered) - set(options)), "entries of no option (renamed or removed?)"
+    assert len(covered) == len(set(covered)), "an option is listed twice"
+    assert all(len(options[name]) == 1 for name in ONE_VALUE)
+
+
+@pytest.mark.parametrize("name", sorted(ELSEWHERE))
+def test_the_module_that_exercises_an_option_names_it(name):
+    text = (REPO / ELSEWHERE[name]).read_text()
+    assert name.split(".")[1] in text, f"{ELSEWHERE[name]} does not name {name}"
+
+
+def test_dynamic_batching_decides_how_the_training_step_forms_micro_batches():
+    """use_dynamic_batching_in_train (no other test names it): a token budget per micro-batch, or a fixed number of
+    rows (stages/train/core.py batching_policy, what the training step plans its micro-batches with)."""
+    from schemas.train_config import WorkerTrainConfig
+    from stages.train.core import batching_policy
+
+    on, off = (batching_policy(WorkerTrainConfig(use_dynamic_batching_in_train=flag)) for flag in (True, False))
+    assert on != off
+    assert on.max_tokens == WorkerTrainConfig().max_tokens_per_microbatch_in_train
+
+
+@pytest.mark.xfail(strict=True, reason="defect, reported (issue 48): batching_policy drops use_sequence_packing when "
+                   "use_dynamic_batching_in_train is false, so the documented packing of each micro-batch silently "
+                   "does not happen; stages/train is being refactored elsewhere, the fix is packed= in its else branch")
+def test_sequence_packing_packs_fixed_row_micro_batches_too():
+    from schemas.train_config import WorkerTrainConfig
+    from stages.train.core import batching_policy
+
+    policy = batching_policy(WorkerTrainConfig(use_dynamic_batching_in_train=False, use_sequence_packing=True))
+    assert policy.packed
+
+
+# ---- the agentic data-side options through the recompute stages -----------------------------------------------------
+
+COLUMNS = ("response_level_rewards", "token_level_rewards", "advantages", "returns")
+
+
+def _with(data: dict, path: str, value) -> dict:
+    data = json.loads(json.dumps(data))
+    node = data
+    *parents, last = path.split(".")
+    for key in parents:
+        node = node.setdefault(key, {})
+    node[last] = value
+    return data
+
+
+def _outputs(out: Path) -> dict[str, np.ndarray]:
+    rewarded, advantaged = read_table(out / "rewarded"), read_table(out / "advantaged")
+    result = {}
+    for name in COLUMNS:
+        table = advantaged if name in advantaged.column_names else rewarded
+        values = table.column(name).to_pylist()
+        result[name] = np.concatenate([np.ravel(np.asarray(v, np.float64)) for v in values]) if values and \
+            isinstance(values[0], list) else np.asarray(values, np.float64)
+    return result
+
+
+def _differs(a: dict[str, np.ndarray], b: dict[str, np.ndarray]) -> bool:
+    return any(a[k].shape != b[k].shape or not np.allclose(a[k], b[k], equal_nan=True) for k in a)
+
+
+@pytest.fixture(scope="module")
+def tiny_steps(tmp_path_factory, ray_cluster) -> str:
+    """48 step-level FrozenLake rows in groups of 8 (with old/ref log-probs and values), the groups under two tags (so
+    that grouping by tag differs from the batch)."""
+    root = tmp_path_factory.mktemp("options")
+    generate(ExampleSpec(samples=48, seed=1, rows_per_file=100, **SMALL), str(root / "generated"))
+    table = read_table(root / "generated")
+    groups = sorted(set(table.column("group_id").to_pylist()))
+    tags = [f"FrozenLake{groups.index(g) % 2}" for g in table.column("group_id").to_pylist()]
+    table = table.set_column(table.schema.get_field_index("tag"), "tag", pa.array(tags, table.schema.field("tag").type))
+    return write_samples(table, root / "steps")
+
+
+@pytest.fixture(scope="module")
+def chain(tiny_steps, tmp_path_factory):
+    """Runs the recompute chain of a config (cached by config): its output columns, or the ConfigError."""
+    root, done = tmp_path_factory.mktemp("runs"), {}
+
+    def run(data: dict):
+        key = json.dumps(data, sort_keys=True)
+        if key not in done:
+            try:
+                cfg = validate_config(RecomputeConfig, data)
+            except ConfigError as err:
+                done[key] = err
+            else:
+                out = root / f"run{len(done)}"
+                run_recompute(tiny_steps, str(out), cfg)
+                done[key] = _outputs(out)
+        return done[key]
+
+    return run
+
+
+def _agentic_cases():
+    options = option_choices()
+    for name, (path, base) in AGENTIC_STAGES.items():
+        for value in options[name]:
+            yield pytest.param(name, value, id=f"{name}={value}")
+
+
+@pytest.mark.parametrize("name, value", list(_agentic_cases()))
+def test_an_agentic_option_value_changes_the_stages_output_or_is_refused(name, value, chain):
+    path, base = AGENTIC_STAGES[name]
+    reference = chain(base)
+    assert not isinstance(reference, ConfigError), reference
+    current = RecomputeConfig.model_validate(base)
+    for key in path.split("."):
+        current = getattr(current, key)
+    if value == current:
+        return  # the base itself
+    result = chain(_with(base, path, value))
+    if isinstance(result, ConfigError):
+        assert path.split(".")[-1] in str(result) and "; " in str(result), f"{name}={value}: unclear refusal {result}"
+        return
+    assert _differs(result, reference), (f"{name}={value} changed nothing in the stages' output (from "
+                                         f"{base or 'the defaults'}): refuse it at load time or make it work")
+
+
+# ---- the combinations that would change nothing are refused at load time --------------------------------------------
+
+@pytest.mark.parametrize("data, option, fix", [
+    ({"kl_penalty": "k3"}, "kl_penalty 'k3'", "set add_token_level_kl: true, or remove kl_penalty"),
+    ({"reward_normalization": {"grouping": "traj_group_id"}}, "grouping 'traj_group_id' is read by no normalisation",
+     "set method: mean_std"),
+    ({"reward_normalization": {"grouping": "tags", "norm_mean_type": "batch"}}, "grouping 'tags'", "or remove grouping"),
+])
+def test_an_option_nothing_reads_is_refused(data, option, fix):
+    with pytest.raises(ConfigError) as err:
+        validate_config(RecomputeConfig, data)
+    assert option in str(err.value) and fix in str(err.value)
+    validate_config(RecomputeConfig, {"add_token_level_kl": True, "kl_penalty": "k3"})
+    validate_config(RecomputeConfig, {"reward_normalization": {"grouping": "tags", "norm_std_type": "group"}})
