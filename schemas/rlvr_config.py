@@ -134,6 +134,14 @@ class RLVRConfig(AdvantageOptions):
             raise ValueError(f"num_return_sequences_in_group ({n}) must be at least 2, because {why} each prompt's "
                              "rewards by their group mean/std and a group of one has no spread; set "
                              "num_return_sequences_in_group: 8")
+        ignored = {f: v for f, v in (("norm_mean_type", self.norm_mean_type), ("norm_std_type", self.norm_std_type))
+                   if v not in (None, "group")}
+        if est.forces_group_norm and ignored:
+            field, value = next(iter(ignored.items()))
+            raise ValueError(f"{field} '{value}' is ignored with adv_estimator {self.adv_estimator}, which normalises "
+                             "each prompt's rewards by its group's mean and std whatever the norm types say (ROLL's "
+                             "RLVR reward post-processing, spec §3.3), so it would change nothing; remove "
+                             f"{', '.join(ignored)}, or use adv_estimator reinforce with {field}: {value}")
         if self.max_len_mask and self.max_new_tokens is None:
             raise ValueError("max_len_mask needs max_new_tokens, because a response is truncated when its length "
                              "equals the generation budget; set max_new_tokens to the rollout's budget")

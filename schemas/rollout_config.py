@@ -132,6 +132,14 @@ class EngineConfig(OmitDefaults):
         here only: the rollout, RLVR generation, an LLM judge and every engine pool read it)."""
         return self.max_model_len or sequence_length
 
+    @model_validator(mode="after")
+    def _sampler_of_the_backend(self) -> "EngineConfig":
+        if self.flashinfer_sampler and self.backend != "vllm":
+            raise ValueError(f"flashinfer_sampler: true chooses vLLM's FlashInfer sampler, but backend is "
+                             f"'{self.backend}', which samples with transformers, so it would change nothing; set "
+                             "flashinfer_sampler: auto (or false), or backend: vllm")
+        return self
+
     @field_validator("options")
     @classmethod
     def _options_not_set_by_fields(cls, options: dict[str, Any]) -> dict[str, Any]:

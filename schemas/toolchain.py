@@ -206,10 +206,13 @@ def torch_compile_validator(value):
     return chosen
 
 
-def flashinfer_sampler_validator(value):
-    """Before-validator of ``engine.flashinfer_sampler``: ``auto`` becomes true only with prebuilt kernels."""
+def flashinfer_sampler_validator(value, info):
+    """Before-validator of ``engine.flashinfer_sampler``: ``auto`` becomes true only with prebuilt kernels, and only
+    for the vllm backend (the hf backend samples with transformers: auto is false there)."""
     if value != AUTO:
         return value
+    if info.data.get("backend", "vllm") != "vllm":
+        return False
     chosen, why = choose_flashinfer_sampler(value, _device(), flashinfer_kernels_present())
     if _device() == "cuda":
         _record("flashinfer_sampler", f"flashinfer_sampler auto -> {str(chosen).lower()}: {why}")

@@ -9,6 +9,7 @@ of three ways, and :func:`test_every_option_is_covered_once` fails naming any op
 * ``AGENTIC_STAGES``: run here, value by value, through the two stages that read them (response_rewards and
   advantages, the recompute chain) on a tiny step-level table; every value other than the base one either changes
   the stages' output or is refused by the config with a ConfigError naming the option;
+* ``RLVR_STAGES``: the same through RLVR's chain (``rollflow score --advantages``) on 24 shipped math prompts' answers;
 * ``ELSEWHERE``: the module that runs the stage reading it (the rollout and its engines, the log-prob and training
   workers, the trackers, the RLVR chain); the module must exist and name the option;
 * ``ONE_VALUE``: a literal of one value (nothing to choose).
@@ -29,6 +30,8 @@ from pydantic import BaseModel
 
 from schemas.config import COMMAND_CONFIGS, RecomputeConfig, validate_config
 from schemas.errors import ConfigError
+from schemas.rlvr_config import RLVRConfig
+from schemas.rollout_config import EngineConfig
 from stages.example import ExampleSpec, generate
 from tests.spine.conftest import SMALL
 from tests.spine.helpers import REPO, read_table, run_recompute, write_samples
@@ -105,6 +108,16 @@ AGENTIC_STAGES = {
     "RewardNormalizationConfig.norm_mean_type": ("reward_normalization.norm_mean_type", {}),
     "RewardNormalizationConfig.norm_std_type": ("reward_normalization.norm_std_type", {}),
 }
+# run here through RLVR's reward, samples, response-rewards and advantages stages (rollflow score --advantages):
+# option -> (its path in RLVRConfig, the base it is varied from); the base has max_new_tokens at the longest response
+# (so max_len_mask finds some) and an error_max_len_threshold below it (so error_max_len_clip drops some)
+RLVR_STAGES = {
+    "RLVRConfig.max_len_mask": ("max_len_mask", {}),
+    "RLVRConfig.difficulty_mask": ("difficulty_mask", {}),
+    "RLVRConfig.error_max_len_clip": ("error_max_len_clip", {}),
+    "RLVRConfig.norm_mean_type": ("norm_mean_type", {}),
+    "RLVRConfig.norm_std_type": ("norm_std_type", {}),
+}
 # exercised by the stage that reads it in another module (the tiny model, the HF and vLLM engines, DeepSpeed): the
 # module's path; it must name the option
 ELSEWHERE = {
@@ -122,12 +135,6 @@ ELSEWHERE = {
     "ForwardConfig.dtype": "tests/schemas/test_precision.py",
     "ForwardConfig.device": "tests/train/test_stage.py",
     "ForwardConfig.use_sequence_packing": "tests/train/test_stage.py",
-    # the RLVR response rewards (sample masks, reward normalisation) on ROLL's golden chain
-    "RLVRConfig.max_len_mask": "tests/algos/test_response_level.py",
-    "RLVRConfig.difficulty_mask": "tests/rlvr/test_chain.py",
-    "RLVRConfig.error_max_len_clip": "tests/rlvr/test_chain.py",
-    "RLVRConfig.norm_mean_type": "tests/algos/test_response_level.py",
-    "RLVRConfig.norm_std_type": "tests/algos/test_response_level.py",
     # the policy loss and the training step (the losses on ROLL's golden vectors, the step on DeepSpeed)
     "LossOptions.use_pg_clip_range": "tests/losses/test_actor_properties.py",
     "LossOptions.dual_clip_loss": "tests/losses/test_actor_properties.py",
@@ -168,10 +175,10 @@ ONE_VALUE = {"TrainFlowConfig.pipeline", "RLVRTrainConfig.pipeline", "StrategyAr
 
 def test_every_option_is_covered_once():
     options = option_choices()
-    covered = [*AGENTIC_STAGES, *ELSEWHERE, *ONE_VALUE]
+    covered = [*AGENTIC_STAGES, *RLVR_STAGES, *ELSEWHERE, *ONE_VALUE]
     missing = sorted(set(options) - set(covered))
-    assert not missing, (f"options no test exercises: {missing}; add each to AGENTIC_STAGES (run here) or "
-                         "ELSEWHERE (the test module that runs the stage reading it)")
+    assert not missing, (f"options no test exercises: {missing}; add each to AGENTIC_STAGES or RLVR_STAGES (run "
+                         "here) or ELSEWHERE (the test module that runs the stage reading it)")
     assert not sorted(set(covered) - set(options)), "entries of no option (renamed or removed?)"
     assert len(covered) == len(set(covered)), "an option is listed twice"
     assert all(len(options[name]) == 1 for name in ONE_VALUE)
@@ -207,7 +214,8 @@ def test_sequence_packing_packs_fixed_row_micro_batches_too():
 
 # ---- the agentic data-side options through the recompute stages -----------------------------------------------------
 
-COLUMNS = ("response_level_rewards", "token_level_rewards", "advantages", "returns")
+COLUMNS = ("response_level_rewards", "token_level_rewards", "advantages", "returns", "sample_mask",
+           "final_response_mask")
 
 
 def _with(data: dict, path: str, value) -> dict:
@@ -225,14 +233,17 @@ def _outputs(out: Path) -> dict[str, np.ndarray]:
     result = {}
     for name in COLUMNS:
         table = advantaged if name in advantaged.column_names else rewarded
+        if name not in table.column_names:
+            continue
         values = table.column(name).to_pylist()
         result[name] = np.concatenate([np.ravel(np.asarray(v, np.float64)) for v in values]) if values and \
-            isinstance(values[0], list) else np.asarray(values, np.float64)
+            isinstance(values[0], list) else np.asarray([np.nan if v is None else v for v in values], np.float64)
     return result
 
 
 def _differs(a: dict[str, np.ndarray], b: dict[str, np.ndarray]) -> bool:
-    return any(a[k].shape != b[k].shape or not np.allclose(a[k], b[k], equal_nan=True) for k in a)
+    return a.keys() != b.keys() or any(a[k].shape != b[k].shape or not np.allclose(a[k], b[k], equal_nan=True)
+                                       for k in a)
 
 
 @pytest.fixture(scope="module")
@@ -279,13 +290,19 @@ def _agentic_cases():
 @pytest.mark.parametrize("name, value", list(_agentic_cases()))
 def test_an_agentic_option_value_changes_the_stages_output_or_is_refused(name, value, chain):
     path, base = AGENTIC_STAGES[name]
-    reference = chain(base)
-    assert not isinstance(reference, ConfigError), reference
     current = RecomputeConfig.model_validate(base)
     for key in path.split("."):
         current = getattr(current, key)
+    _check_value(name, value, path, base, chain, current)
+
+
+def _check_value(name: str, value, path: str, base: dict, chain, current) -> None:
+    """``value`` of option ``name`` (at ``path``), from ``base`` where it is ``current``: refused naming the option, or
+    the chain's output differs from the base's."""
     if value == current:
         return  # the base itself
+    reference = chain(base)
+    assert not isinstance(reference, ConfigError), reference
     result = chain(_with(base, path, value))
     if isinstance(result, ConfigError):
         assert path.split(".")[-1] in str(result) and "; " in str(result), f"{name}={value}: unclear refusal {result}"
@@ -294,17 +311,79 @@ def test_an_agentic_option_value_changes_the_stages_output_or_is_refused(name, v
                                          f"{base or 'the defaults'}): refuse it at load time or make it work")
 
 
+# ---- the RLVR data-side options through the RLVR chain ----------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def rlvr_chain(tmp_path_factory, ray_cluster):
+    """Runs ``rollflow score --advantages``'s stages (flows/rlvr.py score_responses) on 24 answers to 6 shipped math
+    prompts (4 each; correct, wrong and garbage) under a config of RLVR_BASE plus the given options: the output
+    columns, or the ConfigError."""
+    from flows.rlvr import score_responses
+    from stages.rlvr.example import RLVRExampleSpec, write_rlvr_example
+
+    root, done = tmp_path_factory.mktemp("rlvr-options"), {}
+    responses = str(root / "responses")
+    write_rlvr_example(RLVRExampleSpec(domains=("math",), n=4, limit=6, seed=3), responses)
+    lengths = sorted(len(ids) for ids in read_table(responses, ["response_ids"]).column("response_ids").to_pylist())
+    base = {"rewards": {"routes": {"math": {"worker": "math_rule"}}}, "num_return_sequences_in_group": 4,
+            "adv_estimator": "reinforce", "max_new_tokens": lengths[-1], "error_max_len_threshold": lengths[len(lengths) // 2]}
+
+    def run(data: dict):
+        key = json.dumps(data, sort_keys=True)
+        if key not in done:
+            try:
+                cfg = validate_config(RLVRConfig, {**base, **data})
+            except ConfigError as err:
+                done[key] = err
+            else:
+                out = root / f"run{len(done)}"
+                score_responses(responses, str(out), cfg, advantages=True)
+                done[key] = _outputs(out)
+        return done[key]
+
+    return run
+
+
+def _rlvr_cases():
+    options = option_choices()
+    for name in RLVR_STAGES:
+        for value in options[name]:
+            yield pytest.param(name, value, id=f"{name}={value}")
+
+
+@pytest.mark.parametrize("name, value", list(_rlvr_cases()))
+def test_an_rlvr_option_value_changes_the_chains_output_or_is_refused(name, value, rlvr_chain):
+    path, base = RLVR_STAGES[name]
+    _check_value(name, value, path, base, rlvr_chain, RLVRConfig.model_fields[path].default)
+
+
 # ---- the combinations that would change nothing are refused at load time --------------------------------------------
 
-@pytest.mark.parametrize("data, option, fix", [
-    ({"kl_penalty": "k3"}, "kl_penalty 'k3'", "set add_token_level_kl: true, or remove kl_penalty"),
-    ({"reward_normalization": {"grouping": "traj_group_id"}}, "grouping 'traj_group_id' is read by no normalisation",
-     "set method: mean_std"),
-    ({"reward_normalization": {"grouping": "tags", "norm_mean_type": "batch"}}, "grouping 'tags'", "or remove grouping"),
-])
-def test_an_option_nothing_reads_is_refused(data, option, fix):
+RLVR_ROUTES = {"rewards": {"routes": {"*": {"worker": "math_rule"}}}, "num_return_sequences_in_group": 4}
+
+
+@pytest.mark.parametrize("model, data, option, fix", [
+    (RecomputeConfig, {"kl_penalty": "k3"}, "kl_penalty 'k3'", "set add_token_level_kl: true, or remove kl_penalty"),
+    (RecomputeConfig, {"reward_normalization": {"grouping": "traj_group_id"}},
+     "grouping 'traj_group_id' is read by no normalisation", "set method: mean_std"),
+    (RecomputeConfig, {"reward_normalization": {"grouping": "tags", "norm_mean_type": "batch"}}, "grouping 'tags'",
+     "or remove grouping"),
+    (RLVRConfig, {**RLVR_ROUTES, "adv_estimator": "grpo", "norm_std_type": "running"},
+     "norm_std_type 'running' is ignored with adv_estimator grpo", "remove norm_std_type, or use adv_estimator "
+                                                                    "reinforce"),
+    (EngineConfig, {"backend": "hf", "flashinfer_sampler": True}, "flashinfer_sampler: true chooses vLLM's",
+     "set flashinfer_sampler: auto (or false), or backend: vllm"),
+], ids=["kl_penalty-without-token-kl", "grouping-without-group-norm", "grouping-with-batch-norm",
+        "rlvr-norm-type-with-grpo", "flashinfer-with-hf"])
+def test_an_option_nothing_reads_is_refused(model, data, option, fix):
     with pytest.raises(ConfigError) as err:
-        validate_config(RecomputeConfig, data)
+        validate_config(model, data)
     assert option in str(err.value) and fix in str(err.value)
+
+
+def test_the_same_options_where_something_reads_them_are_accepted():
     validate_config(RecomputeConfig, {"add_token_level_kl": True, "kl_penalty": "k3"})
     validate_config(RecomputeConfig, {"reward_normalization": {"grouping": "tags", "norm_std_type": "group"}})
+    validate_config(RLVRConfig, {**RLVR_ROUTES, "adv_estimator": "grpo", "norm_mean_type": "group"})
+    validate_config(RLVRConfig, {**RLVR_ROUTES, "adv_estimator": "reinforce", "norm_std_type": "running"})
+    assert validate_config(EngineConfig, {"backend": "hf"}).flashinfer_sampler is False  # auto: false for hf
