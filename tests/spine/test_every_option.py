@@ -9,6 +9,8 @@ of three ways, and :func:`test_every_option_is_covered_once` fails naming any op
 * ``AGENTIC_STAGES``: run here, value by value, through the two stages that read them (response_rewards and
   advantages, the recompute chain) on a tiny step-level table; every value other than the base one either changes
   the stages' output or is refused by the config with a ConfigError naming the option;
+* ``ROLLOUT_STAGES``: the same through the rollout's stages (reset, turns, samples) on the tiny random model, the
+  samples table compared;
 * ``RLVR_STAGES``: the same through RLVR's chain (``rollflow score --advantages``) on 24 shipped math prompts' answers;
 * ``ELSEWHERE``: the module that runs the stage reading it (the rollout and its engines, the log-prob and training
   workers, the trackers, the RLVR chain); the module must exist and name the option;
@@ -118,13 +120,23 @@ RLVR_STAGES = {
     "RLVRConfig.norm_mean_type": ("norm_mean_type", {}),
     "RLVRConfig.norm_std_type": ("norm_std_type", {}),
 }
+# run here through the rollout's stages (reset, turns, samples) on the tiny random model with the HF engine, one engine
+# pool for all: option -> (its path in RolloutConfig, the base it is varied from, over ROLLOUT_BASE: FrozenLake, 2 groups
+# of 2, 3 turns; action_order orders the actions a prompt lists, so its base lists them)
+LISTS_ACTIONS = {"prompt": {"first_user": "{observation}\nAnswer with one of {answer_options}.",
+                            "next_user": "{observation}\nAnswer with one of {answer_options}."}}
+ROLLOUT_STAGES = {
+    "RolloutConfig.sample_level": ("sample_level", {}),
+    "RolloutConfig.on_invalid_action": ("on_invalid_action", {}),
+    "PromptConfig.action_order": ("prompt.action_order", LISTS_ACTIONS),
+}
+ROLLOUT_BASE = {"sequence_length": 1024, "seed": 7, "env": {"num_env_groups": 2, "group_size": 2, "max_steps": 3},
+                "generating_args": {"max_new_tokens": 8, "temperature": 1.0},
+                "engine": {"backend": "hf", "dtype": "float32", "threads": 1, "options": {"max_batch_size": 8}}}
 # exercised by the stage that reads it in another module (the tiny model, the HF and vLLM engines, DeepSpeed): the
 # module's path; it must name the option
 ELSEWHERE = {
-    # the rollout (its episodes, prompts and samples) and its engines
-    "RolloutConfig.sample_level": "tests/rollout/test_samples.py",
-    "RolloutConfig.on_invalid_action": "tests/rollout/test_episode.py",
-    "PromptConfig.action_order": "tests/rollout/test_episode.py",
+    # the rollout's engines (the values build engines of their own: vLLM, the dtypes, sleep between rollouts)
     "EngineConfig.backend": "tests/rollout/test_vllm_rollout.py",
     "EngineConfig.flashinfer_sampler": "tests/schemas/test_toolchain.py",
     "EngineConfig.dtype": "tests/schemas/test_precision.py",
@@ -175,10 +187,10 @@ ONE_VALUE = {"TrainFlowConfig.pipeline", "RLVRTrainConfig.pipeline", "StrategyAr
 
 def test_every_option_is_covered_once():
     options = option_choices()
-    covered = [*AGENTIC_STAGES, *RLVR_STAGES, *ELSEWHERE, *ONE_VALUE]
+    covered = [*AGENTIC_STAGES, *RLVR_STAGES, *ROLLOUT_STAGES, *ELSEWHERE, *ONE_VALUE]
     missing = sorted(set(options) - set(covered))
-    assert not missing, (f"options no test exercises: {missing}; add each to AGENTIC_STAGES or RLVR_STAGES (run "
-                         "here) or ELSEWHERE (the test module that runs the stage reading it)")
+    assert not missing, (f"options no test exercises: {missing}; add each to AGENTIC_STAGES, RLVR_STAGES or "
+                         "ROLLOUT_STAGES (run here) or ELSEWHERE (the test module that runs the stage reading it)")
     assert not sorted(set(covered) - set(options)), "entries of no option (renamed or removed?)"
     assert len(covered) == len(set(covered)), "an option is listed twice"
     assert all(len(options[name]) == 1 for name in ONE_VALUE)
@@ -355,6 +367,65 @@ def _rlvr_cases():
 def test_an_rlvr_option_value_changes_the_chains_output_or_is_refused(name, value, rlvr_chain):
     path, base = RLVR_STAGES[name]
     _check_value(name, value, path, base, rlvr_chain, RLVRConfig.model_fields[path].default)
+
+
+# ---- the rollout's options through the rollout's stages -------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def rollout_chain(tmp_path_factory, tiny_model, ray_cluster):
+    """Runs a rollout (stages/rollout/driver.py run_rollout: reset, turns, samples) of ROLLOUT_BASE plus the given
+    options on the tiny random model, all on one HF engine pool: the samples' columns, or the ConfigError."""
+    from schemas.rollout_config import RolloutConfig
+    from stages.rollout.driver import run_rollout
+    from stages.rollout.engine_pool import EnginePool
+
+    root, done = tmp_path_factory.mktemp("rollout-options"), {}
+    base = RolloutConfig.model_validate(ROLLOUT_BASE)
+    pool = EnginePool(base.engine, str(tiny_model), base.engine.window(base.sequence_length))
+
+    def run(data: dict):
+        key = json.dumps(data, sort_keys=True)
+        if key not in done:
+            try:
+                cfg = validate_config(RolloutConfig, _merged(ROLLOUT_BASE, data))
+            except ConfigError as err:
+                done[key] = err
+            else:
+                out = root / f"run{len(done)}"
+                run_rollout(cfg, str(out), str(tiny_model), pool=pool)
+                samples = read_table(out / "samples", ["input_ids", "response_mask"])
+                done[key] = {name: np.concatenate([np.asarray(v, np.float64) for v in samples.column(name)
+                                                   .to_pylist()] + [np.array([samples.num_rows], np.float64)])
+                             for name in samples.column_names}
+        return done[key]
+
+    yield run
+    pool.close()
+
+
+def _merged(base: dict, data: dict) -> dict:
+    out = json.loads(json.dumps(base))
+    for key, value in data.items():
+        out[key] = _merged(out.get(key, {}), value) if isinstance(value, dict) else value
+    return out
+
+
+def _rollout_cases():
+    options = option_choices()
+    for name in ROLLOUT_STAGES:
+        for value in options[name]:
+            yield pytest.param(name, value, id=f"{name}={value}")
+
+
+@pytest.mark.parametrize("name, value", list(_rollout_cases()))
+def test_a_rollout_option_value_changes_the_samples_or_is_refused(name, value, rollout_chain):
+    from schemas.rollout_config import RolloutConfig
+
+    path, base = ROLLOUT_STAGES[name]
+    current = RolloutConfig.model_validate(_merged(ROLLOUT_BASE, base))
+    for key in path.split("."):
+        current = getattr(current, key)
+    _check_value(name, value, path, base, rollout_chain, current)
 
 
 # ---- the combinations that would change nothing are refused at load time --------------------------------------------
