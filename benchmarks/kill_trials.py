@@ -9,7 +9,9 @@ Commands (each on small inputs it makes itself, nothing downloaded):
 * ``rollout``: ``rollflow rollout`` of FrozenLake on the tiny random model (HF engine), killed inside its turns;
 * ``train``: ``rollflow train`` on the quickstart config (the default model, vLLM, DeepSpeed; 2 iterations), killed
   anywhere — rollout, log-probs, training, checkpoint writing, evaluation — and resumed with ``--resume``; the tables
-  of both iterations, the evaluations and the final checkpoint's weights are compared.
+  of both iterations, the evaluations and the final checkpoint's weights are compared;
+* ``train-step``: ``rollflow train-step`` (one PPO step, 2 epochs, on DeepSpeed under Ray Train) of the tiny random
+  model on a generated advantaged table (tests/train/tables.py); its checkpoint's weights are compared bit for bit.
 
 Kill delays are drawn uniformly over the uninterrupted run's wall time (seeded). A trial passes when the rerun exits
 0 and every table the reference committed is committed again with the same rows (by row_id) and equal values (floats
@@ -25,14 +27,16 @@ sends it, at a few points spread over its uninterrupted wall time (``--points``,
 command's own services (a local Ray cluster, Prefect's ephemeral server) are started as a user's are. A trial
 measures the seconds from the SIGINT to the command's exit and checks exit status 130, exactly one line on the
 console after the interrupt (``interrupted: ...``, what is committed and how to resume), no traceback and no log
-record; then runs the command that line names and compares its tables with the uninterrupted run's. The commands:
-the four above and ``stage`` (``rollflow stage response_rewards`` with another normalization, on a recompute made
-first); train is the heavy one (the default model, vLLM and DeepSpeed), so the default leaves it out.
+record, and that nothing is half-written (a table folder or a checkpoint folder without its manifest, outside the
+commit protocol's temporary folders); then runs the command that line names and compares its tables (a checkpoint's
+weights) with the uninterrupted run's. The commands: the five above and ``stage`` (``rollflow stage
+response_rewards`` with another normalization, on a recompute made first); train is the heavy one (the default model,
+vLLM and DeepSpeed), so the default leaves it out.
 
-    python benchmarks/kill_trials.py --sigint --commands recompute,score,stage,rollout --points 2
+    python benchmarks/kill_trials.py --sigint --commands recompute,score,stage,rollout,train-step --points 2
 
 Last line: ``RESULT sigint commands=... sigint_trials=N sigint_max_exit_s=S sigint_exit_130=K sigint_one_line=K
-sigint_resumed_identical=K``.
+sigint_half_written=K sigint_resumed_identical=K``.
 """
 
 from __future__ import annotations
@@ -91,12 +95,32 @@ def prepare(command: str, root: Path) -> tuple[list[str], list[str]]:
                        capture_output=True)
         return (["stage", "response_rewards", "--from", str(base / "rewarded"), "--set",
                  "reward_normalization.method=mean"], ["."])
+    if command == "train-step":
+        from stages.generation.model_store import tiny_random_model_dir
+        from tests.train.tables import advantaged_rows, write_table
+
+        samples = write_table(advantaged_rows(48, lengths=(6, 40), seed=7, multi_turn=True), root / "advantaged",
+                              parts=3)
+        config = root / "train.yaml"
+        config.write_text("adv_estimator: grpo\nppo_epochs: 2\nactor_train:\n  training_args:\n"
+                          "    learning_rate: 1.0e-3\n    per_device_train_batch_size: 4\n"
+                          "  max_tokens_per_microbatch_in_train: 64\n")
+        return (["train-step", "--samples", str(samples), "--checkpoint", str(tiny_random_model_dir()), "--config",
+                 str(config)], [])
     if command == "train":
         per_iteration = ["rollout/samples", "logprobs", "rewarded", "advantaged", "eval/samples"]
         return (["train", "--config", "configs/train_frozenlake_quickstart.yaml", "--no-report"],
                 [f"{RUN}/{t}" for t in ["eval_base/samples"] + [f"iter_{k:04d}/{t}" for k in (0, 1)
                                                                 for t in per_iteration]])
     raise SystemExit(f"unknown command {command}")
+
+
+def half_written(output: Path) -> list[Path]:
+    """The table folders (Parquet files) and checkpoint folders (safetensors) under ``output`` without a manifest,
+    outside the commit protocol's temporary folders (``.<name>.tmp-*``, removed by the next run)."""
+    folders = {p.parent for pattern in ("*.parquet", "*.safetensors") for p in output.rglob(pattern)}
+    return sorted(f for f in folders if not any(part.startswith(".") for part in f.relative_to(output.parent).parts)
+                  and not (f / "manifest.json").exists())
 
 
 RUN = "quickstart"  # every trial's run has the same name (it is part of every row id), in its own runs_dir
@@ -216,8 +240,8 @@ def resume_command(line: str) -> list[str]:
 
 def sigint_trials(names: list[str], points: int, root: Path, env: dict) -> None:
     """The Ctrl-C trials of each command in ``names`` at ``points`` points; prints a table and the RESULT line."""
-    print(f"{'command':<10} {'SIGINT at (s)':>13} {'rc':>4} {'exit (s)':>9} {'one line':>9} {'resume rc':>10} "
-          f"{'identical':>10}")
+    print(f"{'command':<10} {'SIGINT at (s)':>13} {'rc':>4} {'exit (s)':>9} {'one line':>9} {'half-written':>12} "
+          f"{'resume rc':>10} {'identical':>10}")
     rows = []
     for name in names:
         work = root / name
@@ -237,6 +261,7 @@ def sigint_trials(names: list[str], points: int, root: Path, env: dict) -> None:
             lines = trial["stderr"].splitlines()
             one_line = (len(lines) == 1 and lines[0].startswith("interrupted: ") and
                         trial["printed"].strip() == lines[0])  # so no traceback, no log record either
+            partial = half_written(out) if out.exists() else []
             resumed_rc = None
             if lines and "resume with " in lines[-1]:
                 argv = resume_command(lines[-1])
@@ -248,15 +273,17 @@ def sigint_trials(names: list[str], points: int, root: Path, env: dict) -> None:
             if name == "train" and ok:
                 last = f"{RUN}/iter_0001/checkpoint"
                 ok = same_weights(out / last, work / "reference" / last)
-            rows.append((trial["rc"], trial["exit_s"], one_line, ok))
+            if name == "train-step" and ok:
+                ok = (out / "manifest.json").exists() and same_weights(out, work / "reference")
+            rows.append((trial["rc"], trial["exit_s"], one_line, ok, len(partial)))
             exit_s = f"{trial['exit_s']:.1f}" if trial["exit_s"] is not None else "-"
-            print(f"{name:<10} {at:>13.1f} {str(trial['rc']):>4} {exit_s:>9} {str(one_line):>9} "
-                  f"{str(resumed_rc):>10} {str(ok):>10}")
+            print(f"{name:<10} {at:>13.1f} {str(trial['rc']):>4} {exit_s:>9} {str(one_line):>9} {len(partial):>12} "
+                  f"{str(resumed_rc):>10} {str(ok):>10}" + (f"  half-written: {partial}" if partial else ""))
     exits = [r[1] for r in rows if r[1] is not None]
     print(f"RESULT sigint commands={','.join(names)} sigint_trials={len(rows)} "
           f"sigint_max_exit_s={max(exits) if exits else float('nan'):.1f} "
           f"sigint_exit_130={sum(r[0] == 130 for r in rows)} sigint_one_line={sum(r[2] for r in rows)} "
-          f"sigint_resumed_identical={sum(r[3] for r in rows)}")
+          f"sigint_half_written={sum(r[4] for r in rows)} sigint_resumed_identical={sum(r[3] for r in rows)}")
 
 
 def main() -> None:
@@ -266,8 +293,8 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--sigint", action="store_true", help="Ctrl-C trials (SIGINT to the process group) of "
                                                              "--commands instead of SIGKILL trials of --command")
-    parser.add_argument("--commands", default="recompute,score,stage,rollout",
-                        help="--sigint: comma-separated, of score, recompute, rollout, stage, train")
+    parser.add_argument("--commands", default="recompute,score,stage,rollout,train-step",
+                        help="--sigint: comma-separated, of score, recompute, rollout, stage, train-step, train")
     parser.add_argument("--points", type=int, default=2, help="--sigint: interrupts per command")
     args = parser.parse_args()
     rng = random.Random(args.seed)
