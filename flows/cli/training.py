@@ -49,8 +49,10 @@ def train(config: Optional[Path] = typer.Option(None, "--config", help="YAML con
     if resume is not None:
         _guard(lambda: check_resumed_folder(folder, cfg))
 
-    _guard(lambda: pipeline.preflight(cfg, False))  # before Prefect and Ray start, and before the run's log is opened
+    # before Prefect and Ray start, and before the run's log is opened; the run folder against the config first: a
+    # run started with another config is a config error, reported before the engines' and models' checks load torch
     _guard(lambda: check_run(cfg, cfg.model_dump(mode="json")))
+    _guard(lambda: pipeline.preflight(cfg, False))
     from flows import console
     from flows.runkit import publish_run, run_log
 

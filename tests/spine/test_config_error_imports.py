@@ -44,3 +44,21 @@ def test_a_config_error_loads_no_heavy_library(case, tmp_path):
     if gpu_device_nodes():  # a GPU host: the dtype fields' auto asks torch which GPU
         loaded = [m for m in loaded if m != "torch"]
     assert loaded == [], f"{case}: the config error was reported after loading {loaded}"
+
+
+def test_a_run_folder_started_with_another_config_is_refused_before_the_engines_checks(tmp_path):
+    """The run folder against the config comes before the pre-flight of the engines and models (which loads torch to
+    read the engine's options). Its check lives with the run kit, which loads Prefect (allowed here)."""
+    from schemas.config import load_config
+    from schemas.train_flow_config import TrainFlowConfig
+
+    other = load_config(TrainFlowConfig, REPO / QUICK, {"rollout.seed": 99, "runs_dir": str(tmp_path)})
+    (tmp_path / other.run_name).mkdir()
+    (tmp_path / other.run_name / "config.json").write_text(json.dumps(other.model_dump(mode="json")))
+    argv = ["train", "--config", QUICK, "--set", f"runs_dir={tmp_path}"]
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    done = subprocess.run([sys.executable, "-c", _CHILD.format(heavy=HEAVY, argv=argv)], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2 and "was started with another config" in done.stderr, done.stderr[-3000:]
+    loaded = json.loads(done.stderr.rsplit("LOADED ", 1)[1].splitlines()[0])
+    assert [m for m in loaded if m != "prefect"] == [] or gpu_device_nodes(), loaded
