@@ -121,8 +121,8 @@ RLVR_STAGES = {
     "RLVRConfig.norm_std_type": ("norm_std_type", {}),
 }
 # run here through the rollout's stages (reset, turns, samples) on the tiny random model with the HF engine, one engine
-# pool for all: option -> (its path in RolloutConfig, the base it is varied from, over ROLLOUT_BASE: FrozenLake, 2 groups
-# of 2, 3 turns; action_order orders the actions a prompt lists, so its base lists them)
+# pool for all: option -> (its path in RolloutConfig, the base it is varied from, over ROLLOUT_BASE: FrozenLake, 2
+# groups of 2, 3 turns; action_order orders the actions a prompt lists, so its base lists them)
 LISTS_ACTIONS = {"prompt": {"first_user": "{observation}\nAnswer with one of {answer_options}.",
                             "next_user": "{observation}\nAnswer with one of {answer_options}."}}
 ROLLOUT_STAGES = {
@@ -323,7 +323,7 @@ def _check_value(name: str, value, path: str, base: dict, chain, current) -> Non
                                          f"{base or 'the defaults'}): refuse it at load time or make it work")
 
 
-# ---- the RLVR data-side options through the RLVR chain ----------------------------------------------------------------
+# ---- the RLVR data-side options through the RLVR chain --------------------------------------------------------------
 
 @pytest.fixture(scope="module")
 def rlvr_chain(tmp_path_factory, ray_cluster):
@@ -338,7 +338,8 @@ def rlvr_chain(tmp_path_factory, ray_cluster):
     write_rlvr_example(RLVRExampleSpec(domains=("math",), n=4, limit=6, seed=3), responses)
     lengths = sorted(len(ids) for ids in read_table(responses, ["response_ids"]).column("response_ids").to_pylist())
     base = {"rewards": {"routes": {"math": {"worker": "math_rule"}}}, "num_return_sequences_in_group": 4,
-            "adv_estimator": "reinforce", "max_new_tokens": lengths[-1], "error_max_len_threshold": lengths[len(lengths) // 2]}
+            "adv_estimator": "reinforce", "max_new_tokens": lengths[-1],
+            "error_max_len_threshold": lengths[len(lengths) // 2]}
 
     def run(data: dict):
         key = json.dumps(data, sort_keys=True)
