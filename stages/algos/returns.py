@@ -24,21 +24,39 @@ def reverse_linear_scan(x: np.ndarray, coef: float | np.ndarray, offsets: np.nda
     """
     x = np.asarray(x, dtype=np.float64)
     rows = Ragged(x, np.asarray(offsets, dtype=np.int64))
+    if np.isscalar(coef) and float(coef) == 1.0:
+        return _segmented_reverse_cumsum(x, rows)
     ends = last_index(rows)
     ends = ends[ends >= 0]
-    if np.isscalar(coef) and float(coef) == 1.0:
-        return _segmented_reverse_cumsum(x, rows, ends)
     link = np.broadcast_to(np.asarray(coef, dtype=np.float64), x.shape).copy()
     link[ends] = 0.0  # no link across a row end
     return _doubling_scan(x.copy(), link, int(rows.lengths.max(initial=0)))
 
 
-def _segmented_reverse_cumsum(x: np.ndarray, rows: Ragged, ends: np.ndarray) -> np.ndarray:
-    """``y_t = Σ_{k ≥ t, same row} x_k`` (the ``γ = 1`` case)."""
-    inclusive = np.cumsum(x)
-    row_end_cumsum = np.zeros(rows.num_rows)
-    row_end_cumsum[rows.lengths > 0] = inclusive[ends]
-    return row_end_cumsum[rows.row_index()] - inclusive + x
+SCAN_CELLS = 1 << 22  # padded cells per step of the γ = 1 scan (32 MB of float64): bounds its scratch
+
+
+def _segmented_reverse_cumsum(x: np.ndarray, rows: Ragged) -> np.ndarray:
+    """``y_t = Σ_{k ≥ t, same row} x_k`` (the ``γ = 1`` case), summed inside each row from its last element back, as
+    ROLL's loop over positions adds them. No sum runs across rows, so a row's values do not depend on which rows share
+    its block (a cumsum over the whole block did: its rounding grew with the rows before, BENCHMARKS.md issue 49).
+
+    Rows are laid out reversed in a zero-padded ``(rows, longest row)`` array, at most ``SCAN_CELLS`` cells at a time,
+    and summed along its rows (one sequential cumsum per row)."""
+    out = np.empty_like(x)
+    lengths = rows.lengths
+    width = int(lengths.max(initial=0))
+    from_end = np.repeat(rows.offsets[1:] - 1, lengths) - np.arange(len(x), dtype=np.int64)  # position counted back
+    step = max(1, SCAN_CELLS // max(width, 1))
+    for lo in range(0, rows.num_rows, step):
+        hi = min(rows.num_rows, lo + step)
+        first, last = int(rows.offsets[lo]), int(rows.offsets[hi])
+        cell = np.repeat(np.arange(hi - lo, dtype=np.int64) * width, lengths[lo:hi]) + from_end[first:last]
+        padded = np.zeros((hi - lo, width))
+        padded.reshape(-1)[cell] = x[first:last]
+        np.cumsum(padded, axis=1, out=padded)
+        out[first:last] = padded.reshape(-1)[cell]
+    return out
 
 
 def _doubling_scan(acc: np.ndarray, link: np.ndarray, max_len: int) -> np.ndarray:

@@ -483,6 +483,25 @@ def test_reverse_linear_scan_long_rows_and_per_position_coefficients():
     assert len(reverse_linear_scan(np.zeros(0), 0.9, np.array([0, 0]))) == 0
 
 
+def test_reward_to_go_of_a_row_does_not_depend_on_the_rows_before_it(monkeypatch):
+    """γ = 1 sums each row from its end back, exactly as ROLL's loop adds, whatever shares its block: a stage may cut a
+    table into blocks anywhere (Ray Data did, by the cluster's size) and a row must come out the same. A cumsum over the
+    whole block rounded a small row after large ones differently (issue 49)."""
+    rng = np.random.default_rng(6)
+    small = rng.normal(size=7) * 1e-3
+    big = Ragged.from_rows([rng.normal(size=n) * 1e6 for n in (50, 0, 9)], dtype=np.float64)
+    block = Ragged(np.concatenate([big.values, small]), np.concatenate([big.offsets, [big.offsets[-1] + len(small)]]))
+    alone = reverse_linear_scan(small, 1.0, np.array([0, len(small)]))
+    np.testing.assert_array_equal(reverse_linear_scan(block.values, 1.0, block.offsets)[-len(small):], alone)
+    acc, loop = 0.0, np.zeros(len(small))
+    for t in reversed(range(len(small))):
+        acc = small[t] + acc
+        loop[t] = acc
+    np.testing.assert_array_equal(alone, loop)
+    monkeypatch.setattr("stages.algos.returns.SCAN_CELLS", 60)  # a step of one row at a time: the same sums
+    np.testing.assert_array_equal(reverse_linear_scan(block.values, 1.0, block.offsets)[-len(small):], alone)
+
+
 def test_gae_ignores_values_and_rewards_at_non_response_positions():
     rng = np.random.default_rng(5)
     r, m = random_rows(rng, n_rows=10, max_len=30)
