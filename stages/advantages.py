@@ -31,7 +31,7 @@ from stages.algos.ragged import Ragged
 from stages.algos.response_rewards import agentic_response_level_mask
 from stages.algos.token_chain import (TokenRows, final_response_mask, next_token_mask, stats_from_partials, token_batch,
                                       token_rewards, whiten_partials_by_domain)
-from stages.runner import Stage, StageContext, read_partials, sum_partials, write_partials
+from stages.runner import Stage, StageContext, read_partials, slices, sum_partials, write_partials
 from stages.storage import Location, folder_fingerprint
 
 log = logging.getLogger("rollflow.advantages")
@@ -148,10 +148,14 @@ def token_rows(batch: pa.Table):
 
 
 class _AdvantageBatch:
-    """The per-block computation, shared by the statistics passes and the output pass."""
+    """The per-block computation, shared by the statistics passes and the output pass. A block (a whole file's rows,
+    :meth:`StageContext.read_per_file`) is computed in slices of ``rows`` rows, which bounds the scratch memory;
+    no value depends on where a slice starts (every sum runs inside a row)."""
 
-    def __init__(self, section: AdvantageSection, where: str, rewarded: tuple, kl_coef: float, output: Location):
+    def __init__(self, section: AdvantageSection, where: str, rewarded: tuple, kl_coef: float, output: Location,
+                 rows: int = 1024):
         self.s, self.where, self.rewarded, self.kl_coef, self.output = section, where, rewarded, kl_coef, output
+        self.rows = rows
         self.reward_stats: dict | None = None
         self.advantage_stats: dict | None = None
 
@@ -171,19 +175,38 @@ class _AdvantageBatch:
                              reward_stats=self.reward_stats, advantage_stats=self.advantage_stats, final=final)
         return rewards, domains, tokens, result
 
-    def reward_partials(self, batch: pa.Table) -> pa.Table:
+    def reward_partials(self, block: pa.Table) -> pa.Table:
+        return pa.concat_tables([self._reward_partials(batch) for batch in slices(block, self.rows) or [block]])
+
+    def advantage_partials(self, block: pa.Table) -> pa.Table:
+        return pa.concat_tables([self._advantage_partials(batch) for batch in slices(block, self.rows) or [block]])
+
+    def _reward_partials(self, batch: pa.Table) -> pa.Table:
         rewards, sample_mask, domains, tokens = self._inputs(batch)
         tok = token_rewards(tokens, rewards["response_level_rewards"], self.s, self.kl_coef)
         fmask = final_response_mask(tokens, sample_mask)
         return _partials_table(whiten_partials_by_domain(tok.token_level_rewards.values, fmask,
                                                          tok.token_level_rewards.offsets, domains))
 
-    def advantage_partials(self, batch: pa.Table) -> pa.Table:
+    def _advantage_partials(self, batch: pa.Table) -> pa.Table:
         _, domains, _, result = self._compute(batch, final=False)
         return _partials_table(whiten_partials_by_domain(result.advantages.values, result.final_mask,
                                                          result.advantages.offsets, domains))
 
-    def __call__(self, batch: pa.Table) -> pa.Table:
+    def __call__(self, block: pa.Table) -> pa.Table:
+        """A block → its advantaged rows; the block's additive partials (metrics) are written once, keyed by its
+        first row_id (a retried task overwrites its own file)."""
+        outs, parts = [], {}
+        for batch in slices(block, self.rows) or [block]:
+            out, batch_parts = self._output(batch)
+            outs.append(out)
+            for key, value in batch_parts.items():
+                parts[key] = parts.get(key, 0.0) + value
+        if block.num_rows:
+            write_partials(self.output, block.column("row_id")[0].as_py(), parts)
+        return pa.concat_tables(outs)
+
+    def _output(self, batch: pa.Table) -> tuple[pa.Table, dict[str, float]]:
         rewards, _, tokens, result = self._compute(batch, final=True)
         out = batch
         for name in COPIED:
@@ -200,9 +223,7 @@ class _AdvantageBatch:
         parts = dict(result.partials)
         parts["mask_tokens"] = float(tokens.token_mask.sum())
         parts["adv_sum"] = float((result.advantages.values.astype(np.float64) * result.final_mask).sum())
-        if batch.num_rows:
-            write_partials(self.output, batch.column("row_id")[0].as_py(), parts)
-        return out.select([f.name for f in ADVANTAGED.arrow_schema(present=out.column_names)])
+        return out.select([f.name for f in ADVANTAGED.arrow_schema(present=out.column_names)]), parts
 
 
 def _partials_table(parts: dict[str, tuple[float, float, float]]) -> pa.Table:
@@ -215,7 +236,7 @@ def _domain_stats(ds, fn, options: dict) -> dict:
     """Sum per-domain whitening partials over all blocks → ``{domain: (mean, var) | None}`` (``options``: the
     stage's Ray task options)."""
     total: dict[str, list[float]] = {}
-    for row in ds.map_batches(fn, batch_format="pyarrow", **options).take_all():
+    for row in ds.map_batches(fn, batch_format="pyarrow", batch_size=None, **options).take_all():
         acc = total.setdefault(row["domain"], [0.0, 0.0, 0.0])
         for i in range(3):
             acc[i] += row["partials"][i]
@@ -248,13 +269,13 @@ class AdvantagesStage(Stage):
         rewarded = ctx.inputs["rewarded"]
         fn = _AdvantageBatch(ctx.section, ctx.inputs["samples"].path,
                              (rewarded.parquet_files(), rewarded.fs, folder_fingerprint(rewarded)),
-                             self._controller(ctx).value, ctx.output)
-        read = lambda: ctx.read("samples")  # noqa: E731 - each pass re-reads (streaming, bounded memory)
+                             self._controller(ctx).value, ctx.output, ctx.batch_rows)
+        read = lambda: ctx.read_per_file("samples")  # noqa: E731 - each pass re-reads (streaming, bounded memory)
         if ctx.section.whiten_rewards:
             fn.reward_stats = _domain_stats(read(), fn.reward_partials, ctx.task_options())
         if ctx.section.whiten_advantages:
             fn.advantage_stats = _domain_stats(read(), fn.advantage_partials, ctx.task_options())
-        return read().map_batches(fn, batch_format="pyarrow", batch_size=ctx.batch_rows, **ctx.task_options())
+        return read().map_batches(fn, batch_format="pyarrow", batch_size=None, **ctx.task_options())
 
     def finalize(self, ctx: StageContext, written: Location):
         total = sum_partials(read_partials(written))

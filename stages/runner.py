@@ -55,6 +55,33 @@ class StageContext:
         loc = self.inputs[name]
         return ray.data.read_parquet(loc.parquet_files(), columns=columns, filesystem=loc.ray_filesystem())
 
+    def read_per_file(self, name: str, columns: list[str] | None = None):
+        """:meth:`read` with one read task per file, whose blocks are not split further: a ``map_batches`` with
+        ``batch_size=None`` after it runs in the same task on whole blocks (Ray Data fuses read, map and write), so a
+        row-parallel stage runs as one task per file and slices the blocks itself (:func:`slices`). Without it
+        Ray Data splits a read into at least 200 blocks (``read_op_min_num_blocks``) and bundles them again for a
+        separate map task per ~1,024 rows: at 200k rows ~200 tasks a stage, and most of the stage's time was spent
+        around them (BENCHMARKS.md, issue 49)."""
+        import ray.data
+
+        loc = self.inputs[name]
+        files = loc.parquet_files()
+        return ray.data.read_parquet(files, columns=columns, filesystem=loc.ray_filesystem(),
+                                     override_num_blocks=max(1, len(files)))
+
+    def one_task(self, produce):
+        """A Ray Data dataset whose only task (with the stage's task options) returns ``produce(empty table)``: for a
+        whole-table step that reads its inputs itself."""
+        import ray.data
+
+        return ray.data.from_items([{"task": 0}]).map_batches(lambda _: produce(pa.table({})), batch_size=None,
+                                                             batch_format="pyarrow", **self.task_options())
+
+
+def slices(table: pa.Table, rows: int) -> list[pa.Table]:
+    """``table`` cut into consecutive slices of ``rows`` rows (the last one shorter; none for an empty table)."""
+    return [table.slice(lo, rows) for lo in range(0, table.num_rows, rows)]
+
 
 SIDE_DIR = "_partials"
 
