@@ -30,7 +30,10 @@ def _kl_mse(d: np.ndarray) -> np.ndarray:
 
 def _kl_k3(d: np.ndarray) -> np.ndarray:
     k = -d  # k = lb − lp
-    return np.clip(np.exp(k) - k - 1.0, -K3_CLAMP, K3_CLAMP)
+    out = np.exp(k)
+    out -= k
+    out -= 1.0
+    return np.clip(out, -K3_CLAMP, K3_CLAMP, out=out)
 
 
 # kind → f(lp − lb); "full" is handled separately because it reduces over the vocabulary.
@@ -64,7 +67,7 @@ def approx_kl(log_probs: np.ndarray, log_probs_base: np.ndarray, kind: str = "kl
         m = np.asarray(mask, dtype=np.float64)
         if m.shape != kl.shape:
             raise InvariantError(f"approx_kl: mask shape {m.shape} differs from the KL shape {kl.shape}")
-        kl = kl * m
+        kl *= m
     return kl.astype(np.float32)
 
 

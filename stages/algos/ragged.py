@@ -95,16 +95,19 @@ class Ragged:
         return out
 
 
-def row_sum(x: Ragged, mask: np.ndarray | None = None) -> np.ndarray:
-    """``(B,)`` float64 ``Σ_t x·mask`` per row (0 for empty rows)."""
+def row_sum(x: Ragged, mask: np.ndarray | None = None, rows: np.ndarray | None = None) -> np.ndarray:
+    """``(B,)`` float64 ``Σ_t x·mask`` per row (0 for empty rows), summed in row order. ``rows``: ``x.row_index()``
+    when the caller has it."""
     v = x.values if mask is None else x.values * mask
-    return np.bincount(x.row_index(), weights=v.astype(np.float64), minlength=x.num_rows)
+    rows = x.row_index() if rows is None else rows
+    return np.bincount(rows, weights=v.astype(np.float64, copy=False), minlength=x.num_rows)
 
 
 def row_masked_mean(x: Ragged, mask: np.ndarray) -> np.ndarray:
     """``(B,)`` float64 ``Σ x·m / (Σ m + 1e-8)``, exactly 0 where ``Σ m = 0`` (ROLL ``masked_mean(dim=-1)``)."""
-    s = row_sum(x.with_values(mask.astype(np.float64)))
-    total = row_sum(x, mask)
+    rows = x.row_index()
+    s = row_sum(x.with_values(mask), rows=rows)
+    total = row_sum(x, mask, rows=rows)
     return np.where(s > 0, total / (s + 1e-8), 0.0)
 
 

@@ -156,17 +156,22 @@ def token_batch(tokens: TokenRows, rewards: np.ndarray, sample_mask: np.ndarray,
     fmask = final_response_mask(tokens, sample_mask)
     values = tokens.next_token.get("values")
     offsets = tok.token_level_rewards.offsets
-    cols = {name: np.zeros(len(fmask), np.float32) for name in ("rewards", "advantages", "returns", "raw")}
+    parts = domain_parts(domains, offsets)
+    whole = len(parts) == 1  # one domain (every agentic block): its results are the columns, nothing to scatter
+    cols = {name: None if whole else np.zeros(len(fmask), np.float32)
+            for name in ("rewards", "advantages", "returns", "raw")}
     partials = {"kl_sum": tok.kl_partials[0], "rows": float(tok.kl_partials[1]), "final_tokens": float(fmask.sum())}
     if "critic/token_reward_clip_frac" in tok.metrics:
         partials["token_reward_clipped"] = tok.metrics["critic/token_reward_clip_frac"] * float(tokens.token_mask.sum())
-    for name, rows, where in domain_parts(domains, offsets):
+    for name, rows, where in parts:
         result = _domain_advantage(_part(tok.token_level_rewards, rows), fmask[where], _part(values, rows), s, final,
                                    _stats_for(reward_stats, name), _stats_for(advantage_stats, name))
-        cols["rewards"][where] = result.token_level_rewards.values
-        cols["advantages"][where] = result.advantages.values
-        cols["returns"][where] = result.returns.values
-        cols["raw"][where] = result.raw_advantages.values
+        for col, ragged in (("rewards", result.token_level_rewards), ("advantages", result.advantages),
+                            ("returns", result.returns), ("raw", result.raw_advantages)):
+            if whole:
+                cols[col] = ragged.values.astype(np.float32, copy=False)
+            else:
+                cols[col][where] = ragged.values
         if "critic/advantage_clip_frac" in result.metrics:
             clipped = result.metrics["critic/advantage_clip_frac"] * float(fmask[where].sum())
             partials["adv_clipped"] = partials.get("adv_clipped", 0.0) + clipped

@@ -82,7 +82,9 @@ def _token_reward(response_level_rewards: np.ndarray, mask: np.ndarray, old_log_
         if not np.array_equal(ref_log_probs.offsets, old_log_probs.offsets):
             raise InvariantError("ref_log_probs rows differ in length from old_log_probs; both need L-1 entries a row")
         kl = old_log_probs.with_values(approx_kl(old_log_probs.values, ref_log_probs.values, kl_penalty, m))
-    r = rewards.values.astype(np.float64) - beta * kl.values.astype(np.float64)
+    r = kl.values.astype(np.float64)
+    r *= beta
+    np.subtract(rewards.values, r, out=r)  # R − β·KL in float64
     parts = kl_partials(kl, m)
     result_rewards = rewards.with_values(r.astype(np.float32))
     metrics = {"critic/kl": current_kl_from_partials([parts])[0], "critic/kl_coef": float(beta)}
