@@ -214,7 +214,7 @@ class ResponseRewardsStage(Stage):
         out, where = ctx.output, f"{ctx.inputs['samples'].path} (response_rewards output)"
         samples, columns = ctx.inputs["samples"], algo.columns(ctx.schemas["samples"])
 
-        def whole_table(_: pa.Table) -> pa.Table:
+        def whole_table() -> pa.Table:
             narrow = read_narrow(samples, columns, algo.narrow, ctx.batch_rows)
             table, metrics, state = algo.whole_table(narrow, section, ctx)
             check_row_invariants(REWARDED, table, where)

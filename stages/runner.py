@@ -19,7 +19,7 @@ import logging
 import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Any, Callable, ClassVar
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -69,13 +69,17 @@ class StageContext:
         return ray.data.read_parquet(files, columns=columns, filesystem=loc.ray_filesystem(),
                                      override_num_blocks=max(1, len(files)))
 
-    def one_task(self, produce):
-        """A Ray Data dataset whose only task (with the stage's task options) returns ``produce(empty table)``: for a
-        whole-table step that reads its inputs itself."""
+    def one_task(self, produce: Callable[[], pa.Table]):
+        """A Ray Data dataset whose only task (with the stage's task options) returns ``produce()``: for a
+        whole-table step that reads its inputs itself. The task is named after ``produce``."""
         import ray.data
 
-        return ray.data.from_items([{"task": 0}]).map_batches(lambda _: produce(pa.table({})), batch_size=None,
-                                                             batch_format="pyarrow", **self.task_options())
+        def task(_: pa.Table) -> pa.Table:
+            return produce()
+
+        task.__name__ = task.__qualname__ = produce.__name__
+        return ray.data.from_items([{"task": 0}]).map_batches(task, batch_size=None, batch_format="pyarrow",
+                                                             **self.task_options())
 
 
 def slices(table: pa.Table, rows: int) -> list[pa.Table]:
