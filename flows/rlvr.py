@@ -124,9 +124,10 @@ def refuse_old_layout(run: Location) -> None:
 @stage_task("prompts")
 def prompts_task(prompts, output: str) -> Any:
     """The prompts table of a prompt set (``prompts``: the run's prompts or its validation prompts)."""
-    from stages.rlvr.generate import PromptsStage, prompts_section
+    from stages.rlvr.generate import PromptsStage, prompts_section, resumed_section
 
-    return run_stage(PromptsStage(), prompts_section(prompts.data_dir, prompts.domains, prompts.limit), {}, output)
+    section = resumed_section(prompts_section(prompts.data_dir, prompts.domains, prompts.limit), output)
+    return run_stage(PromptsStage(), section, {}, output)
 
 
 def _generate(config: RLVRTrainConfig, section_values: dict, prompts: str, checkpoint: str, pool, output: str,
