@@ -21,7 +21,9 @@ from flows.pipeline_specs import PipelineSpec
 from flows.runkit import (KeptWorkers, advantages_task, logprobs_task, record, rewards_task, sleep_engines, start_run,
                           train_and_keep, values_task)
 from schemas.stage_specs import is_declared, stage_spec
+from stages.metrics import MetricsLog
 from stages.storage import Location
+from stages.trackers import open_trackers
 
 
 @dataclass
@@ -224,9 +226,6 @@ TRAIN_STEP = IterStep("train", _train, trains=True)  # the training step every i
 def run_pipeline(flow: PipelineFlow, config, cfg: dict) -> dict:
     """Run (or resume) the training run of ``config`` (validated from ``cfg``) as ``flow`` declares it. Returns the
     run's summary: its folder, one entry per iteration, the evaluation before training, seconds, last checkpoint."""
-    from stages.metrics import MetricsLog
-    from stages.trackers import open_trackers
-
     flow.before_start(config)
     run, base, pool = start_run(config, cfg)
     r = Run(config, run, base, pool, None, None, base)  # type: ignore[arg-type]

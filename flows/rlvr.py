@@ -30,12 +30,19 @@ from schemas.config import validate_config
 from schemas.errors import RollflowError
 from schemas.rlvr_config import reward_section, rlvr_advantage_section, rlvr_reward_section
 from schemas.rlvr_train_config import RLVRTrainConfig
+from schemas.rollout_config import EngineIdentity
+from stages import progress
+from stages import cluster
 from stages.advantages import AdvantagesStage
 from stages.preflight import Step
 from stages.response_rewards import ResponseRewardsStage
+from stages.rlvr.generate import (GenerateSection, GenerateStage, PromptsStage, judge_pool, judge_services, needs_model,
+                                  prompts_section, reads_context, resumed_section, step_prompt_ids)
 from stages.rlvr.stages import RewardStage, RLVRSamplesStage, SamplesSection, run_context
+from stages.rollout.driver import resolve_model_dir
+from stages.rollout.engine_pool import EnginePool, checkpoint_fingerprint
 from stages.runner import run_stage
-from stages.storage import Location
+from stages.storage import Location, read_manifest
 
 
 step_dir = PIPELINE_SPECS.get("rlvr").step_dir  # runs/<run>/step_<k>
@@ -102,8 +109,6 @@ def refuse_old_layout(run: Location) -> None:
     with the fix. Two earlier layouts: advantages computed in two passes on the responses (``step_*/first_pass``,
     stage ``rlvr_advantages``), and rewards by a separate RLVR stage on the responses (``step_*/rlvr_rewarded``;
     now the response-rewards stage of both pipelines on the samples, with the domains in ``scored``)."""
-    from stages.storage import read_manifest
-
     step0 = run.child("step_0000")
     layouts = {
         "computed the advantages on the responses before the log-probs (step_*/first_pass, stage rlvr_advantages)":
@@ -124,8 +129,6 @@ def refuse_old_layout(run: Location) -> None:
 @stage_task("prompts")
 def prompts_task(prompts, output: str) -> Any:
     """The prompts table of a prompt set (``prompts``: the run's prompts or its validation prompts)."""
-    from stages.rlvr.generate import PromptsStage, prompts_section, resumed_section
-
     section = resumed_section(prompts_section(prompts.data_dir, prompts.domains, prompts.limit), output)
     return run_stage(PromptsStage(), section, {}, output)
 
@@ -134,12 +137,6 @@ def _generate(config: RLVRTrainConfig, section_values: dict, prompts: str, check
               label: str) -> Any:
     """Responses of the prompts ``section_values["prompt_ids"]`` under ``checkpoint`` (the pool loads it in place),
     committed in ``output``; the rest of the generation section comes from the run's config."""
-    from schemas.rollout_config import EngineIdentity
-    from stages import progress
-    from stages.rlvr.generate import GenerateSection, GenerateStage
-    from stages.rollout.engine_pool import checkpoint_fingerprint
-    from stages.runner import run_stage
-
     engine = EngineIdentity(backend=config.engine.backend, dtype=config.engine.dtype,
                             max_model_len=config.generation_window())
     section = GenerateSection(**{"seed": config.seed, "sequence_length": config.sequence_length, "engine": engine,
@@ -164,8 +161,6 @@ def _prompt_ids(prompts: str) -> list[str]:
 
 @stage_task("generate")
 def generate_task(config: RLVRTrainConfig, step: int, prompts: str, checkpoint: str, pool, output: str) -> Any:
-    from stages.rlvr.generate import step_prompt_ids
-
     ids = step_prompt_ids(_prompt_ids(prompts), step, config.rollout_batch_size, config.seed)
     return _generate(config, {"run_name": config.run_name, "step": step, "n": config.num_return_sequences_in_group,
                               "prompt_ids": tuple(ids), "system_prompt": config.prompts.system_prompt,
@@ -179,8 +174,6 @@ def validation_task(config: RLVRTrainConfig, prompts: str, checkpoint: str, pool
     """Every validation prompt answered under ``checkpoint`` (the same sampling seeds at every validation) and
     scored by the validation's reward routes, under ``output``. Returns the generation and scoring results, their
     seconds, and the metrics: ``val/score/mean`` and ``val/<domain>/score/mean`` over scored rows, ``val/unscored``."""
-    from stages.rlvr.generate import judge_services
-
     v = config.validation
     gen = _generate(config, {"run_name": f"{config.run_name}-val", "step": 0, "n": v.num_return_sequences,
                              "prompt_ids": tuple(_prompt_ids(prompts)), "system_prompt": v.prompts.system_prompt,
@@ -222,8 +215,6 @@ def score_task(config: RLVRTrainConfig, step: int, responses: str, output: str, 
     name, ``rewards`` and ``samples``). An LLM judge route
     is served by the run's judge engine (``judge``: its pool, None without such a route); workers that read the
     training progress get ``step / max_steps`` (ROLL's global_step / max_steps)."""
-    from stages.rlvr.generate import judge_services, reads_context
-
     services = judge_services(config.rewards, config.judge, judge)
     context = {"training_progress": step / config.max_steps} if reads_context(config.rewards, "training_progress") \
         else {}
@@ -234,8 +225,6 @@ def score_task(config: RLVRTrainConfig, step: int, responses: str, output: str, 
 def _setup(r: Run) -> None:
     """The prompts (and validation prompts), the LLM judge's engines when a route needs them (built on first use),
     and the running reward moments the first step starts from."""
-    from stages.rlvr.generate import judge_pool
-
     config = r.config
     # the judge's engines are part of the run's resource plan (flows/pipeline_specs.py)
     r.held["judge"] = judge_pool(config.judge) if rlvr_judged(config) else None
@@ -323,14 +312,9 @@ def rlvr_eval_flow(cfg: dict, checkpoint: str | None, output: str) -> dict:
     """Validate ``checkpoint`` (default: the config's initial policy) on the validation prompts of the RLVR config
     ``cfg`` without training — the seeds of a run's validations, so the result equals that run's validation of the
     same checkpoint. Its prompts, responses and scores are committed under ``output`` (resumable)."""
-    from stages.cluster import ensure_ray
-    from stages.rlvr.generate import judge_pool, needs_model
-    from stages.rollout.driver import resolve_model_dir
-    from stages.rollout.engine_pool import EnginePool
-
     config = validate_config(RLVRTrainConfig, cfg)
     rt = config.runtime
-    ensure_ray(rt.ray_address, rt.num_cpus, data_memory_mb=rt.data_memory_mb)
+    cluster.ensure_ray(rt.ray_address, rt.num_cpus, data_memory_mb=rt.data_memory_mb)
     model = resolve_model_dir(checkpoint or config.pretrain)
     pool = EnginePool(config.generation_engine(), model, config.generation_window())
     judge = judge_pool(config.judge) if needs_model(config.validation_rewards()) else None

@@ -39,6 +39,11 @@ from typing import Any
 
 from prefect import flow
 
+from flows.console import LogFileHandler
+from flows.pipelines import pipeline_of
+from flows.report import write_report
+from flows.runkit import publish_run, run_log
+from schemas.config import validate_config
 from schemas.errors import ConfigError, RollflowError
 
 log = logging.getLogger("rollflow.serving")
@@ -232,12 +237,6 @@ def advance_run(cfg: dict, iterations: int | None = None) -> dict:
     at the end and, for a run folder on an object store, uploads both (also after a failure). A tick killed half-way
     is resumed by the next one (its committed stages are skipped). Returns the flow's summary plus
     ``from_iteration`` and ``report`` (the report page)."""
-    from flows.console import LogFileHandler
-    from flows.pipelines import pipeline_of
-    from flows.report import write_report
-    from flows.runkit import publish_run, run_log
-    from schemas.config import validate_config
-
     pipeline = pipeline_of(cfg, "deployment parameters")
     config = validate_config(pipeline.config_model(), cfg, "deployment parameters")
     run, log_file = run_log(config)
@@ -249,7 +248,7 @@ def advance_run(cfg: dict, iterations: int | None = None) -> dict:
         done = pipeline.committed_steps(run)
         target = done + (iterations or config.max_steps)
         log.info("scheduled run %s: iterations %d..%d", run, done, target - 1)
-        summary = pipeline.flow()({**cfg, "max_steps": target})
+        summary = pipeline.flow({**cfg, "max_steps": target})
         report = write_report(summary["run"]).html
         log.info("scheduled run %s: report %s", run, report)
     finally:
