@@ -17,6 +17,7 @@ from stages.plan import EngineUse, default_engines
 from stages.registry import Registry
 from stages.rlvr.generate import needs_model, prompts_section
 from stages.rlvr.stages import check_routes
+from stages.rollout.baseline import evaluation_baseline
 from stages.rollout.driver import check_rollout
 from stages.storage import MANIFEST, Location
 
@@ -123,8 +124,6 @@ def _rlvr_engines(config, evaluation: bool = False) -> list:
 def _agentic_chance_level(config) -> ChanceLevel | None:
     """Uniformly random legal actions on the evaluation's levels under its turn limit (stages/rollout/baseline.py);
     None for environments without a list of legal actions."""
-    from stages.rollout.baseline import evaluation_baseline
-
     found = evaluation_baseline(config)
     if found is None:
         return None

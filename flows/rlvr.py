@@ -20,6 +20,8 @@ from __future__ import annotations
 from types import SimpleNamespace
 from typing import Any
 
+import numpy as np
+import pyarrow.dataset as pads
 from prefect import flow
 
 from flows.loop import (TRAIN_STEP, VALUES_STEP, Evaluation, IterStep, PipelineFlow, Run, advantages_step,
@@ -31,9 +33,9 @@ from schemas.errors import RollflowError
 from schemas.rlvr_config import reward_section, rlvr_advantage_section, rlvr_reward_section
 from schemas.rlvr_train_config import RLVRTrainConfig
 from schemas.rollout_config import EngineIdentity
-from stages import progress
-from stages import cluster
+from stages import cluster, progress
 from stages.advantages import AdvantagesStage
+from stages.algos.intervals import mean_interval
 from stages.preflight import Step
 from stages.response_rewards import ResponseRewardsStage
 from stages.rlvr.generate import (GenerateSection, GenerateStage, PromptsStage, judge_pool, judge_services, needs_model,
@@ -149,8 +151,6 @@ def _generate(config: RLVRTrainConfig, section_values: dict, prompts: str, check
 
 def _read(where: str, columns: list[str]):
     """Columns of the committed table at ``where``."""
-    import pyarrow.dataset as pads
-
     loc = Location.of(where)
     return pads.dataset(loc.parquet_files(), filesystem=loc.fs).to_table(columns=columns)
 
@@ -191,10 +191,6 @@ def validation_metrics(responses: str, scored: str, domain_column: str) -> dict[
     """Mean score over the scored rows, overall and per domain (``val/[<domain>/]score/mean``), with its 95 %
     interval (``.../ci95_low``, ``.../ci95_high``: Wilson's for 0/1 scores, else the normal approximation; the
     report draws it) and the rows it rests on (``val/[<domain>/]scored``), and the number of unscored rows."""
-    import numpy as np
-
-    from stages.algos.intervals import mean_interval
-
     domains = dict(zip(*(_read(responses, ["row_id", domain_column]).column(i).to_pylist() for i in (0, 1))))
     table = _read(scored, ["row_id", "scores"])
     rows = list(zip(table.column("row_id").to_pylist(), table.column("scores").to_pylist()))
