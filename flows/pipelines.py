@@ -9,9 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from flows.agentic import eval_flow, eval_summary_lines, train_flow, train_summary_lines
 from flows.pipeline_specs import PIPELINE_SPECS, PipelineSpec
-from flows.rlvr import rlvr_eval_flow, rlvr_eval_summary_lines, rlvr_summary_lines, rlvr_train_flow
 from schemas.errors import ConfigError
 from stages.registry import Registry
 
@@ -21,9 +19,9 @@ DEFAULT_PIPELINE = "agentic"
 @dataclass(frozen=True)
 class Pipeline:
     spec: PipelineSpec
-    flow: Callable[[dict], dict]  # its Prefect flow (rollflow train)
-    summary_lines: Callable[[dict], list[str]]  # the lines it prints at the end
-    evaluation: tuple[Callable[..., dict], Callable[[dict], list[str]]]  # rollflow eval: its flow and its lines
+    flow: Callable[[], Callable[[dict], dict]]
+    summary_lines: Callable[[], Callable[[dict], list[str]]]
+    evaluation: Callable[[], tuple[Callable[..., dict], Callable[[dict], list[str]]]]  # rollflow eval: flow, lines
 
     @property
     def config_model(self) -> Callable[[], type]:
@@ -43,11 +41,50 @@ class Pipeline:
 
 PIPELINES: Registry[Pipeline] = Registry("training pipeline")
 
+# The flows are imported when a command runs one, not with the registry: the CLI looks a pipeline up and validates
+# its config before Prefect (and the engines) load, so a config error is reported at once
+# (tests/spine/test_config_error_imports.py).
 
-PIPELINES.register("agentic")(Pipeline(PIPELINE_SPECS.get("agentic"), train_flow, train_summary_lines,
-                                        (eval_flow, eval_summary_lines)))
-PIPELINES.register("rlvr")(Pipeline(PIPELINE_SPECS.get("rlvr"), rlvr_train_flow, rlvr_summary_lines,
-                                     (rlvr_eval_flow, rlvr_eval_summary_lines)))
+
+def _agentic_flow():
+    from flows.agentic import train_flow
+
+    return train_flow
+
+
+def _agentic_summary():
+    from flows.agentic import train_summary_lines
+
+    return train_summary_lines
+
+
+def _agentic_evaluation():
+    from flows.agentic import eval_flow, eval_summary_lines
+
+    return eval_flow, eval_summary_lines
+
+
+def _rlvr_flow():
+    from flows.rlvr import rlvr_train_flow
+
+    return rlvr_train_flow
+
+
+def _rlvr_summary():
+    from flows.rlvr import rlvr_summary_lines
+
+    return rlvr_summary_lines
+
+
+def _rlvr_evaluation():
+    from flows.rlvr import rlvr_eval_flow, rlvr_eval_summary_lines
+
+    return rlvr_eval_flow, rlvr_eval_summary_lines
+
+
+PIPELINES.register("agentic")(Pipeline(PIPELINE_SPECS.get("agentic"), _agentic_flow, _agentic_summary,
+                                        _agentic_evaluation))
+PIPELINES.register("rlvr")(Pipeline(PIPELINE_SPECS.get("rlvr"), _rlvr_flow, _rlvr_summary, _rlvr_evaluation))
 
 
 def pipeline_of(data: dict[str, Any], where: str) -> Pipeline:

@@ -248,7 +248,7 @@ def advance_run(cfg: dict, iterations: int | None = None) -> dict:
         done = pipeline.committed_steps(run)
         target = done + (iterations or config.max_steps)
         log.info("scheduled run %s: iterations %d..%d", run, done, target - 1)
-        summary = pipeline.flow({**cfg, "max_steps": target})
+        summary = pipeline.flow()({**cfg, "max_steps": target})
         report = write_report(summary["run"]).html
         log.info("scheduled run %s: report %s", run, report)
     finally:

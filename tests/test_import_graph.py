@@ -36,10 +36,11 @@ def test_a_circle_through_a_function_level_import_is_found(tmp_path):
 
 
 # Function-level imports of our own modules, at most: the CLI's commands (flows/cli: `rollflow --help` loads no
-# pydantic, pyarrow, Prefect or Ray), the kept training workers (flows/runkit.py KeptWorkers) and the modules of
+# pydantic, pyarrow, Prefect or Ray), the pipelines' flows (flows/pipelines.py: a config error before Prefect loads),
+# the kept training workers (flows/runkit.py KeptWorkers) and the modules of
 # stages/train that load torch, the model check that loads transformers, and the reward workers' ragged arrays
 # (CONTRIBUTING.md, imports). Lower it when you move one to module top; a new one needs a reason of that kind.
-MAX_DEFERRED_OWN = 94
+MAX_DEFERRED_OWN = 100
 
 
 def test_function_level_imports_of_our_own_modules_do_not_grow_back():

@@ -70,8 +70,8 @@ def train(config: Optional[Path] = typer.Option(None, "--config", help="YAML con
 
     try:
         _guard(lambda: start_services(cfg.runtime))
-        summary = _guard(lambda: pipeline.flow(cfg.model_dump(mode="json")))
-        for line in pipeline.summary_lines(summary):
+        summary = _guard(lambda: pipeline.flow()(cfg.model_dump(mode="json")))
+        for line in pipeline.summary_lines()(summary):
             typer.echo(line)
         if report:
             from flows.report import write_report
@@ -159,7 +159,7 @@ def evaluate(config: Path = typer.Option(..., "--config", help="YAML config of a
     from flows.services import start_services
 
     _guard(lambda: start_services(cfg.runtime))
-    run_eval, lines = pipeline.evaluation
+    run_eval, lines = pipeline.evaluation()
     summary = _guard(lambda: run_eval(cfg.model_dump(mode="json"), target, str(output)))
     for line in lines(summary):
         typer.echo(line)
