@@ -82,9 +82,12 @@ class Run:
                 f"{self.cpu_seconds:>9.2f}{self.tokens / self.cpu_seconds:>11.1f}{self.rss_mb:>13.0f}")
 
 
-def print_results(bare: Run, stage: Run, end_to_end_s: float, fixed_costs: str) -> None:
-    """The table (the bare loop, the stage's own compute, the stage end to end with its ``fixed_costs``), the
-    CPU-time ratio, and the last line ``RESULT stage_tok_per_s=... bare_tok_per_s=... ratio=... peak_rss_mb=...``."""
+def print_results(heading: str, bare: Run, stage: Run, end_to_end_s: float, fixed_costs: str) -> None:
+    """``heading`` (what ran), the table (the bare loop, the stage's own compute, the stage end to end with its
+    ``fixed_costs``), the CPU-time ratio, and the last line ``RESULT stage_tok_per_s=... bare_tok_per_s=... ratio=...
+    peak_rss_mb=...``. The bare loop and the stage must have seen the same tokens."""
+    assert stage.tokens == bare.tokens, (stage.tokens, bare.tokens)
+    print(heading)
     print(f"{'run':<24}{'tokens':>8}{'wall s':>9}{'tok/s':>9}{'CPU s':>9}{'tok/CPU s':>11}{'peak RSS MB':>13}")
     print(bare.row())
     print(stage.row())

@@ -34,42 +34,27 @@ def _texts(n: int, seed: int) -> list[str]:
     return [rng.choice(INVALID_TEXTS) if rng.random() < 0.05 else rng.choice(ACTION_TEXTS) for _ in range(n)]
 
 
-def run_live(name: str, steps: int, seed: int) -> tuple[float, float]:
-    """``(wall, cpu)`` steps/s of one live env (resets included)."""
+def run(name: str, steps: int, seed: int, stateless: bool = False) -> tuple[float, float]:
+    """``(wall, cpu)`` steps/s of one env (resets included); ``stateless``: every step restores the env from the
+    previous step's state string and serialises it again, as the dataflow does per turn."""
     env = make_env(name)
     texts = _texts(steps, seed)
     episode = seed
     env.reset(episode)
+    state = env.get_state() if stateless else None
     taken = 0
     start, cpu_start = time.perf_counter(), time.process_time()
     for text in texts:
+        if stateless:
+            env = restore_env(state)
         _, _, terminated, truncated, _ = env.step(text)
         taken += 1
         if terminated or truncated or taken >= env.max_steps:
             episode += 1
             env.reset(episode)
             taken = 0
-    return steps / (time.perf_counter() - start), steps / max(time.process_time() - cpu_start, 1e-9)
-
-
-def run_stateless(name: str, steps: int, seed: int) -> tuple[float, float]:
-    """``(wall, cpu)`` steps/s when every step restores the env from a state string and serialises it again."""
-    env = make_env(name)
-    texts = _texts(steps, seed)
-    episode = seed
-    env.reset(episode)
-    state = env.get_state()
-    taken = 0
-    start, cpu_start = time.perf_counter(), time.process_time()
-    for text in texts:
-        env = restore_env(state)
-        _, _, terminated, truncated, _ = env.step(text)
-        taken += 1
-        if terminated or truncated or taken >= env.max_steps:
-            episode += 1
-            env.reset(episode)
-            taken = 0
-        state = env.get_state()
+        if stateless:
+            state = env.get_state()
     return steps / (time.perf_counter() - start), steps / max(time.process_time() - cpu_start, 1e-9)
 
 
@@ -79,10 +64,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     results = {
-        "frozenlake_steps_per_s": run_live("FrozenLake", args.steps, args.seed),
-        "sokoban_steps_per_s": run_live("SimpleSokoban", args.steps, args.seed),
-        "frozenlake_stateless_steps_per_s": run_stateless("FrozenLake", args.steps, args.seed),
-        "sokoban_stateless_steps_per_s": run_stateless("SimpleSokoban", args.steps, args.seed),
+        "frozenlake_steps_per_s": run("FrozenLake", args.steps, args.seed),
+        "sokoban_steps_per_s": run("SimpleSokoban", args.steps, args.seed),
+        "frozenlake_stateless_steps_per_s": run("FrozenLake", args.steps, args.seed, stateless=True),
+        "sokoban_stateless_steps_per_s": run("SimpleSokoban", args.steps, args.seed, stateless=True),
     }
     print(f"{'measurement':<36}{'steps/s (wall)':>16}{'steps/s (cpu)':>16}")
     for key, (wall, cpu) in results.items():

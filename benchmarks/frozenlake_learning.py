@@ -197,17 +197,24 @@ def overhead_share(run: Path) -> float:
     return round(steady_share(iteration_times(run))[0], 3)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--config", default=str(REPO / "configs/train_frozenlake_grpo.yaml"))
+def learning_arguments(description: str, config: str, run_prefix: str, max_steps: int,
+                       analyze_only: str) -> argparse.ArgumentParser:
+    """The options the learning benchmarks share (this one and rlvr_learning.py): the config, the time budget, the
+    run folder, the step bound, ``--set`` overrides and ``--analyze-only`` (``analyze_only``: what it reports)."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--config", default=str(REPO / config))
     parser.add_argument("--budget-min", type=float, default=60.0)
     parser.add_argument("--runs-dir", default=str(REPO / "runs"))
-    parser.add_argument("--run-name", default=f"learning-{time.strftime('%Y%m%d-%H%M%S')}")
-    parser.add_argument("--max-steps", type=int, default=200, help="upper bound; the budget stops the run first")
+    parser.add_argument("--run-name", default=f"{run_prefix}-{time.strftime('%Y%m%d-%H%M%S')}")
+    parser.add_argument("--max-steps", type=int, default=max_steps, help="upper bound; the budget stops the run first")
     parser.add_argument("--set", action="append", default=[], dest="overrides")
-    parser.add_argument("--analyze-only", action="store_true", help="no new training: report the committed "
-                                                                    "iterations of --run-name")
-    args = parser.parse_args()
+    parser.add_argument("--analyze-only", action="store_true", help=analyze_only)
+    return parser
+
+
+def main() -> None:
+    args = learning_arguments(__doc__.splitlines()[0], "configs/train_frozenlake_grpo.yaml", "learning", 200,
+                              "no new training: report the committed iterations of --run-name").parse_args()
 
     from schemas.config import load_config, parse_overrides
     from schemas.train_flow_config import TrainFlowConfig

@@ -18,10 +18,8 @@ Usage: python benchmarks/rlvr_learning.py [--config configs/rlvr_train_add2.yaml
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -30,7 +28,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
-from frozenlake_learning import run_budgeted  # noqa: E402
+from frozenlake_learning import learning_arguments, run_budgeted  # noqa: E402
 from stages.algos.intervals import paired_bootstrap_diff, wilson  # noqa: E402
 
 
@@ -69,16 +67,10 @@ def step_seconds(run: Path) -> list[float]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--config", default=str(REPO / "configs/rlvr_train_add2.yaml"))
-    parser.add_argument("--budget-min", type=float, default=60.0)
-    parser.add_argument("--runs-dir", default=str(REPO / "runs"))
-    parser.add_argument("--run-name", default=f"rlvr-learning-{time.strftime('%Y%m%d-%H%M%S')}")
-    parser.add_argument("--max-steps", type=int, default=1000, help="upper bound; the budget stops the run first")
+    parser = learning_arguments(__doc__.splitlines()[0], "configs/rlvr_train_add2.yaml", "rlvr-learning", 1000,
+                                "no new training or evaluation: report the committed run and evaluations of "
+                                "--run-name")
     parser.add_argument("--heldout", type=int, default=300, help="held-out prompts evaluated (the first N)")
-    parser.add_argument("--set", action="append", default=[], dest="overrides")
-    parser.add_argument("--analyze-only", action="store_true", help="no new training or evaluation: report the "
-                                                                    "committed run and evaluations of --run-name")
     args = parser.parse_args()
 
     run = Path(args.runs_dir) / args.run_name

@@ -21,14 +21,15 @@ from flows.pipeline_specs import PIPELINE_SPECS
 from flows.runkit import stage_task
 from schemas.config import AdvantageSection, ResponseRewardSection, section, validate_config
 from schemas.train_flow_config import TrainFlowConfig
+from stages import cluster
+from stages.rollout.driver import resolve_model_dir, run_eval, run_rollout
+from stages.rollout.engine_pool import EnginePool
 
 iter_dir = PIPELINE_SPECS.get("agentic").step_dir  # runs/<run>/iter_<k>
 
 
 @stage_task("rollout")
 def rollout_task(config: TrainFlowConfig, iteration: int, output: str, checkpoint: str, pool) -> Any:
-    from stages.rollout.driver import run_rollout
-
     return run_rollout(config.rollout_for(iteration), output, checkpoint, pool=pool,
                        on_event=_turn_progress(f"iteration {iteration}", "rollout"),
                        label=f"[iteration {iteration}] rollout")
@@ -38,8 +39,6 @@ def rollout_task(config: TrainFlowConfig, iteration: int, output: str, checkpoin
 def eval_task(config: TrainFlowConfig, output: str, checkpoint: str, pool) -> Any:
     """The held-out rollout with ``checkpoint``, committed with its own manifest (the checkpoint it read), so that a
     re-run of the training step with ``rollflow stage ... --downstream`` re-runs it too."""
-    from stages.rollout.driver import run_eval
-
     return run_eval(config.eval_rollout(), output, checkpoint, pool=pool, on_event=_turn_progress("eval", "eval"),
                     label="[eval] eval")
 
@@ -104,13 +103,9 @@ def eval_flow(cfg: dict, checkpoint: str, output: str) -> dict:
     """Evaluate ``checkpoint`` on the held-out levels of the agentic config ``cfg`` — its ``eval`` section: the seeds
     and episodes of a training run's evaluations, so the result equals that run's evaluation of the same checkpoint —
     without training. The rollout is committed under ``output`` (a re-run skips it, a killed one resumes)."""
-    from stages.cluster import ensure_ray
-    from stages.rollout.driver import resolve_model_dir
-    from stages.rollout.engine_pool import EnginePool
-
     config = validate_config(TrainFlowConfig, cfg)
     rt = config.runtime
-    ensure_ray(rt.ray_address, rt.num_cpus, data_memory_mb=rt.data_memory_mb)
+    cluster.ensure_ray(rt.ray_address, rt.num_cpus, data_memory_mb=rt.data_memory_mb)
     model = resolve_model_dir(checkpoint)
     pool = EnginePool(config.generation_engine(), model, config.generation_window())
     try:

@@ -16,6 +16,7 @@ import pyarrow.fs as pafs
 
 from schemas.errors import RollflowError
 from stages.storage import MANIFEST, Location, damaged_manifest, folder_fingerprint, read_manifest
+from stages.train.checkpoint import checkpoint_fingerprint
 
 
 @dataclass(frozen=True)
@@ -43,8 +44,6 @@ def _fingerprint_now(source: Location) -> str:
     a model folder without one (the base model a training step or an evaluation read) by its files
     (stages.train.checkpoint.checkpoint_fingerprint); a folder of Parquet files by theirs."""
     if read_manifest(source) is None and source.child("config.json").exists():
-        from stages.train.checkpoint import checkpoint_fingerprint
-
         return checkpoint_fingerprint(source.path)
     return folder_fingerprint(source)
 

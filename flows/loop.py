@@ -13,13 +13,17 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
+
+from prefect.context import FlowRunContext
 
 from flows.pipeline_specs import PipelineSpec
 from flows.runkit import (KeptWorkers, advantages_task, logprobs_task, record, rewards_task, sleep_engines, start_run,
                           train_and_keep, values_task)
 from schemas.stage_specs import is_declared, stage_spec
+from stages.metrics import MetricsLog
 from stages.storage import Location
+from stages.trackers import open_trackers
 
 
 @dataclass
@@ -40,6 +44,15 @@ class Run:
     iteration: int = -1
     here: str = ""  # the iteration's folder
     results: dict = field(default_factory=dict)  # this iteration's results by step name
+    force: bool = False  # recompute outputs that are up to date (rollflow score --force)
+
+    @classmethod
+    def of_folder(cls, config, folder: str, *, held: dict | None = None, state: dict | None = None,
+                  force: bool = False) -> "Run":
+        """Steps run outside a training run, into ``folder`` (``rollflow score``, an RLVR step's scoring): no
+        engines, kept workers, metrics or policy; ``held`` and ``state`` as a pipeline's set-up leaves them."""
+        return cls(config, Location.of(folder), "", None, None, None, "", state=dict(state or {}),
+                   held=dict(held or {}), here=folder.rstrip("/"), force=force)
 
     def out(self, name: str) -> str:
         """The folder ``name`` of this iteration."""
@@ -53,17 +66,28 @@ class Run:
     def carried(self, stage: str) -> dict:
         """The state stage ``stage`` continues from: what its declaration carries (``carries``), as the previous
         iteration (or the pipeline's set-up) left it in :attr:`state`; {} when nothing is there."""
-        spec = stage_spec(stage) if is_declared(stage) else None
-        key = spec.carries[0] if spec is not None and spec.carries else None
+        key = _carried_key(stage)
         return {key: self.state[key]} if key in self.state else {}
 
     def keep(self, stage: str, result: Any) -> Any:
         """Keep the state ``result`` of stage ``stage`` carries to the next iteration; returns ``result``."""
-        spec = stage_spec(stage) if is_declared(stage) else None
-        key = spec.carries[0] if spec is not None and spec.carries else None
+        key = _carried_key(stage)
         if key is not None and key in result.state:
             self.state[key] = result.state[key]
         return result
+
+
+def _carried_key(stage: str) -> str | None:
+    """The state key stage ``stage`` declares it carries (``StageSpec.carries``), None when it carries nothing."""
+    spec = stage_spec(stage) if is_declared(stage) else None
+    return spec.carries[0] if spec is not None and spec.carries else None
+
+
+def first_state(*stages: str) -> dict:
+    """The carried state of ``stages`` at the first iteration: each one's declared first value (those declared
+    absent until set, ``None``, are left out)."""
+    firsts = {_carried_key(name): stage_spec(name).first_carried() for name in stages}
+    return {key: value for key, value in firsts.items() if key is not None and value is not None}
 
 
 def _always(config) -> bool:
@@ -133,6 +157,21 @@ def _run_step(step: IterStep, r: Run) -> None:
         sleep_engines(r.pool, r.metrics, k)
 
 
+def run_steps(steps: Sequence[IterStep], r: Run) -> dict[str, Any]:
+    """Run ``steps`` (those of ``r.config``) in order, outside the loop: no metrics record, no engines to put to sleep
+    (``rollflow score``, an RLVR step's scoring). Returns ``r.results``, the results by step name."""
+    for step in steps:
+        if step.when(r.config):
+            r.results[step.name] = step.run(r)
+    return r.results
+
+
+def _called(task) -> Callable:
+    """A stage task as a Prefect task inside a flow run; outside one (``rollflow score``) its plain function, so a
+    command that runs no flow starts no Prefect server."""
+    return task if FlowRunContext.get() is not None else task.fn
+
+
 # The steps both pipelines share, from the token table on (samples -> logprobs (-> values) -> rewarded -> advantaged
 # -> checkpoint), run one way.
 
@@ -156,9 +195,9 @@ def rewards_step(section: Callable[[Any], Any], samples: Callable[[Run], str],
     ``scored(run)``, for RLVR's section) -> ``rewarded``, continuing from the state the stage carries."""
     def run(r: Run) -> Any:
         rt = r.config.runtime
-        return r.keep("response_rewards", rewards_task(
+        return r.keep("response_rewards", _called(rewards_task)(
             section(r.config), samples(r), r.out("rewarded"), scored=scored(r), state_in=r.carried("response_rewards"),
-            batch_rows=rt.batch_rows, resources=rt.resources_for("response_rewards")))
+            force=r.force, batch_rows=rt.batch_rows, resources=rt.resources_for("response_rewards")))
 
     return IterStep("response_rewards", run)
 
@@ -168,9 +207,10 @@ def advantages_step(section: Callable[[Any], Any]) -> IterStep:
     continuing from the KL controller the previous iteration left."""
     def run(r: Run) -> Any:
         rt = r.config.runtime
-        return r.keep("advantages", advantages_task(
+        return r.keep("advantages", _called(advantages_task)(
             section(r.config), r.tokens(), r.results["response_rewards"].output, r.out("advantaged"),
-            r.carried("advantages"), batch_rows=rt.batch_rows, resources=rt.resources_for("advantages")))
+            r.carried("advantages"), force=r.force, batch_rows=rt.batch_rows,
+            resources=rt.resources_for("advantages")))
 
     return IterStep("advantages", run)
 
@@ -186,9 +226,6 @@ TRAIN_STEP = IterStep("train", _train, trains=True)  # the training step every i
 def run_pipeline(flow: PipelineFlow, config, cfg: dict) -> dict:
     """Run (or resume) the training run of ``config`` (validated from ``cfg``) as ``flow`` declares it. Returns the
     run's summary: its folder, one entry per iteration, the evaluation before training, seconds, last checkpoint."""
-    from stages.metrics import MetricsLog
-    from stages.trackers import open_trackers
-
     flow.before_start(config)
     run, base, pool = start_run(config, cfg)
     r = Run(config, run, base, pool, None, None, base)  # type: ignore[arg-type]

@@ -10,7 +10,16 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from schemas.rlvr_train_config import RLVRTrainConfig
+from schemas.train_flow_config import TrainFlowConfig
+from stages.generation.engines import check_engine_options
+from stages.plan import EngineUse, default_engines
 from stages.registry import Registry
+from stages.rlvr.generate import needs_model, prompts_section
+from stages.rlvr.stages import check_routes
+from stages.rollout.baseline import evaluation_baseline
+from stages.rollout.driver import check_rollout
+from stages.storage import MANIFEST, Location
 
 
 @dataclass(frozen=True)
@@ -51,8 +60,6 @@ class PipelineSpec:
     def committed_steps(self, run: str) -> int:
         """How many iterations of the run folder ``run`` are done: the leading iterations whose checkpoint is
         committed (its manifest written)."""
-        from stages.storage import MANIFEST, Location
-
         k = 0
         while Location.of(f"{self.step_dir(run, k)}/checkpoint").child(MANIFEST).exists():
             k += 1
@@ -63,21 +70,15 @@ PIPELINE_SPECS: Registry[PipelineSpec] = Registry("training pipeline")
 
 
 def _agentic_model():
-    from schemas.train_flow_config import TrainFlowConfig
-
     return TrainFlowConfig
 
 
 def _rlvr_model():
-    from schemas.rlvr_train_config import RLVRTrainConfig
-
     return RLVRTrainConfig
 
 
 def _agentic_preflight(config, evaluation: bool) -> None:
     """Every environment of the run's rollouts (or only of its evaluation) builds from its env_config."""
-    from stages.rollout.driver import check_rollout
-
     if not evaluation:
         check_rollout(config.rollout_for(0), field="rollout.")
     if evaluation or config.eval.eval_steps:
@@ -88,10 +89,6 @@ def _rlvr_preflight(config, evaluation: bool) -> None:
     """The prompt files exist and every reward route names a worker that takes its kwargs: for training, the
     run's prompts and routes; for validation (in a run with eval_steps, or ``rollflow eval``) the validation's; the
     options of every engine the run keeps (the generation engines', an LLM judge's) are their backend's."""
-    from stages.generation.engines import check_engine_options
-    from stages.rlvr.generate import prompts_section
-    from stages.rlvr.stages import check_routes
-
     if not evaluation:
         prompts_section(config.prompts.data_dir, config.prompts.domains, config.prompts.limit)
         check_routes(config.rewards, "rewards")
@@ -105,16 +102,12 @@ def _rlvr_preflight(config, evaluation: bool) -> None:
 
 def _agentic_engines(config) -> list:
     """The rollout's generation engines (training and evaluation share them)."""
-    from stages.plan import default_engines
-
     return default_engines(config)
 
 
 def rlvr_judged(config, evaluation: bool = False) -> bool:
     """Whether an RLVR run needs its LLM judge's engines: a reward route of the run, or of its validation when it
     validates, calls a model (``evaluation``: a validation route, for ``rollflow eval``)."""
-    from stages.rlvr.generate import needs_model
-
     validates = evaluation or config.validation.eval_steps > 0
     return (not evaluation and needs_model(config.rewards)) or (validates and needs_model(config.validation_rewards()))
 
@@ -122,8 +115,6 @@ def rlvr_judged(config, evaluation: bool = False) -> bool:
 def _rlvr_engines(config, evaluation: bool = False) -> list:
     """The generation engines, and the LLM judge's when a route needs it (both live for the whole run, or for
     ``rollflow eval`` when ``evaluation``)."""
-    from stages.plan import EngineUse, default_engines
-
     engines = default_engines(config)
     if rlvr_judged(config, evaluation):
         engines.append(EngineUse("LLM judge engine", "judge.engine", config.judge.engine))
@@ -133,8 +124,6 @@ def _rlvr_engines(config, evaluation: bool = False) -> list:
 def _agentic_chance_level(config) -> ChanceLevel | None:
     """Uniformly random legal actions on the evaluation's levels under its turn limit (stages/rollout/baseline.py);
     None for environments without a list of legal actions."""
-    from stages.rollout.baseline import evaluation_baseline
-
     found = evaluation_baseline(config)
     if found is None:
         return None

@@ -41,6 +41,10 @@ class Pipeline:
 
 PIPELINES: Registry[Pipeline] = Registry("training pipeline")
 
+# The flows are imported when a command runs one, not with the registry: the CLI looks a pipeline up and validates
+# its config before Prefect (and the engines) load, so a config error is reported at once
+# (tests/spine/test_config_error_imports.py).
+
 
 def _agentic_flow():
     from flows.agentic import train_flow

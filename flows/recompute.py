@@ -12,6 +12,7 @@ from prefect import flow
 
 from flows.runkit import advantages_task, rewards_task
 from schemas.config import AdvantageSection, RecomputeConfig, ResponseRewardSection, section, validate_config
+from stages import cluster  # cluster.ensure_ray looked up at the call, as in every flow (tests replace it)
 from stages.preflight import Step, check_steps
 from stages.advantages import AdvantagesStage
 from stages.response_rewards import ResponseRewardsStage
@@ -49,11 +50,10 @@ def recompute_flow(input_dir: str, output_dir: str, cfg: dict, force: bool = Fal
     rewarded_dir, advantaged_dir = outputs(output_dir)
     for out in (rewarded_dir, advantaged_dir):  # a killed attempt's temporary folders, whichever stage refuses
         cleanup_leftovers(Location.of(out))
-    from stages.cluster import check_stage_resources, ensure_ray  # looked up at the call, as in every flow
 
     rt = config.runtime
-    ensure_ray(rt.ray_address, rt.num_cpus, data_memory_mb=rt.data_memory_mb)
-    check_stage_resources(rt)
+    cluster.ensure_ray(rt.ray_address, rt.num_cpus, data_memory_mb=rt.data_memory_mb)
+    cluster.check_stage_resources(rt)
     rewarded = rewards_task(section(config, ResponseRewardSection), input_dir, rewarded_dir, force=force,
                             batch_rows=rt.batch_rows, resources=rt.resources_for("response_rewards"))
     advantaged = advantages_task(section(config, AdvantageSection), input_dir, rewarded_dir, advantaged_dir, None,

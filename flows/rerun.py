@@ -27,7 +27,10 @@ from flows.rerun_rollout import rerun_rollout
 from schemas.config import parse_overrides, validate_config
 from schemas.errors import RollflowError
 from schemas.stage_specs import is_declared, stage_spec, stage_specs
-from stages.storage import Location, manifest_field, read_manifest
+from stages import cluster
+from stages.outputs import check_output, stage_writes
+from stages.storage import Location, is_uri, manifest_field, read_manifest
+from stages.train.checkpoint import read_checkpoint
 
 
 def _redo() -> str:
@@ -81,15 +84,14 @@ def rerun_stage(name: str, old_output: str, overrides: list[str], output: str | 
         downstream_of(old)  # a damaged manifest there is refused before anything runs
     tag = rerun_tag(section, inputs)
     target = output or Location(old.fs, f"{old.path}@{tag}").uri()
-    from stages.outputs import check_output, stage_writes
 
     check_output(target, stage_writes(f"rollflow stage {name}", name),
                  {"--from": old.uri(), **{f"'{key}' (recorded in {old.path}/manifest.json)": path
                                           for key, path in inputs.items()}},
                  records=inputs)  # an output of this stage from other inputs is another command's, e.g. a run's
-    from stages.cluster import ensure_ray
 
-    ensure_ray()  # once the request is valid (the manifest holds no runtime settings: $RAY_ADDRESS or a local cluster)
+    # once the request is valid (the manifest holds no runtime settings: $RAY_ADDRESS or a local cluster)
+    cluster.ensure_ray()
     result = rerun(section, inputs, target, force, manifest)
     lines = [result_line(name, result, old)]
     if downstream:
@@ -101,9 +103,6 @@ def _check_models(section: BaseModel, inputs: dict[str, str]) -> None:
     """The model folders a re-run reads (a recorded checkpoint input: training step, evaluation; a log-prob section's
     checkpoint and reference, a values section's critic) must be whole, before Ray starts: read_checkpoint names a
     damaged file. Folders on an object store are left to their download."""
-    from stages.storage import is_uri
-    from stages.train.checkpoint import read_checkpoint
-
     named = [inputs.get("checkpoint"), *(getattr(section, key, None) for key in ("checkpoint", "reference", "critic"))]
     for folder in named:
         if isinstance(folder, str) and not is_uri(folder):

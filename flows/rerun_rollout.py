@@ -24,7 +24,11 @@ from flows.restage import downstream as downstream_of
 from schemas.config import parse_overrides, validate_config
 from schemas.errors import RollflowError
 from schemas.rollout_config import RolloutConfig, TurnSection, turn_section
-from stages.rollout.driver import EPISODES_DIR, SAMPLES_DIR, TURNS_DIR, Reuse, earlier_tables, run_rollout
+from stages import cluster
+from stages.generation.engines import check_model_dir
+from stages.outputs import ROLLOUT_CHILDREN, Writes, check_output
+from stages.rollout.driver import (EPISODES_DIR, SAMPLES_DIR, TURNS_DIR, Reuse, check_rollout, earlier_tables,
+                                   run_rollout)
 from stages.rollout.engine_pool import checkpoint_fingerprint
 from stages.storage import MANIFEST, Location, is_uri, manifest_field, read_manifest
 
@@ -114,8 +118,6 @@ def _difference(recorded: list, now: list) -> str:
 def _checkpoint(old: Location, manifest: dict, given: str | None) -> str:
     """The checkpoint folder the rollout was played with: the recorded one, its files unchanged, or ``given`` (a copy
     of it: the same files, sizes and modification times)."""
-    from stages.generation.engines import check_model_dir
-
     recorded = manifest.get("state_in", {}).get("checkpoint")
     where = f"{old.path}/manifest.json"
     if isinstance(recorded, dict) and is_uri(recorded.get("path")):  # a checkpoint committed on a store
@@ -179,10 +181,6 @@ def rerun_rollout(name: str, old_output: str, overrides: list[str], output: str 
     ``rollout_reset``) from there with ``overrides`` applied to its turn section, into ``output`` (default
     ``<rollout>@<tag>``); with ``downstream``, re-run what reads the rollout's samples beside the rollout folder
     (:func:`flows.restage.rerun_downstream`). Returns the lines to print."""
-    from stages.cluster import ensure_ray
-    from stages.outputs import ROLLOUT_CHILDREN, Writes, check_output
-    from stages.rollout.driver import check_rollout
-
     old, rollout, manifest = _old_output(name, old_output)
     reuse = _reuse(old, manifest) if name == "rollout_turn" else None
     section = _section(name, old, rollout, manifest, overrides)
@@ -196,7 +194,8 @@ def rerun_rollout(name: str, old_output: str, overrides: list[str], output: str 
                  {"--from (its rollout)": rollout.uri(), "checkpoint": model})
     if downstream:
         downstream_of(rollout, reads=rollout.child(SAMPLES_DIR).uri())  # a damaged manifest there: before anything runs
-    ensure_ray()  # once the request is valid (the manifest holds no runtime settings: $RAY_ADDRESS or a local one)
+    # once the request is valid (the manifest holds no runtime settings: $RAY_ADDRESS or a local one)
+    cluster.ensure_ray()
     result = run_rollout(config, target, model, force=force, reuse=reuse, label=f"[rollflow stage] {name}")
     first = len(reuse.turns) if reuse else 0
     played = _span(first, len(result.turns) - 1)

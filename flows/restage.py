@@ -15,9 +15,13 @@ from pydantic import BaseModel
 
 from schemas.config import validate_config
 from schemas.errors import RollflowError
+from schemas.rollout_config import RolloutConfig
 from schemas.stage_specs import is_declared, stage_spec, stage_specs
-from stages.runner import StageResult
+from schemas.train_config import ForwardConfig, LogProbSection, TrainSection, TrainStepConfig, ValuesSection
+from stages.rollout.driver import run_eval
+from stages.runner import StageResult, run_stage
 from stages.storage import Location, manifest_field, read_manifest
+from stages.train.stage import run_logprobs, run_train_step, run_values
 
 # (section, inputs by name, output folder, force, the old output's manifest) -> the result
 Rerun = Callable[[BaseModel, dict[str, str], str, bool, dict], StageResult]
@@ -25,8 +29,6 @@ Rerun = Callable[[BaseModel, dict[str, str], str, bool, dict], StageResult]
 
 def _runner(spec) -> tuple[type[BaseModel], Rerun]:
     """A stage the runner runs from its section alone (its class, ``spec.runner_class``, takes no arguments)."""
-    from stages.runner import run_stage
-
     module, _, name = spec.runner_class.partition(":")
     stage_class = getattr(importlib.import_module(module), name)
 
@@ -37,8 +39,6 @@ def _runner(spec) -> tuple[type[BaseModel], Rerun]:
 
 
 def _forward_config(section) -> Any:
-    from schemas.train_config import ForwardConfig
-
     return ForwardConfig(dtype=section.dtype, max_tokens_per_microbatch_in_infer=section.max_tokens_per_microbatch_in_infer,
                          compute_entropy=getattr(section, "compute_entropy", False),
                          enable_reference=getattr(section, "reference", None) is not None,
@@ -46,9 +46,6 @@ def _forward_config(section) -> Any:
 
 
 def _logprobs(spec) -> tuple[type[BaseModel], Rerun]:
-    from schemas.train_config import LogProbSection
-    from stages.train.stage import run_logprobs
-
     def rerun(section, inputs, output, force, recorded):  # the models' fingerprints are recomputed from the folders
         return run_logprobs(inputs["samples"], section.checkpoint, _forward_config(section), output,
                             reference=section.reference, force=force)
@@ -57,9 +54,6 @@ def _logprobs(spec) -> tuple[type[BaseModel], Rerun]:
 
 
 def _values(spec) -> tuple[type[BaseModel], Rerun]:
-    from schemas.train_config import ValuesSection
-    from stages.train.stage import run_values
-
     def rerun(section, inputs, output, force, recorded):
         return run_values(inputs["samples"], section.critic, _forward_config(section), output, force=force)
 
@@ -67,9 +61,6 @@ def _values(spec) -> tuple[type[BaseModel], Rerun]:
 
 
 def _train_step(spec) -> tuple[type[BaseModel], Rerun]:
-    from schemas.train_config import TrainSection, TrainStepConfig
-    from stages.train.stage import run_train_step
-
     def rerun(section, inputs, output, force, recorded):
         # The record holds no runtime: the step runs on as many workers as the recorded one (its data-parallel split),
         # writes its full DeepSpeed state and prunes nothing (max_ckpt_to_keep unset: the original stays beside it).
@@ -89,9 +80,6 @@ def _train_step(spec) -> tuple[type[BaseModel], Rerun]:
 
 
 def _eval(spec) -> tuple[type[BaseModel], Rerun]:
-    from schemas.rollout_config import RolloutConfig
-    from stages.rollout.driver import run_eval
-
     def rerun(section, inputs, output, force, recorded):  # its own engines, built only when a turn is to be played
         return run_eval(section, output, inputs["checkpoint"], force=force, label="[rollflow stage] eval").record
 

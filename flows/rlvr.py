@@ -20,97 +20,90 @@ from __future__ import annotations
 from types import SimpleNamespace
 from typing import Any
 
+import numpy as np
+import pyarrow.dataset as pads
 from prefect import flow
 
 from flows.loop import (TRAIN_STEP, VALUES_STEP, Evaluation, IterStep, PipelineFlow, Run, advantages_step,
-                        logprobs_step, rewards_step, run_pipeline)
+                        first_state, logprobs_step, rewards_step, run_pipeline, run_steps)
 from flows.pipeline_specs import PIPELINE_SPECS, rlvr_judged
 from flows.runkit import run_folder, stage_task
 from schemas.config import validate_config
 from schemas.errors import RollflowError
-from schemas.rlvr_config import rlvr_advantage_section, rlvr_reward_section
+from schemas.rlvr_config import reward_section, rlvr_advantage_section, rlvr_reward_section
 from schemas.rlvr_train_config import RLVRTrainConfig
-from schemas.stage_specs import is_declared, stage_spec
+from schemas.rollout_config import EngineIdentity
+from stages import cluster, progress
+from stages.advantages import AdvantagesStage
+from stages.algos.intervals import mean_interval
 from stages.preflight import Step
-from stages.storage import Location
+from stages.response_rewards import ResponseRewardsStage
+from stages.rlvr.generate import (GenerateSection, GenerateStage, PromptsStage, judge_pool, judge_services, needs_model,
+                                  prompts_section, reads_context, resumed_section, step_prompt_ids)
+from stages.rlvr.stages import RewardStage, RLVRSamplesStage, SamplesSection, run_context
+from stages.rollout.driver import resolve_model_dir
+from stages.rollout.engine_pool import EnginePool, checkpoint_fingerprint
+from stages.runner import run_stage
+from stages.storage import Location, read_manifest
 
 
 step_dir = PIPELINE_SPECS.get("rlvr").step_dir  # runs/<run>/step_<k>
 
 
-def reward_step(responses: str, out: str, cfg, services: dict | None = None) -> Step:
-    """The reward workers on ``responses`` → ``<out>/scored``."""
-    from schemas.rlvr_config import reward_section
-    from stages.rlvr.stages import RewardStage
-
-    return Step(RewardStage(services), reward_section(cfg), {"responses": responses}, f"{out}/scored")
-
-
-def samples_step(responses: str, out: str) -> Step:
-    """``responses`` and their scores → ``<out>/samples``, the token table of every pipeline."""
-    from stages.rlvr.stages import RLVRSamplesStage, SamplesSection
-
-    return Step(RLVRSamplesStage(), SamplesSection(), {"responses": responses, "scored": f"{out}/scored"},
-                f"{out}/samples")
+def _reward_workers(r: Run) -> Any:
+    """The reward workers on the responses (``r.held["responses"]``) -> ``scored``: the services the run holds (an LLM
+    judge's engines, ``r.held["services"]``) serve their routes, and the workers that read the run's context
+    (``training_progress`` in ``r.state``) get it."""
+    rt = r.config.runtime
+    return run_stage(RewardStage(r.held.get("services")), reward_section(r.config), {"responses": r.held["responses"]},
+                     r.out("scored"), force=r.force, batch_rows=rt.batch_rows, state_in=run_context(r.state),
+                     resources=rt.resources_for("rewards"))
 
 
-def chain_steps(out: str, cfg, samples: str) -> list[Step]:
-    """Sample masks and normalised rewards per domain (the response-rewards stage of both pipelines, on the step's
-    ``<out>/samples`` and ``<out>/scored`` → ``<out>/rewarded``), then the advantages stage of both pipelines on
-    ``samples`` (with the log-probs and values its settings need) → ``<out>/advantaged``."""
-    from schemas.rlvr_config import rlvr_advantage_section, rlvr_reward_section
-    from stages.advantages import AdvantagesStage
-    from stages.response_rewards import ResponseRewardsStage
-
-    return [Step(ResponseRewardsStage(), rlvr_reward_section(cfg), {"samples": f"{out}/samples",
-                                                                    "scored": f"{out}/scored"}, f"{out}/rewarded"),
-            Step(AdvantagesStage(), rlvr_advantage_section(cfg), {"samples": samples, "rewarded": f"{out}/rewarded"},
-                 f"{out}/advantaged")]
+def _token_table(r: Run) -> Any:
+    """The responses and their scores -> ``samples``, the token table of every pipeline."""
+    rt = r.config.runtime
+    return run_stage(RLVRSamplesStage(), SamplesSection(), {"responses": r.held["responses"], "scored": r.out("scored")},
+                     r.out("samples"), force=r.force, batch_rows=rt.batch_rows, state_in={},
+                     resources=rt.resources_for("rlvr_samples"))
 
 
-def score_steps(input_dir: str, output_dir: str, cfg, *, advantages: bool = False,
-                services: dict | None = None) -> list[Step]:
-    """The stages of ``rollflow score`` with their inputs and outputs: what :func:`score_responses` runs and what the
-    pre-flight check (stages/preflight.py) checks before Prefect and Ray start."""
+# The scoring of a step's responses (and of rollflow score): the reward workers, then the token table; then the chain
+# both pipelines share, response-level rewards per domain (on the samples and the workers' scores) and advantages.
+REWARD_WORKERS = IterStep("rewards", _reward_workers)
+SCORING = (REWARD_WORKERS, IterStep("samples", _token_table))
+RLVR_REWARDS = rewards_step(rlvr_reward_section, lambda r: r.out("samples"), scored=lambda r: r.out("scored"))
+RLVR_ADVANTAGES = advantages_step(rlvr_advantage_section)
+
+
+def score_steps(input_dir: str, output_dir: str, cfg, *, advantages: bool = False) -> list[Step]:
+    """The stages :func:`score_responses` runs, with their inputs and outputs: what the pre-flight check
+    (stages/preflight.py) checks before Prefect and Ray start."""
     out = output_dir.rstrip("/")
-    steps = [reward_step(input_dir, out, cfg, services)]
+    steps = [Step(RewardStage(), reward_section(cfg), {"responses": input_dir}, f"{out}/scored")]
     if advantages:
-        steps += [samples_step(input_dir, out), *chain_steps(out, cfg, f"{out}/samples")]
+        steps += [Step(RLVRSamplesStage(), SamplesSection(), {"responses": input_dir, "scored": f"{out}/scored"},
+                       f"{out}/samples"),
+                  Step(ResponseRewardsStage(), rlvr_reward_section(cfg), {"samples": f"{out}/samples",
+                                                                           "scored": f"{out}/scored"},
+                       f"{out}/rewarded"),
+                  Step(AdvantagesStage(), rlvr_advantage_section(cfg), {"samples": f"{out}/samples",
+                                                                        "rewarded": f"{out}/rewarded"},
+                       f"{out}/advantaged")]
     return steps
 
 
-def run_steps(steps: list[Step], cfg, *, force: bool = False, state_in: dict | None = None,
-              training_progress: float | None = None) -> dict[str, Any]:
-    """Run ``steps`` in order through the runner; results by output folder name (scored, samples, rewarded,
-    advantaged). ``state_in``: ``running_moments`` and ``kl_ctrl`` of a previous step (from its manifests' state);
-    ``training_progress``: step / max_steps of a training run, given to the reward workers that read it."""
-    from stages.rlvr.stages import RUN_CONTEXT
-    from stages.runner import run_stage
-
-    state_in = {**(state_in or {}), **({} if training_progress is None else {"training_progress": training_progress})}
-    results = {}
-    for step in steps:
-        if step.stage.name == "rewards":
-            state = {key: state_in[key] for key in RUN_CONTEXT if key in state_in}
-        else:  # what the stage carries from one step to the next (its declaration's carries)
-            spec = stage_spec(step.stage.name) if is_declared(step.stage.name) else None
-            key = spec.carries[0] if spec is not None and spec.carries else None
-            value = state_in[key] if key in state_in else spec.first_carried() if spec is not None else None
-            state = {} if value is None else {key: value}
-        results[step.output.rstrip("/").rsplit("/", 1)[-1]] = run_stage(
-            step.stage, step.section, step.inputs, step.output, force=force, batch_rows=cfg.runtime.batch_rows,
-            state_in=state, resources=cfg.runtime.resources_for(step.stage.name))
-    return results
-
-
 def score_responses(input_dir: str, output_dir: str, cfg, *, advantages: bool = False, force: bool = False,
-                    state_in: dict | None = None, services: dict | None = None) -> dict[str, Any]:
-    """Run the reward stage (and with ``advantages`` the RLVR chain up to advantages, without log-probs: the
-    responses' own log-prob columns, if any) on the responses in ``input_dir``. Outputs: ``<output_dir>/scored``
-    (+ ``samples``, ``rewarded``, ``advantaged``); ``services``: reward-stage service factories. Runs on the
-    Ray cluster its caller connected to (``rollflow score``, the RLVR flow's validation)."""
-    return run_steps(score_steps(input_dir, output_dir, cfg, advantages=advantages, services=services), cfg,
-                     force=force, state_in=state_in)
+                    services: dict | None = None) -> dict[str, Any]:
+    """The reward workers (and with ``advantages`` the rest of an RLVR step's scoring and the chain up to advantages,
+    without log-probs: the responses' own log-prob columns, if any) on the responses in ``input_dir``, the steps of
+    the RLVR declaration run as the loop runs them (flows/loop.py ``run_steps``). Outputs: ``<output_dir>/scored``
+    (+ ``samples``, ``rewarded``, ``advantaged``), the results by folder name; ``services``: reward-stage service factories. Runs on the Ray
+    cluster its caller connected to (``rollflow score``, the RLVR flow's validation)."""
+    r = Run.of_folder(cfg, output_dir, held={"responses": input_dir, "services": services},
+                      state=first_state("response_rewards", "advantages"), force=force)
+    steps = (*SCORING, RLVR_REWARDS, RLVR_ADVANTAGES) if advantages else (REWARD_WORKERS,)
+    return {Location.of(result.output).name: result for result in run_steps(steps, r).values()}
 
 
 def refuse_old_layout(run: Location) -> None:
@@ -118,8 +111,6 @@ def refuse_old_layout(run: Location) -> None:
     with the fix. Two earlier layouts: advantages computed in two passes on the responses (``step_*/first_pass``,
     stage ``rlvr_advantages``), and rewards by a separate RLVR stage on the responses (``step_*/rlvr_rewarded``;
     now the response-rewards stage of both pipelines on the samples, with the domains in ``scored``)."""
-    from stages.storage import read_manifest
-
     step0 = run.child("step_0000")
     layouts = {
         "computed the advantages on the responses before the log-probs (step_*/first_pass, stage rlvr_advantages)":
@@ -140,22 +131,14 @@ def refuse_old_layout(run: Location) -> None:
 @stage_task("prompts")
 def prompts_task(prompts, output: str) -> Any:
     """The prompts table of a prompt set (``prompts``: the run's prompts or its validation prompts)."""
-    from stages.rlvr.generate import PromptsStage, prompts_section
-    from stages.runner import run_stage
-
-    return run_stage(PromptsStage(), prompts_section(prompts.data_dir, prompts.domains, prompts.limit), {}, output)
+    section = resumed_section(prompts_section(prompts.data_dir, prompts.domains, prompts.limit), output)
+    return run_stage(PromptsStage(), section, {}, output)
 
 
 def _generate(config: RLVRTrainConfig, section_values: dict, prompts: str, checkpoint: str, pool, output: str,
               label: str) -> Any:
     """Responses of the prompts ``section_values["prompt_ids"]`` under ``checkpoint`` (the pool loads it in place),
     committed in ``output``; the rest of the generation section comes from the run's config."""
-    from schemas.rollout_config import EngineIdentity
-    from stages import progress
-    from stages.rlvr.generate import GenerateSection, GenerateStage
-    from stages.rollout.engine_pool import checkpoint_fingerprint
-    from stages.runner import run_stage
-
     engine = EngineIdentity(backend=config.engine.backend, dtype=config.engine.dtype,
                             max_model_len=config.generation_window())
     section = GenerateSection(**{"seed": config.seed, "sequence_length": config.sequence_length, "engine": engine,
@@ -168,8 +151,6 @@ def _generate(config: RLVRTrainConfig, section_values: dict, prompts: str, check
 
 def _read(where: str, columns: list[str]):
     """Columns of the committed table at ``where``."""
-    import pyarrow.dataset as pads
-
     loc = Location.of(where)
     return pads.dataset(loc.parquet_files(), filesystem=loc.fs).to_table(columns=columns)
 
@@ -180,8 +161,6 @@ def _prompt_ids(prompts: str) -> list[str]:
 
 @stage_task("generate")
 def generate_task(config: RLVRTrainConfig, step: int, prompts: str, checkpoint: str, pool, output: str) -> Any:
-    from stages.rlvr.generate import step_prompt_ids
-
     ids = step_prompt_ids(_prompt_ids(prompts), step, config.rollout_batch_size, config.seed)
     return _generate(config, {"run_name": config.run_name, "step": step, "n": config.num_return_sequences_in_group,
                               "prompt_ids": tuple(ids), "system_prompt": config.prompts.system_prompt,
@@ -195,8 +174,6 @@ def validation_task(config: RLVRTrainConfig, prompts: str, checkpoint: str, pool
     """Every validation prompt answered under ``checkpoint`` (the same sampling seeds at every validation) and
     scored by the validation's reward routes, under ``output``. Returns the generation and scoring results, their
     seconds, and the metrics: ``val/score/mean`` and ``val/<domain>/score/mean`` over scored rows, ``val/unscored``."""
-    from stages.rlvr.generate import judge_services
-
     v = config.validation
     gen = _generate(config, {"run_name": f"{config.run_name}-val", "step": 0, "n": v.num_return_sequences,
                              "prompt_ids": tuple(_prompt_ids(prompts)), "system_prompt": v.prompts.system_prompt,
@@ -214,10 +191,6 @@ def validation_metrics(responses: str, scored: str, domain_column: str) -> dict[
     """Mean score over the scored rows, overall and per domain (``val/[<domain>/]score/mean``), with its 95 %
     interval (``.../ci95_low``, ``.../ci95_high``: Wilson's for 0/1 scores, else the normal approximation; the
     report draws it) and the rows it rests on (``val/[<domain>/]scored``), and the number of unscored rows."""
-    import numpy as np
-
-    from stages.algos.intervals import mean_interval
-
     domains = dict(zip(*(_read(responses, ["row_id", domain_column]).column(i).to_pylist() for i in (0, 1))))
     table = _read(scored, ["row_id", "scores"])
     rows = list(zip(table.column("row_id").to_pylist(), table.column("scores").to_pylist()))
@@ -234,29 +207,27 @@ def validation_metrics(responses: str, scored: str, domain_column: str) -> dict[
 
 @stage_task("rewards")
 def score_task(config: RLVRTrainConfig, step: int, responses: str, output: str, judge) -> dict[str, Any]:
-    """The reward workers on the step's responses, then its token table (``scored``, ``samples``). An LLM judge route
+    """The reward workers on the step's responses, then its token table (``scored``, ``samples``; the results by step
+    name, ``rewards`` and ``samples``). An LLM judge route
     is served by the run's judge engine (``judge``: its pool, None without such a route); workers that read the
     training progress get ``step / max_steps`` (ROLL's global_step / max_steps)."""
-    from stages.rlvr.generate import judge_services, reads_context
-
     services = judge_services(config.rewards, config.judge, judge)
-    progress = step / config.max_steps if reads_context(config.rewards, "training_progress") else None
-    return run_steps([reward_step(responses, output, config, services), samples_step(responses, output)], config,
-                     training_progress=progress)
+    context = {"training_progress": step / config.max_steps} if reads_context(config.rewards, "training_progress") \
+        else {}
+    return run_steps(SCORING, Run.of_folder(config, output, held={"responses": responses, "services": services},
+                                            state=context))
 
 
 def _setup(r: Run) -> None:
     """The prompts (and validation prompts), the LLM judge's engines when a route needs them (built on first use),
     and the running reward moments the first step starts from."""
-    from stages.rlvr.generate import judge_pool
-
     config = r.config
     # the judge's engines are part of the run's resource plan (flows/pipeline_specs.py)
     r.held["judge"] = judge_pool(config.judge) if rlvr_judged(config) else None
     r.held["prompts"] = prompts_task(config.prompts, r.run.child("prompts").uri()).output
     if config.validation.eval_steps > 0:
         r.held["val_prompts"] = prompts_task(config.validation.prompts, r.run.child("val_prompts").uri()).output
-    r.state["running_moments"] = stage_spec("response_rewards").first_carried()
+    r.state.update(first_state("response_rewards"))
 
 
 def _close(r: Run) -> None:
@@ -266,8 +237,7 @@ def _close(r: Run) -> None:
 
 def _score(r: Run) -> dict[str, Any]:
     """The reward workers' scores and the step's token table, by the names they are recorded under."""
-    done = score_task(r.config, r.iteration, r.results["generate"].output, r.here, r.held.get("judge"))
-    return {"rewards": done["scored"], "samples": done["samples"]}
+    return score_task(r.config, r.iteration, r.results["generate"].output, r.here, r.held.get("judge"))
 
 
 def _finite(metrics: dict, key: str) -> float | None:
@@ -291,8 +261,8 @@ RLVR = PipelineFlow(
         IterStep("score", _score, records=("rewards", "samples")),  # the reward workers, then the token table
         logprobs_step(lambda r: r.results["samples"].output),
         VALUES_STEP,
-        rewards_step(rlvr_reward_section, lambda r: r.out("samples"), scored=lambda r: r.out("scored")),
-        advantages_step(rlvr_advantage_section),
+        RLVR_REWARDS,
+        RLVR_ADVANTAGES,
         TRAIN_STEP,
     ),
     evaluation=Evaluation(
@@ -338,14 +308,9 @@ def rlvr_eval_flow(cfg: dict, checkpoint: str | None, output: str) -> dict:
     """Validate ``checkpoint`` (default: the config's initial policy) on the validation prompts of the RLVR config
     ``cfg`` without training — the seeds of a run's validations, so the result equals that run's validation of the
     same checkpoint. Its prompts, responses and scores are committed under ``output`` (resumable)."""
-    from stages.cluster import ensure_ray
-    from stages.rlvr.generate import judge_pool, needs_model
-    from stages.rollout.driver import resolve_model_dir
-    from stages.rollout.engine_pool import EnginePool
-
     config = validate_config(RLVRTrainConfig, cfg)
     rt = config.runtime
-    ensure_ray(rt.ray_address, rt.num_cpus, data_memory_mb=rt.data_memory_mb)
+    cluster.ensure_ray(rt.ray_address, rt.num_cpus, data_memory_mb=rt.data_memory_mb)
     model = resolve_model_dir(checkpoint or config.pretrain)
     pool = EnginePool(config.generation_engine(), model, config.generation_window())
     judge = judge_pool(config.judge) if needs_model(config.validation_rewards()) else None

@@ -14,10 +14,22 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from flows.pipeline_specs import PIPELINE_SPECS
-from schemas.config import AdvantageSection, ResponseRewardSection
+from schemas.config import AdvantageSection, ResponseRewardSection, validate_config
 from schemas.errors import ConfigError, RollflowError
 from schemas.names import folder_name, name_max
-from stages.storage import Location
+from stages import cluster, gpu_preflight
+from stages.advantages import AdvantagesStage
+from stages.generation.engines import preflight_model_dir
+from stages.outputs import check_output
+from stages.plan import gpu_shares, make_plan
+from stages.response_rewards import ResponseRewardsStage
+from stages.rollout.driver import resolve_model_dir
+from stages.rollout.engine_pool import EnginePool
+from stages.runner import run_stage
+from stages.storage import Location, local_side, publish_local_side
+from stages.trackers import check_trackers
+from stages.train.checkpoint import keep_training_state, read_checkpoint
+from stages.train.stage import run_logprobs, run_train_step, run_values
 
 log = logging.getLogger("rollflow.train")
 CONFIG_FILE = "config.json"
@@ -44,8 +56,6 @@ def check_resumed_folder(folder: Location, config) -> None:
     local = run.atomic_rename and folder.atomic_rename
     same = os.path.realpath(run.path) == os.path.realpath(folder.path) if local else run.uri() == folder.uri()
     if not same:
-        from schemas.errors import ConfigError
-
         raise ConfigError(f"{folder.uri()}/{CONFIG_FILE} names the run folder {run.uri()} (runs_dir/run_name), not "
                           f"{folder.uri()}: the folder was moved or copied, or runs_dir is relative to another working "
                           f"directory; resume it from the directory it was started in, or move it back to {run.uri()}")
@@ -62,7 +72,6 @@ def run_log(config) -> tuple[str, str]:
 
     import pyarrow.fs as pafs
 
-    from stages.storage import local_side
 
     run = run_folder(config)
     log_file = f"{local_side(run)}/{RUN_LOG}"
@@ -76,8 +85,6 @@ def run_log(config) -> tuple[str, str]:
 def publish_run(run: str) -> list[str]:
     """Upload the local side of the run folder ``run`` (its log, TensorBoard events and report: :data:`LOCAL_SIDE`)
     into it when it is on an object store; nothing for a local run folder. Returns the folders uploaded."""
-    from stages.storage import publish_local_side
-
     return publish_local_side(Location.of(run), LOCAL_SIDE)
 
 
@@ -113,8 +120,6 @@ def stage_task(name: str):
 @stage_task("logprobs")
 def logprobs_task(config, samples: str, checkpoint: str, reference: str, output: str,
                   workers: KeptWorkers | None = None) -> Any:
-    from stages.train.stage import run_logprobs
-
     return run_logprobs(samples, checkpoint, config.logprobs, output, reference=reference,
                         workers=workers.forward if workers else None)
 
@@ -122,8 +127,6 @@ def logprobs_task(config, samples: str, checkpoint: str, reference: str, output:
 @stage_task("values")
 def values_task(config, samples: str, checkpoint: str, output: str,
                 workers: KeptWorkers | None = None) -> Any:
-    from stages.train.stage import run_values
-
     return run_values(samples, checkpoint, config.logprobs, output, workers=workers.forward if workers else None)
 
 
@@ -134,9 +137,6 @@ def rewards_task(rewards: ResponseRewardSection, samples: str, output: str, *, s
     """Response-level rewards of a samples table (both training pipelines and the recompute flow): ``scored``, the
     reward workers' scores (RLVR's section); ``state_in``, the running moments of the previous step (RLVR);
     ``resources``: the custom Ray resources its tasks ask for (``runtime.resources_for("response_rewards")``)."""
-    from stages.response_rewards import ResponseRewardsStage
-    from stages.runner import run_stage
-
     inputs = {"samples": samples, **({"scored": scored} if scored is not None else {})}
     return run_stage(ResponseRewardsStage(), rewards, inputs, output, force=force, batch_rows=batch_rows,
                      state_in=state_in, resources=resources)
@@ -148,9 +148,6 @@ def advantages_task(advantages: AdvantageSection, samples: str, rewarded: str, o
     """Token rewards and advantages of a samples table and its rewarded rows; ``state_in`` carries the KL
     controller of the previous iteration (both training pipelines and the recompute flow); ``resources`` as in
     :func:`rewards_task`."""
-    from stages.advantages import AdvantagesStage
-    from stages.runner import run_stage
-
     return run_stage(AdvantagesStage(), advantages, {"samples": samples, "rewarded": rewarded}, output,
                      state_in=state_in, force=force, batch_rows=batch_rows, resources=resources)
 
@@ -160,8 +157,6 @@ def train_task(config, iteration: int, samples: str, checkpoint: str, output: st
                workers: KeptWorkers | None = None) -> Any:
     """The training step of ``iteration``: DeepSpeed's state is written every ``train.save_steps`` iterations and at
     the last, weights and a replay record otherwise."""
-    from stages.train.stage import run_train_step
-
     train = config.train_step_config()
     return run_train_step(samples, checkpoint, train, output, label=f"[iteration {iteration}] train",
                           trainer=workers.trainer if workers else None,
@@ -173,8 +168,6 @@ def train_and_keep(config, iteration: int, samples: str, checkpoint: str, output
     """The training step of ``iteration`` on ``samples`` (:func:`train_task`), recorded; its checkpoint joins
     ``trained`` (this run's checkpoints, oldest first) and the older ones beyond ``train.max_ckpt_to_keep`` lose
     their DeepSpeed state. Returns the step's result."""
-    from stages.train.checkpoint import keep_training_state
-
     result = train_task(config, iteration, samples, checkpoint, output, workers)
     record(metrics, iteration, "train", result)
     trained.append(result.output)
@@ -206,17 +199,13 @@ def start_run(config, cfg: dict):
     (built on first use). Returns (run folder, initial policy folder, pool)."""
     import ray
 
-    from stages.cluster import ensure_ray
-    from stages.rollout.driver import resolve_model_dir
-    from stages.rollout.engine_pool import EnginePool
 
     run = run_folder(config)
     save_run_config(run, config, cfg)
     rt = config.runtime
-    ensure_ray(rt.ray_address, rt.num_cpus, data_memory_mb=rt.data_memory_mb)
+    cluster.ensure_ray(rt.ray_address, rt.num_cpus, data_memory_mb=rt.data_memory_mb)
     check_plan(config, ray.cluster_resources())
     base = resolve_model_dir(config.pretrain)
-    from stages.plan import gpu_shares
 
     return run, base, EnginePool(config.generation_engine(), base, config.generation_window(),
                                  gpus_per_engine=gpu_shares(config)["engine"])
@@ -238,11 +227,9 @@ def sleep_engines(pool, metrics, iteration: int) -> None:
 def run_plan(config, resources: dict[str, float]):
     """The resource plan (stages/plan.py) of a training config on a cluster of ``resources``, with the engines its
     pipeline keeps for the whole run (its declaration, flows/pipeline_specs.py)."""
-    from stages.gpu_preflight import check_run
-    from stages.plan import make_plan
-
     plan = make_plan(config, resources, PIPELINE_SPECS.get(config.pipeline).engines(config))
-    check_run(config, plan)  # this host's driver, GPUs and compilers against what the run asks (exit 2 if short)
+    # this host's driver, GPUs and compilers against what the run asks (exit 2 if short)
+    gpu_preflight.check_run(config, plan)
     return plan
 
 
@@ -261,7 +248,6 @@ def read_frozen_config(run: Location) -> dict | None:
     ConfigError naming the file and the fix when it is not a file, not JSON or not a mapping of options."""
     from pyarrow.fs import FileType
 
-    from schemas.errors import ConfigError
 
     path = run.child(CONFIG_FILE)
     kind = run.fs.get_file_info(path.path).type
@@ -284,8 +270,6 @@ def frozen_config_state(run: Location, config, cfg: dict) -> str:
     yet), ``"same"``, or ``"max_steps"`` (the same run lengthened or shortened). Refuses a different config with a
     RollflowError that says how to resume it or start another run; a frozen config that validates to the same one
     is the same run (an earlier version may have written it with other defaults spelled out)."""
-    from schemas.config import validate_config
-
     path = run.child(CONFIG_FILE)
     old = read_frozen_config(run)
     if old is None:
@@ -304,10 +288,6 @@ def check_run(config, cfg: dict) -> None:
     into the run folder (its log included): the folder can be written, a folder started with another config is
     refused, ``pretrain`` (when set) is an HF model folder, the run's newest checkpoint is whole, and every tracker
     of ``track_with`` is installed and reachable (stages/trackers.py)."""
-    from stages.generation.engines import preflight_model_dir
-    from stages.outputs import check_output
-    from stages.trackers import check_trackers
-
     run = run_folder(config)
     check_output(run.uri(), None, {"pretrain": config.pretrain}, flag="run folder (runs_dir/run_name)")
     frozen_config_state(run, config, cfg)
@@ -322,8 +302,6 @@ def check_last_checkpoint(config) -> None:
     the checkpoint its training replays from must be model folders whose files are whole
     (stages/train/checkpoint.py ``read_checkpoint``); a SchemaError naming the damaged file otherwise. A run folder
     on an object store is left to the download of its checkpoint."""
-    from stages.train.checkpoint import read_checkpoint
-
     run = run_folder(config)
     pipeline = PIPELINE_SPECS.get(config.pipeline)
     done = pipeline.committed_steps(run.uri()) if run.atomic_rename else 0

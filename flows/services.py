@@ -11,6 +11,8 @@ import os
 import signal
 import threading
 
+from stages import cluster
+
 log = logging.getLogger("rollflow")
 
 
@@ -47,13 +49,11 @@ def start_services(runtime) -> None:
     """Start Prefect's ephemeral server (when the flows will use one) on a thread while Ray starts on this one, as
     the config's ``runtime`` section says (address, CPUs, Ray Data's memory bound: ``connect_runtime``); return once
     both are up. A failure of either is raised here, as the flow would have raised it."""
-    from stages.cluster import connect_runtime
-
     prefect = _PrefectStart() if _ephemeral_prefect() else None
     if prefect is not None:
         prefect.start()
     try:
-        connect_runtime(runtime)
+        cluster.connect_runtime(runtime)
     finally:
         if prefect is not None:
             prefect.join()

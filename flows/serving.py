@@ -39,6 +39,11 @@ from typing import Any
 
 from prefect import flow
 
+from flows.console import LogFileHandler
+from flows.pipelines import pipeline_of
+from flows.report import write_report
+from flows.runkit import publish_run, run_log
+from schemas.config import validate_config
 from schemas.errors import ConfigError, RollflowError
 
 log = logging.getLogger("rollflow.serving")
@@ -232,12 +237,6 @@ def advance_run(cfg: dict, iterations: int | None = None) -> dict:
     at the end and, for a run folder on an object store, uploads both (also after a failure). A tick killed half-way
     is resumed by the next one (its committed stages are skipped). Returns the flow's summary plus
     ``from_iteration`` and ``report`` (the report page)."""
-    from flows.console import LogFileHandler
-    from flows.pipelines import pipeline_of
-    from flows.report import write_report
-    from flows.runkit import publish_run, run_log
-    from schemas.config import validate_config
-
     pipeline = pipeline_of(cfg, "deployment parameters")
     config = validate_config(pipeline.config_model(), cfg, "deployment parameters")
     run, log_file = run_log(config)

@@ -6,6 +6,8 @@ import logging
 import os
 from pathlib import Path
 
+from schemas.errors import RollflowError
+
 log = logging.getLogger("rollflow")
 REPO = Path(__file__).resolve().parents[1]
 
@@ -19,8 +21,6 @@ class UserErrorWithoutTraceback(logging.Filter):
     ``RollflowError``) the one-line message says everything, and the CLI prints it once more with the fix."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        from schemas.errors import RollflowError
-
         if record.exc_info and isinstance(record.exc_info[1], RollflowError):
             record.exc_info, record.exc_text = None, None
         return True

@@ -13,6 +13,7 @@ import pyarrow.dataset as pads
 
 from schemas.errors import SchemaError
 from schemas.tables import TABLES, TableSpec
+from stages.preflight import check_table_data
 from stages.storage import Location, read_manifest, read_table_schema
 
 IDENTITY_COLUMNS = ["row_id", "group_id", "traj_id", "turn_idx"]
@@ -139,8 +140,6 @@ def render(summary: TableSummary) -> str:
 def validate(path: str, group_size: int | None = None) -> str:
     """Check the schema, every row's invariants (reading all the data) and the whole-table structure; raise on the
     first problem. The same checks a command runs on its inputs before its first stage (stages/preflight.py)."""
-    from stages.preflight import check_table_data
-
     loc = Location.of(path)
     schema = read_table_schema(loc, "table")
     spec = detect_spec(loc, schema)

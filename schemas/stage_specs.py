@@ -6,7 +6,7 @@ whether runtime.stage_resources may pin it to nodes, how ``rollflow stage`` re-r
 when it cannot), and the manifest state it carries to the next iteration. The readers look a stage up here and keep
 no list of their own: node pinning (``RuntimeConfig.stage_resources``), re-run and ``--downstream``
 (flows/restage.py, flows/rerun.py, flows/rerun_rollout.py), the one iteration loop's carried state
-(flows/rlvr.py ``run_steps``), the resource plan (stages/plan.py) and the docs' table.
+(flows/loop.py ``Run.carried``, ``first_state``), the resource plan (stages/plan.py) and the docs' table.
 
 Plain data (no Ray, Prefect or ``stages/`` import), so ``schemas/`` may read it too. The stage's code names its
 class as ``"module:Class"`` (``runner_class``), imported by the re-run when it is needed.

@@ -31,6 +31,8 @@ import subprocess
 import sysconfig
 from pathlib import Path
 
+from schemas import precision
+
 log = logging.getLogger("rollflow.toolchain")
 
 AUTO = "auto"
@@ -170,9 +172,7 @@ def choose_flashinfer_sampler(value: bool | str, device: str, kernels: bool) -> 
 # ---- pydantic before-validators: resolve on this host, say so once per process -------------------------------------
 
 def _device() -> str:
-    from schemas.precision import detect
-
-    return detect().device
+    return precision.detect().device  # looked up at the call: tests pretend another host
 
 
 def _record(option: str, line: str) -> None:

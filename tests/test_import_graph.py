@@ -33,3 +33,20 @@ def test_a_circle_through_a_function_level_import_is_found(tmp_path):
     assert import_graph.strongly_connected(graph) == [["p.a", "p.b"]]
     deferred = [(i.source, i.target) for i in import_graph.imports(tmp_path, ("p",)) if i.deferred]
     assert deferred == [("p.b", "p.a")]
+
+
+# Function-level imports of our own modules, at most: the CLI's commands (flows/cli: `rollflow --help` loads no
+# pydantic, pyarrow, Prefect or Ray), the pipelines' flows (flows/pipelines.py: a config error before Prefect loads),
+# the kept training workers (flows/runkit.py KeptWorkers) and the modules of
+# stages/train that load torch, the model check that loads transformers, and the reward workers' ragged arrays
+# (CONTRIBUTING.md, imports). Lower it when you move one to module top; a new one needs a reason of that kind.
+MAX_DEFERRED_OWN = 100
+
+
+def test_function_level_imports_of_our_own_modules_do_not_grow_back():
+    files = import_graph.module_files()
+    deferred = [i for i in import_graph.imports() if i.deferred and import_graph._own_module(i.target, files)]
+    assert len(deferred) <= MAX_DEFERRED_OWN, (
+        f"{len(deferred)} imports of our own modules sit inside functions (at most {MAX_DEFERRED_OWN}); move the new "
+        "ones to module top (python tools/import_graph.py --deferred lists them): "
+        + ", ".join(f"{i.source}:{i.line} {i.target}" for i in deferred[-5:]))

@@ -6,8 +6,11 @@ where and the fix, and exit with status 2."""
 
 from __future__ import annotations
 
+import logging
 import sys
+import traceback
 
+from flows import interrupt
 from flows.cli import tables, training, rollout, rlvr, ops  # noqa: F401,I001  (each adds its commands; --help order)
 from flows.cli.app import app
 
@@ -15,18 +18,13 @@ __all__ = ["app", "main"]
 
 
 def main() -> None:
-    from flows import interrupt
-
     interrupt.install(sys.argv[1:])  # Ctrl-C: stop the work, one line (what is committed, how to resume), exit 130
     try:
         app()
     except KeyboardInterrupt:
         sys.exit(130)
     except Exception:  # a bug, not a user error (those end in flows.cli.common.fail): the traceback, and where the log is
-        import logging
-        import traceback
-
-        from flows import console
+        from flows import console  # the log's place: only after a failure (not loaded for --help)
 
         traceback.print_exc()
         if console.log_path() is not None:

@@ -19,6 +19,7 @@ def _main(ctx: typer.Context,
                                                                      "Prefect's, ...) on the console; it always goes "
                                                                      "to the log file (runs/<run>/logs/rollflow.log "
                                                                      "for train).")) -> None:
+    # imported when a command runs, not for --help (watchdog loads subprocess: a few ms of every --help)
     from flows import console
     from stages import progress, watchdog
 

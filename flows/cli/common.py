@@ -5,6 +5,11 @@ from __future__ import annotations
 
 import typer
 
+from schemas.errors import RollflowError
+
+# Each command imports what it runs inside its function (config models: pydantic; tables: pyarrow; flows: Prefect;
+# Ray; torch), so `rollflow --help` and every command load their own libraries only (CONTRIBUTING.md, imports).
+
 OverrideOpt = typer.Option(None, "--set", help="Config override key=value (dotted keys, YAML values); repeatable.")
 
 
@@ -17,8 +22,6 @@ def fail(err: Exception) -> None:
 def guard(fn):
     """Run ``fn``; rollflow's user errors (bad input, bad config), existing outputs and an object store that cannot
     be used end the command via :func:`fail`. Anything else is a bug and propagates with its traceback."""
-    from schemas.errors import RollflowError
-
     from stages.storage import store_error
 
     try:

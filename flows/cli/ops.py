@@ -9,8 +9,14 @@ from typing import Optional
 
 import typer
 
+from flows import interrupt, settings
 from flows.cli.app import app
 from flows.cli.common import OverrideOpt, fail as _fail, guard as _guard
+from schemas.errors import ConfigError
+
+# Each command imports what it runs inside its function (config models: pydantic; tables: pyarrow; flows: Prefect;
+# Ray; torch), so `rollflow --help` and every command load their own libraries only (CONTRIBUTING.md, imports).
+
 FLOWS = ("recompute", "train")  # deployable flows
 
 
@@ -19,8 +25,6 @@ def _interrupt(signum: int, frame: object) -> None:
 
 
 def _default_server_home() -> Path:
-    from flows import settings
-
     return settings.cache_dir() / "prefect-server"  # apart from the ephemeral runs' database in $PREFECT_HOME
 
 
@@ -32,7 +36,6 @@ def server(host: str = typer.Option("127.0.0.1", "--host", help="Address to list
            timeout: float = typer.Option(120.0, "--timeout", min=1, help="Seconds to wait for the server to be healthy.")
            ) -> None:
     """Start a local Prefect server (API + UI) and keep it running until Ctrl-C."""
-    from flows import interrupt
     from flows.serving import start_server
 
     if home is not None and not home.is_file():  # a file: start_server says so
@@ -74,10 +77,8 @@ def deploy(config: Optional[Path] = typer.Option(None, "--config", help="YAML co
            force: bool = typer.Option(False, "--force", help="recompute: every run recomputes all stages.")) -> None:
     """Register a scheduled deployment of a flow on a Prefect server and execute its runs until Ctrl-C
     (which pauses the schedule)."""
-    from flows import interrupt
     from flows.serving import deploy as serve_deployment
     from flows.serving import make_schedule, resolve_api_url
-    from schemas.errors import ConfigError
 
     if flow not in FLOWS:
         _fail(ConfigError(f"deploy: --flow {flow!r} is not deployable; choose one of {list(FLOWS)}"))
@@ -96,7 +97,6 @@ def deploy(config: Optional[Path] = typer.Option(None, "--config", help="YAML co
 def _recompute_deployment(config, input, output, overrides, force):
     """(flow, parameters, description) of a scheduled recompute of ``input`` into ``output``."""
     from schemas.config import RecomputeConfig, load_config, parse_overrides
-    from schemas.errors import ConfigError
 
     cfg = _guard(lambda: load_config(RecomputeConfig, config, parse_overrides(overrides)))
     if input is None or output is None or not input.is_dir():
@@ -119,7 +119,6 @@ def _train_deployment(config, input, output, overrides, force):
     for max_steps more iterations (:func:`flows.serving.advance_run`)."""
     from flows.pipelines import pipeline_of
     from schemas.config import load_config_data, parse_overrides, validate_config
-    from schemas.errors import ConfigError
 
     if config is None or input is not None or output is not None or force:
         _fail(ConfigError("deploy --flow train takes --config (the run's YAML; the run folder is runs_dir/run_name) "

@@ -14,6 +14,8 @@ import typer
 from flows.cli.app import app
 from flows.cli.common import OverrideOpt, connect, fail as _fail, guard as _guard
 
+# Each command imports what it runs inside its function (config models: pydantic; tables: pyarrow; flows: Prefect;
+# Ray; torch), so `rollflow --help` and every command load their own libraries only (CONTRIBUTING.md, imports).
 
 
 def score_summary(input_dir: str, scored_dir: str, domain_column: str) -> list[str]:

@@ -10,6 +10,9 @@ import typer
 from flows.cli.app import app
 from flows.cli.common import OverrideOpt, announce_precision, connect, guard as _guard
 
+# Each command imports what it runs inside its function (config models: pydantic; tables: pyarrow; flows: Prefect;
+# Ray; torch), so `rollflow --help` and every command load their own libraries only (CONTRIBUTING.md, imports).
+
 
 def _progress(name: str, info: dict) -> None:
     result = info["result"]

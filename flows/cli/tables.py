@@ -12,6 +12,9 @@ from flows import settings
 from flows.cli.app import app
 from flows.cli.common import OverrideOpt, fail as _fail, guard as _guard
 
+# Each command imports what it runs inside its function (config models: pydantic; tables: pyarrow; flows: Prefect;
+# Ray; torch), so `rollflow --help` and every command load their own libraries only (CONTRIBUTING.md, imports).
+
 
 def _print_recompute(result: dict) -> None:
     from flows.tableview import render, summarize

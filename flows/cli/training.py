@@ -9,8 +9,13 @@ from typing import Callable, Optional
 
 import typer
 
+from flows import interrupt
 from flows.cli.app import app
 from flows.cli.common import OverrideOpt, announce_precision, connect, fail as _fail, guard as _guard
+from schemas.errors import ConfigError
+
+# Each command imports what it runs inside its function (config models: pydantic; tables: pyarrow; flows: Prefect;
+# Ray; torch), so `rollflow --help` and every command load their own libraries only (CONTRIBUTING.md, imports).
 
 
 @app.command()
@@ -57,8 +62,6 @@ def train(config: Optional[Path] = typer.Option(None, "--config", help="YAML con
     from flows.runkit import publish_run, run_log
 
     run, log = _guard(lambda: run_log(cfg))
-    from flows import interrupt
-
     interrupt.resume_with(f"rollflow train --resume {shlex.quote(interrupt.shown(run))}")
     console.log_to(log)
     typer.echo(f"run {run}  (log: {console.log_path()})")
@@ -78,7 +81,6 @@ def train(config: Optional[Path] = typer.Option(None, "--config", help="YAML con
     finally:  # a run folder on an object store gets its log, TensorBoard events and report, also after a failure
         for uploaded in _guard(lambda: publish_run(run)):
             typer.echo(f"uploaded {uploaded}")
-
 
 
 @app.command()
@@ -123,7 +125,6 @@ def _custom_resources(text: str) -> dict[str, float]:
     """``rollflow plan --resources``: a JSON object of resource name -> amount."""
     import json
 
-    from schemas.errors import ConfigError
 
     try:
         value = json.loads(text)

@@ -17,19 +17,9 @@ from typing import Any, Sequence
 import torch
 
 from schemas.errors import RollflowError
-from stages.generation.engines import (
-    FINISH_LENGTH,
-    FINISH_STOP,
-    GENERATION_BACKENDS,
-    GenRequest,
-    GenResult,
-    SampleJob,
-    check_model_dir,
-    decode_response,
-    expand_requests,
-    load_tokenizer,
-    stop_string_hit,
-)
+from stages.generation.engines import (FINISH_LENGTH, FINISH_STOP, GENERATION_BACKENDS, GenRequest, GenResult,
+                                       SampleJob, check_model_dir, decode_response, expand_requests, load_tokenizer,
+                                       stop_string_hit)
 from stages.generation.weight_check import check_served, probe_names, sample
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,

@@ -23,17 +23,8 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from schemas.errors import ConfigError, RollflowError
-from stages.generation.engines import (
-    FINISH_LENGTH,
-    FINISH_STOP,
-    GENERATION_BACKENDS,
-    GenRequest,
-    GenResult,
-    SampleJob,
-    check_model_dir,
-    decode_response,
-    expand_requests,
-)
+from stages.generation.engines import (FINISH_LENGTH, FINISH_STOP, GENERATION_BACKENDS, GenRequest, GenResult,
+                                       SampleJob, check_model_dir, decode_response, expand_requests)
 from stages.generation.model_store import vllm_cache_dir
 
 

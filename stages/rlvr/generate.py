@@ -36,17 +36,35 @@ from stages.rollout.driver import resolve_model_dir
 from stages.rollout.engine_pool import EnginePool
 from stages.rollout.stages import EngineStage
 from stages.runner import Stage, StageContext, read_partials, sum_partials, write_partials
-from stages.storage import Location
+from stages.storage import Location, read_manifest
+
+CHECKOUT = DATA_DIR.parents[1]  # the repository the shipped data set lies in
 
 PROMPTS = TableSpec(name="prompts", required={"prompt_id": pa.string(), "domain": pa.string(), "tag": pa.string(),
                                               "prompt": pa.string(), "ground_truth": pa.string()})
 
 
 class PromptsSection(Frozen):
-    data_dir: str
-    domains: tuple[str, ...]
-    limit: int | None
+    data_dir: str = Field(..., description="Folder of the JSONL files: relative to the checkout when it lies inside "
+                                           "it (the shipped data/rlvr), so a run folder resumes from a moved clone; "
+                                           "else absolute (:func:`prompts_dir` reads it).")
+    domains: tuple[str, ...] = Field(..., description="The domains read, one <domain>.jsonl each.")
+    limit: int | None = Field(..., description="Prompts read per domain (None: all).")
     digest: str = Field(..., description="SHA-256 over the JSONL files read.")
+
+
+def recorded_dir(folder: Path) -> str:
+    """How a prompts section records ``folder``: relative to the checkout (``data/rlvr``) when it lies inside it, so
+    the record names the same files from a clone elsewhere; else its absolute path."""
+    where = folder.resolve()
+    return where.relative_to(CHECKOUT).as_posix() if where.is_relative_to(CHECKOUT) else str(where)
+
+
+def prompts_dir(data_dir: str) -> Path:
+    """The folder a section's ``data_dir`` names: a relative one lies in this checkout (:func:`recorded_dir`); an
+    absolute one (what run folders of earlier versions recorded) as it is."""
+    path = Path(data_dir)
+    return path if path.is_absolute() else CHECKOUT / path
 
 
 def prompts_section(data_dir: str | None, domains: tuple[str, ...], limit: int | None,
@@ -63,9 +81,26 @@ def prompts_section(data_dir: str | None, domains: tuple[str, ...], limit: int |
             raise ConfigError(f"{field}: {path} does not exist; {field}.domains must name JSONL files in "
                               f"{folder} (found: {', '.join(have) or 'none'})")
         h.update(path.read_bytes())
-    section = PromptsSection(data_dir=str(folder), domains=tuple(domains), limit=limit, digest=h.hexdigest())
-    read_prompt_rows(section, field)
+    section = PromptsSection(data_dir=recorded_dir(folder), domains=tuple(domains), limit=limit, digest=h.hexdigest())
+    read_prompt_rows(section, field, folder)
     return section
+
+
+def resumed_section(section: PromptsSection, output: str) -> PromptsSection:
+    """The section the prompts table committed at ``output`` recorded, when it read the same files (digest, domains,
+    limit) from another place: a run folder whose checkout moved, or written by an earlier version with the absolute
+    path of the shipped data, resumes with its own record (the same fingerprint) instead of being refused as
+    written with another config. ``section`` otherwise."""
+    manifest = read_manifest(Location.of(output))
+    recorded = (manifest or {}).get("section")
+    if manifest is None or manifest.get("stage") != PromptsStage.name or not isinstance(recorded, dict):
+        return section
+    try:
+        old = PromptsSection.model_validate(recorded)
+    except ValueError:  # not a prompts section of this version: the runner refuses the folder with its message
+        return section
+    same_files = old.model_copy(update={"data_dir": section.data_dir}) == section
+    return old if same_files else section
 
 
 def _prompt_lines(path: Path, field: str) -> list[str]:
@@ -81,11 +116,12 @@ def _prompt_lines(path: Path, field: str) -> list[str]:
     return lines
 
 
-def read_prompt_rows(s: PromptsSection, field: str = "prompts") -> list[dict]:
-    """The prompt rows of the section's files; each line must be a JSON object with the PROMPTS fields."""
+def read_prompt_rows(s: PromptsSection, field: str = "prompts", folder: Path | None = None) -> list[dict]:
+    """The prompt rows of the section's files (in ``folder``, as the config named it, default the section's
+    :func:`prompts_dir`); each line must be a JSON object with the PROMPTS fields."""
     rows, seen = [], set()
     for domain in s.domains:
-        path = Path(s.data_dir) / f"{domain}.jsonl"
+        path = (folder or prompts_dir(s.data_dir)) / f"{domain}.jsonl"
         lines = _prompt_lines(path, field)[: s.limit]
         for number, line in enumerate(lines, 1):
             try:

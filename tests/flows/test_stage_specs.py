@@ -84,3 +84,17 @@ def test_the_output_check_takes_the_folders_a_rollout_and_a_validation_write_fro
     assert EVAL_WRITES.stages == ("eval",)
     assert dict(EVAL_WRITES.children) == {**ROLLOUT_CHILDREN, "prompts": ("rlvr_prompts",),
                                           "responses": ("rlvr_generate",), "scored": ("rewards",)}
+
+
+def test_the_first_carried_state_and_the_tasks_outside_a_flow_come_from_the_declarations():
+    """Steps run outside the loop (rollflow score) start from the state the stages declare they carry (a state
+    declared absent until set is left out) and call the shared stage tasks' plain functions: no Prefect server."""
+    from flows.loop import Run, _called, first_state
+    from flows.runkit import rewards_task
+
+    assert first_state("response_rewards", "advantages", "rewards") == {"running_moments": {}}
+    assert first_state("response_rewards")["running_moments"] is not stage_spec("response_rewards").carries[1]
+    r = Run.of_folder(None, "/tmp/x/out/", state=first_state("response_rewards"), force=True)
+    assert r.out("scored") == "/tmp/x/out/scored" and r.carried("response_rewards") == {"running_moments": {}}
+    assert r.carried("advantages") == {} and r.force
+    assert _called(rewards_task) is rewards_task.fn

@@ -196,6 +196,27 @@ def test_cli_prints_the_stages_and_a_per_domain_summary_and_a_rerun_skips(golden
     assert _in_order(after, before.column("row_id").to_pylist()).equals(before)
 
 
+def test_score_runs_the_rlvr_declarations_steps_and_force_recomputes_them(golden_run):
+    """rollflow score runs the RLVR declaration's own steps (flows/rlvr.py ``RLVR``) outside the loop: the manifests
+    record the first values of the state the stages declare they carry, and ``force`` reaches every stage."""
+    from flows.loop import first_state
+    from flows.rlvr import RLVR, RLVR_ADVANTAGES, RLVR_REWARDS
+
+    assert RLVR_REWARDS in RLVR.iteration and RLVR_ADVANTAGES in RLVR.iteration
+    out = golden_run["out"]
+    manifests = {name: json.loads((out / name / "manifest.json").read_text())
+                 for name in ("scored", "samples", "rewarded", "advantaged")}
+    assert manifests["rewarded"]["state_in"] == first_state("response_rewards") == {"running_moments": {}}
+    assert manifests["advantaged"]["state_in"] == {} and manifests["samples"]["state_in"] == {}
+    before = read_folder(str(out / "advantaged"))
+    results = score_responses(golden_run["responses"], str(out), golden_run["cfg"], advantages=True, force=True)
+    assert sorted(results) == ["advantaged", "rewarded", "samples", "scored"]
+    assert not any(r.skipped for r in results.values())
+    assert _in_order(read_folder(str(out / "advantaged")), before.column("row_id").to_pylist()).equals(before)
+    again = score_responses(golden_run["responses"], str(out), golden_run["cfg"], advantages=True)
+    assert all(r.skipped for r in again.values())
+
+
 def test_cli_bad_config_exits_2_with_the_rule(tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text("rewards: {routes: {math: {worker: math_rule}}}\nadv_estimator: grpo\n")
@@ -250,7 +271,8 @@ def test_missing_log_probs_for_token_kl_is_a_schema_error(golden_run, tmp_path):
     """add_token_level_kl needs old and reference log-probs on the samples the advantages stage reads: responses
     without them give a samples table without them, refused before any stage runs (``rollflow score`` checks
     first) and by the stage itself, nothing committed."""
-    from flows.rlvr import run_steps, score_steps
+    from flows.loop import Run, run_steps
+    from flows.rlvr import SCORING, score_steps
     from stages.advantages import AdvantagesStage
     from stages.preflight import check_steps
     from stages.runner import run_stage
@@ -262,7 +284,7 @@ def test_missing_log_probs_for_token_kl_is_a_schema_error(golden_run, tmp_path):
     with pytest.raises(SchemaError, match="missing column 'old_log_probs'"):
         check_steps(score_steps(responses, str(tmp_path / "out"), cfg, advantages=True))
     assert not (tmp_path / "out").exists()
-    samples = run_steps(score_steps(responses, str(tmp_path / "out"), cfg, advantages=True)[:2], cfg)["samples"]
+    samples = run_steps(SCORING, Run.of_folder(cfg, str(tmp_path / "out"), held={"responses": responses}))["samples"]
     with pytest.raises(SchemaError, match="missing column 'old_log_probs'"):
         run_stage(AdvantagesStage(), rlvr_advantage_section(cfg),
                   {"samples": samples.output, "rewarded": str(golden_run["out"] / "rewarded")},

@@ -69,6 +69,47 @@ def test_prompt_files_errors_name_the_file_line_and_fix(tmp_path):
         prompts_section(str(tmp_path), ("math",), None)
 
 
+def test_the_prompts_folder_is_recorded_relative_to_the_checkout(tmp_path, monkeypatch):
+    """The shipped data set (and any folder inside the checkout, however it is named) is recorded as data/rlvr, the
+    same from every clone; a folder elsewhere by its absolute path; prompts_dir reads both back."""
+    from stages.rlvr.generate import prompts_dir
+
+    shipped = prompts_section(None, ("math",), 2)
+    assert shipped.data_dir == "data/rlvr" and prompts_dir(shipped.data_dir) == REPO / "data/rlvr"
+    monkeypatch.chdir(REPO / "data")
+    assert prompts_section("rlvr", ("math",), 2) == shipped  # relative to the working directory, inside the checkout
+    assert prompts_section(str(REPO / "data/rlvr"), ("math",), 2) == shipped
+    (tmp_path / "math.jsonl").write_bytes((REPO / "data/rlvr/math.jsonl").read_bytes())
+    elsewhere = prompts_section(str(tmp_path), ("math",), 2)
+    assert elsewhere.data_dir == str(tmp_path.resolve()) and prompts_dir(elsewhere.data_dir) == tmp_path.resolve()
+    assert elsewhere.digest == shipped.digest and read_prompt_rows(elsewhere) == read_prompt_rows(shipped)
+
+
+def test_a_prompts_table_recorded_with_a_checkout_that_moved_resumes(tmp_path, ray_cluster):
+    """A run folder of an earlier version recorded the shipped prompts by the absolute path of its checkout: after
+    the checkout moved (here: the old copy is gone), the run's committed prompts table resumes with its own record
+    (the same files, by digest) instead of being refused as written with another config; other files still are."""
+    from flows.rlvr import prompts_task
+    from schemas.errors import RollflowError
+    from schemas.rlvr_train_config import PromptSetConfig
+    from stages.rlvr.generate import PromptsSection, PromptsStage
+    from stages.runner import run_stage
+
+    old_checkout = tmp_path / "old-clone/data/rlvr"
+    old_checkout.mkdir(parents=True)
+    (old_checkout / "math.jsonl").write_bytes((REPO / "data/rlvr/math.jsonl").read_bytes())
+    recorded = {**prompts_section(None, ("math",), 3).model_dump(), "data_dir": str(old_checkout)}
+    output = str(tmp_path / "run/prompts")
+    first = run_stage(PromptsStage(), PromptsSection(**recorded), {}, output)
+    (old_checkout / "math.jsonl").unlink()
+    with pytest.raises(RollflowError, match="another config"):  # the record alone, without the resume rule
+        run_stage(PromptsStage(), prompts_section(None, ("math",), 3), {}, output)
+    resumed = prompts_task.fn(PromptSetConfig(domains=("math",), limit=3), output)
+    assert resumed.skipped and resumed.fingerprint == first.fingerprint
+    with pytest.raises(RollflowError, match="another config"):
+        prompts_task.fn(PromptSetConfig(domains=("math",), limit=2), output)
+
+
 def test_a_run_folder_of_the_two_pass_layout_is_refused_with_the_fix(tmp_path):
     """RLVR runs written before the one-pipeline change (advantages on the responses, step_*/first_pass) are
     refused before anything starts, naming the folder and the way out; a new or current run folder passes."""
