@@ -82,7 +82,8 @@ def child(mode: str, checkpoint: str, base: str, samples: str, out: str, dtype: 
     from stages.storage import Location
     from stages.train.checkpoint import checkpoint_fingerprint
     from stages.train.forward import load_forward_model
-    from stages.train.stage import LOGPROBS, ForwardJob, LogProbStage, forward_batch
+    from stages.train.forward import forward_batch
+    from stages.train.stage import LOGPROBS, ForwardJob, LogProbStage
 
     torch.set_num_threads(threads)
     for module in ("peft", "transformers.models.llama.modeling_llama", "stages.train.core"):

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import resource
 import time
 from dataclasses import dataclass, field
 from functools import partial
@@ -18,10 +19,14 @@ from pathlib import Path
 from typing import NamedTuple
 
 import numpy as np
+import pyarrow as pa
 import torch
 
 from schemas.errors import ConfigError, RollflowError
+from schemas.tables import FLOATS, TableSpec, check_row_invariants
 from stages.algos.ragged import Ragged
+from stages.runner import write_partials
+from stages.storage import Location
 from stages.train import models
 from stages.train.batching import (TokenRows, causal_lm_logits, forward_packed, pad_micro_batch, select_logits,
                                    split_by_real_tokens, split_by_token_budget, unpad_next_token)
@@ -93,6 +98,43 @@ def forward_rows(model: torch.nn.Module, rows: TokenRows, max_tokens: int, *, ki
         names = ["values"] if kind == "values" else ["log_probs"] + (["entropy"] if entropy else [])
         columns = {n: Ragged(np.zeros(0, np.float32), np.zeros(1, np.int64)) for n in names}
     return ForwardResult(columns, tokens, padded, time.perf_counter() - start, count)
+
+
+def forward_batch(models: list, jobs: list, batch: pa.Table, max_tokens: int, output: Location,
+                  spec: TableSpec, where: str, device: str = "cpu", packed: bool = False) -> pa.Table:
+    """The rows of ``batch`` plus each job's result columns (``jobs``: :class:`stages.train.stage.ForwardJob`, one per
+    model; ragged in, ragged out; row order kept), checked against ``spec``; the batch's counters are recorded beside
+    ``output`` (:func:`stages.runner.write_partials`). The forward actors and the actor group's ranks
+    (stages/train/actor_forward.py) run every batch through it."""
+    cpu_start = time.process_time()
+    rows = TokenRows.from_arrow(batch, where, columns=())
+    counters = {"tokens": 0.0, "padded_tokens": 0.0, "seconds": 0.0, "rows": float(batch.num_rows)}
+    for job, model in zip(jobs, models):
+        result = forward_rows(model, rows, max_tokens, kind=job.kind, entropy=job.entropy, device=device,
+                              packed=packed)
+        produced = {job.column: result.columns["values" if job.kind == "values" else "log_probs"]}
+        produced.update({c: produced[job.column] for c in job.copies})
+        if job.entropy:
+            produced["entropy"] = result.columns["entropy"]
+        if job.base_column is not None:  # the LoRA model with its adapter off is exactly its base
+            with model.disable_adapter():
+                base = forward_rows(model, rows, max_tokens, device=device, packed=packed)
+            produced[job.base_column] = base.columns["log_probs"]
+            result.tokens, result.padded_tokens = result.tokens + base.tokens, result.padded_tokens + base.padded_tokens
+            result.seconds += base.seconds
+        for name, ragged in produced.items():
+            if name in batch.column_names:
+                batch = batch.drop_columns([name])
+            batch = batch.append_column(pa.field(name, FLOATS), ragged.to_arrow(pa.float32()))
+        counters["tokens"] += result.tokens
+        counters["padded_tokens"] += result.padded_tokens
+        counters["seconds"] += result.seconds
+    counters["cpu_seconds"] = time.process_time() - cpu_start
+    counters["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+    check_row_invariants(spec, batch, f"{where} (forward output)")
+    key = batch.column("row_id")[0].as_py() if batch.num_rows else "empty"
+    write_partials(output, key, counters)
+    return batch
 
 
 def load_forward_model(path: str, kind: str, dtype: str = "fp32", *, actor_dir: str | None = None, seed: int = 42,

@@ -85,6 +85,7 @@ class Mailbox:
 
 _NOTHING = "<nothing>"
 JOINING, IDLE, BUILDING, TRAINING = "joining the process group", "idle", "building its engines", "training"
+FORWARD = "computing log-probs / values"
 
 
 class TrainingStalled(RollflowError):
@@ -105,7 +106,7 @@ class Limits:
 
     def of_state(self, state: str) -> tuple[float | None, str]:
         """The limit on one stay in ``state`` and the fields that set it."""
-        if state == TRAINING:
+        if state in (TRAINING, FORWARD):
             return self.step, "step_timeout_s"
         if state in (BUILDING, JOINING):
             if self.build is None and self.step is None:
@@ -144,9 +145,15 @@ def _requests(mailbox, rank: int):
 
 
 def _serve(config: dict) -> None:
-    """One Ray Train worker: join the process group once, then run every step request sent to this rank until the
-    group closes. Rank 0 replies with the request's id once the checkpoint folder is written."""
+    """One Ray Train worker: join the process group once, then run every request sent to this rank until the group
+    closes: a training step, or a forward request (``op: forward``, :mod:`stages.train.actor_forward`). Rank 0
+    replies with the request's id once the checkpoint folder (or every rank's part of the forward output) is
+    written."""
+    import torch
+
+    from stages.train.actor_forward import forward_on_rank
     from stages.train.core import init_distributed, read_train_table, train_and_save
+    from stages.train.forward import ForwardModels
 
     import ray.train
 
@@ -156,8 +163,17 @@ def _serve(config: dict) -> None:
     checkin(JOINING)
     dist = init_distributed(config["threads"])
     checkin(IDLE)
-    held = None
+    held, models = None, ForwardModels()
     for request in _requests(mailbox, dist.rank):
+        if request.get("op") == "forward":
+            checkin(FORWARD)
+            held = forward_on_rank(request, dist, held, models if config["keep"] else ForwardModels())
+            torch.distributed.barrier()  # every rank's part is written before rank 0 replies
+            _return_cached_gpu_memory()
+            checkin(IDLE)
+            if dist.rank == 0:
+                mailbox.reply.remote(request["id"])
+            continue
         checkin(BUILDING if held is None else TRAINING)
         samples: Location = request["samples"]
         table = read_train_table(samples, request["columns"])
@@ -190,18 +206,25 @@ def _return_cached_gpu_memory() -> None:
 
 
 class TrainerGroup:
-    """The run's training workers (Ray Train, DeepSpeed), started on the first :meth:`step` and kept until
-    :meth:`close` when ``keep``; else started and closed around each step.
+    """The run's training workers (Ray Train, DeepSpeed), started on the first :meth:`step` or :meth:`forward` and
+    kept until :meth:`close` when ``keep``; else started and closed around each request. Besides training steps it
+    serves the forward passes of the log-prob and values stages on the engines it holds (the actor group of issue
+    44, :mod:`stages.train.actor_forward`).
 
     ``runtime``: a :class:`schemas.train_config.TrainRuntimeConfig`. ``storage``: a folder for Ray Train's own run
     files (removed on close). A kept group reserves no Ray CPUs: it computes only inside a training step, when the
     flow runs no other stage (the rule of an engine with ``num_cpus_per_engine: 0``), so the log-prob actors and
     Ray Data's tasks can use the CPUs between steps; its torch threads stay ``cpus_per_worker``."""
 
-    def __init__(self, runtime, storage: str | None = None, keep: bool = True, gpus_per_worker: float | None = None):
+    def __init__(self, runtime, storage: str | None = None, keep: bool = True, gpus_per_worker: float | None = None,
+                 section: dict | None = None):
         """``gpus_per_worker``: each worker's Ray GPU share when the run decides it (colocation with the engines,
-        stages.plan.gpu_shares); default one GPU per worker with ``use_gpu``."""
+        stages.plan.gpu_shares); default one GPU per worker with ``use_gpu``. ``section``: the training section the
+        run trains under (a TrainSection's JSON dump): a forward request on a kept group builds the engines of its
+        checkpoint under it when the group holds none, so the next training step finds them (one copy of the
+        policy for both); None: a forward request uses held engines or loads models beside them."""
         self.runtime, self.keep = runtime, keep and runtime.keep_workers
+        self.section = section
         self.gpus_per_worker = (1.0 if runtime.use_gpu else 0.0) if gpus_per_worker is None else gpus_per_worker
         self._storage_root = storage
         self._fit: threading.Thread | None = None
@@ -213,6 +236,15 @@ class TrainerGroup:
         """Run one training step (``request``: samples Location, columns, checkpoint, output, committed_as, section,
         full_state, progress) on every rank and wait until rank 0 reports the checkpoint written. A failure of the group is
         raised as ``unwrap`` sees it (the user error inside Ray's wrappers) and the group is dropped."""
+        self._call(request, unwrap)
+
+    def forward(self, request: dict[str, Any], unwrap) -> None:
+        """Run one forward request (:func:`stages.train.actor_forward.forward_on_rank`) on every rank and wait until
+        each rank's part is written; failures as in :meth:`step`. The engines it builds (``request["section"]``) or
+        uses stay held for the next training step."""
+        self._call({**request, "op": "forward"}, unwrap)
+
+    def _call(self, request: dict[str, Any], unwrap) -> None:
         import ray
 
         if self._fit is None:
@@ -222,7 +254,7 @@ class TrainerGroup:
         try:
             while not self._reply(request["id"]):
                 if not self._fit.is_alive():
-                    raise self._failure or RuntimeError("the training workers stopped before finishing the step")
+                    raise self._failure or RuntimeError("the training workers stopped before finishing the request")
                 self._check_progress()
         except BaseException as err:
             self._drop()

@@ -15,7 +15,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import resource
 import time
 import warnings
 import zlib
@@ -26,14 +25,14 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from schemas.errors import ConfigError, RollflowError
-from schemas.tables import ADVANTAGED, FLOATS, SAMPLES, TableSpec, check_row_invariants
+from schemas.tables import ADVANTAGED, FLOATS, SAMPLES, TableSpec
 from schemas.train_config import ForwardConfig, LogProbSection, TrainSection, TrainStepConfig, ValuesSection
 from stages import progress
 from stages.cluster import require_ray
 from stages.commit import commit_folder
 from stages.ray_errors import unwrap_error
-from stages.runner import (ACTOR_POOL, Stage, StageContext, StageResult, read_partials, run_stage, stage_fingerprint,
-                           sum_partials, write_partials)
+from stages.runner import (ACTOR_POOL, SIDE_DIR, Stage, StageContext, StageResult, read_partials, run_stage,
+                           stage_fingerprint, sum_partials)
 from stages.storage import Location, folder_fingerprint, is_uri, read_table_schema
 from stages.train import checkpoint as ckpt
 from stages.train.group import TrainerGroup
@@ -180,50 +179,14 @@ class ForwardJob:
     adapter: str | None = None
     base_column: str | None = None
     base_fingerprint: str = ""  # with adapter: the base folder's content fingerprint
-
-
-def forward_batch(models: list, jobs: list[ForwardJob], batch: pa.Table, max_tokens: int, output: Location,
-                  spec: TableSpec, where: str, device: str = "cpu", packed: bool = False) -> pa.Table:
-    """The rows of ``batch`` plus each job's result columns (ragged in, ragged out; row order kept), checked against
-    ``spec``; the batch's counters are recorded beside ``output`` (:func:`stages.runner.write_partials`)."""
-    from stages.train.batching import TokenRows
-    from stages.train.forward import forward_rows
-
-    cpu_start = time.process_time()
-    rows = TokenRows.from_arrow(batch, where, columns=())
-    counters = {"tokens": 0.0, "padded_tokens": 0.0, "seconds": 0.0, "rows": float(batch.num_rows)}
-    for job, model in zip(jobs, models):
-        result = forward_rows(model, rows, max_tokens, kind=job.kind, entropy=job.entropy, device=device,
-                              packed=packed)
-        produced = {job.column: result.columns["values" if job.kind == "values" else "log_probs"]}
-        produced.update({c: produced[job.column] for c in job.copies})
-        if job.entropy:
-            produced["entropy"] = result.columns["entropy"]
-        if job.base_column is not None:  # the LoRA model with its adapter off is exactly its base
-            with model.disable_adapter():
-                base = forward_rows(model, rows, max_tokens, device=device, packed=packed)
-            produced[job.base_column] = base.columns["log_probs"]
-            result.tokens, result.padded_tokens = result.tokens + base.tokens, result.padded_tokens + base.padded_tokens
-            result.seconds += base.seconds
-        for name, ragged in produced.items():
-            if name in batch.column_names:
-                batch = batch.drop_columns([name])
-            batch = batch.append_column(pa.field(name, FLOATS), ragged.to_arrow(pa.float32()))
-        counters["tokens"] += result.tokens
-        counters["padded_tokens"] += result.padded_tokens
-        counters["seconds"] += result.seconds
-    counters["cpu_seconds"] = time.process_time() - cpu_start
-    counters["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
-    check_row_invariants(spec, batch, f"{where} (forward output)")
-    key = batch.column("row_id")[0].as_py() if batch.num_rows else "empty"
-    write_partials(output, key, counters)
-    return batch
+    checkpoint: str | None = None  # the checkpoint whose trained role (actor; critic for values) this job runs:
+    # the actor group computes it on its held engine when it holds that checkpoint (stages/train/actor_forward.py)
 
 
 class ForwardActor:
     """A Ray Data actor of one stage: loads its models on its first batch (an error raised in an actor's constructor
     reaches the driver as a message only, so a user error such as "no CUDA here" is raised in a task instead), then
-    turns each batch of rows into the same rows plus the result columns (:func:`forward_batch`)."""
+    turns each batch of rows into the same rows plus the result columns (:func:`stages.train.forward.forward_batch`)."""
 
     def __init__(self, jobs: list[ForwardJob], dtype: str, max_tokens: int, threads: int, output: Location,
                  spec: TableSpec, where: str, device: str = "cpu", packed: bool = False):
@@ -236,7 +199,7 @@ class ForwardActor:
         self.models: list | None = None
 
     def __call__(self, batch: pa.Table) -> pa.Table:
-        from stages.train.forward import load_forward_model
+        from stages.train.forward import forward_batch, load_forward_model
 
         if self.models is None:
             self.models = [load_forward_model(j.path, j.kind, self.dtype, actor_dir=j.actor_dir, seed=j.seed,
@@ -259,6 +222,8 @@ class ForwardServer:
 
     def run(self, jobs: list[ForwardJob], dtype: str, batch: pa.Table, max_tokens: int, output: Location,
             spec: TableSpec, where: str, device: str = "cpu", packed: bool = False) -> pa.Table:
+        from stages.train.forward import forward_batch
+
         models = [self.models.get(j.column, j.path, j.kind, dtype, fingerprint=j.fingerprint, actor_dir=j.actor_dir,
                                   seed=j.seed, device=device, adapter=j.adapter, base_fingerprint=j.base_fingerprint)
                   for j in jobs]
@@ -331,13 +296,17 @@ def _pinned(resources: dict[str, float]) -> dict[str, Any]:
 
 
 class _ForwardStage(Stage):
-    """Shared build/finalize of the log-prob and values stages; subclasses say which jobs run."""
+    """Shared build/finalize of the log-prob and values stages; subclasses say which jobs run. Where the passes run
+    is not part of the output (nor of the fingerprint): a Ray Data pool of forward actors (a stage run alone), the
+    run's kept forward workers (``workers``), or the run's actor group (``group``, a :class:`TrainerGroup`: the
+    training workers compute the columns on the engines they hold, each rank writes its rows into the stage's
+    temporary folder, and the stage's dataset reads them back in row order)."""
 
     input_specs = {"samples": SAMPLES}
 
     def __init__(self, config: ForwardConfig, fingerprints: dict[str, str] | None = None,
-                 workers: ForwardWorkers | None = None):
-        self.config, self.fingerprints, self.workers = config, fingerprints or {}, workers
+                 workers: ForwardWorkers | None = None, group: TrainerGroup | None = None):
+        self.config, self.fingerprints, self.workers, self.group = config, fingerprints or {}, workers, group
 
     def jobs(self, section) -> list[ForwardJob]:
         raise NotImplementedError
@@ -347,6 +316,8 @@ class _ForwardStage(Stage):
         from ray.data import ActorPoolStrategy
 
         c = self.config
+        if self.group is not None:
+            return self._build_on_group(ctx)
         resources = ray.cluster_resources()
         cpus, gpus = resources.get("CPU", 0.0), resources.get("GPU", 0.0)
         if c.device == "cuda" and gpus < c.gpus_per_actor:
@@ -376,11 +347,31 @@ class _ForwardStage(Stage):
             compute=ActorPoolStrategy(min_size=1, max_size=c.num_actors), num_cpus=c.cpus_per_actor,
             num_gpus=c.gpus_per_actor_reserved(), **ACTOR_POOL, **_pinned(c.runtime.resources_for("logprobs")))
 
+    def _build_on_group(self, ctx: StageContext):
+        """The passes on the actor group: every rank writes its slice of the rows into ``_partials/actor`` of the
+        temporary folder (removed with the counters once the output is written); the dataset reads them in rank
+        order, which is row order."""
+        import ray.data
+
+        c, section = self.config, ctx.section
+        parts = ctx.output.child(SIDE_DIR).child("actor")
+        self.group.forward({"samples": ctx.inputs["samples"], "jobs": self.jobs(section), "dtype": section.dtype,
+                            "max_tokens": section.max_tokens_per_microbatch_in_infer, "rows_per_batch": c.rows_per_batch,
+                            "packed": c.use_sequence_packing, "output": ctx.output, "parts": parts,
+                            "spec": self.output_spec, "where": ctx.inputs["samples"].path,
+                            "section": self.group.section if self.group.keep else None}, _worker_error)
+        files = parts.parquet_files() if parts.exists() else []
+        if not files:  # no rows
+            return ctx.read("samples")
+        return ray.data.read_parquet(files, filesystem=parts.ray_filesystem())
+
     def finalize(self, ctx: StageContext, written: Location) -> tuple[dict[str, float], dict[str, Any]]:
         parts = read_partials(written)
         total = sum_partials(parts)
         seconds = total.get("seconds", 0.0)
-        return {f"{self.name}/tokens": total.get("tokens", 0.0),
+        on_group = {f"{self.name}/{k}": total[k] for k in ("jobs_on_held_engines", "jobs_on_loaded_models")
+                    if k in total}  # the actor group's ranks: passes on its engines, on models loaded beside them
+        return on_group | {f"{self.name}/tokens": total.get("tokens", 0.0),
                 f"{self.name}/peak_rss_mb": max((p.get("peak_rss_mb", 0.0) for p in parts), default=0.0),
                 f"{self.name}/padded_tokens": total.get("padded_tokens", 0.0),
                 f"{self.name}/compute_seconds": seconds,
@@ -404,8 +395,8 @@ class LogProbStage(_ForwardStage):
     section_model = LogProbSection
 
     def __init__(self, config: ForwardConfig, same_reference: bool = False, fingerprints: dict[str, str] | None = None,
-                 workers: ForwardWorkers | None = None):
-        super().__init__(config, fingerprints, workers)
+                 workers: ForwardWorkers | None = None, group: TrainerGroup | None = None):
+        super().__init__(config, fingerprints, workers, group)
         self.same_reference = same_reference
 
     def jobs(self, s: LogProbSection) -> list[ForwardJob]:
@@ -420,12 +411,12 @@ class LogProbStage(_ForwardStage):
                 return [ForwardJob("log_probs", s.reference, "old_log_probs", entropy=s.compute_entropy,
                                    fingerprint=fp.get("checkpoint", ""),
                                    adapter=os.path.join(info.path, ckpt.ACTOR_ADAPTER), base_column="ref_log_probs",
-                                   base_fingerprint=fp.get("reference", ""))]
+                                   base_fingerprint=fp.get("reference", ""), checkpoint=s.checkpoint)]
             if info.lora and "actor" in info.lora:
                 log.info("logprobs: the reference is loaded as a second model beside the LoRA checkpoint %s: %s",
                          info.path, why_not)
         jobs = [ForwardJob("log_probs", s.checkpoint, "old_log_probs", ("ref_log_probs",) if same else (),
-                           entropy=s.compute_entropy, fingerprint=fp.get("checkpoint", ""))]
+                           entropy=s.compute_entropy, fingerprint=fp.get("checkpoint", ""), checkpoint=s.checkpoint)]
         if s.reference is not None and not same:
             jobs.append(ForwardJob("log_probs", s.reference, "ref_log_probs", fingerprint=fp.get("reference", "")))
         return jobs
@@ -443,14 +434,17 @@ class ValuesStage(_ForwardStage):
         info = ckpt.read_checkpoint(s.critic)
         fp = self.fingerprints.get("critic", "")
         if info.critic_dir is not None:
-            return [ForwardJob("values", info.critic_dir, "values", fingerprint=fp)]
-        return [ForwardJob("values", info.path, "values", actor_dir=info.path, seed=s.seed, fingerprint=fp)]
+            return [ForwardJob("values", info.critic_dir, "values", fingerprint=fp, checkpoint=info.path)]
+        return [ForwardJob("values", info.path, "values", actor_dir=info.path, seed=s.seed, fingerprint=fp,
+                           checkpoint=info.path)]
 
 
 def run_logprobs(samples: str, checkpoint: str, config: ForwardConfig, output: str, *, reference: str | None = None,
-                 force: bool = False, workers: ForwardWorkers | None = None) -> StageResult:
+                 force: bool = False, workers: ForwardWorkers | None = None,
+                 group: TrainerGroup | None = None) -> StageResult:
     """``samples`` + ``old_log_probs`` (+ ``ref_log_probs`` under ``reference``, default: the checkpoint, when
-    ``enable_reference``; + ``entropy``) → ``output``, via the runner (skip when up to date)."""
+    ``enable_reference``; + ``entropy``) → ``output``, via the runner (skip when up to date). ``group``: the run's
+    actor group, which then computes the columns (default: a pool of forward actors, or ``workers``)."""
     info = ckpt.read_checkpoint(checkpoint)
     ref_info = ckpt.read_checkpoint(reference) if (reference and config.enable_reference) else None
     if config.enable_reference and ref_info is None:
@@ -463,19 +457,20 @@ def run_logprobs(samples: str, checkpoint: str, config: ForwardConfig, output: s
                              max_tokens_per_microbatch_in_infer=config.max_tokens_per_microbatch_in_infer)
     require_ray("the log-prob stage")
     stage = LogProbStage(config, same_reference=state_in.get("reference") == state_in["checkpoint"],
-                         fingerprints=state_in, workers=workers)
+                         fingerprints=state_in, workers=workers, group=group)
     return run_stage(stage, section, {"samples": samples}, output, force=force, state_in=state_in,
                      batch_rows=config.rows_per_batch)
 
 
 def run_values(samples: str, checkpoint: str, config: ForwardConfig, output: str, *, force: bool = False,
-               workers: ForwardWorkers | None = None) -> StageResult:
+               workers: ForwardWorkers | None = None, group: TrainerGroup | None = None) -> StageResult:
     """``samples`` + ``values`` under the critic of ``checkpoint`` (its ``critic/`` folder, or a new value head on
-    its actor seeded with ``config.seed`` before the first training step) → ``output``."""
+    its actor seeded with ``config.seed`` before the first training step) → ``output``. ``group``: the run's actor
+    group (its held critic computes them), as in :func:`run_logprobs`."""
     info = ckpt.read_checkpoint(checkpoint)
     section = ValuesSection(critic=info.path, seed=config.seed, dtype=config.dtype,
                             max_tokens_per_microbatch_in_infer=config.max_tokens_per_microbatch_in_infer)
     require_ray("the values stage")
     state_in = {"critic": ckpt.checkpoint_fingerprint(info.path)}
-    return run_stage(ValuesStage(config, state_in, workers), section, {"samples": samples}, output, force=force,
+    return run_stage(ValuesStage(config, state_in, workers, group), section, {"samples": samples}, output, force=force,
                      state_in=state_in, batch_rows=config.rows_per_batch)

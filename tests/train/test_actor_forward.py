@@ -1,0 +1,127 @@
+"""The log-prob and values stages on the run's actor group (issue 44): the training workers compute the columns on
+the DeepSpeed engines they hold, and the stage's output equals that of the separate forward pass it replaces.
+
+One rank: the same batching as a pool of one forward actor (the table in one batch), so the columns are equal bit for
+bit. Two ranks: each rank runs its half of the rows as its own batch, so a row's micro-batch (its padding, the
+rows beside it) differs from the single actor's, and the columns are equal within float32 rounding (atol 2e-5,
+the stage tests' tolerance for a different batching)."""
+
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pytest
+
+from schemas.config import validate_config
+from schemas.train_config import ForwardConfig, TrainStepConfig
+from stages.storage import Location, read_manifest
+from stages.train.actor_forward import rank_rows
+from stages.train.group import TrainerGroup
+from stages.train.models import load_actor_model
+from stages.train.stage import run_logprobs, run_train_step, run_values, train_section
+from tests.train.tables import advantaged_rows, read_folder, write_table
+from tests.train.test_stage import direct
+
+pytestmark = pytest.mark.usefixtures("ray_cluster")
+# one batch of the whole table: the pool of one actor and the group of one rank batch the rows alike
+ONE_BATCH = ForwardConfig(max_tokens_per_microbatch_in_infer=64, rows_per_batch=64, num_actors=1, cpus_per_actor=0.5,
+                          compute_entropy=True)
+
+
+def train_config(workers: int, **extra) -> TrainStepConfig:
+    base = {"adv_estimator": "grpo", "compute_entropy_metric": False,
+            "actor_train": {"training_args": {"learning_rate": 1e-3, "per_device_train_batch_size": 8},
+                            "max_tokens_per_microbatch_in_train": 96},
+            "runtime": {"num_workers": workers, "cpus_per_worker": 1.0}}
+    for key, value in extra.items():
+        node = base
+        *path, last = key.split(".")
+        for p in path:
+            node = node.setdefault(p, {})
+        node[last] = value
+    return validate_config(TrainStepConfig, base)
+
+
+@pytest.fixture(scope="module")
+def samples(tmp_path_factory) -> Path:
+    table = advantaged_rows(10, lengths=(6, 30), seed=7, multi_turn=True, empty_row=True)
+    return write_table(table, tmp_path_factory.mktemp("actor_forward") / "samples", parts=3)
+
+
+def group_of(cfg: TrainStepConfig, tmp_path: Path) -> TrainerGroup:
+    return TrainerGroup(cfg.runtime, storage=str(tmp_path), section=train_section(cfg).model_dump(mode="json"))
+
+
+def test_rows_are_split_into_contiguous_slices_in_rank_order():
+    for n in (0, 1, 9, 10):
+        for world in (1, 2, 3):
+            slices = [rank_rows(n, r, world) for r in range(world)]
+            assert slices[0][0] == 0 and slices[-1][1] == n
+            assert all(a[1] == b[0] for a, b in zip(slices, slices[1:]))
+
+
+def test_actor_group_of_one_rank_equals_the_forward_pool_bit_for_bit_and_trains_on_the_same_engines(
+        tiny_model, samples, tmp_path):
+    """Old log-probs and entropy on the group (it builds the engines of the checkpoint for the pass, and the
+    training step then trains them: ``train/engines_kept``), then on the trained checkpoint's held engine: the same
+    table as the pool of one forward actor, bit for bit; the output's fingerprint is the pool's, so a re-run by the
+    pool skips it (resume)."""
+    cfg = train_config(1)
+    group = group_of(cfg, tmp_path)
+    try:
+        on_group = run_logprobs(str(samples), str(tiny_model), ONE_BATCH, str(tmp_path / "g0"), group=group)
+        step = run_train_step(str(samples), str(tiny_model), cfg, str(tmp_path / "ck1"), trainer=group)
+        trained = run_logprobs(str(samples), str(tmp_path / "ck1"), ONE_BATCH, str(tmp_path / "g1"), group=group)
+    finally:
+        group.close()
+    assert step.metrics["train/engines_kept"] == 1.0  # the engines the log-prob pass built were trained
+    for result in (on_group, trained):  # on the held engine, no model loaded beside it
+        assert result.metrics["logprobs/jobs_on_held_engines"] == 1 and result.metrics["logprobs/jobs_on_loaded_models"] == 0
+    pool = run_logprobs(str(samples), str(tiny_model), ONE_BATCH, str(tmp_path / "p0"))
+    pool1 = run_logprobs(str(samples), str(tmp_path / "ck1"), ONE_BATCH, str(tmp_path / "p1"))
+    for got, want in ((tmp_path / "g0", tmp_path / "p0"), (tmp_path / "g1", tmp_path / "p1")):
+        a, b = read_folder(got), read_folder(want)
+        assert a.column_names == b.column_names and a.equals(b), got.name
+    assert read_folder(tmp_path / "g0").column("old_log_probs") != read_folder(tmp_path / "g1").column("old_log_probs")
+    assert on_group.fingerprint == pool.fingerprint and trained.fingerprint == pool1.fingerprint
+    assert run_logprobs(str(samples), str(tiny_model), ONE_BATCH, str(tmp_path / "g0")).skipped
+    assert read_manifest(Location.of(str(tmp_path / "g0")))["metrics"]["logprobs/tokens"] == pool.metrics["logprobs/tokens"]
+    assert not (tmp_path / "g0" / "_partials").exists()
+
+
+@pytest.mark.slow
+def test_actor_group_of_two_ranks_gives_lora_reference_and_critic_values_of_the_separate_pass(
+        tiny_model, samples, tmp_path):
+    """Two data-parallel ranks, LoRA on the actor, a critic (gae): after one training step the group computes the
+    old log-probs on its held LoRA engine, the reference with the adapter off (the base model's log-probs) and the
+    values on its held critic; equal to the separate pass within float32 rounding (the batching differs, module
+    docstring)."""
+    cfg = train_config(2, **{"adv_estimator": "gae", "actor_train.model_args.lora_rank": 4,
+                             "critic_train.training_args.learning_rate": 1e-3,
+                             "critic_train.training_args.per_device_train_batch_size": 8})
+    fwd = ONE_BATCH.model_copy(update={"enable_reference": True})
+    group = group_of(cfg, tmp_path)
+    ck = str(tmp_path / "ck1")
+    try:
+        run_train_step(str(samples), str(tiny_model), cfg, ck, trainer=group)
+        logprobs = run_logprobs(str(samples), ck, fwd, str(tmp_path / "g"), reference=str(tiny_model), group=group)
+        values = run_values(str(samples), ck, fwd, str(tmp_path / "gv"), group=group)
+    finally:
+        group.close()
+    for result, name in ((logprobs, "logprobs"), (values, "values")):  # one job, on each rank's held engine
+        assert result.metrics[f"{name}/jobs_on_held_engines"] == 2 and result.metrics[f"{name}/jobs_on_loaded_models"] == 0
+    run_logprobs(str(samples), ck, fwd, str(tmp_path / "p"), reference=str(tiny_model))
+    run_values(str(samples), ck, fwd, str(tmp_path / "pv"))
+    table = read_folder(samples)
+    base = direct(load_actor_model(str(tiny_model)), table)
+    got, want = read_folder(tmp_path / "g"), read_folder(tmp_path / "p")
+    assert got.column("row_id") == table.column("row_id") == want.column("row_id")
+    for name in ("old_log_probs", "entropy", "ref_log_probs"):
+        for b, (x, y) in enumerate(zip(got.column(name).to_pylist(), want.column(name).to_pylist())):
+            np.testing.assert_allclose(x, y, atol=2e-5, err_msg=f"{name} row {b}")
+    for b, r in enumerate(got.column("ref_log_probs").to_pylist()):
+        np.testing.assert_allclose(r, base.row(b), atol=2e-5)
+    assert got.column("old_log_probs") != got.column("ref_log_probs")  # the adapter was trained
+    for x, y in zip(read_folder(tmp_path / "gv").column("values").to_pylist(),
+                    read_folder(tmp_path / "pv").column("values").to_pylist()):
+        np.testing.assert_allclose(x, y, atol=2e-5)
