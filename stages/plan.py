@@ -10,7 +10,9 @@ The rules (what today's code reserves; see the stages cited):
 * **Held for the whole run** ("resident"): the generation engines and an LLM judge's engines
   (stages/rollout/engine_pool.py: ``num_cpus_per_engine`` / ``num_gpus_per_engine`` per engine; the pool closes when
   the flow ends); the kept forward workers' GPU share with ``logprobs.device: cuda`` (stages/train/stage.py,
-  ``ForwardWorkers``: ``num_actors`` x ``gpus_per_actor``, no CPU); the kept training workers' GPUs with
+  ``ForwardWorkers``: ``num_actors`` x ``gpus_per_actor``, no CPU) in a run whose training group is not kept (a kept
+  group, the actor group, computes the log-prob and values stages itself: :func:`forward_on_actor`, issue 44); the
+  kept training workers' GPUs with
   ``train.runtime.use_gpu`` (stages/train/group.py: Ray Train reserves one GPU per worker, and a kept group lives
   until the flow ends). Colocated roles reserve their equal share of a GPU instead (:func:`gpu_shares`).
 * **Held during one stage** ("phase"): generation's Ray Data tasks (``TASK_CPUS``, 0.25 CPU); the log-prob / values
@@ -21,8 +23,9 @@ The rules (what today's code reserves; see the stages cited):
   every phase, resident + that phase must fit the cluster. CPUs are summed (need = resident + the largest phase);
   GPUs are packed the way Ray places them: a request of 1 or more takes whole free GPUs, a fraction must fit in
   what is left of one GPU. Roles colocated by ROLL's ``device_mapping`` (schemas/devices.py) reserve equal shares
-  of their GPUs (:func:`gpu_shares`): one GPU holds the engine (asleep outside generation), the forward workers and
-  the training workers at once. Without colocation, engines that hold a GPU and training workers that need one
+  of their GPUs (:func:`gpu_shares`): one GPU holds the engine (asleep outside generation) and the training workers
+  (which also compute the log-probs and values) at once: two copies of the policy; the forward workers of a run
+  without a kept group are a third. Without colocation, engines that hold a GPU and training workers that need one
   cannot both be placed on one GPU, and the plan is refused with the colocation settings as the fix.
 * **Custom resources** (``runtime.stage_resources``: a stage pinned to the nodes that declare a resource): kept
   forward and training workers hold theirs for the whole run, the reward and advantage map tasks during their phase
@@ -97,6 +100,7 @@ class Need:
     note: str = ""
     section: str = ""  # the engine section that sets it (the GPU fix names it)
     custom: dict[str, float] = field(default_factory=dict)  # custom Ray resources per unit (runtime.stage_resources)
+    policies: int = 0  # copies of the policy's weights (or a reference model of its size) a unit holds
 
     @property
     def total_cpus(self) -> float:
@@ -151,6 +155,10 @@ class Plan:
             note = ", ".join([n.note] * bool(n.note) + [f"{k} {v:g}" for k, v in sorted(n.custom.items())])
             out.append(f"{n.stage:<28}{n.count:>6}{n.cpus:>7g}{n.gpus:>7g}  {held:<26}{mem:>12}  "
                        f"{where}{'  (' + note + ')' if note else ''}")
+        copies = [(n.stage, n.count * n.policies) for n in self.needs if n.gpus > 0 and n.policies]
+        if copies:
+            out.append(f"policy copies on the GPUs: {sum(c for _, c in copies)} ("
+                       + ", ".join(f"{stage} {c}" for stage, c in copies) + ")")
         out.append(f"needs at once: {self.cpus_needed():g} CPUs (of {cpus:g}), {self.gpus_needed():g} GPUs "
                    f"(of {gpus:g})")
         out.append("fits: yes" if self.fits else f"fits: no ({len(self.problems)} problem(s), below)")
@@ -236,26 +244,45 @@ def _equal_share(roles: int) -> float:
     return math.floor(1e4 / roles) / 1e4
 
 
+def forward_on_actor(config) -> bool:
+    """Whether a training run computes its log-prob and values stages on its kept actor group (issue 44: the
+    training workers hold the policy, and the critic, for their passes as for training; a separate reference model
+    is loaded beside them): so with ``train.runtime.keep_workers``. Otherwise the run keeps forward workers of their
+    own (``logprobs``' resources)."""
+    return bool(config.train_step_config().runtime.keep_workers)
+
+
+def gpu_roles(config) -> list:
+    """The GPU roles that hold GPUs in a training run (schemas/devices.py's roles): the forward workers only when
+    they exist (:func:`forward_on_actor`)."""
+    roles = roles_of(config)
+    return [r for r in roles if r.name != "forward"] if forward_on_actor(config) else roles
+
+
 def gpu_shares(config) -> dict[str, float]:
     """The Ray GPU reservation of one unit of each GPU role of a training config (either pipeline): ``engine`` (per
-    generation engine), ``forward`` (per kept forward worker), ``train`` (per training worker); 0 for a role on the
-    CPU. Roles colocated by equal ``device_mapping`` lists (schemas/devices.py) reserve an equal share of each GPU
-    they share (two roles: 0.5 each, three: 0.3333), so all of them are placed at once and none waits for a GPU
-    that a sleeping engine holds; the memory is shared in time (the engine sleeps outside generation). A role
-    without a mapping reserves what its section says (num_gpus_per_engine, gpus_per_actor, one GPU per training
-    worker). The one place these numbers are made: the plan, the engine pool, the forward workers and the training
-    group all read them here."""
-    roles = roles_of(config)
+    generation engine), ``forward`` (per kept forward worker; 0 when the actor group computes the passes,
+    :func:`forward_on_actor`), ``train`` (per training worker); 0 for a role on the CPU. Roles colocated by equal
+    ``device_mapping`` lists (schemas/devices.py) reserve an equal share of each GPU they share (two roles: 0.5
+    each, three: 0.3333), so all of them are placed at once and none waits for a GPU that a sleeping engine holds;
+    the memory is shared in time (the engine sleeps outside generation). A role without a mapping reserves what its
+    section says (num_gpus_per_engine, gpus_per_actor, one GPU per training worker). The one place these numbers are
+    made: the plan, the engine pool, the forward workers and the training group all read them here."""
+    roles = gpu_roles(config)
     engine, fwd, rt = config.generation_engine(), config.logprobs, config.train_step_config().runtime
     own = {"engine": float(engine.num_gpus_per_engine),
            "forward": float(fwd.gpus_per_actor) if fwd.device == "cuda" else 0.0,
            "train": 1.0 if rt.use_gpu else 0.0}
-    return {name: (_equal_share(1 + len(colocated_with(roles, name))) if colocated_with(roles, name) else value)
+    held = {r.name for r in roles}
+    return {name: (0.0 if name not in held else
+                   _equal_share(1 + len(colocated_with(roles, name))) if colocated_with(roles, name) else value)
             for name, value in own.items()}
 
 
 def _colocation_note(config, name: str) -> str:
-    roles = roles_of(config)
+    roles = gpu_roles(config)
+    if name not in {r.name for r in roles}:
+        return ""
     partners = colocated_with(roles, name)
     if not partners:
         return ""
@@ -278,23 +305,30 @@ def run_needs(config, engines: Sequence[EngineUse] | None = None) -> list[Need]:
         needs.append(Need(f"{use.label}s", e.num_engines, e.num_cpus_per_engine,
                           shares["engine"] if generation else e.num_gpus_per_engine, None,
                           _gib(params, dtype_bytes(e.dtype), kv),
-                          (_colocation_note(config, "engine") if generation else "") or use.section, use.section))
+                          (_colocation_note(config, "engine") if generation else "") or use.section, use.section,
+                          policies=int(generation)))
     needs.append(Need("generation tasks (Ray Data)", 1, ROLLOUT_TASK_CPUS, 0.0, "generation"))
     fwd, train = config.logprobs, config.train_step_config()
     critic = train.needs_critic
     models = 1 + int(fwd.enable_reference) + int(critic)  # policy, reference, critic
     fwd_gpus = shares["forward"]
+    on_actor = forward_on_actor(config)
     if fwd_gpus:  # kept forward workers hold their GPU share for the whole run and reserve no CPU
         needs.append(Need("forward workers (kept)", fwd.num_actors, 0.0, fwd_gpus, None,
                           _gib(params, dtype_bytes(fwd.dtype) * models),
-                          _colocation_note(config, "forward") or "logprobs.device: cuda"))
+                          _colocation_note(config, "forward") or "logprobs.device: cuda",
+                          policies=1 + int(fwd.enable_reference)))
     pins = config.runtime.resources_for
-    if pins("logprobs"):  # the kept forward workers hold their custom resources for the whole run
+    if pins("logprobs") and not on_actor:  # the kept forward workers hold their custom resources for the whole run
         needs.append(Need("forward workers (kept)", fwd.num_actors, 0.0, 0.0, None, note="pinned",
                           section=_PIN.format("logprobs"), custom=pins("logprobs")))
-    needs.append(Need("log-prob / value actors", 1, fwd.cpus_per_actor, 0.0, "log-probs / values",
-                      None if fwd_gpus else _gib(params, dtype_bytes(fwd.dtype) * models),
-                      f"1 of up to {fwd.num_actors}" if fwd.num_actors > 1 else ""))
+    if on_actor:  # the kept training group computes them with its threads, reserving no Ray CPU (as between steps)
+        needs.append(Need("log-probs / values (actor)", train.runtime.num_workers, 0.0, 0.0, "log-probs / values",
+                          None, "on the training workers' engines; memory: theirs"))
+    else:
+        needs.append(Need("log-prob / value actors", 1, fwd.cpus_per_actor, 0.0, "log-probs / values",
+                          None if fwd_gpus else _gib(params, dtype_bytes(fwd.dtype) * models),
+                          f"1 of up to {fwd.num_actors}" if fwd.num_actors > 1 else ""))
     for spec in stage_specs():  # the declared pinnable map-task stages: one task at least (CPU beside nothing else)
         if spec.pinnable and spec.phase == "rewards / advantages" and pins(spec.name):
             needs.append(Need(f"{spec.name} tasks", 1, 0.0, 0.0, spec.phase, section=_PIN.format(spec.name),
@@ -302,28 +336,40 @@ def run_needs(config, engines: Sequence[EngineUse] | None = None) -> list[Need]:
     needs.append(Need("Ray Data read/write tasks", 1, DATA_TASK_SHARE, 0.0, "log-probs / values"))
     rt = train.runtime
     actor = train.actor_train
-    per_model = training_bytes_per_parameter(actor.model_args.dtype, actor.strategy_args.zero_stage,
-                                             rt.num_workers, actor.model_args.lora)
+    roles = {"actor": _gib(params, training_bytes_per_parameter(actor.model_args.dtype, actor.strategy_args.zero_stage,
+                                                                rt.num_workers, actor.model_args.lora))}
     if critic:
         c = train.critic_train
-        per_model += training_bytes_per_parameter(c.model_args.dtype, c.strategy_args.zero_stage, rt.num_workers,
-                                                  c.model_args.lora)
-    memory = _gib(params, per_model)
+        roles["critic"] = _gib(params, training_bytes_per_parameter(c.model_args.dtype, c.strategy_args.zero_stage,
+                                                                    rt.num_workers, c.model_args.lora))
+    if on_actor and fwd.enable_reference and not actor.model_args.lora:  # loaded beside the engines for its pass
+        roles["reference"] = _gib(params, dtype_bytes(fwd.dtype))
+    if on_actor and fwd.dtype != actor.model_args.dtype:  # the passes' policy in its own dtype (actor_forward.py)
+        roles["policy in logprobs.dtype"] = _gib(params, dtype_bytes(fwd.dtype))
+    policies = 1 + int("reference" in roles) + int("policy in logprobs.dtype" in roles)
+    known = None not in roles.values()
+    memory = sum(roles.values()) if known else None
+    per_role = " + ".join(f"{name} ~{gib:.1f} GiB" for name, gib in roles.items()) if known and len(roles) > 1 else ""
+
+    def noted(note: str) -> str:
+        return f"{note}; {per_role}" if per_role else note
+
     kept = "kept, " if rt.keep_workers else ""
     colocated = _colocation_note(config, "train")
     pinned = {"section": _PIN.format("train_step"), "custom": pins("train_step")}
     if rt.use_gpu and rt.keep_workers:  # the GPUs stay with the kept group; the CPUs compute during the step only
         needs.append(Need("training workers (GPUs)", rt.num_workers, 0.0, shares["train"], None, memory,
-                          colocated or "kept across steps", **pinned))
+                          noted(colocated or "kept across steps"), policies=policies, **pinned))
         needs.append(Need("training workers (CPUs)", rt.num_workers, rt.cpus_per_worker, 0.0, "training step"))
     elif rt.keep_workers and pins("train_step"):  # a kept group holds its custom resources for the whole run
         needs.append(Need("training workers (kept)", rt.num_workers, 0.0, 0.0, None, note="pinned", **pinned))
         needs.append(Need("training workers", rt.num_workers, rt.cpus_per_worker, 0.0, "training step", memory,
-                          f"{kept}DeepSpeed ZeRO-{actor.strategy_args.zero_stage}"))
+                          noted(f"{kept}DeepSpeed ZeRO-{actor.strategy_args.zero_stage}")))
     else:
         needs.append(Need("training workers", rt.num_workers, rt.cpus_per_worker, shares["train"],
                           "training step", memory,
-                          colocated or f"{kept}DeepSpeed ZeRO-{actor.strategy_args.zero_stage}", **pinned))
+                          noted(colocated or f"{kept}DeepSpeed ZeRO-{actor.strategy_args.zero_stage}"),
+                          policies=policies, **pinned))
     return needs
 
 
@@ -458,7 +504,7 @@ def _check_gpus(plan: Plan, config) -> None:
     fixes += [f"{f}.num_gpus_per_engine: 0 (generation on the CPU)" for f in engine_fields]
     if config.train_step_config().runtime.use_gpu:
         fixes.append("train.runtime.use_gpu: false")
-    if config.logprobs.device == "cuda":
+    if config.logprobs.device == "cuda" and not forward_on_actor(config):
         fixes.append("logprobs.device: cpu")
     target = math.ceil(need - _EPS)
     plan.problems.append(
@@ -480,7 +526,7 @@ def _colocation_fix(config, gpus: int) -> str:
     parts = [f"{e}.device_mapping: {mapping}", f"{e}.sleep_level: 1"]
     if config.train_step_config().runtime.use_gpu:
         parts.append(f"train.runtime.device_mapping: {mapping}")
-    if config.logprobs.device == "cuda":
+    if config.logprobs.device == "cuda" and not forward_on_actor(config):
         parts.append(f"logprobs.device_mapping: {mapping}")
     counts = f"; one engine and one worker per GPU: num_engines, num_workers, num_actors {gpus}" if gpus > 1 else ""
     return " and ".join(parts) + f" (colocation: the roles share the GPUs{counts})"

@@ -57,7 +57,8 @@ def test_every_shipped_training_config_passes_its_preflight(path):
 @pytest.mark.parametrize("path", TRAINING_CONFIGS, ids=lambda p: p.name)
 def test_every_shipped_training_config_fits_the_resources_it_names(path):
     """CPU configs on this 2-CPU machine (or the CPUs their runtime names); the _h100 configs on one GPU (the
-    engine, forward and training workers colocated: a third of GPU 0 each) with the CPUs of the lent H100 machines
+    engine and training workers colocated: half of GPU 0 each; the training workers compute the log-probs and values,
+    issue 44) with the CPUs of the lent H100 machines
     (16), and on two."""
     config = load(path)
     gpu = path in GPU_CONFIGS
@@ -66,9 +67,10 @@ def test_every_shipped_training_config_fits_the_resources_it_names(path):
         plan = run_plan(config, resources)
         assert plan.fits, "\n".join(plan.lines() + plan.problems)
         check_plan(config, resources)  # what start_run does: no error
-    assert plan.gpus_needed() == (0.9999 if gpu else 0.0)
+    assert plan.gpus_needed() == (1.0 if gpu else 0.0)
     if gpu:
-        assert gpu_shares(config) == {"engine": 0.3333, "forward": 0.3333, "train": 0.3333}
+        assert gpu_shares(config) == {"engine": 0.5, "forward": 0.0, "train": 0.5}
+        assert "policy copies on the GPUs: 2 (generation engines 1, training workers (GPUs) 1)" in plan.lines()
         assert config.rollout.engine.sleep_level >= 1
         assert set(plan.placement.values()) == {"GPU 0"}, plan.lines()
 
@@ -90,18 +92,19 @@ def test_one_gpu_is_refused_without_colocation_with_the_colocation_fix(path):
     with pytest.raises(RollflowError) as err:
         check_plan(config, {"CPU": 16.0, "GPU": 1.0})
     text = str(err.value)
-    for phrase in ("the run needs 3 GPUs of Ray's 1", "generation engines 1 (1 x 1, whole run)",
-                   "training workers (GPUs) 1", "forward workers (kept) 1", "share a GPU only when colocated",
+    for phrase in ("the run needs 2 GPUs of Ray's 1", "generation engines 1 (1 x 1, whole run)",
+                   "training workers (GPUs) 1", "share a GPU only when colocated",
                    "rollout.engine.device_mapping: [0] and rollout.engine.sleep_level: 1 and "
-                   "train.runtime.device_mapping: [0] and logprobs.device_mapping: [0]",
-                   "rollout.engine.num_gpus_per_engine: 0", "train.runtime.use_gpu: false", "logprobs.device: cpu",
-                   "with 3 GPUs", "rollflow plan --gpus 3"):
+                   "train.runtime.device_mapping: [0] (colocation",
+                   "rollout.engine.num_gpus_per_engine: 0", "train.runtime.use_gpu: false",
+                   "with 2 GPUs", "rollflow plan --gpus 2"):
         assert phrase in text, text
+    # the log-probs run on the kept training workers (issue 44): no forward workers, and nothing to set for them
+    assert "forward workers" not in text and "logprobs." not in text
     # each fix makes it fit: the colocation it names (the shipped config), or a role off the GPU with the others apart
     assert run_plan(load(path), {"CPU": 16.0, "GPU": 1.0}).fits
-    assert run_plan(load(path, **{**APART, "rollout.engine.num_gpus_per_engine": 0, "logprobs.device": "cpu"}),
-                    {"CPU": 16.0, "GPU": 1.0}).fits
-    assert run_plan(load(path, **APART), {"CPU": 16.0, "GPU": 3.0}).fits
+    assert run_plan(load(path, **{**APART, "rollout.engine.num_gpus_per_engine": 0}), {"CPU": 16.0, "GPU": 1.0}).fits
+    assert run_plan(load(path, **APART), {"CPU": 16.0, "GPU": 2.0}).fits
 
 
 def test_a_training_group_per_step_still_needs_its_gpu_beside_the_engines_unless_colocated():
@@ -128,19 +131,27 @@ def test_gpu_shares_are_packed_as_ray_places_them():
     assert plan.fits and "GPU 0" in "\n".join(plan.lines())
 
 
+PER_STEP = {"train.runtime.keep_workers": False}  # a group per step: the run keeps forward workers of their own
+
+
 @pytest.mark.parametrize("overrides, shares, gpus", [
-    ({}, {"engine": 0.3333, "forward": 0.3333, "train": 0.3333}, 1),
-    ({"logprobs.device_mapping": None}, {"engine": 0.5, "forward": 1.0, "train": 0.5}, 2),
-    ({"logprobs.device_mapping": None, "logprobs.device": "cpu"}, {"engine": 0.5, "forward": 0.0, "train": 0.5}, 1),
-    ({"train.runtime.device_mapping": [1]}, {"engine": 0.5, "forward": 0.5, "train": 1.0}, 2),
-    ({**APART, "logprobs.gpus_per_actor": 0.25}, {"engine": 1.0, "forward": 0.25, "train": 1.0}, 3),
+    ({}, {"engine": 0.5, "forward": 0.0, "train": 0.5}, 1),  # the kept training workers compute the log-probs
+    ({"logprobs.device_mapping": None}, {"engine": 0.5, "forward": 0.0, "train": 0.5}, 1),
+    ({"train.runtime.device_mapping": [1]}, {"engine": 1.0, "forward": 0.0, "train": 1.0}, 2),
+    ({**APART, "logprobs.gpus_per_actor": 0.25}, {"engine": 1.0, "forward": 0.0, "train": 1.0}, 2),
+    (PER_STEP, {"engine": 0.3333, "forward": 0.3333, "train": 0.3333}, 1),
+    ({**PER_STEP, "logprobs.device_mapping": None}, {"engine": 0.5, "forward": 1.0, "train": 0.5}, 2),
+    ({**PER_STEP, "logprobs.device_mapping": None, "logprobs.device": "cpu"},
+     {"engine": 0.5, "forward": 0.0, "train": 0.5}, 1),
+    ({**PER_STEP, "train.runtime.device_mapping": [1]}, {"engine": 0.5, "forward": 0.5, "train": 1.0}, 2),
+    ({**PER_STEP, **APART, "logprobs.gpus_per_actor": 0.25}, {"engine": 1.0, "forward": 0.25, "train": 1.0}, 3),
     ({"rollout.engine.num_engines": 2, "rollout.engine.device_mapping": "list(range(0,2))",
       "train.runtime.num_workers": 2, "train.runtime.device_mapping": [1, 0], "logprobs.device_mapping": None,
       "logprobs.device": "cpu"}, {"engine": 0.5, "forward": 0.0, "train": 0.5}, 2),
 ])
 def test_colocated_roles_reserve_equal_shares_of_their_gpus(overrides, shares, gpus):
-    """ROLL's device_mapping: equal lists share the GPUs equally (two roles: halves; three: thirds); a role apart
-    reserves its own; ROLL's list(range(a,b)) spelling is read as the list. The plan fits on ``gpus`` GPUs, not on
+    """ROLL's device_mapping: equal lists share the GPUs equally (two roles: halves; three, with forward workers of
+    their own: thirds); a role apart reserves its own; ROLL's list(range(a,b)) spelling is read as the list. The plan fits on ``gpus`` GPUs, not on
     one fewer."""
     config = load(GPU_CONFIGS[0], **overrides)
     assert gpu_shares(config) == shares
@@ -182,17 +193,17 @@ def test_an_rlvr_run_colocates_by_the_same_rules_and_its_judge_is_never_colocate
 
 
 def test_cuda_forward_workers_and_an_llm_judge_count_as_held_for_the_whole_run():
-    config = load(GPU_CONFIGS[0], **{**APART, "logprobs.gpus_per_actor": 0.5})
+    config = load(GPU_CONFIGS[0], **{**APART, **PER_STEP, "logprobs.gpus_per_actor": 0.5})
     assert run_plan(config, {"CPU": 16.0, "GPU": 2.0}).gpus_needed() == 2.5
     judged = load(REPO / "configs/rlvr_train_math.yaml", **{"rewards.routes.math": {"worker": "llm_judge"},
-                                                           "judge.engine.num_cpus_per_engine": 1})
+                                                           "judge.engine.num_cpus_per_engine": 1, **PER_STEP})
     plan = run_plan(judged, {"CPU": 2.0, "GPU": 0.0})
     assert not plan.fits and "engines hold 1 for the whole run" in plan.problems[0]
     assert "LLM judge engines" in "\n".join(plan.lines())
 
 
 def test_a_cpu_plan_that_does_not_fit_names_the_fix():
-    config = load(REPO / "configs/train_frozenlake_quickstart.yaml", **{"logprobs.cpus_per_actor": 2})
+    config = load(REPO / "configs/train_frozenlake_quickstart.yaml", **{"logprobs.cpus_per_actor": 2, **PER_STEP})
     with pytest.raises(RollflowError, match=r"needs 2\.5 CPUs of Ray's 2: .* logprobs\.cpus_per_actor"):
         check_plan(config, {"CPU": 2.0, "GPU": 0.0})
 
@@ -218,7 +229,8 @@ def test_pinned_stages_hold_their_custom_resources_in_the_plan():
                                                                        "train.runtime.num_workers": 2})
     plan = run_plan(config, {"CPU": 2.0, "GPU": 0.0, "head_node": 1.5, "trainer_node": 2.0})
     assert plan.fits, plan.problems
-    assert custom_needed(plan) == {"head_node": 1.5, "trainer_node": 2.0}  # 1 kept + 0.5 task; 2 workers x 1
+    # 0.5 task (the log-probs run on the kept training workers: no forward workers hold head_node); 2 workers x 1
+    assert custom_needed(plan) == {"head_node": 0.5, "trainer_node": 2.0}
     text = "\n".join(plan.lines())
     assert "(pinned, trainer_node 1)" in text and "advantages tasks" in text and "1.5 head_node" in text
     short = run_plan(config, {"CPU": 2.0, "GPU": 0.0, "head_node": 1.5, "trainer_node": 1.0})
@@ -237,12 +249,13 @@ def test_cli_exit_codes():
     h100 = str(GPU_CONFIGS[0])
     fits = runner.invoke(app, ["plan", "--config", h100, "--cpus", "16", "--gpus", "1"])
     assert fits.exit_code == 0, fits.output
-    assert "fits: yes" in fits.output and "shares GPU 0 with forward, train" in fits.output
+    assert "fits: yes" in fits.output and "shares GPU 0 with train" in fits.output
+    assert "policy copies on the GPUs: 2 (generation engines 1, training workers (GPUs) 1)" in fits.output
     apart = [f"{key}=null" for key in APART]
     refused = runner.invoke(app, ["plan", "--config", h100, "--cpus", "16", "--gpus", "1",
                                   *[arg for kv in apart for arg in ("--set", kv)]])
     assert refused.exit_code == 2, refused.output
-    assert "fits: no" in refused.output and "error: the run needs 3 GPUs of Ray's 1" in refused.output
+    assert "fits: no" in refused.output and "error: the run needs 2 GPUs of Ray's 1" in refused.output
     assert runner.invoke(app, ["plan", "--config", h100, "--cpus", "16", "--gpus", "0"]).exit_code == 2
     quick = runner.invoke(app, ["plan", "--config", str(REPO / "configs/train_frozenlake_quickstart.yaml"),
                                 "--cpus", "2", "--gpus", "0", "--set", "train.runtime.num_workers=3"])
@@ -336,16 +349,19 @@ def stage_sequence(config, model, timeout):
     engine = config.generation_engine().model_copy(update={"backend": "hf", "dtype": "float32", "options": {
         "device": "cpu"}, "num_cpus_per_engine": 0, "threads": 1})
     pool = EnginePool(engine, model, 64, gpus_per_engine=shares["engine"])
-    forward = ForwardWorkers(config.logprobs, gpus_per_actor=shares["forward"])
+    # forward workers of their own only in a run without a kept training group (the kept group computes the
+    # log-probs: stages.plan.forward_on_actor, issue 44)
+    forward = ForwardWorkers(config.logprobs, gpus_per_actor=shares["forward"]) if shares["forward"] else None
     request = [GenRequest([1, 2, 3], SamplingSpec(max_new_tokens=4, seed=1))]
     try:
-        workers = forward.actors()  # kept workers are resident too: their processes start while the engine builds
+        workers = forward.actors() if forward else []  # kept workers are resident too: they start while the engine builds
         first = pool.generate(request)[0][0].response_token_ids
         done.append("engine resident")
         slept = pool.sleep()
         done.append("engine asleep")
-        ray.get([a.loads.remote() for a in workers], timeout=timeout)
-        done.append("forward workers")
+        if forward:
+            ray.get([a.loads.remote() for a in workers], timeout=timeout)
+            done.append("forward workers")
         group = TrainerGroup(config.train_step_config().runtime, gpus_per_worker=shares["train"])
         pg = placement_group([group.worker_resources()] * group.runtime.num_workers, strategy="PACK")
         ray.get(pg.ready(), timeout=timeout)
@@ -357,7 +373,8 @@ def stage_sequence(config, model, timeout):
         return {"steps": done, "same_tokens": first == again, "slept": slept,
                 "transitions": pool.actor_info()[0]["transitions"], "shares": shares}
     finally:
-        forward.close()
+        if forward:
+            forward.close()
         pool.close()
 
 def no_cuda_error(samples, model, out):
@@ -418,10 +435,10 @@ RAY_CASES = {
     "sokoban-h100-on-1-gpu": (_SOKOBAN_H100, _SMALL_CPU, 1, False),
     "frozenlake-h100-apart-on-1-gpu": (_FROZENLAKE_H100, {**_SMALL_CPU, **APART}, 1, False),
     "quickstart-cpu": (_QUICK, {}, 1, False),
-    "quickstart-too-many-cpus": (_QUICK, {"logprobs.cpus_per_actor": 2}, 1, False),
+    "quickstart-too-many-cpus": (_QUICK, {**PER_STEP, "logprobs.cpus_per_actor": 2}, 1, False),
     "frozenlake-h100-on-2-gpus": (_FROZENLAKE_H100, _SMALL_CPU, 2, False),
     "sokoban-h100-on-2-gpus": (_SOKOBAN_H100, _SMALL_CPU, 2, False),
-    "sokoban-h100-apart-on-2-gpus": (_SOKOBAN_H100, {**_SMALL_CPU, **APART}, 2, False),
+    "sokoban-h100-apart-on-2-gpus": (_SOKOBAN_H100, {**_SMALL_CPU, **APART, **PER_STEP}, 2, False),
     "fractions-that-do-not-pack": (_FROZENLAKE_H100, {**_SMALL_CPU, **APART, "rollout.engine.num_engines": 3,
                                                       "rollout.engine.num_gpus_per_engine": 0.6,
                                                       "train.runtime.use_gpu": False, "logprobs.device": "cpu"}, 2,
@@ -430,8 +447,7 @@ RAY_CASES = {
     "pinned-training": (_QUICK, {"runtime.stage_resources": {"train_step": {"trainer_node": 1},
                                                              "advantages": {"trainer_node": 1}}}, 1, False),
     "pinned-beyond-the-resource": (_QUICK, {"runtime.stage_resources": {"train_step": {"trainer_node": 1},
-                                                                        "logprobs": {"trainer_node": 1},
-                                                                        "advantages": {"trainer_node": 0.5}}}, 1, False),
+                                                                        "advantages": {"trainer_node": 2}}}, 1, False),
     "pinned-to-a-missing-resource": (_QUICK, {"runtime.stage_resources": {"train_step": {"gpu_node": 1}}}, 1, False),
 }
 EXPECTED = {"frozenlake-h100-on-1-gpu": True, "sokoban-h100-on-1-gpu": True, "frozenlake-h100-apart-on-1-gpu": False,
@@ -443,7 +459,7 @@ EXPECTED = {"frozenlake-h100-on-1-gpu": True, "sokoban-h100-on-1-gpu": True, "fr
 def test_the_plans_verdict_is_what_a_ray_cluster_with_logical_gpus_can_schedule(tiny_model, tmp_path):
     """Clusters of 1 and 2 logical GPUs: every shipped GPU config fits and its reservations are placed in the
     flow's order; on one GPU the stage sequence with the real classes (the engine resident with its share, asleep
-    while the forward and training workers take theirs, awake again with the same tokens) runs to the end within the
+    while the training workers (which compute the log-probs too) take theirs, awake again with the same tokens) runs to the end within the
     timeout; each refused plan is one Ray cannot place either, and says so with the fix. On the same one-GPU
     cluster (without CUDA) the log-prob stage's own pool of device: cuda actors, two of half a GPU, is scheduled and
     refuses to load with the fix, committing nothing."""
@@ -471,9 +487,9 @@ def test_the_plans_verdict_is_what_a_ray_cluster_with_logical_gpus_can_schedule(
         assert got["ray"] == got["plan"], (name, got)
     for name in (n for n, case in RAY_CASES.items() if case[3]):
         sequence = results[name]["sequence"]
-        assert sequence.get("steps") == ["engine resident", "engine asleep", "forward workers", "training workers",
-                                         "engine awake"], (name, sequence)
-        assert sequence["shares"] == {"engine": 0.3333, "forward": 0.3333, "train": 0.3333}
+        assert sequence.get("steps") == ["engine resident", "engine asleep", "training workers", "engine awake"], (
+            name, sequence)
+        assert sequence["shares"] == {"engine": 0.5, "forward": 0.0, "train": 0.5}
         assert sequence["transitions"] == ["sleep2", "wake"] and sequence["same_tokens"], (name, sequence)
         assert sequence["slept"]["engine/released_gib"] > 0  # level 2 discards the weights, also on the CPU
     assert "rollout.engine.device_mapping: [0]" in results["frozenlake-h100-apart-on-1-gpu"]["problems"][0]
