@@ -6,6 +6,8 @@ bit. Two ranks: each rank runs its half of the rows as its own batch, so a row's
 rows beside it) differs from the single actor's, and the columns are equal within float32 rounding (atol 2e-5,
 the stage tests' tolerance for a different batching)."""
 
+import os
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -15,10 +17,13 @@ import pytest
 from schemas.config import validate_config
 from schemas.train_config import ForwardConfig, TrainStepConfig
 from stages.storage import Location, read_manifest
-from stages.train.actor_forward import rank_rows
+from stages.train.actor_forward import evaluating, held_engine, rank_rows, why_not_held
+from stages.train.batching import TokenRows
+from stages.train.core import Engine, HeldEngines
+from stages.train.forward import forward_rows, load_forward_model
 from stages.train.group import TrainerGroup
 from stages.train.models import load_actor_model
-from stages.train.stage import run_logprobs, run_train_step, run_values, train_section
+from stages.train.stage import ForwardJob, run_logprobs, run_train_step, run_values, train_section
 from tests.train.tables import advantaged_rows, read_folder, write_table
 from tests.train.test_stage import direct
 
@@ -58,6 +63,30 @@ def test_rows_are_split_into_contiguous_slices_in_rank_order():
             slices = [rank_rows(n, r, world) for r in range(world)]
             assert slices[0][0] == 0 and slices[-1][1] == n
             assert all(a[1] == b[0] for a, b in zip(slices, slices[1:]))
+
+
+def test_a_held_engine_serves_a_pass_only_as_the_model_loaded_for_it(dist, tiny_model, samples, tmp_path):
+    """In this process (a DeepSpeed world of one): the held actor engine serves a log-prob pass of its checkpoint in
+    its dtype, as a plain model (no LoRA), in eval mode and back to train mode after, and gives the log-probs of the
+    model a forward worker loads for it, bit for bit; another checkpoint, dtype or role is not served."""
+    cfg = train_config(1, **{"actor_train.model_args.disable_gradient_checkpointing": False})
+    engine = Engine(load_actor_model(str(tiny_model), None), cfg.actor_train, dist, "actor")
+    job = ForwardJob("log_probs", str(tiny_model), "old_log_probs", checkpoint=str(tiny_model))
+    held = HeldEngines(engine, None, os.path.realpath(tiny_model), {})
+    assert held_engine(held, job) is engine and why_not_held(engine, job, "fp32") is None
+    assert held_engine(held, replace(job, kind="values")) is None  # no critic held
+    assert held_engine(held, replace(job, checkpoint=str(tmp_path))) is None and why_not_held(None, job, "fp32")
+    assert "the pass asks bf16" in why_not_held(engine, job, "bf16")
+    assert "LoRA" in why_not_held(engine, replace(job, adapter=str(tmp_path)), "fp32")
+    rows = TokenRows.from_arrow(read_folder(samples), "samples", columns=())
+    assert engine.module.training
+    with evaluating([engine.module]):
+        assert not engine.module.training
+        got = forward_rows(engine.module, rows, 64, entropy=True)
+    assert engine.module.training
+    want = forward_rows(load_forward_model(str(tiny_model), "log_probs"), rows, 64, entropy=True)
+    for name in ("log_probs", "entropy"):
+        assert np.array_equal(got.columns[name].values, want.columns[name].values), name
 
 
 def test_actor_group_of_one_rank_equals_the_forward_pool_bit_for_bit_and_trains_on_the_same_engines(
