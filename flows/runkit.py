@@ -21,7 +21,7 @@ from stages import cluster, gpu_preflight
 from stages.advantages import AdvantagesStage
 from stages.generation.engines import preflight_model_dir
 from stages.outputs import check_output
-from stages.plan import gpu_shares, make_plan
+from stages.plan import forward_on_actor, gpu_shares, make_plan
 from stages.response_rewards import ResponseRewardsStage
 from stages.rollout.driver import resolve_model_dir
 from stages.rollout.engine_pool import EnginePool
@@ -29,7 +29,8 @@ from stages.runner import run_stage
 from stages.storage import Location, local_side, publish_local_side
 from stages.trackers import check_trackers
 from stages.train.checkpoint import keep_training_state, read_checkpoint
-from stages.train.stage import run_logprobs, run_train_step, run_values
+from stages.train.group import TrainerGroup
+from stages.train.stage import ForwardWorkers, run_logprobs, run_train_step, run_values, train_section
 
 log = logging.getLogger("rollflow.train")
 CONFIG_FILE = "config.json"
@@ -91,25 +92,33 @@ def publish_run(run: str) -> list[str]:
 @dataclass
 class KeptWorkers:
     """The workers a training flow keeps from one iteration to the next, besides the generation engines: the
-    forward workers (models loaded once, new checkpoints copied in place) and the training worker group (DeepSpeed
-    engines kept in memory). Started on first use; the flow closes them at its end."""
+    training worker group, the actor group (DeepSpeed engines kept in memory), which also computes the log-prob and
+    values stages on the engines it holds (issue 44: one copy of the policy for both; a separate reference model is
+    loaded beside them). A run whose training group is not kept (``keep_workers: false``) keeps forward workers of
+    their own instead (models loaded once, new checkpoints copied in place). Started on first use; the flow closes
+    them at its end."""
 
     trainer: Any  # stages.train.group.TrainerGroup
-    forward: Any  # stages.train.stage.ForwardWorkers
+    forward: Any = None  # stages.train.stage.ForwardWorkers, only without a kept training group
 
     @classmethod
     def of(cls, config, run: str) -> "KeptWorkers":
-        from stages.plan import gpu_shares
-        from stages.train.group import TrainerGroup
-        from stages.train.stage import ForwardWorkers
-
         shares = gpu_shares(config)  # a GPU shared with the engines (device_mapping) is reserved as equal shares
-        return cls(TrainerGroup(config.train_step_config().runtime, storage=run, gpus_per_worker=shares["train"]),
-                   ForwardWorkers(config.logprobs, gpus_per_actor=shares["forward"]))
+        train = config.train_step_config()
+        trainer = TrainerGroup(train.runtime, storage=run, gpus_per_worker=shares["train"],
+                               section=train_section(train).model_dump(mode="json"))
+        if forward_on_actor(config):
+            return cls(trainer)
+        return cls(trainer, ForwardWorkers(config.logprobs, gpus_per_actor=shares["forward"]))
+
+    def forward_kwargs(self) -> dict[str, Any]:
+        """Where the log-prob and values stages run: the actor group, or the kept forward workers."""
+        return {"workers": self.forward} if self.forward is not None else {"group": self.trainer}
 
     def close(self) -> None:
         self.trainer.close()
-        self.forward.close()
+        if self.forward is not None:
+            self.forward.close()
 
 
 def stage_task(name: str):
@@ -121,13 +130,13 @@ def stage_task(name: str):
 def logprobs_task(config, samples: str, checkpoint: str, reference: str, output: str,
                   workers: KeptWorkers | None = None) -> Any:
     return run_logprobs(samples, checkpoint, config.logprobs, output, reference=reference,
-                        workers=workers.forward if workers else None)
+                        **(workers.forward_kwargs() if workers else {}))
 
 
 @stage_task("values")
 def values_task(config, samples: str, checkpoint: str, output: str,
                 workers: KeptWorkers | None = None) -> Any:
-    return run_values(samples, checkpoint, config.logprobs, output, workers=workers.forward if workers else None)
+    return run_values(samples, checkpoint, config.logprobs, output, **(workers.forward_kwargs() if workers else {}))
 
 
 @stage_task("response_rewards")

@@ -129,9 +129,9 @@ def _env(tmp: Path) -> dict:
     return {**env, "PREFECT_HOME": str(tmp / "prefect"), "ROLLFLOW_CACHE": str(REPO / ".cache")}
 
 
-# the finished run's stages pinned to the two nodes of its cluster (runtime.stage_resources): the forward workers
-# (log-probs) to the head, the training workers to the second node
-PINS = "runtime.stage_resources={logprobs: {rollflow_head: 1}, train_step: {rollflow_pinned: 1}}"
+# the finished run's stages pinned to the two nodes of its cluster (runtime.stage_resources): the advantages' map
+# tasks to the head, the training workers (which also compute the log-probs, issue 44) to the second node
+PINS = "runtime.stage_resources={advantages: {rollflow_head: 1}, train_step: {rollflow_pinned: 1}}"
 
 
 @pytest.fixture(scope="module")
@@ -168,9 +168,9 @@ def finished_run(tmp_path_factory, cluster_env) -> Path:
 
 @pytest.mark.slow
 def test_the_finished_run_trained_on_the_second_node_and_scored_on_the_head(finished_run, two_nodes, cluster_env):
-    """Ray's own record of the cluster (its GCS): the run's forward workers asked for the head's resource and ran
+    """Ray's own record of the cluster (its GCS): the run's advantages tasks asked for the head's resource and ran
     there, its training workers asked for the second node's and ran there — placed by runtime.stage_resources, not
-    by chance."""
+    by chance; the training workers computed the log-probs (no forward workers)."""
     from tests.ray_nodes import names_of, node_with, nodes_of, ray_record
 
     record = ray_record(two_nodes.address, cluster_env)
@@ -178,7 +178,13 @@ def test_the_finished_run_trained_on_the_second_node_and_scored_on_the_head(fini
     assert head != second
     assert nodes_of(record, "rollflow_head") == {head} and nodes_of(record, "rollflow_pinned") == {second}, record
     pinned = {name: names_of(record, name) for name in ("rollflow_head", "rollflow_pinned")}
-    assert pinned == {"rollflow_head": {"ForwardServer"}, "rollflow_pinned": {"RayTrainWorker"}}, pinned
+    assert pinned["rollflow_pinned"] == {"RayTrainWorker"} and pinned["rollflow_head"], pinned
+    assert "ForwardServer" not in {t["name"].split(".")[0].split(":")[-1] for t in record["tasks"]}
+    logprobs = json.loads((finished_run / "iter_0000" / "logprobs" / "manifest.json").read_text())
+    # on the training workers: on their engine, or (log-probs in bf16 where the CPU has it natively, training in
+    # fp32) on a model in the pass's dtype beside it (stages/train/actor_forward.py)
+    ran = logprobs["metrics"]["logprobs/jobs_on_held_engines"] + logprobs["metrics"]["logprobs/jobs_on_loaded_models"]
+    assert ran >= 1, logprobs["metrics"]
     frozen = json.loads((finished_run / "config.json").read_text())
     assert frozen["runtime"]["stage_resources"]["train_step"] == {"rollflow_pinned": 1.0}
 
@@ -196,8 +202,9 @@ def test_train_run_end_to_end_then_resume_skips_everything(finished_run, cluster
     assert (run / "report/index.html").exists() and (run / "report/success_rate.png").exists()
     train_manifest = json.loads((run / "iter_0000/checkpoint/manifest.json").read_text())
     assert "actor/pg_loss" in train_manifest["metrics"]
-    # the worker group lives across steps: the second step trains the engines the first one left in memory
-    assert train_manifest["metrics"]["train/engines_kept"] == 0.0
+    # the worker group lives across steps: the first step trains the engines its log-prob pass built (issue 44),
+    # the second the engines the first one left in memory
+    assert train_manifest["metrics"]["train/engines_kept"] == 1.0
     assert json.loads((run / "iter_0001/checkpoint/manifest.json").read_text())["metrics"]["train/engines_kept"] == 1
     # save_steps (10) > max_steps: iteration 0 writes weights and a replay record, the last iteration the state too
     assert not (run / "iter_0000/checkpoint/deepspeed").exists() and (run / "iter_0001/checkpoint/deepspeed").is_dir()
