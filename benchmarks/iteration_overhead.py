@@ -15,13 +15,25 @@ Per training iteration k, from ``runs/<run>/metrics``:
 
 Iteration 0 pays the run's start-up (engines, workers, first model loads); the steady state is the mean over the
 later iterations. The last line is ``RESULT overhead_share=<steady> overhead_share_iter0=... iteration_s=...``.
+
+    python benchmarks/iteration_overhead.py --compare 7f95f65 --max-steps 2   # that commit's layout against this one
+
+``--compare COMMIT`` runs the quickstart twice, one after the other: in a temporary worktree of COMMIT ("before") and
+in this checkout ("after"), each on a local Ray cluster of its own (RAY_ADDRESS unset), its process tree sampled
+every 0.2 s: the processes the run starts (distinct pids below the command: Ray's own, its workers, the engines, the
+training and forward workers), the peak of the tree's summed RSS, and the steady iterations' mean wall time. The
+last line is ``RESULT processes_before=.. processes_after=.. iter_s_before=.. iter_s_after=.. rss_gib_before=..
+rss_gib_after=..`` (issue 44: the actor group computes the log-probs, no forward workers of their own).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -59,20 +71,80 @@ def steady_share(times: dict[int, dict[str, float]]) -> tuple[float, list[dict[s
     return (sum(t["overhead_s"] for t in steady) / wall if wall else float("nan")), steady
 
 
-def run_quickstart(max_steps: int) -> Path:
+def run_quickstart(max_steps: int, repo: Path = REPO, runs: Path | None = None) -> tuple[Path, int, float]:
+    """Run the CPU quickstart for ``max_steps`` iterations from the checkout ``repo`` (its code on PYTHONPATH),
+    writing under ``runs`` (default: ``repo/runs``). Returns the run folder, the processes its command started and
+    the peak RSS of its process tree (GiB)."""
     name = f"bench-overhead-{int(time.time())}"
+    runs = runs or repo / "runs"
     cmd = [sys.executable, "-m", "flows.cli", "train", "--config", "configs/train_frozenlake_quickstart.yaml",
-           "--set", f"run_name={name}", "--set", f"max_steps={max_steps}", "--no-report"]
-    subprocess.run(cmd, cwd=REPO, check=True)
-    return REPO / "runs" / name
+           "--set", f"run_name={name}", "--set", f"max_steps={max_steps}", "--set", f"runs_dir={runs}",
+           "--no-report"]
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    env["PYTHONPATH"] = str(repo)
+    processes, peak = watched(cmd, repo, env)
+    return runs / name, processes, peak
+
+
+def watched(cmd: list[str], cwd: Path, env: dict) -> tuple[int, float]:
+    """Run ``cmd`` to its end; return the distinct processes seen below it and the peak summed RSS (GiB)."""
+    import psutil
+
+    proc = subprocess.Popen(cmd, cwd=cwd, env=env)
+    seen: set[tuple[int, float]] = set()
+    peak = 0.0
+    root = psutil.Process(proc.pid)
+    while proc.poll() is None:
+        total = 0
+        try:
+            tree = [root, *root.children(recursive=True)]
+        except psutil.Error:
+            break
+        for p in tree:
+            try:
+                seen.add((p.pid, p.create_time()))
+                total += p.memory_info().rss
+            except psutil.Error:
+                continue
+        peak = max(peak, total / 2**30)
+        time.sleep(0.2)
+    if proc.wait() != 0:
+        sys.exit(f"error: {' '.join(cmd)} exited {proc.returncode}")
+    return len(seen) - 1, peak  # the command itself is not started by the run
+
+
+def compare(commit: str, max_steps: int) -> None:
+    """The quickstart at ``commit`` (before) and in this checkout (after); prints the RESULT line."""
+    results = {}
+    with tempfile.TemporaryDirectory(prefix="rollflow-before-") as tmp:
+        old = Path(tmp) / "tree"
+        subprocess.run(["git", "worktree", "add", "--detach", str(old), commit], cwd=REPO, check=True,
+                       capture_output=True)
+        try:
+            for label, repo in (("before", old), ("after", REPO)):
+                run, processes, peak = run_quickstart(max_steps, repo, Path(tmp) / f"runs-{label}")
+                _, steady = steady_share(iteration_times(run))
+                results[label] = (processes, sum(t["wall_s"] for t in steady) / len(steady), peak)
+                print(f"{label}: {repo} processes={processes} iter_s={results[label][1]:.1f} "
+                      f"rss_gib={peak:.2f}", flush=True)
+        finally:
+            subprocess.run(["git", "worktree", "remove", "--force", str(old)], cwd=REPO, capture_output=True)
+            shutil.rmtree(old, ignore_errors=True)
+    (pb, ib, rb), (pa, ia, ra) = results["before"], results["after"]
+    print(f"RESULT processes_before={pb} processes_after={pa} iter_s_before={ib:.1f} iter_s_after={ia:.1f} "
+          f"rss_gib_before={rb:.2f} rss_gib_after={ra:.2f}")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--run", type=Path, help="a finished training run folder (default: run the quickstart)")
     parser.add_argument("--max-steps", type=int, default=3, help="iterations of the quickstart run")
+    parser.add_argument("--compare", metavar="COMMIT", help="the quickstart at COMMIT against this checkout")
     args = parser.parse_args()
-    run = args.run or run_quickstart(args.max_steps)
+    if args.compare:
+        compare(args.compare, args.max_steps)
+        return
+    run = args.run or run_quickstart(args.max_steps)[0]
     times = iteration_times(run)
     if not times:
         sys.exit(f"error: {run} has no training iteration in its metrics; give a run folder that trained")
