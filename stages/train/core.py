@@ -419,7 +419,7 @@ def batching_policy(worker: WorkerTrainConfig) -> BatchingPolicy:
     if worker.use_dynamic_batching_in_train:
         return BatchingPolicy(rows, max_tokens=worker.max_tokens_per_microbatch_in_train,
                               packed=worker.use_sequence_packing)
-    return BatchingPolicy(rows, rows_per_micro_batch=t.per_device_train_batch_size)
+    return BatchingPolicy(rows, rows_per_micro_batch=t.per_device_train_batch_size, packed=worker.use_sequence_packing)
 
 
 def run_engine(engine: Engine, objective, rows: TokenRows, plans: list[MiniBatchPlan], pad_token_id: int,

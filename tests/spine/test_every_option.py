@@ -213,10 +213,10 @@ def test_dynamic_batching_decides_how_the_training_step_forms_micro_batches():
     assert on.max_tokens == WorkerTrainConfig().max_tokens_per_microbatch_in_train
 
 
-@pytest.mark.xfail(strict=True, reason="defect, reported (issue 48): batching_policy drops use_sequence_packing when "
-                   "use_dynamic_batching_in_train is false, so the documented packing of each micro-batch silently "
-                   "does not happen; stages/train is being refactored elsewhere, the fix is packed= in its else branch")
 def test_sequence_packing_packs_fixed_row_micro_batches_too():
+    """With fixed row counts per micro-batch the policy says packed too, as the forward runs them
+    (TrainEngine.forward reads use_sequence_packing itself); the flag only changes the split under dynamic batching
+    (real tokens against the budget)."""
     from schemas.train_config import WorkerTrainConfig
     from stages.train.core import batching_policy
 
