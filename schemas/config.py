@@ -92,25 +92,6 @@ class RewardNormalizationConfig(Frozen):
     norm_mean_type: Literal["batch", "group"] | None = Field(None, description="Explicit mean type; wins over method.")
     norm_std_type: Literal["batch", "group"] | None = Field(None, description="Explicit std type; wins over method.")
 
-    def group_scoped(self) -> bool:
-        """Whether a normalisation reads ``grouping``'s groups: a mean or std type that is ``group``, explicit or
-        derived from ``method`` (the rule of stages/algos/reward_norm.py resolve_norm_types: ``mean`` derives the
-        mean's scope, ``mean_std`` and ``asym_clip`` both; the scope is ``group`` unless grouping is ``batch``)."""
-        derived = {"mean": (True, False), "mean_std": (True, True), "asym_clip": (True, True)}.get(self.method,
-                                                                                                   (False, False))
-        return any(explicit == "group" or (explicit is None and from_method and self.grouping != "batch")
-                   for explicit, from_method in zip((self.norm_mean_type, self.norm_std_type), derived))
-
-    @model_validator(mode="after")
-    def _grouping_is_read(self) -> "RewardNormalizationConfig":
-        if self.grouping != "batch" and not self.group_scoped():
-            raise ValueError(f"grouping '{self.grouping}' is read by no normalisation: method '{self.method}' with "
-                             f"norm_mean_type {self.norm_mean_type} and norm_std_type {self.norm_std_type} "
-                             "normalises over no group, so the rewards would be those of grouping 'batch'; set "
-                             "method: mean_std (or norm_mean_type / norm_std_type: group) to normalise within each "
-                             "group, or remove grouping")
-        return self
-
 
 class AdvantageOptions(Frozen):
     """The token-reward and advantage options both pipelines share (ROLL's PPOConfig names and defaults), declared
