@@ -37,6 +37,14 @@ WORKER_ENV = {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
 # `make test` the log monitors used 51 CPU-seconds). The variables are Ray's own; a value the caller set is kept.
 LOG_MONITOR_ENV = {"RAY_LOG_MONITOR_MANY_FILES_THRESHOLD": "0", "LOG_NAME_UPDATE_INTERVAL_S": "5"}
 
+# How often Ray Data re-reads the CPUs and memory an execution may use (ResourceManager.GLOBAL_LIMITS_UPDATE_INTERVAL_S,
+# 1 s in Ray 2.60). It learns them from its autoscaling coordinator by a non-blocking call whose answer it takes at the
+# next read, so every execution runs with limits of zero until the second read: one task (the one Ray Data lets an
+# idle operator start) for its first second, whatever the cores — at 50k rows the advantages stage's first file ran
+# alone for 1.0 s of its 3 s of tasks (BENCHMARKS.md, issue 49). Read every 0.1 s, the second task starts 0.1 s in;
+# the limits themselves, and so the `data_memory_mb` budget, are unchanged.
+DATA_LIMITS_REFRESH_S = 0.1
+
 # Ray Data's Parquet reader. Ray 2.60's default (datasource V2) lists the files and reads their footers in extra Ray
 # tasks and actors before the first block: about 3 s per ``read_parquet`` of a one-file, 4-row table here (2 CPUs,
 # warm workers), against 0.2 s for the first reader (V1), and every stage reads its inputs once or more
@@ -201,6 +209,7 @@ def ensure_ray(address: str | None = None, num_cpus: int | None = None, progress
         from ray.data._internal.execution.interfaces import ExecutionResources
 
         ctx.execution_options.resource_limits = ExecutionResources(object_store_memory=float(data_memory_mb) * 2**20)
+    _refresh_data_limits(DATA_LIMITS_REFRESH_S)
     ctx.enable_progress_bars = bars.ray_data_bars() if progress is None else progress
     ctx.print_on_execution_start = False
     settings = {"ray_address": address or "local", "cpus": ray.cluster_resources().get("CPU"),
@@ -208,6 +217,15 @@ def ensure_ray(address: str | None = None, num_cpus: int | None = None, progress
                 "parquet_reader": "v2" if PARQUET_DATASOURCE_V2 else "v1"}
     log.info("execution settings: %s", settings)
     return settings
+
+
+def _refresh_data_limits(seconds: float) -> None:
+    """Have Ray Data re-read an execution's resource limits every ``seconds`` (see DATA_LIMITS_REFRESH_S); a Ray
+    without that class attribute is left as it is."""
+    from ray.data._internal.execution.resource_manager import ResourceManager
+
+    if hasattr(ResourceManager, "GLOBAL_LIMITS_UPDATE_INTERVAL_S"):
+        ResourceManager.GLOBAL_LIMITS_UPDATE_INTERVAL_S = seconds
 
 
 def connect_runtime(runtime) -> dict:

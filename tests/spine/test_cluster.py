@@ -172,3 +172,14 @@ def test_every_command_applies_the_runtime_memory_bound(ray_cluster):
             assert limits.object_store_memory == mb * 2**20, (start.__name__, limits)
     finally:
         ctx.execution_options.resource_limits = before
+
+
+def test_ray_data_reads_its_limits_soon_after_an_execution_starts(ray_cluster):
+    """Ray Data learns an execution's CPUs from a call answered at its next read of the limits; at Ray's 1 s between
+    reads, every stage ran its first task alone for a second (issue 49). ``ensure_ray`` shortens the wait."""
+    from ray.data._internal.execution.resource_manager import ResourceManager
+
+    from stages.cluster import DATA_LIMITS_REFRESH_S, ensure_ray
+
+    ensure_ray(num_cpus=2, progress=False)
+    assert ResourceManager.GLOBAL_LIMITS_UPDATE_INTERVAL_S == DATA_LIMITS_REFRESH_S < 1
