@@ -16,11 +16,19 @@ from stages import cluster
 log = logging.getLogger("rollflow")
 
 
+def _api_url() -> str | None:
+    """The Prefect server this process's flows report to: Prefect's own setting (the environment, a profile, or a
+    settings context such as the test workers' shared server), None for none."""
+    from prefect.settings import PREFECT_API_URL
+
+    return PREFECT_API_URL.value() or None
+
+
 def _ephemeral_prefect() -> bool:
     """Whether this process's flows will start Prefect's ephemeral server (no PREFECT_API_URL, ephemeral allowed)."""
-    from prefect.settings import PREFECT_API_URL, PREFECT_SERVER_ALLOW_EPHEMERAL_MODE
+    from prefect.settings import PREFECT_SERVER_ALLOW_EPHEMERAL_MODE
 
-    return not PREFECT_API_URL.value() and bool(PREFECT_SERVER_ALLOW_EPHEMERAL_MODE.value())
+    return _api_url() is None and bool(PREFECT_SERVER_ALLOW_EPHEMERAL_MODE.value())
 
 
 class _PrefectStart(threading.Thread):
@@ -59,5 +67,5 @@ def start_services(runtime) -> None:
             prefect.join()
     if prefect is not None and prefect.error is not None:
         raise prefect.error
-    log.info("services up: Prefect %s, Ray %s", "ephemeral" if prefect else os.environ.get("PREFECT_API_URL"),
+    log.info("services up: Prefect %s, Ray %s", "ephemeral" if prefect else _api_url(),
              runtime.ray_address or os.environ.get("RAY_ADDRESS") or "local")

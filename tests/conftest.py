@@ -1,7 +1,9 @@
 """Process-wide test set-up, applied before any test module imports Prefect or Ray.
 
 - Prefect runs in its ephemeral mode with its database in a temporary ``PREFECT_HOME``; a developer's
-  ``PREFECT_API_URL`` is ignored (the server tests start their own server).
+  ``PREFECT_API_URL`` is ignored (the server tests start their own server). Under pytest-xdist the flows a worker
+  runs in its own process report to the workers' shared server once the worker's Ray cluster is up
+  (:func:`ray_cluster`); a test marked ``ephemeral_prefect`` keeps the ephemeral mode.
 - Logging handlers are bound now, to the session's stderr. The CLI tests call commands through Typer's
   ``CliRunner``, which swaps ``sys.stderr`` for a buffer it closes afterwards; a handler created inside such a call
   (``logging.basicConfig`` in the CLI, Prefect's console handler on its first import) would keep that closed stream
@@ -11,6 +13,7 @@
 from __future__ import annotations
 
 import atexit
+import contextlib
 import logging
 import os
 import shutil
@@ -187,7 +190,7 @@ def tiny_model() -> Path:
 
 
 @pytest.fixture(scope="session")
-def ray_cluster():
+def ray_cluster(request):
     """ONE local Ray cluster (2 CPUs) for the whole session of this worker, started as the rollflow commands start
     theirs (``ensure_ray``); the stage entry points run on it. Ray Data's DEBUG execution reports are silenced: they
     would flood the captured output of a failing test."""
@@ -200,8 +203,40 @@ def ray_cluster():
     for name in list(logging.root.manager.loggerDict):
         if name.startswith(("ray", "prefect", "httpx", "filelock", "asyncio")):
             logging.getLogger(name).setLevel(logging.WARNING)
-    yield settings
+    with _flows_on_the_shared_server(request):
+        yield settings
     ray.shutdown()
+
+
+@contextlib.contextmanager
+def _flows_on_the_shared_server(request):
+    """Under pytest-xdist, the flows this worker runs in its own process (the in-process commands, a module's
+    reference run) report to the workers' shared Prefect server from now on, as its ``rollflow`` children do
+    (``cli_env``): otherwise the first of them starts Prefect's ephemeral server in this process, one per worker
+    beside the shared one, living until the worker ends (6-12 CPU-s to start, 1.1-1.4 CPU-s a minute idle;
+    BENCHMARKS.md). Prefect's settings context, not the environment: children built from ``os.environ`` still choose
+    for themselves. Without xdist (one pytest process, no shared server) nothing changes. A test marked
+    ``ephemeral_prefect`` steps back into the ephemeral mode (:func:`_ephemeral_prefect`)."""
+    if not getattr(request.config, "workerinput", {}).get(_SHARED_DIR):
+        yield
+        return
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    with temporary_settings(updates={PREFECT_API_URL: request.getfixturevalue("prefect_server").api_url}):
+        yield
+
+
+@pytest.fixture(autouse=True)
+def _ephemeral_prefect(request):
+    """A test marked ``ephemeral_prefect`` (the ephemeral mode's own, tests/spine/test_flow.py) runs its flows in
+    Prefect's ephemeral mode, whatever :func:`_flows_on_the_shared_server` set."""
+    if request.node.get_closest_marker("ephemeral_prefect") is None:
+        yield
+        return
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    with temporary_settings(restore_defaults={PREFECT_API_URL}):
+        yield
 
 
 # ---- running on several workers (pytest-xdist; `make test` runs `-n 2 --dist loadgroup`) ----------------------------

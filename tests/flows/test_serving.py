@@ -4,10 +4,7 @@ plus the quick checks of the server/deploy preconditions (busy port, bad schedul
 from __future__ import annotations
 
 import json
-import os
 import socket
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -57,16 +54,21 @@ def test_deploy_needs_a_reachable_server(monkeypatch):
         resolve_api_url(f"http://127.0.0.1:{free_port()}/api")
 
 
-def test_deploy_command_refuses_bad_input_before_serving(tmp_path):
-    """The CLI exits 2 with one message when there is no server (no Prefect run is started)."""
-    env = {**os.environ, "PREFECT_HOME": str(tmp_path / "home")}
-    env.pop("PREFECT_API_URL", None)
+def test_deploy_command_refuses_bad_input_before_serving(tmp_path, monkeypatch):
+    """The CLI exits 2 with one message when there is no server (no Prefect run is started). The command runs in
+    this process (Typer's runner: the same entry point and exit status, no child importing rollflow again)."""
+    from typer.testing import CliRunner
+
+    from flows.cli import app
+
+    monkeypatch.delenv("PREFECT_API_URL", raising=False)  # and restored if a broken deploy sets it
+    monkeypatch.chdir(tmp_path)
     (tmp_path / "samples").mkdir()  # the config and folders are checked first (an output inside the input is refused)
-    result = subprocess.run([sys.executable, "-m", "flows.cli", "deploy", "--config", str(GIGPO), "--input",
-                             str(tmp_path / "samples"), "--output", str(tmp_path / "out"), "--cron", "0 3 * * *"],
-                            cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
-    assert result.returncode == 2, result.stderr
+    result = CliRunner().invoke(app, ["deploy", "--config", str(GIGPO), "--input", str(tmp_path / "samples"),
+                                      "--output", str(tmp_path / "out"), "--cron", "0 3 * * *"])
+    assert result.exit_code == 2, result.output
     assert "error: deploy: no Prefect server given" in result.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["samples"], "nothing written"
 
 
 def test_a_training_deployment_gets_the_training_runs_checks_before_it_is_registered(tmp_path, prefect_server,

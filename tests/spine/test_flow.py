@@ -1,5 +1,6 @@
-"""The Prefect recompute flow: ephemeral mode (no server; the default) and against a real ``prefect server`` that
-the test session starts on 127.0.0.1 and stops (tests/conftest.py)."""
+"""The Prefect recompute flow: ephemeral mode (no server; a command's default, kept here by the ``ephemeral_prefect``
+mark, while the other tests on the session's cluster report to its server) and against a real ``prefect server``
+that the test session starts on 127.0.0.1 and stops (tests/conftest.py)."""
 
 from __future__ import annotations
 
@@ -30,6 +31,7 @@ def _task_runs(client, flow_run_id):
     return client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])))
 
 
+@pytest.mark.ephemeral_prefect  # reads its runs from this process's own database
 def test_flow_in_ephemeral_mode(step_set, tmp_path, ray_cluster, prefect_home):
     from prefect.client.orchestration import get_client
     from prefect.settings import get_current_settings
@@ -59,6 +61,7 @@ def test_flow_in_ephemeral_mode(step_set, tmp_path, ray_cluster, prefect_home):
     assert Path(prefect_home, "prefect.db").exists(), "the ephemeral database lives in PREFECT_HOME"
 
 
+@pytest.mark.ephemeral_prefect  # reads its runs from this process's own database
 def test_flow_failure_raises_our_error_and_marks_the_run_failed(step_set, tmp_path, ray_cluster):
     from prefect.client.orchestration import get_client
 

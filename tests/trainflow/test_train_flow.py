@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -134,46 +135,60 @@ def _env(tmp: Path) -> dict:
 PINS = "runtime.stage_resources={advantages: {rollflow_head: 1}, train_step: {rollflow_pinned: 1}}"
 
 
+@dataclass(frozen=True)
+class TwoNodeRun:
+    """The finished run and what was read of its two-node cluster while the cluster was up."""
+
+    run: Path  # the run folder
+    record: dict  # Ray's record of the cluster after the run (tests/ray_nodes.py ray_record)
+    stamps: dict  # the manifests' modification times before the resume
+    resumed: subprocess.CompletedProcess  # `rollflow train --resume RUN --no-report` on the same cluster
+    stamps_resumed: dict  # and after it
+
+
 @pytest.fixture(scope="module")
-def two_nodes(cli_env):
-    """A real two-node Ray cluster on this machine (issue 14, item 3): two ``ray start`` nodes, the head with the
+def two_node_run(tmp_path_factory, cli_env) -> TwoNodeRun:
+    """One uninterrupted tiny run, reporting to the session's Prefect server, on a real two-node Ray cluster on this
+    machine (issue 14, item 3) with its advantages' tasks pinned to the head and its training workers to the second
+    node; then Ray's record of where its tasks ran, and ``rollflow train --resume`` of the run on the cluster it was
+    started on (its stages are pinned to its nodes). The cluster: two ``ray start`` nodes, the head with the
     machine's 2 CPUs (as the local runs have) and the custom resource ``rollflow_head``, the second node with
     ``rollflow_pinned`` and no CPU, so that only what is pinned there runs there (the training workers reserve none;
-    Ray Data's tasks stay on the head instead of starting a second pool of cold workers). Stopped (its processes
-    alone, not other Ray clusters of the machine) when the module ends, also on failure."""
-    from tests.ray_nodes import NodeSpec, RayNodes
+    Ray Data's tasks stay on the head instead of starting a second pool of cold workers). It is stopped (its
+    processes alone, not other Ray clusters of the machine) as soon as that is done, also on failure: the module's
+    other tests read the run folder only, and would otherwise pay for its idle daemons, pool workers and Ray Data
+    helpers for minutes (the SIGKILL test's run alone takes 3-4)."""
+    from tests.ray_nodes import NodeSpec, RayNodes, ray_record
 
-    with RayNodes([NodeSpec(2, {"rollflow_head": 4}), NodeSpec(0, {"rollflow_pinned": 4})], env=cli_env) as nodes:
-        yield nodes
-    assert nodes.alive() == [], "the cluster's processes are gone"
-
-
-@pytest.fixture(scope="module")
-def cluster_env(cli_env, two_nodes) -> dict:
-    """The environment of a command that runs on ``two_nodes`` (RAY_ADDRESS)."""
-    return {**cli_env, "RAY_ADDRESS": two_nodes.address}
-
-
-@pytest.fixture(scope="module")
-def finished_run(tmp_path_factory, cluster_env) -> Path:
-    """One uninterrupted tiny run, reporting to the session's Prefect server, on the two-node cluster (RAY_ADDRESS)
-    with its log-prob workers pinned to the head and its training workers to the second node. It is the reference
-    of the kill test and of the evaluation test, whose runs are local: their equality with it is also the equality
-    of a two-node run with a local one."""
     root = tmp_path_factory.mktemp("trainflow")
-    first = _rollflow(*_tiny_args(root, "t"), "--set", PINS, env=cluster_env)
-    assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
-    return root / "t"
+    run = root / "t"
+    with RayNodes([NodeSpec(2, {"rollflow_head": 4}), NodeSpec(0, {"rollflow_pinned": 4})], env=cli_env) as nodes:
+        env = {**cli_env, "RAY_ADDRESS": nodes.address}
+        first = _rollflow(*_tiny_args(root, "t"), "--set", PINS, env=env)
+        assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
+        record = ray_record(nodes.address, env)
+        stamps = {p: p.stat().st_mtime_ns for p in run.glob("iter_*/*/manifest.json")}
+        resumed = _rollflow("train", "--resume", str(run), "--no-report", env=env)
+        stamps_resumed = {p: p.stat().st_mtime_ns for p in run.glob("iter_*/*/manifest.json")}
+    assert nodes.alive() == [], "the cluster's processes are gone"
+    return TwoNodeRun(run, record, stamps, resumed, stamps_resumed)
+
+
+@pytest.fixture(scope="module")
+def finished_run(two_node_run) -> Path:
+    """The two-node run's folder (read-only). It is the reference of the kill test and of the evaluation test,
+    whose runs are local: their equality with it is also the equality of a two-node run with a local one."""
+    return two_node_run.run
 
 
 @pytest.mark.slow
-def test_the_finished_run_trained_on_the_second_node_and_scored_on_the_head(finished_run, two_nodes, cluster_env):
+def test_the_finished_run_trained_on_the_second_node_and_scored_on_the_head(two_node_run):
     """Ray's own record of the cluster (its GCS): the run's advantages tasks asked for the head's resource and ran
     there, its training workers asked for the second node's and ran there — placed by runtime.stage_resources, not
     by chance; the training workers computed the log-probs (no forward workers)."""
-    from tests.ray_nodes import names_of, node_with, nodes_of, ray_record
+    from tests.ray_nodes import names_of, node_with, nodes_of
 
-    record = ray_record(two_nodes.address, cluster_env)
+    record, finished_run = two_node_run.record, two_node_run.run
     head, second = node_with(record, "rollflow_head"), node_with(record, "rollflow_pinned")
     assert head != second
     assert nodes_of(record, "rollflow_head") == {head} and nodes_of(record, "rollflow_pinned") == {second}, record
@@ -193,8 +208,8 @@ STAGES = ("rollout/samples", "logprobs", "rewarded", "advantaged", "checkpoint",
 
 
 @pytest.mark.slow
-def test_train_run_end_to_end_then_resume_skips_everything(finished_run, cluster_env, tmp_path):
-    run = finished_run
+def test_train_run_end_to_end_then_resume_skips_everything(two_node_run, prefect_server, ray_cluster):
+    run = two_node_run.run
     for k in (0, 1):
         for stage in STAGES:
             assert (run / f"iter_{k:04d}" / stage / "manifest.json").exists(), (k, stage)
@@ -222,14 +237,15 @@ def test_train_run_end_to_end_then_resume_skips_everything(finished_run, cluster
     released = {m["iteration"]: m["value"] for m in metrics if m["name"] == "engine/released_gib"}
     assert set(released) == {0, 1} and min(released.values()) > 0, released
 
-    env = cluster_env  # the run resumes on the cluster it was started on (its stages are pinned to its nodes)
-    stamps = {p: p.stat().st_mtime_ns for p in run.glob("iter_*/*/manifest.json")}
-    again = _rollflow("train", "--resume", str(run), "--no-report", env=env)
+    # the resume on the cluster the run was started on (two_node_run): every stage skipped, no manifest rewritten
+    stamps, again = two_node_run.stamps, two_node_run.resumed
     assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
-    assert {p: p.stat().st_mtime_ns for p in run.glob("iter_*/*/manifest.json")} == stamps
+    assert stamps and two_node_run.stamps_resumed == stamps
 
-    bad = _rollflow("train", "--resume", str(run), "--set", "max_steps=3", env=env)
-    assert bad.returncode == 2 and "cannot change a run being resumed" in bad.stderr
+    # refused before Ray or Prefect is asked: the command in this process (no child importing rollflow again)
+    bad = rollflow_here("train", "--resume", str(run), "--set", "max_steps=3", api_url=prefect_server.api_url)
+    assert bad.exit_code == 2 and "cannot change a run being resumed" in bad.stderr, bad.output[-3000:]
+    assert {p: p.stat().st_mtime_ns for p in run.glob("iter_*/*/manifest.json")} == stamps
 
 
 def _table(folder: Path, drop: tuple[str, ...] = ()):
