@@ -497,7 +497,7 @@ def _check_gpus(plan: Plan, config) -> None:
             "(equal device_mapping lists, the engine asleep outside generation)")
     if need <= gpus + _EPS:
         rule += f"; the shares sum to {need:g} but cannot be packed onto {gpus:g} GPUs (a fraction must fit in one)"
-    engine_fields = sorted({n.section for n in holders if n.section})
+    engine_fields = sorted({n.section for n in holders if n.section and not n.section.startswith(_PIN.format(""))})
     fixes = []
     if gpus >= 1 - _EPS and config.generation_engine().device_mapping is None and shares_used(config):
         fixes.append(_colocation_fix(config, int(gpus + _EPS)))

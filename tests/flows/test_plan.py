@@ -101,6 +101,8 @@ def test_one_gpu_is_refused_without_colocation_with_the_colocation_fix(path):
         assert phrase in text, text
     # the log-probs run on the kept training workers (issue 44): no forward workers, and nothing to set for them
     assert "forward workers" not in text and "logprobs." not in text
+    # a pinned stage's section is no engine section: no "runtime.stage_resources...num_gpus_per_engine" fix
+    assert text.count("num_gpus_per_engine: 0") == 1, text
     # each fix makes it fit: the colocation it names (the shipped config), or a role off the GPU with the others apart
     assert run_plan(load(path), {"CPU": 16.0, "GPU": 1.0}).fits
     assert run_plan(load(path, **{**APART, "rollout.engine.num_gpus_per_engine": 0}), {"CPU": 16.0, "GPU": 1.0}).fits
