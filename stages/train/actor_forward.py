@@ -69,10 +69,12 @@ def held_engine(held: HeldEngines | None, job) -> Engine | None:
     return held.critic if job.kind == "values" else held.actor
 
 
-def engines_for(jobs: list, held: HeldEngines | None, section: dict, dist: DistInfo) -> HeldEngines | None:
+def engines_for(jobs: list, held: HeldEngines | None, section: dict, dist: DistInfo, store=None) -> HeldEngines | None:
     """The engines to hold for ``jobs``: ``held`` when it is the checkpoint of the first job that names one, else
     that checkpoint's engines built under the training ``section`` (the next training step starts from them; every
-    rank decides the same, so the collective set-up is entered by all)."""
+    rank decides the same, so the collective set-up is entered by all). ``store``: the filesystem of the run's
+    tables (a weights-only checkpoint is rebuilt by replaying its steps' tables; on an object store the worker has
+    only the driver's filesystem object, not its endpoint variables)."""
     wanted = next((j.checkpoint for j in jobs if j.checkpoint is not None), None)
     cfg = TrainSection.model_validate(section)
     dump = cfg.model_dump(mode="json")
@@ -80,7 +82,7 @@ def engines_for(jobs: list, held: HeldEngines | None, section: dict, dist: DistI
         return held
     held = None  # free the engines of the previous checkpoint before building the next
     info = read_checkpoint(wanted)
-    actor, critic = load_engines(info, cfg, dist)
+    actor, critic = load_engines(info, cfg, dist, store)
     log.info("training workers: engines of %s built for its forward passes (kept for its training step)", info.path)
     return HeldEngines(actor, critic, os.path.realpath(info.path), dump)
 
@@ -115,7 +117,7 @@ def forward_on_rank(request: dict[str, Any], dist: DistInfo, held: HeldEngines |
 
     jobs, dtype = request["jobs"], request["dtype"]
     if request.get("section") is not None:
-        held = engines_for(jobs, held, request["section"], dist)
+        held = engines_for(jobs, held, request["section"], dist, store=request["samples"].fs)
     device = str(dist.device)
     chosen, engines = [], []
     for job in jobs:

@@ -341,7 +341,12 @@ def test_sigkilled_run_on_s3_resumes_to_the_uninterrupted_result(finished_run, s
         listed = {f"iter_0001/checkpoint/{o['name']}": o["bytes"] for o in checkpoint["objects"]}
         assert listed.items() <= stored.items()  # every object its manifest lists, at its size
         assert any("/deepspeed/actor/" in n for n in listed) and any(n.endswith(".safetensors") for n in listed)
-        assert checkpoint["metrics"]["train/replayed_steps"] == 1.0 and checkpoint["metrics"]["train/engines_kept"] == 0
+        # iteration 0's checkpoint holds weights only, so the resumed run rebuilt its engines by replaying step 0 on
+        # the stored table: the log-prob request of iteration 1 to the actor group built them (issue 44), and the
+        # training step found them kept; the weights above equal the uninterrupted run's
+        first = read_manifest(Location.of(f"{run}/iter_0000/checkpoint"))
+        assert not any("deepspeed/actor/" in o["name"] for o in first["objects"])
+        assert checkpoint["metrics"]["train/engines_kept"] == 1.0 and checkpoint["metrics"]["train/replayed_steps"] == 0
         assert "eval_base/samples/manifest.json" in stored
         assert {"logs/rollflow.log", "report/index.html"} <= stored.keys()
         assert any(n.startswith("tensorboard/events.out.tfevents") for n in stored)
