@@ -1,0 +1,116 @@
+"""Asynchronous generation (ROLL's ``async_generation_ratio``, issue 46): the option's load-time rules, its fixed
+schedule, and the loop's overlap of a rollout with the previous iteration's training."""
+
+from __future__ import annotations
+
+import pytest
+
+from flows.loop import async_lag, played_with
+from schemas.config import validate_config
+from schemas.errors import ConfigError
+from schemas.train_flow_config import TrainFlowConfig
+
+
+def test_async_option_turns_the_importance_weight_on_unless_the_user_set_a_correction():
+    plain = validate_config(TrainFlowConfig, {})
+    assert plain.async_generation_ratio == 0 and not plain.train.train_infer_correction.is_weight.enabled
+    # r = 0 written out is the run of today: the same training section (the checkpoints' fingerprints hash it)
+    assert validate_config(TrainFlowConfig, {"async_generation_ratio": 0}).train == plain.train
+    on = validate_config(TrainFlowConfig, {"async_generation_ratio": 0.5}).train
+    assert on.train_infer_correction.is_weight.enabled and on.train_infer_correction.is_weight.upper_bound == 1.2
+    assert on.train_infer_correction.is_weight.weight_type == "token"
+    assert on.model_dump(mode="json")["train_infer_correction"]["is_weight"]["enabled"] is True  # fingerprinted
+    own = {"async_generation_ratio": 1, "train": {"train_infer_correction": {"is_weight": {"upper_bound": 2.0}}}}
+    mine = validate_config(TrainFlowConfig, own).train.train_infer_correction.is_weight
+    assert not mine.enabled and mine.upper_bound == 2.0  # the user's setting wins, whole
+    with pytest.raises(ConfigError, match="async_generation_ratio"):
+        validate_config(TrainFlowConfig, {"async_generation_ratio": -1})
+
+
+def test_async_with_engines_colocated_with_training_is_refused_with_the_fix():
+    colocated = {"rollout": {"engine": {"device_mapping": [0], "num_gpus_per_engine": 1, "sleep_level": 1}},
+                 "train": {"runtime": {"use_gpu": True, "num_workers": 1, "device_mapping": [0]}}}
+    validate_config(TrainFlowConfig, colocated)  # in turn: allowed
+    with pytest.raises(ConfigError, match="give the engines GPUs of their own"):
+        validate_config(TrainFlowConfig, {**colocated, "async_generation_ratio": 1})
+    apart = {"rollout": {"engine": {"device_mapping": [1], "num_gpus_per_engine": 1}}, "train": colocated["train"],
+             "async_generation_ratio": 1}
+    assert validate_config(TrainFlowConfig, apart).async_generation_ratio == 1
+
+
+def test_the_schedule_is_fixed_by_the_ratio():
+    config = validate_config(TrainFlowConfig, {"async_generation_ratio": 1.5})
+    assert async_lag(config) == 2 and async_lag(validate_config(TrainFlowConfig, {})) == 0
+    assert [played_with(k, 1) for k in range(4)] == [0, 0, 1, 2]
+    assert [played_with(k, 2) for k in range(4)] == [0, 0, 0, 1]
+    assert [played_with(k, 0) for k in range(4)] == [0, 1, 2, 3]
+
+
+class _Metrics:
+    """A stand-in for the metrics log: keeps what ``record`` logs, by (iteration, stage)."""
+
+    def __init__(self):
+        self.values: dict[tuple[int, str], dict] = {}
+
+    def has(self, iteration: int, stage: str) -> bool:
+        return (iteration, stage) in self.values
+
+    def log(self, iteration: int, stage: str, metrics: dict, wall_s: float | None = None) -> None:
+        self.values[(iteration, stage)] = dict(metrics)
+
+
+def test_the_loop_plays_the_next_rollout_during_training_with_the_scheduled_checkpoint():
+    """The loop's overlap itself (flows/loop.py), with two toy steps in a real Prefect flow: the rollout of iteration
+    k + 1 starts before iteration k's training ends, with the checkpoint ``played_with`` names, and is recorded with
+    its staleness at iteration k + 1; the flow's own Run is never changed by the rollout played ahead."""
+    import threading
+    import time
+    from types import SimpleNamespace
+
+    from prefect import flow
+
+    from flows.loop import IterStep, Run, _iterate_ahead
+
+    events: list[tuple] = []
+    lock = threading.Lock()
+
+    def note(*event) -> None:
+        with lock:
+            events.append(event)
+
+    def rollout(r: Run):
+        note("rollout start", r.iteration, r.checkpoint, r.here)
+        time.sleep(0.5)
+        note("rollout end", r.iteration)
+        return SimpleNamespace(metrics={"rollout/success_rate": 0.5}, seconds=0.5, output=r.out("rollout"))
+
+    def train(r: Run):
+        note("train start", r.iteration, r.checkpoint)
+        time.sleep(0.5)
+        r.trained.append(f"ckpt{r.iteration}")
+        note("train end", r.iteration)
+        return SimpleNamespace(output=f"ckpt{r.iteration}")
+
+    steps = [IterStep("rollout", rollout, generation=True), IterStep("train", train, trains=True)]
+    decl = SimpleNamespace(spec=SimpleNamespace(step_dir=lambda run, k: f"{run}/iter_{k}"))
+    r = Run(SimpleNamespace(max_steps=3), SimpleNamespace(uri=lambda: "/run"), "base", None, None,  # type: ignore
+            _Metrics(), "base")
+
+    @flow
+    def toy() -> None:
+        ahead = None
+        for k in range(3):
+            r.iteration, r.here, r.results = k, f"/run/iter_{k}", {}
+            ahead = _iterate_ahead(decl, steps, r, ahead, 1)  # type: ignore[arg-type]
+        assert ahead is None
+
+    toy()
+    starts = [e[1:] for e in events if e[0] == "rollout start"]
+    assert starts == [(0, "base", "/run/iter_0"), (1, "base", "/run/iter_1"), (2, "ckpt0", "/run/iter_2")]
+    assert [e[1:] for e in events if e[0] == "train start"] == [(0, "base"), (1, "ckpt0"), (2, "ckpt1")]
+    for k in (1, 2):  # started before the previous iteration's training ended
+        assert events.index(("rollout start", *starts[k])) < events.index(("train end", k - 1)), events
+    assert {k: m["rollout/staleness"] for (k, stage), m in r.metrics.values.items() if stage == "rollout"} == \
+        {0: 0.0, 1: 1.0, 2: 1.0}
+    assert r.metrics.values[(2, "rollout")]["rollout/overlap_seconds"] > 0
+    assert r.checkpoint == "ckpt2" and r.iteration == 2
