@@ -1,7 +1,13 @@
 """Asynchronous generation (ROLL's ``async_generation_ratio``, issue 46): the option's load-time rules, its fixed
-schedule, and the loop's overlap of a rollout with the previous iteration's training."""
+schedule, and a real tiny run with r = 1 (Prefect, local Ray, HF engine, DeepSpeed) whose rollouts are played one
+iteration behind the policy trained, with the train/infer importance weight on by default."""
 
 from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -9,6 +15,10 @@ from flows.loop import async_lag, played_with
 from schemas.config import validate_config
 from schemas.errors import ConfigError
 from schemas.train_flow_config import TrainFlowConfig
+from tests.trainflow.test_train_flow import _rollflow, _table, _tiny_args
+
+REPO = Path(__file__).resolve().parents[2]
+ITERATIONS = 3
 
 
 def test_async_option_turns_the_importance_weight_on_unless_the_user_set_a_correction():
@@ -25,6 +35,16 @@ def test_async_option_turns_the_importance_weight_on_unless_the_user_set_a_corre
     assert not mine.enabled and mine.upper_bound == 2.0  # the user's setting wins, whole
     with pytest.raises(ConfigError, match="async_generation_ratio"):
         validate_config(TrainFlowConfig, {"async_generation_ratio": -1})
+
+
+def test_both_pipelines_take_the_option_and_the_h100_configs_are_refused_with_r_above_0():
+    from schemas.config import load_config
+    from schemas.rlvr_train_config import RLVRTrainConfig
+
+    rlvr = load_config(RLVRTrainConfig, REPO / "configs/rlvr_train_add2.yaml", {"async_generation_ratio": 2})
+    assert async_lag(rlvr) == 2 and rlvr.train.train_infer_correction.is_weight.enabled
+    with pytest.raises(ConfigError, match="engines GPUs of their own"):  # colocated on GPU 0
+        load_config(TrainFlowConfig, REPO / "configs/train_frozenlake_grpo_h100.yaml", {"async_generation_ratio": 1})
 
 
 def test_async_with_engines_colocated_with_training_is_refused_with_the_fix():
@@ -114,3 +134,71 @@ def test_the_loop_plays_the_next_rollout_during_training_with_the_scheduled_chec
         {0: 0.0, 1: 1.0, 2: 1.0}
     assert r.metrics.values[(2, "rollout")]["rollout/overlap_seconds"] > 0
     assert r.checkpoint == "ckpt2" and r.iteration == 2
+
+
+def _async_args(runs_dir: Path, name: str) -> list[str]:
+    """The tiny run of tests/trainflow/test_train_flow.py, three iterations, generating one iteration ahead; evaluated
+    before training and after iteration 1 (the evaluation waits for the rollout in flight). The actor's learning rate
+    is high enough (0.05; the shipped 1e-5 moves the tiny model's log-probs by less than the float32 noise between
+    the engine and the forward workers) that a policy one step behind samples with other log-probs."""
+    return [*_tiny_args(runs_dir, name), "--set", f"max_steps={ITERATIONS}", "--set", "eval.eval_steps=2",
+            "--set", "train.actor_train.training_args.learning_rate=0.05", "--set", "async_generation_ratio=1"]
+
+
+@pytest.fixture(scope="module")
+def async_run(tmp_path_factory, cli_env) -> Path:
+    root = tmp_path_factory.mktemp("async")
+    done = _rollflow(*_async_args(root, "a"), env=cli_env)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return root / "a"
+
+
+def _manifest(folder: Path) -> dict:
+    return json.loads((folder / "manifest.json").read_text())
+
+
+@pytest.mark.slow
+def test_rollouts_play_one_iteration_behind_and_training_weighs_the_stale_tokens(async_run, cli_env):
+    import numpy as np
+    import pyarrow.dataset as pads
+
+    from stages.generation.model_store import tiny_random_model_dir
+
+    run = async_run
+    base = str(Path(tiny_random_model_dir()).resolve())
+    policy = [base] + [str((run / f"iter_{k:04d}/checkpoint").resolve()) for k in range(ITERATIONS)]
+    for k in range(ITERATIONS):
+        played = _manifest(run / f"iter_{k:04d}/rollout/episodes")["state_in"]["checkpoint"]["path"]
+        trained = _manifest(run / f"iter_{k:04d}/logprobs")["section"]["checkpoint"]
+        assert played == policy[max(0, k - 1)] and Path(trained).resolve() == Path(policy[k]), (k, played, trained)
+        for turn in (run / f"iter_{k:04d}/rollout/turns").iterdir():  # every turn with the same weights
+            assert _manifest(turn)["state_in"]["checkpoint"]["path"] == played, (k, turn)
+    metrics = pads.dataset(str(run / "metrics")).to_table().to_pylist()
+    stale = {m["iteration"]: m["value"] for m in metrics if m["name"] == "rollout/staleness"}
+    assert stale == {0: 0.0, 1: 1.0, 2: 1.0}, stale
+    assert {m["iteration"] for m in metrics if m["name"] == "rollout/overlap_seconds"} == {0, 1, 2}
+    assert not [m for m in metrics if m["stage"] == "engine"], "engines of their own never sleep"
+    assert {m["iteration"] for m in metrics if m["stage"] == "eval"} == {0, 2}
+    # the training section of every step weighs the tokens by e^(old - infer), clamped to 1.2 (ROLL's is_weight)
+    for k in range(ITERATIONS):
+        section = _manifest(run / f"iter_{k:04d}/checkpoint")["section"]
+        assert section["train_infer_correction"]["is_weight"] == {"enabled": True, "weight_type": "token",
+                                                                  "upper_bound": 1.2}, (k, section)
+    # ... against the engine's recorded log-probs (infer_logprobs), which differ from the trained policy's (old) by
+    # float32 noise alone when the rollout played that policy (iteration 0), and by the step between when it played
+    # the policy one step behind
+    def mismatch(k: int) -> float:
+        table = _table(run / f"iter_{k:04d}/advantaged").select(["old_log_probs", "infer_logprobs"]).to_pylist()
+        old = np.concatenate([r["old_log_probs"] for r in table])
+        infer = np.concatenate([r["infer_logprobs"] for r in table])
+        sampled = infer != 0  # next-token aligned, 0 off the response
+        assert sampled.any()
+        return float(np.abs(old - infer)[sampled].mean())
+
+    assert mismatch(1) > 20 * mismatch(0) and mismatch(2) > 20 * mismatch(0), [mismatch(k) for k in range(3)]
+
+    shown = subprocess.run([sys.executable, "-m", "flows.cli", "lineage", str(run / "iter_0002/rollout/samples")],
+                           cwd=REPO, env=cli_env, capture_output=True, text=True, timeout=300)
+    assert shown.returncode == 0, shown.stderr[-2000:]
+    assert f"played with {policy[1]}" in shown.stdout, shown.stdout
+
