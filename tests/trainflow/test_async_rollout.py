@@ -203,3 +203,36 @@ def test_rollouts_play_one_iteration_behind_and_training_weighs_the_stale_tokens
     assert shown.returncode == 0, shown.stderr[-2000:]
     assert f"played with {policy[1]}" in shown.stdout, shown.stdout
 
+
+@pytest.mark.slow
+def test_a_run_sigkilled_during_the_overlap_resumes_to_the_uninterrupted_result(async_run, prefect_server, ray_cluster,
+                                                                                 tmp_path):
+    """SIGKILLed whole (CLI, its own Ray, Prefect) once iteration 1's rollout, played ahead, committed its first
+    turn while iteration 0's later steps run (its checkpoint not committed yet), then ``rollflow train --resume``:
+    the in-flight rollout continues from its committed turns with the checkpoint the schedule names, and every
+    table and weight of the three iterations equals the uninterrupted run's (seeded sampling)."""
+    import numpy as np
+
+    from tests.processes import rollflow_here, sigkill_when
+    from tests.trainflow.test_train_flow import _assert_same_rows, _env, _weights
+
+    runs, name = tmp_path / "runs", async_run.name  # the run name the samples' ids derive from
+    run = runs / name
+    first_turn = run / "iter_0001/rollout/turns/turn_000/manifest.json"
+    sigkill_when([sys.executable, "-m", "flows.cli", *_async_args(runs, name)], first_turn.exists,
+                 tmp_path / "killed.log", env={**_env(tmp_path), "PYTHONPATH": str(REPO)}, cwd=str(REPO),
+                 what=str(first_turn), whole_group=True)
+    assert not (run / "iter_0000/checkpoint/manifest.json").exists(), "killed during the overlap"
+    resumed = rollflow_here("train", "--resume", str(run), "--no-report", api_url=prefect_server.api_url)
+    assert resumed.exit_code == 0, resumed.output[-3000:]
+    replayed = [line for line in resumed.stdout.splitlines() if line.startswith("[iteration 1] rollout turn 0:")]
+    assert replayed and replayed[0].endswith("(committed earlier, skipped)"), resumed.stdout[-3000:]
+    for k in range(ITERATIONS):
+        for stage in ("rollout/samples", "logprobs", "rewarded", "advantaged"):
+            _assert_same_rows(_table(run / f"iter_{k:04d}" / stage), _table(async_run / f"iter_{k:04d}" / stage),
+                              (k, stage))
+        got, want = _weights(run / f"iter_{k:04d}/checkpoint"), _weights(async_run / f"iter_{k:04d}/checkpoint")
+        assert got.keys() == want.keys()
+        for key in got:
+            np.testing.assert_allclose(got[key], want[key], rtol=1e-5, atol=1e-6, err_msg=f"iter {k} {key}")
+    _assert_same_rows(_table(run / "iter_0001/eval/samples"), _table(async_run / "iter_0001/eval/samples"), "eval")
