@@ -63,6 +63,9 @@ def _describe(manifest: dict | None) -> str:
     if manifest is None:
         return "stored table (no manifest)"
     text = f"stage {manifest.get('stage')} v{manifest.get('version')}, {manifest.get('rows', 0):,} rows"
+    played = (manifest.get("state_in") or {}).get("checkpoint")
+    if isinstance(played, dict) and "path" in played:  # a rollout's turns, RLVR's responses: the policy generating
+        text += f", played with {played['path']}"
     if "created_unix" in manifest:
         text += dt.datetime.fromtimestamp(manifest["created_unix"], dt.timezone.utc).strftime(", %Y-%m-%d %H:%M UTC")
     return text

@@ -7,19 +7,29 @@ resource plan, engine pool, kept workers), records each step's metrics and progr
 after generation, threads the state the stages carry from one iteration to the next (their declarations'
 ``carries``, schemas/stage_specs.py), keeps the training checkpoints, and closes what the run holds at its end.
 ``flows/agentic.py`` and ``flows/rlvr.py`` hold the two declarations and no loop of their own.
+
+With ``async_generation_ratio: r > 0`` (ROLL's option) the generation step of iteration k + 1 is submitted to the
+flow's task runner (a Prefect task) as soon as iteration k's rollout is in, and plays while iteration k's later steps
+run, with the policy after ``max(0, k + 1 - ceil(r))`` training steps (:func:`played_with`, a fixed schedule: a resumed
+run replays the same choice); the evaluation waits for it, as it shares the engines. ``r = 0`` runs the steps in
+turn, as before.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 from prefect.context import FlowRunContext
 
+from prefect.utilities.annotations import quote
+
 from flows.pipeline_specs import PipelineSpec
-from flows.runkit import (KeptWorkers, advantages_task, logprobs_task, record, rewards_task, sleep_engines, start_run,
-                          train_and_keep, values_task)
+from flows.runkit import (KeptWorkers, advantages_task, logprobs_task, record, rewards_task, sleep_engines, stage_task,
+                          start_run, train_and_keep, values_task)
 from schemas.stage_specs import is_declared, stage_spec
 from stages.metrics import MetricsLog
 from stages.storage import Location
@@ -141,7 +151,13 @@ class PipelineFlow:
 
 
 def _run_step(step: IterStep, r: Run) -> None:
-    result = step.run(r)
+    _keep_result(step, r, step.run(r))
+    if step.generation:
+        sleep_engines(r.pool, r.metrics, r.iteration)
+
+
+def _keep_result(step: IterStep, r: Run, result: Any, extra: dict | None = None) -> None:
+    """Keep and record ``result``, what ``step`` returned in this iteration (``extra``: more metrics to record)."""
     r.results[step.name] = result
     k = r.iteration
     if step.trains:  # train_and_keep recorded it
@@ -151,10 +167,11 @@ def _run_step(step: IterStep, r: Run) -> None:
         for name in step.records:
             r.results[name] = result[name]
             record(r.metrics, k, name, result[name])
+    elif extra:
+        values = step.metrics(result) if step.metrics else dict(getattr(result, "metrics", None) or {})
+        record(r.metrics, k, step.name, result, {**values, **extra})
     else:
         record(r.metrics, k, step.name, result, step.metrics(result) if step.metrics else None)
-    if step.generation:
-        sleep_engines(r.pool, r.metrics, k)
 
 
 def run_steps(steps: Sequence[IterStep], r: Run) -> dict[str, Any]:
@@ -223,6 +240,88 @@ def _train(r: Run) -> Any:
 TRAIN_STEP = IterStep("train", _train, trains=True)  # the training step every iteration ends with
 
 
+# Asynchronous generation (ROLL's async_generation_ratio, issue 46): the generation step of iteration k + 1 runs as a
+# Prefect task (the flow's task runner) while iteration k's later steps run on the flow's thread.
+
+def async_lag(config) -> int:
+    """How many iterations a rollout's policy may be behind the one trained: ceil(async_generation_ratio); 0 runs
+    each iteration's steps in turn."""
+    return math.ceil(getattr(config, "async_generation_ratio", 0) or 0)
+
+
+def played_with(iteration: int, lag: int) -> int:
+    """The policy (its number of training steps) the rollout of ``iteration`` plays with: ``max(0, iteration -
+    lag)`` — a fixed schedule, so a resumed run chooses the same checkpoint; ``iteration`` itself when in turn."""
+    return max(0, iteration - lag)
+
+
+@dataclass
+class Ahead:
+    """The generation step of ``iteration`` played ahead (``future``: of :func:`_generate`), and the seconds the
+    flow's thread was busy with the previous iteration's later steps meanwhile (``busy``: start, end)."""
+
+    iteration: int
+    policy: int  # the training steps of the checkpoint it plays with
+    future: Any
+    busy: tuple[float, float] = (0.0, 0.0)
+
+    def overlap_seconds(self, start: float, end: float) -> float:
+        """Seconds the generation (``start``..``end``) and the flow's later steps both ran."""
+        return max(0.0, min(end, self.busy[1]) - max(start, self.busy[0]))
+
+
+@stage_task("generation ahead")
+def _generate(step: IterStep, r: Run) -> tuple[Any, float, float]:
+    """``step`` of the iteration ``r`` is set to (with its checkpoint loaded before its first turn and kept until its
+    last): its result and when it started and ended."""
+    start = time.time()
+    result = step.run(r)
+    return result, start, time.time()
+
+
+def _generation_run(flow: PipelineFlow, r: Run, iteration: int, lag: int) -> Run:
+    """What the generation step of ``iteration`` reads: the run with that iteration's folder and the checkpoint of
+    :func:`played_with` (the initial policy, or the one iteration ``played_with - 1`` committed)."""
+    policies = [r.base, *r.trained]  # policy after j training steps, j = 0..
+    return dataclasses.replace(r, iteration=iteration, here=flow.spec.step_dir(r.run.uri(), iteration), results={},
+                               checkpoint=policies[played_with(iteration, lag)])
+
+
+def _play_ahead(flow: PipelineFlow, step: IterStep, r: Run, iteration: int, lag: int) -> Ahead:
+    """Submit the generation step of ``iteration`` to the flow's task runner."""
+    return Ahead(iteration, played_with(iteration, lag),
+                 _generate.submit(quote(step), quote(_generation_run(flow, r, iteration, lag))))
+
+
+def _iterate_ahead(flow: PipelineFlow, steps: list[IterStep], r: Run, ahead: Ahead | None, lag: int) -> Ahead | None:
+    """Iteration ``r.iteration`` with its generation played ahead: its rollout is the one submitted during the
+    previous iteration (played now when none is: the first iteration), recorded with its staleness (training steps
+    between its checkpoint and the trained one) and overlap; the next iteration's rollout is submitted before this
+    one's later steps run. The engines never sleep (they have devices of their own). Returns the rollout in flight."""
+    k, last = r.iteration, r.config.max_steps - 1
+    busy = time.time()
+    for step in steps:
+        if not step.generation:
+            _run_step(step, r)
+            continue
+        if ahead is None or ahead.iteration != k:  # nothing in flight: play it now
+            ahead = _play_ahead(flow, step, r, k, lag)
+        result, start, end = ahead.future.result()
+        _keep_result(step, r, result, {"rollout/staleness": float(k - ahead.policy),
+                                       "rollout/overlap_seconds": ahead.overlap_seconds(start, end)})
+        ahead = _play_ahead(flow, step, r, k + 1, lag) if k < last else None
+        busy = time.time()
+    if ahead is not None:
+        ahead.busy = (busy, time.time())
+    return ahead
+
+
+def _join(ahead: Ahead | None) -> None:
+    """Wait for the rollout in flight (its errors are raised where its result is read)."""
+    if ahead is not None:
+        ahead.future.wait()
+
+
 def run_pipeline(flow: PipelineFlow, config, cfg: dict) -> dict:
     """Run (or resume) the training run of ``config`` (validated from ``cfg``) as ``flow`` declares it. Returns the
     run's summary: its folder, one entry per iteration, the evaluation before training, seconds, last checkpoint."""
@@ -235,6 +334,8 @@ def run_pipeline(flow: PipelineFlow, config, cfg: dict) -> dict:
     ev = flow.evaluation
     every = ev.every(config)
     steps = [s for s in flow.iteration if s.when(config)]
+    lag = async_lag(config) if any(s.generation for s in steps) else 0
+    ahead: Ahead | None = None  # the generation step in flight (async_generation_ratio > 0)
     with MetricsLog(run.uri(), trackers=open_trackers(config, run, cfg)) as metrics:  # ROLL's track_with
         r.metrics = metrics
         try:
@@ -245,10 +346,14 @@ def run_pipeline(flow: PipelineFlow, config, cfg: dict) -> dict:
                 summary[flow.base_summary] = ev.summary(result)
             for k in range(config.max_steps):
                 r.iteration, r.here, r.results = k, flow.spec.step_dir(run.uri(), k), {}
-                for step in steps:
-                    _run_step(step, r)
+                if lag:
+                    ahead = _iterate_ahead(flow, steps, r, ahead, lag)
+                else:
+                    for step in steps:
+                        _run_step(step, r)
                 evaluated = None
                 if every and (k + 1) % every == 0:
+                    _join(ahead)  # the evaluation shares the engines: never while a rollout plays on them
                     when = f"after {flow.step_word} {k}"
                     result = ev.run(r, r.out(ev.dir), r.checkpoint, when)
                     # the metrics table files it under k + 1 (the policy after k + 1 steps); the line says when it ran
@@ -258,7 +363,14 @@ def run_pipeline(flow: PipelineFlow, config, cfg: dict) -> dict:
         finally:
             r.workers.close()
             pool.close()
+            _join_quietly(ahead)  # its engines are gone: it ends at once
             flow.close(r)
     summary["seconds"] = time.time() - started
     summary["checkpoint"] = r.checkpoint
     return summary
+
+
+def _join_quietly(ahead: Ahead | None) -> None:
+    """At the end of a run that failed (or was interrupted) with a rollout in flight: let it end, whatever it says."""
+    if ahead is not None:
+        ahead.future.wait(timeout=60)

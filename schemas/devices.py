@@ -122,3 +122,18 @@ def check_device_mappings(config) -> None:
                          "engines would keep their weights and KV cache on the GPU while those run; set "
                          f"{prefix}.sleep_level: 1 (weights offloaded to host memory, KV cache freed between "
                          "rollouts) or 2 (both discarded; the next weights are loaded on waking)")
+
+
+def check_async_placement(config) -> None:
+    """``async_generation_ratio > 0`` generates while the log-prob and training stages run, so the engines must not
+    share their GPUs with those roles (a colocated engine sleeps while they run); raises ValueError with the fix. A
+    run without ``device_mapping`` (the CPU, or GPUs Ray hands out whole) may overlap."""
+    ratio = getattr(config, "async_generation_ratio", 0)
+    partners = colocated_with(roles_of(config), "engine") if ratio > 0 else []
+    if partners:
+        prefix = config.engine_field
+        names = " and ".join(r.field for r in partners)
+        raise ValueError(f"async_generation_ratio is {ratio:g}, so the engines generate the next rollout while "
+                         f"{' and '.join(_LABELS[r.name] for r in partners)} run, but {prefix}.device_mapping equals "
+                         f"{names}: they share the GPUs; give the engines GPUs of their own (a {prefix}.device_mapping "
+                         "disjoint from the others), or set async_generation_ratio: 0 (colocated, in turn)")

@@ -8,10 +8,15 @@ from typing import ClassVar
 
 from pydantic import Field, field_validator, model_validator
 
-from schemas.devices import check_device_mappings
+from schemas.config import raw_section
+from schemas.devices import check_async_placement, check_device_mappings
 from schemas.names import run_name
 from schemas.tracking import TrackingOptions
 from schemas.train_config import ForwardConfig, TrainStepConfig, estimator_into_train
+
+
+# train.train_infer_correction of an asynchronous run that sets none (ROLL's token-level is_weight, spec §6.6)
+ASYNC_CORRECTION = {"is_weight": {"enabled": True, "weight_type": "token", "upper_bound": 1.2}}
 
 
 class RunOptions(TrackingOptions):
@@ -28,6 +33,13 @@ class RunOptions(TrackingOptions):
                                                    "model, SmolLM2-135M-Instruct converted from the shipped GGUF).")
     logprobs: ForwardConfig = Field(default_factory=ForwardConfig, description="old/ref log-prob stage.")
     train: TrainStepConfig = Field(default_factory=TrainStepConfig, description="Actor (and critic) training.")
+    async_generation_ratio: float = Field(
+        0.0, ge=0, description="ROLL's asynchronous generation: 0 runs each iteration's stages in turn; r > 0 "
+                               "generates iteration k+1's rollout while iteration k's log-probs, rewards, advantages "
+                               "and training run, with the policy after max(0, k+1 - ceil(r)) training steps (at most "
+                               "ceil(r) iterations old). The engines need devices of their own (no device_mapping "
+                               "shared with training); train.train_infer_correction defaults to ROLL's token-level "
+                               "is_weight (upper_bound 1.2) against the engines' log-probs.")
 
     @field_validator("run_name")
     @classmethod
@@ -47,6 +59,19 @@ class RunOptions(TrackingOptions):
         if not isinstance(data, dict) or "adv_estimator" not in cls.model_fields:
             return data
         return estimator_into_train(data, cls.model_fields["adv_estimator"].default)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _async_correction(cls, data: dict) -> dict:
+        """With ``async_generation_ratio > 0`` the rollouts are played by an older policy than the one trained, so
+        the training section corrects for it by default (ROLL's token-level importance weight e^(old - infer),
+        clamped to [0, 1.2], spec §6.6); a ``train.train_infer_correction`` the user wrote wins."""
+        if not isinstance(data, dict):
+            return data
+        ratio, train = data.get("async_generation_ratio", 0), raw_section(data, "train")
+        if train is None or not isinstance(ratio, (int, float)) or ratio <= 0 or "train_infer_correction" in train:
+            return data
+        return {**data, "train": {**train, "train_infer_correction": dict(ASYNC_CORRECTION)}}
 
     @model_validator(mode="after")
     def _reference_rule(self) -> "RunOptions":
@@ -73,4 +98,5 @@ class RunOptions(TrackingOptions):
         """ROLL's device_mapping rules: which roles share GPUs, and that a colocated engine sleeps between rollouts
         (schemas/devices.py)."""
         check_device_mappings(self)
+        check_async_placement(self)
         return self

@@ -1,0 +1,238 @@
+"""Asynchronous generation (ROLL's ``async_generation_ratio``, issue 46): the option's load-time rules, its fixed
+schedule, and a real tiny run with r = 1 (Prefect, local Ray, HF engine, DeepSpeed) whose rollouts are played one
+iteration behind the policy trained, with the train/infer importance weight on by default."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from flows.loop import async_lag, played_with
+from schemas.config import validate_config
+from schemas.errors import ConfigError
+from schemas.train_flow_config import TrainFlowConfig
+from tests.trainflow.test_train_flow import _rollflow, _table, _tiny_args
+
+REPO = Path(__file__).resolve().parents[2]
+ITERATIONS = 3
+
+
+def test_async_option_turns_the_importance_weight_on_unless_the_user_set_a_correction():
+    plain = validate_config(TrainFlowConfig, {})
+    assert plain.async_generation_ratio == 0 and not plain.train.train_infer_correction.is_weight.enabled
+    # r = 0 written out is the run of today: the same training section (the checkpoints' fingerprints hash it)
+    assert validate_config(TrainFlowConfig, {"async_generation_ratio": 0}).train == plain.train
+    on = validate_config(TrainFlowConfig, {"async_generation_ratio": 0.5}).train
+    assert on.train_infer_correction.is_weight.enabled and on.train_infer_correction.is_weight.upper_bound == 1.2
+    assert on.train_infer_correction.is_weight.weight_type == "token"
+    assert on.model_dump(mode="json")["train_infer_correction"]["is_weight"]["enabled"] is True  # fingerprinted
+    own = {"async_generation_ratio": 1, "train": {"train_infer_correction": {"is_weight": {"upper_bound": 2.0}}}}
+    mine = validate_config(TrainFlowConfig, own).train.train_infer_correction.is_weight
+    assert not mine.enabled and mine.upper_bound == 2.0  # the user's setting wins, whole
+    with pytest.raises(ConfigError, match="async_generation_ratio"):
+        validate_config(TrainFlowConfig, {"async_generation_ratio": -1})
+
+
+def test_both_pipelines_take_the_option_and_the_h100_configs_are_refused_with_r_above_0():
+    from schemas.config import load_config
+    from schemas.rlvr_train_config import RLVRTrainConfig
+
+    rlvr = load_config(RLVRTrainConfig, REPO / "configs/rlvr_train_add2.yaml", {"async_generation_ratio": 2})
+    assert async_lag(rlvr) == 2 and rlvr.train.train_infer_correction.is_weight.enabled
+    with pytest.raises(ConfigError, match="engines GPUs of their own"):  # colocated on GPU 0
+        load_config(TrainFlowConfig, REPO / "configs/train_frozenlake_grpo_h100.yaml", {"async_generation_ratio": 1})
+
+
+def test_async_with_engines_colocated_with_training_is_refused_with_the_fix():
+    colocated = {"rollout": {"engine": {"device_mapping": [0], "num_gpus_per_engine": 1, "sleep_level": 1}},
+                 "train": {"runtime": {"use_gpu": True, "num_workers": 1, "device_mapping": [0]}}}
+    validate_config(TrainFlowConfig, colocated)  # in turn: allowed
+    with pytest.raises(ConfigError, match="give the engines GPUs of their own"):
+        validate_config(TrainFlowConfig, {**colocated, "async_generation_ratio": 1})
+    apart = {"rollout": {"engine": {"device_mapping": [1], "num_gpus_per_engine": 1}}, "train": colocated["train"],
+             "async_generation_ratio": 1}
+    assert validate_config(TrainFlowConfig, apart).async_generation_ratio == 1
+
+
+def test_the_schedule_is_fixed_by_the_ratio():
+    config = validate_config(TrainFlowConfig, {"async_generation_ratio": 1.5})
+    assert async_lag(config) == 2 and async_lag(validate_config(TrainFlowConfig, {})) == 0
+    assert [played_with(k, 1) for k in range(4)] == [0, 0, 1, 2]
+    assert [played_with(k, 2) for k in range(4)] == [0, 0, 0, 1]
+    assert [played_with(k, 0) for k in range(4)] == [0, 1, 2, 3]
+
+
+class _Metrics:
+    """A stand-in for the metrics log: keeps what ``record`` logs, by (iteration, stage)."""
+
+    def __init__(self):
+        self.values: dict[tuple[int, str], dict] = {}
+
+    def has(self, iteration: int, stage: str) -> bool:
+        return (iteration, stage) in self.values
+
+    def log(self, iteration: int, stage: str, metrics: dict, wall_s: float | None = None) -> None:
+        self.values[(iteration, stage)] = dict(metrics)
+
+
+def test_the_loop_plays_the_next_rollout_during_training_with_the_scheduled_checkpoint():
+    """The loop's overlap itself (flows/loop.py), with two toy steps in a real Prefect flow: the rollout of iteration
+    k + 1 starts before iteration k's training ends, with the checkpoint ``played_with`` names, and is recorded with
+    its staleness at iteration k + 1; the flow's own Run is never changed by the rollout played ahead."""
+    import threading
+    import time
+    from types import SimpleNamespace
+
+    from prefect import flow
+
+    from flows.loop import IterStep, Run, _iterate_ahead
+
+    events: list[tuple] = []
+    lock = threading.Lock()
+
+    def note(*event) -> None:
+        with lock:
+            events.append(event)
+
+    def rollout(r: Run):
+        note("rollout start", r.iteration, r.checkpoint, r.here)
+        time.sleep(0.5)
+        note("rollout end", r.iteration)
+        return SimpleNamespace(metrics={"rollout/success_rate": 0.5}, seconds=0.5, output=r.out("rollout"))
+
+    def train(r: Run):
+        note("train start", r.iteration, r.checkpoint)
+        time.sleep(0.5)
+        r.trained.append(f"ckpt{r.iteration}")
+        note("train end", r.iteration)
+        return SimpleNamespace(output=f"ckpt{r.iteration}")
+
+    steps = [IterStep("rollout", rollout, generation=True), IterStep("train", train, trains=True)]
+    decl = SimpleNamespace(spec=SimpleNamespace(step_dir=lambda run, k: f"{run}/iter_{k}"))
+    r = Run(SimpleNamespace(max_steps=3), SimpleNamespace(uri=lambda: "/run"), "base", None, None,  # type: ignore
+            _Metrics(), "base")
+
+    @flow
+    def toy() -> None:
+        ahead = None
+        for k in range(3):
+            r.iteration, r.here, r.results = k, f"/run/iter_{k}", {}
+            ahead = _iterate_ahead(decl, steps, r, ahead, 1)  # type: ignore[arg-type]
+        assert ahead is None
+
+    toy()
+    starts = [e[1:] for e in events if e[0] == "rollout start"]
+    assert starts == [(0, "base", "/run/iter_0"), (1, "base", "/run/iter_1"), (2, "ckpt0", "/run/iter_2")]
+    assert [e[1:] for e in events if e[0] == "train start"] == [(0, "base"), (1, "ckpt0"), (2, "ckpt1")]
+    for k in (1, 2):  # started before the previous iteration's training ended
+        assert events.index(("rollout start", *starts[k])) < events.index(("train end", k - 1)), events
+    assert {k: m["rollout/staleness"] for (k, stage), m in r.metrics.values.items() if stage == "rollout"} == \
+        {0: 0.0, 1: 1.0, 2: 1.0}
+    assert r.metrics.values[(2, "rollout")]["rollout/overlap_seconds"] > 0
+    assert r.checkpoint == "ckpt2" and r.iteration == 2
+
+
+def _async_args(runs_dir: Path, name: str) -> list[str]:
+    """The tiny run of tests/trainflow/test_train_flow.py, three iterations, generating one iteration ahead; evaluated
+    before training and after iteration 1 (the evaluation waits for the rollout in flight). The actor's learning rate
+    is high enough (0.05; the shipped 1e-5 moves the tiny model's log-probs by less than the float32 noise between
+    the engine and the forward workers) that a policy one step behind samples with other log-probs."""
+    return [*_tiny_args(runs_dir, name), "--set", f"max_steps={ITERATIONS}", "--set", "eval.eval_steps=2",
+            "--set", "train.actor_train.training_args.learning_rate=0.05", "--set", "async_generation_ratio=1",
+            "--set", "reward_normalization.grouping=batch"]  # identity reads no group (schemas/config.py refuses one)
+
+
+@pytest.fixture(scope="module")
+def async_run(tmp_path_factory, cli_env) -> Path:
+    root = tmp_path_factory.mktemp("async")
+    done = _rollflow(*_async_args(root, "a"), env=cli_env)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return root / "a"
+
+
+def _manifest(folder: Path) -> dict:
+    return json.loads((folder / "manifest.json").read_text())
+
+
+@pytest.mark.slow
+def test_rollouts_play_one_iteration_behind_and_training_weighs_the_stale_tokens(async_run, cli_env):
+    import numpy as np
+    import pyarrow.dataset as pads
+
+    from stages.generation.model_store import tiny_random_model_dir
+
+    run = async_run
+    base = str(Path(tiny_random_model_dir()).resolve())
+    policy = [base] + [str((run / f"iter_{k:04d}/checkpoint").resolve()) for k in range(ITERATIONS)]
+    for k in range(ITERATIONS):
+        played = _manifest(run / f"iter_{k:04d}/rollout/episodes")["state_in"]["checkpoint"]["path"]
+        trained = _manifest(run / f"iter_{k:04d}/logprobs")["section"]["checkpoint"]
+        assert played == policy[max(0, k - 1)] and Path(trained).resolve() == Path(policy[k]), (k, played, trained)
+        for turn in (run / f"iter_{k:04d}/rollout/turns").iterdir():  # every turn with the same weights
+            assert _manifest(turn)["state_in"]["checkpoint"]["path"] == played, (k, turn)
+    metrics = pads.dataset(str(run / "metrics")).to_table().to_pylist()
+    stale = {m["iteration"]: m["value"] for m in metrics if m["name"] == "rollout/staleness"}
+    assert stale == {0: 0.0, 1: 1.0, 2: 1.0}, stale
+    assert {m["iteration"] for m in metrics if m["name"] == "rollout/overlap_seconds"} == {0, 1, 2}
+    assert not [m for m in metrics if m["stage"] == "engine"], "engines of their own never sleep"
+    assert {m["iteration"] for m in metrics if m["stage"] == "eval"} == {0, 2}
+    # the training section of every step weighs the tokens by e^(old - infer), clamped to 1.2 (ROLL's is_weight)
+    for k in range(ITERATIONS):
+        section = _manifest(run / f"iter_{k:04d}/checkpoint")["section"]
+        assert section["train_infer_correction"]["is_weight"] == {"enabled": True, "weight_type": "token",
+                                                                  "upper_bound": 1.2}, (k, section)
+    # ... against the engine's recorded log-probs (infer_logprobs), which differ from the trained policy's (old) by
+    # float32 noise alone when the rollout played that policy (iteration 0), and by the step between when it played
+    # the policy one step behind
+    def mismatch(k: int) -> float:
+        table = _table(run / f"iter_{k:04d}/advantaged").select(["old_log_probs", "infer_logprobs"]).to_pylist()
+        old = np.concatenate([r["old_log_probs"] for r in table])
+        infer = np.concatenate([r["infer_logprobs"] for r in table])
+        sampled = infer != 0  # next-token aligned, 0 off the response
+        assert sampled.any()
+        return float(np.abs(old - infer)[sampled].mean())
+
+    assert mismatch(1) > 20 * mismatch(0) and mismatch(2) > 20 * mismatch(0), [mismatch(k) for k in range(3)]
+
+    shown = subprocess.run([sys.executable, "-m", "flows.cli", "lineage", str(run / "iter_0002/rollout/samples")],
+                           cwd=REPO, env=cli_env, capture_output=True, text=True, timeout=300)
+    assert shown.returncode == 0, shown.stderr[-2000:]
+    assert f"played with {policy[1]}" in shown.stdout, shown.stdout
+
+
+@pytest.mark.slow
+def test_a_run_sigkilled_during_the_overlap_resumes_to_the_uninterrupted_result(async_run, prefect_server, ray_cluster,
+                                                                                 tmp_path):
+    """SIGKILLed whole (CLI, its own Ray, Prefect) once iteration 1's rollout, played ahead, committed its first
+    turn while iteration 0's later steps run (its checkpoint not committed yet), then ``rollflow train --resume``:
+    the in-flight rollout continues from its committed turns with the checkpoint the schedule names, and every
+    table and weight of the three iterations equals the uninterrupted run's (seeded sampling)."""
+    import numpy as np
+
+    from tests.processes import rollflow_here, sigkill_when
+    from tests.trainflow.test_train_flow import _assert_same_rows, _env, _weights
+
+    runs, name = tmp_path / "runs", async_run.name  # the run name the samples' ids derive from
+    run = runs / name
+    first_turn = run / "iter_0001/rollout/turns/turn_000/manifest.json"
+    sigkill_when([sys.executable, "-m", "flows.cli", *_async_args(runs, name)], first_turn.exists,
+                 tmp_path / "killed.log", env={**_env(tmp_path), "PYTHONPATH": str(REPO)}, cwd=str(REPO),
+                 what=str(first_turn), whole_group=True)
+    assert not (run / "iter_0000/checkpoint/manifest.json").exists(), "killed during the overlap"
+    resumed = rollflow_here("train", "--resume", str(run), "--no-report", api_url=prefect_server.api_url)
+    assert resumed.exit_code == 0, resumed.output[-3000:]
+    replayed = [line for line in resumed.stdout.splitlines() if line.startswith("[iteration 1] rollout turn 0:")]
+    assert replayed and replayed[0].endswith("(committed earlier, skipped)"), resumed.stdout[-3000:]
+    for k in range(ITERATIONS):
+        for stage in ("rollout/samples", "logprobs", "rewarded", "advantaged"):
+            _assert_same_rows(_table(run / f"iter_{k:04d}" / stage), _table(async_run / f"iter_{k:04d}" / stage),
+                              (k, stage))
+        got, want = _weights(run / f"iter_{k:04d}/checkpoint"), _weights(async_run / f"iter_{k:04d}/checkpoint")
+        assert got.keys() == want.keys()
+        for key in got:
+            np.testing.assert_allclose(got[key], want[key], rtol=1e-5, atol=1e-6, err_msg=f"iter {k} {key}")
+    _assert_same_rows(_table(run / "iter_0001/eval/samples"), _table(async_run / "iter_0001/eval/samples"), "eval")
