@@ -490,7 +490,7 @@ def train_step(rows: TokenRows, actor: Engine | None, critic: Engine | None, cfg
     ``step``: training steps done before this one (seeds the shuffle; the actor waits for ``critic_warmup``).
     ``progress``: a :class:`stages.progress.Ticker` told this rank's micro-batches (total, then one by one), or None."""
     start, cpu_start = time.perf_counter(), time.process_time()
-    rows = apply_train_infer_correction(rows, cfg)
+    rows, correction = apply_train_infer_correction(rows, cfg)
     lengths, loss_tokens, final_tokens = rows.lengths, rows.loss_tokens(), rows.final_tokens()
     per_step: list[Metrics] = []
     tokens = padded = 0
@@ -520,6 +520,7 @@ def train_step(rows: TokenRows, actor: Engine | None, critic: Engine | None, cfg
     counts = _gather((tokens, padded), dist)
     report = StepReport(mean_metrics(per_step), per_step, sum(c[0] for c in counts), sum(c[1] for c in counts),
                         time.perf_counter() - start, time.process_time() - cpu_start)
+    report.metrics.update(correction)
     report.metrics["system/tokens"] = float(report.tokens)
     report.metrics["system/padding_ratio"] = 1.0 - report.tokens / max(1, report.padded_tokens)
     return report
@@ -530,21 +531,23 @@ def _zip_longest(a: list[Metrics], b: list[Metrics]) -> list[Metrics]:
     return [{**(a[i] if i < len(a) else {}), **(b[i] if i < len(b) else {})} for i in range(n)]
 
 
-def apply_train_infer_correction(rows: TokenRows, cfg: TrainSection) -> TokenRows:
+def apply_train_infer_correction(rows: TokenRows, cfg: TrainSection) -> tuple[TokenRows, Metrics]:
     """ROLL's pipeline-level train/infer correction (spec §6.6, recompute on): with ``old_log_probs`` and
     ``infer_logprobs`` present and a correction configured, add ``train_infer_is_weight`` and filter the response
-    mask before the normalisers are counted. Per-row math, so it runs on the whole table at once."""
+    mask before the normalisers are counted; the correction's metrics (the weight's statistics, the filtered
+    share) go into the step's. Per-row math, so it runs on the whole table at once."""
     c = cfg.train_infer_correction  # the section is a LossOptions: the typed correction itself
     configured = c.is_weight.enabled or any(f.enabled for f in c.filters)
     if not configured or "old_log_probs" not in rows.next_token or "infer_logprobs" not in rows.next_token:
-        return rows
+        return rows, {}
     mb = pad_micro_batch(rows, np.arange(rows.num_rows))
     batch = {"response_mask": mb.response_mask, "old_log_probs": mb.next_token["old_log_probs"],
              "infer_logprobs": mb.next_token["infer_logprobs"]}
-    out, _ = apply_train_infer_correction_to_batch(c, batch, roll_compat=cfg.roll_compat)
+    out, metrics = apply_train_infer_correction_to_batch(c, batch, roll_compat=cfg.roll_compat)
     mask = Ragged.from_padded(out["response_mask"].numpy().astype(np.int64), rows.lengths)
     weight = unpad_next_token(out["train_infer_is_weight"], rows.lengths)
-    return rows.with_response_mask(mask).with_next_token("train_infer_is_weight", weight)
+    return rows.with_response_mask(mask).with_next_token("train_infer_is_weight", weight), \
+        {k: float(v) for k, v in metrics.items()}
 
 
 # ---- load, train, save ------------------------------------------------------------------------------------------

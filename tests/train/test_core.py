@@ -213,12 +213,14 @@ def test_train_infer_filter_masks_tokens_before_the_counts(dist, tiny_model, tab
     cfg = section(train_infer_correction={"is_weight": {"enabled": True, "upper_bound": 2.0},
                                           "filters": [{"enabled": True, "ratio_low": 0.8, "ratio_high": 1.2}]})
     rows = rows_of_table(t, "t")
-    corrected = apply_train_infer_correction(rows, cfg)
+    corrected, metrics = apply_train_infer_correction(rows, cfg)
     assert corrected.loss_tokens().sum() < rows.loss_tokens().sum()
+    assert metrics and all(np.isfinite(v) for v in metrics.values()), metrics
     w = corrected.next_token["train_infer_is_weight"]
     assert (w.lengths == rows.lengths - 1).all() and w.values.max() <= 2.0
     engine = Engine(load_actor_model(str(tiny_model), None), cfg.actor_train, dist, "actor")
-    assert np.isfinite(train_step(rows, engine, None, cfg, dist, 0, 0).metrics["actor/pg_loss"])
+    step = train_step(rows, engine, None, cfg, dist, 0, 0).metrics
+    assert np.isfinite(step["actor/pg_loss"]) and metrics.items() <= step.items()  # the step reports the correction
 
 
 def test_critic_head_is_seeded_and_the_critic_learns_the_returns(dist, tiny_model, table):
