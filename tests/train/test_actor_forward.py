@@ -121,6 +121,8 @@ def test_actor_group_of_one_rank_equals_the_forward_pool_bit_for_bit_and_trains_
     assert run_logprobs(str(samples), str(tiny_model), ONE_BATCH, str(tmp_path / "g0")).skipped
     assert read_manifest(Location.of(str(tmp_path / "g0")))["metrics"]["logprobs/tokens"] == pool.metrics["logprobs/tokens"]
     assert not (tmp_path / "g0" / "_partials").exists()
+    # one block a rank's part: one write task, one output file (not Ray Data's split of a part into 4 blocks)
+    assert [p.name for p in (tmp_path / "g0").glob("*.parquet")] == ["part-00000.parquet"]
 
 
 @pytest.mark.slow
