@@ -107,8 +107,10 @@ def process_kind(cmdline: list[str], name: str) -> str:
 
 def watched(cmd: list[str], cwd: Path, env: dict) -> tuple[int, float, Counter]:
     """Run ``cmd`` to its end; return the distinct processes seen below it, the peak summed RSS (GiB) and the
-    processes by kind (:func:`process_kind`; a Ray worker counts as the first thing it ran other than ``ray::IDLE``,
-    so a worker that only ever waited counts as ``ray::IDLE``)."""
+    processes by kind (:func:`process_kind`; a Ray worker, which starts as ``workers/setup_worker.py`` and
+    ``default_worker.py``, counts as the first thing it ran other than ``ray::IDLE``, so a worker that only ever
+    waited counts as ``ray::IDLE``; short-lived helpers such as ``g++``, ``lscpu`` or ``sh`` count when a sample
+    catches them, so the total varies by a few between runs)."""
     import psutil
 
     proc = subprocess.Popen(cmd, cwd=cwd, env=env)
@@ -127,7 +129,8 @@ def watched(cmd: list[str], cwd: Path, env: dict) -> tuple[int, float, Counter]:
                 if p is root:
                     continue
                 key = (p.pid, p.create_time())
-                if kinds.get(key, "ray::IDLE") == "ray::IDLE":
+                seen = kinds.get(key, "ray::IDLE")
+                if seen == "ray::IDLE" or not seen.startswith("ray::"):  # a Ray worker starts as setup_worker.py
                     kinds[key] = process_kind(p.cmdline(), p.name())
             except psutil.Error:
                 continue
