@@ -35,6 +35,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections import Counter
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -71,10 +72,10 @@ def steady_share(times: dict[int, dict[str, float]]) -> tuple[float, list[dict[s
     return (sum(t["overhead_s"] for t in steady) / wall if wall else float("nan")), steady
 
 
-def run_quickstart(max_steps: int, repo: Path = REPO, runs: Path | None = None) -> tuple[Path, int, float]:
+def run_quickstart(max_steps: int, repo: Path = REPO, runs: Path | None = None) -> tuple[Path, int, float, Counter]:
     """Run the CPU quickstart for ``max_steps`` iterations from the checkout ``repo`` (its code on PYTHONPATH),
-    writing under ``runs`` (default: ``repo/runs``). Returns the run folder, the processes its command started and
-    the peak RSS of its process tree (GiB)."""
+    writing under ``runs`` (default: ``repo/runs``). Returns the run folder, the processes its command started,
+    the peak RSS of its process tree (GiB) and the processes by kind."""
     name = f"bench-overhead-{int(time.time())}"
     runs = runs or repo / "runs"
     cmd = [sys.executable, "-m", "flows.cli", "train", "--config", "configs/train_frozenlake_quickstart.yaml",
@@ -82,16 +83,38 @@ def run_quickstart(max_steps: int, repo: Path = REPO, runs: Path | None = None) 
            "--no-report"]
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     env["PYTHONPATH"] = str(repo)
-    processes, peak = watched(cmd, repo, env)
-    return runs / name, processes, peak
+    processes, peak, kinds = watched(cmd, repo, env)
+    return runs / name, processes, peak, kinds
 
 
-def watched(cmd: list[str], cwd: Path, env: dict) -> tuple[int, float]:
-    """Run ``cmd`` to its end; return the distinct processes seen below it and the peak summed RSS (GiB)."""
+def process_kind(cmdline: list[str], name: str) -> str:
+    """What a process is, from its command line: a Ray worker's title without its method or arguments
+    (``ray::TrainerGroup``, ``ray::ForwardServer``, ``ray::MapWorker(MapBatches(ForwardActor))``, ``ray::IDLE``), a
+    Python program's script or module (``dashboard/dashboard.py``, ``-m flows.cli``), else the executable's name
+    (``raylet``, ``gcs_server``)."""
+    line = " ".join(cmdline).strip()
+    if line.startswith("ray::"):
+        title = line.split(" ", 1)[0]
+        head, paren, rest = title.partition("(")
+        return head.rsplit(".", 1)[0] + paren + rest if "." in head[5:] else title
+    for i, arg in enumerate(cmdline):
+        if arg == "-m" and i + 1 < len(cmdline):
+            return f"-m {cmdline[i + 1]}"
+        if arg.endswith(".py"):
+            return "/".join(Path(arg).parts[-2:])
+    return Path(cmdline[0]).name if cmdline else name
+
+
+def watched(cmd: list[str], cwd: Path, env: dict) -> tuple[int, float, Counter]:
+    """Run ``cmd`` to its end; return the distinct processes seen below it, the peak summed RSS (GiB) and the
+    processes by kind (:func:`process_kind`; a Ray worker, which starts as ``workers/setup_worker.py`` and
+    ``default_worker.py``, counts as the first thing it ran other than ``ray::IDLE``, so a worker that only ever
+    waited counts as ``ray::IDLE``; short-lived helpers such as ``g++``, ``lscpu`` or ``sh`` count when a sample
+    catches them, so the total varies by a few between runs)."""
     import psutil
 
     proc = subprocess.Popen(cmd, cwd=cwd, env=env)
-    seen: set[tuple[int, float]] = set()
+    kinds: dict[tuple[int, float], str] = {}
     peak = 0.0
     root = psutil.Process(proc.pid)
     while proc.poll() is None:
@@ -102,27 +125,32 @@ def watched(cmd: list[str], cwd: Path, env: dict) -> tuple[int, float]:
             break
         for p in tree:
             try:
-                seen.add((p.pid, p.create_time()))
                 total += p.memory_info().rss
+                if p is root:
+                    continue
+                key = (p.pid, p.create_time())
+                seen = kinds.get(key, "ray::IDLE")
+                if seen == "ray::IDLE" or not seen.startswith("ray::"):  # a Ray worker starts as setup_worker.py
+                    kinds[key] = process_kind(p.cmdline(), p.name())
             except psutil.Error:
                 continue
         peak = max(peak, total / 2**30)
         time.sleep(0.2)
     if proc.wait() != 0:
         sys.exit(f"error: {' '.join(cmd)} exited {proc.returncode}")
-    return len(seen) - 1, peak  # the command itself is not started by the run
+    return len(kinds), peak, Counter(kinds.values())  # the command itself is not started by the run
 
 
 def compare(commit: str, max_steps: int) -> None:
     """The quickstart at ``commit`` (before) and in this checkout (after); prints the RESULT line."""
-    results = {}
+    results, kinds = {}, {}
     with tempfile.TemporaryDirectory(prefix="rollflow-before-") as tmp:
         old = Path(tmp) / "tree"
         subprocess.run(["git", "worktree", "add", "--detach", str(old), commit], cwd=REPO, check=True,
                        capture_output=True)
         try:
             for label, repo in (("before", old), ("after", REPO)):
-                run, processes, peak = run_quickstart(max_steps, repo, Path(tmp) / f"runs-{label}")
+                run, processes, peak, kinds[label] = run_quickstart(max_steps, repo, Path(tmp) / f"runs-{label}")
                 _, steady = steady_share(iteration_times(run))
                 results[label] = (processes, sum(t["wall_s"] for t in steady) / len(steady), peak)
                 print(f"{label}: {repo} processes={processes} iter_s={results[label][1]:.1f} "
@@ -130,6 +158,9 @@ def compare(commit: str, max_steps: int) -> None:
         finally:
             subprocess.run(["git", "worktree", "remove", "--force", str(old)], cwd=REPO, capture_output=True)
             shutil.rmtree(old, ignore_errors=True)
+    print(f"{'processes by kind':<60} {'before':>6} {'after':>6}")
+    for kind in sorted(set(kinds["before"]) | set(kinds["after"])):
+        print(f"{kind:<60} {kinds['before'][kind]:>6} {kinds['after'][kind]:>6}")
     (pb, ib, rb), (pa, ia, ra) = results["before"], results["after"]
     print(f"RESULT processes_before={pb} processes_after={pa} iter_s_before={ib:.1f} iter_s_after={ia:.1f} "
           f"rss_gib_before={rb:.2f} rss_gib_after={ra:.2f}")
@@ -144,7 +175,11 @@ def main() -> None:
     if args.compare:
         compare(args.compare, args.max_steps)
         return
-    run = args.run or run_quickstart(args.max_steps)[0]
+    if args.run:
+        run = args.run
+    else:
+        run, processes, _, kinds = run_quickstart(args.max_steps)
+        print(f"processes={processes}: " + ", ".join(f"{k} {n}" for k, n in sorted(kinds.items())))
     times = iteration_times(run)
     if not times:
         sys.exit(f"error: {run} has no training iteration in its metrics; give a run folder that trained")

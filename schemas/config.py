@@ -185,7 +185,8 @@ class RuntimeConfig(OmitDefaults):
         default_factory=dict, description="Custom Ray resources a stage's tasks and actors ask for, by stage, e.g. "
         "{train_step: {trainer_node: 1}}: the stage then runs only on the cluster's nodes that declare them (ray "
         "start --resources='{\"trainer_node\": 4}'). Stages: response_rewards, advantages (each map task), logprobs "
-        "(each forward worker, log-probs and values), train_step (each training worker). The amount is per task, "
+        "(each forward worker, log-probs and values; refused in a training run with kept workers, whose log-probs run "
+        "on the training workers: pin train_step), train_step (each training worker). The amount is per task, "
         "actor or worker. Where a stage runs does not change what it writes: not part of any fingerprint.")
 
     @field_validator("stage_resources")

@@ -100,3 +100,27 @@ class RunOptions(TrackingOptions):
         check_device_mappings(self)
         check_async_placement(self)
         return self
+
+    @model_validator(mode="after")
+    def _forward_workers_options(self) -> "RunOptions":
+        """With a kept training group (train.runtime.keep_workers, the default) the actor group computes the
+        log-prob and values stages where its workers run (issue 44, stages/train/actor_forward.py): no forward
+        worker exists, so the options that place or size one would be ignored. Refused rather than ignored."""
+        if not self.train.runtime.keep_workers:
+            return self
+        fix = ("the actor group computes the log-probs on the training workers (train.runtime.keep_workers: true); "
+               "{} or set train.runtime.keep_workers: false for forward workers of their own")
+        if self.logprobs.cpus_per_actor != ForwardConfig.model_fields["cpus_per_actor"].default:
+            raise ValueError(f"logprobs.cpus_per_actor is {self.logprobs.cpus_per_actor:g}, but no forward worker "
+                             "reserves it: " + fix.format("size them with train.runtime.cpus_per_worker and "
+                                                          "threads, remove logprobs.cpus_per_actor,"))
+        if self.logprobs.device == "cuda" and not self.train.runtime.use_gpu:
+            raise ValueError("logprobs.device is cuda, but the log-probs run on the CPU training workers "
+                             "(train.runtime.use_gpu: false): " + fix.format("set train.runtime.use_gpu: true to "
+                                                                             "run them on GPUs, remove "
+                                                                             "logprobs.device,"))
+        if "logprobs" in self.train.runtime.stage_resources:
+            raise ValueError("runtime.stage_resources.logprobs pins forward workers, but the log-probs run where "
+                             "the training workers run: " + fix.format("pin them with runtime.stage_resources."
+                                                                       "train_step, remove the logprobs entry,"))
+        return self

@@ -416,9 +416,14 @@ class ForwardConfig(OmitDefaults):
                                                     "(rows x padded length).")
     rows_per_batch: int = Field(64, gt=0, description="Rows handed to an actor at once (Ray Data batch).")
     num_actors: int = Field(1, gt=0, description="Most actors in the pool (each loads the model).")
-    cpus_per_actor: float = Field(1.0, gt=0, description="CPUs reserved per actor; torch threads = max(1, floor).")
+    cpus_per_actor: float = Field(1.0, gt=0, description="CPUs reserved per actor; torch threads = max(1, floor). "
+                                  "Forward workers only (rollflow logprobs / values, a training run with "
+                                  "train.runtime.keep_workers: false); a kept-group training run refuses another "
+                                  "value: its training workers compute the log-probs.")
     device: Literal["cpu", "cuda"] = Field("cpu", description="Where the forward models run: cpu, or cuda (each "
-                                           "actor reserves gpus_per_actor of a Ray GPU and uses the one Ray assigns).")
+                                           "actor reserves gpus_per_actor of a Ray GPU and uses the one Ray assigns). "
+                                           "A kept-group training run computes the log-probs where its training "
+                                           "workers run and refuses cuda without train.runtime.use_gpu.")
     gpus_per_actor: float = Field(1.0, gt=0, le=1, description="GPU share reserved per actor with device: cuda (a "
                                   "fraction lets actors, or other stages, share one GPU).")
     use_sequence_packing: bool = Field(False, description="Run each micro-batch's rows packed into one row without "

@@ -350,7 +350,10 @@ class _ForwardStage(Stage):
     def _build_on_group(self, ctx: StageContext):
         """The passes on the actor group: every rank writes its slice of the rows into ``_partials/actor`` of the
         temporary folder (removed with the counters once the output is written); the dataset reads them in rank
-        order, which is row order."""
+        order, which is row order, one block a part as :meth:`StageContext.read` does: one read-and-write task and
+        one output file per rank. (Without ``override_num_blocks`` Ray Data cut a part into 4 blocks, written as 4
+        files by tasks running at once, which the next stages read with 4 tasks: in a training run those parallel
+        tasks started Ray worker processes of their own; benchmarks/iteration_overhead.py counts them.)"""
         import ray.data
 
         c, section = self.config, ctx.section
@@ -363,7 +366,7 @@ class _ForwardStage(Stage):
         files = parts.parquet_files() if parts.exists() else []
         if not files:  # no rows
             return ctx.read("samples")
-        return ray.data.read_parquet(files, filesystem=parts.ray_filesystem())
+        return ray.data.read_parquet(files, filesystem=parts.ray_filesystem(), override_num_blocks=len(files))
 
     def finalize(self, ctx: StageContext, written: Location) -> tuple[dict[str, float], dict[str, Any]]:
         parts = read_partials(written)

@@ -226,7 +226,7 @@ def test_pinned_stages_hold_their_custom_resources_in_the_plan():
     advantage tasks during their phase; a cluster without the resource, or with too little, is refused with the fix."""
     from stages.plan import custom_needed
 
-    pins = {"logprobs": {"head_node": 1}, "train_step": {"trainer_node": 1}, "advantages": {"head_node": 0.5}}
+    pins = {"train_step": {"trainer_node": 1}, "advantages": {"head_node": 0.5}}  # logprobs: refused, kept workers
     config = load(REPO / "configs/train_frozenlake_quickstart.yaml", **{"runtime.stage_resources": pins,
                                                                        "train.runtime.num_workers": 2})
     plan = run_plan(config, {"CPU": 2.0, "GPU": 0.0, "head_node": 1.5, "trainer_node": 2.0})

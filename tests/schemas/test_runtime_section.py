@@ -15,7 +15,7 @@ from schemas.train_flow_config import TrainFlowConfig
 
 REPO = Path(__file__).resolve().parents[2]
 RUNTIME = {"num_cpus": 2, "batch_rows": 256, "data_memory_mb": 128.0, "ray_address": "ray://head:10001",
-           "stage_resources": {"train_step": {"trainer_node": 1.0}, "logprobs": {"head_node": 0.5}}}
+           "stage_resources": {"train_step": {"trainer_node": 1.0}, "advantages": {"head_node": 0.5}}}
 CLUSTER_FIELDS = tuple(RuntimeConfig.model_fields)
 
 
@@ -88,3 +88,30 @@ def test_a_bad_top_level_runtime_is_reported_once_where_it_was_written(model, pa
         load_config(model, REPO / path, {"runtime.batch_rows": 0, "runtime.bogus": 1})
     fields = [line.split(":")[0].strip() for line in str(err.value).splitlines()[1:]]
     assert fields == ["field 'runtime.batch_rows'", "field 'runtime.bogus'"], str(err.value)
+
+
+KEPT_GROUP_IGNORES = [
+    ({"logprobs": {"cpus_per_actor": 2}}, ["logprobs.cpus_per_actor is 2, but no forward worker reserves it",
+                                           "train.runtime.cpus_per_worker"]),
+    ({"logprobs": {"device": "cuda"}}, ["logprobs.device is cuda, but the log-probs run on the CPU training workers",
+                                        "set train.runtime.use_gpu: true"]),
+    ({"runtime": {"stage_resources": {"logprobs": {"head_node": 1}}}},
+     ["runtime.stage_resources.logprobs pins forward workers", "pin them with runtime.stage_resources.train_step"]),
+]
+
+
+@pytest.mark.parametrize("model, path", [(TrainFlowConfig, "configs/train_frozenlake_quickstart.yaml"),
+                                         (RLVRTrainConfig, "configs/rlvr_train_math.yaml")])
+@pytest.mark.parametrize("overrides, words", KEPT_GROUP_IGNORES)
+def test_forward_worker_options_are_refused_when_the_actor_group_computes_the_log_probs(model, path, overrides,
+                                                                                        words):
+    """A kept training group computes the log-probs (issue 44): no forward worker exists to reserve CPUs, a GPU or a
+    pinned node, so such an option is a ConfigError naming it and the fix, not ignored; with keep_workers: false
+    the run keeps forward workers of their own and takes it."""
+    with pytest.raises(ConfigError) as err:
+        load_config(model, REPO / path, overrides)
+    for text in [*words, "or set train.runtime.keep_workers: false"]:
+        assert text in str(err.value)
+    per_step = {**overrides, "train": {"runtime": {"keep_workers": False}}}
+    config = load_config(model, REPO / path, per_step)
+    assert not config.train.runtime.keep_workers

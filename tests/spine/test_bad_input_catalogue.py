@@ -211,8 +211,11 @@ PLAN = {
                                      ["rollout.engine.device_mapping equals logprobs.device_mapping and train.runtime.device_mapping",
                                       "sleep_level is 0", "set rollout.engine.sleep_level: 1"]),
     "plan-cpus-for-the-log-prob-actor": (["plan", "--config", "@quick", "--cpus", "2", "--gpus", "0", "--set",
-                                          "logprobs.cpus_per_actor=2"],
+                                          "logprobs.cpus_per_actor=2", "--set", "train.runtime.keep_workers=false"],
                                          ["the run needs 2.5 CPUs of Ray's 2", "logprobs.cpus_per_actor"]),
+    "plan-cpus-for-no-log-prob-actor": (["plan", "--config", "@quick", "--set", "logprobs.cpus_per_actor=2"],
+                                        ["logprobs.cpus_per_actor is 2, but no forward worker reserves it",
+                                         "set train.runtime.keep_workers: false"]),
 }
 
 RLVR = {
