@@ -8,7 +8,7 @@ from typing import ClassVar
 
 from pydantic import Field, field_validator, model_validator
 
-from schemas.config import raw_section
+from schemas.config import OmitDefaults, raw_section
 from schemas.devices import check_async_placement, check_device_mappings
 from schemas.names import run_name
 from schemas.tracking import TrackingOptions
@@ -19,10 +19,13 @@ from schemas.train_config import ForwardConfig, TrainStepConfig, estimator_into_
 ASYNC_CORRECTION = {"is_weight": {"enabled": True, "weight_type": "token", "upper_bound": 1.2}}
 
 
-class RunOptions(TrackingOptions):
+class RunOptions(TrackingOptions, OmitDefaults):
     """The run folder, its length, the initial policy, the log-prob and training sections, and where the metrics go
     besides the metrics table (:class:`TrackingOptions`: ROLL's track_with and tracker_kwargs)."""
 
+    # async_generation_ratio 0 (today's loop) is left out of the dump: a run's config.json and its hashes stay as
+    # before the option existed
+    omit_when_default: ClassVar[dict] = {"async_generation_ratio": 0.0}
     engine_field: ClassVar[str] = "engine"  # where the generation engine section sits (agentic: rollout.engine)
 
     run_name: str = Field("run", description="Folder name under runs_dir: letters, digits, '_', '-' and '.', not "
