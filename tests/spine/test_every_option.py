@@ -253,6 +253,12 @@ def _outputs(out: Path) -> dict[str, np.ndarray]:
     return result
 
 
+def _cases(table: dict) -> list:
+    """One test case per value of each option of ``table`` (option name -> how its stage runs it)."""
+    options = option_choices()
+    return [pytest.param(name, value, id=f"{name}={value}") for name in table for value in options[name]]
+
+
 def _differs(a: dict[str, np.ndarray], b: dict[str, np.ndarray]) -> bool:
     return a.keys() != b.keys() or any(a[k].shape != b[k].shape or not np.allclose(a[k], b[k], equal_nan=True)
                                        for k in a)
@@ -292,14 +298,7 @@ def chain(tiny_steps, tmp_path_factory):
     return run
 
 
-def _agentic_cases():
-    options = option_choices()
-    for name, (path, base) in AGENTIC_STAGES.items():
-        for value in options[name]:
-            yield pytest.param(name, value, id=f"{name}={value}")
-
-
-@pytest.mark.parametrize("name, value", list(_agentic_cases()))
+@pytest.mark.parametrize("name, value", _cases(AGENTIC_STAGES))
 def test_an_agentic_option_value_changes_the_stages_output_or_is_refused(name, value, chain):
     path, base = AGENTIC_STAGES[name]
     current = RecomputeConfig.model_validate(base)
@@ -357,14 +356,7 @@ def rlvr_chain(tmp_path_factory, ray_cluster):
     return run
 
 
-def _rlvr_cases():
-    options = option_choices()
-    for name in RLVR_STAGES:
-        for value in options[name]:
-            yield pytest.param(name, value, id=f"{name}={value}")
-
-
-@pytest.mark.parametrize("name, value", list(_rlvr_cases()))
+@pytest.mark.parametrize("name, value", _cases(RLVR_STAGES))
 def test_an_rlvr_option_value_changes_the_chains_output_or_is_refused(name, value, rlvr_chain):
     path, base = RLVR_STAGES[name]
     _check_value(name, value, path, base, rlvr_chain, RLVRConfig.model_fields[path].default)
@@ -411,14 +403,7 @@ def _merged(base: dict, data: dict) -> dict:
     return out
 
 
-def _rollout_cases():
-    options = option_choices()
-    for name in ROLLOUT_STAGES:
-        for value in options[name]:
-            yield pytest.param(name, value, id=f"{name}={value}")
-
-
-@pytest.mark.parametrize("name, value", list(_rollout_cases()))
+@pytest.mark.parametrize("name, value", _cases(ROLLOUT_STAGES))
 def test_a_rollout_option_value_changes_the_samples_or_is_refused(name, value, rollout_chain):
     from schemas.rollout_config import RolloutConfig
 
