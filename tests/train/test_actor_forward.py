@@ -14,7 +14,6 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-from schemas.config import validate_config
 from schemas.train_config import ForwardConfig, TrainStepConfig
 from stages.storage import Location, read_manifest
 from stages.train.actor_forward import evaluating, held_engine, rank_rows, why_not_held
@@ -25,6 +24,7 @@ from stages.train.group import TrainerGroup
 from stages.train.models import load_actor_model
 from stages.train.stage import ForwardJob, run_logprobs, run_train_step, run_values, train_section
 from tests.train.tables import advantaged_rows, read_folder, write_table
+from tests.train.test_core import section
 from tests.train.test_stage import direct
 
 pytestmark = pytest.mark.usefixtures("ray_cluster")
@@ -34,17 +34,8 @@ ONE_BATCH = ForwardConfig(max_tokens_per_microbatch_in_infer=64, rows_per_batch=
 
 
 def train_config(workers: int, **extra) -> TrainStepConfig:
-    base = {"adv_estimator": "grpo", "compute_entropy_metric": False,
-            "actor_train": {"training_args": {"learning_rate": 1e-3, "per_device_train_batch_size": 8},
-                            "max_tokens_per_microbatch_in_train": 96},
-            "runtime": {"num_workers": workers, "cpus_per_worker": 1.0}}
-    for key, value in extra.items():
-        node = base
-        *path, last = key.split(".")
-        for p in path:
-            node = node.setdefault(p, {})
-        node[last] = value
-    return validate_config(TrainStepConfig, base)
+    """test_core's training section on ``workers`` ranks of one CPU each."""
+    return section(**{"runtime.num_workers": workers, "runtime.cpus_per_worker": 1.0, **extra})
 
 
 @pytest.fixture(scope="module")
