@@ -192,13 +192,30 @@ class CustomEnvConfig(Frozen):
                                                           "max_actions_per_traj); default: env.max_steps.")
 
 
+# the fields of ROLL's mixed env manager, in the env manager and in the evaluation: left out of the dump while None
+MIXED_ENV_FIELDS = ("tags", "num_groups_partition")
+
+
+def tags_field(unset: str) -> Any:
+    """ROLL's ``tags`` of a section that plays environments (the rollout's env manager, the evaluation); ``unset``
+    says what leaving it out means there."""
+    return Field(None, min_length=1, description="ROLL's tags: the environments of a mixed rollout, each a key of "
+                                                 f"rollout.custom_envs or a registered environment; {unset}.")
+
+
+def partition_field(unset: str) -> Any:
+    """ROLL's ``num_groups_partition`` beside :func:`tags_field`; ``unset`` says what leaving it out means."""
+    return Field(None, description="ROLL's num_groups_partition: groups per tag, in the order of tags, summing to "
+                                   f"num_env_groups ({unset}).")
+
+
 class EnvManagerConfig(OmitUnsetMixed):
     """Which environment(s), how many episodes, how long (ROLL's env manager). One environment: ``tag`` (+
     ``env_config``). Several (ROLL's mixed env manager): ``tags`` with ``num_groups_partition`` (groups per tag, in
     order: groups 0..n1-1 play tags[0], the next n2 tags[1], ...), each tag described in ``rollout.custom_envs`` or
     being a registered environment itself."""
 
-    _omit_when_none = ("tags", "num_groups_partition")
+    _omit_when_none = MIXED_ENV_FIELDS
 
     tag: str = Field("FrozenLake", description="Registered environment tag (FrozenLake, SimpleSokoban, ...).")
     env_config: dict[str, Any] = Field(default_factory=dict, description="Constructor arguments of the "
@@ -208,12 +225,8 @@ class EnvManagerConfig(OmitUnsetMixed):
     max_steps: int = Field(10, gt=0, description="Turns per episode (ROLL's max_actions_per_traj); also the "
                                                  "environment's own max_steps. With tags: the default of each tag's "
                                                  "custom_envs max_steps.")
-    tags: tuple[EnvTag, ...] | None = Field(None, min_length=1, description="ROLL's tags: the environments of a "
-                                            "mixed rollout, each a key of rollout.custom_envs or a registered "
-                                            "environment; replaces tag/env_config. null: the single `tag`.")
-    num_groups_partition: tuple[int, ...] | None = Field(None, description="ROLL's num_groups_partition: groups "
-                                                         "per tag, in the order of tags, summing to num_env_groups "
-                                                         "(default with one tag: [num_env_groups]).")
+    tags: tuple[EnvTag, ...] | None = tags_field("replaces tag/env_config. null: the single `tag`")
+    num_groups_partition: tuple[int, ...] | None = partition_field("default with one tag: [num_env_groups]")
 
     @model_validator(mode="after")
     def _mixed_env_rules(self) -> "EnvManagerConfig":
@@ -389,10 +402,25 @@ class PromptConfig(OmitDefaults):
         return self
 
 
-class RolloutConfig(OmitUnsetMixed):
-    """``rollflow rollout``: group_size episodes per level seed, played turn by turn, emitted as training samples."""
+class PlaysEnvs(OmitUnsetMixed):
+    """The environments a rollout plays, declared once for its config and for the section its reset and turn stages
+    hash: the env manager and ROLL's ``custom_envs`` (left out of the dump while None, so a single-environment config
+    and section dump and hash as before it existed)."""
 
     _omit_when_none = ("custom_envs",)
+
+    env: EnvManagerConfig = Field(default_factory=EnvManagerConfig, description="Environment and episode counts.")
+    custom_envs: dict[EnvTag, CustomEnvConfig] | None = Field(None, description="ROLL's custom_envs: tag -> "
+                                                              "{env_type, env_config, max_steps}; the environments "
+                                                              "env.tags (and the evaluation's tags) may name.")
+
+    def env_layout(self) -> tuple[TagEnv, ...]:
+        """The tags this rollout plays, in group order (see :func:`env_layout`)."""
+        return env_layout(self.env, self.custom_envs)
+
+
+class RolloutConfig(PlaysEnvs):
+    """``rollflow rollout``: group_size episodes per level seed, played turn by turn, emitted as training samples."""
 
     seed: int = Field(42, ge=0, description="Base seed: level seeds and sampling seeds derive from it.")
     iteration: int = Field(0, ge=0, description="Training iteration (new levels and samples per iteration).")
@@ -407,10 +435,6 @@ class RolloutConfig(OmitUnsetMixed):
                                                            "the environment's own (FrozenLake -0.01).")
     on_invalid_action: Literal["continue", "end"] = Field("continue", description="After an invalid reply the "
                                                                                   "episode continues (ROLL) or ends.")
-    env: EnvManagerConfig = Field(default_factory=EnvManagerConfig, description="Environment and episode counts.")
-    custom_envs: dict[EnvTag, CustomEnvConfig] | None = Field(None, description="ROLL's custom_envs: tag -> "
-                                                              "{env_type, env_config, max_steps}; the environments "
-                                                              "env.tags (and the evaluation's tags) may name.")
     generating_args: GeneratingArgs = Field(default_factory=GeneratingArgs, description="Sampling parameters.")
     engine: EngineConfig = Field(default_factory=EngineConfig, description="Generation engine and its resources.")
     prompt: PromptConfig = Field(default_factory=PromptConfig, description="Prompt templates.")
@@ -437,10 +461,6 @@ class RolloutConfig(OmitUnsetMixed):
     def num_episodes(self) -> int:
         return self.env.num_env_groups * self.env.group_size
 
-    def env_layout(self) -> tuple[TagEnv, ...]:
-        """The tags this rollout plays, in group order (see :func:`env_layout`)."""
-        return env_layout(self.env, self.custom_envs)
-
 
 # ---- stage sections: what each rollout stage's fingerprint hashes -------------------------------------------------
 
@@ -452,11 +472,9 @@ class EngineIdentity(Frozen):
     max_model_len: int
 
 
-class TurnSection(OmitUnsetMixed):
+class TurnSection(PlaysEnvs):
     """What the reset and turn stages read (``custom_envs``: only the entries the rollout's tags use, None when it
     uses none, so a single-environment section hashes as before)."""
-
-    _omit_when_none = ("custom_envs",)
 
     seed: int
     iteration: int
@@ -465,14 +483,9 @@ class TurnSection(OmitUnsetMixed):
     sequence_length: int
     format_penalty: float | None
     on_invalid_action: str
-    env: EnvManagerConfig
     generating_args: GeneratingArgs
     prompt: PromptConfig
     engine: EngineIdentity
-    custom_envs: dict[str, CustomEnvConfig] | None = None
-
-    def env_layout(self) -> tuple[TagEnv, ...]:
-        return env_layout(self.env, self.custom_envs)
 
 
 class SamplesSection(Frozen):

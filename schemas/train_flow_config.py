@@ -13,7 +13,8 @@ from pydantic import Field, model_validator
 
 from schemas.capabilities import estimator_capabilities
 from schemas.config import AlgorithmConfig, RuntimeConfig, one_runtime
-from schemas.rollout_config import EnvManagerConfig, EnvTag, OmitUnsetMixed, RolloutConfig, check_tags_partition
+from schemas.rollout_config import (MIXED_ENV_FIELDS, EnvManagerConfig, EnvTag, OmitUnsetMixed, RolloutConfig,
+                                    check_tags_partition, partition_field, tags_field)
 from schemas.run_config import RunOptions
 
 
@@ -21,7 +22,7 @@ class EvalConfig(OmitUnsetMixed):
     """Evaluation on a fixed held-out seed set (ROLL's val env manager), before training and every ``eval_steps``.
     Its environments are its own (``tags`` / ``num_groups_partition``), by default the training rollout's."""
 
-    _omit_when_none = ("tags", "num_groups_partition")
+    _omit_when_none = MIXED_ENV_FIELDS
 
     eval_steps: int = Field(1, ge=0, description="Evaluate after every N training steps (0: never).")
     seed: int = Field(1_000_003, ge=0, description="Base seed of the held-out levels (never used for training).")
@@ -29,13 +30,11 @@ class EvalConfig(OmitUnsetMixed):
     group_size: int = Field(1, gt=0, description="Episodes per held-out level.")
     temperature: float | None = Field(None, ge=0.0, description="Sampling temperature of evaluation "
                                                                 "(null: the rollout's).")
-    tags: tuple[EnvTag, ...] | None = Field(None, min_length=1, description="ROLL's val_env_manager tags: the "
-                                            "environments evaluated, each a key of rollout.custom_envs or a "
-                                            "registered environment (null: the training rollout's).")
-    num_groups_partition: tuple[int, ...] | None = Field(None, description="Held-out groups per tag, summing to "
-                                                         "num_env_groups (null: the training's partition when it "
-                                                         "sums to num_env_groups and the tags are the training's, "
-                                                         "else an even split).")
+    tags: tuple[EnvTag, ...] | None = tags_field("here ROLL's val_env_manager tags, the environments evaluated "
+                                                 "(null: the training rollout's)")
+    num_groups_partition: tuple[int, ...] | None = partition_field(
+        "null: the training's partition when it sums to num_env_groups and the tags are the training's, else an even "
+        "split")
 
 
 class TrainFlowConfig(AlgorithmConfig, RunOptions):
