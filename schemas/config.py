@@ -65,7 +65,10 @@ class OmitDefaults(Frozen):
 
     @model_serializer(mode="wrap")
     def _omit_defaults(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
-        data = handler(self)
+        return self.omit_unused(handler(self))
+
+    def omit_unused(self, data: Any) -> Any:
+        """The dump ``data`` of this model without the ``omit_when_default`` options that have their unused value."""
         if isinstance(data, dict):
             for name, unused in self.omit_when_default.items():
                 if name in data and getattr(self, name) == unused:
@@ -440,7 +443,10 @@ COMMAND_CONFIGS = (
 
 
 def _option_names(model: type[BaseModel]) -> set[str]:
-    return {f.alias or name for name, f in model.model_fields.items()}
+    """The top-level options ``model`` takes: its fields, and the retired copies a run config still accepts (and
+    drops: :class:`schemas.run_config.RunOptions`)."""
+    retired = {path for path, _ in getattr(model, "retired_copies", ()) if "." not in path}
+    return {f.alias or name for name, f in model.model_fields.items()} | retired
 
 
 def other_command_config(model: type[BaseModel], data: dict) -> tuple[CommandConfig, CommandConfig] | None:

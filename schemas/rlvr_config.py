@@ -92,9 +92,11 @@ class JudgeConfig(Frozen):
         return self
 
 
-class RLVRConfig(AdvantageOptions):
-    """``rollflow score`` and the RLVR chain (ROLL's RLVRConfig / PPOConfig data-side options, ROLL's defaults): the
-    shared advantage options plus the RLVR reward routing, sample masks and reward normalisation."""
+class RLVROptions(AdvantageOptions):
+    """The RLVR chain's options (ROLL's RLVRConfig / PPOConfig data-side options, ROLL's defaults): the shared
+    advantage options plus the RLVR reward routing, sample masks and reward normalisation. The generation budget that
+    max_len_mask compares with is :meth:`generation_budget`: ``rollflow score``'s max_new_tokens, a training run's
+    generating_args.max_new_tokens."""
 
     rewards: RewardsConfig = Field(..., description="Reward routing by domain.")
     judge: JudgeConfig = Field(default_factory=JudgeConfig, description="The model of llm_judge routes (read only "
@@ -103,8 +105,6 @@ class RLVRConfig(AdvantageOptions):
                                                                     "prompt_id must have exactly n rows.")
     # §3.5 sample masks
     max_len_mask: bool = Field(False, description="Drop truncated responses (response length = max_new_tokens).")
-    max_new_tokens: int | None = Field(None, gt=0, description="Generation token budget Lmax (ROLL: sequence_length - "
-                                                               "prompt_length); needed by max_len_mask.")
     difficulty_mask: bool = Field(False, description="Keep only prompts whose group pass rate is strictly inside "
                                                      "(difficulty_low_threshold, difficulty_high_threshold).")
     difficulty_low_threshold: float = Field(0.0, description="Lower (exclusive) bound of the group pass rate.")
@@ -119,8 +119,12 @@ class RLVRConfig(AdvantageOptions):
     norm_std_type: RLVRNormType | None = Field(None, description="Std of the reward normalisation (same choices).")
     runtime: RuntimeConfig = Field(default_factory=RuntimeConfig, description="Execution settings.")
 
+    def generation_budget(self) -> int | None:
+        """The generation token budget Lmax of the responses (None: unknown)."""
+        raise NotImplementedError
+
     @model_validator(mode="after")
-    def _rlvr_rules(self) -> "RLVRConfig":
+    def _rlvr_rules(self) -> "RLVROptions":
         est = estimator_capabilities(self.adv_estimator)
         if est.agentic_only:
             raise ValueError(f"adv_estimator '{self.adv_estimator}' is agentic-only, because its returns follow the "
@@ -142,7 +146,7 @@ class RLVRConfig(AdvantageOptions):
                              "each prompt's rewards by its group's mean and std whatever the norm types say (ROLL's "
                              "RLVR reward post-processing, spec §3.3), so it would change nothing; remove "
                              f"{', '.join(ignored)}, or use adv_estimator reinforce with {field}: {value}")
-        if self.max_len_mask and self.max_new_tokens is None:
+        if self.max_len_mask and self.generation_budget() is None:
             raise ValueError("max_len_mask needs max_new_tokens, because a response is truncated when its length "
                              "equals the generation budget; set max_new_tokens to the rollout's budget")
         if self.difficulty_mask and not self.difficulty_low_threshold < self.difficulty_high_threshold:
@@ -155,6 +159,16 @@ class RLVRConfig(AdvantageOptions):
                              "(ROLL's difficulty_mask, spec §3.5), so it would change nothing; set "
                              "num_return_sequences_in_group: 8, or difficulty_mask: false")
         return self
+
+
+class RLVRConfig(RLVROptions):
+    """``rollflow score``: the RLVR chain's options over stored responses, whose generation budget it is told."""
+
+    max_new_tokens: int | None = Field(None, gt=0, description="Generation token budget Lmax (ROLL: sequence_length - "
+                                                               "prompt_length); needed by max_len_mask.")
+
+    def generation_budget(self) -> int | None:
+        return self.max_new_tokens
 
 
 # ---- stage sections -------------------------------------------------------------------------------------------
@@ -177,15 +191,16 @@ class RLVRRewardSection(Frozen):
     reward_clip: float | None
 
 
-def reward_section(config: RLVRConfig) -> RewardsConfig:
+def reward_section(config: RLVROptions) -> RewardsConfig:
     """The reward stage's section: the routing."""
     return config.rewards
 
 
-def rlvr_reward_section(config: RLVRConfig) -> RLVRRewardSection:
-    return section(config, RLVRRewardSection)
+def rlvr_reward_section(config: RLVROptions) -> RLVRRewardSection:
+    fields = {name: getattr(config, name) for name in RLVRRewardSection.model_fields if name != "max_new_tokens"}
+    return RLVRRewardSection.model_validate({**fields, "max_new_tokens": config.generation_budget()})
 
 
-def rlvr_advantage_section(config: RLVRConfig) -> AdvantageSection:
+def rlvr_advantage_section(config: RLVROptions) -> AdvantageSection:
     """The advantages stage's section (the stage both pipelines run; the domains come with ``rewarded``)."""
     return section(config, AdvantageSection)

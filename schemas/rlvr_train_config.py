@@ -2,18 +2,18 @@
 
 Per step: a batch of prompts → ``num_return_sequences_in_group`` responses each (the generation engine) → reward
 workers → sample masks and reward post-processing → token rewards → advantages → old log-probs → one PPO step.
-The data-side options are :class:`schemas.rlvr_config.RLVRConfig`'s (ROLL's names); the sections below add the
+The data-side options are :class:`schemas.rlvr_config.RLVROptions`'s (ROLL's names); the sections below add the
 prompts, generation, log-prob and training settings.
 """
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import ClassVar, Literal
 
 from pydantic import Field, model_validator
 
-from schemas.config import Frozen, one_runtime, raw_section
-from schemas.rlvr_config import RewardsConfig, RLVRConfig
+from schemas.config import Frozen
+from schemas.rlvr_config import RewardsConfig, RLVROptions
 from schemas.rollout_config import EngineConfig, GeneratingArgs
 from schemas.run_config import RunOptions
 
@@ -52,9 +52,13 @@ class ValidationConfig(Frozen):
                     "validation rule; null: the run's own routes).")
 
 
-class RLVRTrainConfig(RLVRConfig, RunOptions):
+class RLVRTrainConfig(RLVROptions, RunOptions):
     """One RLVR run: ROLL's RLVR data-side options at the top level, plus prompts and generation; the run's folder,
     length, initial policy, log-prob and training sections are :class:`RunOptions`'s."""
+
+    # the scoring config's max_new_tokens is generating_args.max_new_tokens here (earlier versions copied it up)
+    retired_copies: ClassVar[tuple[tuple[str, str], ...]] = (*RunOptions.retired_copies,
+                                                             ("max_new_tokens", "generating_args.max_new_tokens"))
 
     pipeline: Literal["rlvr"] = Field("rlvr", description="Which training flow runs this config.")
     run_name: str = Field("rlvr", description="Folder name under runs_dir: letters, digits, '_', '-' and '.', not "
@@ -76,26 +80,10 @@ class RLVRTrainConfig(RLVRConfig, RunOptions):
         """The context length of the generation engines (:meth:`EngineConfig.window`)."""
         return self.engine.window(self.sequence_length)
 
-    @model_validator(mode="before")
-    @classmethod
-    def _one_budget(cls, data: dict) -> dict:
-        """The generation budget is set once and used twice (generation, and the max_len_mask of the sample masks).
-        A conflicting explicit value is an error."""
-        generating_args = raw_section(data, "generating_args") if isinstance(data, dict) else None
-        if generating_args is None:
-            return data  # the model reports the wrong type
-        budget = generating_args.get("max_new_tokens", GeneratingArgs.model_fields["max_new_tokens"].default)
-        if data.get("max_new_tokens") not in (None, budget):
-            raise ValueError(f"max_new_tokens ({data['max_new_tokens']}) differs from generating_args.max_new_tokens "
-                             f"({budget}); set generating_args.max_new_tokens only")
-        return {**data, "max_new_tokens": budget}
-
-    @model_validator(mode="before")
-    @classmethod
-    def _one_runtime(cls, data: dict) -> dict:
-        """One runtime section per run: the top-level ``runtime`` reaches the log-prob and training sections (see
-        :func:`schemas.config.one_runtime`)."""
-        return one_runtime(data, ("logprobs", "train")) if isinstance(data, dict) else data
+    def generation_budget(self) -> int:
+        """The generation budget, set once in generating_args and read twice (generation, and the max_len_mask of
+        the sample masks)."""
+        return self.generating_args.max_new_tokens
 
     @model_validator(mode="after")
     def _lengths(self) -> "RLVRTrainConfig":

@@ -4,15 +4,16 @@ rollout or prompt sections to it and to their data-side options (``AlgorithmConf
 
 from __future__ import annotations
 
-from typing import ClassVar
+from typing import Any, ClassVar
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import (BaseModel, Field, SerializerFunctionWrapHandler, field_validator, model_serializer,
+                      model_validator)
 
-from schemas.config import OmitDefaults, raw_section
+from schemas.config import OmitDefaults, one_runtime, raw_section
 from schemas.devices import check_async_placement, check_device_mappings
 from schemas.names import run_name
 from schemas.tracking import TrackingOptions
-from schemas.train_config import ForwardConfig, TrainStepConfig, estimator_into_train
+from schemas.train_config import ForwardConfig, RunTrainConfig, TrainStepConfig
 
 
 # train.train_infer_correction of an asynchronous run that sets none (ROLL's token-level is_weight, spec §6.6)
@@ -27,6 +28,13 @@ class RunOptions(TrackingOptions, OmitDefaults):
     # before the option existed
     omit_when_default: ClassVar[dict] = {"async_generation_ratio": 0.0}
     engine_field: ClassVar[str] = "engine"  # where the generation engine section sits (agentic: rollout.engine)
+    # The sections that are also a command's whole config (rollflow logprobs, train-step, rollout) and so hold a
+    # runtime of their own: a run's top-level runtime is theirs (:func:`schemas.config.one_runtime`).
+    runtime_sections: ClassVar[tuple[str, ...]] = ("logprobs", "train")
+    # Options a run sets once that earlier versions also wrote into a second place (so a run folder's config.json
+    # holds both): (the retired place, the option's place), dotted. Loading drops the retired one when it repeats the
+    # option and refuses it, with the fix, when it differs (:meth:`_one_place`).
+    retired_copies: ClassVar[tuple[tuple[str, str], ...]] = (("train.adv_estimator", "adv_estimator"),)
 
     run_name: str = Field("run", description="Folder name under runs_dir: letters, digits, '_', '-' and '.', not "
                                              "'.' or '..', at most 255 bytes.")
@@ -35,7 +43,8 @@ class RunOptions(TrackingOptions, OmitDefaults):
     pretrain: str | None = Field(None, description="Initial policy: an HF checkpoint folder (null: the default "
                                                    "model, SmolLM2-135M-Instruct converted from the shipped GGUF).")
     logprobs: ForwardConfig = Field(default_factory=ForwardConfig, description="old/ref log-prob stage.")
-    train: TrainStepConfig = Field(default_factory=TrainStepConfig, description="Actor (and critic) training.")
+    train: RunTrainConfig = Field(default_factory=RunTrainConfig, description="Actor (and critic) training (its "
+                                  "estimator is the run's adv_estimator).")
     async_generation_ratio: float = Field(
         0.0, ge=0, description="ROLL's asynchronous generation: 0 runs each iteration's stages in turn; r > 0 "
                                "generates iteration k+1's rollout while iteration k's log-probs, rewards, advantages "
@@ -51,17 +60,43 @@ class RunOptions(TrackingOptions, OmitDefaults):
         return run_name(value)
 
     def train_step_config(self) -> TrainStepConfig:
-        """The training section (its estimator equals the run's: :meth:`_one_estimator`)."""
-        return self.train
+        """The config of the run's training step: the ``train`` section with the run's ``adv_estimator`` (whether a
+        critic trains). What every reader of the training step's options uses."""
+        fields = {name: getattr(self.train, name) for name in RunTrainConfig.model_fields}
+        return TrainStepConfig.model_validate({**fields, "adv_estimator": getattr(self, "adv_estimator")})
+
+    @model_serializer(mode="wrap")
+    def _omit_defaults(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        """The dump (a run folder's config.json, and the hashes of it) keeps the format of earlier versions: it also
+        writes each ``retired_copies`` place, with the option's value, which loading drops again
+        (:meth:`_one_place`)."""
+        data = self.omit_unused(handler(self))
+        for retired, option in self.retired_copies:
+            *sections, name = retired.split(".")
+            node = data
+            for section in sections:
+                node = node.get(section) if isinstance(node, dict) else None
+            if isinstance(node, dict):
+                node[name] = self.option_value(option)
+        return data
+
+    def option_value(self, dotted: str) -> Any:
+        """The value of the option at the dotted path ``dotted`` (e.g. ``generating_args.max_new_tokens``)."""
+        value: Any = self
+        for name in dotted.split("."):
+            value = getattr(value, name)
+        return value
 
     @model_validator(mode="before")
     @classmethod
-    def _one_estimator(cls, data: dict) -> dict:
-        """The estimator is set once, at the top level; the training section receives the same value at load time
-        (it decides whether a critic is trained). A conflicting explicit value is an error."""
-        if not isinstance(data, dict) or "adv_estimator" not in cls.model_fields:
+    def _one_place(cls, data: dict) -> dict:
+        """Each option of a run in one place, at load time and only here: a retired copy (``retired_copies``) is
+        dropped, and the top-level runtime becomes the runtime of each of ``runtime_sections``."""
+        if not isinstance(data, dict):
             return data
-        return estimator_into_train(data, cls.model_fields["adv_estimator"].default)
+        for retired, option in cls.retired_copies:
+            data = drop_retired_copy(cls, data, retired, option)
+        return one_runtime(data, cls.runtime_sections)
 
     @model_validator(mode="before")
     @classmethod
@@ -87,7 +122,7 @@ class RunOptions(TrackingOptions, OmitDefaults):
     def _difficulty_source(self) -> "RunOptions":
         """difficulty_loss_weight weighs rows by the training table's per-row ``difficulty`` column (spec §6.5),
         which no stage of a training run writes: refused here rather than by the first training step."""
-        if "difficulty" in self.train.table_needs:
+        if "difficulty" in self.train_step_config().table_needs:
             raise ValueError("train.difficulty_loss_weight weighs each row's policy loss by the per-row 'difficulty' "
                              "column of the training table (0.5 + 1.5·clip(difficulty, 0, 1), spec §6.5), but no "
                              "stage of a training run writes that column (the prompt files' difficulty is not "
@@ -127,3 +162,42 @@ class RunOptions(TrackingOptions, OmitDefaults):
                              "the training workers run: " + fix.format("pin them with runtime.stage_resources."
                                                                        "train_step, remove the logprobs entry,"))
         return self
+
+
+def _default_at(model: type[BaseModel], dotted: str) -> Any:
+    """The default of the option at the dotted path ``dotted`` of ``model`` (through its sections' models)."""
+    head, _, rest = dotted.partition(".")
+    field = model.model_fields[head]
+    if not rest:
+        return field.get_default(call_default_factory=True)
+    return _default_at(field.annotation, rest)
+
+
+def drop_retired_copy(model: type[BaseModel], data: dict, retired: str, option: str) -> dict:
+    """The raw run config ``data`` without the retired copy at ``retired`` (dotted) of the option at ``option``: an
+    equal copy is dropped (a run folder's config.json of an earlier version holds one), a different one refused with
+    the fix. A section that is not a mapping is left to the model to report."""
+    def walk(path: str) -> tuple[dict | None, str]:
+        *sections, name = path.split(".")
+        node: dict | None = data
+        for section in sections:
+            node = raw_section(node, section) if node is not None else None
+        return node, name
+
+    node, name = walk(retired)
+    if node is None or name not in node:
+        return data
+    holder, key = walk(option)
+    value = holder.get(key, _default_at(model, option)) if holder is not None else _default_at(model, option)
+    if node[name] != value:
+        raise ValueError(f"{retired} ({node[name]}) differs from {option} ({value}), and a run has one value of it; "
+                         f"set it once, at {option}, and remove {retired}")
+    return _without(data, retired.split("."))
+
+
+def _without(data: dict, keys: list[str]) -> dict:
+    """``data`` (a raw mapping) without the value at the key path ``keys``, its sections copied, not changed."""
+    head, *rest = keys
+    if not rest:
+        return {k: v for k, v in data.items() if k != head}
+    return {**data, head: _without(data[head], rest)}

@@ -257,11 +257,10 @@ class WorkerTrainConfig(OmitDefaults):
         return self
 
 
-class TrainSection(LossOptions):
-    """What one PPO training step of the actor (and the critic for gae) reads: the section its fingerprint hashes.
-    The loss options (``pg_clip``, ``loss_agg_mode``, ``train_infer_correction``, ...) are :class:`LossOptions`'s."""
+class TrainOptions(LossOptions):
+    """The options of a PPO training step of the actor (and the critic), whoever sets the estimator: the loss options
+    (``pg_clip``, ``loss_agg_mode``, ``train_infer_correction``, ...) are :class:`LossOptions`'s."""
 
-    adv_estimator: AdvEstimator = Field("gae", description="Only to know whether a critic is trained (gae).")
     policy_loss: Literal[tuple(POLICY_LOSS_CAPABILITIES)] = Field(  # type: ignore[valid-type]
         "agentic", description="Actor loss (registry POLICY_LOSSES): agentic §6.3, base §6.4, rlvr §6.5.")
     ppo_epochs: int = Field(1, gt=0, description="Passes over the table per training step.")
@@ -272,7 +271,7 @@ class TrainSection(LossOptions):
     critic_train: WorkerTrainConfig = Field(default_factory=WorkerTrainConfig, description="The critic (gae only).")
 
     @model_validator(mode="after")
-    def _value_clip_rule(self) -> "TrainSection":
+    def _value_clip_rule(self) -> "TrainOptions":
         refuse_unless_above("value_clip", self.value_clip, 0, null_ok=True, why=(
             "because the critic's values are "
             f"clipped to old value ± value_clip and a bound <= 0 leaves no range; set value_clip: "
@@ -280,7 +279,7 @@ class TrainSection(LossOptions):
         return self
 
     @model_validator(mode="after")
-    def _options_of_another_loss(self) -> "TrainSection":
+    def _options_of_another_loss(self) -> "TrainOptions":
         for loss in POLICY_LOSS_CAPABILITIES.values():
             for name in loss.own_options:
                 value, default = getattr(self, name), type(self).model_fields[name].default
@@ -292,7 +291,7 @@ class TrainSection(LossOptions):
         return self
 
     @model_validator(mode="after")
-    def _ratio_level_of_another_loss(self) -> "TrainSection":
+    def _ratio_level_of_another_loss(self) -> "TrainOptions":
         """ratio_type: segment (the agentic loss) and importance_sampling: seq (the rlvr loss) with a policy loss that
         has no such ratio: that loss computes per-token ratios whatever they say (spec §6.3-6.5)."""
         ours = policy_loss_capabilities(self.policy_loss)
@@ -304,6 +303,17 @@ class TrainSection(LossOptions):
                                  f"says (spec §6.3-6.5), so it would change nothing; set policy_loss: {loss.name}, "
                                  f"or {field}: token")
         return self
+
+    def loss_config(self) -> LossOptions:
+        """The loss options alone (what ``stages.losses`` reads), without the section's own fields."""
+        return LossOptions.model_validate({name: getattr(self, name) for name in LossOptions.model_fields})
+
+
+class TrainSection(TrainOptions):
+    """What one PPO training step of the actor (and the critic for gae) reads: the section its fingerprint hashes.
+    A training run's estimator is its top-level ``adv_estimator`` (:meth:`RunOptions.train_step_config`)."""
+
+    adv_estimator: AdvEstimator = Field("gae", description="Only to know whether a critic is trained (gae).")
 
     @property
     def needs_critic(self) -> bool:
@@ -318,10 +328,6 @@ class TrainSection(LossOptions):
         critic = ("values",) if self.needs_critic else ()
         weighted = self.difficulty_loss_weight and self.policy_loss == "rlvr" and not self.roll_compat
         return critic + (("difficulty",) if weighted else ())
-
-    def loss_config(self) -> LossOptions:
-        """The loss options alone (what ``stages.losses`` reads), without the section's own fields."""
-        return LossOptions.model_validate({name: getattr(self, name) for name in LossOptions.model_fields})
 
 
 def _threads_field(per: str) -> Any:
@@ -367,8 +373,9 @@ class TrainRuntimeConfig(RuntimeConfig):
         return self.threads or max(1, int(self.cpus_per_worker))
 
 
-class TrainStepConfig(TrainSection):
-    """``rollflow train-step --config FILE``: the training section plus where it runs and what it keeps."""
+class StepSettings(Frozen):
+    """Where training steps run and what they keep: beside the training options, in ``rollflow train-step``'s config
+    and in a training run's ``train`` section."""
 
     max_ckpt_to_keep: int | None = Field(None, gt=0, description="Keep only the newest K training checkpoints "
                                           "(null: keep all): rollflow train-step deletes older ones beside the "
@@ -386,7 +393,7 @@ class TrainStepConfig(TrainSection):
         return (iteration + 1) % self.save_steps == 0 or iteration + 1 == iterations
 
     @model_validator(mode="after")
-    def _device_rules(self) -> "TrainStepConfig":
+    def _device_rules(self) -> "StepSettings":
         if not self.runtime.use_gpu and "fp16" in (self.actor_train.model_args.dtype,
                                                    self.critic_train.model_args.dtype):
             raise ValueError("model_args.dtype fp16 needs a GPU (DeepSpeed's fp16 loss scaling is not available on "
@@ -399,6 +406,16 @@ class TrainStepConfig(TrainSection):
                                  "it already lives (and DeepSpeed's offloaded Adam would need a C++ build); remove "
                                  f"{offloads[0]}, or set runtime.use_gpu: true")
         return self
+
+
+class TrainStepConfig(TrainSection, StepSettings):
+    """``rollflow train-step --config FILE``: the training section plus where it runs and what it keeps."""
+
+
+class RunTrainConfig(TrainOptions, StepSettings):
+    """A training run's ``train`` section: :class:`TrainStepConfig` but for the estimator, which the run sets once at
+    its top level (``adv_estimator``, read by the rewards and advantages too); the step's own config is
+    :meth:`schemas.run_config.RunOptions.train_step_config`."""
 
 
 class ForwardConfig(OmitDefaults):
@@ -463,18 +480,3 @@ class ValuesSection(Frozen):
     seed: int = Field(description="Seed of a new value head; equal to critic_train.training_args.seed of training.")
     dtype: str = Field(description="Forward precision.")
     max_tokens_per_microbatch_in_infer: int = Field(description="Token budget of a forward micro-batch.")
-
-
-def estimator_into_train(data: dict, default: str) -> dict:
-    """A run config's raw mapping with its top-level ``adv_estimator`` copied into ``train`` (the training step
-    needs it to know whether a critic trains). The estimator is set once: a different explicit
-    ``train.adv_estimator`` is an error."""
-    top = data.get("adv_estimator", default)
-    train = raw_section(data, "train")
-    if train is None or not isinstance(top, str) or top not in ESTIMATOR_CAPABILITIES:
-        return data  # the model reports the wrong type, or the unknown estimator once, where it was written
-    if "adv_estimator" in train and train["adv_estimator"] != top:
-        raise ValueError(f"train.adv_estimator ({train['adv_estimator']}) differs from adv_estimator ({top}); "
-                         "set it once, at the top level")
-    return {**data, "train": {**train, "adv_estimator": top}}
-

@@ -12,7 +12,7 @@ from typing import ClassVar, Literal
 from pydantic import Field, model_validator
 
 from schemas.capabilities import estimator_capabilities
-from schemas.config import AlgorithmConfig, RuntimeConfig, one_runtime
+from schemas.config import AlgorithmConfig, RuntimeConfig
 from schemas.rollout_config import (MIXED_ENV_FIELDS, EnvManagerConfig, EnvTag, OmitUnsetMixed, RolloutConfig,
                                     check_tags_partition, partition_field, tags_field)
 from schemas.run_config import RunOptions
@@ -42,6 +42,7 @@ class TrainFlowConfig(AlgorithmConfig, RunOptions):
     The run's folder, length, initial policy, log-prob and training sections are :class:`RunOptions`'s."""
 
     engine_field: ClassVar[str] = "rollout.engine"
+    runtime_sections: ClassVar[tuple[str, ...]] = ("rollout", "logprobs", "train")
     pipeline: Literal["agentic"] = Field("agentic", description="Which training flow runs this config.")
     rollout_batch_size: int | None = Field(None, gt=0, description="Trajectories per iteration (ROLL name); when set "
                                                                    "it must equal rollout.env num_env_groups x "
@@ -50,13 +51,6 @@ class TrainFlowConfig(AlgorithmConfig, RunOptions):
     eval: EvalConfig = Field(default_factory=EvalConfig, description="Held-out evaluation.")
     runtime: RuntimeConfig = Field(default_factory=RuntimeConfig, description="The run's Ray cluster and batch "
                                    "settings, read by all its stages (a section's own runtime may only repeat them).")
-
-    @model_validator(mode="before")
-    @classmethod
-    def _one_runtime(cls, data: dict) -> dict:
-        """One runtime section per run: the top-level ``runtime`` reaches the rollout, log-prob and training
-        sections (see :func:`schemas.config.one_runtime`)."""
-        return one_runtime(data, ("rollout", "logprobs", "train")) if isinstance(data, dict) else data
 
     @model_validator(mode="after")
     def _agentic_rules(self) -> "TrainFlowConfig":

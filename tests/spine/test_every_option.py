@@ -114,11 +114,11 @@ AGENTIC_STAGES = {
 # option -> (its path in RLVRConfig, the base it is varied from); the base has max_new_tokens at the longest response
 # (so max_len_mask finds some) and an error_max_len_threshold below it (so error_max_len_clip drops some)
 RLVR_STAGES = {
-    "RLVRConfig.max_len_mask": ("max_len_mask", {}),
-    "RLVRConfig.difficulty_mask": ("difficulty_mask", {}),
-    "RLVRConfig.error_max_len_clip": ("error_max_len_clip", {}),
-    "RLVRConfig.norm_mean_type": ("norm_mean_type", {}),
-    "RLVRConfig.norm_std_type": ("norm_std_type", {}),
+    "RLVROptions.max_len_mask": ("max_len_mask", {}),
+    "RLVROptions.difficulty_mask": ("difficulty_mask", {}),
+    "RLVROptions.error_max_len_clip": ("error_max_len_clip", {}),
+    "RLVROptions.norm_mean_type": ("norm_mean_type", {}),
+    "RLVROptions.norm_std_type": ("norm_std_type", {}),
 }
 # run here through the rollout's stages (reset, turns, samples) on the tiny random model with the HF engine, one engine
 # pool for all: option -> (its path in RolloutConfig, the base it is varied from, over ROLLOUT_BASE: FrozenLake, 2
@@ -166,8 +166,8 @@ ELSEWHERE = {
     "FilterConfig.diff_enabled": "tests/losses/test_train_infer.py",
     "LossOptions.roll_compat": "tests/losses/test_actor_properties.py",
     "TrainSection.adv_estimator": "tests/train/test_done_when.py",
-    "TrainSection.policy_loss": "tests/train/test_difficulty_weight.py",
-    "TrainSection.compute_entropy_metric": "tests/train/test_core.py",
+    "TrainOptions.policy_loss": "tests/train/test_difficulty_weight.py",
+    "TrainOptions.compute_entropy_metric": "tests/train/test_core.py",
     "ModelArgs.dtype": "tests/schemas/test_precision.py",
     "ModelArgs.disable_gradient_checkpointing": "tests/train/test_lora.py",
     "TrainingArgs.lr_scheduler_type": "tests/train/test_core.py",

@@ -12,6 +12,7 @@ import pytest
 
 from schemas.config import load_config, validate_config
 from schemas.errors import ConfigError
+from schemas.rlvr_config import rlvr_reward_section
 from schemas.rlvr_train_config import RLVRTrainConfig
 from stages.algos.intervals import wilson
 from stages.rlvr.generate import prompts_section, read_prompt_rows, step_prompt_ids
@@ -24,8 +25,9 @@ STAGES = ("responses", "scored", "samples", "logprobs", "rewarded", "advantaged"
 
 def test_shipped_rlvr_config_validates():
     cfg = load_config(RLVRTrainConfig, REPO / "configs/rlvr_train_math.yaml")
-    assert cfg.pipeline == "rlvr" and cfg.train.adv_estimator == cfg.adv_estimator == "grpo"
-    assert cfg.max_new_tokens == cfg.generating_args.max_new_tokens  # the max_len_mask budget is the generation's
+    assert cfg.pipeline == "rlvr" and cfg.train_step_config().adv_estimator == cfg.adv_estimator == "grpo"
+    # the max_len_mask budget is the generation's
+    assert rlvr_reward_section(cfg).max_new_tokens == cfg.generating_args.max_new_tokens
     assert validate_config(RLVRTrainConfig, cfg.model_dump(mode="json")) == cfg
 
 

@@ -25,7 +25,7 @@ CONFIGS = sorted((REPO / "configs").glob("train_*.yaml"))
 @pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
 def test_shipped_train_configs_validate(path):
     cfg = load_config(TrainFlowConfig, path)
-    assert cfg.train.adv_estimator == cfg.adv_estimator
+    assert cfg.train_step_config().adv_estimator == cfg.adv_estimator  # the training step's is the run's
     assert validate_config(TrainFlowConfig, cfg.model_dump(mode="json")) == cfg  # the frozen copy round-trips
 
 
