@@ -285,7 +285,6 @@ class RecomputeConfig(AlgorithmConfig):
 # A section is cut from a validated config, but `rollflow stage --set` changes one directly: the bounds of the
 # config's fields hold here too (the rules across fields stay with the config models).
 UnitInterval = Annotated[float, Field(ge=0.0, le=1.0)]
-NonNegative = Annotated[float, Field(ge=0.0)]
 
 
 class ResponseRewardSection(Frozen):
@@ -301,22 +300,10 @@ class ResponseRewardSection(Frozen):
     group_size: int | None = None
 
 
-class AdvantageSection(Frozen):
-    """What the advantages stage reads (the RLVR one adds ``domain_column``)."""
-
-    adv_estimator: AdvEstimator
-    gamma: UnitInterval
-    lambd: UnitInterval
-    reward_clip: float | None
-    advantage_clip: float | None
-    whiten_rewards: bool
-    whiten_advantages: bool
-    add_token_level_kl: bool
-    kl_penalty: KLPenalty
-    init_kl_coef: NonNegative
-    target_kl: float | None
-    kl_horizon: Annotated[int, Field(gt=0)]
-    roll_compat: bool
+class AdvantageSection(AdvantageOptions):
+    """What the advantages stage reads, in both pipelines: exactly the shared advantage options, declared once in
+    :class:`AdvantageOptions` with their bounds and rules, which hold for a section ``rollflow stage --set`` changes
+    as they do for the config it was cut from (the RLVR stage learns the domains from ``rewarded``)."""
 
 
 S = TypeVar("S", bound=BaseModel)
