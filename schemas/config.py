@@ -11,7 +11,7 @@ import functools
 import importlib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Any, ClassVar, Literal, TypeVar
+from typing import Any, ClassVar, Literal, TypeVar
 
 import yaml
 from pydantic import (BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler, ValidationError, field_validator,
@@ -144,9 +144,9 @@ class AdvantageOptions(Frozen):
         return self
 
 
-class AlgorithmConfig(AdvantageOptions):
-    """The data-side algorithm options of ROLL's PPOConfig / AgenticConfig, with ROLL's defaults: the shared
-    advantage options plus the agentic reward options."""
+class AgenticRewardOptions(Frozen):
+    """The agentic response-reward options (ROLL's AgenticConfig names and defaults), declared once for the config
+    (:class:`AlgorithmConfig`) and for the response_rewards stage's section (:class:`ResponseRewardSection`)."""
 
     step_reward_gamma: float = Field(0.95, ge=0.0, le=1.0, description="Discount of step rewards across turns "
                                                                        "(gigpo, step_reinforce).")
@@ -154,6 +154,11 @@ class AlgorithmConfig(AdvantageOptions):
                                                             description="Agentic reward normalisation.")
     episode_reward_weight: float = Field(1.0, description="GiGPO weight of the episode-level normalised reward.")
     step_reward_weight: float = Field(1.0, description="GiGPO weight of the step-level normalised reward.")
+
+
+class AlgorithmConfig(AdvantageOptions, AgenticRewardOptions):
+    """The data-side algorithm options of ROLL's PPOConfig / AgenticConfig, with ROLL's defaults: the shared
+    advantage options plus the agentic reward options."""
 
     # a distinct name: a subclass's validator of the same name would replace this one instead of running after it
     @model_validator(mode="after")
@@ -282,19 +287,14 @@ class RecomputeConfig(AlgorithmConfig):
 
 
 # ---- stage sections -------------------------------------------------------------------------------------------
-# A section is cut from a validated config, but `rollflow stage --set` changes one directly: the bounds of the
-# config's fields hold here too (the rules across fields stay with the config models).
-UnitInterval = Annotated[float, Field(ge=0.0, le=1.0)]
+# A section is cut from a validated config, but `rollflow stage --set` changes one directly: a section declares its
+# options by the model that declares them for the config (its base), so their bounds hold here too.
 
-
-class ResponseRewardSection(Frozen):
-    """What the response_rewards stage reads."""
+class ResponseRewardSection(AgenticRewardOptions):
+    """What the response_rewards stage reads: the agentic reward options, and of the advantage options those the
+    response rewards need (the RLVR stage reads :class:`schemas.rlvr_config.RLVRRewardSection`)."""
 
     adv_estimator: AdvEstimator
-    step_reward_gamma: UnitInterval
-    reward_normalization: RewardNormalizationConfig
-    episode_reward_weight: float
-    step_reward_weight: float
     reward_clip: float | None
     roll_compat: bool
     group_size: int | None = None

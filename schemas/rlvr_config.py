@@ -92,15 +92,10 @@ class JudgeConfig(Frozen):
         return self
 
 
-class RLVROptions(AdvantageOptions):
-    """The RLVR chain's options (ROLL's RLVRConfig / PPOConfig data-side options, ROLL's defaults): the shared
-    advantage options plus the RLVR reward routing, sample masks and reward normalisation. The generation budget that
-    max_len_mask compares with is :meth:`generation_budget`: ``rollflow score``'s max_new_tokens, a training run's
-    generating_args.max_new_tokens."""
+class RLVRRewardOptions(Frozen):
+    """RLVR's sample-mask and reward post-processing options (ROLL's names and defaults), declared once for the
+    config (:class:`RLVROptions`) and for the response_rewards stage's section (:class:`RLVRRewardSection`)."""
 
-    rewards: RewardsConfig = Field(..., description="Reward routing by domain.")
-    judge: JudgeConfig = Field(default_factory=JudgeConfig, description="The model of llm_judge routes (read only "
-                                                                        "when a route uses that worker).")
     num_return_sequences_in_group: int = Field(1, ge=1, description="Responses per prompt (the group size n); every "
                                                                     "prompt_id must have exactly n rows.")
     # §3.5 sample masks
@@ -117,6 +112,17 @@ class RLVROptions(AdvantageOptions):
     norm_mean_type: RLVRNormType | None = Field(None, description="Mean of the reward normalisation: batch, group "
                                                                   "(per prompt), running (per domain), or none.")
     norm_std_type: RLVRNormType | None = Field(None, description="Std of the reward normalisation (same choices).")
+
+
+class RLVROptions(AdvantageOptions, RLVRRewardOptions):
+    """The RLVR chain's options (ROLL's RLVRConfig / PPOConfig data-side options, ROLL's defaults): the shared
+    advantage options plus the RLVR reward routing, sample masks and reward normalisation. The generation budget that
+    max_len_mask compares with is :meth:`generation_budget`: ``rollflow score``'s max_new_tokens, a training run's
+    generating_args.max_new_tokens."""
+
+    rewards: RewardsConfig = Field(..., description="Reward routing by domain.")
+    judge: JudgeConfig = Field(default_factory=JudgeConfig, description="The model of llm_judge routes (read only "
+                                                                        "when a route uses that worker).")
     runtime: RuntimeConfig = Field(default_factory=RuntimeConfig, description="Execution settings.")
 
     def generation_budget(self) -> int | None:
@@ -173,21 +179,13 @@ class RLVRConfig(RLVROptions):
 
 # ---- stage sections -------------------------------------------------------------------------------------------
 
-class RLVRRewardSection(Frozen):
+class RLVRRewardSection(RLVRRewardOptions):
     """What the response-rewards stage reads in an RLVR run (§3.5 sample masks, §3.3 reward post-processing per
-    domain; the domains come with the scores)."""
+    domain; the domains come with the scores): the RLVR reward options, the generation budget and, of the advantage
+    options, those the reward post-processing needs."""
 
-    num_return_sequences_in_group: int
-    max_len_mask: bool
     max_new_tokens: int | None
-    difficulty_mask: bool
-    difficulty_low_threshold: float
-    difficulty_high_threshold: float
-    error_max_len_clip: bool
-    error_max_len_threshold: int
     adv_estimator: AdvEstimator
-    norm_mean_type: RLVRNormType | None
-    norm_std_type: RLVRNormType | None
     reward_clip: float | None
 
 

@@ -114,11 +114,11 @@ AGENTIC_STAGES = {
 # option -> (its path in RLVRConfig, the base it is varied from); the base has max_new_tokens at the longest response
 # (so max_len_mask finds some) and an error_max_len_threshold below it (so error_max_len_clip drops some)
 RLVR_STAGES = {
-    "RLVROptions.max_len_mask": ("max_len_mask", {}),
-    "RLVROptions.difficulty_mask": ("difficulty_mask", {}),
-    "RLVROptions.error_max_len_clip": ("error_max_len_clip", {}),
-    "RLVROptions.norm_mean_type": ("norm_mean_type", {}),
-    "RLVROptions.norm_std_type": ("norm_std_type", {}),
+    "RLVRRewardOptions.max_len_mask": ("max_len_mask", {}),
+    "RLVRRewardOptions.difficulty_mask": ("difficulty_mask", {}),
+    "RLVRRewardOptions.error_max_len_clip": ("error_max_len_clip", {}),
+    "RLVRRewardOptions.norm_mean_type": ("norm_mean_type", {}),
+    "RLVRRewardOptions.norm_std_type": ("norm_std_type", {}),
 }
 # run here through the rollout's stages (reset, turns, samples) on the tiny random model with the HF engine, one engine
 # pool for all: option -> (its path in RolloutConfig, the base it is varied from, over ROLLOUT_BASE: FrozenLake, 2
