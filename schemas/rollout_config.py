@@ -402,25 +402,12 @@ class PromptConfig(OmitDefaults):
         return self
 
 
-class PlaysEnvs(OmitUnsetMixed):
-    """The environments a rollout plays, declared once for its config and for the section its reset and turn stages
-    hash: the env manager and ROLL's ``custom_envs`` (left out of the dump while None, so a single-environment config
-    and section dump and hash as before it existed)."""
+class EpisodeOptions(OmitUnsetMixed):
+    """What a rollout's episodes are, declared once for its config and for the section its reset and turn stages
+    hash: seeds, lengths, the environments (the env manager and ROLL's ``custom_envs``, left out of the dump while
+    None, so a single-environment config and section dump and hash as before it existed), sampling and prompts."""
 
     _omit_when_none = ("custom_envs",)
-
-    env: EnvManagerConfig = Field(default_factory=EnvManagerConfig, description="Environment and episode counts.")
-    custom_envs: dict[EnvTag, CustomEnvConfig] | None = Field(None, description="ROLL's custom_envs: tag -> "
-                                                              "{env_type, env_config, max_steps}; the environments "
-                                                              "env.tags (and the evaluation's tags) may name.")
-
-    def env_layout(self) -> tuple[TagEnv, ...]:
-        """The tags this rollout plays, in group order (see :func:`env_layout`)."""
-        return env_layout(self.env, self.custom_envs)
-
-
-class RolloutConfig(PlaysEnvs):
-    """``rollflow rollout``: group_size episodes per level seed, played turn by turn, emitted as training samples."""
 
     seed: int = Field(42, ge=0, description="Base seed: level seeds and sampling seeds derive from it.")
     iteration: int = Field(0, ge=0, description="Training iteration (new levels and samples per iteration).")
@@ -436,8 +423,21 @@ class RolloutConfig(PlaysEnvs):
     on_invalid_action: Literal["continue", "end"] = Field("continue", description="After an invalid reply the "
                                                                                   "episode continues (ROLL) or ends.")
     generating_args: GeneratingArgs = Field(default_factory=GeneratingArgs, description="Sampling parameters.")
-    engine: EngineConfig = Field(default_factory=EngineConfig, description="Generation engine and its resources.")
+    env: EnvManagerConfig = Field(default_factory=EnvManagerConfig, description="Environment and episode counts.")
+    custom_envs: dict[EnvTag, CustomEnvConfig] | None = Field(None, description="ROLL's custom_envs: tag -> "
+                                                              "{env_type, env_config, max_steps}; the environments "
+                                                              "env.tags (and the evaluation's tags) may name.")
     prompt: PromptConfig = Field(default_factory=PromptConfig, description="Prompt templates.")
+
+    def env_layout(self) -> tuple[TagEnv, ...]:
+        """The tags this rollout plays, in group order (see :func:`env_layout`)."""
+        return env_layout(self.env, self.custom_envs)
+
+
+class RolloutConfig(EpisodeOptions):
+    """``rollflow rollout``: group_size episodes per level seed, played turn by turn, emitted as training samples."""
+
+    engine: EngineConfig = Field(default_factory=EngineConfig, description="Generation engine and its resources.")
     runtime: RuntimeConfig = Field(default_factory=RuntimeConfig, description="Ray execution settings.")
 
     @model_validator(mode="after")
@@ -472,19 +472,11 @@ class EngineIdentity(Frozen):
     max_model_len: int
 
 
-class TurnSection(PlaysEnvs):
-    """What the reset and turn stages read (``custom_envs``: only the entries the rollout's tags use, None when it
-    uses none, so a single-environment section hashes as before)."""
+class TurnSection(EpisodeOptions):
+    """What the reset and turn stages read: the rollout's episode options (``custom_envs``: only the entries the
+    rollout's tags use, None when it uses none, so a single-environment section hashes as before) and the engine
+    settings that change what is generated."""
 
-    seed: int
-    iteration: int
-    run_name: str
-    sample_level: SampleLevel
-    sequence_length: int
-    format_penalty: float | None
-    on_invalid_action: str
-    generating_args: GeneratingArgs
-    prompt: PromptConfig
     engine: EngineIdentity
 
 
@@ -501,11 +493,8 @@ class SamplesSection(Frozen):
 def turn_section(config: RolloutConfig) -> TurnSection:
     engine = EngineIdentity(backend=config.engine.backend, dtype=config.engine.dtype,
                             max_model_len=config.engine.window(config.sequence_length))
-    return TurnSection(seed=config.seed, iteration=config.iteration, run_name=config.run_name,
-                       sample_level=config.sample_level, sequence_length=config.sequence_length,
-                       format_penalty=config.format_penalty, on_invalid_action=config.on_invalid_action,
-                       env=config.env, generating_args=config.generating_args, prompt=config.prompt, engine=engine,
-                       custom_envs=used_custom_envs(config))
+    episodes = {name: getattr(config, name) for name in EpisodeOptions.model_fields}
+    return TurnSection(**{**episodes, "custom_envs": used_custom_envs(config)}, engine=engine)
 
 
 def used_custom_envs(config: RolloutConfig) -> dict[str, CustomEnvConfig] | None:

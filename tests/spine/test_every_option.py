@@ -126,8 +126,8 @@ RLVR_STAGES = {
 LISTS_ACTIONS = {"prompt": {"first_user": "{observation}\nAnswer with one of {answer_options}.",
                             "next_user": "{observation}\nAnswer with one of {answer_options}."}}
 ROLLOUT_STAGES = {
-    "RolloutConfig.sample_level": ("sample_level", {}),
-    "RolloutConfig.on_invalid_action": ("on_invalid_action", {}),
+    "EpisodeOptions.sample_level": ("sample_level", {}),
+    "EpisodeOptions.on_invalid_action": ("on_invalid_action", {}),
     "PromptConfig.action_order": ("prompt.action_order", LISTS_ACTIONS),
 }
 ROLLOUT_BASE = {"sequence_length": 1024, "seed": 7, "env": {"num_env_groups": 2, "group_size": 2, "max_steps": 3},
