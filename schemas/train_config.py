@@ -17,9 +17,8 @@ from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import AliasChoices, BeforeValidator, Field, SerializerFunctionWrapHandler, model_serializer, model_validator
 
-from schemas.capabilities import (ESTIMATOR_CAPABILITIES, POLICY_LOSS_CAPABILITIES, estimator_capabilities,
-                                 policy_loss_capabilities)
-from schemas.config import AdvEstimator, Frozen, OmitDefaults, RuntimeConfig, raw_section, refuse_unless_above
+from schemas.capabilities import POLICY_LOSS_CAPABILITIES, estimator_capabilities, policy_loss_capabilities
+from schemas.config import AdvEstimator, Frozen, OmitDefaults, RuntimeConfig, refuse_unless_above
 from schemas.devices import DeviceMapping
 from schemas.loss_config import LossOptions
 from schemas.precision import short_validator
