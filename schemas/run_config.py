@@ -175,8 +175,8 @@ def _default_at(model: type[BaseModel], dotted: str) -> Any:
 
 def drop_retired_copy(model: type[BaseModel], data: dict, retired: str, option: str) -> dict:
     """The raw run config ``data`` without the retired copy at ``retired`` (dotted) of the option at ``option``: an
-    equal copy is dropped (a run folder's config.json of an earlier version holds one), a different one refused with
-    the fix. A section that is not a mapping is left to the model to report."""
+    equal (or null) copy is dropped (a run folder's config.json of an earlier version holds one), a different one
+    refused with the fix. A section that is not a mapping is left to the model to report."""
     def walk(path: str) -> tuple[dict | None, str]:
         *sections, name = path.split(".")
         node: dict | None = data
@@ -189,7 +189,7 @@ def drop_retired_copy(model: type[BaseModel], data: dict, retired: str, option: 
         return data
     holder, key = walk(option)
     value = holder.get(key, _default_at(model, option)) if holder is not None else _default_at(model, option)
-    if node[name] != value:
+    if node[name] is not None and node[name] != value:  # null: not set, as earlier versions took it
         raise ValueError(f"{retired} ({node[name]}) differs from {option} ({value}), and a run has one value of it; "
                          f"set it once, at {option}, and remove {retired}")
     return _without(data, retired.split("."))

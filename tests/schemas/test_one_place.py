@@ -67,6 +67,7 @@ def test_a_copy_set_again_is_taken_when_it_repeats_the_option_and_refused_with_t
     for copy, option in copies.items():
         same = config.option_value(option)
         assert load_config(model, REPO / path, {copy: same}) == config  # --set train.adv_estimator=<the run's>
+        assert load_config(model, REPO / path, {copy: None}) == config  # null: not set
         other = "gae" if isinstance(same, str) else same - 1
         with pytest.raises(ConfigError) as err:
             load_config(model, REPO / path, {copy: other})
