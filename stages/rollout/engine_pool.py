@@ -17,15 +17,17 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import socket
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Any, ClassVar, Sequence
 
 import pyarrow as pa
 
 from schemas.errors import ConfigError, RollflowError
 from schemas.rollout_config import EngineConfig
 from stages.generation.engines import EngineMemory, GenRequest, GenResult, build_engine, load_tokenizer
+from stages.ray_errors import unplaced_hint
 from stages.rollout.episode import play_turn, reset_row, turn_request
 from stages.rollout.prompts import ChatFormat
 from stages.rollout.tables import rows_to_table
@@ -38,15 +40,31 @@ if TYPE_CHECKING:
 log = logging.getLogger("rollflow.rollout")
 
 
+class EngineStalled(RollflowError):
+    """An engine actor was not placed, or stalled building or reloading, past its limit (engine.*_timeout_s)."""
+
+
 class EngineActor:
-    """One generation engine in a Ray actor (wrapped with ``ray.remote`` by :class:`EnginePool`)."""
+    """One generation engine in a Ray actor (wrapped with ``ray.remote`` by :class:`EnginePool`). Created empty (its
+    process placed and started: :meth:`where` answers), then built (:meth:`build`), so the pool tells an engine Ray
+    never placed from one that stalls while it builds."""
 
     def __init__(self, backend: str, model_dir: str, options: dict[str, Any]) -> None:
-        start = time.time()
-        self.engine = build_engine(backend, model_dir, **options)
-        self.model_dir = model_dir
-        self.build_seconds = time.time() - start
+        self.backend, self.model_dir, self.options = backend, model_dir, dict(options)
+        self.engine: Any = None
+        self.build_seconds = 0.0
         self.transitions: list[str] = []  # "sleep1" / "sleep2" / "wake", in order (info())
+
+    def where(self) -> tuple[int, str]:
+        """This engine's process id and host."""
+        return os.getpid(), socket.gethostname()
+
+    def build(self) -> dict[str, Any]:
+        """Build the engine on the actor's checkpoint; returns :meth:`info`."""
+        start = time.time()
+        self.engine = build_engine(self.backend, self.model_dir, **self.options)
+        self.build_seconds = time.time() - start
+        return self.info()
 
     def _chat(self, prompt):
         """The chat format of a rollout's prompt config (see :meth:`_chat_format`)."""
@@ -127,7 +145,8 @@ class EngineActor:
         self.transitions.append("wake")
 
     def close(self) -> None:
-        self.engine.close()
+        if self.engine is not None:
+            self.engine.close()
 
 
 def local_model_dir(model_dir: str | os.PathLike) -> str:
@@ -161,7 +180,14 @@ def _store_checkpoint_identity(uri: str) -> dict[str, Any]:
 
 
 class EnginePool:
-    """``num_engines`` engine actors over one checkpoint. Built on first use; ``close`` kills them."""
+    """``num_engines`` engine actors over one checkpoint. Built on first use; ``close`` kills them.
+
+    Nothing waits forever: engines Ray does not place within ``engine.placement_timeout_s`` fail with what each asks
+    and what the cluster has free; an engine that takes longer than ``build_timeout_s`` to build, or than
+    ``reload_timeout_s`` to load new weights, sleep or wake, fails the pool naming its process and host
+    (:class:`EngineStalled`)."""
+
+    actor_class: ClassVar[type] = EngineActor  # what each engine actor runs (tests stand a stalling one in)
 
     def __init__(self, engine: EngineConfig, model_dir: str | os.PathLike, max_model_len: int,
                  gpus_per_engine: float | None = None) -> None:
@@ -172,6 +198,36 @@ class EnginePool:
         self.build_seconds = 0.0
         self.asleep = False
         self.gpus_per_engine = engine.num_gpus_per_engine if gpus_per_engine is None else float(gpus_per_engine)
+        self._where: list[tuple[int, str]] = []  # (pid, host) of each actor, once placed
+
+    def asks(self) -> dict[str, float]:
+        """What each engine actor reserves in Ray."""
+        return {"CPU": self.config.num_cpus_per_engine, **({"GPU": self.gpus_per_engine} if self.gpus_per_engine
+                                                             else {})}
+
+    def _await(self, actors: list[Any], method: str, args: tuple, limit: float | None, doing: str,
+               field: str) -> list[Any]:
+        """``method(*args)`` on every actor, its results; :class:`EngineStalled` when one has not answered within
+        ``limit`` seconds (None: no limit), naming it (its process, once placed), ``doing`` and the ``field``."""
+        import ray
+
+        refs = [getattr(a, method).remote(*args) for a in actors]
+        _, pending = ray.wait(refs, num_returns=len(refs), timeout=limit)
+        if pending:
+            late = [i for i, ref in enumerate(refs) if ref in pending]
+            raise EngineStalled(self._stalled(late, len(actors), limit, doing, field))
+        return ray.get(refs)
+
+    def _stalled(self, late: list[int], total: int, limit: float | None, doing: str, field: str) -> str:
+        """Why the engines ``late`` (indexes) stopped the pool: not placed (no process yet), or stalled ``doing``."""
+        backend, limit_text = self.config.backend, f"engine.{field} ({limit:g} s)"
+        if not self._where:
+            return (f"{len(late)} of {total} {backend} engine(s) (engine(s) {late}) were not placed by Ray within "
+                    f"{limit_text}: {unplaced_hint(self.asks())}")
+        pid, host = self._where[late[0]]
+        more = f" and {len(late) - 1} more" if len(late) > 1 else ""
+        return (f"{backend} engine {late[0]} (pid {pid} on {host}){more} has been {doing} for more than {limit_text}; "
+                f"py-spy dump --pid {pid} shows where it waits, or raise engine.{field} (null: no limit)")
 
     def _threads(self) -> int:
         return self.config.threads or max(1, (os.cpu_count() or 1) // self.config.num_engines)
@@ -202,14 +258,19 @@ class EnginePool:
         threads = str(self._threads())
         env_vars = {"OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads, "TOKENIZERS_PARALLELISM": "false",
                     **self.config.backend_env(), **self.config.env_vars}
-        remote = ray.remote(EngineActor).options(num_cpus=self.config.num_cpus_per_engine,
-                                                 num_gpus=self.gpus_per_engine,
-                                                 runtime_env={"env_vars": env_vars}, max_restarts=0)
+        remote = ray.remote(self.actor_class).options(num_cpus=self.config.num_cpus_per_engine,
+                                                      num_gpus=self.gpus_per_engine,
+                                                      runtime_env={"env_vars": env_vars}, max_restarts=0)
         actors = [remote.remote(self.config.backend, self.model_dir, self._options())
                   for _ in range(self.config.num_engines)]
         try:
-            infos = ray.get([a.info.remote() for a in actors])
+            self._where = []
+            self._where = self._await(actors, "where", (), self.config.placement_timeout_s, "placed",
+                                      "placement_timeout_s")
+            infos = self._await(actors, "build", (), self.config.build_timeout_s,
+                                f"building its engine on {self.model_dir}", "build_timeout_s")
         except BaseException:
+            self._where = []
             for a in actors:
                 ray.kill(a)
             raise
@@ -227,10 +288,9 @@ class EnginePool:
         if not self._actors or model_dir == self.model_dir:
             self.model_dir = model_dir
             return 0.0
-        import ray
-
         start = time.time()
-        ray.get([a.load_weights.remote(model_dir) for a in self._actors])
+        self._await(self._actors, "load_weights", (model_dir,), self.config.reload_timeout_s,
+                    f"loading the weights of {model_dir}", "reload_timeout_s")
         self.model_dir = model_dir
         return time.time() - start
 
@@ -243,10 +303,9 @@ class EnginePool:
         level = self.config.sleep_level
         if not level or not self._actors or self.asleep:
             return None
-        import ray
-
         start = time.time()
-        reports = ray.get([a.sleep.remote(level) for a in self._actors])
+        reports = self._await(self._actors, "sleep", (level,), self.config.reload_timeout_s,
+                              f"going to sleep (level {level})", "reload_timeout_s")
         self.asleep = True
         gib = float(2**30)
         return {"engine/sleep_level": float(level),
@@ -259,13 +318,12 @@ class EnginePool:
         discarded) the pool's checkpoint is reloaded when no other is given. Returns the seconds it took."""
         if not self.asleep:
             return 0.0
-        import ray
-
         start = time.time()
         target = local_model_dir(model_dir) if model_dir is not None else None
         if target is None and self.config.sleep_level >= 2:
             target = self.model_dir
-        ray.get([a.wake.remote(target) for a in self._actors])
+        self._await(self._actors, "wake", (target,), self.config.reload_timeout_s,
+                    f"waking{f' with the weights of {target}' if target else ''}", "reload_timeout_s")
         self.asleep = False
         if target is not None:
             self.model_dir = target

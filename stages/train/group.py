@@ -31,6 +31,7 @@ from typing import Any
 
 from schemas.errors import RollflowError, SchemaError
 from schemas.train_config import TrainSection
+from stages.ray_errors import unplaced_hint
 from stages.storage import Location, is_uri
 
 log = logging.getLogger("rollflow.train")
@@ -274,11 +275,7 @@ class TrainerGroup:
         if problem is None:
             return
         if len(states) < self.runtime.num_workers:
-            free = {k: round(v, 2) for k, v in sorted(ray.available_resources().items())
-                    if k in ("CPU", "GPU") or k in self.worker_resources()}
-            problem += (f": each asks {self.worker_resources()} and the cluster has {free} free now; another stage or "
-                        "process holds the rest (ray status), or the plan does not fit: rollflow plan --config ... "
-                        "shows what each stage reserves")
+            problem += ": " + unplaced_hint(self.worker_resources())
         raise TrainingStalled(problem)
 
     def _reply(self, want: str) -> bool:
