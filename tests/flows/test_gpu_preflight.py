@@ -4,11 +4,14 @@ run's needs come from the shipped H100 config and its real resource plan."""
 
 from __future__ import annotations
 
+import os
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
+from typer.testing import CliRunner
 
+from flows.cli import app
 from flows.pipelines import pipeline_of
 from flows.runkit import run_plan
 from schemas.config import load_config_data, validate_config
@@ -112,3 +115,16 @@ def test_expandable_segments_with_sleeping_engines_is_refused():
     assert len(found) == 1 and "sleep allocator" in found[0] and "rollout.engine.sleep_level 2" in found[0]
     assert problems(replace(GOOD, alloc_conf="expandable_segments:True"), NEEDS) == []
     assert problems(replace(GOOD, alloc_conf="max_split_size_mb:512"), needs) == []
+
+
+def test_rollflow_plan_on_a_host_whose_torch_cannot_use_the_listed_gpu_exits_2(tmp_path, monkeypatch):
+    """The command itself, on this host with a faked ``nvidia-smi`` (an H100 on driver 580): torch here is a CPU
+    build, so the plan that fits is refused with one pre-flight line and the fix, exit 2."""
+    smi = tmp_path / "nvidia-smi"
+    smi.write_text("#!/bin/sh\necho '0, NVIDIA H100 80GB HBM3, 580.65.06, 9.0, 81559, 80994'\n")
+    smi.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
+    result = CliRunner().invoke(app, ["plan", "--config", str(H100_CONFIG), "--cpus", "16", "--gpus", "1"])
+    assert result.exit_code == 2, result.output
+    assert "GPU pre-flight: the run needs a GPU and nvidia-smi lists 1, but this torch is a CPU build" in result.output
+    assert "make setup-gpu" in result.output
