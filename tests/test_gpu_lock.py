@@ -52,3 +52,11 @@ def test_a_lock_that_pyproject_no_longer_allows_is_refused():
         **PYPROJECT["project"]["optional-dependencies"], "gpu": ["vllm==0.33.0"]}}}
     found = tool.problems(_resolved(), LOCK, CPU_LOCK, project)
     assert any("vllm==0.33.0" in p and "vllm==0.32.0" in p for p in found)
+
+
+def test_a_torch_without_its_cuda_runtime_is_refused():
+    """An untagged torch from the index is a CPU build where the platform has no CUDA wheels (macOS, aarch64): the
+    resolution then lacks the CUDA runtime that torch's CUDA builds require."""
+    resolved = {name: item for name, item in _resolved().items() if name != tool.CUDA_RUNTIME}
+    found = tool.problems(resolved, LOCK, CPU_LOCK, PYPROJECT)
+    assert any(f"torch {LOCK['torch']} resolved without nvidia-cuda-runtime" in p for p in found)

@@ -29,6 +29,7 @@ GEM_RUNTIME = ("reasoning_gym", "nltk", "datasets")  # gem-llm's imports on the 
 SHARED_WITH_CPU = ("torch", "deepspeed", "ray", "transformers", "pyarrow", "prefect")  # the same release on both
 HEADER = ("# The CUDA set of `make setup-gpu`: pip's resolution of .[gpu,test] and GEM's runtime packages from the\n"
           "# package index alone (tools/gpu_lock.py; re-lock: tools/lock_gpu.sh; checked by .ci/check_gpu_extra).\n")
+CUDA_RUNTIME = "nvidia-cuda-runtime"  # a requirement of torch's CUDA builds on the index (Linux x86_64), of no other
 _PIN = re.compile(r"^([A-Za-z0-9_.-]+)==(\S+)")
 
 
@@ -77,6 +78,9 @@ def problems(resolved: dict[str, tuple[str, str]], lock: dict[str, str], cpu_loc
     torch = resolved.get("torch", ("missing", ""))[0]
     if torch == "missing" or "+" in torch:
         out.append(f"torch {torch}: the CUDA set needs the index's torch (a CUDA build, no local tag)")
+    elif CUDA_RUNTIME not in resolved:
+        out.append(f"torch {torch} resolved without {CUDA_RUNTIME}, the CUDA runtime every CUDA build of torch "
+                   "requires: the index served a CPU build for this platform; resolve on Linux x86_64")
     got = {n: v for n, (v, _) in resolved.items()}
     changed = sorted(set(got) ^ set(lock)) + sorted(n for n in set(got) & set(lock) if got[n] != lock[n])
     if changed:
