@@ -8,7 +8,10 @@ chosen and a resumed run keeps it:
 - ``strategy_args.optimizer``: ``auto`` is torch's AdamW (fused on CUDA, nothing to build) unless DeepSpeed's own
   kernel is already built on this host (its op installed with DeepSpeed, or left in the torch extensions folder by
   an earlier build): then ``fused_adam``. An explicit ``fused_adam`` whose kernel is not built needs a compiler,
-  which the GPU pre-flight checks (stages/gpu_preflight.py).
+  which the GPU pre-flight checks (stages/gpu_preflight.py). The option's default is ``torch_adamw``, not ``auto``
+  (``auto`` is written in a config, as ``dtype: auto`` is): the dump leaves ``torch_adamw`` out, so a dump read
+  back (a resumed run's config.json, the sections sent to the workers) must mean it, not a new choice on a host
+  where the kernel has been built since.
 - ``strategy_args.torch_compile: true`` needs a C compiler and Python's headers (Inductor builds its kernels'
   launchers with them); without them it becomes false with one warning.
 - ``rollout.engine.flashinfer_sampler``: vLLM's FlashInfer top-k/top-p sampler builds its kernels at engine start

@@ -188,11 +188,14 @@ class StrategyArgs(OmitDefaults):
         "Python's headers: on a host without them true becomes false, with one warning, and the run's config "
         "records false (schemas/toolchain.py).")
     optimizer: Annotated[Literal["torch_adamw", "fused_adam"], BeforeValidator(optimizer_validator)] = Field(
-        "auto", description="The AdamW implementation: auto (torch_adamw unless DeepSpeed's kernel is already built "
-        "on this host; the run's config records the choice), torch_adamw (torch.optim.AdamW through DeepSpeed, "
-        "fused on CUDA: nothing to build) or fused_adam (DeepSpeed's FusedAdam, or its CPU Adam with "
+        "torch_adamw", description="The AdamW implementation: torch_adamw (torch.optim.AdamW through DeepSpeed, "
+        "fused on CUDA: nothing to build), fused_adam (DeepSpeed's FusedAdam, or its CPU Adam with "
         "offload_optimizer: compiled on first use unless prebuilt, so it needs nvcc of torch's CUDA major version "
-        "or a C++ compiler; the GPU pre-flight checks). On CPU workers DeepSpeed runs torch's AdamW either way.")
+        "or a C++ compiler; the GPU pre-flight checks) or auto (the _h100 configs' choice: fused_adam where "
+        "DeepSpeed's kernel is already built on this host, else torch_adamw). auto is resolved when the config is "
+        "loaded and the run's config records the choice, as dtype auto's: a config without the option means "
+        "torch_adamw, so a resumed run keeps torch_adamw even where the kernel was built since. On CPU workers "
+        "DeepSpeed runs torch's AdamW either way.")
 
     @model_validator(mode="after")
     def _zero_rules(self) -> "StrategyArgs":

@@ -6,6 +6,7 @@ kernel is a folder without it, not a mock; the decisions are pure functions of t
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import stat
@@ -16,7 +17,7 @@ import pytest
 from schemas import precision, toolchain
 from schemas.precision import Hardware
 from schemas.rollout_config import EngineConfig
-from schemas.train_config import StrategyArgs, WorkerTrainConfig
+from schemas.train_config import StrategyArgs, TrainStepConfig, WorkerTrainConfig
 from stages.train.core import deepspeed_config
 
 H100 = Hardware("cuda", "GPU NVIDIA H100, bf16 supported", True)
@@ -64,17 +65,34 @@ def test_a_prebuilt_fused_adam_is_found_installed_or_in_the_extensions_folder(tm
 
 def test_the_config_records_the_optimizer_chosen_on_a_gpu_host(gpu_host, caplog):
     with caplog.at_level(logging.INFO, "rollflow.toolchain"):
-        strategy = StrategyArgs()
-        StrategyArgs()
+        strategy = StrategyArgs(optimizer="auto")
+        StrategyArgs(optimizer="auto")
     assert strategy.optimizer == "torch_adamw"
     assert [r.message for r in caplog.records].count(toolchain.choices_line()) == 1  # said once per process
     assert "optimizer auto -> torch_adamw" in toolchain.choices_line()
     built = gpu_host / "extensions" / "fused_adam"
     built.mkdir(parents=True)
     (built / "fused_adam.so").write_bytes(b"")
-    chosen = StrategyArgs()
+    chosen = StrategyArgs(optimizer="auto")
     assert chosen.optimizer == "fused_adam" and chosen.model_dump()["optimizer"] == "fused_adam"
     assert StrategyArgs.model_validate(chosen.model_dump()) == chosen  # a resumed run keeps it
+
+
+def test_a_run_started_without_the_kernel_resumes_with_torch_adamw_after_it_is_built(gpu_host):
+    """auto chose torch_adamw on a GPU host without DeepSpeed's kernel; the run's config.json leaves it out (as a CPU
+    run's). Once the kernel has been built on the host, the resumed run reads its config.json back, and the sections
+    its workers validate again: torch_adamw still, not a new choice of fused_adam."""
+    started = TrainStepConfig.model_validate({"actor_train": {"strategy_args": {"optimizer": "auto"}},
+                                              "critic_train": {"strategy_args": {"optimizer": "auto"}}})
+    frozen = json.loads(json.dumps(started.model_dump(mode="json")))
+    assert "optimizer" not in frozen["actor_train"]["strategy_args"]
+    built = gpu_host / "extensions" / "fused_adam"
+    built.mkdir(parents=True)
+    (built / "fused_adam.so").write_bytes(b"")
+    assert StrategyArgs(optimizer="auto").optimizer == "fused_adam"  # a new run on this host would take it
+    resumed = TrainStepConfig.model_validate(frozen)
+    assert resumed.actor_train.strategy_args.optimizer == resumed.critic_train.strategy_args.optimizer == "torch_adamw"
+    assert resumed == started and resumed.model_dump(mode="json") == frozen
 
 
 def test_torch_adamw_leaves_the_dump_as_before_the_option():
