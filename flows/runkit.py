@@ -29,7 +29,7 @@ from stages.runner import run_stage
 from stages.storage import Location, local_side, publish_local_side
 from stages.trackers import check_trackers
 from stages.train.checkpoint import keep_training_state, read_checkpoint
-from stages.train.group import TrainerGroup
+from stages.train.group import Limits, TrainerGroup
 from stages.train.stage import ForwardWorkers, run_logprobs, run_train_step, run_values, train_section
 
 log = logging.getLogger("rollflow.train")
@@ -109,7 +109,8 @@ class KeptWorkers:
                                section=train_section(train).model_dump(mode="json"))
         if forward_on_actor(config):
             return cls(trainer)
-        return cls(trainer, ForwardWorkers(config.logprobs, gpus_per_actor=shares["forward"]))
+        return cls(trainer, ForwardWorkers(config.logprobs, gpus_per_actor=shares["forward"],
+                                           limits=Limits.of(train.runtime)))
 
     def forward_kwargs(self) -> dict[str, Any]:
         """Where the log-prob and values stages run: the actor group, or the kept forward workers."""

@@ -360,16 +360,18 @@ class TrainRuntimeConfig(RuntimeConfig):
                                           "indexes of the training workers (one per worker, use_gpu: true). Equal to "
                                           "the engine's: colocated, generation and training share those GPUs "
                                           "(schemas/devices.py). null: one GPU of their own per worker.")
-    placement_timeout_s: float | None = Field(600.0, gt=0, description="Seconds the training workers may wait to be "
+    placement_timeout_s: float | None = Field(600.0, gt=0, description="Seconds the training workers (and, with "
+                                              "keep_workers: false, the run's forward workers) may wait to be "
                                               "placed by Ray (their processes started) before the step fails with "
                                               "what they ask and what the cluster has free (null: wait forever).")
     engine_build_timeout_s: float | None = Field(1200.0, gt=0, description="Seconds a worker may spend building its "
                                                  "DeepSpeed engines (loading the model, the optimizer, a resumed "
                                                  "state) on top of the step limit, before the step fails naming the "
                                                  "stalled worker (null: no limit).")
-    step_timeout_s: float | None = Field(7200.0, gt=0, description="Seconds one training step may take on a worker "
-                                         "before it fails naming the stalled worker, its process and host (null: "
-                                         "no limit).")
+    step_timeout_s: float | None = Field(7200.0, gt=0, description="Seconds one training step, or one log-prob / "
+                                         "values pass, may take on a worker (with keep_workers: false, one batch "
+                                         "on a forward worker) before it fails naming the stalled worker, its "
+                                         "process and host (null: no limit).")
 
     def torch_threads(self) -> int:
         return self.threads or max(1, int(self.cpus_per_worker))

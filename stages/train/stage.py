@@ -15,27 +15,29 @@ from __future__ import annotations
 import json
 import logging
 import os
+import socket
 import time
 import warnings
 import zlib
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 
 from schemas.errors import ConfigError, RollflowError
 from schemas.tables import ADVANTAGED, FLOATS, SAMPLES, TableSpec
-from schemas.train_config import ForwardConfig, LogProbSection, TrainSection, TrainStepConfig, ValuesSection
+from schemas.train_config import (ForwardConfig, LogProbSection, TrainRuntimeConfig, TrainSection, TrainStepConfig,
+                                  ValuesSection)
 from stages import progress
 from stages.cluster import require_ray
 from stages.commit import commit_folder
-from stages.ray_errors import unwrap_error
+from stages.ray_errors import unplaced_hint, unwrap_error
 from stages.runner import (ACTOR_POOL, SIDE_DIR, Stage, StageContext, StageResult, read_partials, run_stage,
                            stage_fingerprint, sum_partials)
 from stages.storage import Location, folder_fingerprint, is_uri, read_table_schema
 from stages.train import checkpoint as ckpt
-from stages.train.group import TrainerGroup
+from stages.train.group import Limits, TrainerGroup
 
 log = logging.getLogger("rollflow.train")
 
@@ -208,6 +210,10 @@ class ForwardActor:
                              self.device, self.packed)
 
 
+class ForwardStalled(RollflowError):
+    """A forward worker was not placed, or stalled in a call, past its limit (train.runtime.*_timeout_s)."""
+
+
 class ForwardServer:
     """A forward worker that a training flow keeps across iterations (a Ray actor of :class:`ForwardWorkers`): its
     models stay loaded and take each new checkpoint in place (:class:`stages.train.forward.ForwardModels`)."""
@@ -237,27 +243,68 @@ class ForwardServer:
     def loads(self) -> dict[str, int]:
         return dict(self.models.loads)
 
+    def where(self) -> tuple[int, str]:
+        """This worker's process id and host."""
+        return os.getpid(), socket.gethostname()
+
 
 class ForwardWorkers:
     """The forward workers of a training run (``num_actors`` :class:`ForwardServer` actors), started on first use and
     kept until :meth:`close`. Like a kept trainer, they reserve no Ray CPUs: they compute only inside the log-prob
-    and values stages, whose Ray Data tasks hand them the batches and wait."""
+    and values stages, whose Ray Data tasks hand them the batches and wait.
 
-    def __init__(self, config: ForwardConfig, gpus_per_actor: float | None = None):
+    Nothing waits forever, under the limits of the run's training workers (``train.runtime``, which bound the same
+    passes where the training workers compute them): workers Ray does not place within ``placement_timeout_s`` fail
+    with what each asks and what the cluster has free; a worker that does not answer a batch within
+    ``step_timeout_s`` fails the stage naming its process and host (:class:`ForwardStalled`)."""
+
+    server_class: ClassVar[type] = ForwardServer  # what each worker runs (tests stand a stalling one in)
+
+    def __init__(self, config: ForwardConfig, gpus_per_actor: float | None = None, limits: Limits | None = None):
         """``gpus_per_actor``: the Ray GPU share of each worker when the run decides it (colocation,
-        stages.plan.gpu_shares); default: the section's own (gpus_per_actor with device cuda)."""
+        stages.plan.gpu_shares); default: the section's own (gpus_per_actor with device cuda). ``limits``: the run's
+        ``Limits.of(train.runtime)`` (default: those of a default training runtime)."""
         self.config = config
         self.gpus = config.gpus_per_actor_reserved() if gpus_per_actor is None else (gpus_per_actor or None)
+        self.limits = limits or Limits.of(TrainRuntimeConfig())
         self._actors: list = []
+        self.placed: list[tuple[int, str]] = []  # (pid, host) of each worker, once placed
+
+    def asks(self) -> dict[str, float]:
+        """What each worker reserves in Ray."""
+        return {"CPU": 0.0, **({"GPU": self.gpus} if self.gpus else {}),
+                **self.config.runtime.resources_for("logprobs")}
 
     def actors(self) -> list:
+        """The workers, started (and waited for, up to the placement limit) on first use."""
         import ray
 
         if not self._actors:
             server = ray.remote(num_cpus=0, num_gpus=self.gpus, max_restarts=0,
-                                resources=self.config.runtime.resources_for("logprobs"))(ForwardServer)
-            self._actors = [server.remote(self.config.torch_threads()) for _ in range(self.config.num_actors)]
+                                resources=self.config.runtime.resources_for("logprobs"))(self.server_class)
+            actors = [server.remote(self.config.torch_threads()) for _ in range(self.config.num_actors)]
+            try:
+                self.placed = self._placed(actors)
+            except BaseException:
+                for actor in actors:
+                    ray.kill(actor)
+                raise
+            self._actors = actors
         return self._actors
+
+    def _placed(self, actors: list) -> list[tuple[int, str]]:
+        """Each worker's (pid, host) once Ray has started it; :class:`ForwardStalled` past the placement limit."""
+        import ray
+
+        refs = [a.where.remote() for a in actors]
+        limit = self.limits.placement
+        _, pending = ray.wait(refs, num_returns=len(refs), timeout=limit)
+        if pending:
+            late = [i for i, ref in enumerate(refs) if ref in pending]
+            raise ForwardStalled(f"{len(late)} of {len(refs)} forward workers (worker(s) {late}) were not placed by "
+                                 f"Ray within train.runtime.placement_timeout_s ({limit:g} s): "
+                                 f"{unplaced_hint(self.asks())}")
+        return ray.get(refs)
 
     def loads(self) -> dict[str, int]:
         """Model loads so far, summed over the workers: fresh, in place, kept."""
@@ -280,14 +327,24 @@ class ForwardWorkers:
         self._actors = []
 
 
-def _forward_on_worker(batch: pa.Table, actors: list, **kwargs) -> pa.Table:
+def _forward_on_worker(batch: pa.Table, actors: list, placed: list[tuple[int, str]], limit: float | None,
+                       **kwargs) -> pa.Table:
     """A Ray Data map task: hand ``batch`` to one kept forward worker (chosen by the batch's first row id, so the
-    assignment is deterministic) and return its result."""
+    assignment is deterministic) and return its result; :class:`ForwardStalled` naming the worker (``placed``: each
+    one's pid and host) when it has not answered within ``limit`` seconds (None: no limit)."""
     import ray
 
     key = batch.column("row_id")[0].as_py() if batch.num_rows else 0
-    actor = actors[zlib.crc32(str(key).encode()) % len(actors)]
-    return ray.get(actor.run.remote(batch=batch, **kwargs))
+    index = zlib.crc32(str(key).encode()) % len(actors)
+    ref = actors[index].run.remote(batch=batch, **kwargs)
+    ready, _ = ray.wait([ref], timeout=limit)
+    if not ready:
+        pid, host = placed[index]
+        raise ForwardStalled(f"forward worker {index} (pid {pid} on {host}) has not answered a batch of "
+                             f"{batch.num_rows} rows of {kwargs.get('where')} within train.runtime.step_timeout_s "
+                             f"({limit:g} s); py-spy dump --pid {pid} shows where it waits, or raise "
+                             "train.runtime.step_timeout_s (null: no limit)")
+    return ray.get(ref)
 
 
 def _pinned(resources: dict[str, float]) -> dict[str, Any]:
@@ -340,7 +397,8 @@ class _ForwardStage(Stage):
                                     r"for 'MapBatches\(_forward_on_worker\)'")
             return ctx.read("samples").map_batches(
                 _forward_on_worker, batch_size=c.rows_per_batch, batch_format="pyarrow", concurrency=len(actors),
-                fn_kwargs={"actors": actors, "dtype": ctx.section.dtype, **work})
+                fn_kwargs={"actors": actors, "placed": self.workers.placed, "limit": self.workers.limits.step,
+                           "dtype": ctx.section.dtype, **work})
         return ctx.read("samples").map_batches(
             ForwardActor, batch_size=c.rows_per_batch, batch_format="pyarrow",
             fn_constructor_kwargs={"dtype": ctx.section.dtype, "threads": c.torch_threads(), **work},
