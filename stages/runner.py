@@ -19,7 +19,7 @@ import logging
 import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Any, Callable, ClassVar
+from typing import Any, Callable, ClassVar, Iterator
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -55,27 +55,33 @@ class StageContext:
         loc = self.inputs[name]
         return ray.data.read_parquet(loc.parquet_files(), columns=columns, filesystem=loc.ray_filesystem())
 
-    def read_per_file(self, name: str, columns: list[str] | None = None):
+    def read_per_file(self, name: str, columns: list[str] | None = None, include_paths: bool = False):
         """:meth:`read` with one read task per file, whose blocks are not split further: a ``map_batches`` with
         ``batch_size=None`` after it runs in the same task on whole blocks (Ray Data fuses read, map and write), so a
         row-parallel stage runs as one task per file and slices the blocks itself (:func:`slices`). Without it
         Ray Data splits a read into at least 200 blocks (``read_op_min_num_blocks``) and bundles them again for a
         separate map task per ~1,024 rows: at 200k rows ~200 tasks a stage, and most of the stage's time was spent
-        around them (BENCHMARKS.md, issue 49)."""
+        around them (BENCHMARKS.md, issue 49). ``include_paths``: each row also has its file's path (column
+        ``path``)."""
         import ray.data
 
         loc = self.inputs[name]
         files = loc.parquet_files()
         return ray.data.read_parquet(files, columns=columns, filesystem=loc.ray_filesystem(),
-                                     override_num_blocks=max(1, len(files)))
+                                     override_num_blocks=max(1, len(files)), include_paths=include_paths)
 
-    def one_task(self, produce: Callable[[], pa.Table]):
+    def one_task(self, produce: Callable[[], pa.Table | Iterator[pa.Table]]):
         """A Ray Data dataset whose only task (with the stage's task options) returns ``produce()``: for a
-        whole-table step that reads its inputs itself. The task is named after ``produce``."""
+        whole-table step that reads its inputs itself. ``produce`` may yield its rows as several tables, in order (a
+        step that streams its output). The task is named after ``produce``."""
         import ray.data
 
-        def task(_: pa.Table) -> pa.Table:
-            return produce()
+        def task(_: pa.Table) -> Iterator[pa.Table]:
+            out = produce()
+            if isinstance(out, pa.Table):
+                yield out
+            else:
+                yield from out
 
         task.__name__ = task.__qualname__ = produce.__name__
         return ray.data.from_items([{"task": 0}]).map_batches(task, batch_size=None, batch_format="pyarrow",
@@ -190,6 +196,9 @@ def stage_fingerprint(stage: Stage, section: BaseModel, inputs: dict[str, Locati
 
 
 _SINK_CLASS: list[type] = []
+# Rows per Parquet row group of a stage's output: a reader of a row range (the advantages stage's join of the
+# rewarded rows of one samples file) decodes at most this many rows more than it needs.
+ROW_GROUP_ROWS = 65_536
 
 
 def parquet_write_options(schema: pa.Schema) -> dict[str, Any]:
@@ -218,15 +227,26 @@ def _ordered_parquet_sink(folder: Location):
                 self.folder = folder
 
             def write(self, blocks, ctx) -> int:
-                tables = [t for t in (BlockAccessor.for_block(b).to_arrow() for b in blocks) if t.num_rows]
-                if not tables:
-                    return 0
-                schema = pa.unify_schemas([t.schema for t in tables])
-                with self.folder.fs.open_output_stream(f"{self.folder.path}/{ctx.task_idx:08d}.parquet") as f:
-                    with pq.ParquetWriter(f, schema, **parquet_write_options(schema)) as writer:
-                        for table in tables:
-                            writer.write_table(table.cast(schema))
-                return sum(t.num_rows for t in tables)
+                """The task's blocks into one file as they come (a streaming step's output is never whole), each
+                cast to the first non-empty block's schema, in row groups of at most :data:`ROW_GROUP_ROWS`."""
+                rows, writer, f = 0, None, None
+                try:
+                    for table in (BlockAccessor.for_block(b).to_arrow() for b in blocks):
+                        if not table.num_rows:
+                            continue
+                        if writer is None:
+                            schema = table.schema
+                            f = self.folder.fs.open_output_stream(f"{self.folder.path}/{ctx.task_idx:08d}.parquet")
+                            writer = pq.ParquetWriter(f, schema, **parquet_write_options(schema))
+                        writer.write_table(table if table.schema.equals(schema) else table.cast(schema),
+                                           row_group_size=ROW_GROUP_ROWS)
+                        rows += table.num_rows
+                finally:
+                    if writer is not None:
+                        writer.close()
+                    if f is not None:
+                        f.close()
+                return rows
 
         _SINK_CLASS.append(OrderedParquetSink)
     return _SINK_CLASS[0](folder)
