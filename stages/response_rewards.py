@@ -1,7 +1,10 @@
 """The response-level rewards stage of both pipelines: a samples table (+ for RLVR its scores) → ``rewarded``.
 
-It needs whole-table statistics, so it reads only narrow columns — a few bytes a row — and computes them in one
-batch over the whole table. The advantages stage (stages/advantages.py) joins its rows by row_id. The config section
+It needs whole-group statistics, so it reads only narrow columns — a few bytes a row. When every set of rows the
+agentic step reads together lies inside one group (:func:`partition_column`) and the table has more rows than the
+memory budget allows the step at once (:data:`STEP_BYTES_PER_ROW`), the rows are hash-partitioned by group and the
+step runs one partition at a time (stages/partitioned.py), written back in the input's row order; otherwise it runs
+in one batch over the whole table. The advantages stage (stages/advantages.py) joins its rows by row_id. The config section
 selects ROLL's algorithm:
 
 * :class:`~schemas.config.ResponseRewardSection` (agentic, spec §5.1, §5.4): groups, batch mean/std, discounted
@@ -14,8 +17,12 @@ selects ROLL's algorithm:
 
 from __future__ import annotations
 
+import math
+import os
+import shutil
+import tempfile
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import numpy as np
 import pyarrow as pa
@@ -30,13 +37,21 @@ from schemas.tables import REWARDED, SAMPLES, TableSpec, check_row_invariants, c
 from stages.advantages import indexed, take_by_row_id
 from stages.algos.estimators import estimator
 from stages.algos.ragged import Ragged, row_sum
-from stages.algos.response_rewards import RewardNormSettings, compute_response_level_rewards, discounted_returns
-from stages.algos.reward_norm import RunningMoments
+from stages.algos.response_rewards import (RewardNormSettings, compute_response_level_rewards, discounted_returns,
+                                           gigpo_step_norm_types)
+from stages.algos.reward_norm import RunningMoments, resolve_norm_types
 from stages.algos.rlvr_chain import rlvr_response_rewards
-from stages.runner import Stage, StageContext, read_partials, write_partials
+from stages.partitioned import partitioned
+from stages.runner import SIDE_DIR, Stage, StageContext, read_partials, write_partials
 from stages.storage import Location
 
 NARROW = ["row_id", "group_id", "traj_id", "turn_idx", "num_turns", "tag", "score", "episode_score"]
+# Peak memory of the agentic whole-table step per row (the id columns as Python strings, their sorts, GiGPO's state
+# ids): +250 MB at 200k rows measured in one process (BENCHMARKS.md, issue 49), with a margin. A table of more rows
+# than the memory budget / this is computed in hash partitions of that many rows on average.
+STEP_BYTES_PER_ROW = 2048
+DEFAULT_BUDGET_MB = 512  # when Ray Data's memory limit is not set (runtime.data_memory_mb null)
+SPILL_ROWS = 65_536  # rows per read batch of the spill pass and per output table of the merge
 
 
 # ---- response-level rewards -------------------------------------------------------------------------------------
@@ -81,6 +96,59 @@ def response_rewards_table(table: pa.Table, section: ResponseRewardSection, wher
         out[name] = pa.array(values if typ != pa.string() else [str(v) for v in values], typ)
     rewarded = pa.table(out)
     return rewarded.select([f.name for f in REWARDED.arrow_schema(present=rewarded.column_names)]), result.metrics
+
+
+def partition_column(section: ResponseRewardSection) -> str | None:
+    """The column whose groups hold every set of rows the agentic step reads together — the normalisation groups,
+    the trajectories (discounted returns), GiGPO's state groups — or None when one of those can be the whole table:
+    a batch statistic, a normalisation group by tag, ROLL's state groups keyed by the bare state hash. A trajectory
+    lies inside its group (``group_id``), as every rollout writes them."""
+    rn = section.reward_normalization
+    types = resolve_norm_types(rn.grouping, rn.method, rn.norm_mean_type, rn.norm_std_type)
+    if "batch" in types or ("group" in types and GROUPING_COLUMNS.get(rn.grouping) not in ("group_id", "traj_id")):
+        return None
+    if estimator(section.adv_estimator).response_reward == "gigpo":
+        step_types = gigpo_step_norm_types(RewardNormSettings(rn.grouping, rn.method, rn.norm_mean_type,
+                                                              rn.norm_std_type), section.roll_compat)
+        if "batch" in step_types or (section.roll_compat and "group" in step_types):
+            return None
+    return "group_id"
+
+
+COMBINED_METRICS = {"critic/reward_clip_frac", "system/state_batch_size/max", "system/state_batch_size/mean",
+                    "system/state_batch_size/min"}
+
+
+def _reward_summary(table: pa.Table) -> tuple[float, float, float]:
+    rewards = table.column("response_level_rewards").to_numpy()
+    return float(rewards.astype(np.float64).sum()), float(rewards.max()), float(rewards.min())
+
+
+def combined_metrics(results: list[tuple[int, Any]]) -> dict[str, float]:
+    """The metrics of the whole table from those of its partitions: ``results`` holds (rows, (metrics, reward sum,
+    max, min)) of each, None for an empty one. Fractions are weighted by rows; GiGPO's state-group sizes combine
+    exactly (every state group lies in one partition, and a partition's sizes sum to its rows)."""
+    done = [(n, r) for n, r in results if r is not None]
+    rows = sum(n for n, _ in done)
+    metrics: dict[str, float] = {}
+    unknown = {k for _, (m, *_) in done for k in m} - COMBINED_METRICS
+    if unknown:
+        raise InvariantError(f"response rewards: no rule combines the partitions' metrics {sorted(unknown)}; add one "
+                             "to stages/response_rewards.py combined_metrics")
+    if not rows:
+        return metrics
+    if any("critic/reward_clip_frac" in m for _, (m, *_) in done):
+        metrics["critic/reward_clip_frac"] = sum(round(m["critic/reward_clip_frac"] * n) for n, (m, *_) in done) / rows
+    sizes = [(n, m) for n, (m, *_) in done if "system/state_batch_size/mean" in m]
+    if sizes:
+        groups = sum(round(n / m["system/state_batch_size/mean"]) for n, m in sizes)
+        metrics.update({"system/state_batch_size/max": max(m["system/state_batch_size/max"] for _, m in sizes),
+                        "system/state_batch_size/mean": float(sum(n for n, _ in sizes)) / groups,
+                        "system/state_batch_size/min": min(m["system/state_batch_size/min"] for _, m in sizes)})
+    metrics.update({"critic/response_level_rewards/mean": sum(r[1] for _, r in done) / rows,
+                    "critic/response_level_rewards/max": max(r[2] for _, r in done),
+                    "critic/response_level_rewards/min": min(r[3] for _, r in done)})
+    return metrics
 
 
 # ---- RLVR: sample masks and reward post-processing per domain ----------------------------------------------------
@@ -132,6 +200,53 @@ def read_narrow(loc: Location, columns: list[str], narrow: Callable[[pa.Table], 
              if batch.num_rows]
     return pa.concat_tables(parts) if parts else narrow(dataset.schema.empty_table().select(columns))
 
+
+
+def memory_budget_bytes() -> float:
+    """The run's memory budget (``runtime.data_memory_mb``, as :func:`stages.cluster.ensure_ray` gave it to Ray
+    Data), or :data:`DEFAULT_BUDGET_MB` when none is set."""
+    import ray.data  # the driver has Ray started (ensure_ray); tests of the pure parts do not import it
+
+    limit = ray.data.DataContext.get_current().execution_options.resource_limits.object_store_memory
+    return float(limit) if limit is not None and math.isfinite(limit) else DEFAULT_BUDGET_MB * 2.0**20
+
+
+def table_rows(loc: Location) -> int:
+    """Rows of the table in ``loc``, from its files' Parquet footers."""
+    return pads.dataset(loc.parquet_files(), filesystem=loc.fs).count_rows()
+
+
+def _spill_folder(out: Location) -> str:
+    """An empty local folder for a partitioned step's spill: under the stage's temporary output on local disk (a
+    killed run's is removed with it), else a temporary folder of the worker."""
+    if out.atomic_rename:
+        folder = f"{out.path}/{SIDE_DIR}/spill"
+        os.makedirs(folder, exist_ok=True)
+        return folder
+    return tempfile.mkdtemp(prefix="rollflow-spill-")
+
+
+def partitioned_rewards(samples: Location, columns: list[str], section: ResponseRewardSection, key: str, parts: int,
+                        out: Location, where: str, rows: int = SPILL_ROWS) -> Iterator[pa.Table]:
+    """The ``rewarded`` rows of the agentic step over ``parts`` hash partitions of column ``key`` (stages/
+    partitioned.py), in the samples' row order, ``rows`` a table; the combined metrics are written as the stage's
+    partials. Each partition's values equal the whole-table step's: every statistic it computes is per group of
+    ``key`` (:func:`partition_column`), summed in row order."""
+
+    def step(table: pa.Table):
+        rewarded, metrics = response_rewards_table(table, section, where)
+        check_row_invariants(REWARDED, rewarded, where)
+        return rewarded, (metrics, *_reward_summary(rewarded))
+
+    dataset = pads.dataset(samples.parquet_files(), filesystem=samples.fs)
+    batches = (pa.Table.from_batches([b]) for b in dataset.to_batches(columns=columns, batch_size=rows) if b.num_rows)
+    folder = _spill_folder(out)
+    try:
+        results, merged = partitioned(batches, key, parts, step, folder, rows)
+        write_partials(out, "whole-table", {"metrics": combined_metrics(results), "state": {}})
+        yield from merged
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 def _kind(value: Any) -> str:
@@ -207,19 +322,27 @@ class ResponseRewardsStage(Stage):
 
     def build(self, ctx: StageContext):
         """One task: read the narrow columns of every file (narrowing each ``batch_rows`` slice first, for RLVR), then
-        the whole-table step. Reading inside the task replaces a Ray Data read split into ~200 blocks and gathered
-        again by a ``repartition(1)``, which took seconds of scheduling around 0.1 CPU-s of work (issue 49)."""
+        the whole-table step — or, for an agentic table larger than the memory budget allows at once, the step over
+        hash partitions by group (:func:`partitioned_rewards`). Reading inside the task replaces a Ray Data read split
+        into ~200 blocks and gathered again by a ``repartition(1)``, which took seconds of scheduling around 0.1 CPU-s
+        of work (issue 49)."""
         section = ctx.section
         algo = ALGORITHMS[_kind(section)]
         out, where = ctx.output, f"{ctx.inputs['samples'].path} (response_rewards output)"
         samples, columns = ctx.inputs["samples"], algo.columns(ctx.schemas["samples"])
+        key = partition_column(section) if _kind(section) == "agentic" else None
+        step_rows = max(1, int(memory_budget_bytes() // STEP_BYTES_PER_ROW))
 
-        def whole_table() -> pa.Table:
+        def whole_table() -> Iterator[pa.Table]:
+            rows = table_rows(samples) if key is not None else 0
+            if rows > step_rows:
+                yield from partitioned_rewards(samples, columns, section, key, math.ceil(rows / step_rows), out, where)
+                return
             narrow = read_narrow(samples, columns, algo.narrow, ctx.batch_rows)
             table, metrics, state = algo.whole_table(narrow, section, ctx)
             check_row_invariants(REWARDED, table, where)
             write_partials(out, "whole-table", {"metrics": metrics, "state": state})
-            return table
+            yield table
 
         return ctx.one_task(whole_table)
 

@@ -14,7 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.spine.helpers import GRPO, read_table, run_recompute
+from stages import response_rewards
+from tests.spine.helpers import GIGPO, GRPO, read_table, run_recompute
 
 INPUT_COLUMNS = {
     "row_id": "8300415442cf2948", "group_id": "dc6f73f46dd9fcc8", "traj_id": "061d43c2b030e531",
@@ -72,3 +73,13 @@ def test_grpo_tables_with_token_kl_equal_the_recorded_chain(step_set, tmp_path, 
     run_recompute(step_set, str(tmp_path / "grpo"), GRPO)
     for table in ("rewarded", "advantaged"):
         assert_recorded(tmp_path / "grpo" / table, EXPECTED["grpo"][table], f"GRPO {table}")
+
+
+def test_tables_of_the_rewards_step_in_partitions_equal_the_recorded_chain(step_set, tmp_path, ray_cluster,
+                                                                           monkeypatch):
+    """A memory budget for ~100 rows at once: the rewards step runs over 5 hash partitions by group (stages/
+    partitioned.py) and writes its rows back in the samples' order; the tables stay the recorded ones."""
+    monkeypatch.setattr(response_rewards, "STEP_BYTES_PER_ROW", int(response_rewards.memory_budget_bytes() // 100))
+    run_recompute(step_set, str(tmp_path / "gigpo"), GIGPO)
+    for table in ("rewarded", "advantaged"):
+        assert_recorded(tmp_path / "gigpo" / table, EXPECTED["gigpo"][table], f"GiGPO {table} (partitioned)")
