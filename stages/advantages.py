@@ -5,6 +5,11 @@ Row-parallel over the wide token columns: per block, token rewards (§2.4, with 
 span blocks (per-domain whitening moments, the KL controller's current KL) come from additive partials over all
 blocks; the KL controller's state travels in the manifest (``kl_ctrl``).
 
+Each task joins its samples file's rows to their ``rewarded`` rows by row_id. When the rewarded table lists the
+samples' rows in their order (the agentic rewards stage writes it so), the join reads only that file's range of it
+(:class:`RewardRanges`), so a task's memory does not grow with the table; otherwise (RLVR's rewarded rows are sorted
+by prompt) each worker indexes the whole rewarded table once (:func:`reward_lookup`).
+
 The ``rewarded`` input (stages/response_rewards.py) says what kind of run it is, as data:
 
 * agentic: ``response_level_rewards`` (and GiGPO/step columns, copied to the output); every row's sample mask is
@@ -20,7 +25,9 @@ import logging
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.dataset as pads
+import pyarrow.parquet as pq
 
 from schemas.config import AdvantageSection
 from schemas.errors import InvariantError
@@ -140,6 +147,57 @@ def joined_rows(lookup: tuple, batch: pa.Table, missing: str) -> dict[str, np.nd
     return take_by_row_id(reward_lookup(*lookup), batch, missing)
 
 
+PATH_COLUMN = "path"  # the column Ray Data's read adds with include_paths: the file of each row
+
+
+class RewardRanges:
+    """Where each samples file's rows lie in a rewarded table that lists the samples' rows in their order (as the
+    agentic rewards stage writes it): a task joins its file's rows against that range only — at most a file's rows
+    and one row group more — instead of an index of the whole table, which grew with the rows (issue 49). Built
+    from the Parquet footers; picklable (it travels with the map function)."""
+
+    def __init__(self, samples: dict[str, tuple[int, int]], rewarded: list[tuple[str, int, int]], fs, folder: str):
+        self.samples, self.rewarded, self.fs, self.folder = samples, rewarded, fs, folder
+
+    @classmethod
+    def of(cls, samples: Location, rewarded: Location) -> RewardRanges | None:
+        """The ranges of the two tables' files, or None when their row counts differ (the rewarded rows cannot be
+        the samples' in order)."""
+        spans: list[list[tuple[str, int, int]]] = []
+        for loc in (samples, rewarded):
+            start, files = 0, []
+            for path in loc.parquet_files():
+                with loc.fs.open_input_file(path) as f:
+                    rows = pq.read_metadata(f).num_rows
+                files.append((path, start, rows))
+                start += rows
+            spans.append(files)
+        total = [sum(n for _, _, n in files) for files in spans]
+        if total[0] != total[1]:
+            return None
+        return cls({path: (start, n) for path, start, n in spans[0]}, spans[1], rewarded.fs, rewarded.path)
+
+    def rows(self, path: str) -> pa.Table | None:
+        """The rewarded rows at the positions of samples file ``path``'s rows (None for a file it does not know)."""
+        if path not in self.samples:
+            return None
+        start, n = self.samples[path]
+        parts = []
+        for file, first, rows in self.rewarded:
+            lo, hi = max(start, first) - first, min(start + n, first + rows) - first
+            if lo >= hi:
+                continue
+            with self.fs.open_input_file(file) as f:
+                reader = pq.ParquetFile(f)
+                bounds = np.cumsum([0] + [reader.metadata.row_group(g).num_rows
+                                          for g in range(reader.metadata.num_row_groups)])
+                groups = list(range(int(np.searchsorted(bounds, lo, "right")) - 1,
+                                    int(np.searchsorted(bounds, hi, "left"))))
+                table = reader.read_row_groups(groups)
+            parts.append(table.slice(lo - int(bounds[groups[0]]), hi - lo))
+        return pa.concat_tables(parts) if parts else None
+
+
 def token_rows(batch: pa.Table):
     """The block's :class:`~stages.algos.token_chain.TokenRows` (token mask ``response_mask[1:]``)."""
     cols = {c: Ragged.from_arrow(batch.column(c), np.float32) for c in NEXT_TOKEN_INPUTS if c in batch.column_names}
@@ -153,43 +211,64 @@ class _AdvantageBatch:
     no value depends on where a slice starts (every sum runs inside a row)."""
 
     def __init__(self, section: AdvantageSection, where: str, rewarded: tuple, kl_coef: float, output: Location,
-                 rows: int = 1024):
+                 rows: int = 1024, ranges: RewardRanges | None = None):
         self.s, self.where, self.rewarded, self.kl_coef, self.output = section, where, rewarded, kl_coef, output
-        self.rows = rows
+        self.rows, self.ranges = rows, ranges
         self.reward_stats: dict | None = None
         self.advantage_stats: dict | None = None
 
-    def _inputs(self, batch: pa.Table):
-        """The block's rewarded values (by row_id), sample mask, domains and token rows."""
+    def _lookup(self, block: pa.Table) -> tuple[pa.Table, tuple | None]:
+        """The block without Ray's path column, and the :func:`indexed` rewarded rows of its file when they hold
+        every row of the block (:class:`RewardRanges`); None: join against the whole table (:func:`reward_lookup`)."""
+        if PATH_COLUMN not in block.column_names:
+            return block, None
+        paths = block.column(PATH_COLUMN)
+        block = block.drop_columns([PATH_COLUMN])
+        if self.ranges is None or not block.num_rows or pc.count_distinct(paths).as_py() != 1:
+            return block, None
+        rows = self.ranges.rows(paths[0].as_py())
+        if rows is None:
+            return block, None
+        lookup = indexed(rows, f"table at {self.ranges.folder}")
+        return block, (lookup if lookup[0].positions(block.column("row_id"))[1].all() else None)
+
+    def _inputs(self, batch: pa.Table, lookup: tuple | None = None):
+        """The slice's rewarded values (by row_id; from ``lookup``, else the whole table's), sample mask, domains
+        and token rows."""
         check_row_invariants(SAMPLES, batch, self.where)
-        rewards = joined_rows(self.rewarded, batch, f"samples table at {self.where}: row_id '{{row_id}}' has no "
-                              "response-level reward in the rewarded table; re-run the rewards stage on this input")
+        missing = (f"samples table at {self.where}: row_id '{{row_id}}' has no response-level reward in the rewarded "
+                   "table; re-run the rewards stage on this input")
+        rewards = (take_by_row_id(lookup, batch, missing) if lookup is not None
+                   else joined_rows(self.rewarded, batch, missing))
         n = batch.num_rows
         sample_mask = rewards["sample_mask"] if "sample_mask" in rewards else agentic_response_level_mask(n)[0]
         domains = rewards["domain"] if "domain" in rewards else np.full(n, "")
         return rewards, np.asarray(sample_mask, np.float32), domains, token_rows(batch)
 
-    def _compute(self, batch: pa.Table, final: bool):
-        rewards, sample_mask, domains, tokens = self._inputs(batch)
+    def _compute(self, batch: pa.Table, final: bool, lookup: tuple | None):
+        rewards, sample_mask, domains, tokens = self._inputs(batch, lookup)
         result = token_batch(tokens, rewards["response_level_rewards"], sample_mask, domains, self.s, self.kl_coef,
                              reward_stats=self.reward_stats, advantage_stats=self.advantage_stats, final=final)
         return rewards, domains, tokens, result
 
     def reward_partials(self, block: pa.Table) -> pa.Table:
-        return pa.concat_tables([self._reward_partials(batch) for batch in slices(block, self.rows) or [block]])
+        block, lookup = self._lookup(block)
+        return pa.concat_tables([self._reward_partials(batch, lookup) for batch in slices(block, self.rows) or [block]])
 
     def advantage_partials(self, block: pa.Table) -> pa.Table:
-        return pa.concat_tables([self._advantage_partials(batch) for batch in slices(block, self.rows) or [block]])
+        block, lookup = self._lookup(block)
+        return pa.concat_tables([self._advantage_partials(batch, lookup)
+                                 for batch in slices(block, self.rows) or [block]])
 
-    def _reward_partials(self, batch: pa.Table) -> pa.Table:
-        rewards, sample_mask, domains, tokens = self._inputs(batch)
+    def _reward_partials(self, batch: pa.Table, lookup: tuple | None) -> pa.Table:
+        rewards, sample_mask, domains, tokens = self._inputs(batch, lookup)
         tok = token_rewards(tokens, rewards["response_level_rewards"], self.s, self.kl_coef)
         fmask = final_response_mask(tokens, sample_mask)
         return _partials_table(whiten_partials_by_domain(tok.token_level_rewards.values, fmask,
                                                          tok.token_level_rewards.offsets, domains))
 
-    def _advantage_partials(self, batch: pa.Table) -> pa.Table:
-        _, domains, _, result = self._compute(batch, final=False)
+    def _advantage_partials(self, batch: pa.Table, lookup: tuple | None) -> pa.Table:
+        _, domains, _, result = self._compute(batch, False, lookup)
         return _partials_table(whiten_partials_by_domain(result.advantages.values, result.final_mask,
                                                          result.advantages.offsets, domains))
 
@@ -197,8 +276,9 @@ class _AdvantageBatch:
         """A block → its advantaged rows; the block's additive partials (metrics) are written once, keyed by its
         first row_id (a retried task overwrites its own file)."""
         outs, parts = [], {}
+        block, lookup = self._lookup(block)
         for batch in slices(block, self.rows) or [block]:
-            out, batch_parts = self._output(batch)
+            out, batch_parts = self._output(batch, lookup)
             outs.append(out)
             for key, value in batch_parts.items():
                 parts[key] = parts.get(key, 0.0) + value
@@ -206,8 +286,8 @@ class _AdvantageBatch:
             write_partials(self.output, block.column("row_id")[0].as_py(), parts)
         return pa.concat_tables(outs)
 
-    def _output(self, batch: pa.Table) -> tuple[pa.Table, dict[str, float]]:
-        rewards, _, tokens, result = self._compute(batch, final=True)
+    def _output(self, batch: pa.Table, lookup: tuple | None) -> tuple[pa.Table, dict[str, float]]:
+        rewards, _, tokens, result = self._compute(batch, True, lookup)
         out = batch
         for name in COPIED:
             if name in rewards:
@@ -269,8 +349,10 @@ class AdvantagesStage(Stage):
         rewarded = ctx.inputs["rewarded"]
         fn = _AdvantageBatch(ctx.section, ctx.inputs["samples"].path,
                              (rewarded.parquet_files(), rewarded.fs, folder_fingerprint(rewarded)),
-                             self._controller(ctx).value, ctx.output, ctx.batch_rows)
-        read = lambda: ctx.read_per_file("samples")  # noqa: E731 - each pass re-reads (streaming, bounded memory)
+                             self._controller(ctx).value, ctx.output, ctx.batch_rows,
+                             RewardRanges.of(ctx.inputs["samples"], rewarded))
+        # each pass re-reads (streaming, bounded memory); the path of each row says which rewarded rows to join
+        read = lambda: ctx.read_per_file("samples", include_paths=True)  # noqa: E731
         if ctx.section.whiten_rewards:
             fn.reward_stats = _domain_stats(read(), fn.reward_partials, ctx.task_options())
         if ctx.section.whiten_advantages:
