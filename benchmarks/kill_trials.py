@@ -20,6 +20,15 @@ checkpoint); the quickstart trials are here.
 
     python benchmarks/kill_trials.py --command score --trials 4 --seed 0
 
+``--samples N`` sizes the generated step-level set of ``recompute`` and ``stage`` (default 4,000 rows); ``--per-file``
+compares the tables file by file instead — each file's Arrow table digested (SHA-256 of its IPC stream, so equal
+values bit for bit and the same files), one file in memory at a time — and deletes the reference's outputs once
+digested and each trial's once compared: at 2M rows (``--samples 2000000``, ~9 GB of samples) an advantaged table
+is ~19 GB, too large to hold as Python lists or to keep twice on disk. ``--root DIR``: work there (default: a new
+folder under the system's temporary folder).
+
+    python benchmarks/kill_trials.py --command recompute --samples 2000000 --per-file --trials 1 --root /work/x
+
 Last line: ``RESULT command=... trials=N identical=K double_kills=D``.
 
 ``--sigint`` runs Ctrl-C trials instead (issue 48): SIGINT to each command's whole process group, as a terminal
@@ -45,6 +54,7 @@ import argparse
 import os
 import random
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
@@ -62,7 +72,7 @@ def rollflow(*args: str) -> list[str]:
     return [sys.executable, "-m", "flows.cli", *args]
 
 
-def prepare(command: str, root: Path) -> tuple[list[str], list[str]]:
+def prepare(command: str, root: Path, samples_rows: int = 4000) -> tuple[list[str], list[str]]:
     """(the command's arguments without --output, the table folders it commits under its output)."""
     if command == "score":
         responses = root / "responses"
@@ -72,8 +82,8 @@ def prepare(command: str, root: Path) -> tuple[list[str], list[str]]:
                 ["scored", "samples", "rewarded", "advantaged"])
     if command == "recompute":
         samples = root / "samples"
-        subprocess.run(rollflow("example", "--output", str(samples), "--samples", "4000", "--seed", "1"), check=True,
-                       cwd=REPO, capture_output=True)
+        subprocess.run(rollflow("example", "--output", str(samples), "--samples", str(samples_rows), "--seed", "1"),
+                       check=True, cwd=REPO, capture_output=True)
         return (["recompute", "--input", str(samples), "--config", "configs/recompute_gigpo.yaml", "--set",
                  "runtime.batch_rows=200"], ["rewarded", "advantaged"])
     if command == "rollout":
@@ -88,8 +98,8 @@ def prepare(command: str, root: Path) -> tuple[list[str], list[str]]:
     if command == "stage":
         base = root / "base"
         samples = root / "samples"
-        subprocess.run(rollflow("example", "--output", str(samples), "--samples", "4000", "--seed", "1"), check=True,
-                       cwd=REPO, capture_output=True)
+        subprocess.run(rollflow("example", "--output", str(samples), "--samples", str(samples_rows), "--seed", "1"),
+                       check=True, cwd=REPO, capture_output=True)
         subprocess.run(rollflow("recompute", "--input", str(samples), "--config", "configs/recompute_gigpo.yaml",
                                 "--set", "runtime.batch_rows=200", "--output", str(base)), check=True, cwd=REPO,
                        capture_output=True)
@@ -191,6 +201,25 @@ def same(a, b) -> bool:
     return True
 
 
+def file_digests(folder: Path) -> list[tuple[str, int, str]]:
+    """(name, rows, SHA-256 of the Arrow IPC stream of its table) of each Parquet file of ``folder``, in name order;
+    one file in memory at a time."""
+    import hashlib
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    out = []
+    for path in sorted(folder.glob("*.parquet")):
+        table = pq.read_table(path).combine_chunks()
+        sink = pa.BufferOutputStream()
+        with pa.ipc.new_stream(sink, table.schema) as writer:
+            writer.write_table(table)
+        out.append((path.name, table.num_rows, hashlib.sha256(sink.getvalue()).hexdigest()))
+        del table, sink
+    return out
+
+
 def interrupt(args: list[str], output: Path, env: dict, after: float) -> dict:
     """Run the command into ``output`` and SIGINT its whole process group after ``after`` seconds (if it is still
     running). Returns its exit status, the seconds from the SIGINT to its exit (None: it ended first; a command
@@ -238,7 +267,7 @@ def resume_command(line: str) -> list[str]:
     return rollflow(*words[1:])
 
 
-def sigint_trials(names: list[str], points: int, root: Path, env: dict) -> None:
+def sigint_trials(names: list[str], points: int, root: Path, env: dict, samples_rows: int = 4000) -> None:
     """The Ctrl-C trials of each command in ``names`` at ``points`` points; prints a table and the RESULT line."""
     print(f"{'command':<10} {'SIGINT at (s)':>13} {'rc':>4} {'exit (s)':>9} {'one line':>9} {'half-written':>12} "
           f"{'resume rc':>10} {'identical':>10}")
@@ -246,7 +275,7 @@ def sigint_trials(names: list[str], points: int, root: Path, env: dict) -> None:
     for name in names:
         work = root / name
         work.mkdir()
-        command, tables = prepare(name, work)
+        command, tables = prepare(name, work, samples_rows)
         rc, wall = run(command, work / "reference", env, None)
         if rc != 0:
             raise SystemExit(f"{name}: the uninterrupted run failed (rc {rc}); see {work / 'reference.log'}")
@@ -296,21 +325,35 @@ def main() -> None:
     parser.add_argument("--commands", default="recompute,score,stage,rollout,train-step",
                         help="--sigint: comma-separated, of score, recompute, rollout, stage, train-step, train")
     parser.add_argument("--points", type=int, default=2, help="--sigint: interrupts per command")
+    parser.add_argument("--samples", type=int, default=4000, help="rows of the generated set (recompute, stage)")
+    parser.add_argument("--per-file", action="store_true", help="compare file by file by digests, deleting each "
+                                                                "output once compared (large sets)")
+    parser.add_argument("--root", type=Path, default=None, help="folder to work in (default: a new temporary one)")
     args = parser.parse_args()
+    if args.per_file and (args.sigint or args.command == "train"):
+        parser.error("--per-file compares the tables of SIGKILL trials of score, recompute or rollout; a train "
+                     "trial also compares its checkpoint, which the deletion would remove")
     rng = random.Random(args.seed)
-    root = Path(tempfile.mkdtemp(prefix=f"rollflow-{'sigint' if args.sigint else 'kill-' + args.command}-"))
+    prefix = f"rollflow-{'sigint' if args.sigint else 'kill-' + args.command}-"
+    if args.root:
+        args.root.mkdir(parents=True, exist_ok=True)
+    root = Path(tempfile.mkdtemp(prefix=prefix, dir=args.root))
     env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "PREFECT_API_URL")}
     env.update({"PREFECT_HOME": str(root / "prefect"), "RAY_USAGE_STATS_ENABLED": "0", "PYTHONHASHSEED": "0"})
     if args.sigint:
         print(f"work in {root}")
         env["PYTHONUNBUFFERED"] = "1"  # what a command printed before the SIGINT is in its files by then
-        sigint_trials([c.strip() for c in args.commands.split(",") if c.strip()], args.points, root, env)
+        sigint_trials([c.strip() for c in args.commands.split(",") if c.strip()], args.points, root, env,
+                      args.samples)
         return
-    command, tables = prepare(args.command, root)
+    command, tables = prepare(args.command, root, args.samples)
     rc, wall = run(command, root / "reference", env, None)
     if rc != 0:
         raise SystemExit(f"the uninterrupted run failed (rc {rc}); see {root / 'reference.log'}")
-    reference = {t: read(root / "reference" / t) for t in tables}
+    load = file_digests if args.per_file else read
+    reference = {t: load(root / "reference" / t) for t in tables}
+    if args.per_file:
+        shutil.rmtree(root / "reference")
     print(f"{args.command}: uninterrupted run {wall:.0f} s; tables {', '.join(tables)}; work in {root}")
     print(f"{'trial':>5} {'kills at (s)':>16} {'rerun rc':>9} {'identical':>10}")
     identical = doubles = 0
@@ -323,8 +366,13 @@ def main() -> None:
         for delay in kills:
             run(command, out, env, delay)
         rc, _ = run(command, out, env, None)
-        ok = rc == 0 and all((out / t / "manifest.json").exists() and same(read(out / t), reference[t])
-                             for t in tables)
+        if args.per_file:
+            ok = rc == 0 and all((out / t / "manifest.json").exists() and file_digests(out / t) == reference[t]
+                                 for t in tables)
+            shutil.rmtree(out, ignore_errors=True)
+        else:
+            ok = rc == 0 and all((out / t / "manifest.json").exists() and same(read(out / t), reference[t])
+                                 for t in tables)
         if args.command == "train":  # and the trained policy: the last checkpoint's weights, bit for bit
             last = f"{RUN}/iter_0001/checkpoint"
             ok = ok and same_weights(out / last, root / "reference" / last)
