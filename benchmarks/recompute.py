@@ -90,8 +90,14 @@ def dataset(samples: int, cache: Path) -> Path:
 
 
 def total_tokens(path: Path) -> int:
-    table = pads.dataset(sorted(map(str, path.glob("*.parquet")))).to_table(columns=["input_ids"])
-    return int(pc.sum(pc.list_value_length(table.column(0))).as_py())
+    """Tokens of the set, one file at a time: the whole input_ids column of the 2M-row set is ~3 GB, which the
+    driver's memory pool still held when the first chain's memory was sampled (its 200k chain peaked at twice the
+    standalone 200k run's RSS, BENCHMARKS.md issue 49)."""
+    total = 0
+    for f in sorted(path.glob("*.parquet")):
+        total += int(pc.sum(pc.list_value_length(pq.read_table(f, columns=["input_ids"]).column(0))).as_py() or 0)
+    pa.default_memory_pool().release_unused()
+    return total
 
 
 def run_chain(samples: Path, out: Path, cfg: RecomputeConfig) -> float:
