@@ -25,7 +25,8 @@ compares the tables file by file instead — each file's Arrow table digested (S
 values bit for bit and the same files), one file in memory at a time — and deletes the reference's outputs once
 digested and each trial's once compared: at 2M rows (``--samples 2000000``, ~9 GB of samples) an advantaged table
 is ~19 GB, too large to hold as Python lists or to keep twice on disk. ``--root DIR``: work there (default: a new
-folder under the system's temporary folder).
+folder under the system's temporary folder). ``--set KEY=VALUE`` adds a config override to the recompute command
+(``runtime.data_memory_mb=64``: its rewards step runs in hash partitions from 32,768 rows).
 
     python benchmarks/kill_trials.py --command recompute --samples 2000000 --per-file --trials 1 --root /work/x
 
@@ -329,6 +330,9 @@ def main() -> None:
     parser.add_argument("--per-file", action="store_true", help="compare file by file by digests, deleting each "
                                                                 "output once compared (large sets)")
     parser.add_argument("--root", type=Path, default=None, help="folder to work in (default: a new temporary one)")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="recompute: a config override for the command (repeatable), e.g. "
+                             "runtime.data_memory_mb=64 to run the rewards step in partitions")
     args = parser.parse_args()
     if args.per_file and (args.sigint or args.command == "train"):
         parser.error("--per-file compares the tables of SIGKILL trials of score, recompute or rollout; a train "
@@ -347,6 +351,8 @@ def main() -> None:
                       args.samples)
         return
     command, tables = prepare(args.command, root, args.samples)
+    for item in args.set if args.command == "recompute" else []:
+        command += ["--set", item]
     rc, wall = run(command, root / "reference", env, None)
     if rc != 0:
         raise SystemExit(f"the uninterrupted run failed (rc {rc}); see {root / 'reference.log'}")
