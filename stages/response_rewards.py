@@ -41,7 +41,7 @@ from stages.algos.response_rewards import (RewardNormSettings, compute_response_
                                            gigpo_step_norm_types)
 from stages.algos.reward_norm import RunningMoments, resolve_norm_types
 from stages.algos.rlvr_chain import rlvr_response_rewards
-from stages.partitioned import partitioned
+from stages.partitioned import key_hash, partitioned
 from stages.runner import SIDE_DIR, Stage, StageContext, read_partials, write_partials
 from stages.storage import Location
 
@@ -239,14 +239,42 @@ def partitioned_rewards(samples: Location, columns: list[str], section: Response
         return rewarded, (metrics, *_reward_summary(rewarded))
 
     dataset = pads.dataset(samples.parquet_files(), filesystem=samples.fs)
-    batches = (pa.Table.from_batches([b]) for b in dataset.to_batches(columns=columns, batch_size=rows) if b.num_rows)
+    hashes: list[np.ndarray] = []  # 8 bytes a row: a row_id repeated in two groups lands in two partitions
+
+    def batches() -> Iterator[pa.Table]:
+        for b in dataset.to_batches(columns=columns, batch_size=rows):
+            if b.num_rows:
+                table = pa.Table.from_batches([b])
+                hashes.append(key_hash(table.column("row_id")))
+                yield table
+
     folder = _spill_folder(out)
     try:
-        results, merged = partitioned(batches, key, parts, step, folder, rows)
+        results, merged = partitioned(batches(), key, parts, step, folder, rows)
+        check_unique_row_ids(dataset, np.concatenate(hashes) if hashes else np.zeros(0, np.uint64), where)
         write_partials(out, "whole-table", {"metrics": combined_metrics(results), "state": {}})
         yield from merged
     finally:
         shutil.rmtree(folder, ignore_errors=True)
+
+
+def check_unique_row_ids(dataset: pads.Dataset, hashes: np.ndarray, where: str) -> None:
+    """The whole-table step's unique-row_id check, for a table read in batches: ``hashes`` (n,) uint64 are the
+    :func:`key_hash` of every row_id; a repeated hash is looked up in ``dataset`` (a second read of the row_id column
+    only), so a hash collision of two different ids raises nothing. Raises :class:`InvariantError`."""
+    ordered = np.sort(hashes)
+    repeated = np.unique(ordered[1:][ordered[1:] == ordered[:-1]])
+    if not repeated.size:
+        return
+    seen: set[str] = set()
+    for b in dataset.to_batches(columns=["row_id"]):
+        ids = b.column(0)
+        for i in np.flatnonzero(np.isin(key_hash(ids), repeated)):
+            rid = ids[int(i)].as_py()
+            if rid in seen:
+                raise InvariantError(f"table at {where}: row_id '{rid}' occurs more than once; row ids must be "
+                                     "unique.")
+            seen.add(rid)
 
 
 def _kind(value: Any) -> str:

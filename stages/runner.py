@@ -227,26 +227,41 @@ def _ordered_parquet_sink(folder: Location):
                 self.folder = folder
 
             def write(self, blocks, ctx) -> int:
-                """The task's blocks into one file as they come (a streaming step's output is never whole), each
-                cast to the first non-empty block's schema, in row groups of at most :data:`ROW_GROUP_ROWS`."""
-                rows, writer, f = 0, None, None
+                """The task's blocks into one file as they come (a streaming step's output is never whole), in row
+                groups of at most :data:`ROW_GROUP_ROWS`. The file's schema is the blocks' unified schema: blocks
+                are held back while it still has a column of type null (a block whose values in it are all None),
+                and written, each cast to it, from the first block that types every column (or at the end)."""
+                rows, writer, f, held = 0, None, None, []
                 try:
                     for table in (BlockAccessor.for_block(b).to_arrow() for b in blocks):
                         if not table.num_rows:
                             continue
-                        if writer is None:
-                            schema = table.schema
-                            f = self.folder.fs.open_output_stream(f"{self.folder.path}/{ctx.task_idx:08d}.parquet")
-                            writer = pq.ParquetWriter(f, schema, **parquet_write_options(schema))
-                        writer.write_table(table if table.schema.equals(schema) else table.cast(schema),
-                                           row_group_size=ROW_GROUP_ROWS)
                         rows += table.num_rows
+                        if writer is not None:
+                            writer.write_table(table if table.schema.equals(schema) else table.cast(schema),
+                                               row_group_size=ROW_GROUP_ROWS)
+                            continue
+                        held.append(table)
+                        schema = pa.unify_schemas([t.schema for t in held])
+                        if not any(pa.types.is_null(fld.type) for fld in schema):
+                            f, writer = self._open(ctx, schema, held)
+                            held = []
+                    if held:
+                        f, writer = self._open(ctx, pa.unify_schemas([t.schema for t in held]), held)
                 finally:
                     if writer is not None:
                         writer.close()
                     if f is not None:
                         f.close()
                 return rows
+
+            def _open(self, ctx, schema: pa.Schema, held: list[pa.Table]):
+                """(stream, writer) of the task's file with ``schema``, the ``held`` blocks written into it."""
+                f = self.folder.fs.open_output_stream(f"{self.folder.path}/{ctx.task_idx:08d}.parquet")
+                writer = pq.ParquetWriter(f, schema, **parquet_write_options(schema))
+                for table in held:
+                    writer.write_table(table.cast(schema), row_group_size=ROW_GROUP_ROWS)
+                return f, writer
 
         _SINK_CLASS.append(OrderedParquetSink)
     return _SINK_CLASS[0](folder)

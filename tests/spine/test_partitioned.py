@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 
 from schemas.config import ResponseRewardSection, section
+from schemas.errors import InvariantError
 from stages.partitioned import key_hash, partitioned
 from stages.response_rewards import NARROW, partition_column, partitioned_rewards, read_narrow, response_rewards_table
 from stages.runner import read_partials
@@ -66,3 +68,25 @@ def test_partitioned_response_rewards_equal_the_whole_table_step(step_set, tmp_p
                                                 "reward_normalization.method": "identity"}, "group_id")])
 def test_a_step_whose_statistics_can_span_the_table_is_not_partitioned(overrides, column):
     assert partition_column(section(config(GIGPO, **overrides), ResponseRewardSection)) == column
+
+
+def test_a_row_id_repeated_in_another_group_is_refused_as_the_whole_table_step_refuses_it(step_set, tmp_path):
+    """Partitions hold whole groups, so a row_id given to rows of two groups meets itself in no partition; the
+    partitioned step still refuses it, naming the id, before any output row."""
+    sec = section(config(GRPO), ResponseRewardSection)
+    columns = NARROW + ["state_hash"]
+    table = read_narrow(Location.of(step_set), columns, None, 1024)
+    groups = table.column("group_id").to_pylist()
+    other = next(i for i, g in enumerate(groups) if g != groups[0])  # a row of another group than row 0's
+    ids = table.column("row_id").to_pylist()
+    ids[other] = ids[0]
+    damaged = table.set_column(table.schema.get_field_index("row_id"), "row_id", pa.array(ids, pa.string()))
+    (tmp_path / "in").mkdir()
+    pq.write_table(damaged, tmp_path / "in" / "part-0.parquet")
+    with pytest.raises(InvariantError, match=f"row_id '{ids[0]}' occurs more than once"):
+        with pytest.raises(InvariantError) as whole:
+            response_rewards_table(damaged, sec, "w")
+        raise whole.value  # the whole-table step's own message, for the same damage
+    with pytest.raises(InvariantError, match=f"row_id '{ids[0]}' occurs more than once"):
+        list(partitioned_rewards(Location.of(str(tmp_path / "in")), columns, sec, partition_column(sec), 4,
+                                 Location.of(str(tmp_path / "out")), "w", rows=50))

@@ -19,7 +19,7 @@ from schemas.errors import InvariantError, RollflowError, SchemaError
 from schemas.tables import SAMPLES
 from stages.advantages import AdvantagesStage, indexed, take_by_row_id
 from stages.response_rewards import ResponseRewardsStage
-from stages.runner import Stage, StageContext, run_stage, stage_fingerprint
+from stages.runner import ROW_GROUP_ROWS, Stage, StageContext, _ordered_parquet_sink, run_stage, stage_fingerprint
 from stages.storage import Location
 from tests.spine.helpers import (GIGPO, config, read_table, run_recompute, siblings, tree_digest)
 
@@ -283,3 +283,22 @@ def test_row_id_lookup_matches_ids_of_any_length_exactly():
             take_by_row_id(lookup, pa.table({"row_id": ["a", absent]}), "missing {row_id}")
     with pytest.raises(InvariantError, match="t: row_id 'x' occurs more than once"):
         indexed(pa.table({"row_id": ["x", "y", "x"]}), "t")
+
+
+def test_the_sink_types_a_column_that_is_all_none_in_its_first_blocks(tmp_path):
+    """A write task's first blocks may hold a column only as None (Arrow type null); the file takes the type of the
+    first block that has values, as it did when the sink unified every block's schema; blocks are written in order,
+    in row groups of at most ROW_GROUP_ROWS rows."""
+    from types import SimpleNamespace
+
+    blocks = [pa.table({"row_id": ["a"], "x": pa.nulls(1)}), pa.table({"row_id": ["b"], "x": pa.nulls(1)}),
+              pa.table({"row_id": ["c"], "x": pa.array([1.5])}),
+              pa.table({"row_id": [f"d{i}" for i in range(ROW_GROUP_ROWS + 1)], "x": pa.nulls(ROW_GROUP_ROWS + 1)})]
+    sink = _ordered_parquet_sink(Location.of(str(tmp_path)))
+    assert sink.write(iter(blocks), SimpleNamespace(task_idx=3)) == ROW_GROUP_ROWS + 4
+    written = pq.ParquetFile(tmp_path / "00000003.parquet")
+    assert written.schema_arrow.field("x").type == pa.float64()
+    assert max(written.metadata.row_group(i).num_rows for i in range(written.num_row_groups)) <= ROW_GROUP_ROWS
+    table = written.read()
+    assert table.column("row_id").to_pylist()[:4] == ["a", "b", "c", "d0"]
+    assert table.column("x").to_pylist()[:4] == [None, None, 1.5, None]
