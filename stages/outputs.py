@@ -122,7 +122,7 @@ def _other_inputs(manifest: dict, records: Mapping[str, str]) -> str | None:
 
 
 def _run_folder(loc: Location) -> Location | None:
-    """The training run folder (one holding config.json and metrics/, see flows/runkit.py) above ``loc`` whose own
+    """The training run folder (one holding config.json and metrics/, see stages/run_folder.py) above ``loc`` whose own
     folder ``loc`` is: inside one of the run's iteration folders (``<prefix><k:04d>``, as flows/pipeline_specs.py
     names them: iter_0001, step_0001) and no folder name between the run and ``loc`` has an ``@`` (``rollflow
     stage`` writes ``<folder>@<tag>``), e.g. runs/<run>/iter_0001/advantaged. None when ``loc`` is no run's own

@@ -126,12 +126,12 @@ def _train_deployment(config, input, output, overrides, force):
     data = _guard(lambda: load_config_data(config, parse_overrides(overrides)))
     pipeline = _guard(lambda: pipeline_of(data, str(config)))
     cfg = _guard(lambda: validate_config(pipeline.config_model(), data, str(config)))
-    from flows.runkit import check_run
+    from stages.run_folder import check_run
 
     # what `rollflow train` checks before it starts (environments, prompt files, reward workers, engine options,
     # model folders, the run folder): a config that fails them would fail every tick, after the tick started Ray
     _guard(lambda: pipeline.preflight(cfg, False))
-    _guard(lambda: check_run(cfg, cfg.model_dump(mode="json")))
+    _guard(lambda: check_run(cfg, cfg.model_dump(mode="json"), pipeline.spec))
     from flows.serving import advance_run
 
     return (advance_run, {"cfg": cfg.model_dump(mode="json"), "iterations": None},
