@@ -29,12 +29,15 @@ log = logging.getLogger("rollflow.train")
 CONFIG_FILE = "config.json"
 
 
-class RunSteps(Protocol):
-    """What :func:`check_run` needs of a pipeline (flows/pipeline_specs.py ``PipelineSpec``): its iteration folders."""
+class RunPipeline(Protocol):
+    """What :func:`check_run` needs of a pipeline (flows/pipeline_specs.py ``PipelineSpec``): its iteration folders,
+    and its refusal of options no command would read."""
 
     def step_dir(self, run: str, step: int) -> str: ...
 
     def committed_steps(self, run: str) -> int: ...
+
+    def refuse_unread(self, config) -> None: ...
 
 
 def run_folder(config) -> Location:
@@ -113,22 +116,24 @@ def save_run_config(run: Location, config, cfg: dict) -> None:
     run.fs.move(tmp.path, path.path)  # a reader sees the old file or the new one, never half of it
 
 
-def check_run(config, cfg: dict, steps: RunSteps) -> None:
+def check_run(config, cfg: dict, pipeline: RunPipeline) -> None:
     """What ``rollflow train`` checks of the run itself before Prefect and Ray start and before anything is written
     into the run folder (its log included): the folder can be written, a folder started with another config is
-    refused, ``pretrain`` (when set) is an HF model folder, the run's newest checkpoint is whole (``steps``: the
-    pipeline's iteration folders), and every tracker of ``track_with`` is installed and reachable
-    (stages/trackers.py)."""
+    refused, a new run's config sets no option that nothing reads (``pipeline.refuse_unread``; a run folder frozen
+    with the config resumes as it was started, also where a later version refuses one of its options), ``pretrain``
+    (when set) is an HF model folder, the run's newest checkpoint is whole (the pipeline's iteration folders), and
+    every tracker of ``track_with`` is installed and reachable (stages/trackers.py)."""
     run = run_folder(config)
     check_output(run.uri(), None, {"pretrain": config.pretrain}, flag="run folder (runs_dir/run_name)")
-    frozen_config_state(run, config, cfg)
+    if frozen_config_state(run, config, cfg) == "new":
+        pipeline.refuse_unread(config)
     if config.pretrain:
         preflight_model_dir(config.pretrain)
-    check_last_checkpoint(run, steps)
+    check_last_checkpoint(run, pipeline)
     check_trackers(config, run)
 
 
-def check_last_checkpoint(run: Location, steps: RunSteps) -> None:
+def check_last_checkpoint(run: Location, steps: RunPipeline) -> None:
     """The newest committed checkpoint of the run folder ``run`` (what a resumed run continues from) and, when it
     holds weights only, the checkpoint its training replays from must be model folders whose files are whole
     (stages/train/checkpoint.py ``read_checkpoint``); a SchemaError naming the damaged file otherwise. A run folder

@@ -166,12 +166,14 @@ def evaluate(config: Path = typer.Option(..., "--config", help="YAML config of a
 
 
 def _check_evaluation(pipeline, cfg, checkpoint: str | None, output: Path) -> None:
-    """What ``rollflow eval`` checks before Prefect and Ray start: the pipeline's evaluation settings, the model
-    folder (when one is named; the default model is converted on first use) and the output location."""
+    """What ``rollflow eval`` checks before Prefect and Ray start: the pipeline's evaluation settings, the config's
+    options that nothing reads, the model folder (when one is named; the default model is converted on first use) and
+    the output location."""
     from stages.generation.engines import preflight_model_dir
     from stages.outputs import EVAL_WRITES, check_output
 
     pipeline.preflight(cfg, True)
+    pipeline.spec.refuse_unread(cfg)
     if checkpoint:
         preflight_model_dir(checkpoint)
     check_output(str(output), EVAL_WRITES, {"--checkpoint": checkpoint})
