@@ -313,8 +313,9 @@ def check_judge_read(judge, routes: dict, flags: tuple[str, ...] = ()) -> None:
         return
     workers = "; ".join(f"{field}: " + ", ".join(f"{domain} -> {r.worker}" for domain, r in rewards.routes.items())
                         for field, rewards in routes.items())
-    raise ConfigError(f"{', '.join(given)} {'is' if len(given) == 1 else 'are'} set, but no reward route calls a model (routes of {workers}), so nothing "
-                      "reads the LLM judge's settings; remove them, or route a domain to the judge (e.g. "
+    verb = "is" if len(given) == 1 else "are"
+    raise ConfigError(f"{', '.join(given)} {verb} set, but no reward route calls a model (routes of {workers}), so "
+                      "nothing reads the LLM judge's settings; remove them, or route a domain to the judge (e.g. "
                       f"{next(iter(routes))}.routes.<domain>: {{worker: llm_judge}})")
 
 
