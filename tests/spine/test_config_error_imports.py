@@ -27,6 +27,8 @@ CASES = {
     "train-wrong-type": ["train", "--config", QUICK, "--set", "train.ppo_epochs=many"],
     "rollout-config-of-train": ["rollout", "--config", QUICK, "--output", "out"],
     "eval-config-of-score": ["eval", "--config", "configs/rlvr_math.yaml", "--output", "out"],
+    "deploy-config-of-rlvr-training": ["deploy", "--interval", "60", "--input", "emptydir", "--output", "out",
+                                       "--config", "configs/rlvr_train_math.yaml"],
 }
 _CHILD = ("import atexit, json, sys\n"
           "atexit.register(lambda: print('LOADED ' + json.dumps([m for m in {heavy!r} if m in sys.modules]), "
