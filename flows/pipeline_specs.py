@@ -15,7 +15,7 @@ from schemas.train_flow_config import TrainFlowConfig
 from stages.generation.engines import check_engine_options
 from stages.plan import EngineUse, default_engines
 from stages.registry import Registry
-from stages.rlvr.generate import needs_model, prompts_section
+from stages.rlvr.generate import check_judge_read, needs_model, prompts_section
 from stages.rlvr.stages import check_routes
 from stages.rollout.baseline import evaluation_baseline
 from stages.rollout.driver import check_rollout
@@ -52,6 +52,9 @@ class PipelineSpec:
     engines: Callable[[Any], list]
     # the chance level of a validated config's held-out success rate (the report draws it), None where it has none
     chance_level: Callable[[Any], ChanceLevel | None] = lambda config: None
+    # refuses options of a validated config that no command running it would read (a ConfigError with the fix); for a
+    # new run and ``rollflow eval``, not for a run folder frozen with the config (it resumes as it was started)
+    refuse_unread: Callable[[Any], None] = lambda config: None
 
     def step_dir(self, run: str, step: int) -> str:
         """The folder of iteration ``step`` of the run folder ``run``."""
@@ -100,6 +103,15 @@ def _rlvr_preflight(config, evaluation: bool) -> None:
         check_engine_options(use.engine.backend, use.engine.options, f"{use.section}.options")
 
 
+def _rlvr_unread(config) -> None:
+    """The LLM judge's settings are read only where a route of the run, or of its validation (also ``rollflow
+    eval``'s), calls a model."""
+    routes = {"rewards": config.rewards}
+    if config.validation.rewards is not None:
+        routes["validation.rewards"] = config.validation.rewards
+    check_judge_read(config.judge, routes)
+
+
 def _agentic_engines(config) -> list:
     """The rollout's generation engines (training and evaluation share them)."""
     return default_engines(config)
@@ -134,4 +146,5 @@ def _agentic_chance_level(config) -> ChanceLevel | None:
 
 PIPELINE_SPECS.register("agentic")(PipelineSpec("agentic", _agentic_model, "iter_", _agentic_preflight,
                                                 _agentic_engines, _agentic_chance_level))
-PIPELINE_SPECS.register("rlvr")(PipelineSpec("rlvr", _rlvr_model, "step_", _rlvr_preflight, _rlvr_engines))
+PIPELINE_SPECS.register("rlvr")(PipelineSpec("rlvr", _rlvr_model, "step_", _rlvr_preflight, _rlvr_engines,
+                                             refuse_unread=_rlvr_unread))

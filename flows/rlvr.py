@@ -27,7 +27,7 @@ from prefect import flow
 from flows.loop import (TRAIN_STEP, VALUES_STEP, Evaluation, IterStep, PipelineFlow, Run, advantages_step,
                         first_state, logprobs_step, rewards_step, run_pipeline, run_steps)
 from flows.pipeline_specs import PIPELINE_SPECS, rlvr_judged
-from flows.runkit import run_folder, stage_task
+from flows.runkit import stage_task
 from schemas.config import validate_config
 from schemas.errors import RollflowError
 from schemas.rlvr_config import reward_section, rlvr_advantage_section, rlvr_reward_section
@@ -43,6 +43,7 @@ from stages.rlvr.generate import (GenerateSection, GenerateStage, PromptsStage, 
 from stages.rlvr.stages import RewardStage, RLVRSamplesStage, SamplesSection, run_context
 from stages.rollout.driver import resolve_model_dir
 from stages.rollout.engine_pool import EnginePool, checkpoint_fingerprint
+from stages.run_folder import run_folder
 from stages.runner import run_stage
 from stages.storage import Location, read_manifest
 

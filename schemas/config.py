@@ -76,6 +76,25 @@ class OmitDefaults(Frozen):
         return data
 
 
+def options_set(section: BaseModel, prefix: str = "") -> list[str]:
+    """The options a config sets in ``section`` (a model whose options all have defaults) to other than their
+    defaults, as dotted names under ``prefix``, a nested section's options by theirs (``judge.engine.options``).
+    Only what the config itself names counts (pydantic's ``model_fields_set``: an option left out, whose default may
+    be resolved on this host, ``dtype: auto``, is not one), compared with the validated defaults (a default written
+    out is not one either)."""
+    defaults = type(section)()
+    found = []
+    for name in type(section).model_fields:
+        if name not in section.model_fields_set:
+            continue
+        value, default = getattr(section, name), getattr(defaults, name)
+        if isinstance(value, BaseModel) and type(value) is type(default):
+            found += options_set(value, f"{prefix}{name}.")
+        elif value != default:
+            found.append(f"{prefix}{name}")
+    return found
+
+
 def refuse_unless_above(label: str, value: float | None, bound: float, why: str, null_ok: bool = False) -> None:
     """The rule of an optional number option that, when set, must exceed ``bound`` (in a model validator): a
     ValueError "<label> (<value>) must be [null or ]> <bound>, <why>" otherwise (``null_ok``: the message offers

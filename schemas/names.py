@@ -1,6 +1,6 @@
 """The one way a user-given name becomes a folder name (issue 48): :func:`folder_name` refuses what would leave its
 folder or cannot be created there. A run's ``run_name`` (the run folder under ``runs_dir``) goes through it at config
-load time, and again where the folder is made (flows/runkit.py), with the filesystem's own limit."""
+load time, and again where the folder is made (stages/run_folder.py), with the filesystem's own limit."""
 
 from __future__ import annotations
 

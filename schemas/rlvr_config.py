@@ -122,7 +122,8 @@ class RLVROptions(AdvantageOptions, RLVRRewardOptions):
 
     rewards: RewardsConfig = Field(..., description="Reward routing by domain.")
     judge: JudgeConfig = Field(default_factory=JudgeConfig, description="The model of llm_judge routes (read only "
-                                                                        "when a route uses that worker).")
+                                                                        "when a route uses that worker; set without "
+                                                                        "one, refused before anything starts).")
     runtime: RuntimeConfig = Field(default_factory=RuntimeConfig, description="Execution settings.")
 
     def generation_budget(self) -> int | None:

@@ -8,14 +8,13 @@ and manifest, nothing else), or into a folder holding files it did not write (a 
 user's files), with or without ``--force``.
 
 Paths are compared resolved: a local path with its symlinks and ``..`` resolved (:func:`os.path.realpath`), an
-object-store URI with its path normalised (``..`` and repeated slashes; an object store has no links). Pure
-pyarrow: no Ray, no Prefect.
+object-store URI by its path components (repeated and trailing slashes dropped; an object store has no links, and a
+URI with a ``.`` or ``..`` component is refused where it is opened). Pure pyarrow: no Ray, no Prefect.
 """
 
 from __future__ import annotations
 
 import os
-import posixpath
 import re
 from dataclasses import dataclass, field
 from typing import Mapping
@@ -24,7 +23,7 @@ import pyarrow.fs as pafs
 
 from schemas.errors import ConfigError
 from schemas.stage_specs import rollout_children, validation_children
-from stages.storage import MANIFEST, Location, is_uri, read_manifest
+from stages.storage import MANIFEST, Location, is_uri, read_manifest, store_path
 
 # a run's iteration folder: a pipeline's step prefix and the step in four digits (flows/pipeline_specs.py step_dir)
 ITERATION_FOLDER = re.compile(r"[a-z]+_\d{4,}")
@@ -45,12 +44,16 @@ class Writes:
 
 
 def resolved(where: str) -> str:
-    """The key a path is compared by: a local path made absolute with its symlinks and ``..`` resolved; a URI
-    (``s3://bucket/a/../b``) with its path normalised (``s3://bucket/b``)."""
+    """The key a path is compared by: a local path (or ``file://`` URI) made absolute with its symlinks and ``..``
+    resolved; an object-store URI with its repeated and trailing slashes dropped (``s3://bucket/a//b/`` ->
+    ``s3://bucket/a/b``, :func:`stages.storage.store_path`). An object store has no links, and its keys are plain
+    strings: ``s3://b/run`` and ``s3://b/run2`` are two folders (:func:`_inside` compares whole components), and a
+    ``.`` or ``..`` component is refused where a command opens the URI (``Location.of``), never resolved here."""
     where = str(where)
-    if is_uri(where):
-        scheme, rest = where.split("://", 1)
-        return f"{scheme}://{posixpath.normpath('/' + rest).lstrip('/')}"
+    if where.startswith("file://"):
+        where = where[len("file://"):]
+    elif is_uri(where):
+        return f"{where.split('://', 1)[0]}://{store_path(where, strict=False)}"
     return os.path.realpath(os.path.abspath(where))
 
 
@@ -122,7 +125,7 @@ def _other_inputs(manifest: dict, records: Mapping[str, str]) -> str | None:
 
 
 def _run_folder(loc: Location) -> Location | None:
-    """The training run folder (one holding config.json and metrics/, see flows/runkit.py) above ``loc`` whose own
+    """The training run folder (one holding config.json and metrics/, see stages/run_folder.py) above ``loc`` whose own
     folder ``loc`` is: inside one of the run's iteration folders (``<prefix><k:04d>``, as flows/pipeline_specs.py
     names them: iter_0001, step_0001) and no folder name between the run and ``loc`` has an ``@`` (``rollflow
     stage`` writes ``<folder>@<tag>``), e.g. runs/<run>/iter_0001/advantaged. None when ``loc`` is no run's own

@@ -34,6 +34,21 @@ def _uri_scheme(where: str | os.PathLike | None) -> str | None:
     return scheme if sep else None
 
 
+def store_path(where: str, *, strict: bool = True) -> str:
+    """The ``bucket/key`` path of an object-store URI (``s3://b/runs//r/`` -> ``b/runs/r``): repeated slashes
+    collapsed and a trailing one dropped (an object store has no empty path component, and pyarrow refuses one, so
+    ``runs_dir: s3://b/runs/`` names the same folders as ``s3://b/runs``). A ``.`` or ``..`` component is refused
+    (``strict``; else kept as written): keys are plain strings, and whether ``a/../b`` reaches key ``b``, the literal
+    key ``a/../b`` under ``a/``, or another bucket depends on the client and its addressing style."""
+    parts = [part for part in where.split("://", 1)[1].split("/") if part]
+    dots = [part for part in parts if part in (".", "..")]
+    if strict and dots:
+        raise ConfigError(f"{where}: an object-store path with a '{dots[0]}' component names no one folder (its keys "
+                          "are plain strings, and what '.' and '..' reach depends on the client); write the path "
+                          "without '.' and '..' components")
+    return "/".join(parts)
+
+
 def is_uri(where: str | os.PathLike | None) -> bool:
     """Whether ``where`` names a folder by a filesystem URI (``s3://bucket/run``, ``gs://...``: on an object store,
     opened by :meth:`Location.of` through pyarrow) rather than a local path; False for None. The one test of this
@@ -57,6 +72,8 @@ class Location:
         an existing cluster lack), used for a URI of its scheme instead of one built from this process's
         environment."""
         scheme = _uri_scheme(where)
+        if scheme is not None and scheme != "file":
+            where = f"{scheme}://{store_path(where)}"
         if scheme is not None and fs is not None and fs.type_name == scheme:
             return cls(fs, where.split("://", 1)[1].rstrip("/"))
         if scheme is not None:

@@ -77,14 +77,15 @@ def deploy(config: Optional[Path] = typer.Option(None, "--config", help="YAML co
            force: bool = typer.Option(False, "--force", help="recompute: every run recomputes all stages.")) -> None:
     """Register a scheduled deployment of a flow on a Prefect server and execute its runs until Ctrl-C
     (which pauses the schedule)."""
+    if flow not in FLOWS:
+        _fail(ConfigError(f"deploy: --flow {flow!r} is not deployable; choose one of {list(FLOWS)}"))
+    # what the user wrote (the config, its files, the schedule) is checked before the server is asked; the config
+    # first, before Prefect loads (flows/serving.py: 1-4 s on the 2-core machine)
+    target, parameters, what = _DEPLOYMENTS[flow](config, input, output, overrides or [], force)
     from flows.serving import deploy as serve_deployment
     from flows.serving import make_schedule, resolve_api_url
 
-    if flow not in FLOWS:
-        _fail(ConfigError(f"deploy: --flow {flow!r} is not deployable; choose one of {list(FLOWS)}"))
     _guard(lambda: make_schedule(cron, interval, timezone))
-    # what the user wrote (the config, its files) is checked before the server is asked
-    target, parameters, what = _DEPLOYMENTS[flow](config, input, output, overrides or [], force)
     api = _guard(lambda: resolve_api_url(api_url))
     when = f"cron '{cron}' ({timezone or 'UTC'})" if cron else f"every {interval:g} s"
     typer.echo(f"deployment {target.name}/{name} on {api}: {when}, {what}\nserving: due runs execute here, one "
@@ -126,12 +127,12 @@ def _train_deployment(config, input, output, overrides, force):
     data = _guard(lambda: load_config_data(config, parse_overrides(overrides)))
     pipeline = _guard(lambda: pipeline_of(data, str(config)))
     cfg = _guard(lambda: validate_config(pipeline.config_model(), data, str(config)))
-    from flows.runkit import check_run
+    from stages.run_folder import check_run
 
     # what `rollflow train` checks before it starts (environments, prompt files, reward workers, engine options,
     # model folders, the run folder): a config that fails them would fail every tick, after the tick started Ray
     _guard(lambda: pipeline.preflight(cfg, False))
-    _guard(lambda: check_run(cfg, cfg.model_dump(mode="json")))
+    _guard(lambda: check_run(cfg, cfg.model_dump(mode="json"), pipeline.spec))
     from flows.serving import advance_run
 
     return (advance_run, {"cfg": cfg.model_dump(mode="json"), "iterations": None},

@@ -78,6 +78,11 @@ def score(input: Path = typer.Option(..., "--input", help="Folder of stored resp
     if judge_backend not in (None, "vllm", "hf"):
         _fail(ValueError(f"--judge-backend {judge_backend!r} must be vllm or hf"))
     cfg = _guard(lambda: load_config(RLVRConfig, config, parse_overrides(overrides or [])))
+    from stages.rlvr.generate import check_judge_read, needs_model
+
+    flags = tuple(flag for flag, value in (("--judge-model", judge_model), ("--judge-backend", judge_backend))
+                  if value is not None)
+    _guard(lambda: check_judge_read(cfg.judge, {"rewards": cfg.rewards}, flags))  # a judge that nothing would read
     from flows.rlvr import score_steps
     from stages.preflight import check_command_output, check_steps
 
@@ -89,8 +94,6 @@ def score(input: Path = typer.Option(..., "--input", help="Folder of stored resp
 
         _guard(lambda: check_response_groups(str(input), cfg.rewards.domain_column, cfg.num_return_sequences_in_group))
     cfg = _with_judge(cfg, judge_model, judge_backend)
-    from stages.rlvr.generate import needs_model
-
     if needs_model(cfg.rewards):
         from stages.generation.engines import check_engine_options
 

@@ -33,30 +33,30 @@ def train(config: Optional[Path] = typer.Option(None, "--config", help="YAML con
     if (config is None) == (resume is None):
         _fail(ValueError("pass either --config FILE (a new run) or --resume RUN_DIR (continue a run)"))
     if resume is not None:
-        from flows.runkit import CONFIG_FILE, read_frozen_config
+        from stages.run_folder import CONFIG_FILE, read_frozen_config
         from stages.storage import Location
 
+        if overrides:
+            _fail(ValueError("--set cannot change a run being resumed; start a new run (another run_name) instead"))
         folder = _guard(lambda: Location.of(resume.rstrip("/")))
         data = _guard(lambda: read_frozen_config(folder))
         if data is None:
             _fail(FileNotFoundError(f"{resume} has no {CONFIG_FILE}; pass the folder of a run started by "
                                     "`rollflow train --config`"))
-        if overrides:
-            _fail(ValueError("--set cannot change a run being resumed; start a new run (another run_name) instead"))
         where = folder.child(CONFIG_FILE).uri()
     else:
         data = _guard(lambda: load_config_data(config, parse_overrides(overrides or [])))
         where = str(config)
     pipeline = _guard(lambda: pipeline_of(data, where))
     cfg = _guard(lambda: validate_config(pipeline.config_model(), data, where))
-    from flows.runkit import check_resumed_folder, check_run
+    from stages.run_folder import check_resumed_folder, check_run
 
     if resume is not None:
         _guard(lambda: check_resumed_folder(folder, cfg))
 
     # before Prefect and Ray start, and before the run's log is opened; the run folder against the config first: a
     # run started with another config is a config error, reported before the engines' and models' checks load torch
-    _guard(lambda: check_run(cfg, cfg.model_dump(mode="json")))
+    _guard(lambda: check_run(cfg, cfg.model_dump(mode="json"), pipeline.spec))
     _guard(lambda: pipeline.preflight(cfg, False))
     from flows import console
     from flows.runkit import publish_run, run_log
@@ -166,12 +166,14 @@ def evaluate(config: Path = typer.Option(..., "--config", help="YAML config of a
 
 
 def _check_evaluation(pipeline, cfg, checkpoint: str | None, output: Path) -> None:
-    """What ``rollflow eval`` checks before Prefect and Ray start: the pipeline's evaluation settings, the model
-    folder (when one is named; the default model is converted on first use) and the output location."""
+    """What ``rollflow eval`` checks before Prefect and Ray start: the pipeline's evaluation settings, the config's
+    options that nothing reads, the model folder (when one is named; the default model is converted on first use) and
+    the output location."""
     from stages.generation.engines import preflight_model_dir
     from stages.outputs import EVAL_WRITES, check_output
 
     pipeline.preflight(cfg, True)
+    pipeline.spec.refuse_unread(cfg)
     if checkpoint:
         preflight_model_dir(checkpoint)
     check_output(str(output), EVAL_WRITES, {"--checkpoint": checkpoint})

@@ -24,7 +24,7 @@ import pyarrow.dataset as pads
 from pydantic import Field
 
 import stages.rewards  # noqa: F401  (registers the built-in workers)
-from schemas.config import Frozen
+from schemas.config import Frozen, options_set
 from schemas.errors import ConfigError
 from schemas.rlvr_tables import RESPONSES
 from schemas.rollout_config import EngineIdentity, GeneratingArgs
@@ -292,6 +292,31 @@ class EngineGenerate:
 def needs_model(rewards) -> bool:
     """Whether a route of ``rewards`` (a RewardsConfig) names a worker that calls a model (the LLM judge)."""
     return any("generate" in required_services(resolve_worker(r.worker)) for r in rewards.routes.values())
+
+
+def _may_call_a_model(rewards) -> bool:
+    """:func:`needs_model`, or True where a route's worker cannot be resolved (the routes' own check reports it; an
+    unknown worker might call a model)."""
+    try:
+        return needs_model(rewards)
+    except ConfigError:
+        return True
+
+
+def check_judge_read(judge, routes: dict, flags: tuple[str, ...] = ()) -> None:
+    """Refuse an LLM judge that nothing reads: options set in ``judge`` (a JudgeConfig; only those the config names,
+    :func:`schemas.config.options_set`) or command-line ``flags`` for it (``--judge-model``), while no route of
+    ``routes`` (config section -> RewardsConfig: every route set the command's config can score with) names a
+    worker that calls a model. A ConfigError naming them, the routes' workers and the fix."""
+    given = [*flags, *options_set(judge, "judge.")]
+    if not given or any(_may_call_a_model(r) for r in routes.values()):
+        return
+    workers = "; ".join(f"{field}: " + ", ".join(f"{domain} -> {r.worker}" for domain, r in rewards.routes.items())
+                        for field, rewards in routes.items())
+    verb = "is" if len(given) == 1 else "are"
+    raise ConfigError(f"{', '.join(given)} {verb} set, but no reward route calls a model (routes of {workers}), so "
+                      "nothing reads the LLM judge's settings; remove them, or route a domain to the judge (e.g. "
+                      f"{next(iter(routes))}.routes.<domain>: {{worker: llm_judge}})")
 
 
 def reads_context(rewards, name: str) -> bool:

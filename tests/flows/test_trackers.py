@@ -23,10 +23,10 @@ import yaml
 from typer.testing import CliRunner
 
 from flows.cli import app
-from flows.runkit import run_folder
 from schemas.config import validate_config
 from schemas.train_flow_config import TrainFlowConfig
 from stages.metrics import MetricsLog, read_metrics
+from stages.run_folder import run_folder
 from stages.trackers import TRACKERS_DIR, open_trackers, read_state
 from tests.flows.test_metrics import _scalars
 
@@ -249,10 +249,10 @@ def test_mlflow_without_a_uri_keeps_its_store_in_the_run_folder_and_resumes_the_
 
 KILLED_SESSION = """
 import os, signal, sys
-from flows.runkit import run_folder
 from schemas.config import validate_config
 from schemas.train_flow_config import TrainFlowConfig
 from stages.metrics import MetricsLog
+from stages.run_folder import run_folder
 from stages.trackers import open_trackers
 config = validate_config(TrainFlowConfig, {"run_name": "killed", "runs_dir": sys.argv[1], "track_with": "wandb"})
 run = run_folder(config)

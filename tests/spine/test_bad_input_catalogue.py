@@ -268,6 +268,17 @@ RLVR = {
                                           "rewards.routes.math={worker: llm_judge}", "--set",
                                           "judge.engine.options={bogus: 1}"],
                                          ["judge.engine.options: 'bogus' is not an option of the"]),
+    # the LLM judge's settings are read only by a route that calls a model: set without one, nothing read them
+    "rlvr-judge-without-a-route-that-calls-it": (["train", "--config", "@rlvr", "--set", "judge.model=notckpt", "--set",
+                                                  "judge.engine.options={max_batch_size: 2}"],
+                                                 ["judge.model, judge.engine.options are set, but no reward route "
+                                                  "calls a model", "rewards: math -> math_rule",
+                                                  "validation.rewards: mcq -> general_val_rule",
+                                                  "remove them, or route a domain to the judge"]),
+    "eval-rlvr-judge-without-a-route-that-calls-it": (["eval", "--config", "@rlvr", "--output", "out", "--set",
+                                                       "judge.max_new_tokens=64"],
+                                                      ["judge.max_new_tokens is set, but no reward route calls a "
+                                                       "model"]),
     "rlvr-engine-window-below-sequence-length": (["train", "--config", "@rlvr", "--set", "engine.max_model_len=256"],
                                                  ["engine.max_model_len (256) must be >= sequence_length (512)",
                                                   "raise engine.max_model_len to 512 or leave it unset"]),
@@ -442,6 +453,14 @@ SCORE = {
                                                       "--output", "out", "--set", "judge.engine.max_model_len=512"],
                                                      ["judge.engine.max_model_len (512) must be >= "
                                                       "judge.sequence_length (2048)", "or leave it unset"]),
+    "score-judge-options-without-a-judge-route": (["score", "--input", "@responses", "--config", "@score_config",
+                                                   "--output", "out", "--set", "judge.engine.backend=hf"],
+                                                  ["judge.engine.backend is set, but no reward route calls a model",
+                                                   "rewards: math -> math_rule", "rewards.routes.<domain>: {worker: "
+                                                   "llm_judge}"]),
+    "score-judge-model-without-a-judge-route": (["score", "--input", "@responses", "--config", "@score_config",
+                                                 "--output", "out", "--judge-model", "@model"],
+                                                ["--judge-model is set, but no reward route calls a model"]),
     "score-output-under-a-file": (["score", "--input", "@responses", "--config", "@score_config", "--output",
                                    "afile/scores"], ["lies under", "which is a file", "pass a folder path"]),
     "score-response-null": (["score", "--input", "@null_response", "--config", "@score_config", "--output", "out"],

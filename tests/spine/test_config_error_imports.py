@@ -9,10 +9,13 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
+from schemas.config import load_config
 from schemas.precision import gpu_device_nodes
+from schemas.train_flow_config import TrainFlowConfig
 from tests.spine.helpers import REPO
 
 HEAVY = ("torch", "prefect", "ray", "vllm", "transformers", "deepspeed")
@@ -24,6 +27,8 @@ CASES = {
     "train-wrong-type": ["train", "--config", QUICK, "--set", "train.ppo_epochs=many"],
     "rollout-config-of-train": ["rollout", "--config", QUICK, "--output", "out"],
     "eval-config-of-score": ["eval", "--config", "configs/rlvr_math.yaml", "--output", "out"],
+    "deploy-config-of-rlvr-training": ["deploy", "--interval", "60", "--input", "emptydir", "--output", "out",
+                                       "--config", "configs/rlvr_train_math.yaml"],
 }
 _CHILD = ("import atexit, json, sys\n"
           "atexit.register(lambda: print('LOADED ' + json.dumps([m for m in {heavy!r} if m in sys.modules]), "
@@ -33,32 +38,51 @@ _CHILD = ("import atexit, json, sys\n"
           "main()\n")
 
 
-@pytest.mark.parametrize("case", sorted(CASES))
-def test_a_config_error_loads_no_heavy_library(case, tmp_path):
+def _run(argv: list[str]) -> subprocess.CompletedProcess:
+    """``rollflow ARGV`` in a child process; it must exit 2 without a traceback and without having loaded a heavy
+    library."""
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    done = subprocess.run([sys.executable, "-c", _CHILD.format(heavy=HEAVY, argv=CASES[case])], cwd=REPO, env=env,
+    done = subprocess.run([sys.executable, "-c", _CHILD.format(heavy=HEAVY, argv=argv)], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 2, done.stderr[-3000:]
     assert "Traceback" not in done.stderr
     loaded = json.loads(done.stderr.rsplit("LOADED ", 1)[1].splitlines()[0])
     if gpu_device_nodes():  # a GPU host: the dtype fields' auto asks torch which GPU
         loaded = [m for m in loaded if m != "torch"]
-    assert loaded == [], f"{case}: the config error was reported after loading {loaded}"
+    assert loaded == [], f"{argv}: the config error was reported after loading {loaded}"
+    return done
 
 
-def test_a_run_folder_started_with_another_config_is_refused_before_the_engines_checks(tmp_path):
-    """The run folder against the config comes before the pre-flight of the engines and models (which loads torch to
-    read the engine's options). Its check lives with the run kit, which loads Prefect (allowed here)."""
-    from schemas.config import load_config
-    from schemas.train_flow_config import TrainFlowConfig
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_a_config_error_loads_no_heavy_library(case):
+    _run(CASES[case])
 
-    other = load_config(TrainFlowConfig, REPO / QUICK, {"rollout.seed": 99, "runs_dir": str(tmp_path)})
-    (tmp_path / other.run_name).mkdir()
-    (tmp_path / other.run_name / "config.json").write_text(json.dumps(other.model_dump(mode="json")))
-    argv = ["train", "--config", QUICK, "--set", f"runs_dir={tmp_path}"]
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    done = subprocess.run([sys.executable, "-c", _CHILD.format(heavy=HEAVY, argv=argv)], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=300)
-    assert done.returncode == 2 and "was started with another config" in done.stderr, done.stderr[-3000:]
-    loaded = json.loads(done.stderr.rsplit("LOADED ", 1)[1].splitlines()[0])
-    assert [m for m in loaded if m != "prefect"] == [] or gpu_device_nodes(), loaded
+
+def _frozen_run(runs: Path, text: str | None = None) -> None:
+    """A run folder of the quickstart config under ``runs``, frozen with another config (``text``: config.json's
+    text instead)."""
+    other = load_config(TrainFlowConfig, REPO / QUICK, {"rollout.seed": 99, "runs_dir": str(runs)})
+    (runs / other.run_name).mkdir(parents=True)
+    (runs / other.run_name / "config.json").write_text(text or json.dumps(other.model_dump(mode="json")))
+
+
+# the run folder against the config (stages/run_folder.py): a config error, reported before the run kit
+# (flows/runkit.py, which loads Prefect) and the engines' and models' checks (which load torch)
+RUN_CASES = {
+    "train-run-folder-of-another-config": (["train", "--config", QUICK, "--set", "runs_dir={runs}"], None,
+                                           "was started with another config"),
+    "train-run-config-not-a-mapping": (["train", "--config", QUICK, "--set", "runs_dir={runs}"], "[1]",
+                                       "is not a mapping of options"),
+    "train-resume-with-set": (["train", "--resume", "{runs}/quickstart", "--set", "max_steps=3"], None,
+                              "--set cannot change a run being resumed"),
+    "train-resume-config-not-a-mapping": (["train", "--resume", "{runs}/quickstart"], "[1]",
+                                          "is not a mapping of options"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(RUN_CASES))
+def test_a_run_folder_error_loads_no_heavy_library(case, tmp_path):
+    argv, text, phrase = RUN_CASES[case]
+    _frozen_run(tmp_path / "runs", text)
+    done = _run([a.format(runs=tmp_path / "runs") for a in argv])
+    assert phrase in done.stderr, done.stderr[-3000:]

@@ -442,3 +442,33 @@ def test_the_same_options_where_something_reads_them_are_accepted():
     validate_config(RLVRConfig, {**RLVR_ROUTES, "adv_estimator": "grpo", "norm_mean_type": "group"})
     validate_config(RLVRConfig, {**RLVR_ROUTES, "adv_estimator": "reinforce", "norm_std_type": "running"})
     assert validate_config(EngineConfig, {"backend": "hf"}).flashinfer_sampler is False  # auto: false for hf
+
+
+def test_a_judge_that_no_route_calls_is_refused_for_a_new_run_and_a_frozen_run_still_resumes(tmp_path):
+    """The LLM judge's settings (judge.*) were accepted where no reward route calls a model, and nothing read them.
+    They are refused for a new run (the route sets of the run and its validation: rollflow eval reads the latter);
+    a judge a validation route calls, an empty judge section and a config with every default spelled out (a run's
+    config.json) pass; a run folder frozen with such a judge before the refusal passes the run's checks and resumes."""
+    from flows.pipeline_specs import PIPELINE_SPECS
+    from schemas.config import load_config
+    from schemas.rlvr_train_config import RLVRTrainConfig
+    from stages.run_folder import check_run, run_folder, save_run_config
+
+    spec = PIPELINE_SPECS.get("rlvr")
+
+    def train(**options) -> RLVRTrainConfig:
+        return load_config(RLVRTrainConfig, REPO / "configs/rlvr_train_math.yaml", {"runs_dir": str(tmp_path),
+                                                                                   **options})
+
+    judged = train(**{"judge.model": "judge_folder", "judge.engine.options": {"max_batch_size": 2}})
+    with pytest.raises(ConfigError) as err:
+        check_run(judged, judged.model_dump(mode="json"), spec)
+    assert "judge.model, judge.engine.options are set, but no reward route calls a model" in str(err.value)
+    assert "remove them, or route a domain to the judge" in str(err.value)
+    assert not (tmp_path / judged.run_name).exists()
+    spec.refuse_unread(train(**{"judge.model": "m", "validation.rewards.routes.mcq": {"worker": "llm_judge"}}))
+    spec.refuse_unread(train(judge=None))
+    spec.refuse_unread(validate_config(RLVRTrainConfig, train().model_dump(mode="json")))
+    save_run_config(run_folder(judged), judged, judged.model_dump(mode="json"))  # a run started before the refusal
+    resumed = validate_config(RLVRTrainConfig, json.loads((tmp_path / judged.run_name / "config.json").read_text()))
+    check_run(resumed, resumed.model_dump(mode="json"), spec)

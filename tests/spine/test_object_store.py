@@ -22,7 +22,7 @@ import pyarrow.parquet as pq
 import pytest
 from typer.testing import CliRunner
 
-from schemas.errors import SchemaError
+from schemas.errors import ConfigError, SchemaError
 from stages.example import ExampleSpec, generate
 from stages.storage import ATTEMPT_KEY, Location, read_manifest, read_table_schema
 from tests.objstore import BUCKET, objects, read_s3_table, s3  # noqa: F401  (s3: the module's S3 server, a fixture)
@@ -208,6 +208,37 @@ def test_uri_options_are_refused_with_the_environment_variables_to_use(s3):
     with pytest.raises(Exception, match="AWS_ENDPOINT_URL") as err:
         Location.of(f"s3://{BUCKET}/run?endpoint_override=127.0.0.1:1&scheme=http")
     assert f"pass s3://{BUCKET}/run" in str(err.value)
+
+
+def test_object_store_paths_compare_by_whole_components_and_dot_components_are_refused(s3, step_set):
+    """An output on an object store is checked against the inputs by its path components (there are no links to
+    resolve): s3://b/run2 is not inside s3://b/run, and repeated or trailing slashes name the same folder (before: a
+    runs_dir with a trailing slash made the run folder s3://b/runs//r, which pyarrow refuses at its first use). A
+    '.' or '..' component is refused with the fix (before: s3://b/in/../out was compared as s3://b/out, though keys
+    are plain strings and what the store writes there depends on the client; the error blamed 'b/in/.., which is a
+    file'), nothing written."""
+    from flows.cli import app
+    from schemas.config import validate_config
+    from schemas.train_flow_config import TrainFlowConfig
+    from stages.outputs import check_against_inputs
+    from stages.run_folder import run_folder
+
+    base = f"s3://{BUCKET}/paths"
+    check_against_inputs(f"{base}/run2", {"in": f"{base}/run"})
+    for same in (f"{base}/run/", f"{base}//run"):
+        with pytest.raises(ConfigError, match="is the command's input"):
+            check_against_inputs(same, {"in": f"{base}/run"})
+    with pytest.raises(ConfigError, match="lies inside"):
+        check_against_inputs(f"{base}/run//sub/", {"in": f"{base}/run"})
+    assert Location.of(f"{base}//runs/r/").uri() == f"{base}/runs/r"
+    assert run_folder(validate_config(TrainFlowConfig, {"runs_dir": f"{base}/runs/", "run_name": "r"})).uri() == \
+        f"{base}/runs/r"
+    before = objects(f"s3://{BUCKET}")
+    for dotted in (f"{base}/in/../out", f"{base}/in/./out", f"s3://{BUCKET}/../other/out"):
+        result = CliRunner().invoke(app, ["recompute", "--input", step_set, "--config", GIGPO, "--output", dotted])
+        assert result.exit_code == 2 and "component names no one folder" in result.output, result.output
+        assert "write the path without '.' and '..' components" in result.output
+    assert objects(f"s3://{BUCKET}") == before, "nothing was written"
 
 
 # ---- the metrics table and a record of parts on s3:// -------------------------------------------------------------
