@@ -10,6 +10,7 @@ from stages.losses.actor import (POLICY_LOSSES, PolicyLoss, agentic_actor_loss, 
 from stages.losses.aggregation import LOSS_AGG_MODES, agg_loss
 from stages.losses.config import LossConfig, LossInputs
 from stages.losses.critic import critic_loss
+from stages.losses.fused_output import fused_label_log_probs_entropy, fused_output_layer_log_probs_entropy
 from stages.losses.primitives import (approx_kl, entropy_from_logits, log_probs_from_logits, loss_normalisers,
                                       masked_mean, masked_sum, op_compute_entropy, op_compute_log_probs,
                                       segment_masked_mean, token_entropy, token_log_probs)
@@ -18,7 +19,8 @@ from stages.losses.train_infer import (FilterConfig, IsWeightConfig, TrainInferC
 
 __all__ = [
     "POLICY_LOSSES", "PolicyLoss", "policy_loss", "agentic_actor_loss", "base_actor_loss", "rlvr_actor_loss", "clipped_surrogate",
-    "sample_weights", "critic_loss", "LOSS_AGG_MODES", "agg_loss", "LossConfig", "LossInputs", "approx_kl",
+    "sample_weights", "critic_loss", "fused_label_log_probs_entropy", "fused_output_layer_log_probs_entropy",
+    "LOSS_AGG_MODES", "agg_loss", "LossConfig", "LossInputs", "approx_kl",
     "entropy_from_logits", "log_probs_from_logits", "loss_normalisers", "masked_mean", "masked_sum",
     "op_compute_entropy", "op_compute_log_probs", "segment_masked_mean", "token_entropy", "token_log_probs",
     "FilterConfig", "IsWeightConfig",
