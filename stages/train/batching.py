@@ -14,6 +14,7 @@ token over the whole mini-batch) need no communication, and every rank runs the 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import partial
 
 import numpy as np
 import pyarrow as pa
@@ -21,7 +22,7 @@ import torch
 
 from schemas.errors import InvariantError, SchemaError
 from stages.algos.ragged import Ragged
-from stages.losses import entropy_from_logits, token_log_probs
+from stages.losses import entropy_from_logits, fused_output_layer_log_probs_entropy, token_log_probs
 
 ROW_COLUMNS = ("difficulty",)  # one number per row the loss reads (RLVR's difficulty_loss_weight, spec §6.5)
 NEXT_TOKEN_COLUMNS = ("old_log_probs", "ref_log_probs", "infer_logprobs", "advantages", "returns", "values",
@@ -316,6 +317,23 @@ def causal_lm_logits(model, input_ids: torch.Tensor, position_ids: torch.Tensor,
         handle.remove()
 
 
+def _loss_positions(mb: MicroBatch, packed: bool):
+    """``(input_ids, position_ids, keep, rows, cols)``: the model's input for ``mb`` (its rows packed into one row
+    with ``packed``), the positions ``keep`` of that input whose output-layer results are wanted (``mb``'s loss
+    tokens) and where each belongs in the ``(b, S-1)`` layout."""
+    mask = mb.loss_mask > 0
+    if not packed:
+        rows, cols = mask.nonzero(as_tuple=True)
+        return mb.input_ids, mb.position_ids, (rows, cols), rows, cols
+    real = real_tokens(mb)
+    rows, cols = real.nonzero(as_tuple=True)  # packed position p is (rows[p], cols[p]), row-major
+    on = torch.zeros_like(cols, dtype=torch.bool)
+    inside = cols < mask.shape[1]
+    on[inside] = mask[rows[inside], cols[inside]]
+    keep = on.nonzero(as_tuple=True)[0]
+    return mb.input_ids[real][None], mb.position_ids[real][None], (torch.zeros_like(keep), keep), rows[keep], cols[keep]
+
+
 def select_logits(call, mb: MicroBatch, packed: bool = False) -> TokenLogits:
     """The model's logits at ``mb``'s loss tokens. ``call(input_ids, position_ids, keep) -> (N, V)`` is the model with
     the output layer at the positions ``keep = (rows, cols)`` of its input (:func:`causal_lm_logits`). ``packed`` runs
@@ -323,18 +341,79 @@ def select_logits(call, mb: MicroBatch, packed: bool = False) -> TokenLogits:
     loss must still reach every weight)."""
     if mb.padding_step:
         return TokenLogits.from_dense(call(mb.input_ids, mb.position_ids, None), mb)
-    mask = mb.loss_mask > 0
-    if not packed:
-        rows, cols = mask.nonzero(as_tuple=True)
-        return TokenLogits(call(mb.input_ids, mb.position_ids, (rows, cols)), rows, cols, tuple(mask.shape))
-    real = real_tokens(mb)
-    rows, cols = real.nonzero(as_tuple=True)  # packed position p is (rows[p], cols[p]), row-major
-    on = torch.zeros_like(cols, dtype=torch.bool)
-    inside = cols < mask.shape[1]
-    on[inside] = mask[rows[inside], cols[inside]]
-    keep = on.nonzero(as_tuple=True)[0]
-    logits = call(mb.input_ids[real][None], mb.position_ids[real][None], (torch.zeros_like(keep), keep))
-    return TokenLogits(logits, rows[keep], cols[keep], tuple(mask.shape))
+    input_ids, position_ids, keep, rows, cols = _loss_positions(mb, packed)
+    return TokenLogits(call(input_ids, position_ids, keep), rows, cols, tuple(mb.loss_mask.shape))
+
+
+@dataclass
+class TokenHidden:
+    """A micro-batch's last hidden states at its loss tokens, ``hidden`` (N, H), with the output layer ``layer``: the
+    same entries as :class:`TokenLogits` (``rows``, ``cols``, ``shape``), whose log-probs and entropy come from
+    :func:`fused_output_layer_log_probs_entropy`, so the (N, V) logits are never held. ``labels`` (N,): the next
+    tokens (0 off the response mask, as ROLL does), ``on`` (N,): the response mask there. Both columns are computed
+    together on first use (``chunk_tokens`` positions at a time) and kept."""
+
+    hidden: torch.Tensor
+    layer: torch.nn.Module
+    rows: torch.Tensor
+    cols: torch.Tensor
+    shape: tuple[int, int]
+    labels: torch.Tensor
+    on: torch.Tensor
+    chunk_tokens: int | None = None
+    _out: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, repr=False)
+
+    def _fused(self) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._out is None:
+            lp, ent = fused_output_layer_log_probs_entropy(self.layer, self.hidden, self.labels, self.chunk_tokens)
+            self._out = (lp, ent)
+        return self._out
+
+    def scatter(self, x: torch.Tensor) -> torch.Tensor:
+        """(N,) values of the entries → ``(b, S-1)`` float32, 0 elsewhere (differentiable)."""
+        return x.new_zeros(self.shape, dtype=torch.float32).index_put((self.rows, self.cols), x.float())
+
+    def log_probs(self, mb: MicroBatch) -> torch.Tensor:
+        """``(b, S-1)`` float32 log-probs of ``mb``'s next tokens, 0 off the loss mask (as TokenLogits.log_probs)."""
+        return self.scatter(self._fused()[0] * self.on.float())
+
+    def entropy(self) -> torch.Tensor:
+        """``(b, S-1)`` float32 entropy at the entries, 0 elsewhere (as TokenLogits.entropy)."""
+        return self.scatter(self._fused()[1])
+
+
+def causal_lm_hidden(model, input_ids: torch.Tensor, position_ids: torch.Tensor,
+                     keep: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.nn.Module]:
+    """A Hugging Face causal LM's last hidden states ``(N, H)`` at the positions ``keep = (rows, cols)``, as its
+    output layer would receive them, and that layer; the layer itself is given no position (a pre-hook keeps the
+    inputs and hands it an empty slice), so no logits are formed."""
+    layer = output_layer(model)
+    rows, cols = keep
+    kept: list[torch.Tensor] = []
+
+    def capture(module, args):
+        kept.append(args[0][rows, cols])
+        return (args[0][..., :0, :], *args[1:])
+
+    handle = layer.register_forward_pre_hook(capture)
+    try:
+        model(input_ids=input_ids, position_ids=position_ids, use_cache=False)
+    finally:
+        handle.remove()
+    return kept[0], layer
+
+
+def select_hidden(model, mb: MicroBatch, packed: bool = False,
+                  chunk_tokens: int | None = None) -> TokenHidden | TokenLogits:
+    """:func:`select_logits` for the fused output layer: ``mb``'s loss tokens as :class:`TokenHidden`. A padding
+    step projects every position as select_logits does (:class:`TokenLogits`)."""
+    if mb.padding_step:
+        return select_logits(partial(causal_lm_logits, model), mb, packed)
+    input_ids, position_ids, keep, rows, cols = _loss_positions(mb, packed)
+    hidden, layer = causal_lm_hidden(model, input_ids, position_ids, keep)
+    on = mb.response_mask[rows, cols + 1]
+    labels = torch.where(on > 0, mb.input_ids[rows, cols + 1], torch.zeros_like(rows))
+    return TokenHidden(hidden, layer, rows, cols, tuple(mb.loss_mask.shape), labels, on, chunk_tokens)
 
 
 def unpad_next_token(padded: torch.Tensor, lengths: np.ndarray) -> Ragged:

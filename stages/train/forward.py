@@ -28,8 +28,8 @@ from stages.algos.ragged import Ragged
 from stages.runner import write_partials
 from stages.storage import Location
 from stages.train import models
-from stages.train.batching import (TokenRows, causal_lm_logits, forward_packed, pad_micro_batch, select_logits,
-                                   split_by_real_tokens, split_by_token_budget, unpad_next_token)
+from stages.train.batching import (TokenRows, causal_lm_logits, forward_packed, pad_micro_batch, select_hidden,
+                                   select_logits, split_by_real_tokens, split_by_token_budget, unpad_next_token)
 from stages.train.lora import load_adapter, load_with_adapter, same_adapter_options
 
 
@@ -61,10 +61,11 @@ def _concat_in_order(parts: list[tuple[np.ndarray, Ragged]], num_rows: int) -> R
 @torch.inference_mode()
 def forward_rows(model: torch.nn.Module, rows: TokenRows, max_tokens: int, *, kind: str = "log_probs",
                  entropy: bool = False, device: torch.device | str = "cpu", pad_token_id: int = 0,
-                 packed: bool = False) -> ForwardResult:
+                 packed: bool = False, fused: bool = False) -> ForwardResult:
     """Run ``model`` over ``rows`` in micro-batches of at most ``max_tokens`` padded tokens, or, ``packed``, of at
     most ``max_tokens`` real tokens run as one row without padding (:func:`forward_packed`; the same values up to
-    float rounding).
+    float rounding). ``fused``: the output layer fused with the log-prob and entropy reduction
+    (:class:`TokenHidden`: the ``(N, V)`` logits never held; the same values up to float32 rounding).
 
     kind ``log_probs``: column ``log_probs`` (and ``entropy`` if asked) from a causal LM's logits;
     kind ``values``: column ``values`` from a one-label token-classification critic."""
@@ -84,7 +85,10 @@ def forward_rows(model: torch.nn.Module, rows: TokenRows, max_tokens: int, *, ki
             out = forward_packed(values_of, mb) if packed else values_of(mb.input_ids, mb.position_ids)
             results["values"] = out[:, :-1, 0].float()
         else:  # the output layer runs at the response tokens only (TokenLogits)
-            logits = select_logits(partial(causal_lm_logits, model), mb, packed)
+            if fused:
+                logits = select_hidden(model, mb, packed)
+            else:
+                logits = select_logits(partial(causal_lm_logits, model), mb, packed)
             results["log_probs"] = logits.log_probs(mb)
             if entropy:
                 results["entropy"] = logits.entropy()

@@ -112,3 +112,22 @@ def test_the_output_layer_runs_at_the_loss_positions_only(tiny_model, rows, pack
     for b in range(rows.num_rows):
         np.testing.assert_allclose(result.columns["log_probs"].row(b), one_row_reference(model, rows, b)[0],
                                    atol=2e-5)
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_fused_output_layer_equals_the_logits_path(tiny_model, rows, packed):
+    """fused: the output layer fused with the reduction (TokenHidden) gives the log-probs and entropy of the logits
+    path, here bit-identical (float32 on CPU, every micro-batch in one chunk: the same matmul rows and the same
+    reduction), and the output layer itself is handed no position (no (N, V) logits are formed)."""
+    model = load_actor_model(str(tiny_model)).eval()
+    seen = []
+    hook = model.get_output_embeddings().register_forward_hook(lambda m, args, out: seen.append(tuple(out.shape)))
+    try:
+        fused = forward_rows(model, rows, 40, entropy=True, packed=packed, fused=True)
+    finally:
+        hook.remove()
+    plain = forward_rows(model, rows, 40, entropy=True, packed=packed)
+    assert seen and all(0 in shape for shape in seen)
+    for name in ("log_probs", "entropy"):
+        assert (fused.columns[name].offsets == plain.columns[name].offsets).all()
+        np.testing.assert_array_equal(fused.columns[name].values, plain.columns[name].values)
