@@ -172,6 +172,28 @@ def choose_flashinfer_sampler(value: bool | str, device: str, kernels: bool) -> 
                    "compile them at engine start; vLLM samples with torch (VLLM_USE_FLASHINFER_SAMPLER=0)")
 
 
+def choose_fused_output_layer(value: bool | str, device: str, zero_stage: int) -> tuple[bool, str]:
+    """``(use, why)`` for ``fused_output_layer`` on ``device`` with the worker's ZeRO ``zero_stage`` (0 for a
+    forward worker). ``auto`` fuses on CUDA only (on CPU the unfused path stays bit for bit what it was) and never
+    under ZeRO-3 (its output-layer weight is gathered only inside the layer's own forward)."""
+    if value != AUTO:
+        return bool(value), "set in the config"
+    if device != "cuda":
+        return False, "CPU: the output layer forms the loss tokens' logits, as before"
+    if zero_stage == 3:
+        return False, "ZeRO-3 partitions the output layer's weight outside its forward"
+    return True, "CUDA: log-probs and entropy from the output layer in chunks, no (tokens, vocabulary) logits"
+
+
+def fused_output_layer_choice(value, zero_stage: int = 0):
+    """``fused_output_layer`` resolved on this host (``auto`` becomes true or false, said once per process)."""
+    if value != AUTO:
+        return value
+    chosen, why = choose_fused_output_layer(value, _device(), zero_stage)
+    _record("fused_output_layer", f"fused_output_layer auto -> {str(chosen).lower()}: {why}")
+    return chosen
+
+
 # ---- pydantic before-validators: resolve on this host, say so once per process -------------------------------------
 
 def _device() -> str:

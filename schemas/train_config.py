@@ -22,7 +22,7 @@ from schemas.config import AdvEstimator, Frozen, OmitDefaults, RuntimeConfig, re
 from schemas.devices import DeviceMapping
 from schemas.loss_config import LossOptions
 from schemas.precision import short_validator
-from schemas.toolchain import optimizer_validator, torch_compile_validator
+from schemas.toolchain import fused_output_layer_choice, optimizer_validator, torch_compile_validator
 
 # ``auto`` (accepted on input) becomes bf16 where the hardware computes bf16 natively, else fp32 (schemas/precision.py)
 Precision = Annotated[Literal["fp32", "bf16", "fp16"], BeforeValidator(short_validator)]
@@ -234,7 +234,8 @@ class StrategyArgs(OmitDefaults):
 class WorkerTrainConfig(OmitDefaults):
     """``actor_train`` / ``critic_train``: one trained model."""
 
-    omit_when_default: ClassVar[dict[str, Any]] = {"use_sequence_packing": False}  # fingerprints as before it
+    omit_when_default: ClassVar[dict[str, Any]] = {"use_sequence_packing": False,  # fingerprints as before them
+                                                   "fused_output_layer": False}
 
     model_args: ModelArgs = Field(default_factory=ModelArgs, description="Model loading and precision.")
     training_args: TrainingArgs = Field(default_factory=TrainingArgs, description="Optimizer, schedule, batches.")
@@ -248,6 +249,29 @@ class WorkerTrainConfig(OmitDefaults):
                                        "padding, forward and backward (ROLL's name; positions restart per row, so "
                                        "each row attends to itself only); with dynamic batching the token budget then "
                                        "counts real tokens. The same loss and gradients up to float rounding.")
+    fused_output_layer: bool = Field("auto", description="The training step's log-probs and entropy (actor) straight "
+                                     "from the output layer, a chunk of tokens at a time, its backward recomputing each chunk, so "
+                                     "the (tokens, vocabulary) logits are never held (stages/losses/fused_output.py; "
+                                     "the same values up to float32 rounding): auto (true on a CUDA host unless "
+                                     "zero_stage is 3; the run's config records the choice), true or false. Needs a "
+                                     "plain linear output layer and ZeRO 0-2.")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _resolve_fused_output_layer(cls, data: Any) -> Any:
+        if isinstance(data, dict) and data.get("fused_output_layer", "auto") == "auto":
+            strategy = data.get("strategy_args") or {}
+            zero = strategy.get("zero_stage", 2) if isinstance(strategy, dict) else strategy.zero_stage
+            data = {**data, "fused_output_layer": fused_output_layer_choice("auto", zero)}
+        return data
+
+    @model_validator(mode="after")
+    def _fused_zero3(self) -> "WorkerTrainConfig":
+        if self.fused_output_layer and self.strategy_args.zero_stage == 3:
+            raise ValueError("fused_output_layer: true with strategy_args.zero_stage 3 is not supported: ZeRO-3 "
+                             "gathers the output layer's weight only inside the layer's own forward, which the fused "
+                             "path bypasses; set fused_output_layer: false (or auto), or zero_stage: 2")
+        return self
 
     @model_validator(mode="after")
     def _lora_zero3(self) -> "WorkerTrainConfig":

@@ -82,6 +82,7 @@ class _FusedLabelLogProbsEntropy(torch.autograd.Function):
         lse = torch.cat(lses) if lses else empty.clone()
         entropy = (torch.cat(ents) if ents else empty.clone()) if with_entropy else None
         ctx.chunk_tokens, ctx.with_entropy = chunk_tokens, with_entropy
+        ctx.set_materialize_grads(False)  # an output the loss does not use gets None: its backward term is skipped
         ctx.save_for_backward(hidden, weight, bias, labels, lse, entropy)
         return log_probs, entropy
 

@@ -39,8 +39,9 @@ from stages.losses import (LossInputs, agg_loss, apply_train_infer_correction_to
                            policy_loss as lookup_policy_loss)
 from stages.storage import Location, folder_fingerprint, read_table_schema
 from stages.train import lora
-from stages.train.batching import (BatchingPolicy, MicroBatch, MiniBatchPlan, TokenLogits, TokenRows, causal_lm_logits,
-                                   forward_packed, pad_micro_batch, plan_step, select_logits, unpad_next_token)
+from stages.train.batching import (BatchingPolicy, MicroBatch, MiniBatchPlan, TokenHidden, TokenLogits, TokenRows,
+                                   causal_lm_logits, forward_packed, pad_micro_batch, plan_step, select_hidden,
+                                   select_logits, unpad_next_token)
 from stages.train.checkpoint import (ACTOR_ADAPTER, ACTOR_STATE, CRITIC_ADAPTER, CRITIC_DIR, CRITIC_STATE,
                                      checkpoint_fingerprint, copy_tokenizer, read_checkpoint, replay_record,
                                      write_train_state)
@@ -204,12 +205,15 @@ class Engine:
     def module(self) -> torch.nn.Module:
         return self.engine.module
 
-    def forward(self, mb: MicroBatch) -> TokenLogits | torch.Tensor:
-        """The actor's logits at the loss tokens (:class:`TokenLogits`), or the critic's values ``(b, S, 1)``. Rows
+    def forward(self, mb: MicroBatch) -> TokenLogits | TokenHidden | torch.Tensor:
+        """The actor's logits at the loss tokens (:class:`TokenLogits`; :class:`TokenHidden`, the hidden states there
+        and the output layer, with ``fused_output_layer``), or the critic's values ``(b, S, 1)``. Rows
         are right-padded and attention is causal, so padding is invisible to real tokens and no attention mask is
         passed (the fast causal path). With ``use_sequence_packing`` the rows run as one packed row (the critic's
         values come back in the padded layout, padding 0)."""
         packed = self.worker.use_sequence_packing and not mb.padding_step
+        if self.role == "actor" and self.worker.fused_output_layer:
+            return select_hidden(self.engine, mb, packed)
         if self.role == "actor":
             return select_logits(partial(causal_lm_logits, self.engine), mb, packed)
 
@@ -339,11 +343,12 @@ class ActorObjective:
     def from_section(cls, cfg: TrainSection) -> "ActorObjective":
         return cls(cfg.policy_loss, cfg.loss_config(), cfg.compute_entropy_metric)
 
-    def __call__(self, logits: TokenLogits | torch.Tensor, mb: MicroBatch, rows: np.ndarray, plan: MiniBatchPlan,
-                 ) -> tuple[torch.Tensor, Metrics]:
-        """``logits``: the engine's :class:`TokenLogits`, or full ``(b, S, V)`` logits (ROLL's golden cases)."""
+    def __call__(self, logits: TokenLogits | TokenHidden | torch.Tensor, mb: MicroBatch, rows: np.ndarray,
+                 plan: MiniBatchPlan) -> tuple[torch.Tensor, Metrics]:
+        """``logits``: the engine's :class:`TokenLogits` or :class:`TokenHidden`, or full ``(b, S, V)`` logits (ROLL's
+        golden cases)."""
         mask = mb.loss_mask
-        if not isinstance(logits, TokenLogits):
+        if not isinstance(logits, (TokenLogits, TokenHidden)):
             logits = TokenLogits.from_dense(logits, mb)
         log_probs = logits.log_probs(mb)
         entropy = logits.entropy() if self.loss_cfg.entropy_loss_coef > 0 else None

@@ -182,3 +182,23 @@ def test_nvcc_release_is_read_from_the_nvcc_on_path(tmp_path):
                                                       "V12.4.131'\n").parent
     assert toolchain.nvcc_release(str(folder)) == "12.4"
     assert os.access(folder / "nvcc", os.X_OK)
+
+
+# ---- the fused output layer ---------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("value, device, zero, use", [
+    ("auto", "cpu", 2, False), ("auto", "cuda", 2, True), ("auto", "cuda", 0, True), ("auto", "cuda", 3, False),
+    (True, "cpu", 2, True), (False, "cuda", 2, False),
+])
+def test_fused_output_layer_auto_is_on_for_cuda_below_zero3(value, device, zero, use):
+    assert toolchain.choose_fused_output_layer(value, device, zero)[0] is use
+
+
+def test_the_config_records_the_fused_output_layer_chosen_on_a_gpu_host(gpu_host):
+    """A GPU host records true (dumped, so a resumed run keeps it); ZeRO-3 records false (left out of the dump)."""
+    worker = WorkerTrainConfig()
+    assert worker.fused_output_layer is True and worker.model_dump()["fused_output_layer"] is True
+    assert WorkerTrainConfig.model_validate(worker.model_dump()) == worker
+    assert "fused_output_layer auto -> true" in toolchain.choices_line()
+    zero3 = WorkerTrainConfig.model_validate({"strategy_args": {"zero_stage": 3}})
+    assert zero3.fused_output_layer is False and "fused_output_layer" not in zero3.model_dump()

@@ -176,6 +176,7 @@ ELSEWHERE = {
     "StrategyArgs.optimizer": "tests/train/test_core.py",
     "WorkerTrainConfig.use_dynamic_batching_in_train": "tests/spine/test_every_option.py",
     "WorkerTrainConfig.use_sequence_packing": "tests/train/test_core.py",
+    "WorkerTrainConfig.fused_output_layer": "tests/train/test_core.py",
     "TrainRuntimeConfig.use_gpu": "tests/flows/test_plan.py",
     "TrainRuntimeConfig.keep_workers": "tests/flows/test_plan.py",
     # where a run's metrics go

@@ -125,6 +125,36 @@ def test_a_packed_step_equals_bare_torch_on_one_padded_batch(dist, tiny_model, t
     assert_same_weights(engine.module, reference)
 
 
+@pytest.mark.parametrize("packed", [False, True])
+def test_a_fused_output_layer_step_equals_bare_torch(dist, tiny_model, table, packed):
+    """fused_output_layer: true (log-probs and entropy straight from the output layer, tied to the embedding in the
+    tiny model, its backward recomputing the logits) with an entropy loss: the step equals the bare loop's, whose
+    objective gets the full logits: the same gradient norm and weights (the bare loop's loss includes the entropy
+    term, the step's pg_loss metric does not). adam_epsilon 1e-6 as in the packed test above."""
+    cfg = section(**{"actor_train.fused_output_layer": True, "actor_train.use_sequence_packing": packed,
+                     "actor_train.training_args.max_grad_norm": 0.5, "actor_train.training_args.adam_epsilon": 1e-6,
+                     "entropy_loss_coef": 0.01})
+    rows = rows_of_table(table, "t")
+    engine = Engine(load_actor_model(str(tiny_model), None), cfg.actor_train, dist, "actor")
+    assert cfg.actor_train.fused_output_layer and engine.forward(pad_micro_batch(rows, np.arange(2))).hidden.dim() == 2
+    report = train_step(rows, engine, None, cfg, dist, step=0, pad_token_id=0)
+    (_, norm, _), = (steps := bare_torch_loop(tiny_model, rows, cfg))[0]
+    assert report.per_step[0]["actor/grad_norm"] == pytest.approx(norm, rel=1e-4)
+    assert_same_weights(engine.module, steps[1])
+
+
+def test_fused_output_layer_auto_is_off_on_cpu_and_left_out_of_the_dump():
+    """auto: false on this CPU host, so the config dumps (and hashes) as before the option; true is dumped; with
+    ZeRO-3, true is refused with the fix."""
+    default = section()
+    assert default.actor_train.fused_output_layer is False
+    assert "fused_output_layer" not in json.dumps(default.model_dump(mode="json"))
+    on = section(**{"actor_train.fused_output_layer": True})
+    assert on.model_dump(mode="json")["actor_train"]["fused_output_layer"] is True
+    with pytest.raises(ConfigError, match="fused_output_layer: false"):
+        section(**{"actor_train.fused_output_layer": True, "actor_train.strategy_args.zero_stage": 3})
+
+
 def test_a_packed_critic_step_equals_a_padded_one(dist, tiny_model, table):
     """The critic's value head through a packed row: the same losses and weights as the padded step."""
     def run(packed: bool):
