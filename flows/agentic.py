@@ -30,9 +30,11 @@ iter_dir = PIPELINE_SPECS.get("agentic").step_dir  # runs/<run>/iter_<k>
 
 @stage_task("rollout")
 def rollout_task(config: TrainFlowConfig, iteration: int, output: str, checkpoint: str, pool) -> Any:
+    """The rollout of ``iteration`` with ``checkpoint``; played ahead (async_generation_ratio > 0) its samples carry
+    their staleness (:meth:`RunOptions.rollout_staleness`)."""
     return run_rollout(config.rollout_for(iteration), output, checkpoint, pool=pool,
                        on_event=_turn_progress(f"iteration {iteration}", "rollout"),
-                       label=f"[iteration {iteration}] rollout")
+                       label=f"[iteration {iteration}] rollout", staleness=config.rollout_staleness(iteration))
 
 
 @stage_task("eval")

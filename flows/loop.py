@@ -30,6 +30,7 @@ from prefect.utilities.annotations import quote
 from flows.pipeline_specs import PipelineSpec
 from flows.runkit import (KeptWorkers, advantages_task, logprobs_task, record, rewards_task, sleep_engines, stage_task,
                           start_run, train_and_keep, values_task)
+from schemas.run_config import played_with
 from schemas.stage_specs import is_declared, stage_spec
 from stages.metrics import MetricsLog
 from stages.storage import Location
@@ -247,12 +248,6 @@ def async_lag(config) -> int:
     """How many iterations a rollout's policy may be behind the one trained: ceil(async_generation_ratio); 0 runs
     each iteration's steps in turn."""
     return math.ceil(getattr(config, "async_generation_ratio", 0) or 0)
-
-
-def played_with(iteration: int, lag: int) -> int:
-    """The policy (its number of training steps) the rollout of ``iteration`` plays with: ``max(0, iteration -
-    lag)`` — a fixed schedule, so a resumed run chooses the same checkpoint; ``iteration`` itself when in turn."""
-    return max(0, iteration - lag)
 
 
 @dataclass

@@ -490,14 +490,21 @@ class TurnSection(EpisodeOptions):
     engine: EngineIdentity
 
 
-class SamplesSection(Frozen):
+class SamplesSection(OmitDefaults):
     """What the samples stage reads."""
+
+    # staleness None (a rollout in turn) is left out of the dump: its fingerprint is the one before the field existed
+    omit_when_default: ClassVar[dict] = {"staleness": None}
 
     run_name: str
     iteration: int
     sample_level: SampleLevel
     group_size: int
     tag: str  # the environment tag; a mixed rollout's tags comma-joined
+    staleness: int | None = Field(None, ge=0, description="Training steps between the policy the rollout played and "
+                                                          "the one trained on its samples (async_generation_ratio > "
+                                                          "0), written as the samples' staleness column; None: no "
+                                                          "column (a rollout in turn, or outside training).")
 
 
 def turn_section(config: RolloutConfig) -> TurnSection:
@@ -513,6 +520,8 @@ def used_custom_envs(config: RolloutConfig) -> dict[str, CustomEnvConfig] | None
     return used or None
 
 
-def samples_section(config: RolloutConfig) -> SamplesSection:
+def samples_section(config: RolloutConfig, staleness: int | None = None) -> SamplesSection:
+    """The samples stage's section of ``config``; ``staleness``: what the samples' staleness column holds (None: no
+    column)."""
     return SamplesSection(run_name=config.run_name, iteration=config.iteration, sample_level=config.sample_level,
-                          group_size=config.env.group_size, tag=",".join(config.env.tag_list))
+                          group_size=config.env.group_size, tag=",".join(config.env.tag_list), staleness=staleness)

@@ -4,6 +4,7 @@ rollout or prompt sections to it and to their data-side options (``AlgorithmConf
 
 from __future__ import annotations
 
+import math
 from typing import Any, ClassVar
 
 from pydantic import (BaseModel, Field, SerializerFunctionWrapHandler, field_validator, model_serializer,
@@ -18,6 +19,13 @@ from schemas.train_config import ForwardConfig, RunTrainConfig, TrainStepConfig
 
 # train.train_infer_correction of an asynchronous run that sets none (ROLL's token-level is_weight, spec §6.6)
 ASYNC_CORRECTION = {"is_weight": {"enabled": True, "weight_type": "token", "upper_bound": 1.2}}
+
+
+def played_with(iteration: int, lag: int) -> int:
+    """The policy (its number of training steps) the rollout of ``iteration`` plays with when rollouts may be ``lag``
+    iterations behind (ceil(async_generation_ratio)): ``max(0, iteration - lag)`` — a fixed schedule, so a resumed run
+    chooses the same checkpoint; ``iteration`` itself when in turn (``lag`` 0)."""
+    return max(0, iteration - lag)
 
 
 class RunOptions(TrackingOptions, OmitDefaults):
@@ -58,6 +66,13 @@ class RunOptions(TrackingOptions, OmitDefaults):
     def _run_name(cls, value: str) -> str:
         """It becomes the run folder's name (schemas/names.py)."""
         return run_name(value)
+
+    def rollout_staleness(self, iteration: int) -> int | None:
+        """Training steps between the policy iteration ``iteration``'s rollout plays (:func:`played_with`) and the one
+        trained on it, the samples' ``staleness`` column; None in turn (``async_generation_ratio`` 0: no column, the
+        tables as before the option)."""
+        lag = math.ceil(self.async_generation_ratio)
+        return iteration - played_with(iteration, lag) if lag else None
 
     def train_step_config(self) -> TrainStepConfig:
         """The config of the run's training step: the ``train`` section with the run's ``adv_estimator`` (whether a

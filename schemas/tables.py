@@ -99,6 +99,9 @@ SAMPLES = TableSpec(
         "ref_log_probs": FLOATS,
         "values": FLOATS,
         "prompt_len": pa.int32(),
+        # asynchronous generation (async_generation_ratio > 0): training steps between the policy that played the
+        # row and the one trained on it
+        "staleness": pa.int32(),
     },
     token_aligned=("response_mask",),
     next_token_aligned=("infer_logprobs", "old_log_probs", "ref_log_probs", "values"),

@@ -159,14 +159,15 @@ def committed_result(path: str) -> StageResult:
 def run_rollout(config: RolloutConfig, output: str, checkpoint: str | None = None, *, force: bool = False,
                 pool: EnginePool | None = None,
                 on_event: Callable[[str, dict[str, Any]], None] | None = None,
-                label: str = "rollout", reuse: Reuse | None = None) -> RolloutResult:
+                label: str = "rollout", reuse: Reuse | None = None, staleness: int | None = None) -> RolloutResult:
     """Play ``config.num_episodes`` episodes with the policy in ``checkpoint`` and write the tables under ``output``.
 
     ``pool``: an engine pool to reuse (it is pointed at ``checkpoint`` with in-place weight loading and left open);
     without one a pool is created and closed here. ``on_event(name, info)`` is called after each committed stage
     (names ``episodes``, ``turn``, ``samples``) — for progress output. ``label`` heads each turn's progress bar (on a
     terminal, see :mod:`stages.progress`). ``reuse``: start from another rollout's committed reset table and turns
-    0..k-1 (read where they are, not copied) and play turn k on (``rollflow stage rollout_turn``).
+    0..k-1 (read where they are, not copied) and play turn k on (``rollflow stage rollout_turn``). ``staleness``:
+    the samples' staleness column (a training run's rollout played ahead; None: none).
     """
     start = time.time()
     notify = on_event or (lambda name, info: None)
@@ -211,7 +212,7 @@ def run_rollout(config: RolloutConfig, output: str, checkpoint: str | None = Non
         if force:
             _remove_stale_turns(out, len(turns) - 1)
         names = [turn_dir_name(t) for t in range(len(turns))]
-        samples = run_stage(SamplesStage(names), samples_section(config),
+        samples = run_stage(SamplesStage(names), samples_section(config, staleness),
                             {name: r.output for name, r in zip(names, turns)}, out.child(SAMPLES_DIR).uri(),
                             force=force, batch_rows=config.runtime.batch_rows)
         notify("samples", {"result": samples})

@@ -93,6 +93,23 @@ def test_trajectory_level_samples_have_one_segment_per_turn(tokenizer):
         assert sample["state_hash"] is None
 
 
+def test_a_rollout_played_ahead_writes_its_staleness_and_one_in_turn_writes_no_column(tokenizer):
+    """async_generation_ratio > 0: every sample carries the training steps between the policy that played it and the
+    one trained on it (a column of the section, so the samples' fingerprint names it); in turn (None) the table and
+    the section's dump are as before the column existed."""
+    turns, config = _play(tokenizer, "step")
+    table = rows_to_table([r for played in turns for r in played])
+    summary = episode_summary(table.select(NARROW_COLUMNS))
+    in_turn = turns_to_samples(table, samples_section(config), summary)
+    assert "staleness" not in in_turn.column_names and "staleness" not in samples_section(config).model_dump()
+    ahead = turns_to_samples(table, samples_section(config, staleness=1), summary)
+    _validate(ahead, config.env.group_size)
+    SAMPLES.check_schema(ahead.schema, "test", ("staleness",))
+    assert ahead.column("staleness").to_pylist() == [1] * ahead.num_rows
+    assert ahead.drop_columns(["staleness"]).equals(in_turn)
+    assert samples_section(config, staleness=1).model_dump()["staleness"] == 1
+
+
 def test_trajectory_text_is_the_chat_template_of_the_conversation(tokenizer):
     """Replies that ended with the end-of-turn token: the sample decodes to the template over all messages."""
     config = small_config(sample_level="trajectory", **{"env.max_steps": 2})

@@ -64,6 +64,9 @@ def test_the_schedule_is_fixed_by_the_ratio():
     assert [played_with(k, 1) for k in range(4)] == [0, 0, 1, 2]
     assert [played_with(k, 2) for k in range(4)] == [0, 0, 0, 1]
     assert [played_with(k, 0) for k in range(4)] == [0, 1, 2, 3]
+    # the samples' staleness column: training steps between the scheduled policy and the trained one; none in turn
+    assert [config.rollout_staleness(k) for k in range(4)] == [0, 1, 2, 2]
+    assert validate_config(TrainFlowConfig, {}).rollout_staleness(3) is None
 
 
 class _Metrics:
@@ -177,6 +180,11 @@ def test_rollouts_play_one_iteration_behind_and_training_weighs_the_stale_tokens
     metrics = pads.dataset(str(run / "metrics")).to_table().to_pylist()
     stale = {m["iteration"]: m["value"] for m in metrics if m["name"] == "rollout/staleness"}
     assert stale == {0: 0.0, 1: 1.0, 2: 1.0}, stale
+    # ... and a column of every sample, from the rollout's table to the one training reads
+    for stage in ("rollout/samples", "logprobs", "advantaged"):
+        column = {k: set(_table(run / f"iter_{k:04d}" / stage).column("staleness").to_pylist())
+                  for k in range(ITERATIONS)}
+        assert column == {0: {0}, 1: {1}, 2: {1}}, (stage, column)
     assert {m["iteration"] for m in metrics if m["name"] == "rollout/overlap_seconds"} == {0, 1, 2}
     assert not [m for m in metrics if m["stage"] == "engine"], "engines of their own never sleep"
     assert {m["iteration"] for m in metrics if m["stage"] == "eval"} == {0, 2}
