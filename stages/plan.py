@@ -20,7 +20,9 @@ The rules (what today's code reserves; see the stages cited):
   ``num_workers`` x ``cpus_per_worker`` CPUs (a kept group reserves none in Ray, but its threads compute on them while
   no other stage runs), and its GPUs when the group is not kept (``keep_workers: false``).
 * **The check**: the stages of a run follow each other, and the resident reservations sit beside each of them, so for
-  every phase, resident + that phase must fit the cluster. CPUs are summed (need = resident + the largest phase);
+  every phase, resident + that phase must fit the cluster. With ``async_generation_ratio > 0`` the generation of
+  iteration k + 1 runs beside iteration k's later phases (flows/loop.py), so the generation phase's reservations sit
+  beside each of them too (:attr:`Plan.overlapped`), and the plan prints which stages run at once and where. CPUs are summed (need = resident + the largest phase);
   GPUs are packed the way Ray places them: a request of 1 or more takes whole free GPUs, a fraction must fit in
   what is left of one GPU. Roles colocated by ROLL's ``device_mapping`` (schemas/devices.py) reserve equal shares
   of their GPUs (:func:`gpu_shares`): one GPU holds the engine (asleep outside generation) and the training workers
@@ -101,6 +103,7 @@ class Need:
     section: str = ""  # the engine section that sets it (the GPU fix names it)
     custom: dict[str, float] = field(default_factory=dict)  # custom Ray resources per unit (runtime.stage_resources)
     policies: int = 0  # copies of the policy's weights (or a reference model of its size) a unit holds
+    generates: bool = False  # the policy's generation engines (they play the next rollout beside training, r > 0)
 
     @property
     def total_cpus(self) -> float:
@@ -121,6 +124,9 @@ class Plan:
     cpu_parts: str = ""
     placement: dict[int, str] = field(default_factory=dict)  # index in needs -> where its units go
     problems: list[str] = field(default_factory=list)
+    # the phases that run beside every other phase (async_generation_ratio > 0: generation), and that ratio
+    overlapped: tuple[str, ...] = ()
+    async_ratio: float = 0.0
 
     @property
     def fits(self) -> bool:
@@ -132,14 +138,37 @@ class Plan:
     def during(self, phase: str) -> list[Need]:
         return [n for n in self.needs if n.phase == phase]
 
+    def in_turn(self) -> tuple[str, ...]:
+        """The phases that follow each other (all of them, but those :attr:`overlapped`)."""
+        return tuple(p for p in PHASES if p not in self.overlapped) or PHASES
+
+    def _at_once(self, amount) -> float:
+        """Resident plus the overlapped phases' plus the largest other phase's ``amount(need)``."""
+        resident = sum(amount(n) for n in self.resident())
+        beside = sum(amount(n) for p in self.overlapped for n in self.during(p))
+        return resident + beside + max(sum(amount(n) for n in self.during(p)) for p in self.in_turn())
+
     def cpus_needed(self) -> float:
-        """Resident CPUs plus the largest phase's: the run's stages follow each other."""
-        resident = sum(n.total_cpus for n in self.resident())
-        return resident + max(sum(n.total_cpus for n in self.during(p)) for p in PHASES)
+        """Resident CPUs plus the largest phase's: the run's stages follow each other (and the overlapped phases'
+        beside them)."""
+        return self._at_once(lambda n: n.total_cpus)
 
     def gpus_needed(self) -> float:
-        resident = sum(n.total_gpus for n in self.resident())
-        return resident + max(sum(n.total_gpus for n in self.during(p)) for p in PHASES)
+        return self._at_once(lambda n: n.total_gpus)
+
+    def overlap_line(self) -> str | None:
+        """With phases overlapped (async_generation_ratio > 0): which stages run at the same time and on what, e.g.
+        ``rollout k+1 (generation engines: GPU 1) ‖ log-probs / values → ... → training step of k (...: GPU 0)``."""
+        if not self.overlapped:
+            return None
+
+        def on(indexes: list[int]) -> str:
+            return ", ".join(f"{self.needs[i].stage}: {self.placement.get(i, 'CPU')}" for i in indexes)
+
+        ahead = [i for i, n in enumerate(self.needs) if n.phase in self.overlapped or n.generates]
+        behind = [i for i, n in enumerate(self.needs) if i not in ahead]
+        return (f"at the same time (async_generation_ratio {self.async_ratio:g}): rollout k+1 ({on(ahead)}) ‖ "
+                f"{' → '.join(self.in_turn())} of k ({on(behind)})")
 
     def lines(self) -> list[str]:
         """The plan as a table: stage, units, resources each, when held, memory, where."""
@@ -159,6 +188,9 @@ class Plan:
         if copies:
             out.append(f"policy copies on the GPUs: {sum(c for _, c in copies)} ("
                        + ", ".join(f"{stage} {c}" for stage, c in copies) + ")")
+        overlap = self.overlap_line()
+        if overlap:
+            out.append(overlap)
         out.append(f"needs at once: {self.cpus_needed():g} CPUs (of {cpus:g}), {self.gpus_needed():g} GPUs "
                    f"(of {gpus:g})")
         out.append("fits: yes" if self.fits else f"fits: no ({len(self.problems)} problem(s), below)")
@@ -306,7 +338,7 @@ def run_needs(config, engines: Sequence[EngineUse] | None = None) -> list[Need]:
                           shares["engine"] if generation else e.num_gpus_per_engine, None,
                           _gib(params, dtype_bytes(e.dtype), kv),
                           (_colocation_note(config, "engine") if generation else "") or use.section, use.section,
-                          policies=int(generation)))
+                          policies=int(generation), generates=generation))
     needs.append(Need("generation tasks (Ray Data)", 1, ROLLOUT_TASK_CPUS, 0.0, "generation"))
     fwd, train = config.logprobs, config.train_step_config()
     critic = train.needs_critic
@@ -401,7 +433,9 @@ def make_plan(config, resources: dict[str, float], engines: Sequence[EngineUse] 
     """The plan of a training run on a cluster of ``resources``; ``engines``: the engines its pipeline keeps for the
     whole run (flows/pipelines.py; default: the generation engine)."""
     needs = run_needs(config, engines)
-    plan = Plan(needs, {k: float(v) for k, v in resources.items()})
+    ratio = float(getattr(config, "async_generation_ratio", 0) or 0)
+    plan = Plan(needs, {k: float(v) for k, v in resources.items()}, overlapped=("generation",) if ratio > 0 else (),
+                async_ratio=ratio)
     _check_cpus(plan, config)
     _check_gpus(plan, config)
     _check_custom(plan)
@@ -478,8 +512,10 @@ def _check_gpus(plan: Plan, config) -> None:
     placed = _pack(_gpu_requests(needs, resident), free)
     problem = placed is None
     if placed is not None:
-        for phase in PHASES:
-            during = _pack(_gpu_requests(needs, [i for i, n in enumerate(needs) if n.phase == phase]), list(free))
+        beside = [i for i, n in enumerate(needs) if n.phase in plan.overlapped]
+        for phase in plan.in_turn():
+            during = _pack(_gpu_requests(needs, beside + [i for i, n in enumerate(needs) if n.phase == phase]),
+                           list(free))
             if during is None:
                 problem = True
                 break

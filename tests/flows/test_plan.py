@@ -120,6 +120,27 @@ def test_a_training_group_per_step_still_needs_its_gpu_beside_the_engines_unless
     assert colocated.fits and colocated.gpus_needed() == 0.9999
 
 
+def test_an_asynchronous_run_shows_what_runs_at_the_same_time_and_on_what():
+    """async_generation_ratio > 0 (issue 46): the plan names the rollout of k+1 with the engines' devices beside
+    iteration k's later stages with theirs, and counts the generation's reservations beside each of those stages;
+    in turn (0) it prints no such line and needs what it did."""
+    in_turn = run_plan(load(GPU_CONFIGS[0], **APART), {"CPU": 16.0, "GPU": 2.0})
+    ahead = run_plan(load(GPU_CONFIGS[0], **APART, async_generation_ratio=1), {"CPU": 16.0, "GPU": 2.0})
+    line = ("at the same time (async_generation_ratio 1): rollout k+1 (generation engines: GPU 0, generation tasks "
+            "(Ray Data): CPU) \u2016 log-probs / values \u2192 rewards / advantages \u2192 training step of k "
+            "(log-probs / values (actor): CPU, Ray Data read/write tasks: CPU, training workers (GPUs): GPU 1, "
+            "training workers (CPUs): CPU)")
+    assert ahead.overlap_line() == line and line in ahead.lines(), ahead.lines()
+    assert in_turn.overlap_line() is None and not [x for x in in_turn.lines() if "at the same time" in x]
+    assert ahead.fits and ahead.cpus_needed() == in_turn.cpus_needed() + 0.25  # generation tasks beside training
+    assert [x for x in ahead.lines() if "at the same time" not in x and "needs at once" not in x] == \
+        [x for x in in_turn.lines() if "needs at once" not in x]
+    # the generation's reservations are checked beside the training step's: 6 CPUs do not hold both
+    assert run_plan(load(GPU_CONFIGS[0], **APART), {"CPU": 6.0, "GPU": 2.0}).fits
+    tight = run_plan(load(GPU_CONFIGS[0], **APART, async_generation_ratio=1), {"CPU": 6.0, "GPU": 2.0})
+    assert not tight.fits and "the run needs 6.25 CPUs" in tight.problems[0], tight.problems
+
+
 def test_gpu_shares_are_packed_as_ray_places_them():
     """Three engines of 0.6 GPU sum to 1.8 but need three GPUs: a fraction must fit in what is left of one GPU."""
     config = load(GPU_CONFIGS[0], **{**APART, "rollout.engine.num_engines": 3, "rollout.engine.num_gpus_per_engine": 0.6,
