@@ -157,8 +157,9 @@ def _run_step(step: IterStep, r: Run) -> None:
         sleep_engines(r.pool, r.metrics, r.iteration)
 
 
-def _keep_result(step: IterStep, r: Run, result: Any, extra: dict | None = None) -> None:
-    """Keep and record ``result``, what ``step`` returned in this iteration (``extra``: more metrics to record)."""
+def _keep_result(step: IterStep, r: Run, result: Any, extra: dict | None = None, note: str = "") -> None:
+    """Keep and record ``result``, what ``step`` returned in this iteration (``extra``: more metrics to record,
+    ``note``: what its progress line adds)."""
     r.results[step.name] = result
     k = r.iteration
     if step.trains:  # train_and_keep recorded it
@@ -170,7 +171,7 @@ def _keep_result(step: IterStep, r: Run, result: Any, extra: dict | None = None)
             record(r.metrics, k, name, result[name])
     elif extra:
         values = step.metrics(result) if step.metrics else dict(getattr(result, "metrics", None) or {})
-        record(r.metrics, k, step.name, result, {**values, **extra})
+        record(r.metrics, k, step.name, result, {**values, **extra}, note=note)
     else:
         record(r.metrics, k, step.name, result, step.metrics(result) if step.metrics else None)
 
@@ -302,8 +303,10 @@ def _iterate_ahead(flow: PipelineFlow, steps: list[IterStep], r: Run, ahead: Ahe
         if ahead is None or ahead.iteration != k:  # nothing in flight: play it now
             ahead = _play_ahead(flow, step, r, k, lag)
         result, start, end = ahead.future.result()
-        _keep_result(step, r, result, {"rollout/staleness": float(k - ahead.policy),
-                                       "rollout/overlap_seconds": ahead.overlap_seconds(start, end)})
+        stale, overlap = k - ahead.policy, ahead.overlap_seconds(start, end)
+        _keep_result(step, r, result, {"rollout/staleness": float(stale), "rollout/overlap_seconds": overlap},
+                     note=f"played with the policy {stale} step{'s' * (stale != 1)} behind, {overlap:.0f}s "
+                          "beside training")
         ahead = _play_ahead(flow, step, r, k + 1, lag) if k < last else None
         busy = time.time()
     if ahead is not None:

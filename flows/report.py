@@ -50,6 +50,7 @@ class PlotSpec:
     title: str
     pattern: str
     ylabel: str = ""
+    optional: bool = False  # drawn only for runs that log it (an asynchronous run), never listed as missing
 
 
 PLOTS: tuple[PlotSpec, ...] = (
@@ -60,7 +61,12 @@ PLOTS: tuple[PlotSpec, ...] = (
     PlotSpec("kl", "KL", r"(^|/)(kl|approxkl|policykl|kl_loss)$", "nats"),
     PlotSpec("entropy", "Entropy", r"entropy", "nats"),
     PlotSpec("losses", "Losses", r"(^|/)(pg_loss|weighted_pg_loss|total_loss|loss)$", "loss"),
+    # async_generation_ratio > 0 (issue 46): how far behind the trained policy each rollout played, and how long it
+    # ran beside the previous iteration's later stages
+    PlotSpec("staleness", "Rollout staleness", r"^rollout/staleness$", "training steps behind", optional=True),
+    PlotSpec("overlap", "Generation beside training", r"^rollout/overlap_seconds$", "seconds", optional=True),
 )
+ASYNC_METRICS = ("rollout/staleness", "rollout/overlap_seconds")  # what the loop logs per rollout when r > 0
 
 
 # ---- reading ----------------------------------------------------------------------------------------------------
@@ -131,6 +137,15 @@ def stage_times(table: pa.Table) -> tuple[list[int], dict[str, np.ndarray]]:
         out.setdefault(stage, np.zeros(len(iterations)))[index[it]] = wall
     order = sorted(out, key=lambda stage: (first_logged[stage], stage))  # pipeline order: first logged first
     return iterations, {stage: out[stage] for stage in order}
+
+
+def async_table(table: pa.Table) -> list[tuple[int, float, float, float | None]]:
+    """``(iteration, staleness, overlap seconds, rollout wall seconds or None)`` of every rollout an asynchronous run
+    logged (``ASYNC_METRICS``, stage ``rollout``), by iteration; [] for a run in turn."""
+    stale, overlap = (dict(zip(*series(table, name, "rollout"))) for name in ASYNC_METRICS)
+    walls = table.filter(pc.and_(pc.equal(table["stage"], "rollout"), pc.is_valid(table["wall_s"])))
+    wall = dict(zip(walls["iteration"].to_pylist(), walls["wall_s"].to_pylist()))
+    return [(int(it), float(stale[it]), float(overlap.get(it, 0.0)), wall.get(int(it))) for it in sorted(stale)]
 
 
 # The number of episodes behind a success rate: Wilson's 95 % interval of each point is drawn as a band.
@@ -370,13 +385,24 @@ def _page(run_dir: Path | str, images: list[tuple[str, str]], missing: list[str]
                          "".join(f"<td>{_fmt(values.get(c))}</td>" for c in TAG_COLUMNS) + "</tr>"
                          for stage, tag, it, values in tag_rows)
         per_tag = f"<h2>Per environment tag</h2><table><tr>{head}</tr>{body}</table>"
+    overlapped = async_table(table)
+    async_html = ""
+    if overlapped:
+        body = "\n".join(f"<tr><td>{it}</td><td>{stale:g}</td><td>{beside:.1f}</td><td>{_fmt(wall)}</td></tr>"
+                         for it, stale, beside, wall in overlapped)
+        mean = sum(x[1] for x in overlapped) / len(overlapped)
+        total = sum(x[2] for x in overlapped)
+        async_html = (f"<h2>Asynchronous generation</h2><p>Each rollout played with a policy {mean:.2f} training steps "
+                      f"behind the trained one on average, and ran {total:.1f} s in all beside the previous "
+                      "iteration's later stages.</p><table><tr><th>iteration</th><th>staleness (steps)</th>"
+                      f"<th>overlap (s)</th><th>rollout (s)</th></tr>{body}</table>")
     iterations = sorted(set(table["iteration"].to_pylist()))
     span = f"iterations {iterations[0]}–{iterations[-1]}" if iterations else "no iterations logged"
     return (f"<!DOCTYPE html><html><head><meta charset='utf-8'><title>rollflow report: {html.escape(_name(run_dir))}"
             f"</title><style>{_CSS}</style></head><body>"
             f"<h1>rollflow report: {html.escape(_name(run_dir))}</h1><p>{html.escape(str(run_dir))} — {span}, "
             f"{table.num_rows} metric rows</p><h2>Per iteration</h2>{_chance_html(chance)}{figures}{missing_html}"
-            f"{per_tag}"
+            f"{per_tag}{async_html}"
             f"<h2>Final metrics</h2><table><tr><th>metric</th><th>stage</th><th>iteration</th><th>value</th></tr>"
             f"{rows}</table><h2>Sample episodes</h2>{episodes_html}</body></html>")
 
@@ -444,7 +470,7 @@ def write_report(run_dir: str | Path, episodes: Iterable[Sequence[dict] | dict] 
         missing.append(f"no metrics at all: {parts} has no part files (MetricsLog writes them)")
     for spec in PLOTS:
         if not matching(table, spec.pattern):
-            if table.num_rows:
+            if table.num_rows and not spec.optional:
                 missing.append(f"{spec.title}: no metric name matches {spec.pattern!r}")
             continue
         path = out / f"{spec.stem}.png"

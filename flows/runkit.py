@@ -155,9 +155,10 @@ def train_and_keep(config, iteration: int, samples: str, checkpoint: str, output
 
 
 def record(metrics, iteration: int, stage: str, result: Any, values: dict | None = None, *,
-           label: str | None = None) -> dict[str, float]:
+           label: str | None = None, note: str = "") -> dict[str, float]:
     """Log a stage result's numeric, finite metrics (or ``values``) and its wall time under (iteration, stage),
-    print a progress line headed ``[label]`` (default ``[iteration <iteration>]``), and return the logged values.
+    print a progress line headed ``[label]`` (default ``[iteration <iteration>]``; ``note`` in parentheses after
+    it), and return the logged values.
     A stage skipped on resume keeps the record of the run that computed it (its real wall time); it is logged only
     when that record is missing (killed between the commit and the metrics)."""
     raw = values if values is not None else (getattr(result, "metrics", None) or {})
@@ -167,7 +168,7 @@ def record(metrics, iteration: int, stage: str, result: Any, values: dict | None
     if not (skipped and metrics.has(iteration, stage)):
         metrics.log(iteration, stage, logged, wall_s=seconds)
     done = "committed earlier, skipped" if skipped else f"{seconds or 0:.0f}s"
-    print(f"[{label or f'iteration {iteration}'}] {stage:<16} {done}", flush=True)
+    print(f"[{label or f'iteration {iteration}'}] {stage:<16} {done}{f'  ({note})' if note else ''}", flush=True)
     return logged
 
 

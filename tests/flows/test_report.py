@@ -61,6 +61,27 @@ def test_missing_plots_are_named(report):
     assert "Entropy: no metric name matches" in report.html.read_text()
 
 
+def test_an_asynchronous_run_shows_its_staleness_and_overlap_and_a_run_in_turn_does_not(tmp_path, report):
+    """async_generation_ratio > 0 (issue 46): the loop's rollout/staleness and rollout/overlap_seconds get a plot each
+    and a per-iteration table with their summary; a run in turn (the module's) gets neither, nor a missing entry."""
+    run = tmp_path / "async"
+    with MetricsLog(run, tensorboard=False) as log:
+        for it in range(3):
+            log.log(it, "rollout", {"rollout/success_rate": 0.5, "rollout/staleness": float(min(it, 1)),
+                                    "rollout/overlap_seconds": 2.0 * it}, wall_s=4.0)
+            log.log(it, "train", {"actor/pg_loss": 1.0}, wall_s=3.0)
+    rep = write_report(run, episodes=[])
+    assert {"staleness", "overlap"} <= set(rep.plots) and all(_is_png(rep.plots[k]) for k in ("staleness", "overlap"))
+    page = rep.html.read_text()
+    assert "src='staleness.png'" in page and "src='overlap.png'" in page
+    section = page.split("<h2>Asynchronous generation</h2>")[1].split("<h2>")[0]
+    assert "0.67 training steps behind" in section and "6.0 s in all" in section, section
+    rows = re.findall(r"<tr><td>(\d+)</td><td>([^<]*)</td><td>([^<]*)</td><td>([^<]*)</td></tr>", section)
+    assert rows == [("0", "0", "0.0", "4"), ("1", "1", "2.0", "4"), ("2", "1", "4.0", "4")], section
+    assert not {"staleness", "overlap"} & set(report.plots) and "Asynchronous" not in report.html.read_text()
+    assert not [m for m in report.missing if "stale" in m or "overlap" in m.lower()]
+
+
 def test_page_references_every_plot(report):
     page = report.html.read_text()
     sources = re.findall(r"<img src='([^']+)'", page)

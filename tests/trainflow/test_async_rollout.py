@@ -82,7 +82,7 @@ class _Metrics:
         self.values[(iteration, stage)] = dict(metrics)
 
 
-def test_the_loop_plays_the_next_rollout_during_training_with_the_scheduled_checkpoint():
+def test_the_loop_plays_the_next_rollout_during_training_with_the_scheduled_checkpoint(capsys):
     """The loop's overlap itself (flows/loop.py), with two toy steps in a real Prefect flow: the rollout of iteration
     k + 1 starts before iteration k's training ends, with the checkpoint ``played_with`` names, and is recorded with
     its staleness at iteration k + 1; the flow's own Run is never changed by the rollout played ahead."""
@@ -136,6 +136,14 @@ def test_the_loop_plays_the_next_rollout_during_training_with_the_scheduled_chec
     assert {k: m["rollout/staleness"] for (k, stage), m in r.metrics.values.items() if stage == "rollout"} == \
         {0: 0.0, 1: 1.0, 2: 1.0}
     assert r.metrics.values[(2, "rollout")]["rollout/overlap_seconds"] > 0
+    # the console's line of each rollout says how far behind it played and how long beside training
+    lines = [x for x in capsys.readouterr().out.splitlines() if x.split("]")[-1].split()[:1] == ["rollout"]]
+    assert [x.split("(")[-1] for x in lines] == [
+        "played with the policy 0 steps behind, 0s beside training)",
+        f"played with the policy 1 step behind, {r.metrics.values[(1, 'rollout')]['rollout/overlap_seconds']:.0f}s "
+        "beside training)",
+        f"played with the policy 1 step behind, {r.metrics.values[(2, 'rollout')]['rollout/overlap_seconds']:.0f}s "
+        "beside training)"], lines
     assert r.checkpoint == "ckpt2" and r.iteration == 2
 
 
