@@ -220,13 +220,26 @@ def test_rollouts_play_one_iteration_behind_and_training_weighs_the_stale_tokens
     assert f"played with {policy[1]}" in shown.stdout, shown.stdout
 
 
+# Where the overlap is SIGKILLed, in order (issue 46: "a SIGKILL at several points of the overlap"): (the file whose
+# commit is the kill point, what must not be committed yet at the kill, what the point is)
+KILL_POINTS = (
+    ("iter_0001/rollout/turns/turn_000", "iter_0000/checkpoint",
+     "iteration 1's rollout, played ahead, has committed its first turn while iteration 0 trains"),
+    ("iter_0001/checkpoint", "iter_0001/eval",
+     "iteration 1's training has committed while iteration 2's rollout, played ahead, plays or has just ended"),
+    ("iter_0001/eval/turns/turn_000", "iter_0001/eval/samples",
+     "the evaluation after iteration 1 (which waited for iteration 2's rollout) has committed its first turn"),
+)
+
+
 @pytest.mark.slow
-def test_a_run_sigkilled_during_the_overlap_resumes_to_the_uninterrupted_result(async_run, prefect_server, ray_cluster,
-                                                                                 tmp_path):
-    """SIGKILLed whole (CLI, its own Ray, Prefect) once iteration 1's rollout, played ahead, committed its first
-    turn while iteration 0's later steps run (its checkpoint not committed yet), then ``rollflow train --resume``:
-    the in-flight rollout continues from its committed turns with the checkpoint the schedule names, and every
-    table and weight of the three iterations equals the uninterrupted run's (seeded sampling)."""
+def test_a_run_sigkilled_at_several_points_of_the_overlap_resumes_to_the_uninterrupted_result(
+        async_run, prefect_server, ray_cluster, tmp_path):
+    """SIGKILLed whole (CLI, its own Ray, Prefect) at each point of ``KILL_POINTS`` in turn — the run, then its
+    ``rollflow train --resume``, then that one's — and resumed to the end: the in-flight rollout continues from its
+    committed turns with the checkpoint the schedule names, the evaluation from its own, and every table and weight
+    of the three iterations equals the uninterrupted run's (seeded sampling). One chain of kills, so the points cost
+    one run and a start-up each, against the module's one uninterrupted run."""
     import numpy as np
 
     from tests.processes import rollflow_here, sigkill_when
@@ -234,15 +247,20 @@ def test_a_run_sigkilled_during_the_overlap_resumes_to_the_uninterrupted_result(
 
     runs, name = tmp_path / "runs", async_run.name  # the run name the samples' ids derive from
     run = runs / name
-    first_turn = run / "iter_0001/rollout/turns/turn_000/manifest.json"
-    sigkill_when([sys.executable, "-m", "flows.cli", *_async_args(runs, name)], first_turn.exists,
-                 tmp_path / "killed.log", env={**_env(tmp_path), "PYTHONPATH": str(REPO)}, cwd=str(REPO),
-                 what=str(first_turn), whole_group=True)
-    assert not (run / "iter_0000/checkpoint/manifest.json").exists(), "killed during the overlap"
+    command = [sys.executable, "-m", "flows.cli", *_async_args(runs, name)]
+    logs = []
+    for n, (point, not_yet, what) in enumerate(KILL_POINTS):
+        logs.append(tmp_path / f"killed{n}.log")
+        sigkill_when(command, (run / point / "manifest.json").exists, logs[-1],
+                     env={**_env(tmp_path), "PYTHONPATH": str(REPO)}, cwd=str(REPO), what=what, whole_group=True)
+        assert not (run / not_yet / "manifest.json").exists(), f"killed after {not_yet} committed, not when {what}"
+        command = [sys.executable, "-m", "flows.cli", "train", "--resume", str(run), "--no-report"]
     resumed = rollflow_here("train", "--resume", str(run), "--no-report", api_url=prefect_server.api_url)
     assert resumed.exit_code == 0, resumed.output[-3000:]
-    replayed = [line for line in resumed.stdout.splitlines() if line.startswith("[iteration 1] rollout turn 0:")]
-    assert replayed and replayed[0].endswith("(committed earlier, skipped)"), resumed.stdout[-3000:]
+    replayed = [line for line in logs[1].read_text().splitlines() if line.startswith("[iteration 1] rollout turn 0:")]
+    assert replayed and replayed[0].endswith("(committed earlier, skipped)"), logs[1].read_text()[-3000:]
+    evaluated = [line for line in resumed.stdout.splitlines() if line.startswith("[eval] eval turn 0:")]
+    assert evaluated and all(line.endswith("(committed earlier, skipped)") for line in evaluated), resumed.stdout
     for k in range(ITERATIONS):
         for stage in ("rollout/samples", "logprobs", "rewarded", "advantaged"):
             _assert_same_rows(_table(run / f"iter_{k:04d}" / stage), _table(async_run / f"iter_{k:04d}" / stage),
