@@ -8,11 +8,11 @@ after generation, threads the state the stages carry from one iteration to the n
 ``carries``, schemas/stage_specs.py), keeps the training checkpoints, and closes what the run holds at its end.
 ``flows/agentic.py`` and ``flows/rlvr.py`` hold the two declarations and no loop of their own.
 
-With ``async_generation_ratio: r > 0`` (ROLL's option) the generation step of iteration k + 1 is submitted to the
-flow's task runner (a Prefect task) as soon as iteration k's rollout is in, and plays while iteration k's later steps
-run, with the policy after ``max(0, k + 1 - ceil(r))`` training steps (:func:`played_with`, a fixed schedule: a resumed
-run replays the same choice); the evaluation waits for it, as it shares the engines. ``r = 0`` runs the steps in
-turn, as before.
+With ``async_generation_ratio: r > 0`` (ROLL's option) the generation steps of iterations k + 1 .. k + ceil(r) are
+submitted to the flow's task runner (Prefect tasks, one after the other on the engines) as soon as iteration k's
+rollout is in, and play while iteration k's later steps run, the one of iteration j with the policy after
+``max(0, j - ceil(r))`` training steps (:func:`played_with`, a fixed schedule: a resumed run replays the same choice);
+the evaluation waits for them, as it shares the engines. ``r = 0`` runs the steps in turn, as before.
 """
 
 from __future__ import annotations
@@ -242,8 +242,9 @@ def _train(r: Run) -> Any:
 TRAIN_STEP = IterStep("train", _train, trains=True)  # the training step every iteration ends with
 
 
-# Asynchronous generation (ROLL's async_generation_ratio, issue 46): the generation step of iteration k + 1 runs as a
-# Prefect task (the flow's task runner) while iteration k's later steps run on the flow's thread.
+# Asynchronous generation (ROLL's async_generation_ratio, issue 46): the generation steps of iterations k + 1 ..
+# k + ceil(r) run as Prefect tasks (the flow's task runner), one after the other on the engines, while iteration k's
+# later steps run on the flow's thread.
 
 def async_lag(config) -> int:
     """How many iterations a rollout's policy may be behind the one trained: ceil(async_generation_ratio); 0 runs
@@ -253,17 +254,17 @@ def async_lag(config) -> int:
 
 @dataclass
 class Ahead:
-    """The generation step of ``iteration`` played ahead (``future``: of :func:`_generate`), and the seconds the
-    flow's thread was busy with the previous iteration's later steps meanwhile (``busy``: start, end)."""
+    """The generation step of ``iteration`` played ahead (``future``: of :func:`_generate`), and when the flow's
+    thread was busy with the later steps of the iterations before it meanwhile (``busy``: (start, end) each)."""
 
     iteration: int
     policy: int  # the training steps of the checkpoint it plays with
     future: Any
-    busy: tuple[float, float] = (0.0, 0.0)
+    busy: list[tuple[float, float]] = field(default_factory=list)
 
     def overlap_seconds(self, start: float, end: float) -> float:
         """Seconds the generation (``start``..``end``) and the flow's later steps both ran."""
-        return max(0.0, min(end, self.busy[1]) - max(start, self.busy[0]))
+        return sum(max(0.0, min(end, b_end) - max(start, b_start)) for b_start, b_end in self.busy)
 
 
 @stage_task("generation ahead")
@@ -283,41 +284,48 @@ def _generation_run(flow: PipelineFlow, r: Run, iteration: int, lag: int) -> Run
                                checkpoint=policies[played_with(iteration, lag)])
 
 
-def _play_ahead(flow: PipelineFlow, step: IterStep, r: Run, iteration: int, lag: int) -> Ahead:
-    """Submit the generation step of ``iteration`` to the flow's task runner."""
+def _play_ahead(flow: PipelineFlow, step: IterStep, r: Run, iteration: int, lag: int,
+                after: Ahead | None = None) -> Ahead:
+    """Submit the generation step of ``iteration`` to the flow's task runner, to start once ``after`` (the rollout
+    before it in flight, on the same engines) has ended."""
     return Ahead(iteration, played_with(iteration, lag),
-                 _generate.submit(quote(step), quote(_generation_run(flow, r, iteration, lag))))
+                 _generate.submit(quote(step), quote(_generation_run(flow, r, iteration, lag)),
+                                  wait_for=[after.future] if after is not None else None))
 
 
-def _iterate_ahead(flow: PipelineFlow, steps: list[IterStep], r: Run, ahead: Ahead | None, lag: int) -> Ahead | None:
-    """Iteration ``r.iteration`` with its generation played ahead: its rollout is the one submitted during the
-    previous iteration (played now when none is: the first iteration), recorded with its staleness (training steps
-    between its checkpoint and the trained one) and overlap; the next iteration's rollout is submitted before this
-    one's later steps run. The engines never sleep (they have devices of their own). Returns the rollout in flight."""
+def _iterate_ahead(flow: PipelineFlow, steps: list[IterStep], r: Run, ahead: list[Ahead], lag: int) -> list[Ahead]:
+    """Iteration ``r.iteration`` with its generation played ahead: its rollout is the first of those in flight,
+    submitted during an earlier iteration (played now when none is: the first iteration of a run or of a resume),
+    recorded with its staleness (training steps between its checkpoint and the trained one) and overlap; before this
+    iteration's later steps run, the rollouts up to iteration k + ``lag`` (whose policies, k + j - lag <= k training
+    steps, are committed) are submitted, each to start when the one before it ends. The engines never sleep (they
+    have devices of their own). Returns the rollouts in flight, oldest first."""
     k, last = r.iteration, r.config.max_steps - 1
     busy = time.time()
     for step in steps:
         if not step.generation:
             _run_step(step, r)
             continue
-        if ahead is None or ahead.iteration != k:  # nothing in flight: play it now
-            ahead = _play_ahead(flow, step, r, k, lag)
-        result, start, end = ahead.future.result()
-        stale, overlap = k - ahead.policy, ahead.overlap_seconds(start, end)
+        if not ahead or ahead[0].iteration != k:  # nothing in flight: play it now
+            ahead = [_play_ahead(flow, step, r, k, lag)]
+        now, ahead = ahead[0], ahead[1:]
+        result, start, end = now.future.result()
+        stale, overlap = k - now.policy, now.overlap_seconds(start, end)
         _keep_result(step, r, result, {"rollout/staleness": float(stale), "rollout/overlap_seconds": overlap},
                      note=f"played with the policy {stale} step{'s' * (stale != 1)} behind, {overlap:.0f}s "
                           "beside training")
-        ahead = _play_ahead(flow, step, r, k + 1, lag) if k < last else None
+        for j in range(k + 1 + len(ahead), min(k + lag, last) + 1):
+            ahead.append(_play_ahead(flow, step, r, j, lag, after=ahead[-1] if ahead else None))
         busy = time.time()
-    if ahead is not None:
-        ahead.busy = (busy, time.time())
+    for played in ahead:
+        played.busy.append((busy, time.time()))
     return ahead
 
 
-def _join(ahead: Ahead | None) -> None:
-    """Wait for the rollout in flight (its errors are raised where its result is read)."""
-    if ahead is not None:
-        ahead.future.wait()
+def _join(ahead: list[Ahead]) -> None:
+    """Wait for the rollouts in flight (their errors are raised where their results are read)."""
+    for played in ahead:
+        played.future.wait()
 
 
 def run_pipeline(flow: PipelineFlow, config, cfg: dict) -> dict:
@@ -333,7 +341,7 @@ def run_pipeline(flow: PipelineFlow, config, cfg: dict) -> dict:
     every = ev.every(config)
     steps = [s for s in flow.iteration if s.when(config)]
     lag = async_lag(config) if any(s.generation for s in steps) else 0
-    ahead: Ahead | None = None  # the generation step in flight (async_generation_ratio > 0)
+    ahead: list[Ahead] = []  # the generation steps in flight, oldest first (async_generation_ratio > 0)
     with MetricsLog(run.uri(), trackers=open_trackers(config, run, cfg)) as metrics:  # ROLL's track_with
         r.metrics = metrics
         try:
@@ -368,7 +376,8 @@ def run_pipeline(flow: PipelineFlow, config, cfg: dict) -> dict:
     return summary
 
 
-def _join_quietly(ahead: Ahead | None) -> None:
-    """At the end of a run that failed (or was interrupted) with a rollout in flight: let it end, whatever it says."""
-    if ahead is not None:
-        ahead.future.wait(timeout=60)
+def _join_quietly(ahead: list[Ahead]) -> None:
+    """At the end of a run that failed (or was interrupted) with rollouts in flight: let them end, whatever they
+    say."""
+    for played in ahead:
+        played.future.wait(timeout=60)

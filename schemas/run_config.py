@@ -55,9 +55,10 @@ class RunOptions(TrackingOptions, OmitDefaults):
                                   "estimator is the run's adv_estimator).")
     async_generation_ratio: float = Field(
         0.0, ge=0, description="ROLL's asynchronous generation: 0 runs each iteration's stages in turn; r > 0 "
-                               "generates iteration k+1's rollout while iteration k's log-probs, rewards, advantages "
-                               "and training run, with the policy after max(0, k+1 - ceil(r)) training steps (at most "
-                               "ceil(r) iterations old). The engines need devices of their own (no device_mapping "
+                               "generates the rollouts of iterations k+1 .. k+ceil(r), one after the other, while "
+                               "iteration k's log-probs, rewards, advantages and training run, iteration j's with the "
+                               "policy after max(0, j - ceil(r)) training steps (at most ceil(r) iterations old). "
+                               "The engines need devices of their own (no device_mapping "
                                "shared with training); train.train_infer_correction defaults to ROLL's token-level "
                                "is_weight (upper_bound 1.2) against the engines' log-probs.")
 

@@ -167,7 +167,9 @@ class Plan:
 
         ahead = [i for i, n in enumerate(self.needs) if n.phase in self.overlapped or n.generates]
         behind = [i for i, n in enumerate(self.needs) if i not in ahead]
-        return (f"at the same time (async_generation_ratio {self.async_ratio:g}): rollout k+1 ({on(ahead)}) ‖ "
+        lag = math.ceil(self.async_ratio)
+        rollouts = "rollout k+1" if lag == 1 else f"rollouts k+1 .. k+{lag}, one after the other"
+        return (f"at the same time (async_generation_ratio {self.async_ratio:g}): {rollouts} ({on(ahead)}) ‖ "
                 f"{' → '.join(self.in_turn())} of k ({on(behind)})")
 
     def lines(self) -> list[str]:

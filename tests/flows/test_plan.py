@@ -131,6 +131,9 @@ def test_an_asynchronous_run_shows_what_runs_at_the_same_time_and_on_what():
             "(log-probs / values (actor): CPU, Ray Data read/write tasks: CPU, training workers (GPUs): GPU 1, "
             "training workers (CPUs): CPU)")
     assert ahead.overlap_line() == line and line in ahead.lines(), ahead.lines()
+    two = run_plan(load(GPU_CONFIGS[0], **APART, async_generation_ratio=1.5), {"CPU": 16.0, "GPU": 2.0})
+    assert two.overlap_line().startswith("at the same time (async_generation_ratio 1.5): rollouts k+1 .. k+2, one "
+                                         "after the other (generation engines: GPU 0, "), two.overlap_line()
     assert in_turn.overlap_line() is None and not [x for x in in_turn.lines() if "at the same time" in x]
     assert ahead.fits and ahead.cpus_needed() == in_turn.cpus_needed() + 0.25  # generation tasks beside training
     assert [x for x in ahead.lines() if "at the same time" not in x and "needs at once" not in x] == \

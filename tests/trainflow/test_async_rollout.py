@@ -82,10 +82,9 @@ class _Metrics:
         self.values[(iteration, stage)] = dict(metrics)
 
 
-def test_the_loop_plays_the_next_rollout_during_training_with_the_scheduled_checkpoint(capsys):
-    """The loop's overlap itself (flows/loop.py), with two toy steps in a real Prefect flow: the rollout of iteration
-    k + 1 starts before iteration k's training ends, with the checkpoint ``played_with`` names, and is recorded with
-    its staleness at iteration k + 1; the flow's own Run is never changed by the rollout played ahead."""
+def _toy_loop(lag: int, iterations: int, rollout_s: float, train_s: float):
+    """The loop's overlap itself (flows/loop.py ``_iterate_ahead``) with two toy steps, a rollout and a training step
+    that sleep, in a real Prefect flow: the events (what started or ended, in order) and the Run."""
     import threading
     import time
     from types import SimpleNamespace
@@ -103,31 +102,39 @@ def test_the_loop_plays_the_next_rollout_during_training_with_the_scheduled_chec
 
     def rollout(r: Run):
         note("rollout start", r.iteration, r.checkpoint, r.here)
-        time.sleep(0.5)
+        time.sleep(rollout_s)
         note("rollout end", r.iteration)
-        return SimpleNamespace(metrics={"rollout/success_rate": 0.5}, seconds=0.5, output=r.out("rollout"))
+        return SimpleNamespace(metrics={"rollout/success_rate": 0.5}, seconds=rollout_s, output=r.out("rollout"))
 
     def train(r: Run):
         note("train start", r.iteration, r.checkpoint)
-        time.sleep(0.5)
+        time.sleep(train_s)
         r.trained.append(f"ckpt{r.iteration}")
         note("train end", r.iteration)
         return SimpleNamespace(output=f"ckpt{r.iteration}")
 
     steps = [IterStep("rollout", rollout, generation=True), IterStep("train", train, trains=True)]
     decl = SimpleNamespace(spec=SimpleNamespace(step_dir=lambda run, k: f"{run}/iter_{k}"))
-    r = Run(SimpleNamespace(max_steps=3), SimpleNamespace(uri=lambda: "/run"), "base", None, None,  # type: ignore
-            _Metrics(), "base")
+    r = Run(SimpleNamespace(max_steps=iterations), SimpleNamespace(uri=lambda: "/run"), "base", None,  # type: ignore
+            None, _Metrics(), "base")
 
     @flow
     def toy() -> None:
-        ahead = None
-        for k in range(3):
+        ahead = []
+        for k in range(iterations):
             r.iteration, r.here, r.results = k, f"/run/iter_{k}", {}
-            ahead = _iterate_ahead(decl, steps, r, ahead, 1)  # type: ignore[arg-type]
-        assert ahead is None
+            ahead = _iterate_ahead(decl, steps, r, ahead, lag)  # type: ignore[arg-type]
+        assert ahead == []
 
     toy()
+    return events, r
+
+
+def test_the_loop_plays_the_next_rollout_during_training_with_the_scheduled_checkpoint(capsys):
+    """r = 1: the rollout of iteration k + 1 starts before iteration k's training ends, with the checkpoint
+    ``played_with`` names, and is recorded with its staleness at iteration k + 1; the flow's own Run is never changed
+    by the rollout played ahead."""
+    events, r = _toy_loop(1, 3, 0.5, 0.5)
     starts = [e[1:] for e in events if e[0] == "rollout start"]
     assert starts == [(0, "base", "/run/iter_0"), (1, "base", "/run/iter_1"), (2, "ckpt0", "/run/iter_2")]
     assert [e[1:] for e in events if e[0] == "train start"] == [(0, "base"), (1, "ckpt0"), (2, "ckpt1")]
@@ -145,6 +152,23 @@ def test_the_loop_plays_the_next_rollout_during_training_with_the_scheduled_chec
         f"played with the policy 1 step behind, {r.metrics.values[(2, 'rollout')]['rollout/overlap_seconds']:.0f}s "
         "beside training)"], lines
     assert r.checkpoint == "ckpt2" and r.iteration == 2
+
+
+def test_with_ceil_r_above_1_several_rollouts_are_in_flight_one_after_the_other_on_the_engines():
+    """r = 2 and a training step slower than a rollout: while iteration 0 trains, the rollouts of iterations 1 and 2
+    (both with the initial policy) play, one after the other (they share the engines and their loaded checkpoint);
+    iteration j's rollout plays the policy after j - 2 steps, so the staleness is 0, 1, 2, 2."""
+    events, r = _toy_loop(2, 4, 0.2, 1.5)
+    starts = [e[1:3] for e in events if e[0] == "rollout start"]
+    assert starts == [(0, "base"), (1, "base"), (2, "base"), (3, "ckpt0")], events
+    for k in (1, 2):  # both before iteration 0's training ended
+        assert events.index(("rollout start", k, "base", f"/run/iter_{k}")) < events.index(("train end", 0)), events
+    rollouts = [e for e in events if e[0].startswith("rollout")]
+    assert [e[0] for e in rollouts] == ["rollout start", "rollout end"] * 4, events  # never two at once
+    assert {k: m["rollout/staleness"] for (k, stage), m in r.metrics.values.items() if stage == "rollout"} == \
+        {0: 0.0, 1: 1.0, 2: 2.0, 3: 2.0}
+    assert all(r.metrics.values[(k, "rollout")]["rollout/overlap_seconds"] > 0 for k in (1, 2, 3))
+    assert r.checkpoint == "ckpt3" and r.trained == ["ckpt0", "ckpt1", "ckpt2", "ckpt3"]
 
 
 def _async_args(runs_dir: Path, name: str) -> list[str]:
