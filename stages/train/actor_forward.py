@@ -25,6 +25,7 @@ import pyarrow.parquet as pq
 import torch
 
 from schemas.train_config import TrainSection
+from stages.runner import parquet_write_options, write_partials
 from stages.storage import Location
 from stages.train.checkpoint import read_checkpoint
 from stages.train.core import DTYPES, DistInfo, Engine, HeldEngines, load_engines
@@ -113,8 +114,6 @@ def forward_on_rank(request: dict[str, Any], dist: DistInfo, held: HeldEngines |
     packed, output Location (the stage's temporary folder: the batches' counters), parts Location, spec, where,
     section: the training section to build missing engines under, or None) and write this rank's part. Returns the
     engines to hold."""
-    from stages.runner import parquet_write_options, write_partials
-
     jobs, dtype = request["jobs"], request["dtype"]
     if request.get("section") is not None:
         held = engines_for(jobs, held, request["section"], dist, store=request["samples"].fs)
