@@ -171,7 +171,7 @@ def main() -> int:
 
     from _common import make_table
 
-    from stages.train.core import init_distributed
+    from stages.train.distributed import init_distributed
 
     work = Path(tempfile.mkdtemp(prefix="rollflow-gpu-smoke-"))
     build_model(work / "model")

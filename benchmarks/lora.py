@@ -39,8 +39,8 @@ def main() -> None:
 
     from schemas.config import validate_config
     from schemas.train_config import TrainStepConfig
-    from stages.train.core import (Engine, build_actor_model, init_distributed, lora_bases, rows_of_table,
-                                   train_step)
+    from stages.train.core import Engine, build_actor_model, lora_bases, rows_of_table, train_step
+    from stages.train.distributed import init_distributed
     from stages.train.checkpoint import read_checkpoint
     from train import add_old_log_probs
 

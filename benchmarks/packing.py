@@ -114,7 +114,8 @@ def train_half(table, folder: str, args) -> str:
     from schemas.tables import FLOATS
     from schemas.train_config import TrainStepConfig
     from stages.train.batching import TokenRows
-    from stages.train.core import Engine, init_distributed, load_actor_model, train_step
+    from stages.train.core import Engine, load_actor_model, train_step
+    from stages.train.distributed import init_distributed
 
     rng = np.random.default_rng(0)
     lengths = [len(x) for x in table.column("input_ids").to_pylist()]

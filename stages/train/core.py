@@ -6,7 +6,8 @@ It runs wherever torch and DeepSpeed run: inside a Ray Train worker (``stages.tr
 mini-batches, each mini-batch as token-budget micro-batches whose losses use the mini-batch's global normalisers
 (spec §6.2), so their accumulated gradient is the gradient of the mini-batch loss.
 
-Process-wide settings (threads, DeepSpeed's accelerator and comm op) are set in :func:`init_distributed`, once.
+Process-wide settings (threads, DeepSpeed's accelerator and comm op) are set in
+:func:`stages.train.distributed.init_distributed`, once.
 """
 
 from __future__ import annotations
@@ -16,15 +17,13 @@ import json
 import logging
 import math
 import os
-import re
 import resource
-import socket
 import tempfile
 import time
 from dataclasses import dataclass, field, replace
 from functools import partial
 from pathlib import Path
-from typing import Any, Callable
+from typing import Callable
 
 import numpy as np
 import pyarrow as pa
@@ -45,68 +44,12 @@ from stages.train.batching import (BatchingPolicy, MicroBatch, MiniBatchPlan, To
 from stages.train.checkpoint import (ACTOR_ADAPTER, ACTOR_STATE, CRITIC_ADAPTER, CRITIC_DIR, CRITIC_STATE,
                                      checkpoint_fingerprint, copy_tokenizer, read_checkpoint, replay_record,
                                      write_train_state)
+from stages.train.distributed import DistInfo, gather, init_distributed
 from stages.train.models import load_actor_model, load_critic_model
 
 log = logging.getLogger("rollflow.train")
-REPO = Path(__file__).resolve().parents[2]
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 Metrics = dict[str, float]
-
-
-# ---- process setup ------------------------------------------------------------------------------------------------
-
-@dataclass(frozen=True)
-class DistInfo:
-    rank: int
-    world_size: int
-    local_rank: int
-    device: torch.device
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def init_distributed(threads: int | None = None) -> DistInfo:
-    """Join the process group that Ray Train / torchrun created, or make a world of one; return this rank.
-
-    On CPU: gloo, DeepSpeed's CPU accelerator, and no shared-memory comm op (it JIT-compiles C++ for 20-170 s and
-    only serves inference all-reduce, which training never calls). ``threads``: torch intra-op threads.
-    """
-    os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(Path(os.environ.get("ROLLFLOW_CACHE", REPO / ".cache"))
-                                                     / "torch_extensions"))
-    if threads:
-        torch.set_num_threads(max(1, int(threads)))
-    on_gpu = torch.cuda.is_available()
-    if not on_gpu:
-        os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    elif os.environ.get("TORCH_CUDA_ARCH_LIST"):
-        os.environ["TORCH_CUDA_ARCH_LIST"] = deepspeed_arch_list(os.environ["TORCH_CUDA_ARCH_LIST"])
-    if not torch.distributed.is_initialized():
-        defaults = {"MASTER_ADDR": "127.0.0.1", "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1"}
-        for key, value in defaults.items():
-            os.environ.setdefault(key, value)
-        os.environ.setdefault("MASTER_PORT", str(_free_port()))
-    import deepspeed
-    import deepspeed.ops
-
-    if not on_gpu:
-        deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
-    deepspeed.init_distributed(dist_backend="nccl" if on_gpu else "gloo")
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    device = torch.device("cuda", local_rank) if on_gpu else torch.device("cpu")
-    if on_gpu:
-        torch.cuda.set_device(device)
-    return DistInfo(torch.distributed.get_rank(), torch.distributed.get_world_size(), local_rank, device)
-
-
-def deepspeed_arch_list(value: str) -> str:
-    """``TORCH_CUDA_ARCH_LIST`` as DeepSpeed's op builder can read it. Its JIT build of FusedAdam parses every entry
-    as numbers, so an architecture-specific entry such as ``9.0a`` (set by Hopper images) stops the build with
-    "invalid literal for int()"; the optimizer kernels need only the base architecture: ``9.0a`` -> ``9.0``."""
-    return re.sub(r"(\d+\.\d+)[a-z]+", r"\1", value)
 
 
 # ---- the engine ---------------------------------------------------------------------------------------------------
@@ -475,14 +418,6 @@ def combine_metrics(per_rank: list[list[list[Metrics]]]) -> list[Metrics]:
     return steps
 
 
-def _gather(obj: Any, dist: DistInfo) -> list[Any]:
-    if dist.world_size == 1:
-        return [obj]
-    out: list[Any] = [None] * dist.world_size
-    torch.distributed.all_gather_object(out, obj)
-    return out
-
-
 def mean_metrics(steps: list[Metrics]) -> Metrics:
     keys = sorted({k for s in steps for k in s})
     return {k: float(np.mean([s[k] for s in steps if k in s])) for k in keys}
@@ -516,13 +451,13 @@ def train_step(rows: TokenRows, actor: Engine | None, critic: Engine | None, cfg
         progress.total(sum(len(plan.micro_batches) for _, _, plans in planned for plan in plans))
     for engine, objective, plans in planned:
         micro, steps, n_tok, n_pad = run_engine(engine, objective, rows, plans, pad_token_id, dist, progress)
-        combined = combine_metrics(_gather(micro, dist))
+        combined = combine_metrics(gather(micro, dist))
         for i, s in enumerate(steps):
             combined[i].update(s)
         per_step = _zip_longest(per_step, combined)
         tokens += n_tok
         padded += n_pad
-    counts = _gather((tokens, padded), dist)
+    counts = gather((tokens, padded), dist)
     report = StepReport(mean_metrics(per_step), per_step, sum(c[0] for c in counts), sum(c[1] for c in counts),
                         time.perf_counter() - start, time.process_time() - cpu_start)
     report.metrics.update(correction)
@@ -561,7 +496,7 @@ def peak_memory(dist: DistInfo) -> Metrics:
     """Peak resident memory of the busiest rank (and peak accelerator memory on GPU), in MiB."""
     mine = [resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0,
             torch.cuda.max_memory_allocated() / 2 ** 20 if dist.device.type == "cuda" else 0.0]
-    ranks = _gather(mine, dist)
+    ranks = gather(mine, dist)
     out = {"system/peak_rss_mb": max(r[0] for r in ranks)}
     if dist.device.type == "cuda":
         out["system/peak_gpu_mb"] = max(r[1] for r in ranks)

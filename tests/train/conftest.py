@@ -16,6 +16,6 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 @pytest.fixture(scope="session")
 def dist():
     """This process as a DeepSpeed world of one (gloo, CPU accelerator)."""
-    from stages.train.core import init_distributed
+    from stages.train.distributed import init_distributed
 
     return init_distributed(threads=2)

@@ -1,0 +1,81 @@
+"""The process group of a training process: joining the one Ray Train / torchrun made (or a world of one), this
+rank's place in it, and gathering a value from every rank. No Ray import.
+
+Process-wide settings (threads, DeepSpeed's accelerator and comm op) are set in :func:`init_distributed`, once.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import socket
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@dataclass(frozen=True)
+class DistInfo:
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_distributed(threads: int | None = None) -> DistInfo:
+    """Join the process group that Ray Train / torchrun created, or make a world of one; return this rank.
+
+    On CPU: gloo, DeepSpeed's CPU accelerator, and no shared-memory comm op (it JIT-compiles C++ for 20-170 s and
+    only serves inference all-reduce, which training never calls). ``threads``: torch intra-op threads.
+    """
+    os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(Path(os.environ.get("ROLLFLOW_CACHE", REPO / ".cache"))
+                                                     / "torch_extensions"))
+    if threads:
+        torch.set_num_threads(max(1, int(threads)))
+    on_gpu = torch.cuda.is_available()
+    if not on_gpu:
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    elif os.environ.get("TORCH_CUDA_ARCH_LIST"):
+        os.environ["TORCH_CUDA_ARCH_LIST"] = deepspeed_arch_list(os.environ["TORCH_CUDA_ARCH_LIST"])
+    if not torch.distributed.is_initialized():
+        defaults = {"MASTER_ADDR": "127.0.0.1", "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1"}
+        for key, value in defaults.items():
+            os.environ.setdefault(key, value)
+        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+    import deepspeed
+    import deepspeed.ops
+
+    if not on_gpu:
+        deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+    deepspeed.init_distributed(dist_backend="nccl" if on_gpu else "gloo")
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    device = torch.device("cuda", local_rank) if on_gpu else torch.device("cpu")
+    if on_gpu:
+        torch.cuda.set_device(device)
+    return DistInfo(torch.distributed.get_rank(), torch.distributed.get_world_size(), local_rank, device)
+
+
+def deepspeed_arch_list(value: str) -> str:
+    """``TORCH_CUDA_ARCH_LIST`` as DeepSpeed's op builder can read it. Its JIT build of FusedAdam parses every entry
+    as numbers, so an architecture-specific entry such as ``9.0a`` (set by Hopper images) stops the build with
+    "invalid literal for int()"; the optimizer kernels need only the base architecture: ``9.0a`` -> ``9.0``."""
+    return re.sub(r"(\d+\.\d+)[a-z]+", r"\1", value)
+
+
+def gather(obj: Any, dist: DistInfo) -> list[Any]:
+    """``obj`` of every rank, in rank order (all ranks call it; a world of one returns ``[obj]``)."""
+    if dist.world_size == 1:
+        return [obj]
+    out: list[Any] = [None] * dist.world_size
+    torch.distributed.all_gather_object(out, obj)
+    return out
