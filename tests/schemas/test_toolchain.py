@@ -18,7 +18,7 @@ from schemas import precision, toolchain
 from schemas.precision import Hardware
 from schemas.rollout_config import EngineConfig
 from schemas.train_config import StrategyArgs, TrainStepConfig, WorkerTrainConfig
-from stages.train.core import deepspeed_config
+from stages.train.engine_config import deepspeed_config
 
 H100 = Hardware("cuda", "GPU NVIDIA H100, bf16 supported", True)
 

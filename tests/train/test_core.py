@@ -19,7 +19,8 @@ from schemas.train_config import TrainSection, TrainStepConfig
 from stages.train.batching import TokenRows, pad_micro_batch, plan_step
 from stages.train.checkpoint import read_checkpoint
 from stages.train.core import (ActorObjective, Engine, batching_policy, load_actor_model, load_critic_model,
-                               lr_lambda, rows_of_table, run_training, train_and_save, train_step)
+                               rows_of_table, run_training, train_and_save, train_step)
+from stages.train.engine_config import lr_lambda
 from stages.train.forward import forward_rows
 from tests.train.tables import advantaged_rows
 
