@@ -145,7 +145,9 @@ def main() -> None:
     torch.cuda.empty_cache()  # the forward model is gone with the call
     torch.cuda.reset_peak_memory_stats()
 
-    from stages.train.core import Engine, load_actor_model, rows_of_table, train_step
+    from stages.train.core import rows_of_table, train_step
+    from stages.train.models import load_actor_model
+    from stages.train.engine import Engine
     from stages.train.distributed import init_distributed
 
     dist = init_distributed()

@@ -1,7 +1,7 @@
 """Full training against LoRA training (model_args.lora_rank), side by side in one run: the seconds of one
 training step and the size of the optimizer's state.
 
-Both engines are the training core's (``stages.train.core.Engine``: DeepSpeed, ZeRO as configured, one process)
+Both engines are the training core's (``stages.train.engine.Engine``: DeepSpeed, ZeRO as configured, one process)
 on the same advantaged rows of random tokens with ``old_log_probs`` from the model, so the step is a real PPO step.
 Each takes ``--steps`` training steps after one warm-up step (the optimizer state is allocated there); the best
 step counts. The optimizer size is the bytes of the torch optimizer's state tensors (AdamW's two moments, and the
@@ -39,7 +39,8 @@ def main() -> None:
 
     from schemas.config import validate_config
     from schemas.train_config import TrainStepConfig
-    from stages.train.core import Engine, build_actor_model, lora_bases, rows_of_table, train_step
+    from stages.train.core import build_actor_model, lora_bases, rows_of_table, train_step
+    from stages.train.engine import Engine
     from stages.train.distributed import init_distributed
     from stages.train.checkpoint import read_checkpoint
     from train import add_old_log_probs

@@ -54,7 +54,7 @@ def make_checkpoint(base: str, folder: Path, rank: int, dtype: str) -> None:
     from schemas.config import validate_config
     from schemas.train_config import TrainStepConfig
     from stages.train.checkpoint import ACTOR_ADAPTER, checkpoint_fingerprint, copy_tokenizer, write_train_state
-    from stages.train.core import load_actor_model
+    from stages.train.models import load_actor_model
     from stages.train.lora import merged_state_dict, save_adapter, wrap
 
     args = validate_config(TrainStepConfig, {"actor_train": {"model_args": {"lora_rank": rank}}}).actor_train.model_args

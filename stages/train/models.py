@@ -1,11 +1,12 @@
 """Loading the models a training or forward process runs: the actor (a causal LM) and the critic (a token
-classifier with one label), in float32 with every dropout off. No Ray or DeepSpeed import; LoRA wrapping is
-``stages.train.lora``'s."""
+classifier with one label), in float32 with every dropout off, and the regional compilation of a model's decoder layers (strategy_args.torch_compile).
+No Ray or DeepSpeed import; LoRA wrapping is ``stages.train.lora``'s."""
 
 from __future__ import annotations
 
 import torch
 
+from schemas.errors import ConfigError
 from schemas.train_config import WorkerTrainConfig
 
 
@@ -45,3 +46,16 @@ def load_critic_model(critic_dir: str | None, actor_dir: str, seed: int) -> torc
         if head.bias is not None:
             head.bias.zero_()
     return model
+
+
+def compile_decoder_layers(model: torch.nn.Module) -> None:
+    """``torch.compile`` each decoder layer in place (regional compilation: one graph, reused by every layer, with
+    dynamic shapes, since micro-batches differ in rows and length). The embedding, head and loss stay eager."""
+    base = getattr(model, getattr(model, "base_model_prefix", ""), None)
+    layers = getattr(base, "layers", None)
+    if not isinstance(layers, torch.nn.ModuleList):
+        raise ConfigError(f"strategy_args.torch_compile: {type(model).__name__} has no decoder layers at "
+                          f"model.{getattr(model, 'base_model_prefix', '?')}.layers to compile; set torch_compile: "
+                          "false for this model")
+    for layer in layers:
+        layer.compile(dynamic=True)
