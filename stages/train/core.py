@@ -31,101 +31,20 @@ from schemas.config import load_config
 from schemas.errors import ConfigError, InvariantError, RollflowError
 from schemas.train_config import TrainSection, TrainStepConfig, WorkerTrainConfig
 from stages.algos.ragged import Ragged
-from stages.losses import (LossInputs, agg_loss, apply_train_infer_correction_to_batch, critic_loss,
-                           policy_loss as lookup_policy_loss)
+from stages.losses import apply_train_infer_correction_to_batch
 from stages.storage import Location, folder_fingerprint, read_table_schema
 from stages.train import lora
-from stages.train.batching import (BatchingPolicy, MicroBatch, MiniBatchPlan, TokenHidden, TokenLogits, TokenRows,
-                                   pad_micro_batch, plan_step, unpad_next_token)
+from stages.train.batching import (BatchingPolicy, MiniBatchPlan, TokenLogits, TokenRows, pad_micro_batch,
+                                   plan_step, unpad_next_token)
 from stages.train.checkpoint import (ACTOR_ADAPTER, ACTOR_STATE, CRITIC_ADAPTER, CRITIC_DIR, CRITIC_STATE,
                                      checkpoint_fingerprint, copy_tokenizer, read_checkpoint, replay_record,
                                      write_train_state)
 from stages.train.distributed import DistInfo, gather, init_distributed
 from stages.train.engine import Engine
 from stages.train.models import load_actor_model, load_critic_model
+from stages.train.objectives import ActorObjective, CriticObjective, Metrics
 
 log = logging.getLogger("rollflow.train")
-Metrics = dict[str, float]
-
-
-# ---- objectives ---------------------------------------------------------------------------------------------------
-
-class ActorObjective:
-    """The policy loss of a micro-batch from the logits (spec §1.8, §6.3-6.5), with the mini-batch's global counts.
-
-    Without an ``old_log_probs`` column, the first pass over a row uses ``detach(log_probs)`` (ratio 1) and caches it
-    for later epochs (ROLL's cache path, spec §6.3 step 2)."""
-
-    def __init__(self, policy_loss: str, loss_cfg, entropy_metric: bool = True):
-        self.loss_fn = lookup_policy_loss(policy_loss)
-        self.loss_cfg = loss_cfg
-        self.entropy_metric = entropy_metric
-        self.old_cache: dict[int, np.ndarray] = {}
-
-    @classmethod
-    def from_section(cls, cfg: TrainSection) -> "ActorObjective":
-        return cls(cfg.policy_loss, cfg.loss_config(), cfg.compute_entropy_metric)
-
-    def __call__(self, logits: TokenLogits | TokenHidden | torch.Tensor, mb: MicroBatch, rows: np.ndarray,
-                 plan: MiniBatchPlan) -> tuple[torch.Tensor, Metrics]:
-        """``logits``: the engine's :class:`TokenLogits` or :class:`TokenHidden`, or full ``(b, S, V)`` logits (ROLL's
-        golden cases)."""
-        mask = mb.loss_mask
-        if not isinstance(logits, (TokenLogits, TokenHidden)):
-            logits = TokenLogits.from_dense(logits, mb)
-        log_probs = logits.log_probs(mb)
-        entropy = logits.entropy() if self.loss_cfg.entropy_loss_coef > 0 else None
-        t = mb.next_token
-        old = t.get("old_log_probs")
-        cached = old is None and not mb.padding_step and all(int(r) in self.old_cache for r in rows)
-        if cached:
-            old = _pad_rows([self.old_cache[int(r)] for r in rows], mask.shape, mask.device)
-        inputs = LossInputs(log_probs=log_probs, mask=mask, advantages=t["advantages"], old_log_probs=old,
-                            ref_log_probs=t.get("ref_log_probs"), infer_log_probs=t.get("infer_logprobs"),
-                            train_infer_is_weight=t.get("train_infer_is_weight"), entropy=entropy,
-                            final_mask=t.get("final_response_mask"), num_tokens=plan.num_tokens,
-                            num_seqs=plan.num_seqs, final_num_tokens=plan.final_num_tokens,
-                            final_num_seqs=plan.final_num_seqs, difficulty=mb.per_row.get("difficulty"))
-        loss, metrics = self.loss_fn(inputs, self.loss_cfg)
-        if old is None and not mb.padding_step:
-            lp = unpad_next_token(log_probs, mb.lengths)
-            for i, r in enumerate(rows):
-                self.old_cache[int(r)] = lp.row(i).copy()
-        if self.entropy_metric:
-            with torch.no_grad():
-                ent = entropy if entropy is not None else logits.entropy()
-                metrics["actor/entropy@sum"] = float(self._agg(ent, mask, plan))
-        return loss, metrics
-
-    def _agg(self, x: torch.Tensor, mask: torch.Tensor, plan: MiniBatchPlan) -> torch.Tensor:
-        c = self.loss_cfg
-        return agg_loss(x.detach(), mask, c.loss_agg_mode, plan.num_tokens, plan.num_seqs,
-                        sum_norm_constant=c.sum_norm_constant)
-
-
-def _pad_rows(rows: list[np.ndarray], shape: tuple[int, int], device) -> torch.Tensor:
-    out = torch.zeros(shape, dtype=torch.float32)
-    for i, r in enumerate(rows):
-        out[i, :len(r)] = torch.from_numpy(r)
-    return out.to(device)
-
-
-class CriticObjective:
-    """The critic loss of a micro-batch (spec §6.7): ``V = output[:, :-1, 0]``; ROLL's ½·mean over rows of per-row
-    masked means, taken over the whole mini-batch (each micro-batch weighs rows / mini-batch rows)."""
-
-    def __init__(self, value_clip: float | None = None):
-        self.value_clip = value_clip
-
-    def __call__(self, output: torch.Tensor, mb: MicroBatch, rows: np.ndarray, plan: MiniBatchPlan,
-                 ) -> tuple[torch.Tensor, Metrics]:
-        values = output[:, :-1, 0].float()
-        t = mb.next_token
-        loss, metrics = critic_loss(values, t["values"], t["returns"], mb.loss_mask, self.value_clip)
-        share = mb.num_rows / plan.num_rows
-        return loss * share, {f"{k}@sum": v * share for k, v in metrics.items()}
-
-
 # ---- one training step --------------------------------------------------------------------------------------------
 
 @dataclass

@@ -11,7 +11,8 @@ import torch
 
 from stages.algos.ragged import Ragged
 from stages.train.batching import MiniBatchPlan, TokenRows, pad_micro_batch, split_by_token_budget
-from stages.train.core import ActorObjective, CriticObjective, combine_metrics
+from stages.train.core import combine_metrics
+from stages.train.objectives import ActorObjective, CriticObjective
 from stages.losses import loss_normalisers
 from tests.golden import assert_close, family, load, softmax_scale
 from tests.losses.golden_adapter import (cache_path, final_mask, global_count, golden_metrics, kind_of, loss_cases,

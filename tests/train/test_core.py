@@ -18,7 +18,8 @@ from schemas.tables import FLOATS
 from schemas.train_config import TrainSection, TrainStepConfig
 from stages.train.batching import TokenRows, pad_micro_batch, plan_step
 from stages.train.checkpoint import read_checkpoint
-from stages.train.core import ActorObjective, batching_policy, rows_of_table, run_training, train_and_save, train_step
+from stages.train.core import batching_policy, rows_of_table, run_training, train_and_save, train_step
+from stages.train.objectives import ActorObjective
 from stages.train.models import load_actor_model, load_critic_model
 from stages.train.engine import Engine
 from stages.train.engine_config import lr_lambda
