@@ -6,7 +6,7 @@ random lengths (a prompt, then a response whose tokens carry a +-1 advantage), a
 
 1. Log-prob pass: ``stages.train.forward.forward_rows`` on ``cuda`` in bf16 over the table, token-budget
    micro-batches of ``--infer-budget`` padded tokens; its log-probs become the table's ``old_log_probs``.
-2. Training: ``stages.train.core.train_step`` with the actor under a DeepSpeed engine (bf16, ZeRO ``--zero``, nccl,
+2. Training: ``stages.train.step.train_step`` with the actor under a DeepSpeed engine (bf16, ZeRO ``--zero``, nccl,
    one rank), PPO loss ``agentic``, length-bucketed micro-batches of at most ``--budget`` tokens (the plan sorts
    rows by length, so padding stays small), one optimizer step per training step. One warm-up step, then
    ``--steps`` timed steps.
@@ -145,7 +145,8 @@ def main() -> None:
     torch.cuda.empty_cache()  # the forward model is gone with the call
     torch.cuda.reset_peak_memory_stats()
 
-    from stages.train.core import rows_of_table, train_step
+    from stages.train.core import rows_of_table
+    from stages.train.step import train_step
     from stages.train.models import load_actor_model
     from stages.train.engine import Engine
     from stages.train.distributed import init_distributed

@@ -114,7 +114,7 @@ def train_half(table, folder: str, args) -> str:
     from schemas.tables import FLOATS
     from schemas.train_config import TrainStepConfig
     from stages.train.batching import TokenRows
-    from stages.train.core import train_step
+    from stages.train.step import train_step
     from stages.train.models import load_actor_model
     from stages.train.engine import Engine
     from stages.train.distributed import init_distributed

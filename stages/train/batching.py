@@ -21,6 +21,7 @@ import pyarrow as pa
 import torch
 
 from schemas.errors import InvariantError, SchemaError
+from schemas.train_config import WorkerTrainConfig
 from stages.algos.ragged import Ragged
 from stages.losses import entropy_from_logits, fused_output_layer_log_probs_entropy, token_log_probs
 
@@ -455,6 +456,19 @@ class BatchingPolicy:
             split = split_by_real_tokens if self.packed else split_by_token_budget
             return split(lengths, self.max_tokens)
         return split_by_rows(len(lengths), self.rows_per_micro_batch or len(lengths) or 1)
+
+
+def batching_policy(worker: WorkerTrainConfig) -> BatchingPolicy:
+    """The policy of a training step under ``worker``'s options: ``per_device_train_batch_size`` x
+    ``gradient_accumulation_steps`` rows per rank per optimizer step, in micro-batches by token budget
+    (``use_dynamic_batching_in_train``) or of ``per_device_train_batch_size`` rows, packed with
+    ``use_sequence_packing``."""
+    t = worker.training_args
+    rows = t.per_device_train_batch_size * t.gradient_accumulation_steps
+    if worker.use_dynamic_batching_in_train:
+        return BatchingPolicy(rows, max_tokens=worker.max_tokens_per_microbatch_in_train,
+                              packed=worker.use_sequence_packing)
+    return BatchingPolicy(rows, rows_per_micro_batch=t.per_device_train_batch_size, packed=worker.use_sequence_packing)
 
 
 def epoch_order(num_rows: int, seed: int, step: int, epoch: int) -> np.ndarray:

@@ -205,9 +205,9 @@ def test_the_module_that_exercises_an_option_names_it(name):
 
 def test_dynamic_batching_decides_how_the_training_step_forms_micro_batches():
     """use_dynamic_batching_in_train (no other test names it): a token budget per micro-batch, or a fixed number of
-    rows (stages/train/core.py batching_policy, what the training step plans its micro-batches with)."""
+    rows (stages/train/batching.py batching_policy, what the training step plans its micro-batches with)."""
     from schemas.train_config import WorkerTrainConfig
-    from stages.train.core import batching_policy
+    from stages.train.batching import batching_policy
 
     on, off = (batching_policy(WorkerTrainConfig(use_dynamic_batching_in_train=flag)) for flag in (True, False))
     assert on != off
@@ -219,7 +219,7 @@ def test_sequence_packing_packs_fixed_row_micro_batches_too():
     (TrainEngine.forward reads use_sequence_packing itself); the flag only changes the split under dynamic batching
     (real tokens against the budget)."""
     from schemas.train_config import WorkerTrainConfig
-    from stages.train.core import batching_policy
+    from stages.train.batching import batching_policy
 
     policy = batching_policy(WorkerTrainConfig(use_dynamic_batching_in_train=False, use_sequence_packing=True))
     assert policy.packed

@@ -11,7 +11,7 @@ import torch
 
 from stages.algos.ragged import Ragged
 from stages.train.batching import MiniBatchPlan, TokenRows, pad_micro_batch, split_by_token_budget
-from stages.train.core import combine_metrics
+from stages.train.step import combine_metrics
 from stages.train.objectives import ActorObjective, CriticObjective
 from stages.losses import loss_normalisers
 from tests.golden import assert_close, family, load, softmax_scale

@@ -18,7 +18,9 @@ from schemas.tables import FLOATS
 from schemas.train_config import TrainSection, TrainStepConfig
 from stages.train.batching import TokenRows, pad_micro_batch, plan_step
 from stages.train.checkpoint import read_checkpoint
-from stages.train.core import batching_policy, rows_of_table, run_training, train_and_save, train_step
+from stages.train.batching import batching_policy
+from stages.train.core import rows_of_table, run_training, train_and_save
+from stages.train.step import train_step
 from stages.train.objectives import ActorObjective
 from stages.train.models import load_actor_model, load_critic_model
 from stages.train.engine import Engine
@@ -237,7 +239,7 @@ def test_without_old_log_probs_the_first_epoch_has_ratio_one_and_later_epochs_us
 
 
 def test_train_infer_filter_masks_tokens_before_the_counts(dist, tiny_model, table):
-    from stages.train.core import apply_train_infer_correction
+    from stages.train.step import apply_train_infer_correction
 
     rng = np.random.default_rng(0)
     old = table.column("old_log_probs").to_pylist()
