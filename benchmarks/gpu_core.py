@@ -145,7 +145,7 @@ def main() -> None:
     torch.cuda.empty_cache()  # the forward model is gone with the call
     torch.cuda.reset_peak_memory_stats()
 
-    from stages.train.core import rows_of_table
+    from stages.train.train_table import rows_of_table
     from stages.train.step import train_step
     from stages.train.models import load_actor_model
     from stages.train.engine import Engine

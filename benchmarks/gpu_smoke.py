@@ -78,7 +78,7 @@ def train_config(compile_layers: bool):
 
 def train_steps(model_dir: str, table, dist, compile_layers: bool) -> tuple[bool, str, float]:
     """Two training steps; (losses finite, the optimizer DeepSpeed built, seconds)."""
-    from stages.train.core import rows_of_table
+    from stages.train.train_table import rows_of_table
     from stages.train.step import train_step
     from stages.train.models import load_actor_model
     from stages.train.engine import Engine

@@ -47,7 +47,7 @@ def bare_loop(table: pa.Table, model_dir: str, cfg, threads: int) -> tuple[int, 
 
     from stages.train.batching import pad_micro_batch, plan_step
     from stages.train.batching import batching_policy
-    from stages.train.core import rows_of_table
+    from stages.train.train_table import rows_of_table
     from stages.train.models import load_actor_model
     from stages.train.engine_config import deepspeed_config
     from stages.train.distributed import init_distributed

@@ -22,8 +22,6 @@ import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-import pyarrow as pa
-import pyarrow.parquet as pq
 import torch
 
 from schemas.config import load_config
@@ -31,7 +29,6 @@ from schemas.errors import ConfigError, RollflowError
 from schemas.train_config import TrainSection, TrainStepConfig, WorkerTrainConfig
 from stages.storage import Location, folder_fingerprint, read_table_schema
 from stages.train import lora
-from stages.train.batching import TokenRows
 from stages.train.checkpoint import (ACTOR_ADAPTER, ACTOR_STATE, CRITIC_ADAPTER, CRITIC_DIR, CRITIC_STATE,
                                      checkpoint_fingerprint, copy_tokenizer, read_checkpoint, replay_record,
                                      write_train_state)
@@ -40,6 +37,7 @@ from stages.train.engine import Engine
 from stages.train.models import load_actor_model, load_critic_model
 from stages.train.objectives import Metrics
 from stages.train.step import StepReport, train_step
+from stages.train.train_table import read_train_table, rows_of_table
 
 log = logging.getLogger("rollflow.train")
 # ---- load, train, save ------------------------------------------------------------------------------------------
@@ -53,27 +51,6 @@ def peak_memory(dist: DistInfo) -> Metrics:
     if dist.device.type == "cuda":
         out["system/peak_gpu_mb"] = max(r[1] for r in ranks)
     return out
-
-
-# Columns the training step reads (the rest of the advantaged table stays on disk).
-TRAIN_COLUMNS = ("row_id", "input_ids", "response_mask", "advantages", "returns", "values", "old_log_probs",
-                 "ref_log_probs", "infer_logprobs", "final_response_mask", "difficulty")
-
-
-def read_train_table(samples, names: list[str]):
-    """The columns of the advantaged table that training reads (of ``names``, the table's columns), every Parquet
-    part of the stage folder ``samples`` (a :class:`stages.storage.Location`) in order; None when it has no part."""
-    columns = [c for c in TRAIN_COLUMNS if c in names]
-    parts = [pq.read_table(p, columns=columns, filesystem=samples.fs) for p in samples.parquet_files()]
-    return pa.concat_tables(parts) if parts else None
-
-
-def rows_of_table(table, where: str) -> TokenRows:
-    """The token columns of an advantaged table in a fixed order (sorted by ``row_id``), whatever order the files
-    or the data loader delivered them in: every rank and every resume sees the same rows at the same indices."""
-    if "row_id" in table.column_names:
-        table = table.sort_by("row_id")
-    return TokenRows.from_arrow(table, where)
 
 
 @dataclass

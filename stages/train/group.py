@@ -153,7 +153,8 @@ def _serve(config: dict) -> None:
     import torch
 
     from stages.train.actor_forward import forward_on_rank
-    from stages.train.core import read_train_table, train_and_save
+    from stages.train.core import train_and_save
+    from stages.train.train_table import read_train_table
     from stages.train.distributed import init_distributed
     from stages.train.forward import ForwardModels
 

@@ -19,7 +19,8 @@ from schemas.train_config import TrainSection, TrainStepConfig
 from stages.train.batching import TokenRows, pad_micro_batch, plan_step
 from stages.train.checkpoint import read_checkpoint
 from stages.train.batching import batching_policy
-from stages.train.core import rows_of_table, run_training, train_and_save
+from stages.train.core import run_training, train_and_save
+from stages.train.train_table import rows_of_table
 from stages.train.step import train_step
 from stages.train.objectives import ActorObjective
 from stages.train.models import load_actor_model, load_critic_model

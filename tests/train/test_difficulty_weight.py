@@ -16,7 +16,7 @@ from schemas.train_config import TrainStepConfig
 from stages.losses import LossInputs, policy_loss
 from stages.storage import Location
 from stages.train.batching import MiniBatchPlan, pad_micro_batch
-from stages.train.core import read_train_table, rows_of_table
+from stages.train.train_table import read_train_table, rows_of_table
 from stages.train.objectives import ActorObjective
 from tests.train.tables import advantaged_rows
 

@@ -36,7 +36,8 @@ from schemas.config import validate_config
 from schemas.train_config import ForwardConfig, TrainStepConfig
 from stages.train.batching import plan_step
 from stages.train.batching import batching_policy
-from stages.train.core import load_weights, rows_of_table, train_and_save
+from stages.train.core import load_weights, train_and_save
+from stages.train.train_table import rows_of_table
 from stages.train.stage import run_logprobs, run_train_step
 from tests.train.tables import advantaged_rows, read_folder, write_table
 from tests.train.test_core import with_model_log_probs

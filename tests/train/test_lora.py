@@ -17,7 +17,8 @@ from schemas.errors import ConfigError, RollflowError
 from schemas.train_config import TrainStepConfig
 from stages.train.batching import TokenRows
 from stages.train.checkpoint import read_checkpoint
-from stages.train.core import rows_of_table, run_training, train_and_save
+from stages.train.core import run_training, train_and_save
+from stages.train.train_table import rows_of_table
 from stages.train.step import train_step
 from stages.train.engine import Engine
 from stages.train.forward import forward_rows
