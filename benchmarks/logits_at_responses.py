@@ -50,7 +50,7 @@ def measure(args) -> dict:
     from stages.generation.model_store import default_model_dir
     from stages.train.batching import TokenRows
     from stages.train.checkpoint import read_checkpoint
-    from stages.train.core import build_actor_model, lora_bases
+    from stages.train.lora import build_actor_model, lora_bases
     from stages.train.step import train_step
     from stages.train.engine import Engine
     from stages.train.distributed import init_distributed

@@ -39,7 +39,7 @@ def main() -> None:
 
     from schemas.config import validate_config
     from schemas.train_config import TrainStepConfig
-    from stages.train.core import build_actor_model, lora_bases
+    from stages.train.lora import build_actor_model, lora_bases
     from stages.train.train_table import rows_of_table
     from stages.train.step import train_step
     from stages.train.engine import Engine

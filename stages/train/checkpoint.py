@@ -17,7 +17,7 @@ A plain HF folder (the default model) is a valid input checkpoint: training star
 With LoRA (``model_args.lora_rank``) the weights files still hold the whole model, merged (``W + s B A``), so every
 reader of a checkpoint is unchanged; the DeepSpeed state holds the adapters and their optimizer moments only, and
 training resumes on the recorded base folder (``train_state.json`` ``lora``: the options and the base of each role)
-plus the adapter (stages/train/core.py ``lora_bases``), checking that they give the saved merged weights.
+plus the adapter (stages/train/lora.py ``lora_bases``), checking that they give the saved merged weights.
 
 A run writes DeepSpeed's state (about 7x the weights with Adam) only every ``save_steps`` iterations and at its
 last one; the checkpoints between are *weights-only*. Their ``train_state.json`` holds a replay record: the newest
@@ -74,7 +74,7 @@ class CheckpointInfo:
     critic_dir: str | None
     critic_state: str | None
     replay: dict | None = None  # weights-only: {"from": path, "steps": [{"samples", "fingerprint", "section"}]}
-    lora: dict | None = None  # LoRA: {"actor"/"critic": {"options", "base", ...}} (stages/train/core.py lora_bases)
+    lora: dict | None = None  # LoRA: {"actor"/"critic": {"options", "base", ...}} (stages/train/lora.py lora_bases)
 
     @property
     def has_state(self) -> bool:

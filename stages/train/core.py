@@ -26,15 +26,13 @@ import torch
 
 from schemas.config import load_config
 from schemas.errors import ConfigError, RollflowError
-from schemas.train_config import TrainSection, TrainStepConfig, WorkerTrainConfig
+from schemas.train_config import TrainSection, TrainStepConfig
 from stages.storage import Location, folder_fingerprint, read_table_schema
-from stages.train import lora
+from stages.train.lora import build_actor_model, build_critic_model, lora_bases
 from stages.train.checkpoint import (ACTOR_ADAPTER, ACTOR_STATE, CRITIC_ADAPTER, CRITIC_DIR, CRITIC_STATE,
-                                     checkpoint_fingerprint, copy_tokenizer, read_checkpoint, replay_record,
-                                     write_train_state)
+                                     copy_tokenizer, read_checkpoint, replay_record, write_train_state)
 from stages.train.distributed import DistInfo, gather, init_distributed
 from stages.train.engine import Engine
-from stages.train.models import load_actor_model, load_critic_model
 from stages.train.objectives import Metrics
 from stages.train.step import StepReport, train_step
 from stages.train.train_table import read_train_table, rows_of_table
@@ -62,62 +60,6 @@ class HeldEngines:
     critic: Engine | None
     checkpoint: str
     section: dict
-
-
-def lora_bases(info, cfg: TrainSection) -> dict[str, dict]:
-    """Per role trained with LoRA (``actor``, ``critic``), what its adapter applies to: the options and the base
-    folder(s), as the checkpoint's ``train_state.json`` records them. A role trained before keeps its record (its
-    DeepSpeed state holds the optimizer state of exactly those adapters); a role that starts now takes the
-    checkpoint's current weights as its base. Raises ConfigError when the config's LoRA options differ from those a
-    role of ``info`` was trained with."""
-    recorded = info.lora or {}
-    out: dict[str, dict] = {}
-    roles = [("actor", cfg.actor_train, info.global_step > 0)]
-    if cfg.needs_critic:
-        roles.append(("critic", cfg.critic_train, info.critic_dir is not None))
-    for role, worker, trained in roles:
-        options = worker.model_args.lora_options()
-        record = recorded.get(role)
-        if trained and (record or {}).get("options") != options:
-            had = record["options"] if record else "full training (no LoRA)"
-            raise ConfigError(f"checkpoint {info.path}: its {role} was trained with {had}, but "
-                              f"{role}_train.model_args sets {options or 'full training (no LoRA)'}; its optimizer "
-                              "state belongs to the trained parameters of that setting. Resume with the checkpoint's "
-                              "lora_rank, lora_alpha and lora_target_modules, or start a new run from its weights "
-                              "(a copy of the folder without deepspeed/, lora/ and train_state.json)")
-        if options is None:
-            continue
-        if trained:
-            out[role] = record
-        elif role == "actor":  # the base's content fingerprint lets the log-prob stage see it is the reference
-            out[role] = {"options": options, "base": info.path, "base_fingerprint": checkpoint_fingerprint(info.path)}
-        else:
-            out[role] = {"options": options, "base": info.critic_dir, "actor_base": info.path,
-                         "seed": worker.training_args.seed}
-    return out
-
-
-def build_actor_model(info, worker: WorkerTrainConfig, base: dict | None) -> torch.nn.Module:
-    """The actor of checkpoint ``info``: its weights, or with LoRA (``base``: its :func:`lora_bases` entry) the
-    base model wrapped with the adapters, set from the checkpoint's adapter when it has one."""
-    if base is None:
-        return load_actor_model(info.path, worker)
-    model = lora.wrap(load_actor_model(base["base"], worker), worker.model_args, "actor", worker.training_args.seed)
-    if (Path(info.path) / ACTOR_ADAPTER).is_dir():
-        lora.load_adapter(model, str(Path(info.path) / ACTOR_ADAPTER))
-    return model
-
-
-def build_critic_model(info, worker: WorkerTrainConfig, base: dict | None) -> torch.nn.Module:
-    """The critic of checkpoint ``info`` (:func:`load_critic_model`), or with LoRA its base critic wrapped with the
-    adapters (the value head trains fully), set from the checkpoint's critic adapter when it has one."""
-    if base is None:
-        return load_critic_model(info.critic_dir, info.path, worker.training_args.seed)
-    model = lora.wrap(load_critic_model(base["base"], base["actor_base"], base["seed"]), worker.model_args, "critic",
-                      worker.training_args.seed)
-    if (Path(info.path) / CRITIC_ADAPTER).is_dir():
-        lora.load_adapter(model, str(Path(info.path) / CRITIC_ADAPTER))
-    return model
 
 
 def check_lora_base(engine: Engine, folder: str, role: str) -> None:

@@ -1,5 +1,6 @@
 """The DeepSpeed config of one training engine: precision, ZeRO stage, gradient clipping, the AdamW optimizer
-DeepSpeed builds (strategy_args.optimizer) and the learning-rate schedule. Pure config: no torch, no DeepSpeed import."""
+DeepSpeed builds (``strategy_args.optimizer``) and the learning-rate schedule. Pure config: no torch, no DeepSpeed
+import."""
 
 from __future__ import annotations
 

@@ -5,7 +5,9 @@ With LoRA on, the base weights ``W`` are frozen and each target linear layer com
 Only the adapters (and a critic's value head, which is new and must train) are passed to the optimizer, so its
 state holds them alone. The rest of the pipeline never sees an adapter: a checkpoint's weights files hold the merged
 weights ``W + s B A`` (:func:`merged_state_dict`), a plain Hugging Face model; the adapter itself is saved beside
-them (peft's format) together with the base it applies to, from which training resumes exactly.
+them (peft's format) together with the base it applies to, from which training resumes exactly: the base of each
+trained role is recorded in the checkpoint's train_state.json (:func:`lora_bases`), and :func:`build_actor_model` /
+:func:`build_critic_model` rebuild a checkpoint's model from it.
 
 The adapter's initial ``A`` is random (``B`` is zero, so the first forward equals the base): it is drawn from a
 generator seeded by ``training_args.seed``, so every rank, and a replay of the same steps, starts from the same one.
@@ -20,9 +22,9 @@ from pathlib import Path
 import torch
 
 from schemas.errors import ConfigError, RollflowError
-from schemas.train_config import ModelArgs
+from schemas.train_config import ModelArgs, TrainSection, WorkerTrainConfig
 from stages.train import models
-from stages.train.checkpoint import ACTOR_ADAPTER
+from stages.train.checkpoint import ACTOR_ADAPTER, CRITIC_ADAPTER, checkpoint_fingerprint
 
 ADAPTER_NAME = "default"
 CRITIC_HEAD = "score"  # the value head of AutoModelForTokenClassification: trained fully, saved with the adapter
@@ -233,3 +235,61 @@ def _weights_dtype(folder: str) -> torch.dtype:
                 if dtype is not None:
                     return dtype
     return torch.float32
+
+
+def lora_bases(info, cfg: TrainSection) -> dict[str, dict]:
+    """Per role trained with LoRA (``actor``, ``critic``), what its adapter applies to: the options and the base
+    folder(s), as the checkpoint's ``train_state.json`` records them. A role trained before keeps its record (its
+    DeepSpeed state holds the optimizer state of exactly those adapters); a role that starts now takes the
+    checkpoint's current weights as its base. Raises ConfigError when the config's LoRA options differ from those a
+    role of ``info`` was trained with."""
+    recorded = info.lora or {}
+    out: dict[str, dict] = {}
+    roles = [("actor", cfg.actor_train, info.global_step > 0)]
+    if cfg.needs_critic:
+        roles.append(("critic", cfg.critic_train, info.critic_dir is not None))
+    for role, worker, trained in roles:
+        options = worker.model_args.lora_options()
+        record = recorded.get(role)
+        if trained and (record or {}).get("options") != options:
+            had = record["options"] if record else "full training (no LoRA)"
+            raise ConfigError(f"checkpoint {info.path}: its {role} was trained with {had}, but "
+                              f"{role}_train.model_args sets {options or 'full training (no LoRA)'}; its optimizer "
+                              "state belongs to the trained parameters of that setting. Resume with the checkpoint's "
+                              "lora_rank, lora_alpha and lora_target_modules, or start a new run from its weights "
+                              "(a copy of the folder without deepspeed/, lora/ and train_state.json)")
+        if options is None:
+            continue
+        if trained:
+            out[role] = record
+        elif role == "actor":  # the base's content fingerprint lets the log-prob stage see it is the reference
+            out[role] = {"options": options, "base": info.path, "base_fingerprint": checkpoint_fingerprint(info.path)}
+        else:
+            out[role] = {"options": options, "base": info.critic_dir, "actor_base": info.path,
+                         "seed": worker.training_args.seed}
+    return out
+
+
+def build_actor_model(info, worker: WorkerTrainConfig, base: dict | None) -> torch.nn.Module:
+    """The actor of checkpoint ``info``: its weights, or with LoRA (``base``: its :func:`lora_bases` entry) the
+    base model wrapped with the adapters, set from the checkpoint's adapter when it has one."""
+    if base is None:
+        return models.load_actor_model(info.path, worker)
+    model = wrap(models.load_actor_model(base["base"], worker), worker.model_args, "actor",
+                 worker.training_args.seed)
+    if (Path(info.path) / ACTOR_ADAPTER).is_dir():
+        load_adapter(model, str(Path(info.path) / ACTOR_ADAPTER))
+    return model
+
+
+def build_critic_model(info, worker: WorkerTrainConfig, base: dict | None) -> torch.nn.Module:
+    """The critic of checkpoint ``info`` (:func:`stages.train.models.load_critic_model`), or with LoRA its base
+    critic wrapped with the adapters (the value head trains fully), set from the checkpoint's critic adapter when it
+    has one."""
+    if base is None:
+        return models.load_critic_model(info.critic_dir, info.path, worker.training_args.seed)
+    model = wrap(models.load_critic_model(base["base"], base["actor_base"], base["seed"]), worker.model_args,
+                 "critic", worker.training_args.seed)
+    if (Path(info.path) / CRITIC_ADAPTER).is_dir():
+        load_adapter(model, str(Path(info.path) / CRITIC_ADAPTER))
+    return model

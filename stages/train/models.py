@@ -1,6 +1,6 @@
 """Loading the models a training or forward process runs: the actor (a causal LM) and the critic (a token
-classifier with one label), in float32 with every dropout off, and the regional compilation of a model's decoder layers (strategy_args.torch_compile).
-No Ray or DeepSpeed import; LoRA wrapping is ``stages.train.lora``'s."""
+classifier with one label), in float32 with every dropout off; and compiling a model's decoder layers
+(``strategy_args.torch_compile``). No Ray or DeepSpeed import; LoRA wrapping is ``stages.train.lora``'s."""
 
 from __future__ import annotations
 

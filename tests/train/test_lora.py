@@ -136,7 +136,7 @@ def test_lora_resume_and_replay_equal_training_straight_on(dist, tiny_model, tab
     third = run_training(table, where, c2, cfg, c3, dist)
     assert second.metrics["train/replayed_steps"] == 1.0 and third.metrics["train/replayed_steps"] == 0.0
 
-    from stages.train.core import build_actor_model, build_critic_model, lora_bases
+    from stages.train.lora import build_actor_model, build_critic_model, lora_bases
 
     info = read_checkpoint(str(tiny_model))
     bases = lora_bases(info, cfg)
