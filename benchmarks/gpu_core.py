@@ -145,11 +145,11 @@ def main() -> None:
     torch.cuda.empty_cache()  # the forward model is gone with the call
     torch.cuda.reset_peak_memory_stats()
 
-    from stages.train.train_table import rows_of_table
-    from stages.train.step import train_step
-    from stages.train.models import load_actor_model
-    from stages.train.engine import Engine
     from stages.train.distributed import init_distributed
+    from stages.train.engine import Engine
+    from stages.train.models import load_actor_model
+    from stages.train.step import train_step
+    from stages.train.train_table import rows_of_table
 
     dist = init_distributed()
     cfg = train_config(args)

@@ -78,10 +78,10 @@ def train_config(compile_layers: bool):
 
 def train_steps(model_dir: str, table, dist, compile_layers: bool) -> tuple[bool, str, float]:
     """Two training steps; (losses finite, the optimizer DeepSpeed built, seconds)."""
-    from stages.train.train_table import rows_of_table
-    from stages.train.step import train_step
-    from stages.train.models import load_actor_model
     from stages.train.engine import Engine
+    from stages.train.models import load_actor_model
+    from stages.train.step import train_step
+    from stages.train.train_table import rows_of_table
 
     cfg = train_config(compile_layers)
     actor = Engine(load_actor_model(model_dir), cfg.actor_train, dist, "actor")

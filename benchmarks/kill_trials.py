@@ -149,7 +149,7 @@ def same_weights(a: Path, b: Path) -> bool:
     """The safetensors weights of two checkpoint folders are equal, bit for bit."""
     import torch
 
-    from stages.train.core import load_weights
+    from stages.train.checkpoint import load_weights
 
     x, y = load_weights(str(a)), load_weights(str(b))
     return bool(x) and x.keys() == y.keys() and all(torch.equal(x[k], y[k]) for k in x)

@@ -50,11 +50,11 @@ def measure(args) -> dict:
     from stages.generation.model_store import default_model_dir
     from stages.train.batching import TokenRows
     from stages.train.checkpoint import read_checkpoint
+    from stages.train.distributed import init_distributed
+    from stages.train.engine import Engine
+    from stages.train.forward import forward_rows, load_forward_model
     from stages.train.lora import build_actor_model, lora_bases
     from stages.train.step import train_step
-    from stages.train.engine import Engine
-    from stages.train.distributed import init_distributed
-    from stages.train.forward import forward_rows, load_forward_model
 
     torch.set_num_threads(args.threads)
     folder = args.samples

@@ -39,12 +39,12 @@ def main() -> None:
 
     from schemas.config import validate_config
     from schemas.train_config import TrainStepConfig
-    from stages.train.lora import build_actor_model, lora_bases
-    from stages.train.train_table import rows_of_table
-    from stages.train.step import train_step
-    from stages.train.engine import Engine
-    from stages.train.distributed import init_distributed
     from stages.train.checkpoint import read_checkpoint
+    from stages.train.distributed import init_distributed
+    from stages.train.engine import Engine
+    from stages.train.lora import build_actor_model, lora_bases
+    from stages.train.step import train_step
+    from stages.train.train_table import rows_of_table
     from train import add_old_log_probs
 
     dist = init_distributed(args.threads)

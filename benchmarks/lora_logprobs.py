@@ -54,8 +54,8 @@ def make_checkpoint(base: str, folder: Path, rank: int, dtype: str) -> None:
     from schemas.config import validate_config
     from schemas.train_config import TrainStepConfig
     from stages.train.checkpoint import ACTOR_ADAPTER, checkpoint_fingerprint, copy_tokenizer, write_train_state
-    from stages.train.models import load_actor_model
     from stages.train.lora import merged_state_dict, save_adapter, wrap
+    from stages.train.models import load_actor_model
 
     args = validate_config(TrainStepConfig, {"actor_train": {"model_args": {"lora_rank": rank}}}).actor_train.model_args
     model = wrap(load_actor_model(base), args, "actor", seed=0)
@@ -81,8 +81,7 @@ def child(mode: str, checkpoint: str, base: str, samples: str, out: str, dtype: 
     from schemas.train_config import ForwardConfig, LogProbSection
     from stages.storage import Location
     from stages.train.checkpoint import checkpoint_fingerprint
-    from stages.train.forward import load_forward_model
-    from stages.train.forward import forward_batch
+    from stages.train.forward import forward_batch, load_forward_model
     from stages.train.stage import LOGPROBS, ForwardJob, LogProbStage
 
     torch.set_num_threads(threads)

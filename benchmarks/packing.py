@@ -114,10 +114,10 @@ def train_half(table, folder: str, args) -> str:
     from schemas.tables import FLOATS
     from schemas.train_config import TrainStepConfig
     from stages.train.batching import TokenRows
-    from stages.train.step import train_step
-    from stages.train.models import load_actor_model
-    from stages.train.engine import Engine
     from stages.train.distributed import init_distributed
+    from stages.train.engine import Engine
+    from stages.train.models import load_actor_model
+    from stages.train.step import train_step
 
     rng = np.random.default_rng(0)
     lengths = [len(x) for x in table.column("input_ids").to_pylist()]

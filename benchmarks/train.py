@@ -45,12 +45,11 @@ def bare_loop(table: pa.Table, model_dir: str, cfg, threads: int) -> tuple[int, 
     seconds of this process)."""
     import torch
 
-    from stages.train.batching import pad_micro_batch, plan_step
-    from stages.train.batching import batching_policy
-    from stages.train.train_table import rows_of_table
-    from stages.train.models import load_actor_model
-    from stages.train.engine_config import deepspeed_config
+    from stages.train.batching import batching_policy, pad_micro_batch, plan_step
     from stages.train.distributed import init_distributed
+    from stages.train.engine_config import deepspeed_config
+    from stages.train.models import load_actor_model
+    from stages.train.train_table import rows_of_table
 
     import deepspeed
 

@@ -54,7 +54,7 @@ def run(samples: Path, model_dir: str, args, workers: int, out: Path) -> dict:
 
 
 def largest_difference(a: Path, b: Path) -> float:
-    from stages.train.core import load_weights
+    from stages.train.checkpoint import load_weights
 
     wa, wb = load_weights(str(a)), load_weights(str(b))
     return max(float((wa[k].float() - wb[k].float()).abs().max()) for k in wa)

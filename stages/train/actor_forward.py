@@ -28,10 +28,10 @@ from schemas.train_config import TrainSection
 from stages.runner import parquet_write_options, write_partials
 from stages.storage import Location
 from stages.train.checkpoint import read_checkpoint
-from stages.train.core import HeldEngines, load_engines
-from stages.train.engine import DTYPES, Engine
 from stages.train.distributed import DistInfo
+from stages.train.engine import DTYPES, Engine
 from stages.train.forward import ForwardModels, forward_batch
+from stages.train.resume import HeldEngines, load_engines
 
 log = logging.getLogger("rollflow.train")
 

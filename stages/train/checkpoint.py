@@ -23,7 +23,7 @@ A run writes DeepSpeed's state (about 7x the weights with Adam) only every ``sav
 last one; the checkpoints between are *weights-only*. Their ``train_state.json`` holds a replay record: the newest
 checkpoint with a state (``from``) and, per training step since, the advantaged table it trained on (path and
 fingerprint) and its training section. Training from a weights-only checkpoint first replays those steps on the
-engines of ``from`` (stages/train/core.py ``load_engines``): the same inputs from the same state give the same
+engines of ``from`` (stages/train/resume.py ``load_engines``): the same inputs from the same state give the same
 engines, so a resumed run equals an uninterrupted one (tests/trainflow), while the steps between write only
 their weights.
 Checkpoints are written into a temporary sibling and renamed into place with the manifest last, like every stage
@@ -41,11 +41,15 @@ import logging
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from schemas.errors import RollflowError, SchemaError
 from stages.model_files import check_model_files
 from stages.paths import cache_root_path
 from stages.storage import MANIFEST, Location, fetch_committed, is_uri, manifest_field, read_manifest
+
+if TYPE_CHECKING:
+    import torch
 
 log = logging.getLogger("rollflow.checkpoint")
 
@@ -227,6 +231,16 @@ def copy_tokenizer(source: str, dest: str) -> None:
     from transformers import AutoTokenizer
 
     AutoTokenizer.from_pretrained(source).save_pretrained(dest)
+
+
+def load_weights(folder: str) -> dict[str, torch.Tensor]:
+    """The tensors of the safetensors files in ``folder`` (name -> tensor)."""
+    from safetensors.torch import load_file
+
+    saved: dict[str, torch.Tensor] = {}
+    for path in sorted(Path(folder).glob("*.safetensors")):
+        saved.update(load_file(str(path)))
+    return saved
 
 
 def write_train_state(folder: str, state: dict) -> None:

@@ -154,9 +154,9 @@ def _serve(config: dict) -> None:
 
     from stages.train.actor_forward import forward_on_rank
     from stages.train.core import train_and_save
-    from stages.train.train_table import read_train_table
     from stages.train.distributed import init_distributed
     from stages.train.forward import ForwardModels
+    from stages.train.train_table import read_train_table
 
     import ray.train
 

@@ -18,11 +18,11 @@ from schemas.train_config import ForwardConfig, TrainStepConfig
 from stages.storage import Location, read_manifest
 from stages.train.actor_forward import evaluating, held_engine, rank_rows, why_not_held
 from stages.train.batching import TokenRows
-from stages.train.core import HeldEngines
 from stages.train.engine import Engine
 from stages.train.forward import forward_rows, load_forward_model
 from stages.train.group import TrainerGroup
 from stages.train.models import load_actor_model
+from stages.train.resume import HeldEngines
 from stages.train.stage import ForwardJob, run_logprobs, run_train_step, run_values, train_section
 from tests.train.tables import advantaged_rows, read_folder, write_table
 from tests.train.test_core import section

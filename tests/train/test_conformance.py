@@ -10,10 +10,10 @@ import pytest
 import torch
 
 from stages.algos.ragged import Ragged
-from stages.train.batching import MiniBatchPlan, TokenRows, pad_micro_batch, split_by_token_budget
-from stages.train.step import combine_metrics
-from stages.train.objectives import ActorObjective, CriticObjective
 from stages.losses import loss_normalisers
+from stages.train.batching import MiniBatchPlan, TokenRows, pad_micro_batch, split_by_token_budget
+from stages.train.objectives import ActorObjective, CriticObjective
+from stages.train.step import combine_metrics
 from tests.golden import assert_close, family, load, softmax_scale
 from tests.losses.golden_adapter import (cache_path, final_mask, global_count, golden_metrics, kind_of, loss_cases,
                                          loss_config, recompute_on)

@@ -16,17 +16,16 @@ from schemas.config import validate_config
 from schemas.errors import ConfigError, SchemaError
 from schemas.tables import FLOATS
 from schemas.train_config import TrainSection, TrainStepConfig
-from stages.train.batching import TokenRows, pad_micro_batch, plan_step
+from stages.train.batching import TokenRows, batching_policy, pad_micro_batch, plan_step
 from stages.train.checkpoint import read_checkpoint
-from stages.train.batching import batching_policy
 from stages.train.core import run_training, train_and_save
-from stages.train.train_table import rows_of_table
-from stages.train.step import train_step
-from stages.train.objectives import ActorObjective
-from stages.train.models import load_actor_model, load_critic_model
 from stages.train.engine import Engine
 from stages.train.engine_config import lr_lambda
 from stages.train.forward import forward_rows
+from stages.train.models import load_actor_model, load_critic_model
+from stages.train.objectives import ActorObjective
+from stages.train.step import train_step
+from stages.train.train_table import rows_of_table
 from tests.train.tables import advantaged_rows
 
 
@@ -392,7 +391,7 @@ def test_a_weights_only_checkpoint_is_rebuilt_by_replay_and_trains_like_a_full_o
     assert read_checkpoint(path["r3"]).optimizer_steps == read_checkpoint(path["f3"]).optimizer_steps
 
     # a replay under ZeRO-3 cannot hand the replayed ZeRO-2 state over (refused after the replay, before loading)
-    from stages.train.core import load_engines
+    from stages.train.resume import load_engines
 
     zero3 = {**cfg.model_dump(mode="json")}
     zero3["actor_train"]["strategy_args"]["zero_stage"] = 3
@@ -440,7 +439,7 @@ def test_a_zero3_state_and_a_zero_0_2_state_are_not_read_as_each_other(saved, wa
     """Refused before any engine is built, with the stage to resume with."""
     import shutil
 
-    from stages.train.core import check_zero_stage
+    from stages.train.resume import check_zero_stage
 
     folder = Path(shutil.copytree(tiny_model, tmp_path / "ckpt"))
     (folder / "deepspeed/actor/state").mkdir(parents=True)

@@ -16,8 +16,8 @@ from schemas.train_config import TrainStepConfig
 from stages.losses import LossInputs, policy_loss
 from stages.storage import Location
 from stages.train.batching import MiniBatchPlan, pad_micro_batch
-from stages.train.train_table import read_train_table, rows_of_table
 from stages.train.objectives import ActorObjective
+from stages.train.train_table import read_train_table, rows_of_table
 from tests.train.tables import advantaged_rows
 
 VOCAB = 32

@@ -34,11 +34,11 @@ from safetensors.torch import load_file
 
 from schemas.config import validate_config
 from schemas.train_config import ForwardConfig, TrainStepConfig
-from stages.train.batching import plan_step
-from stages.train.batching import batching_policy
-from stages.train.core import load_weights, train_and_save
-from stages.train.train_table import rows_of_table
+from stages.train.batching import batching_policy, plan_step
+from stages.train.checkpoint import load_weights
+from stages.train.core import train_and_save
 from stages.train.stage import run_logprobs, run_train_step
+from stages.train.train_table import rows_of_table
 from tests.train.tables import advantaged_rows, read_folder, write_table
 from tests.train.test_core import with_model_log_probs
 

@@ -18,12 +18,12 @@ from schemas.train_config import TrainStepConfig
 from stages.train.batching import TokenRows
 from stages.train.checkpoint import read_checkpoint
 from stages.train.core import run_training, train_and_save
-from stages.train.train_table import rows_of_table
-from stages.train.step import train_step
 from stages.train.engine import Engine
 from stages.train.forward import forward_rows
 from stages.train.lora import merged_state_dict, trainable_parameter_count, wrap
 from stages.train.models import load_actor_model
+from stages.train.step import train_step
+from stages.train.train_table import rows_of_table
 from tests.train.tables import advantaged_rows
 from tests.train.test_core import section, with_model_log_probs
 
