@@ -1,20 +1,21 @@
-"""The training core: DeepSpeed engines for the actor (and the critic) and one PPO training step. No Ray import.
+"""One training step from a checkpoint folder to the next, the training core's entry point. No Ray import.
 
-It runs wherever torch and DeepSpeed run: inside a Ray Train worker (``stages.train.stage``), under ``torchrun`` /
-``deepspeed`` on a GPU machine, or as a single process (``python -m stages.train.core``). One training step (spec §6,
-§0.4 step 10): the critic's optimizer steps (gae) then the actor's, each over ``ppo_epochs`` passes of seeded
-mini-batches, each mini-batch as token-budget micro-batches whose losses use the mini-batch's global normalisers
-(spec §6.2), so their accumulated gradient is the gradient of the mini-batch loss.
+:func:`train_and_save` takes the engines of the input checkpoint (or those a long-lived worker holds when they equal
+it: stages/train/resume.py), runs one PPO training step over the advantaged table (stages/train/step.py), and writes
+the new checkpoint folder, all but the manifest (stages/train/save.py). It runs wherever torch and DeepSpeed run:
+inside a Ray Train worker (``stages.train.group``), under ``torchrun`` / ``deepspeed`` on a GPU machine, or as a
+single process (``python -m stages.train.core``).
 
-Process-wide settings (threads, DeepSpeed's accelerator and comm op) are set in
-:func:`stages.train.distributed.init_distributed`, once.
+The rest of the training core, one job per module: the process group (``distributed``), an engine's DeepSpeed config
+(``engine_config``), the engine of one model (``engine``), the models and their compilation (``models``), LoRA
+(``lora``), the per-micro-batch losses (``objectives``), the batching plan (``batching``), the rows a step reads
+(``train_table``) and the checkpoint folder's layout (``checkpoint``).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import logging
 import os
 import resource
 import time
@@ -25,18 +26,15 @@ import torch
 from schemas.config import load_config
 from schemas.train_config import TrainSection, TrainStepConfig
 from stages.storage import Location, folder_fingerprint, read_table_schema
-from stages.train.checkpoint import (ACTOR_ADAPTER, ACTOR_STATE, CRITIC_ADAPTER, CRITIC_DIR, CRITIC_STATE,
-                                     copy_tokenizer, read_checkpoint, replay_record, write_train_state)
+from stages.train.checkpoint import read_checkpoint, replay_record
 from stages.train.distributed import DistInfo, gather, init_distributed
-from stages.train.engine import Engine
 from stages.train.lora import lora_bases
 from stages.train.objectives import Metrics
 from stages.train.resume import HeldEngines, load_engines, section_dump
+from stages.train.save import save_engines, write_state
 from stages.train.step import StepReport, train_step
 from stages.train.train_table import read_train_table, rows_of_table
 
-log = logging.getLogger("rollflow.train")
-# ---- load, train, save ------------------------------------------------------------------------------------------
 
 def peak_memory(dist: DistInfo) -> Metrics:
     """Peak resident memory of the busiest rank (and peak accelerator memory on GPU), in MiB."""
@@ -90,36 +88,13 @@ def train_and_save(table, where: str, checkpoint: str, cfg: TrainSection, output
 
     save_start = time.perf_counter()
     out = Path(output)
-    actor.save_pretrained(out, out / ACTOR_ADAPTER)  # every rank: a collective under ZeRO-3, rank 0 writes
-    if critic is not None:
-        critic.save_pretrained(out / CRITIC_DIR, out / CRITIC_ADAPTER)
-    if dist.rank == 0:
-        copy_tokenizer(info.path, str(out))
-    torch.distributed.barrier()
-    if full_state:
-        actor.save_state(str(out / ACTOR_STATE))
-        if critic is not None:
-            critic.save_state(str(out / CRITIC_STATE))
-        torch.distributed.barrier()
+    save_engines(out, info.path, actor, critic, dist, full_state)
     report.metrics["time/save_s"] = time.perf_counter() - save_start
     report.metrics["time/train_s"] = report.seconds
     report.metrics.update(peak_memory(dist))
-    _write_state(out, info, report, actor, dist, cfg.actor_train.strategy_args.zero_stage, replay, bases)
+    write_state(out, info, report, actor, dist, cfg.actor_train.strategy_args.zero_stage, replay, bases)
     keep = HeldEngines(actor, critic, os.path.realpath(committed_as), section) if committed_as else None
     return report, keep
-
-
-def _write_state(out: Path, info, report: StepReport, actor: Engine, dist: DistInfo, zero_stage: int,
-                 replay: dict | None, bases: dict[str, dict]) -> None:
-    """Rank 0 writes the step's train state (counters, metrics, the replay record of a weights-only checkpoint,
-    the LoRA bases) beside the weights."""
-    if dist.rank == 0:
-        write_train_state(str(out), ({"lora": bases} if bases else {}) | {
-            "global_step": info.global_step + 1, "optimizer_steps": actor.optimizer_steps,
-            "world_size": dist.world_size, "zero_stage": zero_stage, "input_checkpoint": info.path,
-            "metrics": report.metrics, "per_step": report.per_step,
-            "tokens": report.tokens, "padded_tokens": report.padded_tokens, "train_seconds": report.seconds,
-            "train_cpu_seconds": report.cpu_seconds, "replay": replay})
 
 
 # ---- a single process without Ray ------------------------------------------------------------------------------
