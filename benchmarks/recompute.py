@@ -121,7 +121,7 @@ def io_floor(samples: Path, out: Path, defaults: bool = False) -> float:
     written with the options the chain's writer uses (stages/runner.py ``parquet_write_options``); ``defaults``:
     with pyarrow's default options instead (the floor of the runs before issue 49, which dictionary-encoded every
     column)."""
-    from stages.runner import parquet_write_options
+    from stages.parquet_parts import parquet_write_options
 
     def write(table: pa.Table, where: Path) -> None:
         pq.write_table(table, where, **({} if defaults else parquet_write_options(table.schema)))

@@ -13,11 +13,11 @@ from prefect import flow
 from flows.runkit import advantages_task, rewards_task
 from schemas.config import AdvantageSection, RecomputeConfig, ResponseRewardSection, section, validate_config
 from stages import cluster  # cluster.ensure_ray looked up at the call, as in every flow (tests replace it)
-from stages.preflight import Step, check_steps
 from stages.advantages import AdvantagesStage
-from stages.response_rewards import ResponseRewardsStage
 from stages.commit import cleanup_leftovers
-from stages.runner import StageResult
+from stages.preflight import Step, check_steps
+from stages.response_rewards import ResponseRewardsStage
+from stages.stage import StageResult
 from stages.storage import Location
 
 

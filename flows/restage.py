@@ -19,7 +19,8 @@ from schemas.rollout_config import RolloutConfig
 from schemas.stage_specs import is_declared, stage_spec, stage_specs
 from schemas.train_config import ForwardConfig, LogProbSection, TrainSection, TrainStepConfig, ValuesSection
 from stages.rollout.driver import run_eval
-from stages.runner import StageResult, run_stage
+from stages.runner import run_stage
+from stages.stage import StageResult
 from stages.storage import Location, manifest_field, read_manifest
 from stages.train.stage import run_logprobs, run_train_step, run_values
 

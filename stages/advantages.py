@@ -38,7 +38,8 @@ from stages.algos.ragged import Ragged
 from stages.algos.response_rewards import agentic_response_level_mask
 from stages.algos.token_chain import (TokenRows, final_response_mask, next_token_mask, stats_from_partials, token_batch,
                                       token_rewards, whiten_partials_by_domain)
-from stages.runner import Stage, StageContext, read_partials, slices, sum_partials, write_partials
+from stages.partials import read_partials, sum_partials, write_partials
+from stages.stage import Stage, StageContext, slices
 from stages.storage import Location, folder_fingerprint
 
 log = logging.getLogger("rollflow.advantages")

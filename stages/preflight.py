@@ -25,7 +25,7 @@ from pydantic import BaseModel
 from schemas.errors import InvariantError, SchemaError
 from schemas.tables import TableSpec, check_row_invariants, check_structure
 from stages.outputs import check_output, container_writes, stage_writes
-from stages.runner import Stage
+from stages.stage import Stage
 from stages.storage import Location, read_table_schema
 
 IDENTITY = ("row_id", "group_id", "traj_id", "turn_idx")

@@ -41,8 +41,9 @@ from stages.algos.response_rewards import (RewardNormSettings, compute_response_
                                            gigpo_step_norm_types)
 from stages.algos.reward_norm import RunningMoments, resolve_norm_types
 from stages.algos.rlvr_chain import rlvr_response_rewards
+from stages.partials import SIDE_DIR, read_partials, write_partials
 from stages.partitioned import key_hash, partitioned
-from stages.runner import SIDE_DIR, Stage, StageContext, read_partials, write_partials
+from stages.stage import Stage, StageContext
 from stages.storage import Location
 
 NARROW = ["row_id", "group_id", "traj_id", "turn_idx", "num_turns", "tag", "score", "episode_score"]

@@ -30,12 +30,13 @@ from schemas.rlvr_tables import RESPONSES
 from schemas.rollout_config import EngineIdentity, GeneratingArgs
 from schemas.tables import TableSpec
 from stages.generation.engines import SamplingSpec
+from stages.partials import read_partials, sum_partials, write_partials
 from stages.rewards.registry import required_services, resolve_worker, run_context
 from stages.rlvr.example import DATA_DIR, row_id
 from stages.rollout.driver import resolve_model_dir
 from stages.rollout.engine_pool import EnginePool
 from stages.rollout.stages import EngineStage
-from stages.runner import Stage, StageContext, read_partials, sum_partials, write_partials
+from stages.stage import Stage, StageContext
 from stages.storage import Location, read_manifest
 
 CHECKOUT = DATA_DIR.parents[1]  # the repository the shipped data set lies in

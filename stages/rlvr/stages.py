@@ -36,7 +36,7 @@ from stages.algos.rlvr_chain import check_groups, response_tokens
 from stages.rewards import RewardRouter
 from stages.rewards.registry import build_worker, required_services, resolve_worker
 from stages.rewards.routing import FALLBACK_DOMAIN
-from stages.runner import ACTOR_POOL, Stage, StageContext
+from stages.stage import ACTOR_POOL, Stage, StageContext
 from stages.storage import Location, folder_fingerprint
 
 ServiceFactory = Callable[[], Any]

@@ -30,7 +30,8 @@ from stages.outputs import ROLLOUT_CHILDREN, Writes, check_output
 from stages.rollout.engine_pool import EnginePool, checkpoint_fingerprint, local_model_dir
 from stages.rollout.episode import env_kwargs
 from stages.rollout.stages import ResetStage, SamplesStage, TurnStage
-from stages.runner import StageResult, run_stage, stage_fingerprint
+from stages.runner import run_stage, stage_fingerprint
+from stages.stage import StageResult
 from stages.storage import Location, damaged_manifest, is_uri, manifest_field, read_manifest
 from stages.train.checkpoint import checkpoint_fingerprint as model_fingerprint
 

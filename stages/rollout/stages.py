@@ -28,9 +28,10 @@ import pyarrow.dataset as pads
 from schemas.errors import InvariantError
 from schemas.rollout_config import SamplesSection, TurnSection
 from schemas.tables import SAMPLES, check_row_invariants, check_structure
+from stages.partials import read_partials, sum_partials, write_partials
 from stages.rollout.samples import episode_summary, rollout_metrics, turns_to_samples
 from stages.rollout.tables import NARROW_COLUMNS, TURNS, rows_to_table
-from stages.runner import Stage, StageContext, read_partials, sum_partials, write_partials
+from stages.stage import Stage, StageContext
 from stages.storage import Location
 
 # Ray Data tasks of the rollout stages are light (they hand a batch to an engine actor and wait): small CPU requests

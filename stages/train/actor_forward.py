@@ -25,7 +25,8 @@ import pyarrow.parquet as pq
 import torch
 
 from schemas.train_config import TrainSection
-from stages.runner import parquet_write_options, write_partials
+from stages.parquet_parts import parquet_write_options
+from stages.partials import write_partials
 from stages.storage import Location
 from stages.train.checkpoint import read_checkpoint
 from stages.train.distributed import DistInfo

@@ -25,7 +25,7 @@ import torch
 from schemas.errors import ConfigError, RollflowError
 from schemas.tables import FLOATS, TableSpec, check_row_invariants
 from stages.algos.ragged import Ragged
-from stages.runner import write_partials
+from stages.partials import write_partials
 from stages.storage import Location
 from stages.train import models
 from stages.train.batching import (TokenRows, causal_lm_logits, forward_packed, pad_micro_batch, select_hidden,

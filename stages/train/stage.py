@@ -32,9 +32,10 @@ from schemas.train_config import (ForwardConfig, LogProbSection, TrainRuntimeCon
 from stages import progress
 from stages.cluster import require_ray
 from stages.commit import commit_folder
+from stages.partials import SIDE_DIR, read_partials, sum_partials
 from stages.ray_errors import unplaced_hint, unwrap_error
-from stages.runner import (ACTOR_POOL, SIDE_DIR, Stage, StageContext, StageResult, read_partials, run_stage,
-                           stage_fingerprint, sum_partials)
+from stages.runner import run_stage, stage_fingerprint
+from stages.stage import ACTOR_POOL, Stage, StageContext, StageResult
 from stages.storage import Location, folder_fingerprint, is_uri, read_table_schema
 from stages.train import checkpoint as ckpt
 from stages.train.group import Limits, TrainerGroup

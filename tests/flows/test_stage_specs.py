@@ -9,7 +9,7 @@ import pytest
 from flows.restage import known, rerun_of
 from schemas.config import RuntimeConfig
 from schemas.stage_specs import StageSpec, declare_stage, is_declared, pinnable_stages, stage_spec, stage_specs
-from stages.runner import Stage
+from stages.stage import Stage
 
 STAGE_MODULES = ("stages.advantages", "stages.response_rewards", "stages.rlvr.stages", "stages.rlvr.generate",
                  "stages.rollout.stages", "stages.rollout.driver", "stages.train.stage")

@@ -26,7 +26,7 @@ from schemas.stage_specs import StageSpec, declare_stage, withdraw_stage
 from schemas.tables import ADVANTAGED, TableSpec
 from schemas.train_flow_config import TrainFlowConfig
 from stages.example import ExampleSpec, generate
-from stages.runner import Stage, StageContext
+from stages.stage import Stage, StageContext
 from tests.spine.helpers import REPO, read_table
 
 TOYED = TableSpec("toyed", {**ADVANTAGED.required, "toy_bonus": pa.float32()}, ADVANTAGED.optional)

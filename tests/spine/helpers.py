@@ -13,7 +13,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from schemas.config import AdvantageSection, RecomputeConfig, ResponseRewardSection, load_config, section
-from stages.runner import StageResult, run_stage
+from stages.runner import run_stage
+from stages.stage import StageResult
 
 REPO = Path(__file__).resolve().parents[2]
 GIGPO = str(REPO / "configs/recompute_gigpo.yaml")

@@ -10,9 +10,9 @@ import pytest
 
 from schemas.config import ResponseRewardSection, section
 from schemas.errors import InvariantError
+from stages.partials import read_partials
 from stages.partitioned import key_hash, partitioned
 from stages.response_rewards import NARROW, partition_column, partitioned_rewards, read_narrow, response_rewards_table
-from stages.runner import read_partials
 from stages.storage import Location
 from tests.spine.helpers import GIGPO, GRPO, config
 

@@ -18,8 +18,10 @@ from schemas.config import AdvantageSection, Frozen, ResponseRewardSection, sect
 from schemas.errors import InvariantError, RollflowError, SchemaError
 from schemas.tables import SAMPLES
 from stages.advantages import AdvantagesStage, indexed, take_by_row_id
+from stages.parquet_parts import ROW_GROUP_ROWS, ordered_parquet_sink
 from stages.response_rewards import ResponseRewardsStage
-from stages.runner import ROW_GROUP_ROWS, Stage, StageContext, _ordered_parquet_sink, run_stage, stage_fingerprint
+from stages.runner import run_stage, stage_fingerprint
+from stages.stage import Stage, StageContext
 from stages.storage import Location
 from tests.spine.helpers import (GIGPO, config, read_table, run_recompute, siblings, tree_digest)
 
@@ -294,7 +296,7 @@ def test_the_sink_types_a_column_that_is_all_none_in_its_first_blocks(tmp_path):
     blocks = [pa.table({"row_id": ["a"], "x": pa.nulls(1)}), pa.table({"row_id": ["b"], "x": pa.nulls(1)}),
               pa.table({"row_id": ["c"], "x": pa.array([1.5])}),
               pa.table({"row_id": [f"d{i}" for i in range(ROW_GROUP_ROWS + 1)], "x": pa.nulls(ROW_GROUP_ROWS + 1)})]
-    sink = _ordered_parquet_sink(Location.of(str(tmp_path)))
+    sink = ordered_parquet_sink(Location.of(str(tmp_path)))
     assert sink.write(iter(blocks), SimpleNamespace(task_idx=3)) == ROW_GROUP_ROWS + 4
     written = pq.ParquetFile(tmp_path / "00000003.parquet")
     assert written.schema_arrow.field("x").type == pa.float64()
