@@ -113,7 +113,7 @@ def _package_dir(module: str) -> Path | None:
 
 def extensions_dir(environ=None) -> Path:
     """Where torch's JIT builds (DeepSpeed's ops among them) are kept: ``$TORCH_EXTENSIONS_DIR``, else the
-    rollflow cache's torch_extensions (as stages/train/core.py sets it)."""
+    rollflow cache's torch_extensions (as stages/train/distributed.py sets it)."""
     environ = os.environ if environ is None else environ
     if environ.get("TORCH_EXTENSIONS_DIR"):
         return Path(environ["TORCH_EXTENSIONS_DIR"])
