@@ -128,10 +128,13 @@ def prepare(command: str, root: Path, samples_rows: int = 4000) -> tuple[list[st
 
 def half_written(output: Path) -> list[Path]:
     """The table folders (Parquet files) and checkpoint folders (safetensors) under ``output`` without a manifest,
-    outside the commit protocol's temporary folders (``.<name>.tmp-*``, removed by the next run)."""
+    outside the commit protocol's temporary folders (``.<name>.tmp-*``, removed by the next run) and a run's
+    ``metrics`` folder (beside its config.json), whose parts are each renamed into place whole (stages/metrics.py) and
+    which has no manifest in an uninterrupted run either."""
     folders = {p.parent for pattern in ("*.parquet", "*.safetensors") for p in output.rglob(pattern)}
     return sorted(f for f in folders if not any(part.startswith(".") for part in f.relative_to(output.parent).parts)
-                  and not (f / "manifest.json").exists())
+                  and not (f / "manifest.json").exists()
+                  and not (f.name == "metrics" and (f.parent / "config.json").exists()))
 
 
 RUN = "quickstart"  # every trial's run has the same name (it is part of every row id), in its own runs_dir
