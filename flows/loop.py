@@ -18,7 +18,6 @@ the evaluation waits for them, as it shares the engines. ``r = 0`` runs the step
 from __future__ import annotations
 
 import dataclasses
-import math
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
@@ -30,7 +29,7 @@ from prefect.utilities.annotations import quote
 from flows.pipeline_specs import PipelineSpec
 from flows.runkit import (KeptWorkers, advantages_task, logprobs_task, record, rewards_task, sleep_engines, stage_task,
                           start_run, train_and_keep, values_task)
-from schemas.run_config import played_with
+from schemas.run_config import played_with, rollout_lag
 from schemas.stage_specs import is_declared, stage_spec
 from stages.metrics import MetricsLog
 from stages.storage import Location
@@ -249,7 +248,7 @@ TRAIN_STEP = IterStep("train", _train, trains=True)  # the training step every i
 def async_lag(config) -> int:
     """How many iterations a rollout's policy may be behind the one trained: ceil(async_generation_ratio); 0 runs
     each iteration's steps in turn."""
-    return math.ceil(getattr(config, "async_generation_ratio", 0) or 0)
+    return rollout_lag(getattr(config, "async_generation_ratio", 0) or 0)
 
 
 @dataclass

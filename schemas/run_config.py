@@ -21,6 +21,12 @@ from schemas.train_config import ForwardConfig, RunTrainConfig, TrainStepConfig
 ASYNC_CORRECTION = {"is_weight": {"enabled": True, "weight_type": "token", "upper_bound": 1.2}}
 
 
+def rollout_lag(ratio: float) -> int:
+    """How many iterations a rollout's policy may be behind the one trained at ``async_generation_ratio`` ``ratio``:
+    ceil(ratio); 0 plays each iteration's rollout in turn."""
+    return math.ceil(ratio)
+
+
 def played_with(iteration: int, lag: int) -> int:
     """The policy (its number of training steps) the rollout of ``iteration`` plays with when rollouts may be ``lag``
     iterations behind (ceil(async_generation_ratio)): ``max(0, iteration - lag)`` — a fixed schedule, so a resumed run
@@ -72,7 +78,7 @@ class RunOptions(TrackingOptions, OmitDefaults):
         """Training steps between the policy iteration ``iteration``'s rollout plays (:func:`played_with`) and the one
         trained on it, the samples' ``staleness`` column; None in turn (``async_generation_ratio`` 0: no column, the
         tables as before the option)."""
-        lag = math.ceil(self.async_generation_ratio)
+        lag = rollout_lag(self.async_generation_ratio)
         return iteration - played_with(iteration, lag) if lag else None
 
     def train_step_config(self) -> TrainStepConfig:

@@ -57,6 +57,7 @@ from typing import Any, Iterable, Sequence
 
 from schemas.devices import colocated_with, roles_of
 from schemas.errors import RollflowError
+from schemas.run_config import rollout_lag
 from schemas.stage_specs import PHASES, stage_specs
 from stages.generation.model_store import DEFAULT_MODEL_NAME
 from stages.paths import cache_root_path
@@ -167,7 +168,7 @@ class Plan:
 
         ahead = [i for i, n in enumerate(self.needs) if n.phase in self.overlapped or n.generates]
         behind = [i for i, n in enumerate(self.needs) if i not in ahead]
-        lag = math.ceil(self.async_ratio)
+        lag = rollout_lag(self.async_ratio)
         rollouts = "rollout k+1" if lag == 1 else f"rollouts k+1 .. k+{lag}, one after the other"
         return (f"at the same time (async_generation_ratio {self.async_ratio:g}): {rollouts} ({on(ahead)}) ‖ "
                 f"{' → '.join(self.in_turn())} of k ({on(behind)})")
