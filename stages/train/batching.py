@@ -257,8 +257,21 @@ def forward_packed(call, mb: MicroBatch) -> torch.Tensor:
     return full
 
 
+class LossEntries:
+    """Per-entry values of a micro-batch's loss tokens, entry ``n`` at ``(rows[n], cols[n])`` of the ``(b, S-1)``
+    next-token layout ``shape`` (the fields of :class:`TokenLogits` and :class:`TokenHidden`)."""
+
+    rows: torch.Tensor
+    cols: torch.Tensor
+    shape: tuple[int, int]
+
+    def scatter(self, x: torch.Tensor) -> torch.Tensor:
+        """(N,) values of the entries → ``(b, S-1)`` float32, 0 elsewhere (differentiable)."""
+        return x.new_zeros(self.shape, dtype=torch.float32).index_put((self.rows, self.cols), x.float())
+
+
 @dataclass
-class TokenLogits:
+class TokenLogits(LossEntries):
     """A micro-batch's next-token logits at its loss tokens only: ``values[n]`` (N, V) predicts token ``cols[n] + 1``
     of row ``rows[n]``, i.e. belongs at ``(rows[n], cols[n])`` of the ``(b, S-1)`` next-token layout. A small model
     spends a large share of a token's work in the vocabulary projection and its softmax; only response tokens need
@@ -276,10 +289,6 @@ class TokenLogits:
         mask = torch.ones_like(mb.loss_mask) if mb.padding_step else mb.loss_mask
         rows, cols = (mask > 0).nonzero(as_tuple=True)
         return cls(logits[:, :-1][rows, cols], rows, cols, tuple(mb.loss_mask.shape))
-
-    def scatter(self, x: torch.Tensor) -> torch.Tensor:
-        """(N,) values of the entries → ``(b, S-1)`` float32, 0 elsewhere (differentiable)."""
-        return x.new_zeros(self.shape, dtype=torch.float32).index_put((self.rows, self.cols), x.float())
 
     def log_probs(self, mb: MicroBatch) -> torch.Tensor:
         """``(b, S-1)`` float32 log-probs of ``mb``'s next tokens, 0 off the loss mask: ROLL's
@@ -347,7 +356,7 @@ def select_logits(call, mb: MicroBatch, packed: bool = False) -> TokenLogits:
 
 
 @dataclass
-class TokenHidden:
+class TokenHidden(LossEntries):
     """A micro-batch's last hidden states at its loss tokens, ``hidden`` (N, H), with the output layer ``layer``: the
     same entries as :class:`TokenLogits` (``rows``, ``cols``, ``shape``), whose log-probs and entropy come from
     :func:`fused_output_layer_log_probs_entropy`, so the (N, V) logits are never held. ``labels`` (N,): the next
@@ -369,10 +378,6 @@ class TokenHidden:
             lp, ent = fused_output_layer_log_probs_entropy(self.layer, self.hidden, self.labels, self.chunk_tokens)
             self._out = (lp, ent)
         return self._out
-
-    def scatter(self, x: torch.Tensor) -> torch.Tensor:
-        """(N,) values of the entries → ``(b, S-1)`` float32, 0 elsewhere (differentiable)."""
-        return x.new_zeros(self.shape, dtype=torch.float32).index_put((self.rows, self.cols), x.float())
 
     def log_probs(self, mb: MicroBatch) -> torch.Tensor:
         """``(b, S-1)`` float32 log-probs of ``mb``'s next tokens, 0 off the loss mask (as TokenLogits.log_probs)."""
