@@ -248,7 +248,7 @@ def result_line(figures: dict[tuple[str, int], dict[str, float]]) -> str:
     """``RESULT`` with the 1-worker figures under the issue's names, then the 2-worker ones suffixed ``_2w``."""
     parts = []
     for workers, suffix in ((1, ""), (2, "_2w")):
-        for name, fmt in (("start_s", ".1f"), ("step_s", ".2f"), ("processes", ".0f"), ("cpu_s", ".0f"),
+        for name, fmt in (("start_s", ".1f"), ("step_s", ".2f"), ("processes", "g"), ("cpu_s", ".0f"),
                           ("rss_gib", ".2f")):
             for way in WAYS:
                 if (way, workers) in figures:
