@@ -112,16 +112,14 @@ class ActorGroup:
         ray.get([w.join.remote(i, n, addr, port, self.runtime.torch_threads()) for i, w in enumerate(self.workers)])
 
     def step(self, request: dict, unwrap) -> None:
+        """One training step on every rank; a failure closes the group and is raised as ``unwrap`` sees it."""
         if self.workers is None:
             self._start()
         try:
             ray.get([w.step.remote(request) for w in self.workers])
         except BaseException as err:
             self.close()
-            real = unwrap(err)
-            if real is not err:
-                raise real from None
-            raise
+            raise unwrap(err) from err
 
     def close(self) -> None:
         for worker in self.workers or []:
