@@ -296,7 +296,8 @@ def main() -> None:
         print(f"{way:<9}{workers:>8}{f['start_s']:>9.1f}{f['step_s']:>8.2f}{f['close_s']:>9.1f}{f['cpu_s']:>8.1f}"
               f"{f['rss_gib']:>9.2f}{f['processes']:>7.0f}")
     for (way, workers), f in figures.items():
-        print(f"processes of {way}, {workers} worker(s): " + ", ".join(f"{k} {n}" for k, n in sorted(f["kinds"].items())))
+        kinds = ", ".join(f"{k} {n}" for k, n in sorted(f["kinds"].items()))
+        print(f"processes of {way}, {workers} worker(s): {kinds}")
     print(result_line(figures))
 
 
