@@ -216,7 +216,8 @@ class RewardStage(Stage):
 
 class SamplesSection(PlayedAhead):
     """The samples stage's one setting: the staleness column of responses generated ahead (async_generation_ratio >
-    0); in turn none, so the section dumps as {} (its inputs' fingerprints say everything) and fingerprints as before."""
+    0); in turn none, so the section dumps as {} (its inputs' fingerprints say everything), its fingerprint as
+    before."""
 
 
 class _ToSamples:
