@@ -10,6 +10,10 @@ for ``adv_estimator: gae``) → rewarded (sample masks, reward post-processing p
 rewards with the KL to the reference, advantages, ``final_response_mask``: the advantages stage both pipelines run)
 → checkpoint (one PPO step; the loss is aggregated over ``final_response_mask``).
 
+With ``async_generation_ratio: r > 0`` the one loop generates the responses of steps k + 1 .. k + ceil(r) while step
+k's scoring and later stages run (flows/loop.py), each step's with the policy its manifest names, and the samples
+carry their staleness (training steps between that policy and the trained one) to the table training reads.
+
 The prompts table is written once under ``runs/<run>/prompts``. Every stage goes through the one runner, so
 ``--resume`` after a crash continues with the first missing output; the running reward moments and the KL
 controller travel in the manifests' state.
