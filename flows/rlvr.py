@@ -10,6 +10,10 @@ for ``adv_estimator: gae``) → rewarded (sample masks, reward post-processing p
 rewards with the KL to the reference, advantages, ``final_response_mask``: the advantages stage both pipelines run)
 → checkpoint (one PPO step; the loss is aggregated over ``final_response_mask``).
 
+With ``async_generation_ratio: r > 0`` the one loop generates the responses of steps k + 1 .. k + ceil(r) while step
+k's scoring and later stages run (flows/loop.py), each step's with the policy its manifest names, and the samples
+carry their staleness (training steps between that policy and the trained one) to the table training reads.
+
 The prompts table is written once under ``runs/<run>/prompts``. Every stage goes through the one runner, so
 ``--resume`` after a crash continues with the first missing output; the running reward moments and the KL
 controller travel in the manifests' state.
@@ -62,11 +66,12 @@ def _reward_workers(r: Run) -> Any:
 
 
 def _token_table(r: Run) -> Any:
-    """The responses and their scores -> ``samples``, the token table of every pipeline."""
+    """The responses and their scores -> ``samples``, the token table of every pipeline; responses generated ahead of
+    training (a training step's, ``r.held["staleness"]`` not None) get their staleness column."""
     rt = r.config.runtime
-    return run_stage(RLVRSamplesStage(), SamplesSection(), {"responses": r.held["responses"], "scored": r.out("scored")},
-                     r.out("samples"), force=r.force, batch_rows=rt.batch_rows, state_in={},
-                     resources=rt.resources_for("rlvr_samples"))
+    return run_stage(RLVRSamplesStage(), SamplesSection(staleness=r.held.get("staleness")),
+                     {"responses": r.held["responses"], "scored": r.out("scored")}, r.out("samples"), force=r.force,
+                     batch_rows=rt.batch_rows, state_in={}, resources=rt.resources_for("rlvr_samples"))
 
 
 # The scoring of a step's responses (and of rollflow score): the reward workers, then the token table; then the chain
@@ -211,12 +216,13 @@ def score_task(config: RLVRTrainConfig, step: int, responses: str, output: str, 
     """The reward workers on the step's responses, then its token table (``scored``, ``samples``; the results by step
     name, ``rewards`` and ``samples``). An LLM judge route
     is served by the run's judge engine (``judge``: its pool, None without such a route); workers that read the
-    training progress get ``step / max_steps`` (ROLL's global_step / max_steps)."""
+    training progress get ``step / max_steps`` (ROLL's global_step / max_steps). Responses generated ahead
+    (async_generation_ratio > 0) give the samples their staleness (:meth:`RunOptions.rollout_staleness`)."""
     services = judge_services(config.rewards, config.judge, judge)
     context = {"training_progress": step / config.max_steps} if reads_context(config.rewards, "training_progress") \
         else {}
-    return run_steps(SCORING, Run.of_folder(config, output, held={"responses": responses, "services": services},
-                                            state=context))
+    held = {"responses": responses, "services": services, "staleness": config.rollout_staleness(step)}
+    return run_steps(SCORING, Run.of_folder(config, output, held=held, state=context))
 
 
 def _setup(r: Run) -> None:

@@ -490,21 +490,27 @@ class TurnSection(EpisodeOptions):
     engine: EngineIdentity
 
 
-class SamplesSection(OmitDefaults):
-    """What the samples stage reads."""
+class PlayedAhead(OmitDefaults):
+    """The option of a samples stage (agentic: :class:`SamplesSection`; RLVR: ``stages.rlvr.stages.SamplesSection``)
+    that a rollout played ahead sets (async_generation_ratio > 0, issue 46): the samples' ``staleness`` column."""
 
     # staleness None (a rollout in turn) is left out of the dump: its fingerprint is the one before the field existed
     omit_when_default: ClassVar[dict] = {"staleness": None}
+
+    staleness: int | None = Field(None, ge=0, description="Training steps between the policy the rollout played and "
+                                                          "the one trained on its samples (async_generation_ratio > "
+                                                          "0), written as the samples' staleness column; None: no "
+                                                          "column (a rollout in turn, or outside training).")
+
+
+class SamplesSection(PlayedAhead):
+    """What the samples stage reads."""
 
     run_name: str
     iteration: int
     sample_level: SampleLevel
     group_size: int
     tag: str  # the environment tag; a mixed rollout's tags comma-joined
-    staleness: int | None = Field(None, ge=0, description="Training steps between the policy the rollout played and "
-                                                          "the one trained on its samples (async_generation_ratio > "
-                                                          "0), written as the samples' staleness column; None: no "
-                                                          "column (a rollout in turn, or outside training).")
 
 
 def turn_section(config: RolloutConfig) -> TurnSection:

@@ -108,6 +108,13 @@ SAMPLES = TableSpec(
     finite=("score", "episode_score", "infer_logprobs", "old_log_probs", "ref_log_probs", "values"),
 )
 
+def staleness_column(staleness: int | None, rows: int) -> dict[str, pa.Array]:
+    """The samples' ``staleness`` column of ``rows`` rows played ``staleness`` training steps behind the policy
+    trained on them (a rollout played ahead, async_generation_ratio > 0), by name; {} for rows played in turn
+    (``staleness`` None: no column, the table as before the option)."""
+    return {} if staleness is None else {"staleness": pa.array(np.full(rows, staleness, np.int32))}
+
+
 REWARDED = TableSpec(
     name="rewarded",
     required={

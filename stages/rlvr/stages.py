@@ -25,11 +25,11 @@ import pyarrow.compute as pc
 import pyarrow.dataset as pads
 
 import stages.rewards  # noqa: F401  (registers the built-in workers)
-from schemas.config import Frozen
 from schemas.errors import ConfigError, RollflowError, SchemaError
 from schemas.rlvr_config import RewardsConfig
 from schemas.rlvr_tables import RESPONSES, RESPONSE_ALIGNED, SCORED, check_response_rows
-from schemas.tables import SAMPLES, check_row_invariants
+from schemas.rollout_config import PlayedAhead
+from schemas.tables import SAMPLES, check_row_invariants, staleness_column
 from stages.advantages import joined_rows
 from stages.algos.ragged import Ragged
 from stages.algos.rlvr_chain import check_groups, response_tokens
@@ -214,16 +214,19 @@ class RewardStage(Stage):
 
 # ---- responses + scored → samples: the project's row layout, on which log-probs, values and advantages run -----
 
-class SamplesSection(Frozen):
-    """The samples stage has no settings (its inputs' fingerprints say everything)."""
+class SamplesSection(PlayedAhead):
+    """The samples stage's one setting: the staleness column of responses generated ahead (async_generation_ratio >
+    0); in turn none, so the section dumps as {} (its inputs' fingerprints say everything), its fingerprint as
+    before."""
 
 
 class _ToSamples:
     """Per block of ``responses``: the samples rows (``input_ids = prompt_ids + response_ids``, ``response_mask =
-    0…0 1…1``, response-aligned columns moved to the next-token layout) with the row's score from ``scored``."""
+    0…0 1…1``, response-aligned columns moved to the next-token layout) with the row's score from ``scored``, and
+    with ``staleness`` not None (responses generated ahead) the rows' staleness column."""
 
-    def __init__(self, scored: tuple, where: str):
-        self.scored, self.where = scored, where
+    def __init__(self, scored: tuple, where: str, staleness: int | None = None):
+        self.scored, self.where, self.staleness = scored, where, staleness
 
     def __call__(self, batch: pa.Table) -> pa.Table:
         check_response_rows(batch, self.where)
@@ -244,6 +247,7 @@ class _ToSamples:
             "prompt_len": pa.array(tokens.prompt_len.astype(np.int32), pa.int32())}
         for name, col in tokens.next_token.items():
             out[name] = col.to_arrow(pa.float32())
+        out.update(staleness_column(self.staleness, n))
         table = pa.table(out)
         check_row_invariants(SAMPLES, table, f"{self.where} (rlvr_samples output)")
         return table
@@ -253,7 +257,9 @@ class RLVRSamplesStage(Stage):
     """``responses`` + ``scored`` → ``samples``: the RLVR step's token table in the layout of every samples table,
     so that the log-prob, value, advantages and training stages of both pipelines run on it unchanged. Response-aligned
     ``infer_logprobs`` / ``old_log_probs`` / ``ref_log_probs`` / ``values`` become next-token columns (zeros on the
-    prompt positions); ``group_id`` is the prompt id, each row its own trajectory of one turn."""
+    prompt positions); ``group_id`` is the prompt id, each row its own trajectory of one turn. Responses generated
+    ahead of training (async_generation_ratio > 0) get the ``staleness`` column of the section, as a rollout's samples
+    do."""
 
     name = "rlvr_samples"
     version = "1"
@@ -268,7 +274,7 @@ class RLVRSamplesStage(Stage):
     def build(self, ctx: StageContext):
         scored = ctx.inputs["scored"]
         fn = _ToSamples((scored.parquet_files(), scored.fs, "scored:" + folder_fingerprint(scored)),
-                        ctx.inputs["responses"].path)
+                        ctx.inputs["responses"].path, ctx.section.staleness)
         columns = [f.name for f in ctx.schemas["responses"]
                    if f.name in ("row_id", "prompt_id", "tag", "prompt_ids", "response_ids", *RESPONSE_ALIGNED)]
         return ctx.read("responses", columns=columns).map_batches(fn, batch_format="pyarrow",

@@ -17,7 +17,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from schemas.rollout_config import SamplesSection
-from schemas.tables import FLOATS, MASK, SAMPLES, TOKENS
+from schemas.tables import FLOATS, MASK, SAMPLES, TOKENS, staleness_column
 from stages.example import row_id
 from stages.rollout.tables import STOP_REASONS
 
@@ -112,8 +112,7 @@ def turns_to_samples(batch: pa.Table, section: SamplesSection, episodes: Episode
         "episode_score": pa.array(episode_score, pa.float32()), "state_hash": state, "infer_logprobs": infer,
         "prompt_len": pa.array(prompt_len, pa.int32()),
     }
-    if section.staleness is not None:  # asynchronous generation: how far behind the trained policy the rows were played
-        columns["staleness"] = pa.array(np.full(n, section.staleness, np.int32))
+    columns.update(staleness_column(section.staleness, n))  # played ahead: how far behind the trained policy
     schema = SAMPLES.arrow_schema(present=list(columns))
     return pa.table({f.name: columns[f.name] for f in schema}, schema=schema)
 

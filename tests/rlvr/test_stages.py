@@ -9,16 +9,22 @@ import json
 from pathlib import Path
 
 import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
+from pyarrow import fs as pafs
 
 from flows.rlvr import score_responses
 from schemas.errors import ConfigError, InvariantError, SchemaError
 from schemas.rlvr_config import rlvr_advantage_section, rlvr_reward_section
+from schemas.tables import SAMPLES
 from stages.algos.ragged import Ragged
 from stages.algos.rlvr_chain import response_tokens, rlvr_response_rewards
 from stages.algos.token_chain import token_batch
+from stages.rlvr.stages import SamplesSection, _ToSamples
 from tests.golden import assert_close, case_names, load
-from tests.rlvr.helpers import GOLDEN_ROUTE, golden_config, golden_rows, padded, read_folder, write_responses
+from tests.rlvr.helpers import (GOLDEN_ROUTE, golden_config, golden_rows, padded, read_folder, responses_table,
+                                write_responses)
 
 NORM_TOL = dict(atol=1e-4, rtol=1e-5)
 GOLDEN = case_names("chain_rlvr__")[0] if case_names("chain_rlvr__") else None
@@ -337,6 +343,25 @@ def test_shipped_sets_are_scored_correctly_through_ray(tmp_path, ray_cluster):
     assert direct.score_list() == scores
     assert_close(scored.column("response_level_rewards").to_numpy(zero_copy_only=False),
                  direct.response_level_rewards)
+
+
+def test_responses_generated_ahead_get_their_staleness_and_in_turn_no_column(tmp_path):
+    """async_generation_ratio > 0 (issue 46): the samples of responses generated ahead carry the training steps
+    between the policy that generated them and the one trained on them, as a rollout's samples do (a field of the
+    section, so the fingerprint names it); in turn (None) the section dumps as {} — the stage's fingerprint as before
+    the field existed — and the table is the same without the column."""
+    responses = responses_table(flaky_rows())
+    n = responses.num_rows
+    pq.write_table(pa.table({"row_id": responses.column("row_id"),
+                             "scores": pa.array(np.arange(n), pa.float32())}), tmp_path / "scored.parquet")
+    scored = ([str(tmp_path / "scored.parquet")], pafs.LocalFileSystem(), "scored:ahead-test")
+    in_turn = _ToSamples(scored, "test")(responses)
+    assert "staleness" not in in_turn.column_names and SamplesSection().model_dump() == {}
+    ahead = _ToSamples(scored, "test", SamplesSection(staleness=2).staleness)(responses)
+    SAMPLES.check_schema(ahead.schema, "test", ("staleness",))
+    assert ahead.column("staleness").type == pa.int32() and ahead.column("staleness").to_pylist() == [2] * n
+    assert ahead.drop_columns(["staleness"]).equals(in_turn)
+    assert SamplesSection(staleness=2).model_dump() == {"staleness": 2}
 
 
 # ---- the generate service hook of the LLM judge (no Ray: the actor class in process, the driver-side check) -------

@@ -45,6 +45,11 @@ def test_both_pipelines_take_the_option_and_the_h100_configs_are_refused_with_r_
     assert async_lag(rlvr) == 2 and rlvr.train.train_infer_correction.is_weight.enabled
     with pytest.raises(ConfigError, match="engines GPUs of their own"):  # colocated on GPU 0
         load_config(TrainFlowConfig, REPO / "configs/train_frozenlake_grpo_h100.yaml", {"async_generation_ratio": 1})
+    colocated = {"engine.device_mapping": [0], "engine.num_gpus_per_engine": 1, "engine.sleep_level": 1,
+                 "train.runtime.use_gpu": True, "train.runtime.num_workers": 1, "train.runtime.device_mapping": [0]}
+    assert load_config(RLVRTrainConfig, REPO / "configs/rlvr_train_math.yaml", colocated).async_generation_ratio == 0
+    with pytest.raises(ConfigError, match=r"engine\.device_mapping equals train\.runtime\.device_mapping"):
+        load_config(RLVRTrainConfig, REPO / "configs/rlvr_train_math.yaml", {**colocated, "async_generation_ratio": 1})
 
 
 def test_async_with_engines_colocated_with_training_is_refused_with_the_fix():
@@ -169,6 +174,33 @@ def test_with_ceil_r_above_1_several_rollouts_are_in_flight_one_after_the_other_
         {0: 0.0, 1: 1.0, 2: 2.0, 3: 2.0}
     assert all(r.metrics.values[(k, "rollout")]["rollout/overlap_seconds"] > 0 for k in (1, 2, 3))
     assert r.checkpoint == "ckpt3" and r.trained == ["ckpt0", "ckpt1", "ckpt2", "ckpt3"]
+
+
+def _benchmark():
+    """benchmarks/async_rollout.py as a module (the benchmarks are scripts, not a package)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("async_rollout", REPO / "benchmarks/async_rollout.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_benchmark_predicts_the_disaggregated_speedup_from_the_stage_times_of_the_run_in_turn(tmp_path):
+    """benchmarks/async_rollout.py: generation and later-stage seconds per iteration from a run's metrics table (the
+    first iteration, the evaluation and any stage's non-time metrics left out), and (gen + rest) / max(gen, rest)."""
+    from stages.metrics import MetricsLog
+
+    with MetricsLog(tmp_path, tensorboard=False) as log:
+        for it, (gen, later) in enumerate([(30.0, (9.0, 9.0)), (4.0, (1.0, 2.0)), (6.0, (2.0, 3.0))]):
+            log.log(it, "rollout", {"rollout/success_rate": 0.5}, wall_s=gen)
+            for stage, seconds in zip(("logprobs", "train"), later):
+                log.log(it, stage, {"actor/pg_loss": 7.0}, wall_s=seconds)
+            log.log(it, "eval", {"rollout/success_rate": 0.5}, wall_s=100.0)
+    bench = _benchmark()
+    assert bench.stage_times(tmp_path) == {"gen_s": 5.0, "rest_s": 4.0}
+    assert bench.predicted_speedup(5.0, 4.0) == pytest.approx(9 / 5)
+    assert bench.predicted_speedup(3.0, 3.0) == 2.0  # the most the overlap gives: both halves equally long
 
 
 def _async_args(runs_dir: Path, name: str) -> list[str]:

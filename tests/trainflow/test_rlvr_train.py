@@ -243,3 +243,67 @@ def test_rlvr_run_with_gae_and_token_kl_end_to_end_then_resume_skips_everything(
     assert again.exit_code == 0, again.output[-3000:]
     assert {p: p.stat().st_mtime_ns for p in run.glob("step_*/*/manifest.json")} == stamps
     assert len(stamps) == 2 * (len(STAGES) + 1)  # the values too
+
+
+ASYNC_STEPS = 3
+
+
+@pytest.mark.slow
+def test_rlvr_run_generating_one_step_ahead_trains_on_stale_responses_weighed_by_the_engine_log_probs(
+        tmp_path, prefect_server, ray_cluster):
+    """``async_generation_ratio: 1`` in the RLVR pipeline (issue 46): the one loop plays step k + 1's generation while
+    step k's scoring, log-probs, rewards, advantages and training run, with the policy one step behind the trained
+    one (the responses' manifest names it); every sample carries that staleness from the samples table to the one
+    training reads, and training weighs its tokens by ROLL's token-level importance weight against the engine's
+    recorded log-probs (``infer_logprobs``). The reward is the response's length (tests/rlvr/workers.py), so GRPO's
+    advantages move the tiny policy (learning rate 0.05) and a policy one step behind samples with other log-probs."""
+    import numpy as np
+
+    from stages.generation.model_store import tiny_random_model_dir
+
+    args = _tiny_run(tmp_path, f"max_steps={ASYNC_STEPS}", "async_generation_ratio=1", "validation.eval_steps=0",
+                     "train.actor_train.training_args.learning_rate=0.05",
+                     "rewards.routes={math: {worker: 'tests.rlvr.workers:response_length_as_score'}}")
+    done = rollflow_here(*args, api_url=prefect_server.api_url)
+    assert done.exit_code == 0, done.output[-3000:]
+    run = tmp_path / "r"
+    base = str(Path(tiny_random_model_dir()).resolve())
+    policy = [base] + [str((run / f"step_{k:04d}/checkpoint").resolve()) for k in range(ASYNC_STEPS)]
+    for k in range(ASYNC_STEPS):
+        step = run / f"step_{k:04d}"
+        played = json.loads((step / "responses/manifest.json").read_text())["state_in"]["checkpoint"]["path"]
+        trained = json.loads((step / "logprobs/manifest.json").read_text())["section"]["checkpoint"]
+        assert played == policy[max(0, k - 1)] and Path(trained).resolve() == Path(policy[k]), (k, played, trained)
+        for stage in ("samples", "logprobs", "advantaged"):  # the staleness, from the samples to the trained table
+            assert set(_read(step / stage).column("staleness").to_pylist()) == {min(k, 1)}, (k, stage)
+        section = json.loads((step / "checkpoint/manifest.json").read_text())["section"]
+        assert section["train_infer_correction"]["is_weight"] == {"enabled": True, "weight_type": "token",
+                                                                  "upper_bound": 1.2}, (k, section)
+    metrics = pads.dataset(str(run / "metrics"), format="parquet").to_table().to_pylist()
+    stale = {m["iteration"]: m["value"] for m in metrics if m["name"] == "rollout/staleness"}
+    assert stale == {0: 0.0, 1: 1.0, 2: 1.0} and {m["stage"] for m in metrics if m["name"] == "rollout/staleness"} \
+        == {"generate"}, stale
+    assert "played with the policy 1 step behind" in done.stdout
+
+    # the weight is e^(old - infer) against the engine's log-probs the responses recorded (infer_logprobs, next-token
+    # aligned, 0 off the response): float32 noise apart at step 0 (played with the trained policy), a step apart after
+    def mismatch(k: int) -> float:
+        table = _read(run / f"step_{k:04d}/advantaged").select(["old_log_probs", "infer_logprobs"]).to_pylist()
+        old, infer = (np.concatenate([row[name] for row in table]) for name in ("old_log_probs", "infer_logprobs"))
+        sampled = infer != 0
+        assert sampled.any()
+        return float(np.abs(old - infer)[sampled].mean())
+
+    assert mismatch(1) > 20 * mismatch(0) and mismatch(2) > 20 * mismatch(0), [mismatch(k) for k in range(3)]
+    # ... and the step's own figure of it (ROLL's train_infer_ratio_token_mean: the sequence mean of each row's token
+    # mean of e^(old - infer) over the trained tokens) is that of the table it read: 1 at step 0, not at the stale steps
+    ratios = []
+    for k in range(ASYNC_STEPS):
+        rows = _read(run / f"step_{k:04d}/advantaged").select(
+            ["old_log_probs", "infer_logprobs", "final_response_mask"]).to_pylist()
+        means = [float(np.sum(np.exp(np.subtract(r["old_log_probs"], r["infer_logprobs"])) * r["final_response_mask"])
+                       / np.sum(r["final_response_mask"])) for r in rows if np.sum(r["final_response_mask"]) > 0]
+        logged = json.loads((run / f"step_{k:04d}/checkpoint/manifest.json").read_text())["metrics"]
+        assert logged["actor/train_infer_ratio_token_mean@sum"] == pytest.approx(np.mean(means), rel=1e-5), k
+        ratios.append(np.mean(means))
+    assert ratios[0] == pytest.approx(1.0, abs=1e-4) and all(abs(r - 1) > 0.01 for r in ratios[1:]), ratios
