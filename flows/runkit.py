@@ -78,7 +78,7 @@ class KeptWorkers:
                                section=train_section(train).model_dump(mode="json"))
         if forward_on_actor(config):
             return cls(trainer)
-        return cls(trainer, ForwardWorkers(config.logprobs, gpus_per_actor=shares["forward"],
+        return cls(trainer, ForwardWorkers(config.logprobs_config(), gpus_per_actor=shares["forward"],
                                            limits=Limits.of(train.runtime)))
 
     def forward_kwargs(self) -> dict[str, Any]:
@@ -99,14 +99,15 @@ def stage_task(name: str):
 @stage_task("logprobs")
 def logprobs_task(config, samples: str, checkpoint: str, reference: str, output: str,
                   workers: KeptWorkers | None = None) -> Any:
-    return run_logprobs(samples, checkpoint, config.logprobs, output, reference=reference,
+    return run_logprobs(samples, checkpoint, config.logprobs_config(), output, reference=reference,
                         **(workers.forward_kwargs() if workers else {}))
 
 
 @stage_task("values")
 def values_task(config, samples: str, checkpoint: str, output: str,
                 workers: KeptWorkers | None = None) -> Any:
-    return run_values(samples, checkpoint, config.logprobs, output, **(workers.forward_kwargs() if workers else {}))
+    return run_values(samples, checkpoint, config.logprobs_config(), output,
+                      **(workers.forward_kwargs() if workers else {}))
 
 
 @stage_task("response_rewards")

@@ -259,12 +259,13 @@ def _valid(model: type[BaseModel], data: dict) -> bool:
     return True
 
 
-def one_runtime(data: dict, sections: tuple[str, ...]) -> dict:
-    """A run config's raw mapping with its top-level ``runtime`` (the cluster and batch settings of
-    :class:`RuntimeConfig`) copied into the ``runtime`` of each of ``sections``, so that every stage of the run uses
-    the run's settings. A run has one runtime section: a section's value that differs from the top-level one is an
-    error naming the field and the fix (its default is accepted: a run's frozen config, written by earlier versions
-    too, holds every section's runtime)."""
+def drop_section_runtimes(data: dict, sections: tuple[str, ...]) -> dict:
+    """A run config's raw mapping without the cluster settings (the fields of :class:`RuntimeConfig`) under the
+    ``runtime`` of each of ``sections``: a run declares them once, in its top-level ``runtime``, and hands them to
+    each stage (:meth:`schemas.run_config.RunOptions.run_runtime`). A section's value equal to the top-level one or
+    to the default is dropped (a run folder's config.json of an earlier version, which copied the run's into every
+    section, or spelled out a section's default, still loads); one that differs is an error naming the field and
+    the fix. The section's own options (a training section's workers) stay."""
     unset = RuntimeConfig()
     defaults = {field: getattr(unset, field) for field in RuntimeConfig.model_fields}  # the dump leaves some out
     runtime = raw_section(data, "runtime")
@@ -275,14 +276,14 @@ def one_runtime(data: dict, sections: tuple[str, ...]) -> dict:
     for name in sections:
         section = raw_section(data, name)
         nested = None if section is None else raw_section(section, "runtime")
-        if nested is None:
-            continue  # the model reports the wrong type
+        if not nested:
+            continue  # none written, or not a mapping (the model reports the wrong type)
         for field in defaults:
             if field in nested and nested[field] not in (top[field], defaults[field]):
                 raise ValueError(f"{name}.runtime.{field} ({nested[field]!r}) differs from runtime.{field} "
                                  f"({top[field]!r}); a run has one runtime section, read by all its stages: set "
                                  f"runtime.{field} at the top level and remove {name}.runtime.{field}")
-        out[name] = {**section, "runtime": {**nested, **{field: top[field] for field in defaults}}}
+        out[name] = {**section, "runtime": {k: v for k, v in nested.items() if k not in defaults}}
     return out
 
 

@@ -4,18 +4,21 @@ rollout or prompt sections to it and to their data-side options (``AlgorithmConf
 
 from __future__ import annotations
 
+import copy
 import math
-from typing import Any, ClassVar
+from typing import Any, ClassVar, TypeVar
 
 from pydantic import (BaseModel, Field, SerializerFunctionWrapHandler, field_validator, model_serializer,
                       model_validator)
 
-from schemas.config import OmitDefaults, one_runtime, raw_section
+from schemas.config import OmitDefaults, RuntimeConfig, drop_section_runtimes, raw_section
 from schemas.devices import check_async_placement, check_device_mappings
 from schemas.names import run_name
 from schemas.tracking import TrackingOptions
 from schemas.train_config import ForwardConfig, RunTrainConfig, TrainStepConfig
 
+
+R = TypeVar("R", bound=RuntimeConfig)
 
 # train.train_infer_correction of an asynchronous run that sets none (ROLL's token-level is_weight, spec §6.6)
 ASYNC_CORRECTION = {"is_weight": {"enabled": True, "weight_type": "token", "upper_bound": 1.2}}
@@ -43,7 +46,9 @@ class RunOptions(TrackingOptions, OmitDefaults):
     omit_when_default: ClassVar[dict] = {"async_generation_ratio": 0.0}
     engine_field: ClassVar[str] = "engine"  # where the generation engine section sits (agentic: rollout.engine)
     # The sections that are also a command's whole config (rollflow logprobs, train-step, rollout) and so hold a
-    # runtime of their own: a run's top-level runtime is theirs (:func:`schemas.config.one_runtime`).
+    # runtime of their own. A run declares the cluster settings (RuntimeConfig's fields) once, in its top-level
+    # runtime, which the run's accessors hand to each stage (:meth:`run_runtime`); the sections keep only their own
+    # options there (loading drops a repeated setting: :func:`schemas.config.drop_section_runtimes`).
     runtime_sections: ClassVar[tuple[str, ...]] = ("logprobs", "train")
     # Options a run sets once that earlier versions also wrote into a second place (so a run folder's config.json
     # holds both): (the retired place, the option's place), dotted. Loading drops the retired one when it repeats the
@@ -81,18 +86,38 @@ class RunOptions(TrackingOptions, OmitDefaults):
         lag = rollout_lag(self.async_generation_ratio)
         return iteration - played_with(iteration, lag) if lag else None
 
+    def run_runtime(self, runtime: R) -> R:
+        """A section's ``runtime`` (a :class:`RuntimeConfig`, or a subclass with the section's own options) with the
+        run's cluster settings, those of its top-level ``runtime`` (each pipeline's config declares it): the
+        runtime a stage of the run reads."""
+        cluster = getattr(self, "runtime")
+        return runtime.model_copy(update={name: getattr(cluster, name) for name in RuntimeConfig.model_fields})
+
     def train_step_config(self) -> TrainStepConfig:
         """The config of the run's training step: the ``train`` section with the run's ``adv_estimator`` (whether a
-        critic trains). What every reader of the training step's options uses."""
+        critic trains) and cluster settings (:meth:`run_runtime`). What every reader of the training step's options
+        uses."""
         fields = {name: getattr(self.train, name) for name in RunTrainConfig.model_fields}
-        return TrainStepConfig.model_validate({**fields, "adv_estimator": getattr(self, "adv_estimator")})
+        return TrainStepConfig.model_validate({**fields, "adv_estimator": getattr(self, "adv_estimator"),
+                                               "runtime": self.run_runtime(self.train.runtime)})
+
+    def logprobs_config(self) -> ForwardConfig:
+        """The config of the run's log-prob and values stages: the ``logprobs`` section with the run's cluster
+        settings (:meth:`run_runtime`)."""
+        return self.logprobs.model_copy(update={"runtime": self.run_runtime(self.logprobs.runtime)})
 
     @model_serializer(mode="wrap")
     def _omit_defaults(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
         """The dump (a run folder's config.json, and the hashes of it) keeps the format of earlier versions: it also
-        writes each ``retired_copies`` place, with the option's value, which loading drops again
-        (:meth:`_one_place`)."""
+        writes each ``retired_copies`` place, with the option's value, and the run's cluster settings into the
+        runtime of each of ``runtime_sections``, which loading drops again (:meth:`_one_place`)."""
         data = self.omit_unused(handler(self))
+        cluster = data.get("runtime")
+        for name in self.runtime_sections:
+            section = data.get(name)
+            if isinstance(cluster, dict) and isinstance(section, dict) and isinstance(section.get("runtime"), dict):
+                own = {k: v for k, v in section["runtime"].items() if k not in RuntimeConfig.model_fields}
+                section["runtime"] = {**copy.deepcopy(cluster), **own}  # the cluster settings first, as declared
         for retired, option in self.retired_copies:
             *sections, name = retired.split(".")
             node = data
@@ -113,12 +138,13 @@ class RunOptions(TrackingOptions, OmitDefaults):
     @classmethod
     def _one_place(cls, data: dict) -> dict:
         """Each option of a run in one place, at load time and only here: a retired copy (``retired_copies``) is
-        dropped, and the top-level runtime becomes the runtime of each of ``runtime_sections``."""
+        dropped, and so are the cluster settings repeated under the runtime of each of ``runtime_sections`` (the
+        top-level runtime declares them: :func:`schemas.config.drop_section_runtimes`)."""
         if not isinstance(data, dict):
             return data
         for retired, option in cls.retired_copies:
             data = drop_retired_copy(cls, data, retired, option)
-        return one_runtime(data, cls.runtime_sections)
+        return drop_section_runtimes(data, cls.runtime_sections)
 
     @model_validator(mode="before")
     @classmethod
@@ -179,7 +205,7 @@ class RunOptions(TrackingOptions, OmitDefaults):
                              "(train.runtime.use_gpu: false): " + fix.format("set train.runtime.use_gpu: true to "
                                                                              "run them on GPUs, remove "
                                                                              "logprobs.device,"))
-        if "logprobs" in self.train.runtime.stage_resources:
+        if "logprobs" in getattr(self, "runtime").stage_resources:
             raise ValueError("runtime.stage_resources.logprobs pins forward workers, but the log-probs run where "
                              "the training workers run: " + fix.format("pin them with runtime.stage_resources."
                                                                        "train_step, remove the logprobs entry,"))

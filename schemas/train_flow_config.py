@@ -95,8 +95,10 @@ class TrainFlowConfig(AlgorithmConfig, RunOptions):
         return self.rollout.engine.window(self.rollout.sequence_length)
 
     def rollout_for(self, iteration: int) -> RolloutConfig:
-        """The rollout of a training iteration: new levels and samples each iteration, row ids named by run."""
-        return self.rollout.model_copy(update={"iteration": iteration, "run_name": self.run_name})
+        """The rollout of a training iteration: new levels and samples each iteration, row ids named by run, under
+        the run's cluster settings (:meth:`run_runtime`)."""
+        return self.rollout.model_copy(update={"iteration": iteration, "run_name": self.run_name,
+                                               "runtime": self.run_runtime(self.rollout.runtime)})
 
     def eval_env(self) -> EnvManagerConfig:
         """The env manager of evaluation (ROLL's val_env_manager): the training's with the held-out counts and the
@@ -131,10 +133,12 @@ class TrainFlowConfig(AlgorithmConfig, RunOptions):
         return train.model_copy(update={**update, "tags": tuple(tags), "num_groups_partition": tuple(partition)})
 
     def eval_rollout(self) -> RolloutConfig:
-        """The held-out rollout: fixed seeds (the same levels at every evaluation)."""
+        """The held-out rollout: fixed seeds (the same levels at every evaluation), under the run's cluster settings
+        (:meth:`run_runtime`)."""
         env = self.eval_env()
         gen = self.rollout.generating_args
         if self.eval.temperature is not None:
             gen = gen.model_copy(update={"temperature": self.eval.temperature})
         return self.rollout.model_copy(update={"env": env, "generating_args": gen, "seed": self.eval.seed,
-                                               "iteration": 0, "run_name": f"{self.run_name}-eval"})
+                                               "iteration": 0, "run_name": f"{self.run_name}-eval",
+                                               "runtime": self.run_runtime(self.rollout.runtime)})

@@ -377,7 +377,7 @@ def stage_sequence(config, model, timeout):
     pool = EnginePool(engine, model, 64, gpus_per_engine=shares["engine"])
     # forward workers of their own only in a run without a kept training group (the kept group computes the
     # log-probs: stages.plan.forward_on_actor, issue 44)
-    forward = ForwardWorkers(config.logprobs, gpus_per_actor=shares["forward"]) if shares["forward"] else None
+    forward = ForwardWorkers(config.logprobs_config(), gpus_per_actor=shares["forward"]) if shares["forward"] else None
     request = [GenRequest([1, 2, 3], SamplingSpec(max_new_tokens=4, seed=1))]
     try:
         workers = forward.actors() if forward else []  # kept workers are resident too: they start while the engine builds

@@ -4,6 +4,8 @@ out every section's default runtime) still validates to the same run."""
 
 from __future__ import annotations
 
+import hashlib
+import json
 from pathlib import Path
 
 import pytest
@@ -20,10 +22,10 @@ CLUSTER_FIELDS = tuple(RuntimeConfig.model_fields)
 
 
 def _sections(config) -> dict:
-    """Every runtime a stage of the run reads, by section."""
-    found = {"logprobs": config.logprobs.runtime, "train": config.train.runtime}
+    """Every runtime a stage of the run reads, by section: what the run's accessors hand the stages (issue 43)."""
+    found = {"logprobs": config.logprobs_config().runtime, "train": config.train_step_config().runtime}
     if isinstance(config, TrainFlowConfig):
-        found["rollout"] = config.rollout.runtime
+        found["rollout"] = config.rollout_for(0).runtime
     return found
 
 
@@ -35,6 +37,38 @@ def test_the_top_level_runtime_reaches_every_section(model, path):
         assert {f: getattr(runtime, f) for f in CLUSTER_FIELDS} == RUNTIME, name
     assert config.train.runtime.num_workers == 1  # the training section keeps its own worker settings
     assert validate_config(model, config.model_dump(mode="json")) == config  # the frozen copy round-trips
+
+
+@pytest.mark.parametrize("model, path", [(TrainFlowConfig, "configs/train_frozenlake_quickstart.yaml"),
+                                         (RLVRTrainConfig, "configs/rlvr_train_math.yaml")])
+def test_the_run_declares_its_cluster_settings_once_and_dumps_them_as_before(model, path):
+    """The run's model holds the cluster settings once, at its top level (issue 43: no copy into the sections at
+    load time); the evaluation's rollout reads them too. Its dump (config.json, the hashes of it) still spells them
+    out under each section's runtime, first, as the copies of earlier versions did, and loads back to the run."""
+    config = load_config(model, REPO / path, {"runtime": RUNTIME})
+    default = RuntimeConfig()
+    dump = config.model_dump(mode="json")
+    for name in _sections(config):
+        own = getattr(config, name).runtime
+        assert {f: getattr(own, f) for f in CLUSTER_FIELDS} == {f: getattr(default, f) for f in CLUSTER_FIELDS}
+        written = dump[name]["runtime"]
+        assert list(written)[:len(CLUSTER_FIELDS)] == list(CLUSTER_FIELDS), name
+        assert {f: written[f] for f in CLUSTER_FIELDS} == RUNTIME, name
+    if isinstance(config, TrainFlowConfig):
+        assert {f: getattr(config.eval_rollout().runtime, f) for f in CLUSTER_FIELDS} == RUNTIME
+    assert validate_config(model, dump) == config
+
+
+@pytest.mark.parametrize("data, digest", [
+    ({"runtime": RUNTIME}, "0a2ee5b1cb84989f2f15346fee9188f1d625d6b35b3e0e225c335b45872254e6"),
+    ({}, "c0f06d323f7edfad05f1215e3ab40251a663e7407e5316922c700caee35aeda7")])
+def test_the_dump_is_byte_for_byte_that_of_the_copying_versions(data, digest):
+    """The digests of the config.json text that the versions which copied the runtime into each section wrote (a
+    run folder resumes without re-running anything, and it loads back to the run)."""
+    config = validate_config(TrainFlowConfig, data)
+    text = json.dumps(config.model_dump(mode="json"))
+    assert hashlib.sha256(text.encode()).hexdigest() == digest
+    assert validate_config(TrainFlowConfig, json.loads(text)) == config
 
 
 @pytest.mark.parametrize("model, path", [(TrainFlowConfig, "configs/train_frozenlake_quickstart.yaml"),
