@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -149,3 +150,16 @@ def test_forward_worker_options_are_refused_when_the_actor_group_computes_the_lo
     per_step = {**overrides, "train": {"runtime": {"keep_workers": False}}}
     config = load_config(model, REPO / path, per_step)
     assert not config.train.runtime.keep_workers
+
+
+def test_no_run_code_reads_a_cluster_setting_from_a_section_runtime():
+    """Inside a run a section's own ``runtime`` holds the defaults of the cluster settings (the run declares them once,
+    at the top level, and hands them over through ``train_step_config()``, ``logprobs_config()``, ``rollout_for()``
+    and ``eval_rollout()``); code that read ``config.train.runtime.batch_rows`` would silently get the default. No
+    module of flows/ or stages/ does."""
+    fields = "|".join(CLUSTER_FIELDS)
+    pattern = re.compile(rf"\.(?:train|logprobs|rollout|eval)\.runtime\.(?:{fields})\b")
+    found = [f"{path.relative_to(REPO)}:{n}: {line.strip()}"
+             for folder in ("flows", "stages") for path in sorted((REPO / folder).rglob("*.py"))
+             for n, line in enumerate(path.read_text().splitlines(), 1) if pattern.search(line)]
+    assert not found, "read the run's runtime through its accessors instead:\n" + "\n".join(found)
