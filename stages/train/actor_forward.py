@@ -114,9 +114,9 @@ def read_rows(samples: Location) -> pa.Table:
 def forward_on_rank(request: dict[str, Any], dist: DistInfo, held: HeldEngines | None,
                     models: ForwardModels) -> HeldEngines | None:
     """Run a forward request on this rank (``request``: samples Location, jobs, dtype, max_tokens, rows_per_batch,
-    packed, attention (the attention option), output Location (the stage's temporary folder: the batches' counters), parts Location, spec, where,
-    section: the training section to build missing engines under, or None) and write this rank's part. Returns the
-    engines to hold."""
+    packed, attention (the attn_implementation option), output Location (the stage's temporary folder: the batches'
+    counters), parts Location, spec, where, section: the training section to build missing engines under, or None)
+    and write this rank's part. Returns the engines to hold."""
     jobs, dtype = request["jobs"], request["dtype"]
     if request.get("section") is not None:
         held = engines_for(jobs, held, request["section"], dist, store=request["samples"].fs)

@@ -22,18 +22,22 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import math
 from collections import Counter
 from collections.abc import Iterator
 from functools import partial
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention.varlen import varlen_attn
 
 from schemas.errors import ConfigError
 
 PACKED_ATTENTION = "rollflow_packed_varlen"  # its name in transformers' AttentionInterface and mask registry
 VARLEN_DTYPES = (torch.float16, torch.bfloat16)
 VARLEN_MAX_HEAD_DIM = 256
+# the kernel's first versions take is_causal and neither scale nor enable_gqa; later ones a window ((-1, 0): causal)
+VARLEN_PARAMS = frozenset(inspect.signature(varlen_attn).parameters)
 
 # how each call of the packed attention ran, by path: "varlen" (torch's flash kernel), "segments" (per-segment SDPA),
 # "sdpa" (not packed: Hugging Face's sdpa unchanged). Read by the tests and the GPU smoke check.
@@ -59,22 +63,16 @@ def segment_offsets(position_ids: torch.Tensor) -> torch.Tensor:
     return torch.cat([first, first.new_tensor([pos.numel()])]).to(torch.int32)
 
 
-def varlen_runs(query: torch.Tensor, dropout: float) -> bool:
+def varlen_runs(query: torch.Tensor, dropout: float, scaling: float | None) -> bool:
     """Whether torch's variable-length flash kernel runs ``query`` ``(1, H, T, D)``: CUDA (compute capability 8.0 or
-    newer), bf16/fp16, head size a multiple of 8 up to 256, no dropout, a torch that has the kernel."""
-    if not (query.is_cuda and query.dtype in VARLEN_DTYPES and dropout == 0.0 and _varlen_kernel() is not None):
-        return False
+    newer), bf16/fp16, head size a multiple of 8 up to 256, no dropout, a scaling the kernel takes (its first versions
+    only 1/sqrt(head size))."""
     head_dim = query.shape[-1]
-    return head_dim % 8 == 0 and head_dim <= VARLEN_MAX_HEAD_DIM and torch.cuda.get_device_capability(query.device) >= (8, 0)
-
-
-def _varlen_kernel():
-    """torch's ``varlen_attn`` (torch >= 2.9), or None."""
-    try:
-        from torch.nn.attention.varlen import varlen_attn
-    except ImportError:
-        return None
-    return varlen_attn
+    scalable = "scale" in VARLEN_PARAMS or scaling is None or math.isclose(scaling, head_dim ** -0.5)
+    if not (query.is_cuda and query.dtype in VARLEN_DTYPES and dropout == 0.0 and scalable):
+        return False
+    return (head_dim % 8 == 0 and head_dim <= VARLEN_MAX_HEAD_DIM
+            and torch.cuda.get_device_capability(query.device) >= (8, 0))
 
 
 def varlen_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, offsets: torch.Tensor,
@@ -82,25 +80,24 @@ def varlen_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     """Causal attention of each segment over itself with torch's variable-length flash kernel: ``query``
     ``(1, Hq, T, D)``, ``key``/``value`` ``(1, Hkv, T, D)``, ``offsets`` ``(n + 1,)`` → ``(1, T, Hq, D)``. The
     kernel's own grouped-query support where it has one, else the key/value heads repeated."""
-    kernel = _varlen_kernel()
-    params = inspect.signature(kernel).parameters
     q, k, v = (x[0].transpose(0, 1).contiguous() for x in (query, key, value))  # (T, H, D)
-    options = {"is_causal": True} if "is_causal" in params else {"window_size": (-1, 0)}  # torch 2.9-2.10 / 2.11+
-    if scaling is not None:
+    options = {"is_causal": True} if "is_causal" in VARLEN_PARAMS else {"window_size": (-1, 0)}
+    if scaling is not None and "scale" in VARLEN_PARAMS:
         options["scale"] = scaling
     if k.shape[1] != q.shape[1]:
-        if "enable_gqa" in params:
+        if "enable_gqa" in VARLEN_PARAMS:
             options["enable_gqa"] = True
         else:
             k, v = (x.repeat_interleave(q.shape[1] // x.shape[1], dim=1) for x in (k, v))
     longest = int((offsets[1:] - offsets[:-1]).max())
-    return kernel(q, k, v, offsets, offsets, longest, longest, **options).unsqueeze(0)
+    return varlen_attn(q, k, v, offsets, offsets, longest, longest, **options).unsqueeze(0)
 
 
 def segment_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, offsets: torch.Tensor,
                       scaling: float | None, dropout: float) -> torch.Tensor:
     """The same causal attention per segment where the flash kernel cannot run: SDPA over each segment's slice of
-    ``query`` ``(1, Hq, T, D)`` and ``key``/``value`` ``(1, Hkv, T, D)`` with ``is_causal=True`` → ``(1, T, Hq, D)``."""
+    ``query`` ``(1, Hq, T, D)`` and ``key``/``value`` ``(1, Hkv, T, D)`` with ``is_causal=True``
+    → ``(1, T, Hq, D)``."""
     lengths = (offsets[1:] - offsets[:-1]).tolist()
     grouped = key.shape[1] != query.shape[1]
     parts = [F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True, scale=scaling,
@@ -122,7 +119,7 @@ def packed_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: 
             and key.shape[2] == query.shape[2] == position_ids.shape[-1] and kwargs.get("sliding_window") is None):
         offsets = segment_offsets(position_ids.reshape(1, -1))
         if offsets.numel() > 2:
-            if varlen_runs(query, dropout):
+            if varlen_runs(query, dropout, scaling):
                 calls["varlen"] += 1
                 return varlen_attention(query, key, value, offsets, scaling), None
             calls["segments"] += 1
@@ -152,7 +149,8 @@ def register() -> str:
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
     if PACKED_ATTENTION not in AttentionInterface._global_mapping:
-        AttentionInterface.register(PACKED_ATTENTION, partial(packed_attention_forward, standard=sdpa_attention_forward))
+        AttentionInterface.register(PACKED_ATTENTION,
+                                    partial(packed_attention_forward, standard=sdpa_attention_forward))
         AttentionMaskInterface.register(PACKED_ATTENTION, partial(packed_attention_mask, standard=sdpa_mask))
     return PACKED_ATTENTION
 

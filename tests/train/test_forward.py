@@ -234,6 +234,17 @@ def test_segment_offsets_read_the_restarts_of_the_position_ids():
     assert packed_attention.segment_offsets(torch.arange(5)[None]).tolist() == [0, 5]
 
 
+def test_the_varlen_kernel_call_is_well_formed():
+    """torch's varlen_attn (its shape-only implementation, on meta tensors: the kernel itself needs CUDA) takes the
+    call the packed attention makes on CUDA, grouped key/value heads included, and gives (1, T, Hq, D) back."""
+    query = torch.empty(1, 4, 10, 64, device="meta", dtype=torch.bfloat16)
+    key = torch.empty(1, 2, 10, 64, device="meta", dtype=torch.bfloat16)
+    offsets = packed_attention.segment_offsets(torch.tensor([[0, 1, 2, 0, 1, 2, 3, 4, 5, 6]]))
+    out = packed_attention.varlen_attention(query, key, key, offsets, 0.125)
+    assert out.shape == (1, 10, 4, 64) and out.dtype == torch.bfloat16
+    assert not packed_attention.varlen_runs(torch.empty(1, 4, 10, 64), 0.0, 0.125)  # CPU: per-segment SDPA
+
+
 def test_attn_implementation_resolution_dump_and_refusals(tiny_model):
     """auto: the packed attention on CUDA with packing, sdpa otherwise (so CPU runs and config hashes are as
     before: auto is left out of the dump); fa2 and sdpa as written (flash_attention_2, ROLL's spelling, reads as
