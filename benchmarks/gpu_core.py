@@ -11,13 +11,18 @@ random lengths (a prompt, then a response whose tokens carry a +-1 advantage), a
    rows by length, so padding stays small), one optimizer step per training step. One warm-up step, then
    ``--steps`` timed steps.
 
+``--packing`` packs both passes' micro-batches (``use_sequence_packing``: each micro-batch one row of real tokens,
+the budgets counting real tokens) and runs them through ``--attn`` (``model_args.attn_implementation``; ``auto`` on
+CUDA: torch's variable-length flash kernel, stages/train/packed_attention.py; ``sdpa``: Hugging Face's block-diagonal
+mask over each packed row).
+
 Model FLOPs per trained token: ``6 * N`` (N: every parameter in a matrix product; the tied head counts once, the
 embedding lookup none) plus causal attention ``6 * layers * hidden * (t + 1) / 2`` summed over positions ``t``.
 Utilisation is against the GPU's dense bf16 peak (``--peak-tflops``; 989.4 for H100/H200 SXM).
 
     python benchmarks/gpu_core.py --rows 256 --min-len 256 --max-len 2048 --budget 16384
 
-Last line: ``RESULT train_tok_per_s=... train_mfu=... logprob_tok_per_s=... peak_gib=...``.
+Last line: ``RESULT train_tok_per_s=... train_mfu=... logprob_tok_per_s=... peak_gib=... packing=on|off attention=...``.
 """
 
 from __future__ import annotations
@@ -69,16 +74,19 @@ def synced(fn):
     return out, time.perf_counter() - start
 
 
-def logprob_pass(model_dir: str, table: pa.Table, budget: int) -> tuple[pa.Table, int, float]:
-    """old_log_probs under the bf16 model on cuda → (table with the column, tokens, seconds of the timed pass)."""
+def logprob_pass(model_dir: str, table: pa.Table, budget: int, packed: bool = False,
+                 attention: str = "auto") -> tuple[pa.Table, int, float]:
+    """old_log_probs under the bf16 model on cuda (micro-batches ``packed`` under ``attention``) → (table with the
+    column, tokens, seconds of the timed pass)."""
     from schemas.tables import FLOATS
     from stages.train.batching import TokenRows
     from stages.train.forward import forward_rows, load_forward_model
 
     model = load_forward_model(model_dir, "log_probs", "bf16", device="cuda")
     rows = TokenRows.from_arrow(table, "bench", columns=())
-    forward_rows(model, TokenRows.from_arrow(table.slice(0, 8), "warm-up", columns=()), budget, device="cuda")
-    result, seconds = synced(lambda: forward_rows(model, rows, budget, device="cuda"))
+    run = dict(device="cuda", packed=packed, attention=attention)
+    forward_rows(model, TokenRows.from_arrow(table.slice(0, 8), "warm-up", columns=()), budget, **run)
+    result, seconds = synced(lambda: forward_rows(model, rows, budget, **run))
     lp = result.columns["log_probs"].to_arrow(pa.float32())
     return table.append_column(pa.field("old_log_probs", FLOATS), lp), result.tokens, seconds
 
@@ -101,11 +109,13 @@ def train_config(args):
     return validate_config(TrainSection, {
         "adv_estimator": "grpo", "ppo_epochs": 1, "compute_entropy_metric": False,
         "actor_train": {
-            "model_args": {"dtype": "bf16", "disable_gradient_checkpointing": not args.checkpointing},
+            "model_args": {"dtype": "bf16", "disable_gradient_checkpointing": not args.checkpointing,
+                           "attn_implementation": args.attn},
             "training_args": {"learning_rate": 1e-6, "per_device_train_batch_size": args.rows},
             "strategy_args": {"zero_stage": args.zero, "torch_compile": args.compile,
                               "optimizer": "torch_adamw" if args.torch_adam else "fused_adam"},
-            "use_dynamic_batching_in_train": True, "max_tokens_per_microbatch_in_train": args.budget}})
+            "use_dynamic_batching_in_train": True, "max_tokens_per_microbatch_in_train": args.budget,
+            "use_sequence_packing": args.packing}})
 
 
 def main() -> None:
@@ -122,9 +132,16 @@ def main() -> None:
     parser.add_argument("--compile", action="store_true", help="strategy_args.torch_compile: compiled decoder layers")
     parser.add_argument("--torch-adam", action="store_true", help="torch's fused AdamW (optimizer: torch_adamw, the "
                         "default of a run) instead of DeepSpeed's FusedAdam")
+    parser.add_argument("--packing", action="store_true", help="use_sequence_packing in both passes (budgets count "
+                        "real tokens)")
+    parser.add_argument("--attn", default="auto", choices=["auto", "sdpa", "fa2"], help="attn_implementation of the "
+                        "packed micro-batches (auto: torch's varlen flash kernel on CUDA with --packing; fa2 needs "
+                        "--packing)")
     parser.add_argument("--profile", default=None, help="write a torch.profiler table of one more step to this file")
     parser.add_argument("--peak-tflops", type=float, default=None, help="dense bf16 peak (default: by GPU name)")
     args = parser.parse_args()
+    if args.attn == "fa2" and not args.packing:
+        parser.error("--attn fa2 runs packed micro-batches: add --packing, or use --attn auto")
 
     import torch
 
@@ -141,13 +158,14 @@ def main() -> None:
     params = build_model(work / "model", args.layers)
     layers = args.layers or QWEN25_05B["num_hidden_layers"]
     table = make_table(args.rows, (args.min_len, args.max_len), seed=0, vocab=QWEN25_05B["vocab_size"])
-    table, lp_tokens, lp_s = logprob_pass(str(work / "model"), table, args.infer_budget)
+    table, lp_tokens, lp_s = logprob_pass(str(work / "model"), table, args.infer_budget, args.packing, args.attn)
     torch.cuda.empty_cache()  # the forward model is gone with the call
     torch.cuda.reset_peak_memory_stats()
 
     from stages.train.distributed import init_distributed
     from stages.train.engine import Engine
     from stages.train.models import load_actor_model
+    from stages.train.packed_attention import attention_for
     from stages.train.step import train_step
     from stages.train.train_table import rows_of_table
 
@@ -174,15 +192,16 @@ def main() -> None:
         profile_step(lambda: train_step(rows, actor, None, cfg, dist, args.steps + 1, pad_token_id=0), args.profile)
     print(f"GPU {name}, torch {torch.__version__}, peak {peak} TFLOP/s; model {params / 1e6:.1f}M params, "
           f"{layers} layers; {args.rows} rows of {args.min_len}-{args.max_len} tokens ({int(lengths.sum())} tokens)")
+    attention = attention_for(args.attn, args.packing, "cuda")
     print(f"log-prob pass: {lp_tokens} tokens in {lp_s:.2f} s = {lp_tokens / lp_s:,.0f} tok/s "
-          f"(budget {args.infer_budget})")
+          f"(budget {args.infer_budget}; packing {'on' if args.packing else 'off'}, attention {attention})")
     print(f"training: ZeRO-{args.zero}, budget {args.budget}, {'torch AdamW' if args.torch_adam else 'FusedAdam'}, "
           f"checkpointing {'on' if args.checkpointing else 'off'}, compiled layers {args.compile}; warm-up step {warm_s:.2f} s; "
           f"{args.steps} steps {seconds:.2f} s; padding {1 - tokens / max(1, padded):.3f}; losses finite {finite}")
     print(f"training: {tok_s:,.0f} tok/s, {flops / seconds / 1e12:.1f} TFLOP/s, MFU {mfu:.3f}; "
           f"peak allocated {peak_gib:.1f} GiB, reserved {reserved_gib:.1f} GiB")
     print(f"RESULT train_tok_per_s={tok_s:.0f} train_mfu={mfu:.3f} logprob_tok_per_s={lp_tokens / lp_s:.0f} "
-          f"peak_gib={peak_gib:.1f}")
+          f"peak_gib={peak_gib:.1f} packing={'on' if args.packing else 'off'} attention={attention}")
 
 
 if __name__ == "__main__":

@@ -8,6 +8,10 @@ Each check prints one line and ``RESULT`` at the end sums them up:
 2. a DeepSpeed training step (ZeRO-2, bf16, nccl, one rank) on a small random Qwen2.5-shaped model with the default
    optimizer (``auto``: torch's fused AdamW, nothing compiled), then again with ``torch_compile``: losses finite;
 3. log-probs on CUDA (bf16) against the same model's on CPU (fp32): the largest difference;
+3b. packed micro-batches through torch's variable-length flash kernel (``attn_implementation: fa2``,
+   stages/train/packed_attention.py) against the padded sdpa pass, both bf16 on CUDA: each one's largest distance
+   from the fp32 padded log-probs (the kernel's must stay within 2x sdpa's + 0.01), the kernel's calls, and the time
+   of each pass;
 4. ROLL's loss golden cases on CUDA (tests/losses/test_actor_golden.py's ``test_same_result_on_cuda``);
 5. two processes sharing the GPU as the colocated plan does: a second process holds memory while this one trains a
    step; the memory each sees before and after.
@@ -15,8 +19,8 @@ Each check prints one line and ``RESULT`` at the end sums them up:
     python benchmarks/gpu_smoke.py            # on the GPU machine
     python benchmarks/gpu_smoke.py --dry-run  # anywhere: the pre-flight and the plan of checks, nothing on a GPU
 
-Last line: ``RESULT preflight=ok|<n> problems optimizer=... train=ok compiled=ok logprob_max_diff=... golden=5/5
-shared_gpu=ok``.
+Last line: ``RESULT preflight=ok|<n> problems optimizer=... train=ok compiled=ok logprob_max_diff=...
+varlen=ok(diff=...,varlen_s=...,padded_sdpa_s=...) golden=5/5 shared_gpu=ok``.
 """
 
 from __future__ import annotations
@@ -110,6 +114,43 @@ def logprob_diff(model_dir: str, table) -> float:
     return float(np.max(np.abs(out["cpu"] - out["cuda"])))
 
 
+def varlen_vs_padded(model_dir: str, table) -> str:
+    """Packed bf16 log-probs through the variable-length kernel against the padded sdpa pass on CUDA; each pass once
+    to warm up, then timed."""
+    import numpy as np
+    import torch
+
+    from stages.train import packed_attention
+    from stages.train.batching import TokenRows
+    from stages.train.forward import forward_rows, load_forward_model
+
+    rows = TokenRows.from_arrow(table, "smoke", columns=())
+    model = load_forward_model(model_dir, "log_probs", "fp32", device="cuda")
+    reference = forward_rows(model, rows, 4096, device="cuda").columns["log_probs"].values.astype(np.float64)
+    model = load_forward_model(model_dir, "log_probs", "bf16", device="cuda")
+    values, seconds, kernel_calls = {}, {}, 0
+    for label, packed, attention in (("padded_sdpa", False, "sdpa"), ("packed_varlen", True, "fa2")):
+        forward_rows(model, rows, 4096, device="cuda", packed=packed, attention=attention)
+        before = packed_attention.calls.copy()
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        result = forward_rows(model, rows, 4096, device="cuda", packed=packed, attention=attention)
+        torch.cuda.synchronize()
+        seconds[label] = time.perf_counter() - start
+        kernel_calls += (packed_attention.calls - before)["varlen"]
+        values[label] = result.columns["log_probs"].values.astype(np.float64)
+    err = {k: float(np.max(np.abs(v - reference))) for k, v in values.items()}
+    diff = float(np.max(np.abs(values["packed_varlen"] - values["padded_sdpa"])))
+    print(f"varlen: packed bf16 log-probs through torch's varlen kernel ({kernel_calls} calls) vs padded sdpa: max "
+          f"diff {diff:.3g}; from fp32: varlen {err['packed_varlen']:.3g}, sdpa {err['padded_sdpa']:.3g}; "
+          f"{rows.num_rows} rows, {int(rows.lengths.sum())} tokens: varlen {seconds['packed_varlen'] * 1e3:.1f} ms, "
+          f"padded sdpa {seconds['padded_sdpa'] * 1e3:.1f} ms")
+    ok = kernel_calls > 0 and err["packed_varlen"] <= 2 * err["padded_sdpa"] + 0.01
+    status = "ok" if ok else ("no_kernel_call" if kernel_calls == 0 else "differs")
+    return (f"{status}(diff={diff:.3g},varlen_s={seconds['packed_varlen']:.4f},"
+            f"padded_sdpa_s={seconds['padded_sdpa']:.4f})")
+
+
 def golden_on_cuda() -> tuple[int, int]:
     sys.path.insert(0, str(REPO))
     from tests.losses import test_actor_golden as golden
@@ -168,7 +209,8 @@ def main() -> int:
     if args.dry_run or not torch.cuda.is_available():
         why = "dry run" if args.dry_run else "no CUDA device (torch.cuda.is_available() is False)"
         print(f"{why}: would run a DeepSpeed step (default optimizer, then torch_compile), log-probs on CUDA vs CPU, "
-              "the loss golden cases on CUDA and two processes sharing the GPU")
+              "packed log-probs through torch's varlen kernel vs padded sdpa, the loss golden cases on CUDA and two "
+              "processes sharing the GPU")
         print("RESULT " + " ".join(f"{k}={v}" for k, v in results.items()) + f" gpu_checks=skipped({why.split(':')[0]})")
         return 0 if args.dry_run else 1
 
@@ -184,6 +226,7 @@ def main() -> int:
         "train": lambda: train_steps(str(work / "model"), table, dist, compile_layers=False),
         "compiled": lambda: train_steps(str(work / "model"), table, dist, compile_layers=True),
         "logprob_max_diff": lambda: logprob_diff(str(work / "model"), table),
+        "varlen": lambda: varlen_vs_padded(str(work / "model"), table),
         "golden": golden_on_cuda,
         "shared_gpu": lambda: shared_gpu(str(work / "model"), table, dist),
     }

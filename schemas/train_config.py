@@ -34,6 +34,29 @@ LORA_DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up
 LORA_FIELDS = ("lora_rank", "lora_alpha", "lora_target_modules")
 
 
+def _attn_alias(value: Any) -> Any:
+    """ROLL turns ``fa2`` into Hugging Face's ``flash_attention_2``; both name the variable-length attention here."""
+    return "fa2" if value == "flash_attention_2" else value
+
+
+# model_args.attn_implementation (ROLL's option and values) and the log-prob pass's: auto, sdpa, fa2
+AttnImplementation = Annotated[Literal["auto", "sdpa", "fa2"], BeforeValidator(_attn_alias)]
+ATTN_DESCRIPTION = (
+    "Attention of packed micro-batches (ROLL's option): auto (fa2 on CUDA with use_sequence_packing, else sdpa), "
+    "sdpa (Hugging Face's: a packed row gets a block-diagonal T x T mask) or fa2 (also read as flash_attention_2: "
+    "variable-length attention from the packed position ids, no T x T mask; on CUDA in bf16/fp16 torch's "
+    "FlashAttention-2 varlen kernel, elsewhere causal SDPA per packed row; stages/train/packed_attention.py). "
+    "Rows that are not packed run sdpa either way. fa2 needs use_sequence_packing: true.")
+
+
+def refuse_fa2_unpacked(where: str, choice: str, packed: bool) -> None:
+    """fa2 without packing: no micro-batch would use it."""
+    if choice == "fa2" and not packed:
+        raise ValueError(f"{where}attn_implementation fa2 is the variable-length attention of packed micro-batches, "
+                         "and use_sequence_packing is false, so every micro-batch would run sdpa; set "
+                         "use_sequence_packing: true, or attn_implementation: auto")
+
+
 def _module_names(value: Any) -> Any:
     """ROLL writes ``lora_target`` as one comma-separated string (``q_proj,v_proj``): split it into names."""
     if isinstance(value, str):
@@ -63,6 +86,8 @@ class ModelArgs(Frozen):
                     "module path); also read as ROLL's lora_target, a comma-separated string; [all] (ROLL's 'all') "
                     "means every linear layer but the output head. Default: the attention and MLP projections of "
                     "Llama-style models.")
+
+    attn_implementation: AttnImplementation = Field("auto", description=ATTN_DESCRIPTION)
 
     @model_validator(mode="after")
     def _lora_rules(self) -> "ModelArgs":
@@ -122,6 +147,8 @@ class ModelArgs(Frozen):
         if self.lora_rank is None and isinstance(data, dict):
             for name in LORA_FIELDS:
                 data.pop(name, None)
+        if self.attn_implementation == "auto" and isinstance(data, dict):  # fingerprints as before the option
+            data.pop("attn_implementation", None)
         return data
 
 
@@ -271,6 +298,11 @@ class WorkerTrainConfig(OmitDefaults):
             raise ValueError("fused_output_layer: true with strategy_args.zero_stage 3 is not supported: ZeRO-3 "
                              "gathers the output layer's weight only inside the layer's own forward, which the fused "
                              "path bypasses; set fused_output_layer: false (or auto), or zero_stage: 2")
+        return self
+
+    @model_validator(mode="after")
+    def _fa2_needs_packing(self) -> "WorkerTrainConfig":
+        refuse_fa2_unpacked("model_args.", self.model_args.attn_implementation, self.use_sequence_packing)
         return self
 
     @model_validator(mode="after")
@@ -449,7 +481,7 @@ class RunTrainConfig(TrainOptions, StepSettings):
 class ForwardConfig(OmitDefaults):
     """``rollflow logprobs`` / ``rollflow values``: forward passes over a samples table in a Ray Data actor pool."""
 
-    omit_when_default: ClassVar[dict[str, Any]] = {"device_mapping": None}
+    omit_when_default: ClassVar[dict[str, Any]] = {"device_mapping": None, "attn_implementation": "auto"}
 
     enable_reference: bool = Field(True, description="Also compute ref_log_probs under the reference model (ROLL "
                                                      "turns it on when use_kl_loss or init_kl_coef > 0).")
@@ -475,6 +507,8 @@ class ForwardConfig(OmitDefaults):
                                        "padding (ROLL's name; positions restart per row, so each attends to itself "
                                        "only); max_tokens_per_microbatch_in_infer then counts real tokens. The same "
                                        "values up to float rounding, so not part of the stage's fingerprint.")
+    attn_implementation: AttnImplementation = Field("auto", description=ATTN_DESCRIPTION + " On the actor group's "
+                                                    "held engines too, for the pass (not part of the fingerprint).")
     threads: int | None = _threads_field("actor")
     device_mapping: DeviceMapping = Field(None, description="ROLL's device_mapping of the reference/old-log-prob "
                                           "workers: their GPU indexes (one per actor; device: cuda). Equal to the "
@@ -482,6 +516,11 @@ class ForwardConfig(OmitDefaults):
                                           "null: each actor reserves gpus_per_actor of a GPU of its own.")
     seed: int = Field(42, description="Seed of a new critic's value head (values stage, before any training).")
     runtime: RuntimeConfig = Field(default_factory=RuntimeConfig, description="Ray cluster settings.")
+
+    @model_validator(mode="after")
+    def _fa2_needs_packing(self) -> "ForwardConfig":
+        refuse_fa2_unpacked("", self.attn_implementation, self.use_sequence_packing)
+        return self
 
     def torch_threads(self) -> int:
         return self.threads or max(1, int(self.cpus_per_actor))

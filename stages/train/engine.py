@@ -17,6 +17,7 @@ from stages.train.batching import (MicroBatch, TokenHidden, TokenLogits, causal_
 from stages.train.distributed import DistInfo
 from stages.train.engine_config import deepspeed_config, lr_lambda
 from stages.train.models import compile_decoder_layers
+from stages.train.packed_attention import attention_for, set_attention
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -29,6 +30,8 @@ class Engine:
 
         self.role, self.worker, self.dist = role, worker, dist
         self.lora = lora.is_lora(model)
+        set_attention(model, attention_for(worker.model_args.attn_implementation, worker.use_sequence_packing,
+                                           dist.device), "model_args.attn_implementation")
         if not worker.model_args.disable_gradient_checkpointing:
             model.gradient_checkpointing_enable()
             if self.lora:  # frozen embeddings: reentrant checkpointing needs inputs that require grad

@@ -31,6 +31,7 @@ from stages.train import models
 from stages.train.batching import (TokenRows, causal_lm_logits, forward_packed, pad_micro_batch, select_hidden,
                                    select_logits, split_by_real_tokens, split_by_token_budget, unpad_next_token)
 from stages.train.lora import load_adapter, load_with_adapter, same_adapter_options
+from stages.train.packed_attention import attention_for, attention_used
 
 
 @dataclass
@@ -61,11 +62,13 @@ def _concat_in_order(parts: list[tuple[np.ndarray, Ragged]], num_rows: int) -> R
 @torch.inference_mode()
 def forward_rows(model: torch.nn.Module, rows: TokenRows, max_tokens: int, *, kind: str = "log_probs",
                  entropy: bool = False, device: torch.device | str = "cpu", pad_token_id: int = 0,
-                 packed: bool = False, fused: bool = False) -> ForwardResult:
+                 packed: bool = False, fused: bool = False, attention: str = "auto") -> ForwardResult:
     """Run ``model`` over ``rows`` in micro-batches of at most ``max_tokens`` padded tokens, or, ``packed``, of at
     most ``max_tokens`` real tokens run as one row without padding (:func:`forward_packed`; the same values up to
-    float rounding). ``fused``: the output layer fused with the log-prob and entropy reduction
-    (:class:`TokenHidden`: the ``(N, V)`` logits never held; the same values up to float32 rounding).
+    float rounding), under the attention option ``attention`` (auto, sdpa, fa2:
+    :func:`stages.train.packed_attention.attention_for`; the model's own choice again after the pass). ``fused``: the
+    output layer fused with the log-prob and entropy reduction (:class:`TokenHidden`: the ``(N, V)`` logits never
+    held; the same values up to float32 rounding).
 
     kind ``log_probs``: column ``log_probs`` (and ``entropy`` if asked) from a causal LM's logits;
     kind ``values``: column ``values`` from a one-label token-classification critic."""
@@ -77,26 +80,27 @@ def forward_rows(model: torch.nn.Module, rows: TokenRows, max_tokens: int, *, ki
         return model(input_ids=input_ids, position_ids=position_ids, use_cache=False).logits
 
     split = split_by_real_tokens if packed else split_by_token_budget
-    for index in split(rows.lengths, max_tokens):
-        mb = pad_micro_batch(rows, index, pad_token_id).to(device)
-        # right padding + causal attention: real tokens never see the padding, so no attention mask is needed
-        results = {}
-        if kind == "values":
-            out = forward_packed(values_of, mb) if packed else values_of(mb.input_ids, mb.position_ids)
-            results["values"] = out[:, :-1, 0].float()
-        else:  # the output layer runs at the response tokens only (TokenLogits)
-            if fused:
-                logits = select_hidden(model, mb, packed)
-            else:
-                logits = select_logits(partial(causal_lm_logits, model), mb, packed)
-            results["log_probs"] = logits.log_probs(mb)
-            if entropy:
-                results["entropy"] = logits.entropy()
-        for name, value in results.items():
-            parts.setdefault(name, []).append((index, unpad_next_token(value, mb.lengths)))
-        tokens += mb.real_tokens
-        padded += mb.real_tokens if packed else mb.padded_tokens
-        count += 1
+    with attention_used(model, attention_for(attention, packed, device)):
+        for index in split(rows.lengths, max_tokens):
+            mb = pad_micro_batch(rows, index, pad_token_id).to(device)
+            # right padding + causal attention: real tokens never see the padding, so no attention mask is needed
+            results = {}
+            if kind == "values":
+                out = forward_packed(values_of, mb) if packed else values_of(mb.input_ids, mb.position_ids)
+                results["values"] = out[:, :-1, 0].float()
+            else:  # the output layer runs at the response tokens only (TokenLogits)
+                if fused:
+                    logits = select_hidden(model, mb, packed)
+                else:
+                    logits = select_logits(partial(causal_lm_logits, model), mb, packed)
+                results["log_probs"] = logits.log_probs(mb)
+                if entropy:
+                    results["entropy"] = logits.entropy()
+            for name, value in results.items():
+                parts.setdefault(name, []).append((index, unpad_next_token(value, mb.lengths)))
+            tokens += mb.real_tokens
+            padded += mb.real_tokens if packed else mb.padded_tokens
+            count += 1
     columns = {name: _concat_in_order(p, rows.num_rows) for name, p in parts.items()}
     if rows.num_rows == 0:
         names = ["values"] if kind == "values" else ["log_probs"] + (["entropy"] if entropy else [])
@@ -105,24 +109,25 @@ def forward_rows(model: torch.nn.Module, rows: TokenRows, max_tokens: int, *, ki
 
 
 def forward_batch(models: list, jobs: list, batch: pa.Table, max_tokens: int, output: Location,
-                  spec: TableSpec, where: str, device: str = "cpu", packed: bool = False) -> pa.Table:
+                  spec: TableSpec, where: str, device: str = "cpu", packed: bool = False,
+                  attention: str = "auto") -> pa.Table:
     """The rows of ``batch`` plus each job's result columns (``jobs``: :class:`stages.train.stage.ForwardJob`, one per
     model; ragged in, ragged out; row order kept), checked against ``spec``; the batch's counters are recorded beside
     ``output`` (:func:`stages.runner.write_partials`). The forward actors and the actor group's ranks
-    (stages/train/actor_forward.py) run every batch through it."""
+    (stages/train/actor_forward.py) run every batch through it; ``packed`` and ``attention`` as :func:`forward_rows`."""
     cpu_start = time.process_time()
     rows = TokenRows.from_arrow(batch, where, columns=())
     counters = {"tokens": 0.0, "padded_tokens": 0.0, "seconds": 0.0, "rows": float(batch.num_rows)}
     for job, model in zip(jobs, models):
         result = forward_rows(model, rows, max_tokens, kind=job.kind, entropy=job.entropy, device=device,
-                              packed=packed)
+                              packed=packed, attention=attention)
         produced = {job.column: result.columns["values" if job.kind == "values" else "log_probs"]}
         produced.update({c: produced[job.column] for c in job.copies})
         if job.entropy:
             produced["entropy"] = result.columns["entropy"]
         if job.base_column is not None:  # the LoRA model with its adapter off is exactly its base
             with model.disable_adapter():
-                base = forward_rows(model, rows, max_tokens, device=device, packed=packed)
+                base = forward_rows(model, rows, max_tokens, device=device, packed=packed, attention=attention)
             produced[job.base_column] = base.columns["log_probs"]
             result.tokens, result.padded_tokens = result.tokens + base.tokens, result.padded_tokens + base.padded_tokens
             result.seconds += base.seconds

@@ -147,6 +147,7 @@ ELSEWHERE = {
     "ForwardConfig.dtype": "tests/schemas/test_precision.py",
     "ForwardConfig.device": "tests/train/test_stage.py",
     "ForwardConfig.use_sequence_packing": "tests/train/test_stage.py",
+    "ForwardConfig.attn_implementation": "tests/train/test_forward.py",
     # the policy loss and the training step (the losses on ROLL's golden vectors, the step on DeepSpeed)
     "LossOptions.use_pg_clip_range": "tests/losses/test_actor_properties.py",
     "LossOptions.dual_clip_loss": "tests/losses/test_actor_properties.py",
@@ -170,6 +171,7 @@ ELSEWHERE = {
     "TrainOptions.compute_entropy_metric": "tests/train/test_core.py",
     "ModelArgs.dtype": "tests/schemas/test_precision.py",
     "ModelArgs.disable_gradient_checkpointing": "tests/train/test_lora.py",
+    "ModelArgs.attn_implementation": "tests/train/test_core.py",
     "TrainingArgs.lr_scheduler_type": "tests/train/test_core.py",
     "StrategyArgs.zero_stage": "tests/train/test_core.py",
     "StrategyArgs.torch_compile": "tests/flows/test_gpu_preflight.py",

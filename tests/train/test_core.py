@@ -23,6 +23,7 @@ from stages.train.engine import Engine
 from stages.train.engine_config import lr_lambda
 from stages.train.forward import forward_rows
 from stages.train.models import load_actor_model, load_critic_model
+from stages.train import packed_attention
 from stages.train.objectives import ActorObjective
 from stages.train.step import train_step
 from stages.train.train_table import rows_of_table
@@ -108,16 +109,28 @@ def test_engine_step_equals_bare_torch_on_one_padded_batch(zero_stage, dist, tin
     assert_same_weights(engine.module, model)
 
 
-def test_a_packed_step_equals_bare_torch_on_one_padded_batch(dist, tiny_model, table):
+@pytest.mark.parametrize("attn_implementation", ["auto", "fa2"])
+def test_a_packed_step_equals_bare_torch_on_one_padded_batch(dist, tiny_model, table, attn_implementation):
     """use_sequence_packing: each micro-batch (<= 96 real tokens, so other groupings than the padded path's) runs as
-    one row without padding, forward and backward; the step still equals the bare loop's one padded batch. (Adam's
-    first update of a weight is lr·g/(|g| + eps): where |g| is near eps it turns float rounding of g into up to
-    lr·rounding/eps, so eps is 1e-6 here and in the critic's test, not the default 1e-8.)"""
+    one row without padding, forward and backward; the step still equals the bare loop's one padded batch, with
+    Hugging Face's sdpa (auto on CPU: its block-diagonal mask) and with the packed attention (model_args.
+    attn_implementation fa2: on CPU causal SDPA per packed row, whose function runs once per layer and micro-batch).
+    (Adam's first update of a weight is lr·g/(|g| + eps): where |g| is near eps it turns float rounding of g into up
+    to lr·rounding/eps, so eps is 1e-6 here and in the critic's test, not the default 1e-8.)"""
     cfg = section(**{"actor_train.use_sequence_packing": True, "actor_train.training_args.max_grad_norm": 0.5,
-                     "actor_train.training_args.adam_epsilon": 1e-6})
+                     "actor_train.training_args.adam_epsilon": 1e-6,
+                     "actor_train.model_args.attn_implementation": attn_implementation})
     rows = rows_of_table(table, "t")
     engine = Engine(load_actor_model(str(tiny_model), None), cfg.actor_train, dist, "actor")
+    before = packed_attention.calls.copy()
     report = train_step(rows, engine, None, cfg, dist, step=0, pad_token_id=0)
+    ran = packed_attention.calls - before
+    layers = engine.module.config.num_hidden_layers
+    if attn_implementation == "fa2":
+        assert engine.module.config._attn_implementation == packed_attention.PACKED_ATTENTION
+        assert ran["segments"] >= 2 * layers and set(ran) == {"segments"}  # every micro-batch, every layer
+    else:
+        assert engine.module.config._attn_implementation == "sdpa" and not ran
     steps, reference = bare_torch_loop(tiny_model, rows, cfg)
     (loss, norm, lr), = steps
     plans = plan_step(rows.lengths, rows.loss_tokens(), policy=batching_policy(cfg.actor_train), world_size=1,

@@ -1,14 +1,23 @@
 """Gradient-free forward passes (no Ray): token-budget batches with padding give each row what an unpadded forward
 of that row alone gives; results come back ragged (L - 1 per row) in input order."""
 
+from functools import partial
+
 import numpy as np
 import pytest
 import torch
+from pydantic import ValidationError
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
+from schemas.errors import ConfigError
+from schemas.train_config import ForwardConfig, ModelArgs, WorkerTrainConfig
 from stages.losses import entropy_from_logits, log_probs_from_logits
-from stages.train.batching import TokenRows
+from stages.train import packed_attention
+from stages.train.batching import TokenRows, causal_lm_logits, pad_micro_batch, select_logits
 from stages.train.forward import forward_rows, load_forward_model
 from stages.train.models import load_actor_model, load_critic_model
+from stages.train.packed_attention import PACKED_ATTENTION, attention_for, attention_used, set_attention
 from tests.train.tables import advantaged_rows
 
 
@@ -131,3 +140,129 @@ def test_fused_output_layer_equals_the_logits_path(tiny_model, rows, packed):
     for name in ("log_probs", "entropy"):
         assert (fused.columns[name].offsets == plain.columns[name].offsets).all()
         np.testing.assert_array_equal(fused.columns[name].values, plain.columns[name].values)
+
+
+# ---- packed micro-batches through variable-length attention (stages/train/packed_attention.py) ------------------
+
+class TensorShapes(TorchDispatchMode):
+    """The shapes of every tensor an operator returns (views included) while the mode is on."""
+
+    def __init__(self):
+        super().__init__()
+        self.shapes: set[tuple[int, ...]] = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        self.shapes.update(tuple(t.shape) for t in tree_leaves(out) if isinstance(t, torch.Tensor))
+        return out
+
+
+def square(shapes: set[tuple[int, ...]], t: int) -> bool:
+    """Whether some tensor ended in a (t, t) block: an attention mask or score matrix over the packed row."""
+    return any(len(shape) >= 2 and shape[-2:] == (t, t) for shape in shapes)
+
+
+def test_packed_attention_equals_the_sdpa_block_mask_and_the_padded_forward(tiny_model, rows):
+    """attn_implementation fa2 on CPU (causal SDPA per packed row, the fallback of torch's varlen kernel) gives the
+    log-probs and entropies of Hugging Face's sdpa over the packed row (its block-diagonal T x T mask) and of the
+    padded forward within float32 rounding; its attention function ran once per layer and no (T, T) tensor was
+    formed, while the sdpa pass built one (so the spy sees masks). The model's own attention is back after the pass."""
+    model = load_actor_model(str(tiny_model)).eval()
+    t = int(rows.lengths.sum())  # one micro-batch: the packed row
+    assert t not in (model.config.hidden_size, model.config.intermediate_size, model.config.head_dim)
+    padded = forward_rows(model, rows, 100000, entropy=True)
+    with TensorShapes() as block_mask:
+        block = forward_rows(model, rows, 100000, entropy=True, packed=True, attention="sdpa")
+    before = packed_attention.calls.copy()
+    with TensorShapes() as varlen_pass:
+        varlen = forward_rows(model, rows, 100000, entropy=True, packed=True, attention="fa2")
+    ran = packed_attention.calls - before
+    assert ran == {"segments": model.config.num_hidden_layers}
+    assert square(block_mask.shapes, t) and not square(varlen_pass.shapes, t)
+    assert model.config._attn_implementation == "sdpa"
+    for name in ("log_probs", "entropy"):
+        assert (varlen.columns[name].offsets == padded.columns[name].offsets).all()
+        np.testing.assert_allclose(varlen.columns[name].values, block.columns[name].values, atol=2e-5)
+        np.testing.assert_allclose(varlen.columns[name].values, padded.columns[name].values, atol=2e-5)
+
+
+def loss_gradients(model, mb, attention: str, packed: bool) -> dict[str, torch.Tensor]:
+    """The gradients of a weighted sum of ``mb``'s log-probs (a policy-gradient-shaped loss) under ``attention``."""
+    model.zero_grad()
+    weights = torch.linspace(-1.0, 1.0, mb.loss_mask.numel()).reshape(mb.loss_mask.shape)
+    with attention_used(model, attention_for(attention, packed, "cpu")):
+        logits = select_logits(partial(causal_lm_logits, model), mb, packed)
+    (logits.log_probs(mb) * weights).sum().backward()
+    return {name: p.grad.clone() for name, p in model.named_parameters()}
+
+
+def test_packed_attention_gradients_equal_the_sdpa_block_mask_and_the_padded_ones(tiny_model, rows):
+    """Training runs the same attention backward: the gradients of a loss of the packed log-probs under fa2 equal
+    those of sdpa's block-mask pass and of the padded batch within float32 rounding."""
+    model = load_actor_model(str(tiny_model))
+    mb = pad_micro_batch(rows, np.arange(rows.num_rows))
+    before = packed_attention.calls.copy()
+    varlen = loss_gradients(model, mb, "fa2", packed=True)
+    assert (packed_attention.calls - before)["segments"] == model.config.num_hidden_layers
+    block, padded = loss_gradients(model, mb, "sdpa", packed=True), loss_gradients(model, mb, "sdpa", packed=False)
+    assert any(g.abs().max() > 1e-3 for g in varlen.values())
+    for name, grad in varlen.items():
+        torch.testing.assert_close(grad, block[name], atol=1e-5, rtol=1e-4, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(grad, padded[name], atol=1e-5, rtol=1e-4, msg=lambda m: f"{name}: {m}")
+
+
+def test_inputs_that_are_not_packed_run_sdpa_unchanged(tiny_model, rows):
+    """Under the packed attention, a padded batch of several rows and a single row (positions without a restart)
+    give bit-identical logits to Hugging Face's sdpa: its attention function hands them to sdpa as they came."""
+    model = load_actor_model(str(tiny_model)).eval()
+    mb = pad_micro_batch(rows, np.arange(rows.num_rows))
+    single = pad_micro_batch(rows, np.array([0]))
+    with torch.no_grad():
+        want = [model(input_ids=b.input_ids, position_ids=b.position_ids).logits for b in (mb, single)]
+        before = packed_attention.calls.copy()
+        with attention_used(model, PACKED_ATTENTION):
+            assert model.config._attn_implementation == PACKED_ATTENTION
+            got = [model(input_ids=b.input_ids, position_ids=b.position_ids).logits for b in (mb, single)]
+    assert packed_attention.calls - before == {"sdpa": 2 * model.config.num_hidden_layers}
+    for g, w in zip(got, want, strict=True):
+        assert torch.equal(g, w)
+
+
+def test_segment_offsets_read_the_restarts_of_the_position_ids():
+    positions = torch.tensor([[0, 1, 2, 0, 1, 0, 0, 1, 2, 3]])
+    assert packed_attention.segment_offsets(positions).tolist() == [0, 3, 5, 6, 10]
+    assert packed_attention.segment_offsets(torch.arange(5)[None]).tolist() == [0, 5]
+
+
+def test_the_varlen_kernel_call_is_well_formed():
+    """torch's varlen_attn (its shape-only implementation, on meta tensors: the kernel itself needs CUDA) takes the
+    call the packed attention makes on CUDA, grouped key/value heads included, and gives (1, T, Hq, D) back."""
+    query = torch.empty(1, 4, 10, 64, device="meta", dtype=torch.bfloat16)
+    key = torch.empty(1, 2, 10, 64, device="meta", dtype=torch.bfloat16)
+    offsets = packed_attention.segment_offsets(torch.tensor([[0, 1, 2, 0, 1, 2, 3, 4, 5, 6]]))
+    out = packed_attention.varlen_attention(query, key, key, offsets, 0.125)
+    assert out.shape == (1, 10, 4, 64) and out.dtype == torch.bfloat16
+    assert not packed_attention.varlen_runs(torch.empty(1, 4, 10, 64), 0.0, 0.125)  # CPU: per-segment SDPA
+
+
+def test_attn_implementation_resolution_dump_and_refusals(tiny_model):
+    """auto: the packed attention on CUDA with packing, sdpa otherwise (so CPU runs and config hashes are as
+    before: auto is left out of the dump); fa2 and sdpa as written (flash_attention_2, ROLL's spelling, reads as
+    fa2); fa2 without packing, an unknown value and a model without transformers' attention interface are refused
+    with the fix."""
+    assert [attention_for("auto", p, d) for p, d in ((True, "cuda"), (True, "cpu"), (False, "cuda"))] == [
+        PACKED_ATTENTION, "sdpa", "sdpa"]
+    assert attention_for("fa2", True, "cpu") == PACKED_ATTENTION and attention_for("sdpa", True, "cuda") == "sdpa"
+    assert "attn_implementation" not in ModelArgs().model_dump() and "attn_implementation" not in (
+        ForwardConfig().model_dump())
+    assert ModelArgs(attn_implementation="flash_attention_2").model_dump()["attn_implementation"] == "fa2"
+    packed = WorkerTrainConfig(use_sequence_packing=True, model_args={"attn_implementation": "fa2"})
+    assert WorkerTrainConfig.model_validate(packed.model_dump()) == packed
+    for build in (lambda: WorkerTrainConfig(model_args={"attn_implementation": "fa2"}),
+                  lambda: ForwardConfig(attn_implementation="fa2")):
+        with pytest.raises(ValidationError, match="use_sequence_packing: true, or attn_implementation: auto"):
+            build()
+    with pytest.raises(ValidationError):
+        ModelArgs(attn_implementation="eager")
+    with pytest.raises(ConfigError, match="model_args.attn_implementation: sdpa"):
+        set_attention(torch.nn.Linear(2, 2), PACKED_ATTENTION, "model_args.attn_implementation")

@@ -66,14 +66,19 @@ def perturbed_copy(source: Path, target: Path, seed: int = 0) -> Path:
 
 def test_packed_log_prob_stage_equals_the_padded_one(tiny_model, samples, tmp_path, kept):
     """use_sequence_packing runs each micro-batch's rows as one row without padding: the same log-probs (within
-    float32 rounding) and no padded token in the stage's counters."""
+    float32 rounding) and no padded token in the stage's counters; with attn_implementation fa2 (the packed
+    attention, on CPU causal SDPA per row: tests/train/test_forward.py) too."""
     padded = run_logprobs(str(samples), str(tiny_model), ONE_ACTOR, str(tmp_path / "padded"), workers=kept)
     packed = run_logprobs(str(samples), str(tiny_model), ONE_ACTOR.model_copy(update={"use_sequence_packing": True}),
                           str(tmp_path / "packed"), workers=kept)
-    a, b = read_folder(tmp_path / "padded"), read_folder(tmp_path / "packed")
-    assert a.column("row_id").to_pylist() == b.column("row_id").to_pylist()
-    for x, y in zip(a.column("old_log_probs").to_pylist(), b.column("old_log_probs").to_pylist()):
+    run_logprobs(str(samples), str(tiny_model), ONE_ACTOR.model_copy(update={"use_sequence_packing": True,
+                                                                             "attn_implementation": "fa2"}),
+                 str(tmp_path / "varlen"), workers=kept)
+    a, b, c = (read_folder(tmp_path / name) for name in ("padded", "packed", "varlen"))
+    assert a.column("row_id").to_pylist() == b.column("row_id").to_pylist() == c.column("row_id").to_pylist()
+    for x, y, z in zip(*(t.column("old_log_probs").to_pylist() for t in (a, b, c))):
         np.testing.assert_allclose(y, x, atol=2e-5)
+        np.testing.assert_allclose(z, x, atol=2e-5)
     assert packed.metrics["logprobs/padded_tokens"] == packed.metrics["logprobs/tokens"]
     assert padded.metrics["logprobs/padded_tokens"] > padded.metrics["logprobs/tokens"]
 
