@@ -12,6 +12,9 @@ Each check prints one line and ``RESULT`` at the end sums them up:
    stages/train/packed_attention.py) against the padded sdpa pass, both bf16 on CUDA: each one's largest distance
    from the fp32 padded log-probs (the kernel's must stay within 2x sdpa's + 0.01), the kernel's calls, and the time
    of each pass;
+3c. the log-prob pass with ``logprobs.fused_output_layer`` (``forward_rows(fused=True)``: no (tokens, vocabulary)
+   logits) against the logits path on CUDA, fp32 (equal within float32 rounding: 8 ulps of the log-sum-exp's
+   magnitude, as tests/train/test_forward.py) and bf16 (reported), and the pass's peak CUDA memory each way;
 4. ROLL's loss golden cases on CUDA (tests/losses/test_actor_golden.py's ``test_same_result_on_cuda``);
 5. two processes sharing the GPU as the colocated plan does: a second process holds memory while this one trains a
    step; the memory each sees before and after.
@@ -20,7 +23,8 @@ Each check prints one line and ``RESULT`` at the end sums them up:
     python benchmarks/gpu_smoke.py --dry-run  # anywhere: the pre-flight and the plan of checks, nothing on a GPU
 
 Last line: ``RESULT preflight=ok|<n> problems optimizer=... train=ok compiled=ok logprob_max_diff=...
-varlen=ok(diff=...,varlen_s=...,padded_sdpa_s=...) golden=5/5 shared_gpu=ok``.
+varlen=ok(diff=...,varlen_s=...,padded_sdpa_s=...) fused_logprobs=ok|mismatch(...) fused_max_diff=<fp32>/<bf16>
+fused_peak_mib=<logits path>-><fused> golden=5/5 shared_gpu=ok``.
 """
 
 from __future__ import annotations
@@ -151,6 +155,58 @@ def varlen_vs_padded(model_dir: str, table) -> str:
             f"padded_sdpa_s={seconds['padded_sdpa']:.4f})")
 
 
+def fused_logprobs(model_dir: str, table) -> dict[str, str]:
+    """The log-prob pass on CUDA with the fused output layer against the logits path (entropy too), fp32 and bf16:
+    the largest difference of each, the fp32 one against 8 float32 ulps of the largest log-sum-exp, and the peak
+    CUDA memory of the bf16 pass each way (``torch.cuda.max_memory_allocated`` above the model's own). Chunks of
+    256 positions: the default (64 Mi logits a chunk) would hold all of this small vocabulary's positions in one
+    chunk, where a 150k-vocabulary model gets chunks of about 440."""
+    from stages.losses import fused_output
+    from stages.train.batching import TokenRows
+
+    rows = TokenRows.from_arrow(table, "smoke", columns=())
+    default_chunk, fused_output.FUSED_CHUNK_ELEMENTS = fused_output.FUSED_CHUNK_ELEMENTS, 256 * SMALL["vocab_size"]
+    try:
+        peaks, diffs, tol = _fused_runs(model_dir, rows)
+    finally:
+        fused_output.FUSED_CHUNK_ELEMENTS = default_chunk
+    print(f"fused log-probs: max |fused - logits path| fp32 {diffs['fp32']:.3g} (bound {tol:.3g}), bf16 "
+          f"{diffs['bf16']:.3g}; peak MiB above the model fp32 {peaks['fp32', False]:.1f} -> "
+          f"{peaks['fp32', True]:.1f}, bf16 {peaks['bf16', False]:.1f} -> {peaks['bf16', True]:.1f}")
+    return {"fused_logprobs": "ok" if diffs["fp32"] <= tol else f"mismatch({diffs['fp32']:.3g}>{tol:.3g})",
+            "fused_max_diff": f"{diffs['fp32']:.3g}/{diffs['bf16']:.3g}",
+            "fused_peak_mib": f"{peaks['bf16', False]:.0f}->{peaks['bf16', True]:.0f}"}
+
+
+def _fused_runs(model_dir: str, rows) -> tuple[dict, dict, float]:
+    """(peak MiB by (dtype, fused), max difference by dtype, the fp32 bound) of :func:`fused_logprobs`."""
+    import numpy as np
+    import torch
+
+    from stages.train.forward import forward_rows, load_forward_model
+
+    diffs, peaks, tol = {}, {}, 0.0
+    for dtype in ("fp32", "bf16"):
+        model = load_forward_model(model_dir, "log_probs", dtype, device="cuda")
+        out = {}
+        for fused in (False, True):
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            base = torch.cuda.memory_allocated()
+            result = forward_rows(model, rows, 16384, entropy=True, device="cuda", fused=fused)
+            torch.cuda.synchronize()
+            peaks[dtype, fused] = (torch.cuda.max_memory_allocated() - base) / 2**20
+            values = [result.columns[c].values for c in ("log_probs", "entropy")]
+            out[fused] = np.concatenate(values).astype(np.float64)
+        diffs[dtype] = float(np.max(np.abs(out[True] - out[False])))
+        if dtype == "fp32":
+            scale = float(np.max(np.abs(out[False]))) + math.log(SMALL["vocab_size"])
+            tol = 8 * float(np.finfo(np.float32).eps) * scale
+        del model
+        torch.cuda.empty_cache()
+    return peaks, diffs, tol
+
+
 def golden_on_cuda() -> tuple[int, int]:
     sys.path.insert(0, str(REPO))
     from tests.losses import test_actor_golden as golden
@@ -209,8 +265,9 @@ def main() -> int:
     if args.dry_run or not torch.cuda.is_available():
         why = "dry run" if args.dry_run else "no CUDA device (torch.cuda.is_available() is False)"
         print(f"{why}: would run a DeepSpeed step (default optimizer, then torch_compile), log-probs on CUDA vs CPU, "
-              "packed log-probs through torch's varlen kernel vs padded sdpa, the loss golden cases on CUDA and two "
-              "processes sharing the GPU")
+              "packed log-probs through torch's varlen kernel vs padded sdpa, the fused-output-layer log-prob pass "
+              "vs the logits path on CUDA (values, peak memory), the loss golden cases on CUDA and two processes "
+              "sharing the GPU")
         print("RESULT " + " ".join(f"{k}={v}" for k, v in results.items()) + f" gpu_checks=skipped({why.split(':')[0]})")
         return 0 if args.dry_run else 1
 
@@ -227,6 +284,7 @@ def main() -> int:
         "compiled": lambda: train_steps(str(work / "model"), table, dist, compile_layers=True),
         "logprob_max_diff": lambda: logprob_diff(str(work / "model"), table),
         "varlen": lambda: varlen_vs_padded(str(work / "model"), table),
+        "fused_logprobs": lambda: fused_logprobs(str(work / "model"), table),
         "golden": golden_on_cuda,
         "shared_gpu": lambda: shared_gpu(str(work / "model"), table, dist),
     }
@@ -246,6 +304,8 @@ def main() -> int:
             results[name] = f"{value[0]}/{value[1]}"
         elif name == "logprob_max_diff":
             results[name] = f"{value:.3g}"
+        elif name == "fused_logprobs":
+            results.update(value)
         else:
             results[name] = value
         print(f"{name}: {results[name]} ({time.perf_counter() - start:.1f} s)")

@@ -194,6 +194,13 @@ def fused_output_layer_choice(value, zero_stage: int = 0):
     return chosen
 
 
+def forward_fused_output_layer(value, device: str) -> bool:
+    """``logprobs.fused_output_layer`` for a pass on ``device`` (the section's own ``device``, not this host: a
+    forward worker runs where its section says): ``auto`` fuses on cuda only (ZeRO does not apply, a forward pass
+    holds whole weights), true and false stay."""
+    return choose_fused_output_layer(value, device, 0)[0]
+
+
 # ---- pydantic before-validators: resolve on this host, say so once per process -------------------------------------
 
 def _device() -> str:
@@ -241,6 +248,19 @@ def flashinfer_sampler_validator(value, info):
     chosen, why = choose_flashinfer_sampler(value, _device(), flashinfer_kernels_present())
     if _device() == "cuda":
         _record("flashinfer_sampler", f"flashinfer_sampler auto -> {str(chosen).lower()}: {why}")
+    return chosen
+
+
+def forward_fused_output_layer_validator(value, info):
+    """Before-validator of ``logprobs.fused_output_layer``: ``auto`` becomes true with ``device: cuda``, false on cpu
+    (the section's device, validated before it; said once per process where it is true)."""
+    if value != AUTO:
+        return value
+    device = info.data.get("device", "cpu")
+    chosen = forward_fused_output_layer(value, device)
+    if chosen:
+        _record("logprobs.fused_output_layer", f"logprobs.fused_output_layer auto -> true: device {device}, "
+                "log-probs and entropy from the output layer in chunks, no (tokens, vocabulary) logits")
     return chosen
 
 

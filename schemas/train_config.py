@@ -22,7 +22,8 @@ from schemas.config import AdvEstimator, Frozen, OmitDefaults, RuntimeConfig, re
 from schemas.devices import DeviceMapping
 from schemas.loss_config import LossOptions
 from schemas.precision import short_validator
-from schemas.toolchain import fused_output_layer_choice, optimizer_validator, torch_compile_validator
+from schemas.toolchain import (forward_fused_output_layer, forward_fused_output_layer_validator,
+                               fused_output_layer_choice, optimizer_validator, torch_compile_validator)
 
 # ``auto`` (accepted on input) becomes bf16 where the hardware computes bf16 natively, else fp32 (schemas/precision.py)
 Precision = Annotated[Literal["fp32", "bf16", "fp16"], BeforeValidator(short_validator)]
@@ -509,6 +510,14 @@ class ForwardConfig(OmitDefaults):
                                        "values up to float rounding, so not part of the stage's fingerprint.")
     attn_implementation: AttnImplementation = Field("auto", description=ATTN_DESCRIPTION + " On the actor group's "
                                                     "held engines too, for the pass (not part of the fingerprint).")
+    fused_output_layer: Annotated[bool, BeforeValidator(forward_fused_output_layer_validator)] = Field(
+        "auto", validate_default=True, description="The log-prob pass's log-probs and entropy (old and reference, "
+        "the LoRA base pass too) straight from the output layer, a chunk of tokens at a time, so the (tokens, "
+        "vocabulary) logits are never held (stages/losses/fused_output.py; the same values up to float32 "
+        "rounding, so not part of the stage's fingerprint): auto (true with device: cuda, false with device: "
+        "cpu), true or false; the same option as actor_train.fused_output_layer, for the pass outside training. "
+        "Needs a plain linear output layer (a LoRA adapter on the output layer is refused at the first batch). "
+        "The values pass (a critic head) is not affected.")
     threads: int | None = _threads_field("actor")
     device_mapping: DeviceMapping = Field(None, description="ROLL's device_mapping of the reference/old-log-prob "
                                           "workers: their GPU indexes (one per actor; device: cuda). Equal to the "
@@ -521,6 +530,14 @@ class ForwardConfig(OmitDefaults):
     def _fa2_needs_packing(self) -> "ForwardConfig":
         refuse_fa2_unpacked("", self.attn_implementation, self.use_sequence_packing)
         return self
+
+    def omit_unused(self, data: Any) -> Any:
+        """The dump without ``fused_output_layer`` while it is what ``auto`` gives on this section's device (read
+        back, ``auto`` gives it again): every config without the option dumps, and hashes, as before it existed."""
+        data = super().omit_unused(data)
+        if isinstance(data, dict) and data.get("fused_output_layer") == forward_fused_output_layer("auto", self.device):
+            del data["fused_output_layer"]
+        return data
 
     def torch_threads(self) -> int:
         return self.threads or max(1, int(self.cpus_per_actor))

@@ -7,6 +7,12 @@ cannot serve (another checkpoint, another dtype, ZeRO-3's partitioned weights, a
 of its own) runs on a model loaded beside them and kept for the next request (:class:`stages.train.forward.ForwardModels`),
 so a run with a separate reference holds that model in the actor's processes instead of a group of its own.
 
+Both kinds of model run the same pass, :func:`stages.train.forward.forward_batch` on the module itself (the held
+engine's module, not :meth:`stages.train.engine.Engine.forward`), so the log-prob section's options decide it
+whichever serves the job: ``logprobs.fused_output_layer`` (not ``actor_train``'s, which is the training step's), and
+the columns are the same bit for bit on either. ZeRO-3's partitioned weights never run a pass (:func:`why_not_held`:
+a model loaded beside holds them whole), so the fused output layer needs no ZeRO rule here.
+
 Each data-parallel rank takes a contiguous slice of the rows (rank r of W: rows ``n r / W`` to ``n (r + 1) / W``),
 runs it in batches of ``rows_per_batch`` rows with the token budget of the log-prob stage
 (:func:`stages.train.forward.forward_batch`, the same code as the forward actors), and writes its rows, in order, as
@@ -114,9 +120,9 @@ def read_rows(samples: Location) -> pa.Table:
 def forward_on_rank(request: dict[str, Any], dist: DistInfo, held: HeldEngines | None,
                     models: ForwardModels) -> HeldEngines | None:
     """Run a forward request on this rank (``request``: samples Location, jobs, dtype, max_tokens, rows_per_batch,
-    packed, attention (the attn_implementation option), output Location (the stage's temporary folder: the batches'
-    counters), parts Location, spec, where, section: the training section to build missing engines under, or None)
-    and write this rank's part. Returns the engines to hold."""
+    packed, attention (the attn_implementation option), fused (the fused output layer), output Location (the stage's
+    temporary folder: the batches' counters), parts Location, spec, where, section: the training section to build
+    missing engines under, or None) and write this rank's part. Returns the engines to hold."""
     jobs, dtype = request["jobs"], request["dtype"]
     if request.get("section") is not None:
         held = engines_for(jobs, held, request["section"], dist, store=request["samples"].fs)
@@ -140,7 +146,7 @@ def forward_on_rank(request: dict[str, Any], dist: DistInfo, held: HeldEngines |
     with evaluating(engines):
         batches = [forward_batch(chosen, jobs, table.slice(i, min(step, stop - i)), request["max_tokens"],
                                  request["output"], request["spec"], request["where"], device, request["packed"],
-                                 request["attention"])
+                                 attention=request["attention"], fused=request["fused"])
                    for i in range(start, stop, step)]
     write_partials(request["output"], f"actor-rank-{dist.rank}",
                    {"jobs_on_held_engines": float(len(engines)), "jobs_on_loaded_models": float(len(jobs) - len(engines))})

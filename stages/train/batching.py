@@ -361,7 +361,8 @@ class TokenHidden(LossEntries):
     same entries as :class:`TokenLogits` (``rows``, ``cols``, ``shape``), whose log-probs and entropy come from
     :func:`fused_output_layer_log_probs_entropy`, so the (N, V) logits are never held. ``labels`` (N,): the next
     tokens (0 off the response mask, as ROLL does), ``on`` (N,): the response mask there. Both columns are computed
-    together on first use (``chunk_tokens`` positions at a time) and kept."""
+    together on first use (``chunk_tokens`` positions at a time) and kept; without ``with_entropy`` (a log-prob pass
+    that writes no entropy) the log-probs alone."""
 
     hidden: torch.Tensor
     layer: torch.nn.Module
@@ -371,12 +372,13 @@ class TokenHidden(LossEntries):
     labels: torch.Tensor
     on: torch.Tensor
     chunk_tokens: int | None = None
-    _out: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, repr=False)
+    with_entropy: bool = True
+    _out: tuple[torch.Tensor, torch.Tensor | None] | None = field(default=None, repr=False)
 
-    def _fused(self) -> tuple[torch.Tensor, torch.Tensor]:
+    def _fused(self) -> tuple[torch.Tensor, torch.Tensor | None]:
         if self._out is None:
-            lp, ent = fused_output_layer_log_probs_entropy(self.layer, self.hidden, self.labels, self.chunk_tokens)
-            self._out = (lp, ent)
+            self._out = fused_output_layer_log_probs_entropy(self.layer, self.hidden, self.labels, self.chunk_tokens,
+                                                             self.with_entropy)
         return self._out
 
     def log_probs(self, mb: MicroBatch) -> torch.Tensor:
@@ -385,6 +387,9 @@ class TokenHidden(LossEntries):
 
     def entropy(self) -> torch.Tensor:
         """``(b, S-1)`` float32 entropy at the entries, 0 elsewhere (as TokenLogits.entropy)."""
+        if not self.with_entropy:
+            raise InvariantError("TokenHidden.entropy: made with with_entropy=False; select_hidden(..., "
+                                 "with_entropy=True) computes it")
         return self.scatter(self._fused()[1])
 
 
@@ -409,17 +414,18 @@ def causal_lm_hidden(model, input_ids: torch.Tensor, position_ids: torch.Tensor,
     return kept[0], layer
 
 
-def select_hidden(model, mb: MicroBatch, packed: bool = False,
-                  chunk_tokens: int | None = None) -> TokenHidden | TokenLogits:
-    """:func:`select_logits` for the fused output layer: ``mb``'s loss tokens as :class:`TokenHidden`. A padding
-    step projects every position as select_logits does (:class:`TokenLogits`)."""
+def select_hidden(model, mb: MicroBatch, packed: bool = False, chunk_tokens: int | None = None,
+                  with_entropy: bool = True) -> TokenHidden | TokenLogits:
+    """:func:`select_logits` for the fused output layer: ``mb``'s loss tokens as :class:`TokenHidden` (its entropy
+    computed only ``with_entropy``). A padding step projects every position as select_logits does
+    (:class:`TokenLogits`)."""
     if mb.padding_step:
         return select_logits(partial(causal_lm_logits, model), mb, packed)
     input_ids, position_ids, keep, rows, cols = _loss_positions(mb, packed)
     hidden, layer = causal_lm_hidden(model, input_ids, position_ids, keep)
     on = mb.response_mask[rows, cols + 1]
     labels = torch.where(on > 0, mb.input_ids[rows, cols + 1], torch.zeros_like(rows))
-    return TokenHidden(hidden, layer, rows, cols, tuple(mb.loss_mask.shape), labels, on, chunk_tokens)
+    return TokenHidden(hidden, layer, rows, cols, tuple(mb.loss_mask.shape), labels, on, chunk_tokens, with_entropy)
 
 
 def unpad_next_token(padded: torch.Tensor, lengths: np.ndarray) -> Ragged:

@@ -28,8 +28,9 @@ from stages.algos.ragged import Ragged
 from stages.partials import write_partials
 from stages.storage import Location
 from stages.train import models
-from stages.train.batching import (TokenRows, causal_lm_logits, forward_packed, pad_micro_batch, select_hidden,
-                                   select_logits, split_by_real_tokens, split_by_token_budget, unpad_next_token)
+from stages.train.batching import (TokenHidden, TokenRows, causal_lm_logits, forward_packed, output_layer,
+                                   pad_micro_batch, select_hidden, select_logits, split_by_real_tokens,
+                                   split_by_token_budget, unpad_next_token)
 from stages.train.lora import load_adapter, load_with_adapter, same_adapter_options
 from stages.train.packed_attention import attention_for, attention_used
 
@@ -66,15 +67,18 @@ def forward_rows(model: torch.nn.Module, rows: TokenRows, max_tokens: int, *, ki
     """Run ``model`` over ``rows`` in micro-batches of at most ``max_tokens`` padded tokens, or, ``packed``, of at
     most ``max_tokens`` real tokens run as one row without padding (:func:`forward_packed`; the same values up to
     float rounding), under the attention option ``attention`` (auto, sdpa, fa2:
-    :func:`stages.train.packed_attention.attention_for`; the model's own choice again after the pass). ``fused``: the
-    output layer fused with the log-prob and entropy reduction (:class:`TokenHidden`: the ``(N, V)`` logits never
-    held; the same values up to float32 rounding).
+    :func:`stages.train.packed_attention.attention_for`; the model's own choice again after the pass). ``fused``
+    (kind ``log_probs``): the output layer fused with the log-prob and entropy reduction (:class:`TokenHidden`: the
+    ``(N, V)`` logits never held; the same values up to float32 rounding); the result's
+    ``extra["fused_micro_batches"]`` counts the micro-batches that ran so.
 
     kind ``log_probs``: column ``log_probs`` (and ``entropy`` if asked) from a causal LM's logits;
     kind ``values``: column ``values`` from a one-label token-classification critic."""
     start = time.perf_counter()
     parts: dict[str, list[tuple[np.ndarray, Ragged]]] = {}
-    tokens = padded = count = 0
+    tokens = padded = count = fused_count = 0
+    if fused and kind == "log_probs":
+        check_fused_output_layer(model)
 
     def values_of(input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
         return model(input_ids=input_ids, position_ids=position_ids, use_cache=False).logits
@@ -90,7 +94,8 @@ def forward_rows(model: torch.nn.Module, rows: TokenRows, max_tokens: int, *, ki
                 results["values"] = out[:, :-1, 0].float()
             else:  # the output layer runs at the response tokens only (TokenLogits)
                 if fused:
-                    logits = select_hidden(model, mb, packed)
+                    logits = select_hidden(model, mb, packed, with_entropy=entropy)
+                    fused_count += isinstance(logits, TokenHidden)
                 else:
                     logits = select_logits(partial(causal_lm_logits, model), mb, packed)
                 results["log_probs"] = logits.log_probs(mb)
@@ -105,32 +110,53 @@ def forward_rows(model: torch.nn.Module, rows: TokenRows, max_tokens: int, *, ki
     if rows.num_rows == 0:
         names = ["values"] if kind == "values" else ["log_probs"] + (["entropy"] if entropy else [])
         columns = {n: Ragged(np.zeros(0, np.float32), np.zeros(1, np.int64)) for n in names}
-    return ForwardResult(columns, tokens, padded, time.perf_counter() - start, count)
+    return ForwardResult(columns, tokens, padded, time.perf_counter() - start, count,
+                         {"fused_micro_batches": fused_count} if fused and kind == "log_probs" else {})
+
+
+def check_fused_output_layer(model: torch.nn.Module) -> None:
+    """Refuse ``logprobs.fused_output_layer: true`` for a model whose output layer is not a plain linear layer (a
+    LoRA adapter on it, which switching the adapter off does not unwrap): ConfigError with the fix, before the
+    first micro-batch."""
+    layer = output_layer(model)
+    if type(layer) is not torch.nn.Linear:
+        raise ConfigError(f"logprobs.fused_output_layer is true, but the model's output layer is "
+                          f"{type(layer).__module__}.{type(layer).__name__}, not a plain torch.nn.Linear (a LoRA "
+                          "adapter on the output layer?), so its logits are not hidden @ weight.T + bias; set "
+                          "logprobs.fused_output_layer: false, or leave the output layer out of "
+                          "lora_target_modules")
 
 
 def forward_batch(models: list, jobs: list, batch: pa.Table, max_tokens: int, output: Location,
                   spec: TableSpec, where: str, device: str = "cpu", packed: bool = False,
-                  attention: str = "auto") -> pa.Table:
+                  attention: str = "auto", fused: bool = False) -> pa.Table:
     """The rows of ``batch`` plus each job's result columns (``jobs``: :class:`stages.train.stage.ForwardJob`, one per
     model; ragged in, ragged out; row order kept), checked against ``spec``; the batch's counters are recorded beside
-    ``output`` (:func:`stages.runner.write_partials`). The forward actors and the actor group's ranks
-    (stages/train/actor_forward.py) run every batch through it; ``packed`` and ``attention`` as :func:`forward_rows`."""
+    ``output`` (:func:`stages.runner.write_partials`). ``packed`` and ``attention`` as :func:`forward_rows`;
+    ``fused``: the log-prob passes (the LoRA base pass too) with the fused output layer
+    (``logprobs.fused_output_layer``; counter ``fused_micro_batches``). The forward actors and the actor group's ranks
+    (stages/train/actor_forward.py) run every batch through it."""
     cpu_start = time.process_time()
     rows = TokenRows.from_arrow(batch, where, columns=())
     counters = {"tokens": 0.0, "padded_tokens": 0.0, "seconds": 0.0, "rows": float(batch.num_rows)}
+    if fused:  # present only when asked: an unfused pass records what it did before the option
+        counters["fused_micro_batches"] = 0.0
     for job, model in zip(jobs, models):
         result = forward_rows(model, rows, max_tokens, kind=job.kind, entropy=job.entropy, device=device,
-                              packed=packed, attention=attention)
+                              packed=packed, attention=attention, fused=fused)
         produced = {job.column: result.columns["values" if job.kind == "values" else "log_probs"]}
         produced.update({c: produced[job.column] for c in job.copies})
         if job.entropy:
             produced["entropy"] = result.columns["entropy"]
         if job.base_column is not None:  # the LoRA model with its adapter off is exactly its base
             with model.disable_adapter():
-                base = forward_rows(model, rows, max_tokens, device=device, packed=packed, attention=attention)
+                base = forward_rows(model, rows, max_tokens, device=device, packed=packed, attention=attention,
+                                    fused=fused)
             produced[job.base_column] = base.columns["log_probs"]
             result.tokens, result.padded_tokens = result.tokens + base.tokens, result.padded_tokens + base.padded_tokens
             result.seconds += base.seconds
+            if fused:
+                counters["fused_micro_batches"] += base.extra["fused_micro_batches"]
         for name, ragged in produced.items():
             if name in batch.column_names:
                 batch = batch.drop_columns([name])
@@ -138,6 +164,8 @@ def forward_batch(models: list, jobs: list, batch: pa.Table, max_tokens: int, ou
         counters["tokens"] += result.tokens
         counters["padded_tokens"] += result.padded_tokens
         counters["seconds"] += result.seconds
+        if fused:
+            counters["fused_micro_batches"] += result.extra.get("fused_micro_batches", 0)
     counters["cpu_seconds"] = time.process_time() - cpu_start
     counters["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
     check_row_invariants(spec, batch, f"{where} (forward output)")

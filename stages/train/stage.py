@@ -192,13 +192,14 @@ class ForwardActor:
     turns each batch of rows into the same rows plus the result columns (:func:`stages.train.forward.forward_batch`)."""
 
     def __init__(self, jobs: list[ForwardJob], dtype: str, max_tokens: int, threads: int, output: Location,
-                 spec: TableSpec, where: str, device: str = "cpu", packed: bool = False, attention: str = "auto"):
+                 spec: TableSpec, where: str, device: str = "cpu", packed: bool = False, attention: str = "auto",
+                 fused: bool = False):
         import torch
 
         torch.set_num_threads(max(1, threads))
         self.jobs, self.dtype, self.max_tokens, self.output, self.spec, self.where = (jobs, dtype, max_tokens, output,
                                                                                       spec, where)
-        self.device, self.packed, self.attention = device, packed, attention
+        self.device, self.packed, self.attention, self.fused = device, packed, attention, fused
         self.models: list | None = None
 
     def __call__(self, batch: pa.Table) -> pa.Table:
@@ -208,7 +209,7 @@ class ForwardActor:
             self.models = [load_forward_model(j.path, j.kind, self.dtype, actor_dir=j.actor_dir, seed=j.seed,
                                               device=self.device, adapter=j.adapter) for j in self.jobs]
         return forward_batch(self.models, self.jobs, batch, self.max_tokens, self.output, self.spec, self.where,
-                             self.device, self.packed, self.attention)
+                             self.device, self.packed, attention=self.attention, fused=self.fused)
 
 
 class ForwardStalled(RollflowError):
@@ -229,13 +230,14 @@ class ForwardServer:
 
     def run(self, jobs: list[ForwardJob], dtype: str, batch: pa.Table, max_tokens: int, output: Location,
             spec: TableSpec, where: str, device: str = "cpu", packed: bool = False,
-            attention: str = "auto") -> pa.Table:
+            attention: str = "auto", fused: bool = False) -> pa.Table:
         from stages.train.forward import forward_batch
 
         models = [self.models.get(j.column, j.path, j.kind, dtype, fingerprint=j.fingerprint, actor_dir=j.actor_dir,
                                   seed=j.seed, device=device, adapter=j.adapter, base_fingerprint=j.base_fingerprint)
                   for j in jobs]
-        result = forward_batch(models, jobs, batch, max_tokens, output, spec, where, device, packed, attention)
+        result = forward_batch(models, jobs, batch, max_tokens, output, spec, where, device, packed,
+                               attention=attention, fused=fused)
         if device == "cuda":  # the activations' cached blocks go back to the GPU a colocated engine wakes into
             import torch
 
@@ -389,7 +391,8 @@ class _ForwardStage(Stage):
                               f"cpus_per_actor to at most {max(cpus - 1, 0.5):g} (threads per actor follow it)")
         work = {"jobs": self.jobs(ctx.section), "max_tokens": ctx.section.max_tokens_per_microbatch_in_infer,
                 "output": ctx.output, "spec": self.output_spec, "where": ctx.inputs["samples"].path,
-                "device": c.device, "packed": c.use_sequence_packing, "attention": c.attn_implementation}
+                "device": c.device, "packed": c.use_sequence_packing, "attention": c.attn_implementation,
+                "fused": c.fused_output_layer}
         if self.workers is not None:  # the run's kept workers; the map tasks hand them the batches
             actors = self.workers.actors()
             # a task waiting in ray.get gives its CPU back: without a cap, Ray Data would start a task (and a worker
@@ -421,7 +424,7 @@ class _ForwardStage(Stage):
         self.group.forward({"samples": ctx.inputs["samples"], "jobs": self.jobs(section), "dtype": section.dtype,
                             "max_tokens": section.max_tokens_per_microbatch_in_infer, "rows_per_batch": c.rows_per_batch,
                             "packed": c.use_sequence_packing, "attention": c.attn_implementation,
-                            "output": ctx.output, "parts": parts,
+                            "fused": c.fused_output_layer, "output": ctx.output, "parts": parts,
                             "spec": self.output_spec, "where": ctx.inputs["samples"].path,
                             "section": self.group.section if self.group.keep else None}, _worker_error)
         files = parts.parquet_files() if parts.exists() else []
@@ -433,8 +436,10 @@ class _ForwardStage(Stage):
         parts = read_partials(written)
         total = sum_partials(parts)
         seconds = total.get("seconds", 0.0)
-        on_group = {f"{self.name}/{k}": total[k] for k in ("jobs_on_held_engines", "jobs_on_loaded_models")
-                    if k in total}  # the actor group's ranks: passes on its engines, on models loaded beside them
+        on_group = {f"{self.name}/{k}": total[k] for k in ("jobs_on_held_engines", "jobs_on_loaded_models",
+                                                          "fused_micro_batches")
+                    if k in total}  # the actor group's ranks: passes on its engines, on models loaded beside them;
+        # micro-batches through the fused output layer (logprobs.fused_output_layer), recorded only when it is on
         return on_group | {f"{self.name}/tokens": total.get("tokens", 0.0),
                 f"{self.name}/peak_rss_mb": max((p.get("peak_rss_mb", 0.0) for p in parts), default=0.0),
                 f"{self.name}/padded_tokens": total.get("padded_tokens", 0.0),

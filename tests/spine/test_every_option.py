@@ -148,6 +148,7 @@ ELSEWHERE = {
     "ForwardConfig.device": "tests/train/test_stage.py",
     "ForwardConfig.use_sequence_packing": "tests/train/test_stage.py",
     "ForwardConfig.attn_implementation": "tests/train/test_forward.py",
+    "ForwardConfig.fused_output_layer": "tests/train/test_forward.py",
     # the policy loss and the training step (the losses on ROLL's golden vectors, the step on DeepSpeed)
     "LossOptions.use_pg_clip_range": "tests/losses/test_actor_properties.py",
     "LossOptions.dual_clip_loss": "tests/losses/test_actor_properties.py",

@@ -13,19 +13,23 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 import pytest
+import torch
 
 from schemas.train_config import ForwardConfig, TrainStepConfig
+from stages.losses import fused_output
+from stages.partials import read_partials, sum_partials
 from stages.storage import Location, read_manifest
-from stages.train.actor_forward import evaluating, held_engine, rank_rows, why_not_held
+from stages.train.actor_forward import evaluating, forward_on_rank, held_engine, rank_rows, why_not_held
 from stages.train.batching import TokenRows
 from stages.train.engine import Engine
-from stages.train.forward import forward_rows, load_forward_model
+from stages.train.forward import ForwardModels, forward_rows, load_forward_model
 from stages.train.group import TrainerGroup
 from stages.train.models import load_actor_model
 from stages.train.resume import HeldEngines
-from stages.train.stage import ForwardJob, run_logprobs, run_train_step, run_values, train_section
+from stages.train.stage import LOGPROBS, ForwardJob, run_logprobs, run_train_step, run_values, train_section
 from tests.train.tables import advantaged_rows, read_folder, write_table
 from tests.train.test_core import section
+from tests.train.test_forward import CHUNK, VocabRows, fused_tolerance
 from tests.train.test_stage import direct
 
 pytestmark = pytest.mark.usefixtures("ray_cluster")
@@ -59,12 +63,19 @@ def test_rows_are_split_into_contiguous_slices_in_rank_order():
 
 @pytest.mark.parametrize("dtype, other", [("fp32", "bf16"), ("bf16", "fp32")])
 def test_a_held_engine_serves_a_pass_only_as_the_model_loaded_for_it(dist, tiny_model, samples, tmp_path, dtype,
-                                                                     other):
+                                                                     other, monkeypatch):
     """In this process (a DeepSpeed world of one): the held actor engine serves a log-prob pass of its checkpoint in
     its dtype, as a plain model (no LoRA), in eval mode and back to train mode after, and gives the log-probs of the
     model a forward worker loads for it, bit for bit; another checkpoint, dtype or role is not served. In bf16 too:
     DeepSpeed casts the parameters only (the rotary ``inv_freq`` buffer stays float32), and so does the forward
-    worker's load (a ``model.to(bf16)`` differed by up to 2.5e-3 here, 0.22 nats on SmolLM2-135M)."""
+    worker's load (a ``model.to(bf16)`` differed by up to 2.5e-3 here, 0.22 nats on SmolLM2-135M).
+
+    With logprobs.fused_output_layer (the request's ``fused``), a rank's pass on the held engine and on a model loaded
+    beside it is the same fused pass (the log-prob section decides, not actor_train's option): equal bit for bit, no
+    tensor wider than CHUNK positions by the vocabulary on either, and equal to the logits path within float32
+    rounding (fp32: test_forward.fused_tolerance; bf16: the logits are bf16 on both paths, and the fused side's
+    matmul over CHUNK rows may round a logit by one bf16 ulp of its magnitude; measured 9.5e-7 in fp32, 0 in
+    bf16)."""
     cfg = train_config(1, **{"actor_train.model_args.disable_gradient_checkpointing": False,
                              "actor_train.model_args.dtype": dtype})
     engine = Engine(load_actor_model(str(tiny_model), None), cfg.actor_train, dist, "actor")
@@ -85,6 +96,30 @@ def test_a_held_engine_serves_a_pass_only_as_the_model_loaded_for_it(dist, tiny_
     for name in ("log_probs", "entropy"):
         assert np.array_equal(got.columns[name].values, want.columns[name].values), name
 
+    monkeypatch.setattr(fused_output, "FUSED_CHUNK_ELEMENTS", CHUNK * 49152)  # the tiny model's vocabulary
+    fused_job = replace(job, entropy=True)
+    parts = {}
+    for where, engines in (("held", held), ("beside", None)):
+        out = Location.of(str(tmp_path / f"out-{where}"))
+        request = {"samples": Location.of(str(samples)), "jobs": [fused_job], "dtype": dtype, "max_tokens": 64,
+                   "rows_per_batch": 64, "packed": False, "attention": "auto", "fused": True, "output": out,
+                   "parts": Location.of(str(tmp_path / f"parts-{where}")), "spec": LOGPROBS, "where": "samples",
+                   "section": None}
+        with VocabRows(49152) as seen:
+            assert forward_on_rank(request, dist, engines, ForwardModels()) is engines
+        assert seen.rows == CHUNK, where
+        counters = sum_partials(read_partials(out))
+        assert counters["jobs_on_held_engines"] == (where == "held") and counters["fused_micro_batches"] >= 1
+        parts[where] = read_folder(tmp_path / f"parts-{where}")
+    assert engine.module.training
+    assert parts["held"].equals(parts["beside"])
+    for column, name in (("old_log_probs", "log_probs"), ("entropy", "entropy")):
+        fused = np.concatenate([np.asarray(r, np.float32) for r in parts["held"].column(column).to_pylist()])
+        plain = got.columns[name].values
+        scale = float(np.abs(plain).max()) + np.log(49152)
+        tol = fused_tolerance(plain, 49152) if dtype == "fp32" else float(torch.finfo(torch.bfloat16).eps) * scale
+        np.testing.assert_allclose(fused, plain, rtol=0, atol=tol, err_msg=column)
+
 
 def test_actor_group_of_one_rank_equals_the_forward_pool_bit_for_bit_and_trains_on_the_same_engines(
         tiny_model, samples, tmp_path):
@@ -98,6 +133,8 @@ def test_actor_group_of_one_rank_equals_the_forward_pool_bit_for_bit_and_trains_
         on_group = run_logprobs(str(samples), str(tiny_model), ONE_BATCH, str(tmp_path / "g0"), group=group)
         step = run_train_step(str(samples), str(tiny_model), cfg, str(tmp_path / "ck1"), trainer=group)
         trained = run_logprobs(str(samples), str(tmp_path / "ck1"), ONE_BATCH, str(tmp_path / "g1"), group=group)
+        fused = run_logprobs(str(samples), str(tmp_path / "ck1"), ONE_BATCH.model_copy(
+            update={"fused_output_layer": True}), str(tmp_path / "g1f"), group=group)
     finally:
         group.close()
     assert step.metrics["train/engines_kept"] == 1.0  # the engines the log-prob pass built were trained
@@ -109,6 +146,13 @@ def test_actor_group_of_one_rank_equals_the_forward_pool_bit_for_bit_and_trains_
         a, b = read_folder(got), read_folder(want)
         assert a.column_names == b.column_names and a.equals(b), got.name
     assert read_folder(tmp_path / "g0").column("old_log_probs") != read_folder(tmp_path / "g1").column("old_log_probs")
+    # logprobs.fused_output_layer reaches the ranks: the held engine's pass fused, equal within float32 rounding
+    assert fused.metrics["logprobs/fused_micro_batches"] >= 1 and fused.metrics["logprobs/jobs_on_held_engines"] == 1
+    assert fused.fingerprint == trained.fingerprint and "logprobs/fused_micro_batches" not in trained.metrics
+    for column in ("old_log_probs", "entropy"):
+        plain = np.concatenate(read_folder(tmp_path / "g1").column(column).to_pylist())
+        got = np.concatenate(read_folder(tmp_path / "g1f").column(column).to_pylist())
+        np.testing.assert_allclose(got, plain, rtol=0, atol=fused_tolerance(plain, 49152), err_msg=column)
     assert on_group.fingerprint == pool.fingerprint and trained.fingerprint == pool1.fingerprint
     assert run_logprobs(str(samples), str(tiny_model), ONE_BATCH, str(tmp_path / "g0")).skipped
     assert read_manifest(Location.of(str(tmp_path / "g0")))["metrics"]["logprobs/tokens"] == pool.metrics["logprobs/tokens"]

@@ -4,6 +4,7 @@ of that row alone gives; results come back ragged (L - 1 per row) in input order
 from functools import partial
 
 import numpy as np
+import pyarrow as pa
 import pytest
 import torch
 from pydantic import ValidationError
@@ -12,12 +13,16 @@ from torch.utils._pytree import tree_leaves
 
 from schemas.errors import ConfigError
 from schemas.train_config import ForwardConfig, ModelArgs, WorkerTrainConfig
-from stages.losses import entropy_from_logits, log_probs_from_logits
+from stages.losses import entropy_from_logits, fused_output, log_probs_from_logits
+from stages.partials import read_partials, sum_partials
+from stages.storage import Location
 from stages.train import packed_attention
 from stages.train.batching import TokenRows, causal_lm_logits, pad_micro_batch, select_logits
-from stages.train.forward import forward_rows, load_forward_model
+from stages.train.forward import forward_batch, forward_rows, load_forward_model
+from stages.train.lora import wrap
 from stages.train.models import load_actor_model, load_critic_model
 from stages.train.packed_attention import PACKED_ATTENTION, attention_for, attention_used, set_attention
+from stages.train.stage import LOGPROBS, ForwardActor, ForwardJob, ForwardServer
 from tests.train.tables import advantaged_rows
 
 
@@ -266,3 +271,148 @@ def test_attn_implementation_resolution_dump_and_refusals(tiny_model):
         ModelArgs(attn_implementation="eager")
     with pytest.raises(ConfigError, match="model_args.attn_implementation: sdpa"):
         set_attention(torch.nn.Linear(2, 2), PACKED_ATTENTION, "model_args.attn_implementation")
+# ---- logprobs.fused_output_layer: the log-prob pass without the (N, V) logits ----------------------------------------
+
+CHUNK = 8  # positions per chunk of the fused output layer in these tests: far fewer than a micro-batch's loss tokens
+
+
+class VocabRows(TorchDispatchMode):
+    """The most positions of any tensor an op creates (views left out) whose last dimension is the vocabulary: N
+    for (N, V) logits (and their float32 copy, softmax, ...), a chunk's positions for the fused output layer."""
+
+    def __init__(self, vocab: int):
+        super().__init__()
+        self.vocab, self.rows = vocab, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if not func.is_view:
+            for t in tree_leaves(out):
+                if isinstance(t, torch.Tensor) and t.dim() and t.shape[-1] == self.vocab:
+                    self.rows = max(self.rows, t.numel() // self.vocab)
+        return out
+
+
+def _columns(table: pa.Table, names) -> dict[str, np.ndarray]:
+    return {n: np.concatenate([np.asarray(r, np.float32) for r in table.column(n).to_pylist()]) for n in names}
+
+
+def fused_tolerance(values: np.ndarray, vocab: int) -> float:
+    """8 float32 ulps of the largest log-sum-exp involved (|log p| + log V bounds it; about 2e-5 here): both paths
+    reduce float32 logits with the same expressions (stages/losses/fused_output.py), but the fused side projects CHUNK
+    positions at a time, so the matmul's blocking over a different row count may round a logit differently, and a
+    log-prob or entropy carries that rounding at the log-sum-exp's magnitude (test_fused_output.py's bound)."""
+    return 8 * float(np.finfo(np.float32).eps) * (float(np.abs(values).max()) + float(np.log(vocab)))
+
+
+def _fused_and_plain(run, vocab: int):
+    """``run(fused)`` → a table, with fused off then on; and the most positions a vocabulary-wide tensor had."""
+    out, rows = {}, {}
+    for fused in (False, True):
+        with VocabRows(vocab) as seen:
+            out[fused] = run(fused)
+        rows[fused] = seen.rows
+    return out, rows
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_fused_log_prob_batch_equals_the_logits_path_without_the_logits(tiny_model, tmp_path, monkeypatch, packed):
+    """forward_batch with fused (a forward worker's ForwardServer.run, padded and packed micro-batches): old
+    log-probs (and the reference copy) and entropy equal the logits path's within float32 rounding
+    (:func:`fused_tolerance`; measured 0 here), while no tensor of the pass is wider
+    than CHUNK positions by the vocabulary — the logits path forms all N (every loss token of the one micro-batch).
+    The counter says so: ``fused_micro_batches`` 1, and absent with fused off (the stage's metrics as before)."""
+    monkeypatch.setattr(fused_output, "FUSED_CHUNK_ELEMENTS", CHUNK * 49152)  # the tiny model's vocabulary
+    table = advantaged_rows(7, lengths=(5, 33), seed=4, multi_turn=True, empty_row=True)
+    loss_tokens = int(TokenRows.from_arrow(table, "t", columns=()).loss_tokens().sum())
+    job = ForwardJob("log_probs", str(tiny_model), "old_log_probs", ("ref_log_probs",), entropy=True,
+                     fingerprint="f")
+    server = ForwardServer(threads=1)
+    vocab = server.models.get(job.column, job.path, job.kind, "fp32", fingerprint="f").config.vocab_size
+    assert vocab == 49152 and loss_tokens > 4 * CHUNK
+
+    def run(fused: bool) -> pa.Table:
+        return server.run([job], "fp32", table, 100000, Location.of(str(tmp_path / str(fused))), LOGPROBS, "t",
+                          packed=packed, fused=fused)
+
+    out, rows = _fused_and_plain(run, vocab)
+    assert rows[False] >= loss_tokens and rows[True] == CHUNK
+    names = ("old_log_probs", "ref_log_probs", "entropy")
+    plain, fused = _columns(out[False], names), _columns(out[True], names)
+    for name in names:
+        assert out[True].column(name).type == out[False].column(name).type
+        np.testing.assert_allclose(fused[name], plain[name], rtol=0, atol=fused_tolerance(plain[name], vocab),
+                                   err_msg=name)
+    counters = {f: sum_partials(read_partials(Location.of(str(tmp_path / str(f))))) for f in (False, True)}
+    assert counters[True]["fused_micro_batches"] == 1 and "fused_micro_batches" not in counters[False]
+    assert server.loads() == {"fresh": 1, "in_place": 0, "kept": 2}
+    pool_actor = ForwardActor([job], "fp32", 100000, 1, Location.of(str(tmp_path / "pool")), LOGPROBS, "t",
+                              packed=packed, fused=True)  # a stage's actor pool: the same pass
+    assert pool_actor(table).equals(out[True])
+    assert sum_partials(read_partials(Location.of(str(tmp_path / "pool"))))["fused_micro_batches"] == 1
+
+
+def test_fused_lora_pass_and_its_base_pass_equal_the_logits_path(tiny_model, tmp_path, monkeypatch):
+    """A LoRA model (adapter B randomised, so the policy differs from its base): the old log-probs with the adapter
+    on and the reference from the base pass (adapter off, ``base_column``) both run fused — two fused micro-batches,
+    none wider than CHUNK positions — and equal the logits path within float32 rounding (:func:`fused_tolerance`;
+    measured 9.5e-7)."""
+    monkeypatch.setattr(fused_output, "FUSED_CHUNK_ELEMENTS", CHUNK * 49152)
+    model = wrap(load_actor_model(str(tiny_model)), ModelArgs(lora_rank=4, lora_alpha=16), "actor", seed=0)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.05, generator=torch.Generator().manual_seed(len(name)))
+    model.eval()
+    table = advantaged_rows(6, lengths=(8, 30), seed=2, multi_turn=True)
+    job = ForwardJob("log_probs", str(tiny_model), "old_log_probs", entropy=True, adapter="a",
+                     base_column="ref_log_probs")
+    vocab = model.config.vocab_size
+
+    def run(fused: bool) -> pa.Table:
+        return forward_batch([model], [job], table, 100000, Location.of(str(tmp_path / str(fused))), LOGPROBS, "t",
+                             fused=fused)
+
+    out, rows = _fused_and_plain(run, vocab)
+    assert rows[True] == CHUNK < rows[False]
+    names = ("old_log_probs", "ref_log_probs", "entropy")
+    plain, fused = _columns(out[False], names), _columns(out[True], names)
+    for name in names:
+        np.testing.assert_allclose(fused[name], plain[name], rtol=0, atol=fused_tolerance(plain[name], vocab),
+                                   err_msg=name)
+    assert np.abs(plain["old_log_probs"] - plain["ref_log_probs"]).max() > 1e-3  # the adapter matters
+    assert sum_partials(read_partials(Location.of(str(tmp_path / "True"))))["fused_micro_batches"] == 2
+
+
+@pytest.mark.filterwarnings("ignore:Model has `tie_word_embeddings=True`")  # peft: the adapted lm_head is tied
+def test_fused_pass_refuses_a_lora_adapter_on_the_output_layer(tiny_model, rows):
+    """LoRA on lm_head: the output layer is no plain linear layer (switching the adapter off does not unwrap it),
+    so logprobs.fused_output_layer: true is refused before the first micro-batch, naming the option and the fix;
+    the logits path runs it."""
+    model = wrap(load_actor_model(str(tiny_model)), ModelArgs(lora_rank=4, lora_target_modules=["q_proj", "lm_head"]),
+                 "actor", seed=0).eval()
+    with pytest.raises(ConfigError, match="logprobs.fused_output_layer: false"):
+        forward_rows(model, rows, 100000, fused=True)
+    with model.disable_adapter(), pytest.raises(ConfigError, match="not a plain torch.nn.Linear"):
+        forward_rows(model, rows, 100000, fused=True)
+    assert forward_rows(model, rows, 100000).columns["log_probs"].num_rows == rows.num_rows
+
+
+@pytest.mark.parametrize("device, auto", [("cpu", False), ("cuda", True)])
+def test_fused_output_layer_option_resolves_on_the_sections_device(device, auto):
+    """auto → true with device: cuda, false with device: cpu (the section's device, whatever this host is); an
+    explicit value is kept. The dump leaves the option out while it is auto's value, so every config without it
+    dumps (and hashes) as before the option, and the dump reads back to the same config."""
+    default = ForwardConfig(device=device)
+    assert default.fused_output_layer is auto
+    assert ForwardConfig(device=device, fused_output_layer="auto") == default
+    before = {k: v for k, v in ForwardConfig(device=device).model_dump(mode="json").items()}
+    assert "fused_output_layer" not in before and "fused_output_layer" not in default.model_fields_set
+    for value in (True, False):
+        chosen = ForwardConfig(device=device, fused_output_layer=value)
+        dump = chosen.model_dump(mode="json")
+        assert chosen.fused_output_layer is value
+        assert ("fused_output_layer" in dump) is (value is not auto)
+        assert ForwardConfig.model_validate(dump) == chosen
+    with pytest.raises(ValueError, match="fused_output_layer"):
+        ForwardConfig(fused_output_layer="sometimes")

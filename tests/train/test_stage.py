@@ -74,6 +74,8 @@ def test_packed_log_prob_stage_equals_the_padded_one(tiny_model, samples, tmp_pa
     run_logprobs(str(samples), str(tiny_model), ONE_ACTOR.model_copy(update={"use_sequence_packing": True,
                                                                              "attn_implementation": "fa2"}),
                  str(tmp_path / "varlen"), workers=kept)
+    fused = run_logprobs(str(samples), str(tiny_model), ONE_ACTOR.model_copy(
+        update={"use_sequence_packing": True, "fused_output_layer": True}), str(tmp_path / "fused"), workers=kept)
     a, b, c = (read_folder(tmp_path / name) for name in ("padded", "packed", "varlen"))
     assert a.column("row_id").to_pylist() == b.column("row_id").to_pylist() == c.column("row_id").to_pylist()
     for x, y, z in zip(*(t.column("old_log_probs").to_pylist() for t in (a, b, c))):
@@ -81,6 +83,12 @@ def test_packed_log_prob_stage_equals_the_padded_one(tiny_model, samples, tmp_pa
         np.testing.assert_allclose(z, x, atol=2e-5)
     assert packed.metrics["logprobs/padded_tokens"] == packed.metrics["logprobs/tokens"]
     assert padded.metrics["logprobs/padded_tokens"] > padded.metrics["logprobs/tokens"]
+    # logprobs.fused_output_layer reaches the kept workers: every micro-batch fused (the values: test_forward.py)
+    assert fused.metrics["logprobs/fused_micro_batches"] >= 1 and "logprobs/fused_micro_batches" not in packed.metrics
+    assert fused.fingerprint == packed.fingerprint  # the same values up to float32 rounding: not in the fingerprint
+    for x, y in zip(b.column("old_log_probs").to_pylist(), read_folder(tmp_path / "fused").column("old_log_probs")
+                    .to_pylist()):
+        np.testing.assert_allclose(y, x, atol=2e-5)
 
 
 def test_logprob_stage_adds_ragged_columns_in_row_order_and_skips_when_done(tiny_model, samples, tmp_path):
