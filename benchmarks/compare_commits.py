@@ -54,39 +54,38 @@ from rlvr_learning import step_seconds  # noqa: E402
 
 @dataclass(frozen=True)
 class Bench:
-    """One benchmark: the arguments after the interpreter (``{data}``: the shared data folder, ``{runs}``: a fresh
-    folder for this run's rollflow runs), the figure that measures its speed and whether higher is faster.
-    ``rollflow_run``: the command is ``rollflow train`` writing the run ``{runs}/bench``, whose figures
-    (:func:`run_figures`) replace a RESULT line."""
+    """One benchmark: its program after the interpreter (a script or ``-m module`` with its fixed options), the
+    figure that measures its speed and whether higher is faster, and the options that size it: ``sized`` for the
+    comparison, ``quick`` for a smoke of the harness. In the arguments ``{data}`` is the data folder both checkouts
+    share and ``{runs}`` a fresh folder of this run. ``rollflow_run``: the program is ``rollflow train`` writing the
+    run ``{runs}/bench``, whose figures (:func:`run_figures`) replace a RESULT line."""
 
     name: str
-    args: tuple[str, ...]
+    command: tuple[str, ...]
     speed: str
+    sized: tuple[str, ...] = ()
+    quick: tuple[str, ...] = ()
     higher_is_faster: bool = True
     rollflow_run: bool = False
 
+    def argv(self, quick: bool) -> tuple[str, ...]:
+        return self.command + (self.quick if quick else self.sized)
 
-RLVR = ("-m", "flows.cli", "train", "--config", "configs/rlvr_train_add2.yaml", "--no-report", "--set",
-        "validation.eval_steps=0", "--set", "runs_dir={runs}", "--set", "run_name=bench")
-BENCHES = {
-    "recompute": Bench("recompute", ("benchmarks/recompute.py", "--samples", "100000", "--skip-padded",
-                                     "--skip-default-floor", "--cache", "{data}/recompute"), "rows_per_s"),
-    "rollout": Bench("rollout", ("benchmarks/rollout.py", "--set", "env.num_env_groups=2", "--set", "env.max_steps=3",
-                                 "--compare-turns", "2"), "stage_tok_per_s"),
-    "train": Bench("train", ("benchmarks/train.py", "--rows", "16", "--min-len", "64", "--max-len", "128",
-                             "--budget", "512"), "stage_tok_per_s"),
-    "rlvr": Bench("rlvr", RLVR + ("--set", "max_steps=2"), "step_s", higher_is_faster=False, rollflow_run=True),
-}
-QUICK = {
-    "recompute": Bench("recompute", ("benchmarks/recompute.py", "--samples", "5000", "--skip-padded",
-                                     "--skip-default-floor", "--cache", "{data}/recompute"), "rows_per_s"),
-    "rollout": Bench("rollout", ("benchmarks/rollout.py", "--set", "env.num_env_groups=1", "--set", "env.max_steps=1",
-                                 "--compare-turns", "1"), "stage_tok_per_s"),
-    "train": Bench("train", ("benchmarks/train.py", "--model", "tiny", "--rows", "4", "--min-len", "32",
-                             "--max-len", "64", "--budget", "256"), "stage_tok_per_s"),
-    "rlvr": Bench("rlvr", RLVR + ("--set", "max_steps=1", "--set", "generating_args.max_new_tokens=32"), "step_s",
-                  higher_is_faster=False, rollflow_run=True),
-}
+
+BENCHES = {b.name: b for b in (
+    Bench("recompute", ("benchmarks/recompute.py", "--skip-padded", "--skip-default-floor", "--cache",
+                        "{data}/recompute"), "rows_per_s", sized=("--samples", "100000"), quick=("--samples", "5000")),
+    Bench("rollout", ("benchmarks/rollout.py",), "stage_tok_per_s",
+          sized=("--set", "env.num_env_groups=2", "--set", "env.max_steps=3", "--compare-turns", "2"),
+          quick=("--set", "env.num_env_groups=1", "--set", "env.max_steps=1", "--compare-turns", "1")),
+    Bench("train", ("benchmarks/train.py",), "stage_tok_per_s",
+          sized=("--rows", "16", "--min-len", "64", "--max-len", "128", "--budget", "512"),
+          quick=("--model", "tiny", "--rows", "4", "--min-len", "32", "--max-len", "64", "--budget", "256")),
+    Bench("rlvr", ("-m", "flows.cli", "train", "--config", "configs/rlvr_train_add2.yaml", "--no-report", "--set",
+                   "validation.eval_steps=0", "--set", "runs_dir={runs}", "--set", "run_name=bench"), "step_s",
+          sized=("--set", "max_steps=2"), quick=("--set", "max_steps=1", "--set", "generating_args.max_new_tokens=32"),
+          higher_is_faster=False, rollflow_run=True),
+)}
 
 
 class Failed(Exception):
@@ -174,11 +173,12 @@ def child_env(checkout: Path, tmp: Path) -> dict[str, str]:
     return env
 
 
-def run_once(bench: Bench, checkout: Path, data: Path, log: Path, timeout_s: float) -> dict[str, float]:
+def run_once(bench: Bench, checkout: Path, data: Path, log: Path, timeout_s: float,
+             quick: bool = False) -> dict[str, float]:
     """One run of ``bench`` in ``checkout`` (stdout and stderr to ``log``.out/.err, a fresh temporary folder as
     ``{runs}`` and TMPDIR); its figures. Raises Failed."""
     runs = Path(tempfile.mkdtemp(prefix="rollflow-compare-runs-"))
-    argv = [sys.executable] + [a.format(data=data, runs=runs) for a in bench.args]
+    argv = [sys.executable] + [a.format(data=data, runs=runs) for a in bench.argv(quick)]
     out, err = log.with_suffix(".out"), log.with_suffix(".err")
     start = time.perf_counter()
     try:
@@ -240,7 +240,7 @@ def describe(checkout: Path) -> str:
 
 
 def compare(benches: dict[str, Bench], checkouts: dict[str, Path], rounds: int, data: Path, logs: Path,
-            timeout_s: float) -> tuple[dict[str, dict[str, dict[str, float]]], list[str]]:
+            timeout_s: float, quick: bool = False) -> tuple[dict[str, dict[str, dict[str, float]]], list[str]]:
     """Every benchmark in both checkouts, old then new, ``rounds`` times; (mean figures by benchmark and checkout,
     the failures). A benchmark that failed is not run again."""
     runs: dict[str, dict[str, list[dict[str, float]]]] = {name: {"old": [], "new": []} for name in benches}
@@ -252,7 +252,7 @@ def compare(benches: dict[str, Bench], checkouts: dict[str, Path], rounds: int, 
                     break
                 start = time.time()
                 try:
-                    figures = run_once(bench, checkout, data, logs / f"{name}-{label}-{r}", timeout_s)
+                    figures = run_once(bench, checkout, data, logs / f"{name}-{label}-{r}", timeout_s, quick)
                 except Failed as e:
                     failures[name] = f"{name} at {label}, round {r}: {e}"
                     print(f"FAILED {failures[name]}", flush=True)
@@ -288,13 +288,11 @@ def main() -> None:
     parser.add_argument("--logs", type=Path, default=None, help="each run's stdout/stderr (default: a new temp folder)")
     parser.add_argument("--timeout-min", type=float, default=20.0, help="the most one benchmark run may take")
     args = parser.parse_args()
-    catalogue = QUICK if args.quick else BENCHES
     names = [n.strip() for n in args.only.split(",") if n.strip()]
-    unknown = [n for n in names if n not in catalogue]
-    if unknown or not names or args.rounds < 1:
-        sys.exit(f"error: --only {args.only} / --rounds {args.rounds}: give some of {', '.join(catalogue)} and "
+    if not names or any(n not in BENCHES for n in names) or args.rounds < 1:
+        sys.exit(f"error: --only {args.only} / --rounds {args.rounds}: give some of {', '.join(BENCHES)} and "
                  "--rounds >= 1")
-    benches = {n: catalogue[n] for n in names}
+    benches = {n: BENCHES[n] for n in names}
     data = args.data or Path(os.environ.get("ROLLFLOW_CACHE", REPO / ".cache")) / "bench" / "compare_commits"
     logs = args.logs or Path(tempfile.mkdtemp(prefix="rollflow-compare-logs-"))
     data.mkdir(parents=True, exist_ok=True)
@@ -307,7 +305,7 @@ def main() -> None:
             print(f"{label}: {checkout}: {describe(checkout)}")
         print(f"{args.rounds} round(s) of {', '.join(benches)}{' (quick settings)' if args.quick else ''}; "
               f"logs in {logs}", flush=True)
-        results, failures = compare(benches, checkouts, args.rounds, data, logs, args.timeout_min * 60)
+        results, failures = compare(benches, checkouts, args.rounds, data, logs, args.timeout_min * 60, args.quick)
     except KeyboardInterrupt:
         print("interrupted: the old checkout is removed", file=sys.stderr)
         sys.exit(130)

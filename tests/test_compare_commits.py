@@ -26,7 +26,8 @@ def test_figures_are_averaged_over_the_rounds_that_have_them():
 
 
 def test_the_last_line_pairs_old_and_new_and_gives_new_over_old_of_the_speed_figure():
-    benches = {"train": Bench("train", (), "stage_tok_per_s"), "rlvr": Bench("rlvr", (), "step_s", False),
+    benches = {"train": Bench("train", (), "stage_tok_per_s"),
+               "rlvr": Bench("rlvr", (), "step_s", higher_is_faster=False),
                "rollout": Bench("rollout", (), "stage_tok_per_s")}
     results = {"train": {"old": {"stage_tok_per_s": 100.0, "ratio": 0.9}, "new": {"stage_tok_per_s": 110.0,
                                                                                     "ratio": 0.92}},
