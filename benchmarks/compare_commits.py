@@ -49,7 +49,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "benchmarks"))
 
-from rlvr_learning import step_seconds  # noqa: E402
+from rlvr_learning import stage_seconds  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -76,14 +76,14 @@ BENCHES = {b.name: b for b in (
     Bench("recompute", ("benchmarks/recompute.py", "--skip-padded", "--skip-default-floor", "--cache",
                         "{data}/recompute"), "rows_per_s", sized=("--samples", "100000"), quick=("--samples", "5000")),
     Bench("rollout", ("benchmarks/rollout.py",), "stage_tok_per_s",
-          sized=("--set", "env.num_env_groups=2", "--set", "env.max_steps=3", "--compare-turns", "2"),
+          sized=("--set", "env.num_env_groups=2", "--set", "env.max_steps=2", "--compare-turns", "2"),
           quick=("--set", "env.num_env_groups=1", "--set", "env.max_steps=1", "--compare-turns", "1")),
     Bench("train", ("benchmarks/train.py",), "stage_tok_per_s",
           sized=("--rows", "16", "--min-len", "64", "--max-len", "128", "--budget", "512"),
           quick=("--model", "tiny", "--rows", "4", "--min-len", "32", "--max-len", "64", "--budget", "256")),
     Bench("rlvr", ("-m", "flows.cli", "train", "--config", "configs/rlvr_train_add2.yaml", "--no-report", "--set",
                    "validation.eval_steps=0", "--set", "runs_dir={runs}", "--set", "run_name=bench"), "step_s",
-          sized=("--set", "max_steps=2"), quick=("--set", "max_steps=1", "--set", "generating_args.max_new_tokens=32"),
+          sized=("--set", "max_steps=1"), quick=("--set", "max_steps=1", "--set", "generating_args.max_new_tokens=32"),
           higher_is_faster=False, rollflow_run=True),
 )}
 
@@ -207,12 +207,15 @@ def run_once(bench: Bench, checkout: Path, data: Path, log: Path, timeout_s: flo
 
 
 def run_figures(run: Path, wall_s: float) -> dict[str, float]:
-    """A rollflow run's figures: the command's wall seconds, the mean seconds of a step (its stages summed, from the
-    run's metrics) and the steps committed."""
-    steps = step_seconds(run)
+    """A rollflow run's figures: the command's wall seconds, the steps committed, and from the run's metrics the
+    seconds of a step (its stages summed) and of each of its stages (``<stage>_s``), means over the steps."""
+    steps = stage_seconds(run)
     if not steps:
         raise Failed(f"the run {run} logged no training step")
-    return {"wall_s": wall_s, "step_s": sum(steps) / len(steps), "steps": float(len(steps))}
+    n = len(steps)
+    stages = dict.fromkeys(name for step in steps for name in step)
+    return {"wall_s": wall_s, "steps": float(n), "step_s": sum(sum(step.values()) for step in steps) / n,
+            **{f"{stage}_s": sum(step.get(stage, 0.0) for step in steps) / n for stage in stages}}
 
 
 def old_checkout(commit: str, where: Path) -> Path:
@@ -221,15 +224,20 @@ def old_checkout(commit: str, where: Path) -> Path:
                            capture_output=True, text=True)
     if found.returncode != 0:
         sys.exit(f"error: --old {commit}: no such commit in {REPO}; give a commit hash or branch (git log --oneline)")
-    subprocess.run(["git", "worktree", "add", "--detach", str(where), found.stdout.strip()], cwd=REPO, check=True,
-                   capture_output=True)
+    added = subprocess.run(["git", "worktree", "add", "--detach", str(where), found.stdout.strip()], cwd=REPO,
+                           capture_output=True, text=True)
+    if added.returncode != 0:
+        sys.exit(f"error: git worktree add --detach {where} {commit} failed: {added.stderr.strip()}")
     return where
 
 
 def remove_checkout(where: Path) -> None:
-    subprocess.run(["git", "worktree", "remove", "--force", str(where)], cwd=REPO, capture_output=True)
+    """Remove the worktree at ``where`` (and git's record of it, should its folder be gone already)."""
+    removed = subprocess.run(["git", "worktree", "remove", "--force", str(where)], cwd=REPO, capture_output=True)
     shutil.rmtree(where, ignore_errors=True)
-    subprocess.run(["git", "worktree", "prune"], cwd=REPO, capture_output=True)
+    listed = subprocess.run(["git", "worktree", "list", "--porcelain"], cwd=REPO, capture_output=True, text=True)
+    if removed.returncode != 0 and f"worktree {where}\n" in listed.stdout:
+        subprocess.run(["git", "worktree", "prune"], cwd=REPO, capture_output=True)
 
 
 def describe(checkout: Path) -> str:
@@ -277,7 +285,8 @@ def print_table(results: dict[str, dict[str, dict[str, float]]], benches: dict[s
             print(f"{name:<11}{key:<26}{fmt(old):>12}{fmt(new):>12}{fmt(ratio(new, old)):>9}{mark}")
 
 
-def main() -> None:
+def arguments() -> tuple[argparse.Namespace, dict[str, Bench]]:
+    """The command line and the benchmarks it chose (exits with the fix on a bad choice)."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--old", required=True, help="the commit to compare this tree against, e.g. b3151aa")
     parser.add_argument("--rounds", type=int, default=2)
@@ -292,7 +301,11 @@ def main() -> None:
     if not names or any(n not in BENCHES for n in names) or args.rounds < 1:
         sys.exit(f"error: --only {args.only} / --rounds {args.rounds}: give some of {', '.join(BENCHES)} and "
                  "--rounds >= 1")
-    benches = {n: BENCHES[n] for n in names}
+    return args, {n: BENCHES[n] for n in names}
+
+
+def main() -> None:
+    args, benches = arguments()
     data = args.data or Path(os.environ.get("ROLLFLOW_CACHE", REPO / ".cache")) / "bench" / "compare_commits"
     logs = args.logs or Path(tempfile.mkdtemp(prefix="rollflow-compare-logs-"))
     data.mkdir(parents=True, exist_ok=True)

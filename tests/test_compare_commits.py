@@ -9,11 +9,14 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.compare_commits import Bench, Failed, compare, compare_line, mean_figures, parse_result, run_once
+from benchmarks.compare_commits import (Bench, Failed, compare, compare_line, mean_figures, parse_result, run_figures,
+                                        run_once)
+from stages.metrics import MetricsLog
 
 
 def test_the_last_result_line_gives_the_figures_and_words_are_left_out():
-    out = "RESULT rows_per_s=1\nwarming up\nRESULT rows_per_s=5691 io_floor_ratio=2.98 wall_s=nan exit_code=-1 mode=fp32\n"
+    out = ("RESULT rows_per_s=1\nwarming up\n"
+           "RESULT rows_per_s=5691 io_floor_ratio=2.98 wall_s=nan exit_code=-1 mode=fp32\n")
     figures = parse_result(out)
     assert figures.keys() == {"rows_per_s", "io_floor_ratio", "wall_s", "exit_code"}
     assert (figures["rows_per_s"], figures["exit_code"]) == (5691.0, -1.0) and math.isnan(figures["wall_s"])
@@ -77,3 +80,18 @@ def test_a_run_sees_its_checkout_no_ray_address_and_a_temporary_folder_removed_a
     tmp, pythonpath, ray_address, ray_tmp = (tmp_path / "seen").read_text().split("\n")
     assert (pythonpath, ray_address, ray_tmp) == (str(tmp_path), "none", tempfile.gettempdir())
     assert tmp != tempfile.gettempdir() and not Path(tmp).exists()
+
+
+def test_a_rollflow_runs_figures_are_its_steps_stage_seconds_from_its_metrics(tmp_path):
+    """Steps that trained count (an iteration without a train stage, such as one cut short, does not); validation
+    is not part of a step; each stage's seconds and the step's sum are means over the steps."""
+    log = MetricsLog(tmp_path, tensorboard=False)
+    for iteration, (generate, train) in enumerate(((30.0, 50.0), (10.0, 40.0))):
+        log.log(iteration, "generate", {"n": 1}, generate)
+        log.log(iteration, "train", {"actor/pg_loss": 0.1}, train)
+    log.log(1, "validation", {"score": 0.5}, 99.0)
+    log.log(2, "generate", {"n": 1}, 12.0)
+    assert run_figures(tmp_path, 200.0) == {"wall_s": 200.0, "steps": 2.0, "step_s": 65.0, "generate_s": 20.0,
+                                            "train_s": 45.0}
+    with pytest.raises(Failed, match="logged no training step"):
+        run_figures(tmp_path / "nothing", 1.0)
