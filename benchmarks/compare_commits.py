@@ -24,12 +24,13 @@ The benchmarks, sized (``BENCHES``) so that two rounds take about 20 minutes on 
   both turns replayed through the turn stage and directly; speed ``stage_tok_per_s``;
 * ``train``: benchmarks/train.py, 16 rows of 64-128 tokens (the train-step stage: Ray Train over the training core,
   beside a bare DeepSpeed loop, on the default model); speed ``stage_tok_per_s``;
-* ``rlvr``: ``rollflow train --config configs/rlvr_train_add2.yaml`` for one step with validation off: the RLVR flow
-  end to end (vLLM generation, reward workers, log-probs, the DeepSpeed step, the checkpoint). Its figures come from
-  the run, not from a RESULT line: ``wall_s`` (the command), ``steps``, and from the run's metrics ``step_s`` (a
-  step's stages summed: the speed) and each stage's seconds (``train_s``, ``generate_s``, ...), means over the
-  steps. benchmarks/rlvr_learning.py would run the same training between two evaluations of held-out prompts,
-  which cost more than the step itself.
+* ``rlvr``: ``rollflow train --config configs/rlvr_train_add2.yaml`` for one step of 2 prompts x 8 responses (one
+  optimizer step of 16; the config's 4 prompts took 161 s where 20 minutes leave about 100) with validation off: the
+  RLVR flow end to end (vLLM generation, reward workers, log-probs, the DeepSpeed step, the checkpoint). Its figures
+  come from the run, not from a RESULT line: ``wall_s`` (the command), ``steps``, and from the run's metrics
+  ``step_s`` (a step's stages summed: the speed) and each stage's seconds (``train_s``, ``generate_s``, ...), means
+  over the steps. benchmarks/rlvr_learning.py would run the same training between two evaluations of held-out
+  prompts, which cost more than the step itself.
 
 Usage: python benchmarks/compare_commits.py --old b3151aa [--rounds 2] [--only recompute,train] [--quick]
        [--data DIR] [--logs DIR] [--timeout-min 20]
@@ -88,7 +89,8 @@ BENCHES = {b.name: b for b in (
           quick=("--model", "tiny", "--rows", "4", "--min-len", "32", "--max-len", "64", "--budget", "256")),
     Bench("rlvr", ("-m", "flows.cli", "train", "--config", "configs/rlvr_train_add2.yaml", "--no-report", "--set",
                    "validation.eval_steps=0", "--set", "runs_dir={runs}", "--set", "run_name=bench"), "step_s",
-          sized=("--set", "max_steps=1"), quick=("--set", "max_steps=1", "--set", "generating_args.max_new_tokens=32"),
+          sized=("--set", "max_steps=1", "--set", "rollout_batch_size=2"),
+          quick=("--set", "max_steps=1", "--set", "rollout_batch_size=2", "--set", "generating_args.max_new_tokens=32"),
           higher_is_faster=False, rollflow_run=True),
 )}
 
