@@ -57,13 +57,18 @@ def last_checkpoint(run: Path) -> tuple[str | None, int]:
 
 def step_seconds(run: Path) -> list[float]:
     """Wall seconds of each committed training step (its stages summed) from the run's metrics table."""
+    return [sum(w.values()) for w in stage_seconds(run)]
+
+
+def stage_seconds(run: Path) -> list[dict[str, float]]:
+    """Wall seconds of each stage ({stage: seconds}) of each committed training step, from the run's metrics."""
     from stages.metrics import read_metrics
 
     walls: dict[int, dict[str, float]] = {}
     for r in read_metrics(run).to_pylist():
         if r["wall_s"] is not None and r["stage"] != "validation":
             walls.setdefault(r["iteration"], {})[r["stage"]] = r["wall_s"]
-    return [sum(w.values()) for _, w in sorted(walls.items()) if "train" in w]
+    return [w for _, w in sorted(walls.items()) if "train" in w]
 
 
 def main() -> None:
