@@ -18,7 +18,7 @@ from stages.registry import Registry
 from stages.rlvr.generate import check_judge_read, needs_model, prompts_section
 from stages.rlvr.stages import check_routes
 from stages.rollout.baseline import evaluation_baseline
-from stages.rollout.driver import check_rollout
+from stages.rollout.driver import check_envs, check_rollout
 from stages.storage import MANIFEST, Location
 
 
@@ -50,7 +50,9 @@ class PipelineSpec:
     preflight: Callable[[Any, bool], None]
     # the engines a run of a validated config keeps for its whole length (stages.plan.EngineUse), for its resource plan
     engines: Callable[[Any], list]
-    # the chance level of a validated config's held-out success rate (the report draws it), None where it has none
+    # the chance level of a validated config's held-out success rate (the report draws it), None where it has none;
+    # a RollflowError where the config cannot be measured here (an environment this install lacks: the report draws
+    # none), any other error is a bug
     chance_level: Callable[[Any], ChanceLevel | None] = lambda config: None
     # refuses options of a validated config that no command running it would read (a ConfigError with the fix); for a
     # new run and ``rollflow eval``, not for a run folder frozen with the config (it resumes as it was started)
@@ -135,7 +137,9 @@ def _rlvr_engines(config, evaluation: bool = False) -> list:
 
 def _agentic_chance_level(config) -> ChanceLevel | None:
     """Uniformly random legal actions on the evaluation's levels under its turn limit (stages/rollout/baseline.py);
-    None for environments without a list of legal actions."""
+    None for environments without a list of legal actions; a ConfigError when an environment of the evaluation is
+    not registered or does not build from its env_config."""
+    check_envs(config.eval_rollout(), field="rollout.")
     found = evaluation_baseline(config)
     if found is None:
         return None

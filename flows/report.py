@@ -193,16 +193,23 @@ def metric_band(table: pa.Table, name: str, stage: str) -> tuple[np.ndarray, np.
 def run_chance_level(run: Path) -> ChanceLevel | None:
     """The chance-level reference of the run's held-out score, from its frozen config (``config.json``) and its
     pipeline's declaration (agentic: the random-legal policy on the evaluation's levels); None when the run has no
-    frozen config or its pipeline declares none. A config this version cannot read gives None: the plots are still
-    worth drawing."""
+    frozen config or its pipeline declares none. A config this version cannot read (not UTF-8 JSON, not a mapping,
+    an unknown pipeline, options that do not validate, an environment this install lacks) gives None: the plots are
+    still worth drawing. Any other error is a bug and is raised."""
     path = run / "config.json"
     if not path.is_file():
         return None
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
-        spec = PIPELINE_SPECS.get(data.get("pipeline", "agentic"))
+    except ValueError:  # json.JSONDecodeError, UnicodeDecodeError
+        return None
+    pipeline = data.get("pipeline", "agentic") if isinstance(data, dict) else None
+    if not isinstance(pipeline, str) or pipeline not in PIPELINE_SPECS:
+        return None
+    spec = PIPELINE_SPECS.get(pipeline)
+    try:
         return spec.chance_level(validate_config(spec.config_model(), data, str(path)))
-    except (RollflowError, ValueError, AttributeError, KeyError):
+    except RollflowError:
         return None
 
 

@@ -19,7 +19,9 @@ from schemas.train_config import ForwardConfig, RunTrainConfig, TrainStepConfig
 
 
 R = TypeVar("R", bound=RuntimeConfig)
-
+# where RunOptions.train_step_config keeps its result: (the train section, the estimator, the top-level runtime, the
+# TrainStepConfig)
+_TRAIN_STEP_KEY = "_train_step_config"
 # train.train_infer_correction of an asynchronous run that sets none (ROLL's token-level is_weight, spec §6.6)
 ASYNC_CORRECTION = {"is_weight": {"enabled": True, "weight_type": "token", "upper_bound": 1.2}}
 
@@ -96,10 +98,20 @@ class RunOptions(TrackingOptions, OmitDefaults):
     def train_step_config(self) -> TrainStepConfig:
         """The config of the run's training step: the ``train`` section with the run's ``adv_estimator`` (whether a
         critic trains) and cluster settings (:meth:`run_runtime`). What every reader of the training step's options
-        uses."""
+        uses, many times an iteration, so it is validated once per config: kept in the instance's ``__dict__``
+        (outside the fields, so the dump, equality and hash ignore it, as they do a ``functools.cached_property``; a
+        private attribute would count in equality) with the ``train`` section, estimator and top-level runtime it was
+        made of. A copy (``model_copy``, deepcopy, pickle) carries it, and one whose ``train``, ``adv_estimator`` or
+        ``runtime`` differs makes its own."""
+        estimator, cluster = getattr(self, "adv_estimator"), getattr(self, "runtime")
+        kept = self.__dict__.get(_TRAIN_STEP_KEY)
+        if kept is not None and kept[0] is self.train and kept[1] == estimator and kept[2] is cluster:
+            return kept[3]
         fields = {name: getattr(self.train, name) for name in RunTrainConfig.model_fields}
-        return TrainStepConfig.model_validate({**fields, "adv_estimator": getattr(self, "adv_estimator"),
+        step = TrainStepConfig.model_validate({**fields, "adv_estimator": estimator,
                                                "runtime": self.run_runtime(self.train.runtime)})
+        self.__dict__[_TRAIN_STEP_KEY] = (self.train, estimator, cluster, step)
+        return step
 
     def logprobs_config(self) -> ForwardConfig:
         """The config of the run's log-prob and values stages: the ``logprobs`` section with the run's cluster

@@ -136,12 +136,15 @@ def _record_tree(known: dict[int, int], table: ProcessTable) -> dict[int, int]:
 
 # this process's id -> the write end of its watchdog's pipe, held open for the process's lifetime
 _PIPES: dict[int, int] = {}
-_WATCHDOGS: dict[int, int] = {}  # this process's id -> its watchdog's
+# this process's id -> its watchdog, held for the process's lifetime (a Popen dropped while its process runs is a
+# ResourceWarning, "subprocess N is still running")
+_WATCHDOGS: dict[int, subprocess.Popen] = {}
 
 
 def watchdog_pid() -> int | None:
     """The process id of this process's watchdog (None if none was started)."""
-    return _WATCHDOGS.get(os.getpid())
+    proc = _WATCHDOGS.get(os.getpid())
+    return None if proc is None else proc.pid
 
 
 def start(pids: tuple[int, ...] = ()) -> None:
@@ -158,7 +161,7 @@ def start(pids: tuple[int, ...] = ()) -> None:
                             cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     os.close(read_end)
     _PIPES[os.getpid()] = write_end
-    _WATCHDOGS[os.getpid()] = proc.pid
+    _WATCHDOGS[os.getpid()] = proc
 
 
 def main(argv: list[str]) -> int:

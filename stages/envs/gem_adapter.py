@@ -209,10 +209,31 @@ class _NumpyView:
         return getattr(np, name)
 
 
+# the last scan of _global_rng_names: the loaded modules' key it was made at -> its sites
+_RNG_SITES: dict[tuple[int, str], list[tuple[Any, str, Any]]] = {}
+
+
+def _loaded_modules_key() -> tuple[int, str]:
+    """What changes when a module is imported (it is added to the end of ``sys.modules``): their number and the last
+    one's name."""
+    return len(sys.modules), next(reversed(sys.modules))
+
+
 def _global_rng_names() -> list[tuple[Any, str, Any]]:
     """``(module, name, value)`` for every name in GEM's loaded modules that refers to a process-global generator:
     the ``random`` and ``numpy`` modules and functions bound to ``random``'s hidden instance (``from random import
-    shuffle``)."""
+    shuffle``). Every GEM call needs them and a scan of ``sys.modules`` costs more than a GEM step, so the scan is kept
+    until another module is loaded (GEM imports an environment's module when one is first made); called under
+    ``_GEM_LOCK``, outside the swap."""
+    key = _loaded_modules_key()
+    if key not in _RNG_SITES:
+        _RNG_SITES.clear()
+        _RNG_SITES[key] = _scan_global_rng_names()
+    return _RNG_SITES[key]
+
+
+def _scan_global_rng_names() -> list[tuple[Any, str, Any]]:
+    """:func:`_global_rng_names` scanned from ``sys.modules``."""
     sites = []
     for module_name, module in list(sys.modules.items()):
         if module is None or not (module_name == "gem" or module_name.startswith("gem.")):

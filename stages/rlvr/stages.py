@@ -36,7 +36,7 @@ from stages.algos.rlvr_chain import check_groups, response_tokens
 from stages.rewards import RewardRouter
 from stages.rewards.registry import build_worker, required_services, resolve_worker
 from stages.rewards.routing import FALLBACK_DOMAIN
-from stages.stage import ACTOR_POOL, Stage, StageContext
+from stages.stage import Stage, StageContext, map_on_actor_pool
 from stages.storage import Location, folder_fingerprint
 
 ServiceFactory = Callable[[], Any]
@@ -178,13 +178,12 @@ class RewardStage(Stage):
         _check_routed(ctx.inputs["responses"], section)
         columns = [f.name for f in schema if f.name not in RESPONSE_ALIGNED]  # workers read text, not log-probs
         routes = {d: r.model_dump() for d, r in section.routes.items()}
-        return ctx.read("responses", columns=columns).map_batches(
-            ScoreBatch, batch_size=ctx.batch_rows, batch_format="pyarrow",
+        return map_on_actor_pool(
+            ctx.read("responses", columns=columns), ScoreBatch, batch_size=ctx.batch_rows, batch_format="pyarrow",
             fn_constructor_kwargs={"routes": routes, "domain_column": section.domain_column,
                                    "services": self.services, "where": ctx.inputs["responses"].path,
                                    "context": run_context(ctx.state_in)},
-            compute=ActorPoolStrategy(min_size=1, max_size=self.max_actors), num_cpus=self.cpus_per_actor,
-            **ACTOR_POOL)
+            compute=ActorPoolStrategy(min_size=1, max_size=self.max_actors), num_cpus=self.cpus_per_actor)
 
     def preflight(self, section: RewardsConfig, on_disk: Mapping[str, str], schemas: Mapping[str, pa.Schema]
                   ) -> None:

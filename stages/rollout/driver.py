@@ -76,6 +76,17 @@ def check_rollout(config: RolloutConfig, output: str | None = None, checkpoint: 
     every tag names a registered environment that builds from its env_config (map size, keyword names), the
     ``checkpoint`` is an HF model folder, the engine's options are its backend's and ``output`` can be written.
     Raises a ConfigError naming the field."""
+    check_envs(config, field)
+    check_engine_options(config.engine.backend, config.engine.options, f"{field}engine.options")
+    if checkpoint is not None:
+        preflight_model_dir(checkpoint)
+    if output is not None:
+        check_output(output, Writes("rollflow rollout", (), ROLLOUT_CHILDREN), {"--checkpoint": checkpoint})
+
+
+def check_envs(config: RolloutConfig, field: str = "") -> None:
+    """Every tag of ``config`` names a registered environment that builds from its env_config (map size, keyword
+    names, data); else a ConfigError naming the field (``field``: the config section the rollout sits in)."""
     _check_env(config, field)
     section = turn_section(config)
     for entry in config.env_layout():
@@ -87,11 +98,6 @@ def check_rollout(config: RolloutConfig, output: str | None = None, checkpoint: 
         except (ValueError, OSError) as err:
             raise ConfigError(f"{config_field}: environment '{entry.tag}' cannot be built from it ({err}); fix "
                               f"{config_field}") from None
-    check_engine_options(config.engine.backend, config.engine.options, f"{field}engine.options")
-    if checkpoint is not None:
-        preflight_model_dir(checkpoint)
-    if output is not None:
-        check_output(output, Writes("rollflow rollout", (), ROLLOUT_CHILDREN), {"--checkpoint": checkpoint})
 
 
 def _env_config_field(config: RolloutConfig, tag: str, field: str) -> str:

@@ -35,7 +35,7 @@ from stages.commit import commit_folder
 from stages.partials import SIDE_DIR, read_partials, sum_partials
 from stages.ray_errors import unplaced_hint, unwrap_error
 from stages.runner import run_stage, stage_fingerprint
-from stages.stage import ACTOR_POOL, Stage, StageContext, StageResult
+from stages.stage import Stage, StageContext, StageResult, map_on_actor_pool
 from stages.storage import Location, folder_fingerprint, is_uri, read_table_schema
 from stages.train import checkpoint as ckpt
 from stages.train.group import Limits, TrainerGroup
@@ -404,11 +404,11 @@ class _ForwardStage(Stage):
                 _forward_on_worker, batch_size=c.rows_per_batch, batch_format="pyarrow", concurrency=len(actors),
                 fn_kwargs={"actors": actors, "placed": self.workers.placed, "limit": self.workers.limits.step,
                            "dtype": ctx.section.dtype, **work})
-        return ctx.read("samples").map_batches(
-            ForwardActor, batch_size=c.rows_per_batch, batch_format="pyarrow",
+        return map_on_actor_pool(
+            ctx.read("samples"), ForwardActor, batch_size=c.rows_per_batch, batch_format="pyarrow",
             fn_constructor_kwargs={"dtype": ctx.section.dtype, "threads": c.torch_threads(), **work},
             compute=ActorPoolStrategy(min_size=1, max_size=c.num_actors), num_cpus=c.cpus_per_actor,
-            num_gpus=c.gpus_per_actor_reserved(), **ACTOR_POOL, **_pinned(c.runtime.resources_for("logprobs")))
+            num_gpus=c.gpus_per_actor_reserved(), **_pinned(c.runtime.resources_for("logprobs")))
 
     def _build_on_group(self, ctx: StageContext):
         """The passes on the actor group: every rank writes its slice of the rows into ``_partials/actor`` of the

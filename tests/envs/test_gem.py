@@ -8,6 +8,8 @@ from __future__ import annotations
 import itertools
 import random
 import re
+import sys
+import types
 from collections import deque
 
 import numpy as np
@@ -371,6 +373,32 @@ def test_other_threads_drawing_from_the_global_rng_do_not_change_an_episode():
         stop.set()
         noise.join()
     assert all(run == quiet for run in noisy)
+
+
+def test_gem_names_of_the_generators_are_scanned_again_only_when_a_module_is_loaded(monkeypatch):
+    """The scan of GEM's modules for the global generators' names is kept between GEM calls, and a GEM module loaded
+    after it (as GEM loads an environment's module when one is first made) still draws from the episode's
+    generators, not the globals."""
+    sites = ga._global_rng_names()
+    assert ga._global_rng_names() is sites
+    probe = types.ModuleType("gem._rollflow_probe")  # a GEM module loaded after the scan, its names bound at import
+    probe.random, probe.np, probe.shuffle = random, np, random.shuffle
+    monkeypatch.setitem(sys.modules, probe.__name__, probe)
+
+    def draws() -> tuple:
+        cards = list(range(6))
+        probe.shuffle(cards)
+        return probe.random.random(), probe.np.random.rand(), cards
+
+    python_state, numpy_state = random.getstate(), np.random.get_state()
+    drawn, _ = ga.run_isolated(draws, (random.Random(5).getstate(), np.random.RandomState(5).get_state()))
+    own_py, own_np, cards = random.Random(5), np.random.RandomState(5), list(range(6))
+    own_py.shuffle(cards)
+    assert drawn == (own_py.random(), own_np.rand(), cards)
+    assert (probe.random, probe.np, probe.shuffle) == (random, np, random.shuffle)
+    assert random.getstate() == python_state
+    assert np.array_equal(np.random.get_state()[1], numpy_state[1]) and np.random.get_state()[2] == numpy_state[2]
+    assert ga._global_rng_names() is not sites
 
 
 def test_stepping_after_the_end_is_a_noop_and_gem_format_reward_is_default():

@@ -314,3 +314,41 @@ def test_a_mean_is_drawn_with_the_interval_its_stage_logged(tmp_path):
     np.testing.assert_allclose(high, [0.3, 0.4, 0.5])
     reward = next(s for s in PLOTS if s.stem == "reward")
     assert plot_lines(table, reward, tmp_path / "r.png") == ["val/score/mean", "val/score/mean: 95 % interval"]
+
+
+def test_a_config_this_install_cannot_measure_gives_the_report_without_a_chance_level_and_a_bug_is_raised(
+        tmp_path, monkeypatch):
+    """A frozen config that is not JSON, not a mapping, of an unknown pipeline, with options that do not validate or
+    an environment this install lacks: the report is the one of a run without config. An error of the measuring code
+    itself (a KeyError, an AttributeError) is a bug, and fails the report."""
+    import json
+
+    import flows.pipeline_specs
+    from schemas.config import load_config
+    from schemas.train_flow_config import TrainFlowConfig
+
+    repo = Path(__file__).resolve().parents[2]
+    frozen = load_config(TrainFlowConfig, str(repo / "configs/train_frozenlake_quickstart.yaml"), {}).model_dump(
+        mode="json")
+    rollout = frozen["rollout"]
+    unmeasurable = {"not json": "{", "a list": "[1]", "unknown pipeline": json.dumps({**frozen, "pipeline": "x"}),
+                    "invalid": json.dumps({**frozen, "max_steps": 0}),
+                    "unknown env": json.dumps({**frozen, "rollout": {**rollout, "env": {**rollout["env"],
+                                                                                        "tag": "NoSuchEnv"}}})}
+    bare = write_report(_rates_run(tmp_path / "bare"))
+    for name, text in unmeasurable.items():
+        run = _rates_run(tmp_path / name)
+        (run / "config.json").write_text(text)
+        report = write_report(run)
+        assert report.chance is None, name
+        assert (report.missing, sorted(report.plots)) == (bare.missing, sorted(bare.plots)), name
+        assert report.html.read_text().replace(name, "bare") == bare.html.read_text(), name
+
+    run = _rates_run(tmp_path / "agentic")
+    (run / "config.json").write_text(json.dumps(frozen))
+    for bug in (KeyError("level"), AttributeError("'TurnSection' object has no attribute 'levels'")):
+        def measure(config, bug=bug):
+            raise bug
+        monkeypatch.setattr(flows.pipeline_specs, "evaluation_baseline", measure)
+        with pytest.raises(type(bug)):
+            write_report(run)

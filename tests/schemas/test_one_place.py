@@ -74,3 +74,24 @@ def test_a_copy_set_again_is_taken_when_it_repeats_the_option_and_refused_with_t
         for words in (f"{copy} ({other}) differs from {option} ({same})", f"set it once, at {option}, and remove "
                       f"{copy}"):
             assert words in str(err.value)
+
+
+def test_the_training_step_config_is_validated_once_per_config_and_a_changed_copy_makes_its_own():
+    config = load_config(TrainFlowConfig, REPO / GRPO[1])
+    step = config.train_step_config()
+    assert config.train_step_config() is step  # kept, not validated again on every call
+    fresh = TrainFlowConfig.model_construct(**dict(config))  # the same fields, nothing kept yet
+    assert fresh == config and config == fresh
+    assert fresh.model_dump(mode="json") == config.model_dump(mode="json")
+    assert fresh.train_step_config() == step
+    assert config.model_copy().train_step_config() is step
+    train = config.train.model_copy(update={"ppo_epochs": config.train.ppo_epochs + 1})
+    retrained = config.model_copy(update={"train": train})
+    assert retrained.train_step_config().ppo_epochs == config.train.ppo_epochs + 1
+    assert retrained != config
+    critic = config.model_copy(update={"adv_estimator": "gae"})
+    assert (critic.train_step_config().adv_estimator, critic.train_step_config().needs_critic) == ("gae", True)
+    assert (config.train_step_config().adv_estimator, step.needs_critic) == (config.adv_estimator, False)
+    # the step's cluster settings are the run's top-level runtime (issue 43): a copy with another one makes its own
+    moved = config.model_copy(update={"runtime": config.runtime.model_copy(update={"batch_rows": 7})})
+    assert moved.train_step_config().runtime.batch_rows == 7 and step.runtime.batch_rows == config.runtime.batch_rows

@@ -26,6 +26,7 @@ def grandchild():
     finally:
         proc.kill()
         proc.wait()
+        proc.stdout.close()
         kill_known({grand: start_time(grand)})  # the orphaned sleep too, if it is still the same process
 
 
