@@ -17,22 +17,28 @@ Each check prints one line and ``RESULT`` at the end sums them up:
    magnitude, as tests/train/test_forward.py) and bf16 (reported), and the pass's peak CUDA memory each way;
 4. ROLL's loss golden cases on CUDA (tests/losses/test_actor_golden.py's ``test_same_result_on_cuda``);
 5. two processes sharing the GPU as the colocated plan does: a second process holds memory while this one trains a
-   step; the memory each sees before and after.
+   step; the memory each sees before and after;
+6. when Ray and Prefect have been carried in (Ray's wheel is about 78 MB: two pieces over two calls), the whole
+   agentic loop on one GPU: ``rollflow train`` of configs/train_frozenlake_grpo_h100.yaml for one iteration with the
+   HF engine (no vLLM here), no evaluation, in a run folder of its own (:data:`LOOP_OVERRIDES`); ``loop=ok(<s>)``, or
+   ``loop=skipped(no <modules>)`` where they are missing, or the command's exit status.
 
     python benchmarks/gpu_smoke.py            # on the GPU machine
     python benchmarks/gpu_smoke.py --dry-run  # anywhere: the pre-flight and the plan of checks, nothing on a GPU
 
 Last line: ``RESULT preflight=ok|<n> problems optimizer=... train=ok compiled=ok logprob_max_diff=...
 varlen=ok(diff=...,varlen_s=...,padded_sdpa_s=...) fused_logprobs=ok|mismatch(...) fused_max_diff=<fp32>/<bf16>
-fused_peak_mib=<logits path>-><fused> golden=5/5 shared_gpu=ok``.
+fused_peak_mib=<logits path>-><fused> golden=5/5 shared_gpu=ok loop=ok(...)|skipped(...)``.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import math
 import multiprocessing as mp
 import os
+import subprocess
 import sys
 import tempfile
 import time
@@ -232,6 +238,35 @@ def _hold_memory(gib: float, ready, done) -> None:
     del block
 
 
+LOOP_CONFIG = "configs/train_frozenlake_grpo_h100.yaml"
+# the GPU quickstart's config for one iteration with the HF engine (vLLM is not on this machine) and no evaluation
+LOOP_OVERRIDES = {"run_name": "gpu_smoke_loop", "max_steps": 1, "rollout.engine.backend": "hf",
+                  "rollout.engine.options": {}, "eval.eval_steps": 0}
+LOOP_MODULES = ("ray", "prefect", "deepspeed")
+LOOP_TIMEOUT_S = 300
+
+
+def loop_command(runs_dir: Path) -> list[str]:
+    """``rollflow train`` of :data:`LOOP_CONFIG` with :data:`LOOP_OVERRIDES`, its run folder under ``runs_dir``."""
+    sets = {**LOOP_OVERRIDES, "runs_dir": str(runs_dir)}
+    args = [a for key, value in sets.items() for a in ("--set", f"{key}={'{}' if value == {} else value}")]
+    return [sys.executable, "-m", "flows.cli", "train", "--config", LOOP_CONFIG, *args, "--no-report"]
+
+
+def whole_loop(work: Path) -> str:
+    """Check 6: one iteration of the agentic loop on this GPU, or why it was skipped."""
+    missing = [name for name in LOOP_MODULES if importlib.util.find_spec(name) is None]
+    if missing:
+        return f"skipped(no {'+'.join(missing)})"
+    start = time.perf_counter()
+    try:
+        done = subprocess.run(loop_command(work / "runs"), cwd=REPO, timeout=LOOP_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        return f"timeout({LOOP_TIMEOUT_S}s)"
+    seconds = time.perf_counter() - start
+    return f"ok({seconds:.0f}s)" if done.returncode == 0 else f"exit_{done.returncode}({seconds:.0f}s)"
+
+
 def shared_gpu(model_dir: str, table, dist, gib: float = 4.0) -> str:
     import torch
 
@@ -266,8 +301,8 @@ def main() -> int:
         why = "dry run" if args.dry_run else "no CUDA device (torch.cuda.is_available() is False)"
         print(f"{why}: would run a DeepSpeed step (default optimizer, then torch_compile), log-probs on CUDA vs CPU, "
               "packed log-probs through torch's varlen kernel vs padded sdpa, the fused-output-layer log-prob pass "
-              "vs the logits path on CUDA (values, peak memory), the loss golden cases on CUDA and two processes "
-              "sharing the GPU")
+              "vs the logits path on CUDA (values, peak memory), the loss golden cases on CUDA, two processes "
+              "sharing the GPU and, where Ray and Prefect were carried in, one iteration of the agentic loop")
         print("RESULT " + " ".join(f"{k}={v}" for k, v in results.items()) + f" gpu_checks=skipped({why.split(':')[0]})")
         return 0 if args.dry_run else 1
 
@@ -287,6 +322,7 @@ def main() -> int:
         "fused_logprobs": lambda: fused_logprobs(str(work / "model"), table),
         "golden": golden_on_cuda,
         "shared_gpu": lambda: shared_gpu(str(work / "model"), table, dist),
+        "loop": lambda: whole_loop(work),
     }
     for name, check in checks.items():
         start = time.perf_counter()
