@@ -22,7 +22,7 @@ The benchmarks, sized (``BENCHES``) so that two rounds take about 20 minutes on 
   the stage runner); speed ``rows_per_s``. The rows are generated once into ``--data`` and read by both checkouts;
 * ``rollout``: benchmarks/rollout.py, 16 FrozenLake episodes of up to 2 turns on vLLM-CPU with the default model,
   both turns replayed through the turn stage and directly; speed ``stage_tok_per_s``;
-* ``train``: benchmarks/train.py, 16 rows of 64-128 tokens (the train-step stage: Ray Train over the training core,
+* ``train``: benchmarks/train.py, 16 rows of 64-128 tokens (the train-step stage: the training workers over the core,
   beside a bare DeepSpeed loop, on the default model); speed ``stage_tok_per_s``;
 * ``rlvr``: ``rollflow train --config configs/rlvr_train_add2.yaml`` for one step of 2 prompts x 8 responses (one
   optimizer step of 16; the config's 4 prompts took 161 s where 20 minutes leave about 100) with validation off: the

@@ -10,7 +10,7 @@ Commands (each on small inputs it makes itself, nothing downloaded):
 * ``train``: ``rollflow train`` on the quickstart config (the default model, vLLM, DeepSpeed; 2 iterations), killed
   anywhere — rollout, log-probs, training, checkpoint writing, evaluation — and resumed with ``--resume``; the tables
   of both iterations, the evaluations and the final checkpoint's weights are compared;
-* ``train-step``: ``rollflow train-step`` (one PPO step, 2 epochs, on DeepSpeed under Ray Train) of the tiny random
+* ``train-step``: ``rollflow train-step`` (one PPO step, 2 epochs, DeepSpeed in the training workers) of the tiny random
   model on a generated advantaged table (tests/train/tables.py); its checkpoint's weights are compared bit for bit.
 
 Kill delays are drawn uniformly over the uninterrupted run's wall time (seeded). A trial passes when the rerun exits

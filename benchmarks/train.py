@@ -1,10 +1,10 @@
-"""Training throughput: the train-step stage (Ray Train + the training core) against a bare DeepSpeed loop on the
-same batches, in the same run.
+"""Training throughput: the train-step stage (the training workers + the training core) against a bare DeepSpeed
+loop on the same batches, in the same run.
 
 The bare loop is what a hand-written trainer does: the same DeepSpeed config and model, the same micro-batches
 (the stage's own plan for one rank), a clipped PPO surrogate written inline (log-softmax gather, ratio, clip,
 token mean), backward, step. The stage's training-loop time is measured inside its workers (``time/train_s``: from
-the first micro-batch to the last optimizer step, metrics included); its end-to-end time adds Ray Train's start,
+the first micro-batch to the last optimizer step, metrics included); its end-to-end time adds the workers' start,
 model loading and the checkpoint write, fixed costs that do not grow with the batch.
 
     python benchmarks/train.py --rows 16 --min-len 96 --max-len 192 --epochs 1 --model default
@@ -118,7 +118,7 @@ def main() -> None:
                 result.metrics.get("system/peak_rss_mb", float("nan")))
     print_results(f"model {args.model} ({args.dtype}), {args.rows} rows x {args.min_len}-{args.max_len} tokens, "
                   f"{args.epochs} epoch(s), budget {args.budget} tokens, {args.threads} threads", bare, stage, e2e,
-                  "Ray Train start, model load, checkpoint write")
+                  "workers' start, model load, checkpoint write")
 
 
 if __name__ == "__main__":

@@ -1,11 +1,11 @@
-"""Data-parallel training: one training step on 2 Ray Train workers against 1 worker, on the same global batch, in
+"""Data-parallel training: one training step on 2 training workers against 1 worker, on the same global batch, in
 the same run (issue 14, item 5).
 
 Both runs train one optimizer step (one mini-batch of every row) from the same model through the train-step stage
-(Ray Train + DeepSpeed, gloo on CPU), each with its own one-step worker group; the CPUs are the same in both:
+(Ray actors + DeepSpeed, gloo on CPU), each with its own one-step worker group; the CPUs are the same in both:
 ``--threads`` torch threads for the one worker, ``--threads / 2`` for each of the two. Throughput is real tokens over
 the training loop's time inside the workers (``train_seconds``: first micro-batch to the optimizer step; the slowest
-rank's for two); end-to-end adds Ray Train's start, model loading and the checkpoint write. The weights the two
+rank's for two); end-to-end adds the workers' start, model loading and the checkpoint write. The weights the two
 runs save are compared: data parallelism must not change the step (tests/train/test_done_when.py).
 
     python benchmarks/train_dp.py --model default --rows 8 --min-len 64 --max-len 128 --budget 512

@@ -1,10 +1,10 @@
-"""The training workers of a run two ways, on the same steps (issue 44: whether Ray Train stays): (a) today's
-:class:`stages.train.group.TrainerGroup` (a Ray Train ``TorchTrainer`` whose workers wait on a mailbox), driven the
-way a training flow drives it (``run_train_step(..., trainer=group)``, one group kept across the steps), against
-(b) :class:`ActorGroup`: N plain Ray actors in a placement group of the same bundles, each joining the process group
-with the project's own :func:`stages.train.distributed.init_distributed` (MASTER_ADDR/PORT from rank 0, gloo on
-CPU) and running the same :func:`stages.train.core.train_and_save` on the engines it keeps. Both go through the same
-train-step stage (fingerprint, temporary folder, manifest), on the tiny random model; only the group differs.
+"""The training workers of a run two ways, on the same steps (issue 44: whether Ray Train stays): (a)
+:class:`RayTrainGroup`, a Ray Train ``TorchTrainer`` whose workers wait on an inbox actor between steps (how
+rollflow ran its workers until issue 44), against (b) :class:`stages.train.group.TrainerGroup`, today's: plain Ray
+actors in a placement group of the same bundles, joining the process group the group sets up. Both run each step
+with the same :meth:`stages.train.group.TrainWorker.run` on the engines they keep, driven the way a training flow
+drives them (``run_train_step(..., trainer=group)``, one group kept across the steps), through the same train-step
+stage (fingerprint, temporary folder, manifest), on the tiny random model; only the group differs.
 
 Each measurement is a child process of its own with a fresh local Ray cluster (started, and left to settle, before
 the clock starts, as a run starts Ray before its first step). In the child, from "start group" to the group closed,
@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import queue
 import statistics
 import subprocess
 import sys
@@ -38,20 +39,16 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 import ray
-from ray.util.placement_group import placement_group, remove_placement_group
-from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from _common import make_table, model_folder, set_up_process
 from cpu_per_test import tree_cpu, used_between
 from iteration_overhead import process_kind
 from schemas.config import validate_config
-from schemas.train_config import TrainSection, TrainStepConfig
+from schemas.train_config import TrainStepConfig
 from stages.cluster import ensure_ray
-from stages.train.core import train_and_save
-from stages.train.distributed import _free_port, init_distributed
-from stages.train.group import TrainerGroup
+from stages.train.distributed import init_distributed
+from stages.train.group import TrainerGroup, TrainWorker
 from stages.train.stage import run_train_step
-from stages.train.train_table import read_train_table
 from stages.watchdog import ProcessTable, cmdline
 from train import add_old_log_probs
 
@@ -60,73 +57,90 @@ MARK = "MEASURED "
 PAGE = os.sysconf("SC_PAGE_SIZE")
 
 
-# ---- (b) plain Ray actors --------------------------------------------------------------------------------------
+# ---- (a) Ray Train, the way rollflow ran its training workers until issue 44 -----------------------------------
 
-class PlainWorker:
-    """One rank as a plain Ray actor: joins the process group, then runs each training step on the engines it keeps
-    (what a Ray Train worker's loop in stages/train/group.py does with a step request, without the mailbox)."""
+class _Inbox:
+    """The step requests of a Ray Train group (one queue per rank) and rank 0's replies, in one threaded Ray actor."""
 
-    def address(self) -> tuple[str, int]:
-        """The node's address and a free port: rank 0's, where the others meet it."""
-        return ray.util.get_node_ip_address(), _free_port()
+    def __init__(self, ranks: int):
+        self.inboxes, self.replies = [queue.Queue() for _ in range(ranks)], queue.Queue()
 
-    def join(self, rank: int, world: int, addr: str, port: int, threads: int) -> None:
-        os.environ.update({"MASTER_ADDR": addr, "MASTER_PORT": str(port), "RANK": str(rank),
-                           "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank)})  # one node: local rank = rank
-        self.dist, self.held = init_distributed(threads), None
+    def send(self, request: dict | None) -> None:
+        for inbox in self.inboxes:
+            inbox.put(request)
 
-    def step(self, request: dict) -> None:
-        samples = request["samples"]
-        table = read_train_table(samples, request["columns"])
-        _, self.held = train_and_save(table, samples.uri(), request["checkpoint"],
-                                      TrainSection.model_validate(request["section"]), request["output"], self.dist,
-                                      progress=request["progress"] if self.dist.rank == 0 else None, held=self.held,
-                                      committed_as=request["committed_as"], full_state=request["full_state"],
-                                      store=samples.fs)
+    def receive(self, rank: int) -> dict | None:
+        return self.inboxes[rank].get()
+
+    def reply(self) -> None:
+        self.replies.put("done")
+
+    def answer(self) -> str:
+        return self.replies.get()
 
 
-def actor_options(bundle: dict[str, float]) -> dict:
-    """Ray actor options asking for exactly one placement-group bundle (``{"CPU", "GPU", "memory", custom...}``)."""
-    named = {"CPU": "num_cpus", "GPU": "num_gpus", "memory": "memory"}
-    options = {named[k]: v for k, v in bundle.items() if k in named}
-    custom = {k: v for k, v in bundle.items() if k not in named}
-    return {**options, **({"resources": custom} if custom else {})}
+def _serve(config: dict) -> None:
+    """One Ray Train worker: joins the process group Ray Train made, then runs each request with the product's
+    :meth:`TrainWorker.run` (the same step on the same kept engines) until a ``None`` request."""
+    import ray.train
+
+    inbox, rank = config["inbox"], ray.train.get_context().get_world_rank()
+    worker = TrainWorker(keep=True)
+    worker.dist = init_distributed(config["threads"])
+    while (request := ray.get(inbox.receive.remote(rank))) is not None:
+        worker.run(request)
+        if rank == 0:
+            ray.get(inbox.reply.remote())
 
 
-class ActorGroup:
-    """``runtime.num_workers`` :class:`PlainWorker` actors in a placement group of the bundles a kept
-    :class:`TrainerGroup` asks for (PACK, Ray Train's default), started on the first step and kept until
-    :meth:`close`; :meth:`step` is TrainerGroup's, so ``run_train_step(..., trainer=group)`` drives either."""
+class RayTrainGroup:
+    """``runtime.num_workers`` Ray Train workers (a ``TorchTrainer`` whose fit runs in a thread, the preemption
+    watcher off, ``max_failures=0``) on the bundles :class:`TrainerGroup` asks for, started on the first step and
+    kept until :meth:`close`; :meth:`step` is TrainerGroup's, so ``run_train_step(..., trainer=group)`` drives
+    either."""
 
-    def __init__(self, runtime):
-        self.runtime, self.workers, self.group = runtime, None, None
+    def __init__(self, runtime, storage: Path):
+        self.runtime, self.storage, self.fit, self.failure, self.inbox = runtime, storage, None, None, None
 
     def _start(self) -> None:
-        n, bundle = self.runtime.num_workers, TrainerGroup(self.runtime).worker_resources()
-        self.group = placement_group([bundle] * n, strategy="PACK")
-        ray.get(self.group.ready())
-        cls = ray.remote(PlainWorker)
-        self.workers = [cls.options(scheduling_strategy=PlacementGroupSchedulingStrategy(self.group, i),
-                                    **actor_options(bundle)).remote() for i in range(n)]
-        addr, port = ray.get(self.workers[0].address.remote())
-        ray.get([w.join.remote(i, n, addr, port, self.runtime.torch_threads()) for i, w in enumerate(self.workers)])
+        from ray.train import FailureConfig, RunConfig, ScalingConfig
+        from ray.train.torch import TorchConfig, TorchTrainer
+
+        os.environ.setdefault("RAY_TRAIN_ENABLE_PREEMPTION_WATCHER", "0")
+        n = self.runtime.num_workers
+        self.inbox = ray.remote(num_cpus=0, max_concurrency=n + 3)(_Inbox).remote(n)
+        trainer = TorchTrainer(
+            _serve, train_loop_config={"inbox": self.inbox, "threads": self.runtime.torch_threads()},
+            scaling_config=ScalingConfig(num_workers=n, resources_per_worker=TrainerGroup(self.runtime)
+                                         .worker_resources()),
+            torch_config=TorchConfig(backend="gloo"),
+            run_config=RunConfig(name="bench", storage_path=str(self.storage),
+                                 failure_config=FailureConfig(max_failures=0)))
+        self.fit = threading.Thread(target=self._run, args=(trainer,), daemon=True)
+        self.fit.start()
+
+    def _run(self, trainer) -> None:
+        try:
+            trainer.fit()
+        except BaseException as err:  # noqa: BLE001 (handed to step)
+            self.failure = err
 
     def step(self, request: dict, unwrap) -> None:
-        """One training step on every rank; a failure closes the group and is raised as ``unwrap`` sees it."""
-        if self.workers is None:
+        """One training step on every rank; a failure of the group is raised as ``unwrap`` sees it."""
+        if self.fit is None:
             self._start()
-        try:
-            ray.get([w.step.remote(request) for w in self.workers])
-        except BaseException as err:
-            self.close()
-            raise unwrap(err) from err
+        ray.get(self.inbox.send.remote(request))
+        answer = self.inbox.answer.remote()
+        while not ray.wait([answer], timeout=0.5)[0]:
+            if not self.fit.is_alive():
+                raise unwrap(self.failure or RuntimeError("the Ray Train workers stopped"))
 
     def close(self) -> None:
-        for worker in self.workers or []:
-            ray.kill(worker)
-        if self.group is not None:
-            remove_placement_group(self.group)
-        self.workers, self.group = None, None
+        if self.fit is not None:
+            ray.get(self.inbox.send.remote(None))
+            self.fit.join(timeout=60)
+            ray.kill(self.inbox)
+        self.fit = None
 
 
 # ---- the measurement of one way, in a child process ------------------------------------------------------------
@@ -199,7 +213,7 @@ def measure(way: str, workers: int, samples: str, model_dir: str, steps: int, th
     meter = TreeMeter()
     meter.start()
     start = time.perf_counter()
-    group = TrainerGroup(cfg.runtime, storage=str(work)) if way == "raytrain" else ActorGroup(cfg.runtime)
+    group = RayTrainGroup(cfg.runtime, work) if way == "raytrain" else TrainerGroup(cfg.runtime)
     marks, checkpoint = [], model_dir
     for k in range(steps):
         output = str(work / f"step_{k}")

@@ -2,7 +2,7 @@
 
 The console shows rollflow's own lines: its progress lines (stdout), its warnings and errors, and on a terminal a
 progress bar for long work (:mod:`stages.progress`). Every log record of this process — rollflow's and the libraries'
-(Ray, Ray Data, Ray Train's driver side, Prefect, Python warnings) — goes to a log file: the run folder's
+(Ray, Ray Data, Prefect, Python warnings) — goes to a log file: the run folder's
 ``logs/rollflow.log`` for ``rollflow train``, else ``<cache>/logs/<command>.log``. ``--verbose`` shows the libraries'
 records on the console as well (INFO and up). What Ray's workers print (the engines' vLLM, the training workers'
 DeepSpeed) stays in Ray's session logs (``log_to_driver`` is off, stages/cluster.py).

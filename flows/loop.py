@@ -333,7 +333,7 @@ def run_pipeline(flow: PipelineFlow, config, cfg: dict) -> dict:
     flow.before_start(config)
     run, base, pool = start_run(config, cfg)
     r = Run(config, run, base, pool, None, None, base)  # type: ignore[arg-type]
-    r.workers = KeptWorkers.of(config, run.uri())
+    r.workers = KeptWorkers.of(config)
     started = time.time()
     summary: dict[str, Any] = {"run": run.uri(), **flow.summary_fields, "iterations": []}
     ev = flow.evaluation

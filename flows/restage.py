@@ -70,7 +70,7 @@ def _train_step(spec) -> tuple[type[BaseModel], Rerun]:
         world = int(recorded.get("state", {}).get("world_size", 1))
         cfg = TrainStepConfig.model_validate({**section.model_dump(mode="json"), "runtime": {"num_workers": world}})
         cpus = ray.cluster_resources().get("CPU", 0.0)
-        if world * cfg.runtime.cpus_per_worker > cpus:  # else Ray Train would wait for them forever
+        if world * cfg.runtime.cpus_per_worker > cpus:  # else the workers would wait for them forever
             raise RollflowError(f"the training step was recorded on {world} workers of "
                                 f"{cfg.runtime.cpus_per_worker:g} CPU each and the Ray cluster has {cpus:g} CPUs; "
                                 "run rollflow stage against a larger cluster (RAY_ADDRESS=...)")

@@ -71,10 +71,10 @@ class KeptWorkers:
     forward: Any = None  # stages.train.stage.ForwardWorkers, only without a kept training group
 
     @classmethod
-    def of(cls, config, run: str) -> "KeptWorkers":
+    def of(cls, config) -> "KeptWorkers":
         shares = gpu_shares(config)  # a GPU shared with the engines (device_mapping) is reserved as equal shares
         train = config.train_step_config()
-        trainer = TrainerGroup(train.runtime, storage=run, gpus_per_worker=shares["train"],
+        trainer = TrainerGroup(train.runtime, gpus_per_worker=shares["train"],
                                section=train_section(train).model_dump(mode="json"))
         if forward_on_actor(config):
             return cls(trainer)

@@ -403,7 +403,7 @@ class TrainRuntimeConfig(RuntimeConfig):
                                                    "placement_timeout_s": 600.0, "engine_build_timeout_s": 1200.0,
                                                    "step_timeout_s": 7200.0}
 
-    num_workers: int = Field(2, gt=0, description="Ray Train workers (data-parallel ranks).")
+    num_workers: int = Field(2, gt=0, description="Training workers: Ray actors, one per data-parallel rank.")
     use_gpu: bool = Field(False, description="One GPU per worker and the nccl backend (else gloo on CPU).")
     cpus_per_worker: float = Field(1.0, gt=0, description="CPUs reserved per worker; torch threads = max(1, floor).")
     threads: int | None = _threads_field("worker")

@@ -225,7 +225,7 @@ def ray_record(address: str, env: dict) -> dict:
 
 
 def asks_for(task: dict, resource: str) -> bool:
-    """Whether a recorded task asked for ``resource``: by name, or inside a placement group (Ray Train's workers),
+    """Whether a recorded task asked for ``resource``: by name, or inside a placement group (the training workers),
     where Ray renames it ``<resource>_group_<pg id>`` / ``<resource>_group_<bundle>_<pg id>``."""
     return any(name == resource or name.startswith(f"{resource}_group_") for name in task["resources"])
 

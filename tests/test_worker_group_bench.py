@@ -1,5 +1,5 @@
-"""benchmarks/worker_group.py's pure helpers (issue 44): the actor options of a placement-group bundle, how a process
-is named as it goes from Ray's idle worker to an actor, and the RESULT line from the rounds' figures."""
+"""benchmarks/worker_group.py's pure helpers (issue 44): how a process is named as it goes from Ray's idle worker to an
+actor, and the RESULT line from the rounds' figures."""
 
 from __future__ import annotations
 
@@ -9,16 +9,9 @@ from pathlib import Path
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 sys.path.insert(0, str(BENCHMARKS))
 try:
-    from worker_group import actor_options, medians, result_line, updated_kind
+    from worker_group import medians, result_line, updated_kind
 finally:
     sys.path.remove(str(BENCHMARKS))
-
-
-def test_a_bundle_becomes_the_options_of_one_actor():
-    bundle = {"CPU": 0, "memory": 64 * 2**20, "GPU": 0.5, "trainer_node": 1.0}
-    assert actor_options(bundle) == {"num_cpus": 0, "memory": 64 * 2**20, "num_gpus": 0.5,
-                                     "resources": {"trainer_node": 1.0}}
-    assert actor_options({"CPU": 1}) == {"num_cpus": 1}  # no empty custom resources
 
 
 def test_a_ray_worker_is_named_by_the_first_actor_it_runs():
@@ -27,9 +20,9 @@ def test_a_ray_worker_is_named_by_the_first_actor_it_runs():
     assert kind == "workers/default_worker.py"
     kind = updated_kind(kind, "ray::IDLE")
     assert kind == "ray::IDLE"
-    kind = updated_kind(kind, "ray::PlainWorker.step")
-    assert kind == "ray::PlainWorker"
-    assert updated_kind(kind, "ray::IDLE") == "ray::PlainWorker"  # an actor that idles stays what it was
+    kind = updated_kind(kind, "ray::TrainWorker.step")
+    assert kind == "ray::TrainWorker"
+    assert updated_kind(kind, "ray::IDLE") == "ray::TrainWorker"  # an actor that idles stays what it was
     assert updated_kind(None, "/venv/lib/ray/core/src/ray/raylet/raylet --x", "raylet") == "raylet"
 
 
@@ -40,9 +33,9 @@ def test_the_result_line_holds_each_ways_medians_one_worker_first():
 
     runs = [run("raytrain", 1, 20.0, 30.0, {"ray::TrainController": 1, "ray::RayTrainWorker": 1}),
             run("raytrain", 1, 16.0, 26.0, {"ray::RayTrainWorker": 2}),
-            run("actors", 1, 9.0, 12.0, {"ray::PlainWorker": 1}),
-            run("actors", 1, 11.0, 14.0, {"ray::PlainWorker": 1}),
-            run("actors", 2, 12.0, 20.0, {"ray::PlainWorker": 2})]
+            run("actors", 1, 9.0, 12.0, {"ray::TrainWorker": 1}),
+            run("actors", 1, 11.0, 14.0, {"ray::TrainWorker": 1}),
+            run("actors", 2, 12.0, 20.0, {"ray::TrainWorker": 2})]
     figures = medians(runs)
     assert figures["raytrain", 1]["start_s"] == 18.0 and figures["actors", 1]["cpu_s"] == 13.0
     assert figures["raytrain", 1]["kinds"] == {"ray::TrainController": 1, "ray::RayTrainWorker": 2}

@@ -226,7 +226,7 @@ def train_step(samples: str = typer.Option(..., "--samples", help="Advantaged ta
                                                                 "s3://bucket/folder URI)."),
                overrides: Optional[list[str]] = OverrideOpt,
                force: bool = typer.Option(False, "--force", help="Train even if the output is up to date.")) -> None:
-    """One PPO training step (actor, and critic for gae) on DeepSpeed under Ray Train; writes a checkpoint."""
+    """One PPO training step (actor, and critic for gae) on DeepSpeed in Ray actors; writes a checkpoint."""
     cfg = _prepare("TrainStepConfig", config, overrides, "ADVANTAGED", samples, output,
                    lambda cfg: cfg.table_needs, (checkpoint,), "train_step", "train-step")
     from stages.train.stage import run_train_step

@@ -6,4 +6,4 @@ per-micro-batch losses), ``step`` (one PPO training step), ``batching`` (token-b
 plan), ``train_table`` (the rows a step reads), ``resume`` (the engines a step starts from: loaded, replayed or
 held), ``save`` (writing the checkpoint folder) and ``checkpoint`` (its layout, reading one back, retention).
 Beside it: gradient-free forward passes (``forward``, ``actor_forward`` on the training workers) and the Ray
-wrappers (``stage``: the stages; ``group``: the kept Ray Train worker group)."""
+wrappers (``stage``: the stages; ``group``: the kept worker group of Ray actors)."""

@@ -1,5 +1,5 @@
-"""The process group of a training process: joining the one Ray Train / torchrun made (or a world of one), this
-rank's place in it, and gathering a value from every rank. No Ray import.
+"""The process group of a training process: joining the one the training workers (stages.train.group) or torchrun
+set up (or a world of one), this rank's place in it, and gathering a value from every rank. No Ray import.
 
 Process-wide settings (threads, DeepSpeed's accelerator and comm op) are set in :func:`init_distributed`, once.
 """
@@ -33,7 +33,7 @@ def _free_port() -> int:
 
 
 def init_distributed(threads: int | None = None) -> DistInfo:
-    """Join the process group that Ray Train / torchrun created, or make a world of one; return this rank.
+    """Join the process group that the training group / torchrun set up, or make a world of one; return this rank.
 
     On CPU: gloo, DeepSpeed's CPU accelerator, and no shared-memory comm op (it JIT-compiles C++ for 20-170 s and
     only serves inference all-reduce, which training never calls). ``threads``: torch intra-op threads.

@@ -1,5 +1,6 @@
-"""The Ray side of training: the training step on Ray Train's TorchTrainer, and the log-prob and values stages as
-Ray Data actor pools. The work itself is in ``stages.train.core`` and ``stages.train.forward`` (no Ray).
+"""The Ray side of training: the training step on the training workers (:class:`stages.train.group.TrainerGroup`),
+and the log-prob and values stages as Ray Data actor pools, kept forward workers, or the training workers. The work
+itself is in ``stages.train.core`` and ``stages.train.forward`` (no Ray).
 
 * :func:`run_train_step` — advantaged table + checkpoint → a new checkpoint folder, committed by the runner's
   ``commit_folder``: fingerprint (stage, version, training section, the table's fingerprint, the input checkpoint's
@@ -42,26 +43,13 @@ from stages.train.group import Limits, TrainerGroup
 
 log = logging.getLogger("rollflow.train")
 
-# ---- the training step on Ray Train ----------------------------------------------------------------------------
+# ---- the training step on the training workers ------------------------------------------------------------
 
 class TrainStage:
     """The training step's identity for :func:`stages.runner.stage_fingerprint`; its output is a checkpoint."""
 
     name = ckpt.STAGE_NAME
     version = "1"
-
-
-def _worker_error(err: BaseException) -> BaseException:
-    """The user error (RollflowError) raised inside a worker, if the Ray Train failure carries one."""
-    found = unwrap_error(err)
-    if found is not err:
-        return found
-    failures = getattr(err, "worker_failures", None) or {}
-    for failure in (failures.values() if isinstance(failures, dict) else failures):
-        found = unwrap_error(failure)
-        if isinstance(found, RollflowError):
-            return found
-    return err
 
 
 def _step(group: TrainerGroup, samples: Location, checkpoint: str, cfg: TrainStepConfig, tmp: str, final: str,
@@ -72,7 +60,7 @@ def _step(group: TrainerGroup, samples: Location, checkpoint: str, cfg: TrainSte
     with progress.bar(label, "micro-batches") as ticker:  # rank 0 counts its micro-batches
         group.step({"samples": samples, "columns": names, "checkpoint": checkpoint, "output": tmp,
                     "committed_as": final, "section": train_section(cfg).model_dump(mode="json"),
-                    "full_state": full_state, "progress": ticker}, _worker_error)
+                    "full_state": full_state, "progress": ticker}, unwrap_error)
 
 
 def train_section(cfg: TrainStepConfig) -> TrainSection:
@@ -114,8 +102,8 @@ def run_train_step(samples: str, checkpoint: str, cfg: TrainStepConfig, output: 
 def _train_into(tmp: Location, out: Location, samples: Location, info: ckpt.CheckpointInfo, cfg: TrainStepConfig,
                 state_in: dict, start: float, label: str, trainer: TrainerGroup | None,
                 full_state: bool, named: str) -> dict[str, Any]:
-    """Run the training step into ``tmp`` (the temporary folder of ``out``; a one-step group's Ray Train files go
-    to a sibling folder, removed after), check the checkpoint, and return its manifest (all but the fingerprint).
+    """Run the training step into ``tmp`` (the temporary folder of ``out``), check the checkpoint, and return its
+    manifest (all but the fingerprint).
     ``named``: the input checkpoint as the manifest records it (a URI on an object store, not its local copy)."""
     checkpoint = info.path
     if os.path.realpath(out.path) == os.path.realpath(checkpoint):
@@ -123,7 +111,7 @@ def _train_into(tmp: Location, out: Location, samples: Location, info: ckpt.Chec
     ckpt.check_trainable(info)
     section = train_section(cfg)
     try:
-        _step(trainer or TrainerGroup(cfg.runtime, storage=tmp.parent.path, keep=False), samples, checkpoint, cfg,
+        _step(trainer or TrainerGroup(cfg.runtime, keep=False), samples, checkpoint, cfg,
               tmp.path, out.path, label, full_state)
     except Exception as err:
         full = ckpt.disk_full_error(tmp.path, checkpoint, err)
@@ -426,7 +414,7 @@ class _ForwardStage(Stage):
                             "packed": c.use_sequence_packing, "attention": c.attn_implementation,
                             "fused": c.fused_output_layer, "output": ctx.output, "parts": parts,
                             "spec": self.output_spec, "where": ctx.inputs["samples"].path,
-                            "section": self.group.section if self.group.keep else None}, _worker_error)
+                            "section": self.group.section if self.group.keep else None}, unwrap_error)
         files = parts.parquet_files() if parts.exists() else []
         if not files:  # no rows
             return ctx.read("samples")

@@ -364,8 +364,8 @@ def stage_sequence(config, model, timeout):
     # a run's GPU stages with the reservations the real classes make (their shares from gpu_shares): the engine pool
     # (an hf engine of the tiny model computing on the CPU while it holds its GPU share) generates, sleeps at the
     # config's level, the kept forward workers start beside it, the training workers' bundles (TrainerGroup's
-    # worker_resources, what Ray Train reserves) are placed and released, the engine wakes with the checkpoint
-    # loaded in place and generates the same tokens again
+    # worker_resources, one placement-group bundle per worker) are placed and released, the engine wakes with the
+    # checkpoint loaded in place and generates the same tokens again
     from stages.generation.engines import GenRequest, SamplingSpec
     from stages.rollout.engine_pool import EnginePool
     from stages.train.group import TrainerGroup

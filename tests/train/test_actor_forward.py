@@ -49,8 +49,8 @@ def samples(tmp_path_factory) -> Path:
     return write_table(table, tmp_path_factory.mktemp("actor_forward") / "samples", parts=3)
 
 
-def group_of(cfg: TrainStepConfig, tmp_path: Path) -> TrainerGroup:
-    return TrainerGroup(cfg.runtime, storage=str(tmp_path), section=train_section(cfg).model_dump(mode="json"))
+def group_of(cfg: TrainStepConfig) -> TrainerGroup:
+    return TrainerGroup(cfg.runtime, section=train_section(cfg).model_dump(mode="json"))
 
 
 def test_rows_are_split_into_contiguous_slices_in_rank_order():
@@ -128,7 +128,7 @@ def test_actor_group_of_one_rank_equals_the_forward_pool_bit_for_bit_and_trains_
     table as the pool of one forward actor, bit for bit; the output's fingerprint is the pool's, so a re-run by the
     pool skips it (resume)."""
     cfg = train_config(1)
-    group = group_of(cfg, tmp_path)
+    group = group_of(cfg)
     try:
         on_group = run_logprobs(str(samples), str(tiny_model), ONE_BATCH, str(tmp_path / "g0"), group=group)
         step = run_train_step(str(samples), str(tiny_model), cfg, str(tmp_path / "ck1"), trainer=group)
@@ -172,7 +172,7 @@ def test_actor_group_of_two_ranks_gives_lora_reference_and_critic_values_of_the_
                              "critic_train.training_args.learning_rate": 1e-3,
                              "critic_train.training_args.per_device_train_batch_size": 8})
     fwd = ONE_BATCH.model_copy(update={"enable_reference": True})
-    group = group_of(cfg, tmp_path)
+    group = group_of(cfg)
     ck = str(tmp_path / "ck1")
     try:
         run_train_step(str(samples), str(tiny_model), cfg, ck, trainer=group)

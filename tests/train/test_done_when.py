@@ -1,4 +1,4 @@
-"""The acceptance of issues 4 and 14 on CPU: Ray Train workers on the real DeepSpeed engine (gloo, CPU accelerator).
+"""The acceptance of issues 4 and 14 on CPU: training workers (Ray actors) on the real DeepSpeed engine (gloo, CPU accelerator).
 
 Issue 4, on the default model (SmolLM2-135M-Instruct): on a fixed batch the loss decreases over a few optimizer
 steps and the parameters change; resuming from a checkpoint reproduces the next step's loss. The old log-probs come
@@ -74,12 +74,12 @@ def batch(default_model, tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def group(tmp_path_factory):
+def group():
     """One kept group of the two workers for every step of the module (a training flow's way), so the workers start
     once; a step whose section or checkpoint differs from the one before loads its checkpoint."""
     from stages.train.group import TrainerGroup
 
-    with TrainerGroup(config(1).runtime, storage=str(tmp_path_factory.mktemp("group"))) as trainer:
+    with TrainerGroup(config(1).runtime) as trainer:
         yield trainer
 
 

@@ -193,7 +193,7 @@ def test_the_finished_run_trained_on_the_second_node_and_scored_on_the_head(two_
     assert head != second
     assert nodes_of(record, "rollflow_head") == {head} and nodes_of(record, "rollflow_pinned") == {second}, record
     pinned = {name: names_of(record, name) for name in ("rollflow_head", "rollflow_pinned")}
-    assert pinned["rollflow_pinned"] == {"RayTrainWorker"} and pinned["rollflow_head"], pinned
+    assert pinned["rollflow_pinned"] == {"TrainWorker"} and pinned["rollflow_head"], pinned
     assert "ForwardServer" not in {t["name"].split(".")[0].split(":")[-1] for t in record["tasks"]}
     logprobs = json.loads((finished_run / "iter_0000" / "logprobs" / "manifest.json").read_text())
     # on the training workers: on their engine, or (log-probs in bf16 where the CPU has it natively, training in
