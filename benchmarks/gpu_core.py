@@ -79,12 +79,13 @@ def logprob_pass(model_dir: str, table: pa.Table, budget: int, packed: bool = Fa
     """old_log_probs under the bf16 model on cuda (micro-batches ``packed`` under ``attention``) → (table with the
     column, tokens, seconds of the timed pass)."""
     from schemas.tables import FLOATS
+    from schemas.train_config import PassOptions
     from stages.train.batching import TokenRows
     from stages.train.forward import forward_rows, load_forward_model
 
     model = load_forward_model(model_dir, "log_probs", "bf16", device="cuda")
     rows = TokenRows.from_arrow(table, "bench", columns=())
-    run = dict(device="cuda", packed=packed, attention=attention)
+    run = dict(device="cuda", options=PassOptions(packed=packed, attention=attention))
     forward_rows(model, TokenRows.from_arrow(table.slice(0, 8), "warm-up", columns=()), budget, **run)
     result, seconds = synced(lambda: forward_rows(model, rows, budget, **run))
     lp = result.columns["log_probs"].to_arrow(pa.float32())

@@ -12,7 +12,7 @@ Each check prints one line and ``RESULT`` at the end sums them up:
    stages/train/packed_attention.py) against the padded sdpa pass, both bf16 on CUDA: each one's largest distance
    from the fp32 padded log-probs (the kernel's must stay within 2x sdpa's + 0.01), the kernel's calls, and the time
    of each pass;
-3c. the log-prob pass with ``logprobs.fused_output_layer`` (``forward_rows(fused=True)``: no (tokens, vocabulary)
+3c. the log-prob pass with ``logprobs.fused_output_layer`` (``PassOptions(fused=True)``: no (tokens, vocabulary)
    logits) against the logits path on CUDA, fp32 (equal within float32 rounding: 8 ulps of the log-sum-exp's
    magnitude, as tests/train/test_forward.py) and bf16 (reported), and the pass's peak CUDA memory each way;
 4. ROLL's loss golden cases on CUDA (tests/losses/test_actor_golden.py's ``test_same_result_on_cuda``);
@@ -130,6 +130,7 @@ def varlen_vs_padded(model_dir: str, table) -> str:
     import numpy as np
     import torch
 
+    from schemas.train_config import PassOptions
     from stages.train import packed_attention
     from stages.train.batching import TokenRows
     from stages.train.forward import forward_rows, load_forward_model
@@ -140,11 +141,12 @@ def varlen_vs_padded(model_dir: str, table) -> str:
     model = load_forward_model(model_dir, "log_probs", "bf16", device="cuda")
     values, seconds, kernel_calls = {}, {}, 0
     for label, packed, attention in (("padded_sdpa", False, "sdpa"), ("packed_varlen", True, "fa2")):
-        forward_rows(model, rows, 4096, device="cuda", packed=packed, attention=attention)
+        options = PassOptions(packed=packed, attention=attention)
+        forward_rows(model, rows, 4096, device="cuda", options=options)
         before = packed_attention.calls.copy()
         torch.cuda.synchronize()
         start = time.perf_counter()
-        result = forward_rows(model, rows, 4096, device="cuda", packed=packed, attention=attention)
+        result = forward_rows(model, rows, 4096, device="cuda", options=options)
         torch.cuda.synchronize()
         seconds[label] = time.perf_counter() - start
         kernel_calls += (packed_attention.calls - before)["varlen"]
@@ -189,6 +191,7 @@ def _fused_runs(model_dir: str, rows) -> tuple[dict, dict, float]:
     import numpy as np
     import torch
 
+    from schemas.train_config import PassOptions
     from stages.train.forward import forward_rows, load_forward_model
 
     diffs, peaks, tol = {}, {}, 0.0
@@ -199,7 +202,8 @@ def _fused_runs(model_dir: str, rows) -> tuple[dict, dict, float]:
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
             base = torch.cuda.memory_allocated()
-            result = forward_rows(model, rows, 16384, entropy=True, device="cuda", fused=fused)
+            result = forward_rows(model, rows, 16384, entropy=True, device="cuda",
+                                  options=PassOptions(fused=fused))
             torch.cuda.synchronize()
             peaks[dtype, fused] = (torch.cuda.max_memory_allocated() - base) / 2**20
             values = [result.columns[c].values for c in ("log_probs", "entropy")]

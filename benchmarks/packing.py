@@ -56,6 +56,7 @@ def main() -> None:
     if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("--device cuda, but torch sees no CUDA device: run on a GPU machine or use --device cpu")
 
+    from schemas.train_config import PassOptions
     from stages.example import ExampleSpec, generate
     from stages.train.batching import TokenRows
     from stages.train.forward import forward_rows, load_forward_model
@@ -74,13 +75,14 @@ def main() -> None:
     if args.attn:
         model.set_attn_implementation(args.attn)
     for packed in (False, True):  # warm-up (on a GPU: kernels chosen for both shapes of batch)
-        forward_rows(model, rows.take(np.arange(min(8, rows.num_rows))), args.budget, packed=packed, device=args.device)
+        forward_rows(model, rows.take(np.arange(min(8, rows.num_rows))), args.budget, device=args.device,
+                     options=PassOptions(packed=packed))
 
     def best(packed: bool):
         runs = []
         for _ in range(args.repeats):
             start = time.perf_counter()  # the log-probs come back to host memory: the pass has ended on the device
-            result = forward_rows(model, rows, args.budget, packed=packed, device=args.device)
+            result = forward_rows(model, rows, args.budget, device=args.device, options=PassOptions(packed=packed))
             runs.append((time.perf_counter() - start, result))
         return min(runs, key=lambda r: r[0])
 

@@ -13,6 +13,7 @@ Each model is frozen with ``extra="forbid"``; the fingerprint of a stage hashes 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import AliasChoices, BeforeValidator, Field, SerializerFunctionWrapHandler, model_serializer, model_validator
@@ -479,6 +480,23 @@ class RunTrainConfig(TrainOptions, StepSettings):
     :meth:`schemas.run_config.RunOptions.train_step_config`."""
 
 
+@dataclass(frozen=True)
+class PassOptions:
+    """How a log-prob or values pass runs, one value made from its section (:meth:`ForwardConfig.pass_options`) and
+    handed whole to whatever runs the pass (a forward actor, a kept forward worker, a rank of the actor group; pickled
+    through Ray). Each gives the same values up to float rounding, so none is part of a stage's fingerprint.
+
+    ``packed``: micro-batches of at most the token budget of real tokens, run as one row without padding
+    (``use_sequence_packing``); ``attention``: ``attn_implementation`` as written (auto, sdpa, fa2: ``auto`` is
+    resolved where the pass runs, by the device it runs on, :func:`stages.train.packed_attention.attention_for`);
+    ``fused``: the output layer fused with the log-prob and entropy reduction (``fused_output_layer``, ``auto``
+    already resolved by the section's device)."""
+
+    packed: bool = False
+    attention: Literal["auto", "sdpa", "fa2"] = "auto"
+    fused: bool = False
+
+
 class ForwardConfig(OmitDefaults):
     """``rollflow logprobs`` / ``rollflow values``: forward passes over a samples table in a Ray Data actor pool."""
 
@@ -538,6 +556,11 @@ class ForwardConfig(OmitDefaults):
         if isinstance(data, dict) and data.get("fused_output_layer") == forward_fused_output_layer("auto", self.device):
             del data["fused_output_layer"]
         return data
+
+    def pass_options(self) -> PassOptions:
+        """The options of this section's passes, as one value."""
+        return PassOptions(packed=self.use_sequence_packing, attention=self.attn_implementation,
+                           fused=self.fused_output_layer)
 
     def torch_threads(self) -> int:
         return self.threads or max(1, int(self.cpus_per_actor))

@@ -209,8 +209,8 @@ class _NumpyView:
         return getattr(np, name)
 
 
-# the last scan of _global_rng_names: the loaded modules' key it was made at -> its sites
-_RNG_SITES: dict[tuple[int, str], list[tuple[Any, str, Any]]] = {}
+# the last scan of _global_rng_names: (the loaded modules' key it was made at, its sites); ((0, ""), []) before it
+_RNG_SITES: tuple[tuple[int, str], list[tuple[Any, str, Any]]] = ((0, ""), [])
 
 
 def _loaded_modules_key() -> tuple[int, str]:
@@ -225,11 +225,11 @@ def _global_rng_names() -> list[tuple[Any, str, Any]]:
     shuffle``). Every GEM call needs them and a scan of ``sys.modules`` costs more than a GEM step, so the scan is kept
     until another module is loaded (GEM imports an environment's module when one is first made); called under
     ``_GEM_LOCK``, outside the swap."""
+    global _RNG_SITES
     key = _loaded_modules_key()
-    if key not in _RNG_SITES:
-        _RNG_SITES.clear()
-        _RNG_SITES[key] = _scan_global_rng_names()
-    return _RNG_SITES[key]
+    if _RNG_SITES[0] != key:
+        _RNG_SITES = (key, _scan_global_rng_names())
+    return _RNG_SITES[1]
 
 
 def _scan_global_rng_names() -> list[tuple[Any, str, Any]]:

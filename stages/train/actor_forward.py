@@ -120,9 +120,9 @@ def read_rows(samples: Location) -> pa.Table:
 def forward_on_rank(request: dict[str, Any], dist: DistInfo, held: HeldEngines | None,
                     models: ForwardModels) -> HeldEngines | None:
     """Run a forward request on this rank (``request``: samples Location, jobs, dtype, max_tokens, rows_per_batch,
-    packed, attention (the attn_implementation option), fused (the fused output layer), output Location (the stage's
-    temporary folder: the batches' counters), parts Location, spec, where, section: the training section to build
-    missing engines under, or None) and write this rank's part. Returns the engines to hold."""
+    options (the pass's :class:`schemas.train_config.PassOptions`), output Location (the stage's temporary folder: the
+    batches' counters), parts Location, spec, where, section: the training section to build missing engines under, or
+    None) and write this rank's part. Returns the engines to hold."""
     jobs, dtype = request["jobs"], request["dtype"]
     if request.get("section") is not None:
         held = engines_for(jobs, held, request["section"], dist, store=request["samples"].fs)
@@ -145,8 +145,7 @@ def forward_on_rank(request: dict[str, Any], dist: DistInfo, held: HeldEngines |
     step = max(1, int(request["rows_per_batch"]))
     with evaluating(engines):
         batches = [forward_batch(chosen, jobs, table.slice(i, min(step, stop - i)), request["max_tokens"],
-                                 request["output"], request["spec"], request["where"], device, request["packed"],
-                                 attention=request["attention"], fused=request["fused"])
+                                 request["output"], request["spec"], request["where"], device, request["options"])
                    for i in range(start, stop, step)]
     write_partials(request["output"], f"actor-rank-{dist.rank}",
                    {"jobs_on_held_engines": float(len(engines)), "jobs_on_loaded_models": float(len(jobs) - len(engines))})

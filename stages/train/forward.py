@@ -24,6 +24,7 @@ import torch
 
 from schemas.errors import ConfigError, RollflowError
 from schemas.tables import FLOATS, TableSpec, check_row_invariants
+from schemas.train_config import PassOptions
 from stages.algos.ragged import Ragged
 from stages.partials import write_partials
 from stages.storage import Location
@@ -63,13 +64,13 @@ def _concat_in_order(parts: list[tuple[np.ndarray, Ragged]], num_rows: int) -> R
 @torch.inference_mode()
 def forward_rows(model: torch.nn.Module, rows: TokenRows, max_tokens: int, *, kind: str = "log_probs",
                  entropy: bool = False, device: torch.device | str = "cpu", pad_token_id: int = 0,
-                 packed: bool = False, fused: bool = False, attention: str = "auto") -> ForwardResult:
-    """Run ``model`` over ``rows`` in micro-batches of at most ``max_tokens`` padded tokens, or, ``packed``, of at
-    most ``max_tokens`` real tokens run as one row without padding (:func:`forward_packed`; the same values up to
-    float rounding), under the attention option ``attention`` (auto, sdpa, fa2:
-    :func:`stages.train.packed_attention.attention_for`; the model's own choice again after the pass). ``fused``
-    (kind ``log_probs``): the output layer fused with the log-prob and entropy reduction (:class:`TokenHidden`: the
-    ``(N, V)`` logits never held; the same values up to float32 rounding); the result's
+                 options: PassOptions = PassOptions()) -> ForwardResult:
+    """Run ``model`` over ``rows`` in micro-batches of at most ``max_tokens`` padded tokens, or, ``options.packed``,
+    of at most ``max_tokens`` real tokens run as one row without padding (:func:`forward_packed`; the same values up
+    to float rounding), under the attention option ``options.attention`` resolved on ``device``
+    (:func:`stages.train.packed_attention.attention_for`; the model's own choice again after the pass).
+    ``options.fused`` (kind ``log_probs``): the output layer fused with the log-prob and entropy reduction
+    (:class:`TokenHidden`: the ``(N, V)`` logits never held; the same values up to float32 rounding); the result's
     ``extra["fused_micro_batches"]`` counts the micro-batches that ran so.
 
     kind ``log_probs``: column ``log_probs`` (and ``entropy`` if asked) from a causal LM's logits;
@@ -77,14 +78,15 @@ def forward_rows(model: torch.nn.Module, rows: TokenRows, max_tokens: int, *, ki
     start = time.perf_counter()
     parts: dict[str, list[tuple[np.ndarray, Ragged]]] = {}
     tokens = padded = count = fused_count = 0
-    if fused and kind == "log_probs":
+    packed, fused = options.packed, options.fused and kind == "log_probs"
+    if fused:
         check_fused_output_layer(model)
 
     def values_of(input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
         return model(input_ids=input_ids, position_ids=position_ids, use_cache=False).logits
 
     split = split_by_real_tokens if packed else split_by_token_budget
-    with attention_used(model, attention_for(attention, packed, device)):
+    with attention_used(model, attention_for(options.attention, packed, device)):
         for index in split(rows.lengths, max_tokens):
             mb = pad_micro_batch(rows, index, pad_token_id).to(device)
             # right padding + causal attention: real tokens never see the padding, so no attention mask is needed
@@ -111,7 +113,7 @@ def forward_rows(model: torch.nn.Module, rows: TokenRows, max_tokens: int, *, ki
         names = ["values"] if kind == "values" else ["log_probs"] + (["entropy"] if entropy else [])
         columns = {n: Ragged(np.zeros(0, np.float32), np.zeros(1, np.int64)) for n in names}
     return ForwardResult(columns, tokens, padded, time.perf_counter() - start, count,
-                         {"fused_micro_batches": fused_count} if fused and kind == "log_probs" else {})
+                         {"fused_micro_batches": fused_count} if fused else {})
 
 
 def check_fused_output_layer(model: torch.nn.Module) -> None:
@@ -128,34 +130,32 @@ def check_fused_output_layer(model: torch.nn.Module) -> None:
 
 
 def forward_batch(models: list, jobs: list, batch: pa.Table, max_tokens: int, output: Location,
-                  spec: TableSpec, where: str, device: str = "cpu", packed: bool = False,
-                  attention: str = "auto", fused: bool = False) -> pa.Table:
+                  spec: TableSpec, where: str, device: str = "cpu", options: PassOptions = PassOptions()) -> pa.Table:
     """The rows of ``batch`` plus each job's result columns (``jobs``: :class:`stages.train.stage.ForwardJob`, one per
     model; ragged in, ragged out; row order kept), checked against ``spec``; the batch's counters are recorded beside
-    ``output`` (:func:`stages.runner.write_partials`). ``packed`` and ``attention`` as :func:`forward_rows`;
-    ``fused``: the log-prob passes (the LoRA base pass too) with the fused output layer
-    (``logprobs.fused_output_layer``; counter ``fused_micro_batches``). The forward actors and the actor group's ranks
-    (stages/train/actor_forward.py) run every batch through it."""
+    ``output`` (:func:`stages.runner.write_partials`). Every pass (the LoRA base pass too) runs under ``options``, as
+    :func:`forward_rows`; with ``options.fused`` the counter ``fused_micro_batches`` counts the fused log-prob
+    micro-batches. The forward actors and the actor group's ranks (stages/train/actor_forward.py) run every batch
+    through it."""
     cpu_start = time.process_time()
     rows = TokenRows.from_arrow(batch, where, columns=())
     counters = {"tokens": 0.0, "padded_tokens": 0.0, "seconds": 0.0, "rows": float(batch.num_rows)}
-    if fused:  # present only when asked: an unfused pass records what it did before the option
+    if options.fused:  # present only when asked: an unfused pass records what it did before the option
         counters["fused_micro_batches"] = 0.0
     for job, model in zip(jobs, models):
         result = forward_rows(model, rows, max_tokens, kind=job.kind, entropy=job.entropy, device=device,
-                              packed=packed, attention=attention, fused=fused)
+                              options=options)
         produced = {job.column: result.columns["values" if job.kind == "values" else "log_probs"]}
         produced.update({c: produced[job.column] for c in job.copies})
         if job.entropy:
             produced["entropy"] = result.columns["entropy"]
         if job.base_column is not None:  # the LoRA model with its adapter off is exactly its base
             with model.disable_adapter():
-                base = forward_rows(model, rows, max_tokens, device=device, packed=packed, attention=attention,
-                                    fused=fused)
+                base = forward_rows(model, rows, max_tokens, device=device, options=options)
             produced[job.base_column] = base.columns["log_probs"]
             result.tokens, result.padded_tokens = result.tokens + base.tokens, result.padded_tokens + base.padded_tokens
             result.seconds += base.seconds
-            if fused:
+            if options.fused:
                 counters["fused_micro_batches"] += base.extra["fused_micro_batches"]
         for name, ragged in produced.items():
             if name in batch.column_names:
@@ -164,7 +164,7 @@ def forward_batch(models: list, jobs: list, batch: pa.Table, max_tokens: int, ou
         counters["tokens"] += result.tokens
         counters["padded_tokens"] += result.padded_tokens
         counters["seconds"] += result.seconds
-        if fused:
+        if options.fused:
             counters["fused_micro_batches"] += result.extra.get("fused_micro_batches", 0)
     counters["cpu_seconds"] = time.process_time() - cpu_start
     counters["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0

@@ -28,8 +28,8 @@ import pyarrow.parquet as pq
 
 from schemas.errors import ConfigError, RollflowError
 from schemas.tables import ADVANTAGED, FLOATS, SAMPLES, TableSpec
-from schemas.train_config import (ForwardConfig, LogProbSection, TrainRuntimeConfig, TrainSection, TrainStepConfig,
-                                  ValuesSection)
+from schemas.train_config import (ForwardConfig, LogProbSection, PassOptions, TrainRuntimeConfig, TrainSection,
+                                  TrainStepConfig, ValuesSection)
 from stages import progress
 from stages.cluster import require_ray
 from stages.commit import commit_folder
@@ -177,17 +177,17 @@ class ForwardJob:
 class ForwardActor:
     """A Ray Data actor of one stage: loads its models on its first batch (an error raised in an actor's constructor
     reaches the driver as a message only, so a user error such as "no CUDA here" is raised in a task instead), then
-    turns each batch of rows into the same rows plus the result columns (:func:`stages.train.forward.forward_batch`)."""
+    turns each batch of rows into the same rows plus the result columns (:func:`stages.train.forward.forward_batch`)
+    under the pass ``options``."""
 
     def __init__(self, jobs: list[ForwardJob], dtype: str, max_tokens: int, threads: int, output: Location,
-                 spec: TableSpec, where: str, device: str = "cpu", packed: bool = False, attention: str = "auto",
-                 fused: bool = False):
+                 spec: TableSpec, where: str, device: str = "cpu", options: PassOptions = PassOptions()):
         import torch
 
         torch.set_num_threads(max(1, threads))
         self.jobs, self.dtype, self.max_tokens, self.output, self.spec, self.where = (jobs, dtype, max_tokens, output,
                                                                                       spec, where)
-        self.device, self.packed, self.attention, self.fused = device, packed, attention, fused
+        self.device, self.options = device, options
         self.models: list | None = None
 
     def __call__(self, batch: pa.Table) -> pa.Table:
@@ -197,7 +197,7 @@ class ForwardActor:
             self.models = [load_forward_model(j.path, j.kind, self.dtype, actor_dir=j.actor_dir, seed=j.seed,
                                               device=self.device, adapter=j.adapter) for j in self.jobs]
         return forward_batch(self.models, self.jobs, batch, self.max_tokens, self.output, self.spec, self.where,
-                             self.device, self.packed, attention=self.attention, fused=self.fused)
+                             self.device, self.options)
 
 
 class ForwardStalled(RollflowError):
@@ -217,15 +217,13 @@ class ForwardServer:
         self.models = ForwardModels()
 
     def run(self, jobs: list[ForwardJob], dtype: str, batch: pa.Table, max_tokens: int, output: Location,
-            spec: TableSpec, where: str, device: str = "cpu", packed: bool = False,
-            attention: str = "auto", fused: bool = False) -> pa.Table:
+            spec: TableSpec, where: str, device: str = "cpu", options: PassOptions = PassOptions()) -> pa.Table:
         from stages.train.forward import forward_batch
 
         models = [self.models.get(j.column, j.path, j.kind, dtype, fingerprint=j.fingerprint, actor_dir=j.actor_dir,
                                   seed=j.seed, device=device, adapter=j.adapter, base_fingerprint=j.base_fingerprint)
                   for j in jobs]
-        result = forward_batch(models, jobs, batch, max_tokens, output, spec, where, device, packed,
-                               attention=attention, fused=fused)
+        result = forward_batch(models, jobs, batch, max_tokens, output, spec, where, device, options)
         if device == "cuda":  # the activations' cached blocks go back to the GPU a colocated engine wakes into
             import torch
 
@@ -379,8 +377,7 @@ class _ForwardStage(Stage):
                               f"cpus_per_actor to at most {max(cpus - 1, 0.5):g} (threads per actor follow it)")
         work = {"jobs": self.jobs(ctx.section), "max_tokens": ctx.section.max_tokens_per_microbatch_in_infer,
                 "output": ctx.output, "spec": self.output_spec, "where": ctx.inputs["samples"].path,
-                "device": c.device, "packed": c.use_sequence_packing, "attention": c.attn_implementation,
-                "fused": c.fused_output_layer}
+                "device": c.device, "options": c.pass_options()}
         if self.workers is not None:  # the run's kept workers; the map tasks hand them the batches
             actors = self.workers.actors()
             # a task waiting in ray.get gives its CPU back: without a cap, Ray Data would start a task (and a worker
@@ -411,8 +408,7 @@ class _ForwardStage(Stage):
         parts = ctx.output.child(SIDE_DIR).child("actor")
         self.group.forward({"samples": ctx.inputs["samples"], "jobs": self.jobs(section), "dtype": section.dtype,
                             "max_tokens": section.max_tokens_per_microbatch_in_infer, "rows_per_batch": c.rows_per_batch,
-                            "packed": c.use_sequence_packing, "attention": c.attn_implementation,
-                            "fused": c.fused_output_layer, "output": ctx.output, "parts": parts,
+                            "options": c.pass_options(), "output": ctx.output, "parts": parts,
                             "spec": self.output_spec, "where": ctx.inputs["samples"].path,
                             "section": self.group.section if self.group.keep else None}, unwrap_error)
         files = parts.parquet_files() if parts.exists() else []

@@ -15,7 +15,7 @@ import pyarrow as pa
 import pytest
 import torch
 
-from schemas.train_config import ForwardConfig, TrainStepConfig
+from schemas.train_config import ForwardConfig, PassOptions, TrainStepConfig
 from stages.losses import fused_output
 from stages.partials import read_partials, sum_partials
 from stages.storage import Location, read_manifest
@@ -102,7 +102,7 @@ def test_a_held_engine_serves_a_pass_only_as_the_model_loaded_for_it(dist, tiny_
     for where, engines in (("held", held), ("beside", None)):
         out = Location.of(str(tmp_path / f"out-{where}"))
         request = {"samples": Location.of(str(samples)), "jobs": [fused_job], "dtype": dtype, "max_tokens": 64,
-                   "rows_per_batch": 64, "packed": False, "attention": "auto", "fused": True, "output": out,
+                   "rows_per_batch": 64, "options": PassOptions(fused=True), "output": out,
                    "parts": Location.of(str(tmp_path / f"parts-{where}")), "spec": LOGPROBS, "where": "samples",
                    "section": None}
         with VocabRows(49152) as seen:

@@ -12,7 +12,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from schemas.errors import ConfigError
-from schemas.train_config import ForwardConfig, ModelArgs, WorkerTrainConfig
+from schemas.train_config import ForwardConfig, ModelArgs, PassOptions, WorkerTrainConfig
 from stages.losses import entropy_from_logits, fused_output, log_probs_from_logits
 from stages.partials import read_partials, sum_partials
 from stages.storage import Location
@@ -95,13 +95,14 @@ def test_packed_micro_batches_equal_the_padded_path(tiny_model, rows, budget):
     give the padded path's log-probs, entropies and values within float32 rounding, in fewer padded tokens."""
     model = load_actor_model(str(tiny_model)).eval()
     padded = forward_rows(model, rows, budget, entropy=True)
-    packed = forward_rows(model, rows, budget, entropy=True, packed=True)
+    packed = forward_rows(model, rows, budget, entropy=True, options=PassOptions(packed=True))
     for name in ("log_probs", "entropy"):
         assert (packed.columns[name].offsets == padded.columns[name].offsets).all()
         np.testing.assert_allclose(packed.columns[name].values, padded.columns[name].values, atol=2e-5)
     assert packed.tokens == padded.tokens == packed.padded_tokens == rows.lengths.sum()
     critic = load_critic_model(None, str(tiny_model), seed=5).eval()
-    np.testing.assert_allclose(forward_rows(critic, rows, budget, kind="values", packed=True).columns["values"].values,
+    np.testing.assert_allclose(forward_rows(critic, rows, budget, kind="values", options=PassOptions(packed=True))
+                               .columns["values"].values,
                                forward_rows(critic, rows, budget, kind="values").columns["values"].values, atol=2e-5)
 
 
@@ -114,7 +115,7 @@ def test_the_output_layer_runs_at_the_loss_positions_only(tiny_model, rows, pack
     seen = []
     hook = model.get_output_embeddings().register_forward_hook(lambda m, args, out: seen.append(tuple(args[0].shape)))
     try:
-        result = forward_rows(model, rows, 100000, packed=packed)
+        result = forward_rows(model, rows, 100000, options=PassOptions(packed=packed))
     finally:
         hook.remove()
     union = set()
@@ -137,10 +138,10 @@ def test_fused_output_layer_equals_the_logits_path(tiny_model, rows, packed):
     seen = []
     hook = model.get_output_embeddings().register_forward_hook(lambda m, args, out: seen.append(tuple(out.shape)))
     try:
-        fused = forward_rows(model, rows, 40, entropy=True, packed=packed, fused=True)
+        fused = forward_rows(model, rows, 40, entropy=True, options=PassOptions(packed=packed, fused=True))
     finally:
         hook.remove()
-    plain = forward_rows(model, rows, 40, entropy=True, packed=packed)
+    plain = forward_rows(model, rows, 40, entropy=True, options=PassOptions(packed=packed))
     assert seen and all(0 in shape for shape in seen)
     for name in ("log_probs", "entropy"):
         assert (fused.columns[name].offsets == plain.columns[name].offsets).all()
@@ -177,10 +178,10 @@ def test_packed_attention_equals_the_sdpa_block_mask_and_the_padded_forward(tiny
     assert t not in (model.config.hidden_size, model.config.intermediate_size, model.config.head_dim)
     padded = forward_rows(model, rows, 100000, entropy=True)
     with TensorShapes() as block_mask:
-        block = forward_rows(model, rows, 100000, entropy=True, packed=True, attention="sdpa")
+        block = forward_rows(model, rows, 100000, entropy=True, options=PassOptions(packed=True, attention="sdpa"))
     before = packed_attention.calls.copy()
     with TensorShapes() as varlen_pass:
-        varlen = forward_rows(model, rows, 100000, entropy=True, packed=True, attention="fa2")
+        varlen = forward_rows(model, rows, 100000, entropy=True, options=PassOptions(packed=True, attention="fa2"))
     ran = packed_attention.calls - before
     assert ran == {"segments": model.config.num_hidden_layers}
     assert square(block_mask.shapes, t) and not square(varlen_pass.shapes, t)
@@ -333,7 +334,7 @@ def test_fused_log_prob_batch_equals_the_logits_path_without_the_logits(tiny_mod
 
     def run(fused: bool) -> pa.Table:
         return server.run([job], "fp32", table, 100000, Location.of(str(tmp_path / str(fused))), LOGPROBS, "t",
-                          packed=packed, fused=fused)
+                          options=PassOptions(packed=packed, fused=fused))
 
     out, rows = _fused_and_plain(run, vocab)
     assert rows[False] >= loss_tokens and rows[True] == CHUNK
@@ -347,7 +348,7 @@ def test_fused_log_prob_batch_equals_the_logits_path_without_the_logits(tiny_mod
     assert counters[True]["fused_micro_batches"] == 1 and "fused_micro_batches" not in counters[False]
     assert server.loads() == {"fresh": 1, "in_place": 0, "kept": 2}
     pool_actor = ForwardActor([job], "fp32", 100000, 1, Location.of(str(tmp_path / "pool")), LOGPROBS, "t",
-                              packed=packed, fused=True)  # a stage's actor pool: the same pass
+                              options=PassOptions(packed=packed, fused=True))  # a stage's actor pool: the same pass
     assert pool_actor(table).equals(out[True])
     assert sum_partials(read_partials(Location.of(str(tmp_path / "pool"))))["fused_micro_batches"] == 1
 
@@ -371,7 +372,7 @@ def test_fused_lora_pass_and_its_base_pass_equal_the_logits_path(tiny_model, tmp
 
     def run(fused: bool) -> pa.Table:
         return forward_batch([model], [job], table, 100000, Location.of(str(tmp_path / str(fused))), LOGPROBS, "t",
-                             fused=fused)
+                             options=PassOptions(fused=fused))
 
     out, rows = _fused_and_plain(run, vocab)
     assert rows[True] == CHUNK < rows[False]
@@ -392,9 +393,9 @@ def test_fused_pass_refuses_a_lora_adapter_on_the_output_layer(tiny_model, rows)
     model = wrap(load_actor_model(str(tiny_model)), ModelArgs(lora_rank=4, lora_target_modules=["q_proj", "lm_head"]),
                  "actor", seed=0).eval()
     with pytest.raises(ConfigError, match="logprobs.fused_output_layer: false"):
-        forward_rows(model, rows, 100000, fused=True)
+        forward_rows(model, rows, 100000, options=PassOptions(fused=True))
     with model.disable_adapter(), pytest.raises(ConfigError, match="not a plain torch.nn.Linear"):
-        forward_rows(model, rows, 100000, fused=True)
+        forward_rows(model, rows, 100000, options=PassOptions(fused=True))
     assert forward_rows(model, rows, 100000).columns["log_probs"].num_rows == rows.num_rows
 
 
@@ -402,16 +403,21 @@ def test_fused_pass_refuses_a_lora_adapter_on_the_output_layer(tiny_model, rows)
 def test_fused_output_layer_option_resolves_on_the_sections_device(device, auto):
     """auto → true with device: cuda, false with device: cpu (the section's device, whatever this host is); an
     explicit value is kept. The dump leaves the option out while it is auto's value, so every config without it
-    dumps (and hashes) as before the option, and the dump reads back to the same config."""
+    dumps (and hashes) as before the option, and the dump reads back to the same config. The section's pass options
+    (what every pass runs under) carry the resolved value, packing, and attn_implementation as written (its auto is
+    resolved by the device the pass runs on: test_attn_implementation_resolution_dump_and_refusals)."""
     default = ForwardConfig(device=device)
     assert default.fused_output_layer is auto
+    assert default.pass_options() == PassOptions(packed=False, attention="auto", fused=auto)
+    varlen = ForwardConfig(device=device, use_sequence_packing=True, attn_implementation="flash_attention_2")
+    assert varlen.pass_options() == PassOptions(packed=True, attention="fa2", fused=auto)
     assert ForwardConfig(device=device, fused_output_layer="auto") == default
     before = {k: v for k, v in ForwardConfig(device=device).model_dump(mode="json").items()}
     assert "fused_output_layer" not in before and "fused_output_layer" not in default.model_fields_set
     for value in (True, False):
         chosen = ForwardConfig(device=device, fused_output_layer=value)
         dump = chosen.model_dump(mode="json")
-        assert chosen.fused_output_layer is value
+        assert chosen.fused_output_layer is value and chosen.pass_options().fused is value
         assert ("fused_output_layer" in dump) is (value is not auto)
         assert ForwardConfig.model_validate(dump) == chosen
     with pytest.raises(ValueError, match="fused_output_layer"):
