@@ -290,15 +290,19 @@ KILL_POINTS = (
 
 @pytest.mark.slow
 def test_a_run_sigkilled_at_several_points_of_the_overlap_resumes_to_the_uninterrupted_result(
-        async_run, prefect_server, ray_cluster, tmp_path):
-    """SIGKILLed whole (CLI, its own Ray, Prefect) at each point of ``KILL_POINTS`` in turn — the run, then its
-    ``rollflow train --resume``, then that one's — and resumed to the end: the in-flight rollout continues from its
-    committed turns with the checkpoint the schedule names, the evaluation from its own, and every table and weight
-    of the three iterations equals the uninterrupted run's (seeded sampling). One chain of kills, so the points cost
-    one run and a start-up each, against the module's one uninterrupted run."""
+        async_run, prefect_server, ray_cluster, cli_env, tmp_path):
+    """SIGKILLed whole at each point of ``KILL_POINTS`` in turn — the run, then its ``rollflow train --resume``,
+    then that one's — and resumed to the end: the in-flight rollout continues from its committed turns with the
+    checkpoint the schedule names, the evaluation from its own, and every table and weight of the three iterations
+    equals the uninterrupted run's (seeded sampling). One chain of kills, so the points cost one run and a start-up
+    each, against the module's one uninterrupted run. The first command runs as on a laptop, with its own local Ray
+    cluster and Prefect's ephemeral server, killed with it (its watchdog leaves nothing behind); the two resumes
+    join the session's Ray cluster and Prefect server (``cli_env``), as a command on a shared cluster does: the
+    kill takes the driver, Ray ends the job's engines and training workers with it, and the next resume starts
+    them again — not a Ray cluster and a Prefect server more for each kill (about 30 CPU-s each)."""
     import numpy as np
 
-    from tests.processes import rollflow_here, sigkill_when
+    from tests.processes import ray_jobs, rollflow_here, sigkill_when, wait_ray_jobs_gone
     from tests.trainflow.test_train_flow import _assert_same_rows, _env, _weights
 
     runs, name = tmp_path / "runs", async_run.name  # the run name the samples' ids derive from
@@ -307,9 +311,11 @@ def test_a_run_sigkilled_at_several_points_of_the_overlap_resumes_to_the_uninter
     logs = []
     for n, (point, not_yet, what) in enumerate(KILL_POINTS):
         logs.append(tmp_path / f"killed{n}.log")
+        env, jobs = (_env(tmp_path) if n == 0 else cli_env), ray_jobs()  # its own cluster, then ours
         sigkill_when(command, (run / point / "manifest.json").exists, logs[-1],
-                     env={**_env(tmp_path), "PYTHONPATH": str(REPO)}, cwd=str(REPO), what=what, whole_group=True)
+                     env={**env, "PYTHONPATH": str(REPO)}, cwd=str(REPO), what=what, whole_group=True)
         assert not (run / not_yet / "manifest.json").exists(), f"killed after {not_yet} committed, not when {what}"
+        wait_ray_jobs_gone(jobs)  # on the session's cluster: the killed driver's engines and workers too
         command = [sys.executable, "-m", "flows.cli", "train", "--resume", str(run), "--no-report"]
     resumed = rollflow_here("train", "--resume", str(run), "--no-report", api_url=prefect_server.api_url)
     assert resumed.exit_code == 0, resumed.output[-3000:]
