@@ -163,8 +163,10 @@ def cli_env(prefect_server, ray_cluster, tmp_path_factory) -> dict:
     """Environment of a ``rollflow`` child process: this one, with RAY_ADDRESS set to this worker's session cluster
     (``ray_cluster``) and reporting to the session's Prefect server, with the project's model cache. A child joins
     the cluster as a user's command joins an existing one, instead of starting its own: about 18 CPU-seconds and 7 s
-    less a command on two cores (Ray's daemons, Ray Data's actors). The commands that must start their own cluster
-    (the SIGKILL tests, whose kill takes it down) build their environment without RAY_ADDRESS."""
+    less a command on two cores (Ray's daemons, Ray Data's actors). A killed command joins it too (Ray ends the
+    driver's job with it; ``tests.processes.wait_ray_jobs_gone``); the commands whose kill is about their own cluster
+    (the recompute killed alone, whose watchdog takes its cluster down; the first kill of the asynchronous run's
+    chain, killed whole with its cluster) build their environment without RAY_ADDRESS."""
     import ray
 
     env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "PREFECT_API_URL")}

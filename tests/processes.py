@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -9,13 +10,11 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from stages.watchdog import cmdline
+from stages.watchdog import cmdline, stat_fields, tree
 
 
 def group_members(pgid: int) -> list[int]:
     """The living processes of process group ``pgid`` (zombies are dead: a container's init may never reap them)."""
-    from stages.watchdog import stat_fields
-
     members = []
     for name in filter(str.isdigit, os.listdir("/proc")):
         fields = stat_fields(int(name))
@@ -62,6 +61,69 @@ def sigkill_when(cmd: list[str], ready: Callable[[], bool], log_path: Path, *, e
     assert proc.returncode == -signal.SIGKILL
     # the command's watchdog (stages/watchdog.py) kills what it started: its Ray cluster, Prefect's ephemeral server
     assert not left, f"left behind by the killed command: {left}"
+
+
+def ray_jobs() -> set[str]:
+    """The jobs (hex ids) the session's Ray cluster (``ray_cluster``) has had, from its GCS: taken before a driver
+    joins it, for :func:`wait_ray_jobs_gone`."""
+    from ray._private.state import jobs
+
+    return {job["JobID"] for job in jobs()}
+
+
+def _alive(pid: int) -> bool:
+    fields = stat_fields(pid)
+    return fields is not None and fields[0] not in ("Z", "X")
+
+
+def _job_processes(new: set[str], ours: set[int]) -> set[int]:
+    """The living processes of this process's tree (the session cluster's daemons and workers; the machine's other
+    clusters number their jobs alike) that were started for one of the jobs ``new``: Ray's worker pool writes the job
+    into a worker's ``RAY_JOB_ID`` (a worker started ahead for any job carries none)."""
+    found = set()
+    for pid in ours - {os.getpid()}:
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                env = f.read().split(b"\0")
+        except OSError:
+            continue
+        job = next((v[len(b"RAY_JOB_ID="):].decode() for v in env if v.startswith(b"RAY_JOB_ID=")), None)
+        if job in new and _alive(pid):
+            found.add(pid)
+    return found
+
+
+# Ray Train's detached helper that removes a run's placement group once the run's controller is dead: it asks Ray's
+# State API, which needs the dashboard, and the session's cluster runs none (stages/cluster.py), so after a killed
+# driver it would poll once a second until the session ends.
+_ORPHANED_HELPERS = ("PlacementGroupCleaner",)
+
+
+def wait_ray_jobs_gone(before: set[str], seconds: float = 60.0) -> None:
+    """After a SIGKILL of a driver that joined the session's Ray cluster: wait until the processes of every job the
+    cluster did not have ``before`` (:func:`ray_jobs`) are gone — the actors it owned (the raylet sees the driver's
+    connection drop and ends them) and the workers started for it — so that none of them still writes into a
+    temporary folder while the next run cleans it. A detached actor outlives its job by design; those of
+    ``_ORPHANED_HELPERS`` are ended here. Fails naming what is left."""
+    import ray
+    from ray._private.state import actors
+
+    new = ray_jobs() - before - {ray.get_runtime_context().get_job_id()}
+    deadline = time.monotonic() + seconds
+    while True:
+        ours = set(tree([os.getpid()]))  # the session cluster's processes, no other cluster's
+        theirs = [a for a in actors().values() if a["JobID"] in new and a["Pid"] in ours and _alive(a["Pid"])]
+        kept = {a["Pid"] for a in theirs if a["IsDetached"] and not a["ActorClassName"].endswith(_ORPHANED_HELPERS)}
+        for actor in theirs:
+            if actor["IsDetached"] and actor["Pid"] not in kept:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(actor["Pid"], signal.SIGKILL)
+        left = ({a["Pid"] for a in theirs} | _job_processes(new, ours)) - kept
+        if not left:
+            return
+        assert time.monotonic() < deadline, f"Ray jobs {sorted(new)} outlived their killed driver: " + \
+            ", ".join(cmdline(pid)[:80] for pid in sorted(left))
+        time.sleep(0.2)
 
 
 def rollflow_here(*args: str, api_url: str):

@@ -47,7 +47,7 @@ from schemas.rollout_config import RolloutConfig
 from stages.cluster import ensure_ray
 from stages.rollout.driver import run_rollout
 if __name__ == "__main__":
-    ensure_ray(num_cpus=2, progress=False)
+    ensure_ray(num_cpus=2, progress=False)  # joins the cluster at RAY_ADDRESS
     run_rollout(load_config(RolloutConfig, sys.argv[1]), sys.argv[3], sys.argv[2])
 """
 
@@ -161,18 +161,27 @@ def _wait_for_tmp_of_turn(out: Path, turn: int, proc: subprocess.Popen, limit: f
 
 
 def test_rollout_killed_mid_turn_resumes_to_the_same_samples(uninterrupted, config_file, tiny_model, tmp_path):
+    """The rollout's driver, on the session's Ray cluster as a driver on a shared cluster (not a cluster of its
+    own: about 18 CPU-s of Ray's start-up), SIGKILLed while turn 2 is written; Ray ends its job's engine and tasks
+    with it. The same rollout again, in this process, skips the committed turns, cleans the killed one's temporary
+    folder and gives the uninterrupted rollout's tables."""
+    import ray
+
     from stages.rollout.driver import run_rollout
     from stages.rollout.show import render_rollout
+    from tests.processes import ray_jobs, wait_ray_jobs_gone
 
     out = tmp_path / "b"
     repo = Path(__file__).resolve().parents[2]
+    env, jobs = {**os.environ, "RAY_ADDRESS": ray.get_runtime_context().gcs_address}, ray_jobs()
     proc = subprocess.Popen([sys.executable, "-c", CHILD, str(config_file), str(tiny_model), str(out)], cwd=repo,
-                            start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                            env=env, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         _wait_for_tmp_of_turn(out, 2, proc)  # turn 2 is being written: turns 0 and 1 are committed
     finally:
-        os.killpg(proc.pid, signal.SIGKILL)  # the child's whole session: driver, its Ray and its engine
+        os.killpg(proc.pid, signal.SIGKILL)  # the driver's whole session
         proc.wait()
+    wait_ray_jobs_gone(jobs)  # its engine and write tasks too, before the resume cleans their folder
     assert read_manifest(Location.of(str(out / "turns" / "turn_001"))) is not None
     assert read_manifest(Location.of(str(out / "turns" / "turn_002"))) is None
     partial = render_rollout(str(out), episodes=1)  # show reads what is committed so far

@@ -5,7 +5,6 @@ iteration behind the policy trained, with the train/infer importance weight on b
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 
@@ -15,9 +14,11 @@ from flows.loop import async_lag, played_with
 from schemas.config import validate_config
 from schemas.errors import ConfigError
 from schemas.train_flow_config import TrainFlowConfig
-from tests.trainflow.test_train_flow import _rollflow, _table, _tiny_args
+from tests.processes import rollflow_here
+from tests.trainflow.test_train_flow import _table, _tiny_args
 
 REPO = Path(__file__).resolve().parents[2]
+CONFIG = "configs/train_frozenlake_grpo.yaml"  # _tiny_args' config, relative to the checkout
 ITERATIONS = 3
 
 
@@ -214,10 +215,14 @@ def _async_args(runs_dir: Path, name: str) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def async_run(tmp_path_factory, cli_env) -> Path:
+def async_run(tmp_path_factory, prefect_server, ray_cluster) -> Path:
+    """The uninterrupted run: the command in this process (``rollflow_here``, on the session's Ray cluster and
+    Prefect server), not a child importing rollflow again; the kill test runs it as a process, three times."""
     root = tmp_path_factory.mktemp("async")
-    done = _rollflow(*_async_args(root, "a"), env=cli_env)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    args = _async_args(root, "a")
+    args[args.index(CONFIG)] = str(REPO / CONFIG)  # whatever this process's working directory
+    done = rollflow_here(*args, api_url=prefect_server.api_url)
+    assert done.exit_code == 0, done.output[-3000:]
     return root / "a"
 
 
@@ -226,7 +231,7 @@ def _manifest(folder: Path) -> dict:
 
 
 @pytest.mark.slow
-def test_rollouts_play_one_iteration_behind_and_training_weighs_the_stale_tokens(async_run, cli_env):
+def test_rollouts_play_one_iteration_behind_and_training_weighs_the_stale_tokens(async_run, prefect_server):
     import numpy as np
     import pyarrow.dataset as pads
 
@@ -270,9 +275,8 @@ def test_rollouts_play_one_iteration_behind_and_training_weighs_the_stale_tokens
 
     assert mismatch(1) > 20 * mismatch(0) and mismatch(2) > 20 * mismatch(0), [mismatch(k) for k in range(3)]
 
-    shown = subprocess.run([sys.executable, "-m", "flows.cli", "lineage", str(run / "iter_0002/rollout/samples")],
-                           cwd=REPO, env=cli_env, capture_output=True, text=True, timeout=300)
-    assert shown.returncode == 0, shown.stderr[-2000:]
+    shown = rollflow_here("lineage", str(run / "iter_0002/rollout/samples"), api_url=prefect_server.api_url)
+    assert shown.exit_code == 0, shown.output[-2000:]
     assert f"played with {policy[1]}" in shown.stdout, shown.stdout
 
 
@@ -290,15 +294,19 @@ KILL_POINTS = (
 
 @pytest.mark.slow
 def test_a_run_sigkilled_at_several_points_of_the_overlap_resumes_to_the_uninterrupted_result(
-        async_run, prefect_server, ray_cluster, tmp_path):
-    """SIGKILLed whole (CLI, its own Ray, Prefect) at each point of ``KILL_POINTS`` in turn — the run, then its
-    ``rollflow train --resume``, then that one's — and resumed to the end: the in-flight rollout continues from its
-    committed turns with the checkpoint the schedule names, the evaluation from its own, and every table and weight
-    of the three iterations equals the uninterrupted run's (seeded sampling). One chain of kills, so the points cost
-    one run and a start-up each, against the module's one uninterrupted run."""
+        async_run, prefect_server, ray_cluster, cli_env, tmp_path):
+    """SIGKILLed whole at each point of ``KILL_POINTS`` in turn — the run, then its ``rollflow train --resume``,
+    then that one's — and resumed to the end: the in-flight rollout continues from its committed turns with the
+    checkpoint the schedule names, the evaluation from its own, and every table and weight of the three iterations
+    equals the uninterrupted run's (seeded sampling). One chain of kills, so the points cost one run and a start-up
+    each, against the module's one uninterrupted run. The first command runs as on a laptop, with its own local Ray
+    cluster and Prefect's ephemeral server, killed with it (its watchdog leaves nothing behind); the two resumes
+    join the session's Ray cluster and Prefect server (``cli_env``), as a command on a shared cluster does: the
+    kill takes the driver, Ray ends the job's engines and training workers with it, and the next resume starts
+    them again — not a Ray cluster and a Prefect server more for each kill (about 30 CPU-s each)."""
     import numpy as np
 
-    from tests.processes import rollflow_here, sigkill_when
+    from tests.processes import ray_jobs, sigkill_when, wait_ray_jobs_gone
     from tests.trainflow.test_train_flow import _assert_same_rows, _env, _weights
 
     runs, name = tmp_path / "runs", async_run.name  # the run name the samples' ids derive from
@@ -307,9 +315,11 @@ def test_a_run_sigkilled_at_several_points_of_the_overlap_resumes_to_the_uninter
     logs = []
     for n, (point, not_yet, what) in enumerate(KILL_POINTS):
         logs.append(tmp_path / f"killed{n}.log")
+        env, jobs = (_env(tmp_path) if n == 0 else cli_env), ray_jobs()  # its own cluster, then ours
         sigkill_when(command, (run / point / "manifest.json").exists, logs[-1],
-                     env={**_env(tmp_path), "PYTHONPATH": str(REPO)}, cwd=str(REPO), what=what, whole_group=True)
+                     env={**env, "PYTHONPATH": str(REPO)}, cwd=str(REPO), what=what, whole_group=True)
         assert not (run / not_yet / "manifest.json").exists(), f"killed after {not_yet} committed, not when {what}"
+        wait_ray_jobs_gone(jobs)  # on the session's cluster: the killed driver's engines and workers too
         command = [sys.executable, "-m", "flows.cli", "train", "--resume", str(run), "--no-report"]
     resumed = rollflow_here("train", "--resume", str(run), "--no-report", api_url=prefect_server.api_url)
     assert resumed.exit_code == 0, resumed.output[-3000:]

@@ -16,7 +16,7 @@ from schemas.config import load_config, validate_config
 from schemas.errors import ConfigError
 from schemas.train_flow_config import TrainFlowConfig
 from tests.objstore import s3  # noqa: F401  (the module's S3 server, a fixture)
-from tests.processes import rollflow_here, sigkill_when
+from tests.processes import ray_jobs, rollflow_here, sigkill_when, wait_ray_jobs_gone
 
 REPO = Path(__file__).resolve().parents[2]
 CONFIGS = sorted((REPO / "configs").glob("train_*.yaml"))
@@ -286,15 +286,18 @@ def _weights(folder: Path) -> dict:
 
 @pytest.mark.slow
 def test_sigkilled_run_on_s3_resumes_to_the_uninterrupted_result(finished_run, s3, ray_cluster, prefect_server,
-                                                                   tmp_path, monkeypatch):
+                                                                   cli_env, tmp_path, monkeypatch):
     """A run with ``runs_dir=s3://...`` (issue 14, item 4), started from an empty working directory, SIGKILLed whole
-    (CLI, Ray, Prefect) once iteration 0's weights-only checkpoint is committed, then ``rollflow train --resume
-    s3://...``: iteration 1 trains engines rebuilt by replaying step 0 from the initial model, and every stage output
-    of both iterations equals the uninterrupted local run's (kept engines) — nothing lost or duplicated. (Killing at
-    other points was checked by hand the same way: while iteration 0 trained, after iteration 1's rollout, while its
-    log-probs ran.) The uninterrupted run ran on two nodes: the equality also holds between a local and a two-node
-    run, rollouts, log-probs, advantages and weights. Everything of the run is in the bucket, nothing in the working
-    directory, and ``--resume`` again skips every stage and rewrites no manifest."""
+    once iteration 0's weights-only checkpoint is committed, then ``rollflow train --resume s3://...``: iteration 1
+    trains engines rebuilt by replaying step 0 from the initial model, and every stage output of both iterations
+    equals the uninterrupted local run's (kept engines) — nothing lost or duplicated. (Killing at other points was
+    checked by hand the same way: while iteration 0 trained, after iteration 1's rollout, while its log-probs ran.)
+    The uninterrupted run ran on two nodes: the equality also holds between a local and a two-node run, rollouts,
+    log-probs, advantages and weights. Everything of the run is in the bucket, nothing in the working directory, and
+    ``--resume`` again skips every stage and rewrites no manifest. The killed command joins the session's Ray cluster
+    and Prefect server (``cli_env``), as a command on a shared cluster does: the kill takes the driver and Ray ends
+    its job's engine and training workers; a training run killed with its own local cluster and Prefect's ephemeral
+    server is tests/trainflow/test_async_rollout.py's first kill."""
     import shutil
 
     import numpy as np
@@ -307,15 +310,17 @@ def test_sigkilled_run_on_s3_resumes_to_the_uninterrupted_result(finished_run, s
     run = f"{runs}/{name}"
     cwd = tmp_path / "cwd"
     cwd.mkdir()
-    killed_env = {**_env(tmp_path), **s3, "PYTHONPATH": str(REPO)}  # its own Ray, ephemeral Prefect: killed with it
+    killed_env = {**cli_env, **s3, "PYTHONPATH": str(REPO)}  # the session's Ray cluster and Prefect server
     args = _tiny_args(runs, name)  # type: ignore[arg-type]
     args[args.index("configs/train_frozenlake_grpo.yaml")] = str(REPO / "configs/train_frozenlake_grpo.yaml")
     killed_at = Location.of(f"{run}/iter_0000/checkpoint/manifest.json")
 
     try:
+        jobs = ray_jobs()
         sigkill_when([sys.executable, "-m", "flows.cli", *args], _every(0.5, killed_at.exists), tmp_path / "killed.log",
                      env=killed_env, cwd=str(cwd), what=killed_at.uri(), whole_group=True)
         assert not objects(f"{run}/report"), "killed before the end"
+        wait_ray_jobs_gone(jobs)  # the killed driver's engine and workers too, before the resume cleans their objects
         # the resumed run: the command in this process (the s3 fixture set its AWS_* variables here), on the
         # session's Ray cluster and Prefect server, started from the same empty working directory
         monkeypatch.chdir(cwd)
