@@ -14,8 +14,8 @@ the run folder's ``trackers/<name>.json`` holds the tracker run's id (MLflow's r
 with ``resume="allow"``) and, per stage, the last iteration sent. Opening catches up the rows of the table the
 tracker lacks (a run killed between the table and the tracker), and a stage logged again at an iteration already
 sent (a resumed run re-running an iteration) is not sent again: these trackers keep the first values of a step.
-W&B's service writes a session's files when its run finishes, so its state counts a step as sent only after a
-clean close: a killed session leaves no W&B points, and the resume sends them again (MLflow's are committed by
+W&B's service writes a session's files when its run's stream closes, so its state counts a step as sent only after
+a clean close that waits for the service (WandbTracker.close): a killed session leaves no W&B points, and the resume sends them again (MLflow's are committed by
 each request, so its state is written after each).
 
 The libraries are imported when a tracker is opened or checked, not at module import: importing mlflow and wandb
@@ -353,8 +353,16 @@ class WandbTracker(_AppendOnly):
         self.wandb_run.log(values, step=iteration)
 
     def close(self) -> None:
-        """Finish the W&B run (its files are written whole now), then record what it holds."""
+        """Finish the W&B run, wait until W&B's service has written its files, then record what they hold.
+
+        finish() returns once the service has the run's exit record, but the service writes the session's
+        ``run-<id>.wandb`` when it closes the run's stream, after that (seen: a file of only its 7-byte header right
+        after finish()); a state counting those steps as sent would lose them if the process died then.
+        ``wandb.teardown()`` waits for this process's service to exit, its files written whole."""
+        import wandb
+
         self.wandb_run.finish()
+        wandb.teardown()
         self.save()
 
 
