@@ -56,13 +56,23 @@ def init_distributed(threads: int | None = None) -> DistInfo:
     import deepspeed.ops
 
     if not on_gpu:
-        deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+        no_shm_comm_op(deepspeed.ops)
     deepspeed.init_distributed(dist_backend="nccl" if on_gpu else "gloo")
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     device = torch.device("cuda", local_rank) if on_gpu else torch.device("cpu")
     if on_gpu:
         torch.cuda.set_device(device)
     return DistInfo(torch.distributed.get_rank(), torch.distributed.get_world_size(), local_rank, device)
+
+
+def no_shm_comm_op(ops: Any) -> None:
+    """Tell DeepSpeed's CPU comm backend (``deepspeed.ops``, passed in) not to build its shared-memory op, WITHOUT
+    probing every op. ``ops.__compatible_ops__`` is computed on first read by probing all of DeepSpeed's op builders,
+    and the async-I/O one test-compiles and links a C file against libaio with gcc (cc1, as, ld): about 0.05-0.3 s
+    wall and 0.05 CPU-s per training process on CPU, for ops nobody builds. Its one reader,
+    ``deepspeed.comm.torch.build_shm_op``, asks ``.get(name, False)``, so a dict holding only this entry answers it
+    the same; a dict already probed keeps its other entries."""
+    vars(ops).setdefault("__compatible_ops__", {})["deepspeed_shm_comm"] = False
 
 
 def deepspeed_arch_list(value: str) -> str:

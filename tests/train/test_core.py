@@ -5,6 +5,8 @@ so micro-batching, gradient accumulation and the global normalisers are tested b
 
 import json
 import math
+import sys
+import types
 from pathlib import Path
 
 import numpy as np
@@ -19,6 +21,7 @@ from schemas.train_config import TrainSection, TrainStepConfig
 from stages.train.batching import TokenRows, batching_policy, pad_micro_batch, plan_step
 from stages.train.checkpoint import read_checkpoint
 from stages.train.core import run_training, train_and_save
+from stages.train.distributed import no_shm_comm_op
 from stages.train.engine import Engine
 from stages.train.engine_config import lr_lambda
 from stages.train.forward import forward_rows
@@ -107,6 +110,24 @@ def test_engine_step_equals_bare_torch_on_one_padded_batch(zero_stage, dist, tin
     assert report.per_step[0]["actor/grad_norm"] == pytest.approx(norm, rel=1e-4)
     assert report.per_step[0]["actor/lr"] == pytest.approx(lr)
     assert_same_weights(engine.module, model)
+    probed = vars(sys.modules["deepspeed.ops"])["__compatible_ops__"]
+    assert "async_io" not in probed, "DeepSpeed probed its ops (a gcc test build per process): see no_shm_comm_op"
+
+
+def test_the_shm_comm_op_is_turned_off_without_probing_every_op():
+    """DeepSpeed computes ``ops.__compatible_ops__`` on first read by probing every op (gcc against libaio):
+    setting the shared-memory entry must not read it; an already probed dict keeps its other entries."""
+    def probe(name):
+        raise AssertionError(f"probed: {name}")
+
+    fresh = types.ModuleType("ops")
+    fresh.__getattr__ = probe
+    no_shm_comm_op(fresh)
+    assert vars(fresh)["__compatible_ops__"] == {"deepspeed_shm_comm": False}
+    probed = types.ModuleType("ops")
+    probed.__compatible_ops__ = {"deepspeed_shm_comm": True, "cpu_adam": True}
+    no_shm_comm_op(probed)
+    assert probed.__compatible_ops__ == {"deepspeed_shm_comm": False, "cpu_adam": True}
 
 
 @pytest.mark.parametrize("attn_implementation", ["auto", "fa2"])
