@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import os
 import signal
 import subprocess
@@ -93,18 +92,12 @@ def _job_processes(new: set[str], ours: set[int]) -> set[int]:
     return found
 
 
-# Ray Train's detached helper that removes a run's placement group once the run's controller is dead: it asks Ray's
-# State API, which needs the dashboard, and the session's cluster runs none (stages/cluster.py), so after a killed
-# driver it would poll once a second until the session ends.
-_ORPHANED_HELPERS = ("PlacementGroupCleaner",)
-
-
 def wait_ray_jobs_gone(before: set[str], seconds: float = 60.0) -> None:
     """After a SIGKILL of a driver that joined the session's Ray cluster: wait until the processes of every job the
     cluster did not have ``before`` (:func:`ray_jobs`) are gone — the actors it owned (the raylet sees the driver's
     connection drop and ends them) and the workers started for it — so that none of them still writes into a
-    temporary folder while the next run cleans it. A detached actor outlives its job by design; those of
-    ``_ORPHANED_HELPERS`` are ended here. Fails naming what is left."""
+    temporary folder while the next run cleans it. A detached actor outlives its job by design and is not waited
+    for. Fails naming what is left."""
     import ray
     from ray._private.state import actors
 
@@ -113,11 +106,7 @@ def wait_ray_jobs_gone(before: set[str], seconds: float = 60.0) -> None:
     while True:
         ours = set(tree([os.getpid()]))  # the session cluster's processes, no other cluster's
         theirs = [a for a in actors().values() if a["JobID"] in new and a["Pid"] in ours and _alive(a["Pid"])]
-        kept = {a["Pid"] for a in theirs if a["IsDetached"] and not a["ActorClassName"].endswith(_ORPHANED_HELPERS)}
-        for actor in theirs:
-            if actor["IsDetached"] and actor["Pid"] not in kept:
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(actor["Pid"], signal.SIGKILL)
+        kept = {a["Pid"] for a in theirs if a["IsDetached"]}
         left = ({a["Pid"] for a in theirs} | _job_processes(new, ours)) - kept
         if not left:
             return
