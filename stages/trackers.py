@@ -15,8 +15,8 @@ with ``resume="allow"``) and, per stage, the last iteration sent. Opening catche
 tracker lacks (a run killed between the table and the tracker), and a stage logged again at an iteration already
 sent (a resumed run re-running an iteration) is not sent again: these trackers keep the first values of a step.
 W&B's service writes a session's files when its run's stream closes, so its state counts a step as sent only after
-a clean close that waits for the service (WandbTracker.close): a killed session leaves no W&B points, and the resume sends them again (MLflow's are committed by
-each request, so its state is written after each).
+a clean close that waits for the service (WandbTracker.close): a killed session leaves no W&B points, and the resume
+sends them again (MLflow's are committed by each request, so its state is written after each).
 
 The libraries are imported when a tracker is opened or checked, not at module import: importing mlflow and wandb
 takes seconds, and every command imports the metrics module (its ``--help`` must stay fast).

@@ -3,8 +3,8 @@
 :func:`train_and_save` takes the engines of the input checkpoint (or those a long-lived worker holds when they equal
 it: stages/train/resume.py), runs one PPO training step over the advantaged table (stages/train/step.py), and writes
 the new checkpoint folder, all but the manifest (stages/train/save.py). It runs wherever torch and DeepSpeed run:
-inside a training worker (a Ray actor, ``stages.train.group``), under ``torchrun`` / ``deepspeed`` on a GPU machine, or as a
-single process (``python -m stages.train.core``).
+inside a training worker (a Ray actor, ``stages.train.group``), under ``torchrun`` / ``deepspeed`` on a GPU machine,
+or as a single process (``python -m stages.train.core``).
 
 The rest of the training core, one job per module: the process group (``distributed``), an engine's DeepSpeed config
 (``engine_config``), the engine of one model (``engine``), the models and their compilation (``models``), LoRA

@@ -1,4 +1,5 @@
-"""The acceptance of issues 4 and 14 on CPU: training workers (Ray actors) on the real DeepSpeed engine (gloo, CPU accelerator).
+"""The acceptance of issues 4 and 14 on CPU: training workers (Ray actors) on the real DeepSpeed engine (gloo, CPU
+accelerator).
 
 Issue 4, on the default model (SmolLM2-135M-Instruct): on a fixed batch the loss decreases over a few optimizer
 steps and the parameters change; resuming from a checkpoint reproduces the next step's loss. The old log-probs come
