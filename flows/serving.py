@@ -65,13 +65,6 @@ def port_in_use(host: str, port: int) -> bool:
     return False
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    """A port on ``host`` that is free now (the OS picks it)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
-
-
 def is_healthy(api_url: str, timeout_s: float = 2.0) -> bool:
     """Whether ``GET {api_url}/health`` answers 200."""
     try:

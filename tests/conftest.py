@@ -73,7 +73,8 @@ def prefect_server(request, tmp_path_factory):
     loaded cores). Ephemeral mode keeps its own tests (tests/spine/test_flow.py, tests/spine/test_resume.py).
     Under pytest-xdist the workers share it (see :func:`_shared_prefect_server`); the tests tell their flow runs
     apart by their parameters or deployments, never by counting the server's runs."""
-    from flows.serving import free_port, start_server
+    from flows.serving import start_server
+    from stages.ports import free_port
 
     shared = getattr(request.config, "workerinput", {}).get(_SHARED_DIR)
     if shared:
@@ -104,7 +105,8 @@ def _shared_prefect_server(shared: Path) -> _SharedServer:
     import fcntl
     import json
 
-    from flows.serving import free_port, is_healthy, start_server
+    from flows.serving import is_healthy, start_server
+    from stages.ports import free_port
 
     with open(shared / "prefect-server.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)

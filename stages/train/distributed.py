@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import os
 import re
-import socket
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from stages.ports import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -24,12 +25,6 @@ class DistInfo:
     world_size: int
     local_rank: int
     device: torch.device
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def init_distributed(threads: int | None = None) -> DistInfo:
@@ -51,7 +46,7 @@ def init_distributed(threads: int | None = None) -> DistInfo:
         defaults = {"MASTER_ADDR": "127.0.0.1", "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1"}
         for key, value in defaults.items():
             os.environ.setdefault(key, value)
-        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+        os.environ.setdefault("MASTER_PORT", str(free_port()))
     import deepspeed
     import deepspeed.ops
 

@@ -34,6 +34,7 @@ from typing import Any, ClassVar
 
 from schemas.errors import RollflowError, SchemaError
 from schemas.train_config import TrainSection
+from stages.ports import free_port
 from stages.ray_errors import unplaced_hint
 from stages.storage import Location
 
@@ -144,9 +145,8 @@ class TrainWorker:
                       os.getpid(), socket.gethostname())
 
     def free_port(self) -> int:
-        with socket.socket() as s:
-            s.bind(("", 0))
-            return s.getsockname()[1]
+        """A port free on every interface of this worker's node: rank 0's, where the other ranks meet it."""
+        return free_port("")
 
     def join(self, env: dict[str, str], threads: int) -> None:
         """Set the process group's environment (:func:`process_group_env`) and join it: before anything in this

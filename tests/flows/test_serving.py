@@ -10,8 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from flows.serving import ServerError, free_port, make_schedule, resolve_api_url, start_server
+from flows.serving import ServerError, make_schedule, resolve_api_url, start_server
 from schemas.errors import ConfigError
+from stages.ports import free_port
 from tests.flows import deployments
 
 REPO = Path(__file__).resolve().parents[2]

@@ -10,7 +10,6 @@ import json
 import os
 import re
 import signal
-import socket
 import struct
 import subprocess
 import sys
@@ -26,6 +25,7 @@ from flows.cli import app
 from schemas.config import validate_config
 from schemas.train_flow_config import TrainFlowConfig
 from stages.metrics import MetricsLog, read_metrics
+from stages.ports import free_port
 from stages.run_folder import run_folder
 from stages.trackers import TRACKERS_DIR, open_trackers, read_state
 from tests.flows.test_metrics import _scalars
@@ -51,17 +51,11 @@ def _iteration(log: MetricsLog, k: int, stages=("rollout", "logprobs", "advantag
         log.log(k + 1 if stage == "eval" else k, stage, _metrics(k + 1 if stage == "eval" else k, stage), wall_s=1.5)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def mlflow_server(tmp_path_factory):
     """A local MLflow tracking server (SQLite store) on a free port of 127.0.0.1, stopped after the module."""
     folder = tmp_path_factory.mktemp("mlflow_server")
-    port = _free_port()
+    port = free_port()
     server = subprocess.Popen([os.path.join(os.path.dirname(sys.executable), "mlflow"), "server", "--host",
                                "127.0.0.1", "--port", str(port), "--workers", "1",
                                "--backend-store-uri", f"sqlite:///{folder}/mlflow.db",
@@ -217,7 +211,7 @@ def test_a_misconfigured_or_unreachable_tracker_fails_the_preflight_with_the_fix
     monkeypatch.setenv("NETRC", str(netrc))  # no `wandb login` of this machine counts
     for name, value in env.items():
         monkeypatch.delenv(name, raising=False) if value is None else monkeypatch.setenv(name, value)
-    text = json.dumps(options).replace("{port}", str(_free_port()))  # a port no server listens on
+    text = json.dumps(options).replace("{port}", str(free_port()))  # a port no server listens on
     config = tmp_path / "config.yaml"
     config.write_text(yaml.safe_dump({"run_name": "refused", "runs_dir": str(tmp_path / "runs"), "max_steps": 1,
                                       **json.loads(text)}))

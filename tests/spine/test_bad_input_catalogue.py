@@ -987,7 +987,7 @@ def work(tmp_path, monkeypatch, no_services) -> Path:
 
 
 def _argv(argv: list[str], shared: dict[str, str]) -> list[str]:
-    from flows.serving import free_port
+    from stages.ports import free_port
 
     values = {**shared, "port": str(free_port())}
     return [values[a[1:]] if a.startswith("@") else a for a in argv]
