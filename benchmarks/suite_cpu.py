@@ -91,9 +91,26 @@ def _busy_seconds() -> float:
     return (sum(values) - values[3] - values[4]) / HZ
 
 
+# the kinds whose processes the report also names by command line (catch-alls: what is in them says what to cut)
+NAMED_KINDS = ("Ray task workers and other actors", "other processes", "Ray daemons", "Ray Data helper actors")
+
+
+def short_command(command: str, width: int = 90) -> str:
+    """A process's command line as the report names it: a Ray worker's title as it is; else the program's file name
+    and its arguments, without the interpreter's path, cut at ``width`` characters."""
+    if command.startswith("ray::"):
+        return command.split(" ")[0][:width]
+    words = command.split(" ")
+    words[0] = os.path.basename(words[0])
+    if words[0].startswith("python") and len(words) > 1:
+        words = words[1:]
+        words[0] = words[0] if words[0].startswith("-") else os.path.basename(words[0])
+    return " ".join(words)[:width]
+
+
 def sample(command: list[str], interval: float) -> tuple[dict[str, list], float, float, int]:
-    """Run ``command``, sampling /proc every ``interval`` s until it exits. Returns ({kind: [cpu_s, processes]},
-    wall seconds, machine busy seconds, the command's exit status)."""
+    """Run ``command``, sampling /proc every ``interval`` s until it exits. Returns ({kind: [cpu_s, processes,
+    {short command line: [cpu_s, processes]}]}, wall seconds, machine busy seconds, the command's exit status)."""
     first: dict[str, float] = {}
     last: dict[str, tuple[float, str]] = {}
     before = {pid for pid in os.listdir("/proc") if pid.isdigit()}
@@ -110,13 +127,16 @@ def sample(command: list[str], interval: float) -> tuple[dict[str, list], float,
             break
         time.sleep(interval)
     wall, busy = time.monotonic() - start, _busy_seconds() - busy0
-    kinds: dict[str, list] = defaultdict(lambda: [0.0, 0])
+    kinds: dict[str, list] = defaultdict(lambda: [0.0, 0, defaultdict(lambda: [0.0, 0])])
     for key, (cpu, cmd) in last.items():
         used = cpu - first[key]
         if used > 0.01:
             entry = kinds[kind_of(cmd)]
             entry[0] += used
             entry[1] += 1
+            named = entry[2][short_command(cmd)]
+            named[0] += used
+            named[1] += 1
     return dict(kinds), wall, busy, proc.returncode
 
 
@@ -125,6 +145,8 @@ def main() -> None:
     parser.add_argument("--interval", type=float, default=2.0, help="seconds between two samples of /proc")
     parser.add_argument("--per-test", metavar="FILE", help="a pytest command: also charge the CPU of each test, "
                         "with what it started, to it (benchmarks/cpu_per_test.py); written to FILE, the top printed")
+    parser.add_argument("--top-commands", type=int, default=12, metavar="N", help="name the N command lines that "
+                        "used the most CPU in each catch-all kind (Ray task workers, other processes, Ray daemons)")
     parser.add_argument("command", nargs="*", help="the command (after --); default: the suite as `make test` runs it")
     args = parser.parse_args()
     command = args.command or SUITE
@@ -134,9 +156,10 @@ def main() -> None:
         command = [*command, "-p", "benchmarks.cpu_per_test"]
     kinds, wall, busy, status = sample(command, args.interval)
     per_test = print_per_test(Path(args.per_test)) if args.per_test else {}
-    total = sum(cpu for cpu, _ in kinds.values())
+    total = sum(cpu for cpu, _, _ in kinds.values())
+    print_named(kinds, args.top_commands)
     print(f"{'CPU s':>8} {'share':>6} {'procs':>6}  kind")
-    for kind, (cpu, count) in sorted(kinds.items(), key=lambda item: -item[1][0]):
+    for kind, (cpu, count, _) in sorted(kinds.items(), key=lambda item: -item[1][0]):
         print(f"{cpu:8.1f} {cpu / total:6.1%} {count:6d}  {kind}")
     print(f"command exit {status}; wall {wall:.0f} s; processes {total:.0f} CPU-s; machine busy {busy:.0f} CPU-s "
           f"({busy / (wall * os.cpu_count()):.0%} of {os.cpu_count()} cores)")
@@ -144,6 +167,16 @@ def main() -> None:
     print("RESULT " + " ".join([f"wall_s={wall:.0f}", f"cpu_s={total:.0f}", f"busy_cpu_s={busy:.0f}",
                                 f"exit={status}"] + [f"{k}={v:.0f}" for k, v in sorted(figures.items())]
                                + [f"{k}={v:.0f}" for k, v in per_test.items()]))
+
+
+def print_named(kinds: dict[str, list], top: int) -> None:
+    """Print the ``top`` command lines by CPU of each of NAMED_KINDS (the catch-all kinds)."""
+    for kind in NAMED_KINDS:
+        if kind not in kinds or top <= 0:
+            continue
+        print(f"{'CPU s':>8} {'procs':>6}  {kind}: the top command lines")
+        for name, (cpu, count) in sorted(kinds[kind][2].items(), key=lambda item: -item[1][0])[:top]:
+            print(f"{cpu:8.1f} {count:6d}  {name}")
 
 
 def print_per_test(path: Path, top: int = 30) -> dict[str, float]:
