@@ -103,7 +103,7 @@ def short_command(command: str, width: int = 90) -> str:
     words = command.split(" ")
     words[0] = os.path.basename(words[0])
     if words[0].startswith("python") and len(words) > 1:
-        words = words[1:]
+        words = [w for w in words[1:] if w not in ("-u", "-B", "-s", "-E", "-I", "-O")] or words
         words[0] = words[0] if words[0].startswith("-") else os.path.basename(words[0])
     return " ".join(words)[:width]
 
@@ -113,6 +113,7 @@ def sample(command: list[str], interval: float) -> tuple[dict[str, list], float,
     {short command line: [cpu_s, processes]}]}, wall seconds, machine busy seconds, the command's exit status)."""
     first: dict[str, float] = {}
     last: dict[str, tuple[float, str]] = {}
+    worked: dict[str, str] = {}  # a Ray worker's last title other than ray::IDLE (a task worker goes back to IDLE)
     before = {pid for pid in os.listdir("/proc") if pid.isdigit()}
     busy0, start = _busy_seconds(), time.monotonic()
     proc = subprocess.Popen(command)
@@ -123,6 +124,8 @@ def sample(command: list[str], interval: float) -> tuple[dict[str, list], float,
                 key, cpu, command = seen
                 first.setdefault(key, cpu if pid in before else 0.0)
                 last[key] = (cpu, command)  # the newest command line: the one after an exec
+                if command.startswith("ray::") and not command.startswith("ray::IDLE"):
+                    worked[key] = command
         if proc.poll() is not None:
             break
         time.sleep(interval)
@@ -134,7 +137,10 @@ def sample(command: list[str], interval: float) -> tuple[dict[str, list], float,
             entry = kinds[kind_of(cmd)]
             entry[0] += used
             entry[1] += 1
-            named = entry[2][short_command(cmd)]
+            name = short_command(cmd)
+            if name == "ray::IDLE":  # named by what it did, if it was seen at work
+                name += f" (after {short_command(worked[key])})" if key in worked else " (never seen at work)"
+            named = entry[2][name]
             named[0] += used
             named[1] += 1
     return dict(kinds), wall, busy, proc.returncode

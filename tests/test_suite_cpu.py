@@ -33,7 +33,7 @@ def test_a_command_of_two_cpu_seconds_is_counted_once_and_its_result_printed():
 def test_processes_are_named_by_kind():
     sys.path.insert(0, str(SCRIPT.parent))
     try:
-        from suite_cpu import kind_of
+        from suite_cpu import kind_of, short_command
     finally:
         sys.path.remove(str(SCRIPT.parent))
     assert kind_of("ray::EngineActor.play") == "generation engines"
@@ -43,6 +43,13 @@ def test_processes_are_named_by_kind():
     assert kind_of("/venv/bin/python -u /venv/lib/ray/_private/log_monitor.py --session-dir x") == "Ray log monitors"
     assert kind_of("/venv/bin/python -m prefect server start --port 1") == "Prefect servers"
     assert kind_of("/venv/bin/python -m flows.cli train --config c.yaml") == "rollflow commands"
+    # the report names the processes of a catch-all kind by program and arguments, without the interpreter's path
+    assert short_command("/venv/bin/python -u /venv/lib/ray/_private/log_monitor.py --session-dir x") == \
+        "log_monitor.py --session-dir x"
+    assert short_command("/venv/bin/python3.11 /venv/lib/ray/_private/workers/default_worker.py --a") == \
+        "default_worker.py --a"
+    assert short_command("/usr/bin/gcc -O2 x.c") == "gcc -O2 x.c"
+    assert short_command("ray::ReadParquet->MapBatches(f) extra") == "ray::ReadParquet->MapBatches(f)"
 
 
 def test_a_child_that_ends_is_counted_once_through_its_parent():
