@@ -67,21 +67,24 @@ def kind_of(command: str) -> str:
     return "other processes"
 
 
-def _cpu_seconds(pid: str) -> tuple[str, float, str] | None:
-    """(``pid:start time``, user + system CPU seconds, command line) of one process, None if it is gone. The key
-    stays the same through an ``exec`` (a forked child is first seen with its parent's command line) and differs for
-    a reused pid. A process without a command line (a kernel thread, a zombie) is named by /proc/PID/comm."""
+def _cpu_seconds(pid: str) -> tuple[str, float, str, bool] | None:
+    """(``pid:start time``, user + system CPU seconds, command line, whether that is /proc/PID/comm) of one process,
+    None if it is gone. The key stays the same through an ``exec`` (a forked child is first seen with its parent's
+    command line) and differs for a reused pid. A process without a command line (a kernel thread, a zombie) is
+    named by /proc/PID/comm: :func:`sample` keeps the command line it saw earlier, so that a process seen last as a
+    zombie (its CPU time final, its command line gone: comm says ``python``) keeps its kind."""
     fields = stat_fields(int(pid))
     if fields is None:
         return None
     command = cmdline(int(pid))
-    if not command:
+    named_by_comm = not command
+    if named_by_comm:
         try:
             with open(f"/proc/{pid}/comm") as f:
                 command = f.read().strip()
         except OSError:
             return None
-    return f"{pid}:{fields[19]}", cpu_times(fields)[0], command  # start time: field 22 of proc(5)
+    return f"{pid}:{fields[19]}", cpu_times(fields)[0], command, named_by_comm  # start time: field 22 of proc(5)
 
 
 def _busy_seconds() -> float:
@@ -121,9 +124,12 @@ def sample(command: list[str], interval: float) -> tuple[dict[str, list], float,
         for pid in (p for p in os.listdir("/proc") if p.isdigit()):
             seen = _cpu_seconds(pid)
             if seen is not None:
-                key, cpu, command = seen
+                key, cpu, command, named_by_comm = seen
                 first.setdefault(key, cpu if pid in before else 0.0)
-                last[key] = (cpu, command)  # the newest command line: the one after an exec
+                if key not in last or not named_by_comm:  # an exiting process (a zombie) has no command line
+                    last[key] = (cpu, command)  # the newest command line: the one after an exec
+                else:
+                    last[key] = (cpu, last[key][1])
                 if command.startswith("ray::") and not command.startswith("ray::IDLE"):
                     worked[key] = command
         if proc.poll() is not None:

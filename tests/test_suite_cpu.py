@@ -30,6 +30,19 @@ def test_a_command_of_two_cpu_seconds_is_counted_once_and_its_result_printed():
     assert float(figures["cpu_s"]) <= float(figures["busy_cpu_s"]) + 1.0, figures
 
 
+def test_a_process_seen_last_as_a_zombie_keeps_its_kind():
+    """A child that ends before its parent collects it is a zombie for a while: no command line, /proc/PID/comm says
+    ``python``. It keeps the kind its command line gave it (here a ``rollflow`` command's, by the word flows.cli)."""
+    parent = ("import subprocess, sys, time\n"
+              f"subprocess.Popen([sys.executable, '-c', {BUSY!r}, 'flows' + '.cli'])\n"
+              "time.sleep(5)\n")  # the child is a zombie from its end (about 2 s in) until this process exits
+    done = subprocess.run([sys.executable, str(SCRIPT), "--interval", "0.2", "--", sys.executable, "-c", parent],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    figures = dict(item.split("=") for item in done.stdout.strip().splitlines()[-1].split()[1:])
+    assert float(figures.get("rollflow_commands", 0)) >= 1.9, done.stdout
+
+
 def test_processes_are_named_by_kind():
     sys.path.insert(0, str(SCRIPT.parent))
     try:
