@@ -44,6 +44,8 @@ ACTOR_KINDS = [
 ]
 # a substring of the command line -> kind, for processes that are not Ray workers
 COMMAND_KINDS = [
+    ("default_worker.py", "Ray task workers and other actors"),  # a worker before it titles itself (its arguments
+    # name the raylet)
     ("log_monitor", "Ray log monitors"), ("raylet", "Ray daemons"), ("gcs_server", "Ray daemons"),
     ("dashboard/agent.py", "Ray daemons"), ("monitor.py", "Ray daemons"), ("ray.util.client", "Ray daemons"),
     ("ray start", "Ray daemons"), ("prefect server", "Prefect servers"), ("uvicorn", "Prefect servers"),
