@@ -43,9 +43,11 @@ ACTOR_KINDS = [
     ("DashboardAgent", "Ray daemons"), ("RuntimeEnvAgent", "Ray daemons"),
 ]
 # a substring of the command line -> kind, for processes that are not Ray workers
+# a program (the file name of a command line's first word) -> kind, before COMMAND_KINDS: the raylet's arguments name
+# the workers' program (default_worker.py), and a worker's the raylet
+PROGRAM_KINDS = {"raylet": "Ray daemons", "gcs_server": "Ray daemons"}
 COMMAND_KINDS = [
-    ("default_worker.py", "Ray task workers and other actors"),  # a worker before it titles itself (its arguments
-    # name the raylet)
+    ("default_worker.py", "Ray task workers and other actors"),  # a worker before it titles itself
     ("log_monitor", "Ray log monitors"), ("raylet", "Ray daemons"), ("gcs_server", "Ray daemons"),
     ("dashboard/agent.py", "Ray daemons"), ("monitor.py", "Ray daemons"), ("ray.util.client", "Ray daemons"),
     ("ray start", "Ray daemons"), ("prefect server", "Prefect servers"), ("uvicorn", "Prefect servers"),
@@ -63,6 +65,9 @@ def kind_of(command: str) -> str:
             if title.startswith(prefix) or (len(title) >= 8 and prefix.startswith(title.split(" ")[0])):
                 return kind
         return "Ray task workers and other actors"
+    program = os.path.basename(command.split(" ")[0])
+    if program in PROGRAM_KINDS:
+        return PROGRAM_KINDS[program]
     for part, kind in COMMAND_KINDS:
         if part in command:
             return kind
