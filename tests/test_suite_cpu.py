@@ -55,8 +55,9 @@ def test_processes_are_named_by_kind():
     assert kind_of("ray::IDLE") == "Ray task workers and other actors"
     assert kind_of("/venv/bin/python /venv/lib/ray/_private/workers/default_worker.py --raylet-name=/tmp/s/raylet") \
         == "Ray task workers and other actors"  # a worker not yet titled
-    assert kind_of("/venv/lib/ray/core/src/ray/raylet/raylet --raylet_socket_name=/tmp/s/raylet --python_worker_command="
-                   "/venv/bin/python /venv/lib/ray/_private/workers/default_worker.py") == "Ray daemons"
+    raylet = ("/venv/lib/ray/core/src/ray/raylet/raylet --raylet_socket_name=/tmp/s/raylet --python_worker_command="
+              "/venv/bin/python /venv/lib/ray/_private/workers/default_worker.py")
+    assert kind_of(raylet) == "Ray daemons"
     assert kind_of("/venv/bin/python -u /venv/lib/ray/_private/log_monitor.py --session-dir x") == "Ray log monitors"
     assert kind_of("/venv/bin/python -m prefect server start --port 1") == "Prefect servers"
     assert kind_of("/venv/bin/python -m flows.cli train --config c.yaml") == "rollflow commands"
