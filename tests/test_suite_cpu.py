@@ -58,6 +58,7 @@ def test_processes_are_named_by_kind():
     raylet = ("/venv/lib/ray/core/src/ray/raylet/raylet --raylet_socket_name=/tmp/s/raylet --python_worker_command="
               "/venv/bin/python /venv/lib/ray/_private/workers/default_worker.py")
     assert kind_of(raylet) == "Ray daemons"
+    assert kind_of("/venv/bin/python /venv/lib/ray/dashboard/dashboard.py --host=127.0.0.1") == "Ray daemons"
     assert kind_of("/venv/bin/python -u /venv/lib/ray/_private/log_monitor.py --session-dir x") == "Ray log monitors"
     assert kind_of("/venv/bin/python -m prefect server start --port 1") == "Prefect servers"
     assert kind_of("/venv/bin/python -m flows.cli train --config c.yaml") == "rollflow commands"
