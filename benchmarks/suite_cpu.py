@@ -49,7 +49,8 @@ PROGRAM_KINDS = {"raylet": "Ray daemons", "gcs_server": "Ray daemons"}
 COMMAND_KINDS = [
     ("default_worker.py", "Ray task workers and other actors"),  # a worker before it titles itself
     ("log_monitor", "Ray log monitors"), ("raylet", "Ray daemons"), ("gcs_server", "Ray daemons"),
-    ("dashboard/agent.py", "Ray daemons"), ("dashboard/dashboard.py", "Ray daemons"),  # the API server, no dashboard ("monitor.py", "Ray daemons"), ("ray.util.client", "Ray daemons"),
+    ("dashboard/agent.py", "Ray daemons"), ("dashboard/dashboard.py", "Ray daemons"),  # (the API server)
+    ("monitor.py", "Ray daemons"), ("ray.util.client", "Ray daemons"),
     ("ray start", "Ray daemons"), ("prefect server", "Prefect servers"), ("uvicorn", "Prefect servers"),
     ("pytest", "pytest processes"), ("flows.cli", "rollflow commands"), ("bin/rollflow", "rollflow commands"),
     ("multiprocessing.spawn", "spawned subprocesses (vLLM's engine cores)"),
