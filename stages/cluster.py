@@ -48,8 +48,8 @@ LOG_MONITOR_ENV = {"RAY_LOG_MONITOR_MANY_FILES_THRESHOLD": "0", "LOG_NAME_UPDATE
 #   and the driver's work between two stages (a manifest, a Prefect task) takes longer than a second, so each stage
 #   started its tasks' workers anew. Kept for 30 s, the next stage's tasks reuse them (an idle worker that ran Ray Data
 #   tasks holds about 0.2 GiB); the workers of a job that ended are still killed at once.
-# A subset of the suite (the rollout and spine flows and an evaluation, two pytest workers) started 10 task workers
-# instead of 17, and 7 instead of 14, in two pairs of runs: 191 CPU-seconds instead of 200, 186 instead of 205.
+# A subset of the suite (the rollout and spine flows and an evaluation, two pytest workers) started 9 task workers
+# instead of 16, and 7 instead of 14, in two pairs of runs: 191 CPU-seconds instead of 200, 186 instead of 205.
 WORKER_POOL_ENV = {"RAY_prestart_worker_first_driver": "0", "RAY_idle_worker_killing_time_threshold_ms": "30000"}
 
 # How often Ray Data re-reads the CPUs and memory an execution may use (ResourceManager.GLOBAL_LIMITS_UPDATE_INTERVAL_S,

@@ -1,6 +1,7 @@
 """The local Ray cluster a process starts (stages/cluster.py): Ray Data's Parquet reader it sets reads each file in its
-own task, it is stopped when its driver is SIGKILLed, a start that times out is cleaned up and tried again, and every
-command applies its runtime section's Ray Data memory bound."""
+own task, it is stopped when its driver is SIGKILLed, a start that times out is cleaned up and tried again, its log
+monitor and worker pool run with rollflow's settings, and every command applies its runtime section's Ray Data memory
+bound."""
 
 from __future__ import annotations
 
