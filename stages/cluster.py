@@ -41,13 +41,14 @@ LOG_MONITOR_ENV = {"RAY_LOG_MONITOR_MANY_FILES_THRESHOLD": "0", "LOG_NAME_UPDATE
 # kept). A Python worker costs about 1.2 CPU-seconds to start on two loaded cores before it runs anything
 # (benchmarks/suite_cpu.py; BENCHMARKS.md, issue 44):
 # - prestart_worker_first_driver: when the first driver connects, Ray starts one worker per CPU with the default
-#   runtime environment; rollflow gives every job one (WORKER_ENV), which a worker must match to take a task, so none
-#   of the run's tasks could use them (each idled at 80 MiB until killed).
+#   runtime environment; rollflow gives every job one (WORKER_ENV), which a worker must match to take a task: after
+#   five Ray Data stages a prestarted worker still idled unused at 80 MiB.
 # - idle_worker_killing_time_threshold_ms: Ray keeps as many idle workers as there are free CPUs and kills the others
 #   after 1 s idle. While a run's actors hold the CPUs (the engines, the training workers) that is every idle worker,
 #   and the driver's work between two stages (a manifest, a Prefect task) takes longer than a second, so each stage
-#   started its tasks' workers anew. Kept for 30 s, the next stage's tasks reuse them (an idle worker that ran Ray Data
-#   tasks holds about 0.2 GiB); the workers of a job that ended are still killed at once.
+#   started its tasks' workers anew (a task's worker was gone 3 s after its task while an actor held both CPUs; with
+#   30 s, alive: tests/spine/test_cluster.py). Kept for 30 s, the next stage's tasks reuse them (an idle worker that
+#   ran Ray Data tasks holds about 0.2 GiB); the workers of a job that ended are still killed at once.
 # A subset of the suite (the rollout and spine flows and an evaluation, two pytest workers) started 9 task workers
 # instead of 16, and 7 instead of 14, in two pairs of runs: 191 CPU-seconds instead of 200, 186 instead of 205.
 WORKER_POOL_ENV = {"RAY_prestart_worker_first_driver": "0", "RAY_idle_worker_killing_time_threshold_ms": "30000"}
