@@ -3,7 +3,9 @@
 The command runs while every process on the machine is sampled from /proc (Linux) every ``--interval`` seconds: a
 process first seen after the start counts with all its CPU time, one that was already running with what it used
 since. The processes are grouped by what they are (Ray actors by class, Ray's daemons, Prefect's servers, the
-pytest workers, ``rollflow`` children), so the table says which kind of process a cut has to remove. A process that
+pytest workers, ``rollflow`` children), so the table says which kind of process a cut has to remove; the catch-all
+kinds (Ray task workers, Ray's daemons and Ray Data's helpers, other processes) are also listed by command line, a
+Ray worker back at ``ray::IDLE`` by the last work it was seen at (``--top-commands N``). A process that
 lives less than one interval is missed; the machine-wide busy time from /proc/stat is printed beside the sum (the
 suite at a142c5b: 1,783 CPU-s summed over its processes, 1,908 busy).
 
