@@ -3,7 +3,9 @@
 The command runs while every process on the machine is sampled from /proc (Linux) every ``--interval`` seconds: a
 process first seen after the start counts with all its CPU time, one that was already running with what it used
 since. The processes are grouped by what they are (Ray actors by class, Ray's daemons, Prefect's servers, the
-pytest workers, ``rollflow`` children), so the table says which kind of process a cut has to remove. A process that
+pytest workers, ``rollflow`` children), so the table says which kind of process a cut has to remove; the catch-all
+kinds (Ray task workers, Ray's daemons and Ray Data's helpers, other processes) are also listed by command line, a
+Ray worker back at ``ray::IDLE`` by the last work it was seen at (``--top-commands N``). A process that
 lives less than one interval is missed; the machine-wide busy time from /proc/stat is printed beside the sum (the
 suite at a142c5b: 1,783 CPU-s summed over its processes, 1,908 busy).
 
@@ -43,9 +45,14 @@ ACTOR_KINDS = [
     ("DashboardAgent", "Ray daemons"), ("RuntimeEnvAgent", "Ray daemons"),
 ]
 # a substring of the command line -> kind, for processes that are not Ray workers
+# a program (the file name of a command line's first word) -> kind, before COMMAND_KINDS: the raylet's arguments name
+# the workers' program (default_worker.py), and a worker's the raylet
+PROGRAM_KINDS = {"raylet": "Ray daemons", "gcs_server": "Ray daemons"}
 COMMAND_KINDS = [
+    ("default_worker.py", "Ray task workers and other actors"),  # a worker before it titles itself
     ("log_monitor", "Ray log monitors"), ("raylet", "Ray daemons"), ("gcs_server", "Ray daemons"),
-    ("dashboard/agent.py", "Ray daemons"), ("monitor.py", "Ray daemons"), ("ray.util.client", "Ray daemons"),
+    ("dashboard/agent.py", "Ray daemons"), ("dashboard/dashboard.py", "Ray daemons"),  # (the API server)
+    ("monitor.py", "Ray daemons"), ("ray.util.client", "Ray daemons"),
     ("ray start", "Ray daemons"), ("prefect server", "Prefect servers"), ("uvicorn", "Prefect servers"),
     ("pytest", "pytest processes"), ("flows.cli", "rollflow commands"), ("bin/rollflow", "rollflow commands"),
     ("multiprocessing.spawn", "spawned subprocesses (vLLM's engine cores)"),
@@ -61,27 +68,33 @@ def kind_of(command: str) -> str:
             if title.startswith(prefix) or (len(title) >= 8 and prefix.startswith(title.split(" ")[0])):
                 return kind
         return "Ray task workers and other actors"
+    program = os.path.basename(command.split(" ")[0])
+    if program in PROGRAM_KINDS:
+        return PROGRAM_KINDS[program]
     for part, kind in COMMAND_KINDS:
         if part in command:
             return kind
     return "other processes"
 
 
-def _cpu_seconds(pid: str) -> tuple[str, float, str] | None:
-    """(``pid:start time``, user + system CPU seconds, command line) of one process, None if it is gone. The key
-    stays the same through an ``exec`` (a forked child is first seen with its parent's command line) and differs for
-    a reused pid. A process without a command line (a kernel thread, a zombie) is named by /proc/PID/comm."""
+def _cpu_seconds(pid: str) -> tuple[str, float, str, bool] | None:
+    """(``pid:start time``, user + system CPU seconds, command line, whether that is /proc/PID/comm) of one process,
+    None if it is gone. The key stays the same through an ``exec`` (a forked child is first seen with its parent's
+    command line) and differs for a reused pid. A process without a command line (a kernel thread, a zombie) is
+    named by /proc/PID/comm: :func:`sample` keeps the command line it saw earlier, so that a process seen last as a
+    zombie (its CPU time final, its command line gone: comm says ``python``) keeps its kind."""
     fields = stat_fields(int(pid))
     if fields is None:
         return None
     command = cmdline(int(pid))
-    if not command:
+    named_by_comm = not command
+    if named_by_comm:
         try:
             with open(f"/proc/{pid}/comm") as f:
                 command = f.read().strip()
         except OSError:
             return None
-    return f"{pid}:{fields[19]}", cpu_times(fields)[0], command  # start time: field 22 of proc(5)
+    return f"{pid}:{fields[19]}", cpu_times(fields)[0], command, named_by_comm  # start time: field 22 of proc(5)
 
 
 def _busy_seconds() -> float:
@@ -91,11 +104,29 @@ def _busy_seconds() -> float:
     return (sum(values) - values[3] - values[4]) / HZ
 
 
+# the kinds whose processes the report also names by command line (catch-alls: what is in them says what to cut)
+NAMED_KINDS = ("Ray task workers and other actors", "other processes", "Ray daemons", "Ray Data helper actors")
+
+
+def short_command(command: str, width: int = 90) -> str:
+    """A process's command line as the report names it: a Ray worker's title as it is; else the program's file name
+    and its arguments, without the interpreter's path, cut at ``width`` characters."""
+    if command.startswith("ray::"):
+        return command.split(" ")[0][:width]
+    words = command.split(" ")
+    words[0] = os.path.basename(words[0])
+    if words[0].startswith("python") and len(words) > 1:
+        words = [w for w in words[1:] if w not in ("-u", "-B", "-s", "-E", "-I", "-O")] or words
+        words[0] = words[0] if words[0].startswith("-") else os.path.basename(words[0])
+    return " ".join(words)[:width]
+
+
 def sample(command: list[str], interval: float) -> tuple[dict[str, list], float, float, int]:
-    """Run ``command``, sampling /proc every ``interval`` s until it exits. Returns ({kind: [cpu_s, processes]},
-    wall seconds, machine busy seconds, the command's exit status)."""
+    """Run ``command``, sampling /proc every ``interval`` s until it exits. Returns ({kind: [cpu_s, processes,
+    {short command line: [cpu_s, processes]}]}, wall seconds, machine busy seconds, the command's exit status)."""
     first: dict[str, float] = {}
     last: dict[str, tuple[float, str]] = {}
+    worked: dict[str, str] = {}  # a Ray worker's last title other than ray::IDLE (a task worker goes back to IDLE)
     before = {pid for pid in os.listdir("/proc") if pid.isdigit()}
     busy0, start = _busy_seconds(), time.monotonic()
     proc = subprocess.Popen(command)
@@ -103,20 +134,31 @@ def sample(command: list[str], interval: float) -> tuple[dict[str, list], float,
         for pid in (p for p in os.listdir("/proc") if p.isdigit()):
             seen = _cpu_seconds(pid)
             if seen is not None:
-                key, cpu, command = seen
+                key, cpu, command, named_by_comm = seen
                 first.setdefault(key, cpu if pid in before else 0.0)
-                last[key] = (cpu, command)  # the newest command line: the one after an exec
+                if key not in last or not named_by_comm:  # an exiting process (a zombie) has no command line
+                    last[key] = (cpu, command)  # the newest command line: the one after an exec
+                else:
+                    last[key] = (cpu, last[key][1])
+                if command.startswith("ray::") and not command.startswith("ray::IDLE"):
+                    worked[key] = command
         if proc.poll() is not None:
             break
         time.sleep(interval)
     wall, busy = time.monotonic() - start, _busy_seconds() - busy0
-    kinds: dict[str, list] = defaultdict(lambda: [0.0, 0])
+    kinds: dict[str, list] = defaultdict(lambda: [0.0, 0, defaultdict(lambda: [0.0, 0])])
     for key, (cpu, cmd) in last.items():
         used = cpu - first[key]
         if used > 0.01:
             entry = kinds[kind_of(cmd)]
             entry[0] += used
             entry[1] += 1
+            name = short_command(cmd)
+            if name == "ray::IDLE":  # named by what it did, if it was seen at work
+                name += f" (after {short_command(worked[key])})" if key in worked else " (never seen at work)"
+            named = entry[2][name]
+            named[0] += used
+            named[1] += 1
     return dict(kinds), wall, busy, proc.returncode
 
 
@@ -125,6 +167,8 @@ def main() -> None:
     parser.add_argument("--interval", type=float, default=2.0, help="seconds between two samples of /proc")
     parser.add_argument("--per-test", metavar="FILE", help="a pytest command: also charge the CPU of each test, "
                         "with what it started, to it (benchmarks/cpu_per_test.py); written to FILE, the top printed")
+    parser.add_argument("--top-commands", type=int, default=12, metavar="N", help="name the N command lines that "
+                        "used the most CPU in each catch-all kind (Ray task workers, other processes, Ray daemons)")
     parser.add_argument("command", nargs="*", help="the command (after --); default: the suite as `make test` runs it")
     args = parser.parse_args()
     command = args.command or SUITE
@@ -134,9 +178,10 @@ def main() -> None:
         command = [*command, "-p", "benchmarks.cpu_per_test"]
     kinds, wall, busy, status = sample(command, args.interval)
     per_test = print_per_test(Path(args.per_test)) if args.per_test else {}
-    total = sum(cpu for cpu, _ in kinds.values())
+    total = sum(cpu for cpu, _, _ in kinds.values())
+    print_named(kinds, args.top_commands)
     print(f"{'CPU s':>8} {'share':>6} {'procs':>6}  kind")
-    for kind, (cpu, count) in sorted(kinds.items(), key=lambda item: -item[1][0]):
+    for kind, (cpu, count, _) in sorted(kinds.items(), key=lambda item: -item[1][0]):
         print(f"{cpu:8.1f} {cpu / total:6.1%} {count:6d}  {kind}")
     print(f"command exit {status}; wall {wall:.0f} s; processes {total:.0f} CPU-s; machine busy {busy:.0f} CPU-s "
           f"({busy / (wall * os.cpu_count()):.0%} of {os.cpu_count()} cores)")
@@ -144,6 +189,16 @@ def main() -> None:
     print("RESULT " + " ".join([f"wall_s={wall:.0f}", f"cpu_s={total:.0f}", f"busy_cpu_s={busy:.0f}",
                                 f"exit={status}"] + [f"{k}={v:.0f}" for k, v in sorted(figures.items())]
                                + [f"{k}={v:.0f}" for k, v in per_test.items()]))
+
+
+def print_named(kinds: dict[str, list], top: int) -> None:
+    """Print the ``top`` command lines by CPU of each of NAMED_KINDS (the catch-all kinds)."""
+    for kind in NAMED_KINDS:
+        if kind not in kinds or top <= 0:
+            continue
+        print(f"{'CPU s':>8} {'procs':>6}  {kind}: the top command lines")
+        for name, (cpu, count) in sorted(kinds[kind][2].items(), key=lambda item: -item[1][0])[:top]:
+            print(f"{cpu:8.1f} {count:6d}  {name}")
 
 
 def print_per_test(path: Path, top: int = 30) -> dict[str, float]:

@@ -37,6 +37,22 @@ WORKER_ENV = {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
 # `make test` the log monitors used 51 CPU-seconds). The variables are Ray's own; a value the caller set is kept.
 LOG_MONITOR_ENV = {"RAY_LOG_MONITOR_MANY_FILES_THRESHOLD": "0", "LOG_NAME_UPDATE_INTERVAL_S": "5"}
 
+# A local cluster's worker pool (Ray's raylet reads these variables of Ray's own at its start; a value the caller set is
+# kept). A Python worker costs about 1.2 CPU-seconds to start on two loaded cores before it runs anything
+# (benchmarks/suite_cpu.py; BENCHMARKS.md, issue 44):
+# - prestart_worker_first_driver: when the first driver connects, Ray starts one worker per CPU with the default
+#   runtime environment; rollflow gives every job one (WORKER_ENV), which a worker must match to take a task: after
+#   five Ray Data stages a prestarted worker still idled unused at 80 MiB.
+# - idle_worker_killing_time_threshold_ms: Ray keeps as many idle workers as there are free CPUs and kills the others
+#   after 1 s idle. While a run's actors hold the CPUs (the engines, the training workers) that is every idle worker,
+#   and the driver's work between two stages (a manifest, a Prefect task) takes longer than a second, so each stage
+#   started its tasks' workers anew (a task's worker was gone 3 s after its task while an actor held both CPUs; with
+#   30 s, alive: tests/spine/test_cluster.py). Kept for 30 s, the next stage's tasks reuse them (an idle worker that
+#   ran Ray Data tasks holds about 0.2 GiB); the workers of a job that ended are still killed at once.
+# A subset of the suite (the rollout and spine flows and an evaluation, two pytest workers) started 9 task workers
+# instead of 16, and 7 instead of 14, in two pairs of runs: 191 CPU-seconds instead of 200, 186 instead of 205.
+WORKER_POOL_ENV = {"RAY_prestart_worker_first_driver": "0", "RAY_idle_worker_killing_time_threshold_ms": "30000"}
+
 # How often Ray Data re-reads the CPUs and memory an execution may use (ResourceManager.GLOBAL_LIMITS_UPDATE_INTERVAL_S,
 # 1 s in Ray 2.60). It learns them from its autoscaling coordinator by a non-blocking call whose answer it takes at the
 # next read, so every execution runs with limits of zero until the second read: one task (the one Ray Data lets an
@@ -139,7 +155,7 @@ def _start_local_ray(num_cpus: int | None) -> None:
     times out (see above); any other error, or the last time-out, is raised with the cause and the fix."""
     import ray
 
-    for name, value in LOG_MONITOR_ENV.items():  # read by the log monitor ray.init starts (see above)
+    for name, value in {**LOG_MONITOR_ENV, **WORKER_POOL_ENV}.items():  # read by the processes ray.init starts
         os.environ.setdefault(name, value)
     for attempt in range(1, LOCAL_START_TRIES + 1):
         try:

@@ -30,19 +30,45 @@ def test_a_command_of_two_cpu_seconds_is_counted_once_and_its_result_printed():
     assert float(figures["cpu_s"]) <= float(figures["busy_cpu_s"]) + 1.0, figures
 
 
+def test_a_process_seen_last_as_a_zombie_keeps_its_kind():
+    """A child that ends before its parent collects it is a zombie for a while: no command line, /proc/PID/comm says
+    ``python``. It keeps the kind its command line gave it (here a ``rollflow`` command's, by the word flows.cli)."""
+    parent = ("import subprocess, sys, time\n"
+              f"subprocess.Popen([sys.executable, '-c', {BUSY!r}, 'flows' + '.cli'])\n"
+              "time.sleep(5)\n")  # the child is a zombie from its end (about 2 s in) until this process exits
+    done = subprocess.run([sys.executable, str(SCRIPT), "--interval", "0.2", "--", sys.executable, "-c", parent],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    figures = dict(item.split("=") for item in done.stdout.strip().splitlines()[-1].split()[1:])
+    assert float(figures.get("rollflow_commands", 0)) >= 1.9, done.stdout
+
+
 def test_processes_are_named_by_kind():
     sys.path.insert(0, str(SCRIPT.parent))
     try:
-        from suite_cpu import kind_of
+        from suite_cpu import kind_of, short_command
     finally:
         sys.path.remove(str(SCRIPT.parent))
     assert kind_of("ray::EngineActor.play") == "generation engines"
     assert kind_of("ray::RayTrainWo") == "Ray Train workers"  # a title cut at 15 characters
     assert kind_of("ray::MapWorker(MapBatches(ForwardActor))") == "log-prob / value actors"
     assert kind_of("ray::IDLE") == "Ray task workers and other actors"
+    assert kind_of("/venv/bin/python /venv/lib/ray/_private/workers/default_worker.py --raylet-name=/tmp/s/raylet") \
+        == "Ray task workers and other actors"  # a worker not yet titled
+    raylet = ("/venv/lib/ray/core/src/ray/raylet/raylet --raylet_socket_name=/tmp/s/raylet --python_worker_command="
+              "/venv/bin/python /venv/lib/ray/_private/workers/default_worker.py")
+    assert kind_of(raylet) == "Ray daemons"
+    assert kind_of("/venv/bin/python /venv/lib/ray/dashboard/dashboard.py --host=127.0.0.1") == "Ray daemons"
     assert kind_of("/venv/bin/python -u /venv/lib/ray/_private/log_monitor.py --session-dir x") == "Ray log monitors"
     assert kind_of("/venv/bin/python -m prefect server start --port 1") == "Prefect servers"
     assert kind_of("/venv/bin/python -m flows.cli train --config c.yaml") == "rollflow commands"
+    # the report names the processes of a catch-all kind by program and arguments, without the interpreter's path
+    assert short_command("/venv/bin/python -u /venv/lib/ray/_private/log_monitor.py --session-dir x") == \
+        "log_monitor.py --session-dir x"
+    assert short_command("/venv/bin/python3.11 /venv/lib/ray/_private/workers/default_worker.py --a") == \
+        "default_worker.py --a"
+    assert short_command("/usr/bin/gcc -O2 x.c") == "gcc -O2 x.c"
+    assert short_command("ray::ReadParquet->MapBatches(f) extra") == "ray::ReadParquet->MapBatches(f)"
 
 
 def test_a_child_that_ends_is_counted_once_through_its_parent():

@@ -1,6 +1,7 @@
 """The local Ray cluster a process starts (stages/cluster.py): Ray Data's Parquet reader it sets reads each file in its
-own task, it is stopped when its driver is SIGKILLed, a start that times out is cleaned up and tried again, and every
-command applies its runtime section's Ray Data memory bound."""
+own task, it is stopped when its driver is SIGKILLed, a start that times out is cleaned up and tried again, its log
+monitor and worker pool run with rollflow's settings, and every command applies its runtime section's Ray Data memory
+bound."""
 
 from __future__ import annotations
 
@@ -149,6 +150,50 @@ def test_the_log_monitor_of_a_started_cluster_lists_its_folder_every_few_seconds
         env = dict(item.split("=", 1) for item in f.read().decode().split("\0") if "=" in item)
     for name, value in LOG_MONITOR_ENV.items():
         assert env.get(name) == os.environ.get(name, value), name
+
+
+def test_an_idle_task_worker_of_a_started_cluster_is_kept_while_actors_hold_the_cpus(ray_cluster):
+    """The session's cluster runs with stages/cluster.py WORKER_POOL_ENV (its raylet's environment says so, unless the
+    environment already set them): while an actor holds both CPUs, as a run's engines and training workers do, a
+    task's worker idle for 3 s is still there for the next stage's tasks (Ray's default kills an idle worker beyond
+    the free CPUs after 1 s)."""
+    import time
+
+    import pytest
+    import ray
+
+    from stages.cluster import WORKER_POOL_ENV
+    from stages.watchdog import cmdline, start_time
+
+    if os.environ.get("RAY_ADDRESS"):
+        pytest.skip("the session joined the Ray cluster at RAY_ADDRESS instead of starting one")
+    raylets = [p for p in _descendants(os.getpid()) if cmdline(p).split(" ")[0].endswith("raylet")]
+    assert len(raylets) == 1, [cmdline(p) for p in _descendants(os.getpid())]
+    with open(f"/proc/{raylets[0]}/environ", "rb") as f:
+        env = dict(item.split("=", 1) for item in f.read().decode().split("\0") if "=" in item)
+    for name, value in WORKER_POOL_ENV.items():
+        assert env.get(name) == os.environ.get(name, value), name
+
+    @ray.remote
+    def worker_pid() -> int:
+        return os.getpid()
+
+    @ray.remote(num_cpus=2, runtime_env={"env_vars": {"ROLLFLOW_TEST_HOLDER": "1"}})  # not the idle worker's env
+    class Holder:
+        def pid(self) -> int:
+            return os.getpid()
+
+    worker = ray.get(worker_pid.remote())
+    born = start_time(worker)
+    holder = Holder.remote()
+    try:
+        assert ray.get(holder.pid.remote()) != worker
+        time.sleep(3.0)
+        alive = start_time(worker) == born and cmdline(worker).startswith("ray::IDLE")
+    finally:
+        ray.kill(holder)
+    if int(env["RAY_idle_worker_killing_time_threshold_ms"]) > 10_000:  # ours, not a shorter one of the caller's
+        assert alive, "the idle worker was killed"
 
 
 def test_every_command_applies_the_runtime_memory_bound(ray_cluster):
