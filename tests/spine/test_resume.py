@@ -74,7 +74,7 @@ def test_sigkill_mid_run_then_rerun_gives_the_uninterrupted_output(big_set, big_
     with its driver) and starts Prefect's ephemeral server, which its watchdog (stages/watchdog.py) kills with it:
     no process of its group is left (``sigkill_when``). That the watchdog also takes down a local Ray cluster the
     killed command started itself is tests/spine/test_cluster.py's test_a_sigkilled_driver_leaves_no_ray_process_behind
-    (a cluster of its own here cost about 10-18 CPU-s more)."""
+    (a cluster of its own here started its daemons and Ray Data's helper actors again)."""
     import ray
 
     samples = big_set
