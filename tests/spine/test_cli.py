@@ -233,42 +233,8 @@ def test_stage_errors(cli_run, step_set):
           "field 'gamma'", "unknown option")
 
 
-# ---- recompute on a two-node Ray cluster (issue 14, item 3) -------------------------------------------------------
-PINS = "runtime.stage_resources={response_rewards: {rollflow_head: 1}, advantages: {rollflow_pinned: 1}}"
-
-
-@pytest.mark.slow
-def test_recompute_on_a_two_node_cluster_equals_the_local_run(cli_run, step_set, cli_env, tmp_path):
-    """``rollflow recompute`` with RAY_ADDRESS set to a real two-node Ray cluster (two ``ray start`` nodes on this
-    machine, each with its own custom resource), each stage pinned to one node by runtime.stage_resources: Ray's own
-    record shows the reward stage's tasks on the head and the advantage stage's on the second node, and both tables
-    equal the local run's (``cli_run``), fingerprints included (where a stage runs is not part of them)."""
-    from tests.ray_nodes import NodeSpec, RayNodes, names_of, node_with, nodes_of, ray_record
-
-    local, _ = cli_run
-    out = tmp_path / "two_nodes"
-    with RayNodes([NodeSpec(1, {"rollflow_head": 4}), NodeSpec(1, {"rollflow_pinned": 4})], env=cli_env) as nodes:
-        env = {**cli_env, "RAY_ADDRESS": nodes.address}
-        done = subprocess.run([sys.executable, "-m", "flows.cli", "recompute", "--input", step_set, "--config", GIGPO,
-                               "--output", str(out), "--set", PINS], cwd=REPO, env=env, capture_output=True,
-                              text=True, timeout=600)
-        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-        record = ray_record(nodes.address, env)
-    assert nodes.alive() == [], "the cluster's processes are gone"
-    head, second = node_with(record, "rollflow_head"), node_with(record, "rollflow_pinned")
-    assert head != second
-    assert nodes_of(record, "rollflow_head") == {head}, record["tasks"]
-    assert nodes_of(record, "rollflow_pinned") == {second}, record["tasks"]
-    pinned = {name: names_of(record, name) for name in ("rollflow_head", "rollflow_pinned")}
-    assert any("whole_table" in n for n in pinned["rollflow_head"]), pinned  # the reward stage's map task
-    assert any("AdvantageBatch" in n for n in pinned["rollflow_pinned"]), pinned  # the advantage stage's
-    for name in ("rewarded", "advantaged"):
-        assert read_table(out / name).equals(read_table(local / name)), name
-        fingerprints = [json.loads((folder / name / "manifest.json").read_text())["fingerprint"]
-                        for folder in (out, local)]
-        assert fingerprints[0] == fingerprints[1], name
-
-
+# ---- pinned stages (recompute on a two-node Ray cluster, issue 14 item 3: tests/trainflow/test_train_flow.py, on the
+# cluster of its two-node training run, test_recompute_on_the_two_node_cluster_equals_the_local_run) -----------------
 def test_a_stage_pinned_to_a_resource_no_node_declares_is_refused(step_set, tmp_path, ray_cluster):
     """Ray would keep such a stage's tasks waiting forever: the command refuses before any stage, with the fix."""
     text = fails(["recompute", "--input", step_set, "--config", GIGPO, "--output", tmp_path / "out", "--set",

@@ -17,7 +17,7 @@ import pytest
 from stages.example import ExampleSpec, generate
 from tests.spine.conftest import SMALL
 from tests.spine.helpers import GIGPO, assert_tables_equal, config, read_table, run_recompute, siblings
-from tests.processes import group_members, rollflow_here, sigkill_when, wait_gone
+from tests.processes import group_members, ray_jobs, rollflow_here, sigkill_when, wait_gone, wait_ray_jobs_gone
 
 ROLLFLOW = str(Path(sys.executable).parent / "rollflow")
 BATCH_ROWS = 100  # 40 batches a stage: a kill lands mid-stage, as with bigger tables
@@ -68,14 +68,25 @@ def _assert_resumed_identical(out: Path, reference: Path) -> None:
 @pytest.mark.slow
 def test_sigkill_mid_run_then_rerun_gives_the_uninterrupted_output(big_set, big_reference, tmp_path, ray_cluster,
                                                                    prefect_server):
+    """SIGKILL of the command alone (not its process group) mid-way through the advantages stage: nothing of the
+    stage is committed, its temporary folder is left, and the same command again skips the committed first stage and
+    gives the uninterrupted tables. The child joins the session's Ray cluster (RAY_ADDRESS: Ray ends its job's tasks
+    with its driver) and starts Prefect's ephemeral server, which its watchdog (stages/watchdog.py) kills with it:
+    no process of its group is left (``sigkill_when``). That the watchdog also takes down a local Ray cluster the
+    killed command started itself is tests/spine/test_cluster.py's test_a_sigkilled_driver_leaves_no_ray_process_behind
+    (a cluster of its own here started its daemons and Ray Data's helper actors again)."""
+    import ray
+
     samples = big_set
     out = tmp_path / "out"
     cmd = [ROLLFLOW, "recompute", "--input", samples, "--config", GIGPO, "--output", str(out),
-           "--set", f"runtime.batch_rows={BATCH_ROWS}", "--set", "runtime.num_cpus=2"]
-    env = _child_env(tmp_path / "prefect")
-    # the CLI process alone, mid-way through the advantages stage; its Ray cluster and Prefect server die with it
+           "--set", f"runtime.batch_rows={BATCH_ROWS}"]
+    env = {**_child_env(tmp_path / "prefect"), "RAY_ADDRESS": ray.get_runtime_context().gcs_address}
+    jobs = ray_jobs()
+    # the CLI process alone, mid-way through the advantages stage; its Prefect server dies with it
     sigkill_when(cmd, lambda: _in_progress(out), tmp_path / "killed.log", env=env, timeout_s=500,
                  what="the advantages stage")
+    wait_ray_jobs_gone(jobs)  # the killed driver's tasks too, before the rerun cleans their temporary folder
     assert (out / "rewarded" / "manifest.json").exists(), "the first stage was committed before the kill"
     assert not (out / "advantaged").exists(), "nothing of the interrupted stage is committed"
     assert any(n.startswith(".advantaged.tmp-") for n in siblings(out / "advantaged")), "the crash left its tmp"

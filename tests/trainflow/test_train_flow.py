@@ -15,8 +15,11 @@ import pytest
 from schemas.config import load_config, validate_config
 from schemas.errors import ConfigError
 from schemas.train_flow_config import TrainFlowConfig
+from stages.example import ExampleSpec, generate
 from tests.objstore import s3  # noqa: F401  (the module's S3 server, a fixture)
 from tests.processes import ray_jobs, rollflow_here, sigkill_when, wait_ray_jobs_gone
+from tests.ray_nodes import NodeSpec, RayNodes, names_of, node_with, nodes_of, ray_record
+from tests.spine.helpers import read_table
 
 REPO = Path(__file__).resolve().parents[2]
 CONFIGS = sorted((REPO / "configs").glob("train_*.yaml"))
@@ -133,6 +136,9 @@ def _env(tmp: Path) -> dict:
 # the finished run's stages pinned to the two nodes of its cluster (runtime.stage_resources): the advantages' map
 # tasks to the head, the training workers (which also compute the log-probs, issue 44) to the second node
 PINS = "runtime.stage_resources={advantages: {rollflow_head: 1}, train_step: {rollflow_pinned: 1}}"
+# the recompute on the same cluster: the reward stage's tasks to the head, the advantage stage's to the second node
+RECOMPUTE_PINS = "runtime.stage_resources={response_rewards: {rollflow_head: 1}, advantages: {rollflow_pinned: 1}}"
+RECOMPUTE_CONFIG = str(REPO / "configs/recompute_gigpo.yaml")
 
 
 @dataclass(frozen=True)
@@ -140,38 +146,53 @@ class TwoNodeRun:
     """The finished run and what was read of its two-node cluster while the cluster was up."""
 
     run: Path  # the run folder
-    record: dict  # Ray's record of the cluster after the run (tests/ray_nodes.py ray_record)
+    record: dict  # Ray's record of the cluster after the run and the recompute (tests/ray_nodes.py ray_record)
     stamps: dict  # the manifests' modification times before the resume
     resumed: subprocess.CompletedProcess  # `rollflow train --resume RUN --no-report` on the same cluster
     stamps_resumed: dict  # and after it
+    samples: Path  # the example samples the recompute read
+    recomputed: subprocess.CompletedProcess  # `rollflow recompute --input SAMPLES ...` on the same cluster
+    recompute_out: Path  # its output folder (rewarded/, advantaged/)
 
 
 @pytest.fixture(scope="module")
 def two_node_run(tmp_path_factory, cli_env) -> TwoNodeRun:
     """One uninterrupted tiny run, reporting to the session's Prefect server, on a real two-node Ray cluster on this
     machine (issue 14, item 3) with its advantages' tasks pinned to the head and its training workers to the second
-    node; then Ray's record of where its tasks ran, and ``rollflow train --resume`` of the run on the cluster it was
-    started on (its stages are pinned to its nodes). The cluster: two ``ray start`` nodes, the head with the
-    machine's 2 CPUs (as the local runs have) and the custom resource ``rollflow_head``, the second node with
-    ``rollflow_pinned`` and no CPU, so that only what is pinned there runs there (the training workers reserve none;
-    Ray Data's tasks stay on the head instead of starting a second pool of cold workers). It is stopped (its
-    processes alone, not other Ray clusters of the machine) as soon as that is done, also on failure: the module's
-    other tests read the run folder only, and would otherwise pay for its idle daemons, pool workers and Ray Data
-    helpers for minutes (the SIGKILL test's run alone takes 3-4)."""
-    from tests.ray_nodes import NodeSpec, RayNodes, ray_record
-
+    node; then, on the same cluster, ``rollflow recompute`` of a small example set with each of its two stages pinned
+    to one node; then Ray's record of where the tasks of both ran, and ``rollflow train --resume`` of the run on the
+    cluster it was started on (its stages are pinned to its nodes). The cluster: two ``ray start`` nodes with one
+    CPU each (the 2 CPUs the local runs have), the head with the custom resource ``rollflow_head``, the second node
+    with ``rollflow_pinned``; Ray may also place unpinned tasks on either. One cluster for both commands: a second
+    one cost about 10 CPU-s to start, with Ray Data's helper actors again. It is stopped (its processes alone, not
+    other Ray clusters of the machine) as soon as that is done, also on failure: the module's other tests read the
+    output folders only, and would otherwise pay for its idle daemons, pool workers and Ray Data helpers for minutes
+    (the SIGKILL test's run alone takes 3-4)."""
     root = tmp_path_factory.mktemp("trainflow")
-    run = root / "t"
-    with RayNodes([NodeSpec(2, {"rollflow_head": 4}), NodeSpec(0, {"rollflow_pinned": 4})], env=cli_env) as nodes:
+    run, samples, recompute_out = root / "t", root / "samples", root / "recomputed"
+    # ~400 step-level FrozenLake rows in groups of 8, several Parquet files, short responses
+    generate(ExampleSpec(samples=400, seed=1, rows_per_file=120, response_len=(8, 32), prompt_len=(4, 12)),
+             str(samples))
+    with RayNodes([NodeSpec(1, {"rollflow_head": 4}), NodeSpec(1, {"rollflow_pinned": 4})], env=cli_env) as nodes:
         env = {**cli_env, "RAY_ADDRESS": nodes.address}
         first = _rollflow(*_tiny_args(root, "t"), "--set", PINS, env=env)
         assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
+        recomputed = _rollflow("recompute", "--input", str(samples), "--config", RECOMPUTE_CONFIG, "--output",
+                               str(recompute_out), "--set", RECOMPUTE_PINS, env=env, timeout_s=600)
         record = ray_record(nodes.address, env)
         stamps = {p: p.stat().st_mtime_ns for p in run.glob("iter_*/*/manifest.json")}
         resumed = _rollflow("train", "--resume", str(run), "--no-report", env=env)
         stamps_resumed = {p: p.stat().st_mtime_ns for p in run.glob("iter_*/*/manifest.json")}
     assert nodes.alive() == [], "the cluster's processes are gone"
-    return TwoNodeRun(run, record, stamps, resumed, stamps_resumed)
+    return TwoNodeRun(run, record, stamps, resumed, stamps_resumed, samples, recomputed, recompute_out)
+
+
+def _split_record(record: dict, task: str) -> tuple[dict, dict]:
+    """Ray's record of the cluster (tests/ray_nodes.py ray_record) split in two: the tasks of the one job (one
+    command) that ran a task or actor whose name holds ``task``, and those of the other jobs."""
+    (job,) = {t["job"] for t in record["tasks"] if task in t["name"]}
+    mine = [t for t in record["tasks"] if t["job"] == job]
+    return {**record, "tasks": mine}, {**record, "tasks": [t for t in record["tasks"] if t["job"] != job]}
 
 
 @pytest.fixture(scope="module")
@@ -186,9 +207,7 @@ def test_the_finished_run_trained_on_the_second_node_and_scored_on_the_head(two_
     """Ray's own record of the cluster (its GCS): the run's advantages tasks asked for the head's resource and ran
     there, its training workers asked for the second node's and ran there — placed by runtime.stage_resources, not
     by chance; the training workers computed the log-probs (no forward workers)."""
-    from tests.ray_nodes import names_of, node_with, nodes_of
-
-    record, finished_run = two_node_run.record, two_node_run.run
+    record, finished_run = _split_record(two_node_run.record, "TrainWorker")[0], two_node_run.run
     head, second = node_with(record, "rollflow_head"), node_with(record, "rollflow_pinned")
     assert head != second
     assert nodes_of(record, "rollflow_head") == {head} and nodes_of(record, "rollflow_pinned") == {second}, record
@@ -202,6 +221,35 @@ def test_the_finished_run_trained_on_the_second_node_and_scored_on_the_head(two_
     assert ran >= 1, logprobs["metrics"]
     frozen = json.loads((finished_run / "config.json").read_text())
     assert frozen["runtime"]["stage_resources"]["train_step"] == {"rollflow_pinned": 1.0}
+
+
+@pytest.mark.slow
+def test_recompute_on_the_two_node_cluster_equals_the_local_run(two_node_run, prefect_server, ray_cluster, tmp_path):
+    """``rollflow recompute`` with RAY_ADDRESS set to a real two-node Ray cluster (the module's: two ``ray start``
+    nodes on this machine, each with its own custom resource), each stage pinned to one node by
+    runtime.stage_resources: Ray's own record shows the reward stage's tasks on the head and the advantage stage's on
+    the second node, and both tables equal the local run's (the same command in this process, on the session's
+    cluster), fingerprints included (where a stage runs is not part of them). (It was tests/spine/test_cli.py's, on a
+    cluster of its own.)"""
+    done, out = two_node_run.recomputed, two_node_run.recompute_out
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    record = _split_record(two_node_run.record, "TrainWorker")[1]  # the training run's job is the other one
+    head, second = node_with(record, "rollflow_head"), node_with(record, "rollflow_pinned")
+    assert head != second
+    assert nodes_of(record, "rollflow_head") == {head}, record["tasks"]
+    assert nodes_of(record, "rollflow_pinned") == {second}, record["tasks"]
+    pinned = {name: names_of(record, name) for name in ("rollflow_head", "rollflow_pinned")}
+    assert any("whole_table" in n for n in pinned["rollflow_head"]), pinned  # the reward stage's map task
+    assert any("AdvantageBatch" in n for n in pinned["rollflow_pinned"]), pinned  # the advantage stage's
+    local = tmp_path / "local"
+    here = rollflow_here("recompute", "--input", str(two_node_run.samples), "--config", RECOMPUTE_CONFIG, "--output",
+                         str(local), api_url=prefect_server.api_url)
+    assert here.exit_code == 0, here.output[-3000:]
+    for name in ("rewarded", "advantaged"):
+        assert read_table(out / name).equals(read_table(local / name)), name
+        fingerprints = [json.loads((folder / name / "manifest.json").read_text())["fingerprint"]
+                        for folder in (out, local)]
+        assert fingerprints[0] == fingerprints[1], name
 
 
 STAGES = ("rollout/samples", "logprobs", "rewarded", "advantaged", "checkpoint", "eval/samples")
