@@ -498,7 +498,8 @@ class PassOptions:
 
 
 class ForwardConfig(OmitDefaults):
-    """``rollflow logprobs`` / ``rollflow values``: forward passes over a samples table in a Ray Data actor pool."""
+    """``rollflow logprobs`` / ``rollflow values``: forward passes over a samples table on ``num_actors``
+    data-parallel ranks (an actor group started for the stage, :meth:`group_runtime`)."""
 
     omit_when_default: ClassVar[dict[str, Any]] = {"device_mapping": None, "attn_implementation": "auto"}
 
@@ -510,8 +511,11 @@ class ForwardConfig(OmitDefaults):
                                                         "either way).")
     max_tokens_per_microbatch_in_infer: int = Field(8192, gt=0, description="Token budget of one forward micro-batch "
                                                     "(rows x padded length).")
-    rows_per_batch: int = Field(64, gt=0, description="Rows handed to an actor at once (Ray Data batch).")
-    num_actors: int = Field(1, gt=0, description="Most actors in the pool (each loads the model).")
+    rows_per_batch: int = Field(64, gt=0, description="Rows a worker runs at once (one batch, micro-batched by the "
+                                "token budget).")
+    num_actors: int = Field(1, gt=0, description="Data-parallel ranks of rollflow logprobs / values (each loads the "
+                            "model and computes a contiguous slice of the rows); a training run with "
+                            "keep_workers: false keeps this many forward workers.")
     cpus_per_actor: float = Field(1.0, gt=0, description="CPUs reserved per actor; torch threads = max(1, floor). "
                                   "Forward workers only (rollflow logprobs / values, a training run with "
                                   "train.runtime.keep_workers: false); a kept-group training run refuses another "
@@ -568,6 +572,19 @@ class ForwardConfig(OmitDefaults):
     def gpus_per_actor_reserved(self) -> float | None:
         """The Ray GPU share an actor asks for: gpus_per_actor with device cuda, none on cpu."""
         return self.gpus_per_actor if self.device == "cuda" else None
+
+    def group_runtime(self) -> TrainRuntimeConfig:
+        """The runtime of the actor group that a log-prob or values stage run on its own (``rollflow logprobs`` /
+        ``values``, a stage re-run) starts for its one request (stages/train/stage.py ``forward_group``):
+        ``num_actors`` data-parallel ranks of ``cpus_per_actor`` CPUs and ``threads`` torch threads each, on GPUs
+        with device cuda, not kept, pinned by ``runtime.stage_resources.logprobs`` (the group pins its ranks by its
+        runtime's ``train_step`` entry), with a training runtime's default limits; the cluster settings as given."""
+        pinned = self.runtime.resources_for("logprobs")
+        cluster = {name: getattr(self.runtime, name) for name in RuntimeConfig.model_fields
+                   if name != "stage_resources"}
+        return TrainRuntimeConfig(**cluster, num_workers=self.num_actors, use_gpu=self.device == "cuda",
+                                  cpus_per_worker=self.cpus_per_actor, threads=self.threads, keep_workers=False,
+                                  stage_resources={"train_step": pinned} if pinned else {})
 
 
 class LogProbSection(Frozen):

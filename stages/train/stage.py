@@ -1,14 +1,14 @@
 """The Ray side of training: the training step on the training workers (:class:`stages.train.group.TrainerGroup`),
-and the log-prob and values stages as Ray Data actor pools, kept forward workers, or the training workers. The work
-itself is in ``stages.train.core`` and ``stages.train.forward`` (no Ray).
+and the log-prob and values stages on an actor group (the run's, or one started for a stage run on its own) or on
+kept forward workers. The work itself is in ``stages.train.core`` and ``stages.train.forward`` (no Ray).
 
 * :func:`run_train_step` — advantaged table + checkpoint → a new checkpoint folder, committed by the runner's
   ``commit_folder``: fingerprint (stage, version, training section, the table's fingerprint, the input checkpoint's
   fingerprint), skip when the output's manifest matches, write into a temporary sibling, validate, manifest last,
   atomic rename; then keep the newest ``max_ckpt_to_keep`` checkpoints.
 * :class:`LogProbStage` / :class:`ValuesStage` — ``samples`` → ``samples`` + ``old_log_probs`` / ``ref_log_probs``
-  (/ ``entropy``) or + ``values``, run by ``stages.runner.run_stage``; each actor loads its model once and batches
-  rows by a token budget.
+  (/ ``entropy``) or + ``values``, run by ``stages.runner.run_stage``; each rank or worker loads its model once
+  and batches rows by a token budget.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ from stages.commit import commit_folder
 from stages.partials import SIDE_DIR, read_partials, sum_partials
 from stages.ray_errors import unplaced_hint, unwrap_error
 from stages.runner import run_stage, stage_fingerprint
-from stages.stage import Stage, StageContext, StageResult, map_on_actor_pool
+from stages.stage import Stage, StageContext, StageResult
 from stages.storage import Location, folder_fingerprint, is_uri, read_table_schema
 from stages.train import checkpoint as ckpt
 from stages.train.group import Limits, TrainerGroup
@@ -154,7 +154,7 @@ VALUES = TableSpec(
 
 @dataclass(frozen=True)
 class ForwardJob:
-    """One model run by a forward actor: its result ``column`` (``entropy`` too when asked) and the columns that
+    """One model run by a forward pass: its result ``column`` (``entropy`` too when asked) and the columns that
     receive a copy (a reference identical to the checkpoint is computed once). With ``adapter`` the model is the
     base at ``path`` plus that LoRA adapter, and ``base_column`` receives the log-probs of the same model with the
     adapter switched off (the base: a LoRA run's reference, without a second model)."""
@@ -172,32 +172,6 @@ class ForwardJob:
     base_fingerprint: str = ""  # with adapter: the base folder's content fingerprint
     checkpoint: str | None = None  # the checkpoint whose trained role (actor; critic for values) this job runs:
     # the actor group computes it on its held engine when it holds that checkpoint (stages/train/actor_forward.py)
-
-
-class ForwardActor:
-    """A Ray Data actor of one stage: loads its models on its first batch (an error raised in an actor's constructor
-    reaches the driver as a message only, so a user error such as "no CUDA here" is raised in a task instead), then
-    turns each batch of rows into the same rows plus the result columns (:func:`stages.train.forward.forward_batch`)
-    under the pass ``options``."""
-
-    def __init__(self, jobs: list[ForwardJob], dtype: str, max_tokens: int, threads: int, output: Location,
-                 spec: TableSpec, where: str, device: str = "cpu", options: PassOptions = PassOptions()):
-        import torch
-
-        torch.set_num_threads(max(1, threads))
-        self.jobs, self.dtype, self.max_tokens, self.output, self.spec, self.where = (jobs, dtype, max_tokens, output,
-                                                                                      spec, where)
-        self.device, self.options = device, options
-        self.models: list | None = None
-
-    def __call__(self, batch: pa.Table) -> pa.Table:
-        from stages.train.forward import forward_batch, load_forward_model
-
-        if self.models is None:
-            self.models = [load_forward_model(j.path, j.kind, self.dtype, actor_dir=j.actor_dir, seed=j.seed,
-                                              device=self.device, adapter=j.adapter) for j in self.jobs]
-        return forward_batch(self.models, self.jobs, batch, self.max_tokens, self.output, self.spec, self.where,
-                             self.device, self.options)
 
 
 class ForwardStalled(RollflowError):
@@ -337,17 +311,54 @@ def _forward_on_worker(batch: pa.Table, actors: list, placed: list[tuple[int, st
     return ray.get(ref)
 
 
-def _pinned(resources: dict[str, float]) -> dict[str, Any]:
-    """Ray options asking for custom resources (runtime.stage_resources), none when there are none."""
-    return {"resources": resources} if resources else {}
+def _cluster_cpus_gpus() -> tuple[float, float]:
+    import ray
+
+    resources = ray.cluster_resources()
+    return resources.get("CPU", 0.0), resources.get("GPU", 0.0)
+
+
+def check_workers_fit(c: ForwardConfig) -> None:
+    """:class:`ConfigError` before kept forward workers start where the cluster cannot run them: device cuda without
+    the GPUs, or ``cpus_per_actor`` leaving no CPU for the stage's read and write tasks."""
+    cpus, gpus = _cluster_cpus_gpus()
+    if c.device == "cuda" and gpus < c.gpus_per_actor:
+        raise ConfigError(f"device: cuda reserves gpus_per_actor={c.gpus_per_actor:g} GPU per forward actor, and "
+                          f"the Ray cluster has {gpus:g} GPUs; set device: cpu, or run on a cluster with a GPU "
+                          "(RAY_ADDRESS), or lower gpus_per_actor to share one")
+    if cpus - c.cpus_per_actor < 1:  # the actor would hold every CPU and the read tasks would wait forever
+        raise ConfigError(f"cpus_per_actor ({c.cpus_per_actor}) leaves less than 1 of the cluster's {cpus:g} CPUs "
+                          "for reading and writing the table, so the stage would wait forever; set "
+                          f"cpus_per_actor to at most {max(cpus - 1, 0.5):g} (threads per actor follow it)")
+
+
+def forward_group(c: ForwardConfig) -> TrainerGroup:
+    """The actor group of a log-prob or values stage run on its own (``rollflow logprobs`` / ``values``, a stage
+    re-run): ``num_actors`` data-parallel ranks (:meth:`ForwardConfig.group_runtime`) for one request, closed after
+    it, which load the models beside (no DeepSpeed engines: it trains nothing). Refused with a
+    :class:`ConfigError` before anything starts when the cluster cannot place every rank at once (device cuda
+    without the GPUs; more CPUs than the cluster has), where the ranks would otherwise wait for their placement."""
+    cpus, gpus = _cluster_cpus_gpus()
+    ranks = c.num_actors
+    if c.device == "cuda" and gpus < ranks * c.gpus_per_actor:
+        raise ConfigError(f"device: cuda reserves gpus_per_actor={c.gpus_per_actor:g} GPU for each of num_actors="
+                          f"{ranks} ranks, and the Ray cluster has {gpus:g} GPUs; set device: cpu, or run on a "
+                          "cluster with a GPU (RAY_ADDRESS), or lower gpus_per_actor to share one")
+    if ranks * c.cpus_per_actor > cpus:
+        raise ConfigError(f"num_actors ({ranks}) x cpus_per_actor ({c.cpus_per_actor:g}) is "
+                          f"{ranks * c.cpus_per_actor:g} CPUs for ranks that start together, and the Ray cluster has "
+                          f"{cpus:g}, so the stage would wait for them until it times out; set cpus_per_actor to at "
+                          f"most {cpus / ranks:g} (threads per rank follow it), or lower num_actors")
+    return TrainerGroup(c.group_runtime(), keep=False, gpus_per_worker=c.gpus_per_actor_reserved() or 0.0)
 
 
 class _ForwardStage(Stage):
     """Shared build/finalize of the log-prob and values stages; subclasses say which jobs run. Where the passes run
-    is not part of the output (nor of the fingerprint): a Ray Data pool of forward actors (a stage run alone), the
-    run's kept forward workers (``workers``), or the run's actor group (``group``, a :class:`TrainerGroup`: the
-    training workers compute the columns on the engines they hold, each rank writes its rows into the stage's
-    temporary folder, and the stage's dataset reads them back in row order)."""
+    is not part of the output (nor of the fingerprint): the run's actor group (``group``, a :class:`TrainerGroup`:
+    the training workers compute the columns on the engines they hold), the run's kept forward workers
+    (``workers``), or, for a stage run on its own, a group started for its one request (:func:`forward_group`:
+    models loaded beside, as on the run's group when it holds no engine of the checkpoint). On a group each rank
+    writes its rows into the stage's temporary folder, and the stage's dataset reads them back in row order."""
 
     input_specs = {"samples": SAMPLES}
 
@@ -359,43 +370,28 @@ class _ForwardStage(Stage):
         raise NotImplementedError
 
     def build(self, ctx: StageContext):
-        import ray
-        from ray.data import ActorPoolStrategy
-
         c = self.config
         if self.group is not None:
-            return self._build_on_group(ctx)
-        resources = ray.cluster_resources()
-        cpus, gpus = resources.get("CPU", 0.0), resources.get("GPU", 0.0)
-        if c.device == "cuda" and gpus < c.gpus_per_actor:
-            raise ConfigError(f"device: cuda reserves gpus_per_actor={c.gpus_per_actor:g} GPU per forward actor, and "
-                              f"the Ray cluster has {gpus:g} GPUs; set device: cpu, or run on a cluster with a GPU "
-                              "(RAY_ADDRESS), or lower gpus_per_actor to share one")
-        if cpus - c.cpus_per_actor < 1:  # the actor would hold every CPU and the read tasks would wait forever
-            raise ConfigError(f"cpus_per_actor ({c.cpus_per_actor}) leaves less than 1 of the cluster's {cpus:g} CPUs "
-                              "for reading and writing the table, so the stage would wait forever; set "
-                              f"cpus_per_actor to at most {max(cpus - 1, 0.5):g} (threads per actor follow it)")
-        work = {"jobs": self.jobs(ctx.section), "max_tokens": ctx.section.max_tokens_per_microbatch_in_infer,
-                "output": ctx.output, "spec": self.output_spec, "where": ctx.inputs["samples"].path,
-                "device": c.device, "options": c.pass_options()}
+            return self._build_on_group(ctx, self.group)
         if self.workers is not None:  # the run's kept workers; the map tasks hand them the batches
+            check_workers_fit(c)
             actors = self.workers.actors()
             # a task waiting in ray.get gives its CPU back: without a cap, Ray Data would start a task (and a worker
             # process) per batch while the forward workers are busy. The cap is an upper bound, so Ray Data's
             # warning that a table of fewer blocks cannot use all of it says nothing here.
             warnings.filterwarnings("ignore", category=UserWarning, message=r"The maximum number of concurrent tasks "
                                     r"for 'MapBatches\(_forward_on_worker\)'")
+            work = {"jobs": self.jobs(ctx.section), "max_tokens": ctx.section.max_tokens_per_microbatch_in_infer,
+                    "output": ctx.output, "spec": self.output_spec, "where": ctx.inputs["samples"].path,
+                    "device": c.device, "options": c.pass_options()}
             return ctx.read("samples").map_batches(
                 _forward_on_worker, batch_size=c.rows_per_batch, batch_format="pyarrow", concurrency=len(actors),
                 fn_kwargs={"actors": actors, "placed": self.workers.placed, "limit": self.workers.limits.step,
                            "dtype": ctx.section.dtype, **work})
-        return map_on_actor_pool(
-            ctx.read("samples"), ForwardActor, batch_size=c.rows_per_batch, batch_format="pyarrow",
-            fn_constructor_kwargs={"dtype": ctx.section.dtype, "threads": c.torch_threads(), **work},
-            compute=ActorPoolStrategy(min_size=1, max_size=c.num_actors), num_cpus=c.cpus_per_actor,
-            num_gpus=c.gpus_per_actor_reserved(), **_pinned(c.runtime.resources_for("logprobs")))
+        with forward_group(c) as group:  # a stage run on its own: a group for its one request, closed after it
+            return self._build_on_group(ctx, group)
 
-    def _build_on_group(self, ctx: StageContext):
+    def _build_on_group(self, ctx: StageContext, group: TrainerGroup):
         """The passes on the actor group: every rank writes its slice of the rows into ``_partials/actor`` of the
         temporary folder (removed with the counters once the output is written); the dataset reads them in rank
         order, which is row order, one block a part as :meth:`StageContext.read` does: one read-and-write task and
@@ -406,11 +402,11 @@ class _ForwardStage(Stage):
 
         c, section = self.config, ctx.section
         parts = ctx.output.child(SIDE_DIR).child("actor")
-        self.group.forward({"samples": ctx.inputs["samples"], "jobs": self.jobs(section), "dtype": section.dtype,
-                            "max_tokens": section.max_tokens_per_microbatch_in_infer, "rows_per_batch": c.rows_per_batch,
-                            "options": c.pass_options(), "output": ctx.output, "parts": parts,
-                            "spec": self.output_spec, "where": ctx.inputs["samples"].path,
-                            "section": self.group.section if self.group.keep else None}, unwrap_error)
+        group.forward({"samples": ctx.inputs["samples"], "jobs": self.jobs(section), "dtype": section.dtype,
+                       "max_tokens": section.max_tokens_per_microbatch_in_infer, "rows_per_batch": c.rows_per_batch,
+                       "options": c.pass_options(), "device": c.device, "output": ctx.output, "parts": parts,
+                       "spec": self.output_spec, "where": ctx.inputs["samples"].path,
+                       "section": group.section if group.keep else None}, unwrap_error)
         files = parts.parquet_files() if parts.exists() else []
         if not files:  # no rows
             return ctx.read("samples")
@@ -497,7 +493,8 @@ def run_logprobs(samples: str, checkpoint: str, config: ForwardConfig, output: s
                  group: TrainerGroup | None = None) -> StageResult:
     """``samples`` + ``old_log_probs`` (+ ``ref_log_probs`` under ``reference``, default: the checkpoint, when
     ``enable_reference``; + ``entropy``) → ``output``, via the runner (skip when up to date). ``group``: the run's
-    actor group, which then computes the columns (default: a pool of forward actors, or ``workers``)."""
+    actor group, which then computes the columns (default: ``workers``, or a group of ``config.num_actors`` ranks
+    started for this stage, :func:`forward_group`)."""
     info = ckpt.read_checkpoint(checkpoint)
     ref_info = ckpt.read_checkpoint(reference) if (reference and config.enable_reference) else None
     if config.enable_reference and ref_info is None:

@@ -404,8 +404,9 @@ def stage_sequence(config, model, timeout):
         pool.close()
 
 def no_cuda_error(samples, model, out):
-    # the log-prob stage's own actor pool (not the kept workers) with device: cuda on this cluster: two actors of half
-    # a GPU are scheduled (no wait for a GPU) and refuse to load in a process without CUDA, committing nothing
+    # the log-prob stage run on its own (its own actor group, not the kept workers) with device: cuda on this
+    # cluster: two ranks of half a GPU are placed (no wait for a GPU) and refuse the pass in a process without CUDA,
+    # committing nothing
     from schemas.train_config import ForwardConfig
     from stages.ray_errors import unwrap_error
     from stages.train.stage import run_logprobs
@@ -487,8 +488,8 @@ def test_the_plans_verdict_is_what_a_ray_cluster_with_logical_gpus_can_schedule(
     flow's order; on one GPU the stage sequence with the real classes (the engine resident with its share, asleep
     while the training workers (which compute the log-probs too) take theirs, awake again with the same tokens) runs to the end within the
     timeout; each refused plan is one Ray cannot place either, and says so with the fix. On the same one-GPU
-    cluster (without CUDA) the log-prob stage's own pool of device: cuda actors, two of half a GPU, is scheduled and
-    refuses to load with the fix, committing nothing."""
+    cluster (without CUDA) the log-prob stage run on its own, a group of two device: cuda ranks of half a GPU, is
+    placed and refuses the pass with the fix, committing nothing."""
     import torch
 
     from tests.train.tables import advantaged_rows, write_table
