@@ -38,7 +38,6 @@ def test_processes_are_named_by_kind():
         sys.path.remove(str(SCRIPT.parent))
     assert kind_of("ray::EngineActor.play") == "generation engines"
     assert kind_of("ray::RayTrainWo") == "Ray Train workers"  # a title cut at 15 characters
-    assert kind_of("ray::ForwardServer.run") == "log-prob / value actors"
     assert kind_of("ray::IDLE") == "Ray task workers and other actors"
     assert kind_of("/venv/bin/python -u /venv/lib/ray/_private/log_monitor.py --session-dir x") == "Ray log monitors"
     assert kind_of("/venv/bin/python -m prefect server start --port 1") == "Prefect servers"

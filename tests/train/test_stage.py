@@ -1,4 +1,4 @@
-"""The Ray side: log-prob and values stages (via the runner: on kept forward workers, or on an actor group started
+"""The Ray side: log-prob and values stages (via the runner: on a kept forward group, or on an actor group started
 for a stage run on its own, as ``rollflow logprobs`` runs it) and the training step on its worker group (2 workers,
 tiny model) through the CLI, its checkpoints on a local S3 server: skip on re-run, keep the newest K, worker errors
 reach the user."""
@@ -19,27 +19,26 @@ from schemas.train_config import ForwardConfig
 from stages.train.batching import TokenRows
 from stages.train.forward import forward_batch, forward_rows, load_forward_model
 from stages.train.models import load_actor_model, load_critic_model
-from stages.train.stage import LOGPROBS, ForwardJob, ForwardWorkers, run_logprobs, run_values
+from stages.train.stage import LOGPROBS, ForwardJob, forward_group, run_logprobs, run_values
 from stages.storage import Location, read_manifest
 from tests.objstore import BUCKET, objects, s3  # noqa: F401  (s3: a local S3 server for this module, a fixture)
 from tests.train.tables import advantaged_rows, read_folder, write_table
 
 pytestmark = pytest.mark.usefixtures("ray_cluster")
 FORWARD = ForwardConfig(max_tokens_per_microbatch_in_infer=64, rows_per_batch=4, num_actors=2, cpus_per_actor=0.5)
-# the tests of what a pass computes (packing, the reference, the critic's values) share one kept worker (a
-# training run's way, fixture ``kept``): each forward worker is a process that imports torch and transformers (about
-# 8 CPU-seconds). A group started for the stage (a stage run on its own: rollflow logprobs, a re-run) runs in the
-# command's test (two ranks) and in the kept workers' test (one rank, the comparison)
+# the tests of what a pass computes (packing, the reference, the critic's values) share one kept group of one rank
+# (a training run's way with keep_workers: false, fixture ``kept``): each rank is a process that imports torch,
+# transformers and DeepSpeed. A group started for the stage (a stage run on its own: rollflow logprobs, a re-run)
+# runs in the command's test (two ranks)
 ONE_ACTOR = FORWARD.model_copy(update={"num_actors": 1})
 
 
 @pytest.fixture(scope="module")
 def kept():
-    """One kept forward worker for the module's tests of what a pass computes: it loads each model they name (fresh,
-    in place or kept, as in a training run) and is closed at the end."""
-    workers = ForwardWorkers(ONE_ACTOR)
-    yield workers
-    workers.close()
+    """One kept forward group (one rank) for the module's tests of what a pass computes: it loads each model they
+    name (fresh, in place or kept, as in a training run) and is closed at the end."""
+    with forward_group(ONE_ACTOR, kept=True) as group:
+        yield group
 
 
 @pytest.fixture(scope="module")
@@ -70,14 +69,14 @@ def test_packed_log_prob_stage_equals_the_padded_one(tiny_model, samples, tmp_pa
     """use_sequence_packing runs each micro-batch's rows as one row without padding: the same log-probs (within
     float32 rounding) and no padded token in the stage's counters; with attn_implementation fa2 (the packed
     attention, on CPU causal SDPA per row: tests/train/test_forward.py) too."""
-    padded = run_logprobs(str(samples), str(tiny_model), ONE_ACTOR, str(tmp_path / "padded"), workers=kept)
+    padded = run_logprobs(str(samples), str(tiny_model), ONE_ACTOR, str(tmp_path / "padded"), group=kept)
     packed = run_logprobs(str(samples), str(tiny_model), ONE_ACTOR.model_copy(update={"use_sequence_packing": True}),
-                          str(tmp_path / "packed"), workers=kept)
+                          str(tmp_path / "packed"), group=kept)
     run_logprobs(str(samples), str(tiny_model), ONE_ACTOR.model_copy(update={"use_sequence_packing": True,
                                                                              "attn_implementation": "fa2"}),
-                 str(tmp_path / "varlen"), workers=kept)
+                 str(tmp_path / "varlen"), group=kept)
     fused = run_logprobs(str(samples), str(tiny_model), ONE_ACTOR.model_copy(
-        update={"use_sequence_packing": True, "fused_output_layer": True}), str(tmp_path / "fused"), workers=kept)
+        update={"use_sequence_packing": True, "fused_output_layer": True}), str(tmp_path / "fused"), group=kept)
     a, b, c = (read_folder(tmp_path / name) for name in ("padded", "packed", "varlen"))
     assert a.column("row_id").to_pylist() == b.column("row_id").to_pylist() == c.column("row_id").to_pylist()
     for x, y, z in zip(*(t.column("old_log_probs").to_pylist() for t in (a, b, c))):
@@ -85,7 +84,7 @@ def test_packed_log_prob_stage_equals_the_padded_one(tiny_model, samples, tmp_pa
         np.testing.assert_allclose(z, x, atol=2e-5)
     assert packed.metrics["logprobs/padded_tokens"] == packed.metrics["logprobs/tokens"]
     assert padded.metrics["logprobs/padded_tokens"] > padded.metrics["logprobs/tokens"]
-    # logprobs.fused_output_layer reaches the kept workers: every micro-batch fused (the values: test_forward.py)
+    # logprobs.fused_output_layer reaches the kept group: every micro-batch fused (the values: test_forward.py)
     assert fused.metrics["logprobs/fused_micro_batches"] >= 1 and "logprobs/fused_micro_batches" not in packed.metrics
     assert fused.fingerprint == packed.fingerprint  # the same values up to float32 rounding: not in the fingerprint
     for x, y in zip(b.column("old_log_probs").to_pylist(), read_folder(tmp_path / "fused").column("old_log_probs")
@@ -148,7 +147,7 @@ def test_logprobs_command_on_two_ranks_adds_ragged_columns_in_row_order_equal_to
 def test_reference_model_is_run_separately(tiny_model, samples, tmp_path, kept):
     reference = perturbed_copy(tiny_model, tmp_path / "ref")
     run_logprobs(str(samples), str(tiny_model), ONE_ACTOR, str(tmp_path / "lp"), reference=str(reference),
-                 workers=kept)
+                 group=kept)
     out = read_folder(tmp_path / "lp")
     want = direct(load_actor_model(str(reference)), read_folder(samples))
     refs = out.column("ref_log_probs").to_pylist()
@@ -156,38 +155,8 @@ def test_reference_model_is_run_separately(tiny_model, samples, tmp_path, kept):
     for b, r in enumerate(refs):
         np.testing.assert_allclose(r, want.row(b), atol=2e-5)
     no_ref = ONE_ACTOR.model_copy(update={"enable_reference": False})
-    run_logprobs(str(samples), str(tiny_model), no_ref, str(tmp_path / "lp2"), workers=kept)
+    run_logprobs(str(samples), str(tiny_model), no_ref, str(tmp_path / "lp2"), group=kept)
     assert "ref_log_probs" not in pq.read_schema(next((tmp_path / "lp2").glob("*.parquet"))).names
-
-
-def test_kept_forward_workers_take_a_new_checkpoint_in_place_and_equal_one_rank(tiny_model, samples, tmp_path):
-    """A training flow's forward workers keep their models: the reference stays loaded, the next checkpoint of the
-    policy is copied into the loaded model in place — and the table the two workers write equals, bit for bit, the
-    one of a stage run on its own on ONE rank (data-parallel log-probs, issue 14: a row's values depend on its batch
-    only, never on the worker or on how its model was loaded)."""
-    import ray
-
-    reference = perturbed_copy(tiny_model, tmp_path / "ref")
-    policy = perturbed_copy(tiny_model, tmp_path / "policy", seed=1)
-    workers = ForwardWorkers(FORWARD)
-    try:
-        run_logprobs(str(samples), str(tiny_model), FORWARD, str(tmp_path / "lp0"), reference=str(reference),
-                     workers=workers)
-        first = workers.loads()
-        run_logprobs(str(samples), str(policy), FORWARD, str(tmp_path / "lp1"), reference=str(reference),
-                     workers=workers)
-        second = workers.loads()
-        per_worker = ray.get([actor.loads.remote() for actor in workers.actors()])
-    finally:
-        workers.close()
-    assert first["in_place"] == 0 and first["fresh"] >= 2  # counts per batch: a batch's models are fresh, in place or kept
-    assert second["fresh"] == first["fresh"] and second["in_place"] >= 1 and second["kept"] > first["kept"]
-    assert len(per_worker) == 2 and all(sum(loads.values()) >= 1 for loads in per_worker), per_worker  # both ran
-    run_logprobs(str(samples), str(policy), ONE_ACTOR, str(tmp_path / "fresh"), reference=str(reference))
-    kept, fresh = read_folder(tmp_path / "lp1"), read_folder(tmp_path / "fresh")
-    assert kept.column_names == fresh.column_names and kept.column("row_id") == fresh.column("row_id")
-    assert kept.column("old_log_probs") != read_folder(tmp_path / "lp0").column("old_log_probs")
-    assert kept.column("old_log_probs") == fresh.column("old_log_probs") and kept.equals(fresh)
 
 
 def test_bad_input_fails_before_writing(tiny_model, samples, tmp_path):
@@ -214,7 +183,7 @@ def test_bad_input_fails_before_writing(tiny_model, samples, tmp_path):
 
 def test_values_stage_uses_a_seeded_new_critic_before_training(tiny_model, samples, tmp_path, kept):
     result = run_values(str(samples), str(tiny_model), ONE_ACTOR.model_copy(update={"seed": 9}), str(tmp_path / "v"),
-                        workers=kept)
+                        group=kept)
     out = read_folder(tmp_path / "v")
     want = direct(load_critic_model(None, str(tiny_model), seed=9), read_folder(samples), "values")
     for b, v in enumerate(out.column("values").to_pylist()):

@@ -186,7 +186,7 @@ def test_the_finished_run_trained_on_the_second_node_and_scored_on_the_head(two_
     """Ray's own record of the cluster (its GCS): the run's advantages tasks asked for the head's resource and ran
     there, its training workers asked for the second node's and ran there — placed by runtime.stage_resources, not
     by chance; the training workers computed the log-probs (no forward workers)."""
-    from tests.ray_nodes import names_of, node_with, nodes_of
+    from tests.ray_nodes import asks_for, names_of, node_with, nodes_of
 
     record, finished_run = two_node_run.record, two_node_run.run
     head, second = node_with(record, "rollflow_head"), node_with(record, "rollflow_pinned")
@@ -194,7 +194,9 @@ def test_the_finished_run_trained_on_the_second_node_and_scored_on_the_head(two_
     assert nodes_of(record, "rollflow_head") == {head} and nodes_of(record, "rollflow_pinned") == {second}, record
     pinned = {name: names_of(record, name) for name in ("rollflow_head", "rollflow_pinned")}
     assert pinned["rollflow_pinned"] == {"TrainWorker"} and pinned["rollflow_head"], pinned
-    assert "ForwardServer" not in {t["name"].split(".")[0].split(":")[-1] for t in record["tasks"]}
+    # every training worker actor of the run is one of the pinned group's: no forward group of its own
+    workers = [t for t in record["tasks"] if t["name"].split(".")[0].split(":")[-1] == "TrainWorker"]
+    assert {t["actor"] for t in workers} == {t["actor"] for t in workers if asks_for(t, "rollflow_pinned")}, workers
     logprobs = json.loads((finished_run / "iter_0000" / "logprobs" / "manifest.json").read_text())
     # on the training workers: on their engine, or (log-probs in bf16 where the CPU has it natively, training in
     # fp32) on a model in the pass's dtype beside it (stages/train/actor_forward.py)
