@@ -89,9 +89,8 @@ def run_quickstart(max_steps: int, repo: Path = REPO, runs: Path | None = None) 
 
 def process_kind(cmdline: list[str], name: str) -> str:
     """What a process is, from its command line: a Ray worker's title without its method or arguments
-    (``ray::TrainerGroup``, ``ray::ForwardServer``, ``ray::MapWorker(MapBatches(ForwardActor))``, ``ray::IDLE``), a
-    Python program's script or module (``dashboard/dashboard.py``, ``-m flows.cli``), else the executable's name
-    (``raylet``, ``gcs_server``)."""
+    (``ray::TrainWorker``, ``ray::MapWorker(MapBatches(...))``, ``ray::IDLE``), a Python program's script or module
+    (``dashboard/dashboard.py``, ``-m flows.cli``), else the executable's name (``raylet``, ``gcs_server``)."""
     line = " ".join(cmdline).strip()
     if line.startswith("ray::"):
         title = line.split(" ", 1)[0]

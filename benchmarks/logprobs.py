@@ -1,10 +1,10 @@
-"""Log-prob throughput: the log-prob stage (Ray Data actor pool, token-budget micro-batches, ragged in and out)
-against a bare forward pass over the same rows, in the same run.
+"""Log-prob throughput: the log-prob stage (an actor group of one rank started for it, token-budget micro-batches,
+ragged in and out) against a bare forward pass over the same rows, in the same run.
 
 The bare pass is a plain loop: the rows sorted by length in padded batches of at most ``--budget`` tokens,
 ``model(input_ids)``, log-softmax and gather. The stage's compute time is measured inside its actors (forward,
-log-probs, cutting rows back to ragged); its end-to-end time adds the actor start, the model load and the Parquet
-read and write of the runner.
+log-probs, cutting rows back to ragged) by its rank; its end-to-end time adds the rank's start (a process, its
+imports, the process group), the model load and the Parquet read and write of the runner.
 
     python benchmarks/logprobs.py --rows 64 --min-len 96 --max-len 256 --model default
 
@@ -77,7 +77,7 @@ def main() -> None:
                         runtime={"num_cpus": args.threads + 1})
     from stages.cluster import ensure_ray
 
-    # one logical CPU more than the actor holds, for the Parquet read and write tasks (they do little work)
+    # one logical CPU more than the rank holds, for the Parquet read and write tasks (they do little work)
     ensure_ray(num_cpus=args.threads + 1, progress=False)
     start = time.perf_counter()
     result = run_logprobs(str(work / "samples"), model_dir, cfg, str(work / "out"))
@@ -87,7 +87,7 @@ def main() -> None:
                 m["logprobs/compute_cpu_seconds"], m["logprobs/peak_rss_mb"])
     print_results(f"model {args.model} ({args.dtype}), {args.rows} rows x {args.min_len}-{args.max_len} tokens, "
                   f"budget {args.budget} tokens, {args.threads} threads", bare, stage, e2e,
-                  "actor start, model load, Parquet I/O")
+                  "rank start, model load, Parquet I/O")
 
 
 if __name__ == "__main__":

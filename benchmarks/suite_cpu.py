@@ -37,7 +37,6 @@ SUITE = [sys.executable, "-m", "pytest", "-q", "-n", "2", "--dist", "loadgroup",
 # Ray actor class (the process title ``ray::Class...``) -> kind; the first prefix that matches wins
 ACTOR_KINDS = [
     ("EngineActor", "generation engines"), ("RayTrainWorker", "Ray Train workers"), ("TrainWorker", "training workers"),
-    ("ForwardServer", "log-prob / value actors"), ("MapWorker(MapBatches(Forward", "log-prob / value actors"),
     ("TrainController", "Ray Train helpers"), ("PlacementGroupCleaner", "Ray Train helpers"),
     ("SynchronizationActor", "Ray Train helpers"), ("DatasetManager", "Ray Train helpers"),
     ("Mailbox", "Ray Train helpers"), ("_AutoscalingCoordinatorActor", "Ray Data helper actors"),

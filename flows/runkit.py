@@ -26,8 +26,8 @@ from stages.run_folder import run_folder, save_run_config
 from stages.runner import run_stage
 from stages.storage import Location, local_side, publish_local_side
 from stages.train.checkpoint import keep_training_state
-from stages.train.group import Limits, TrainerGroup
-from stages.train.stage import ForwardWorkers, run_logprobs, run_train_step, run_values, train_section
+from stages.train.group import TrainerGroup
+from stages.train.stage import forward_group, run_logprobs, run_train_step, run_values, train_section
 
 log = logging.getLogger("rollflow.train")
 RUN_LOG = "logs/rollflow.log"  # the command's log (flows/console.py), appended by every resume
@@ -63,12 +63,12 @@ class KeptWorkers:
     """The workers a training flow keeps from one iteration to the next, besides the generation engines: the
     training worker group, the actor group (DeepSpeed engines kept in memory), which also computes the log-prob and
     values stages on the engines it holds (issue 44: one copy of the policy for both; a separate reference model is
-    loaded beside them). A run whose training group is not kept (``keep_workers: false``) keeps forward workers of
-    their own instead (models loaded once, new checkpoints copied in place). Started on first use; the flow closes
-    them at its end."""
+    loaded beside them). A run whose training group is not kept (``keep_workers: false``) keeps a group of its own
+    for those stages (``logprobs``' ranks, :func:`stages.train.stage.forward_group`: models loaded once, new
+    checkpoints copied in place). Started on first use; the flow closes them at its end."""
 
     trainer: Any  # stages.train.group.TrainerGroup
-    forward: Any = None  # stages.train.stage.ForwardWorkers, only without a kept training group
+    forward: Any = None  # a kept TrainerGroup of the forward passes only, without a kept training group
 
     @classmethod
     def of(cls, config) -> "KeptWorkers":
@@ -78,12 +78,12 @@ class KeptWorkers:
                                section=train_section(train).model_dump(mode="json"))
         if forward_on_actor(config):
             return cls(trainer)
-        return cls(trainer, ForwardWorkers(config.logprobs_config(), gpus_per_actor=shares["forward"],
-                                           limits=Limits.of(train.runtime)))
+        return cls(trainer, forward_group(config.logprobs_config(), kept=True, gpus_per_worker=shares["forward"],
+                                          limits=train.runtime))
 
     def forward_kwargs(self) -> dict[str, Any]:
-        """Where the log-prob and values stages run: the actor group, or the kept forward workers."""
-        return {"workers": self.forward} if self.forward is not None else {"group": self.trainer}
+        """Where the log-prob and values stages run: the actor group, or the run's kept group for them."""
+        return {"group": self.forward if self.forward is not None else self.trainer}
 
     def close(self) -> None:
         self.trainer.close()

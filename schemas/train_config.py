@@ -427,12 +427,15 @@ class TrainRuntimeConfig(RuntimeConfig):
                                                  "state) on top of the step limit, before the step fails naming the "
                                                  "stalled worker (null: no limit).")
     step_timeout_s: float | None = Field(7200.0, gt=0, description="Seconds one training step, or one log-prob / "
-                                         "values pass, may take on a worker (with keep_workers: false, one batch "
-                                         "on a forward worker) before it fails naming the stalled worker, its "
-                                         "process and host (null: no limit).")
+                                         "values pass, may take on a worker (with keep_workers: false, on a rank "
+                                         "of the run's forward group) before it fails naming the stalled worker, "
+                                         "its process and host (null: no limit).")
 
     def torch_threads(self) -> int:
         return self.threads or max(1, int(self.cpus_per_worker))
+
+
+TIMEOUT_FIELDS = ("placement_timeout_s", "engine_build_timeout_s", "step_timeout_s")  # TrainRuntimeConfig's limits
 
 
 class StepSettings(Frozen):
@@ -498,7 +501,8 @@ class PassOptions:
 
 
 class ForwardConfig(OmitDefaults):
-    """``rollflow logprobs`` / ``rollflow values``: forward passes over a samples table in a Ray Data actor pool."""
+    """``rollflow logprobs`` / ``rollflow values``: forward passes over a samples table on ``num_actors``
+    data-parallel ranks (an actor group started for the stage, :meth:`group_runtime`)."""
 
     omit_when_default: ClassVar[dict[str, Any]] = {"device_mapping": None, "attn_implementation": "auto"}
 
@@ -510,8 +514,11 @@ class ForwardConfig(OmitDefaults):
                                                         "either way).")
     max_tokens_per_microbatch_in_infer: int = Field(8192, gt=0, description="Token budget of one forward micro-batch "
                                                     "(rows x padded length).")
-    rows_per_batch: int = Field(64, gt=0, description="Rows handed to an actor at once (Ray Data batch).")
-    num_actors: int = Field(1, gt=0, description="Most actors in the pool (each loads the model).")
+    rows_per_batch: int = Field(64, gt=0, description="Rows a worker runs at once (one batch, micro-batched by the "
+                                "token budget).")
+    num_actors: int = Field(1, gt=0, description="Data-parallel ranks of rollflow logprobs / values (each loads the "
+                            "model and computes a contiguous slice of the rows); a training run with "
+                            "train.runtime.keep_workers: false keeps a forward group of this many ranks.")
     cpus_per_actor: float = Field(1.0, gt=0, description="CPUs reserved per actor; torch threads = max(1, floor). "
                                   "Forward workers only (rollflow logprobs / values, a training run with "
                                   "train.runtime.keep_workers: false); a kept-group training run refuses another "
@@ -568,6 +575,22 @@ class ForwardConfig(OmitDefaults):
     def gpus_per_actor_reserved(self) -> float | None:
         """The Ray GPU share an actor asks for: gpus_per_actor with device cuda, none on cpu."""
         return self.gpus_per_actor if self.device == "cuda" else None
+
+    def group_runtime(self, kept: bool = False, limits: TrainRuntimeConfig | None = None) -> TrainRuntimeConfig:
+        """The runtime of the actor group that computes this section's passes where no training group does
+        (stages/train/stage.py ``forward_group``): ``num_actors`` data-parallel ranks of ``cpus_per_actor`` CPUs and
+        ``threads`` torch threads each, on GPUs with device cuda, pinned by ``runtime.stage_resources.logprobs`` (the
+        group pins its ranks by its runtime's ``train_step`` entry), the cluster settings as given. ``kept``: kept
+        across requests (a training run's, ``train.runtime.keep_workers: false``), else one request's (a stage run
+        on its own). ``limits``: the runtime whose timeouts bound the ranks (a training run's ``train.runtime``;
+        default: a training runtime's defaults)."""
+        pinned = self.runtime.resources_for("logprobs")
+        cluster = {name: getattr(self.runtime, name) for name in RuntimeConfig.model_fields
+                   if name != "stage_resources"}
+        timeouts = {name: getattr(limits, name) for name in TIMEOUT_FIELDS} if limits is not None else {}
+        return TrainRuntimeConfig(**cluster, **timeouts, num_workers=self.num_actors, use_gpu=self.device == "cuda",
+                                  cpus_per_worker=self.cpus_per_actor, threads=self.threads, keep_workers=kept,
+                                  stage_resources={"train_step": pinned} if pinned else {})
 
 
 class LogProbSection(Frozen):

@@ -9,14 +9,16 @@ The rules (what today's code reserves; see the stages cited):
 
 * **Held for the whole run** ("resident"): the generation engines and an LLM judge's engines
   (stages/rollout/engine_pool.py: ``num_cpus_per_engine`` / ``num_gpus_per_engine`` per engine; the pool closes when
-  the flow ends); the kept forward workers' GPU share with ``logprobs.device: cuda`` (stages/train/stage.py,
-  ``ForwardWorkers``: ``num_actors`` x ``gpus_per_actor``, no CPU) in a run whose training group is not kept (a kept
-  group, the actor group, computes the log-prob and values stages itself: :func:`forward_on_actor`, issue 44); the
+  the flow ends); the kept forward workers' GPU share with ``logprobs.device: cuda`` (stages/train/stage.py
+  ``forward_group``, a kept group of ``num_actors`` ranks x ``gpus_per_actor``, no CPU) in a run whose training
+  group is not kept (a kept group, the actor group, computes the log-prob and values stages itself:
+  :func:`forward_on_actor`, issue 44); the
   kept training workers' GPUs with
   ``train.runtime.use_gpu`` (stages/train/group.py: the group reserves one GPU per worker, and a kept group lives
   until the flow ends). Colocated roles reserve their equal share of a GPU instead (:func:`gpu_shares`).
 * **Held during one stage** ("phase"): generation's Ray Data tasks (``TASK_CPUS``, 0.25 CPU); the log-prob / values
-  stage: ``logprobs.cpus_per_actor`` plus half a CPU for Ray Data's read/write tasks beside it; the training step:
+  stage: the kept forward group's ``num_actors`` x ``logprobs.cpus_per_actor`` (it reserves none in Ray, but its
+  threads compute on them during the stage) plus half a CPU for Ray Data's read/write tasks; the training step:
   ``num_workers`` x ``cpus_per_worker`` CPUs (a kept group reserves none in Ray, but its threads compute on them while
   no other stage runs), and its GPUs when the group is not kept (``keep_workers: false``).
 * **The check**: the stages of a run follow each other, and the resident reservations sit beside each of them, so for
@@ -360,10 +362,9 @@ def run_needs(config, engines: Sequence[EngineUse] | None = None) -> list[Need]:
     if on_actor:  # the kept training group computes them with its threads, reserving no Ray CPU (as between steps)
         needs.append(Need("log-probs / values (actor)", train.runtime.num_workers, 0.0, 0.0, "log-probs / values",
                           None, "on the training workers' engines; memory: theirs"))
-    else:
-        needs.append(Need("log-prob / value actors", 1, fwd.cpus_per_actor, 0.0, "log-probs / values",
-                          None if fwd_gpus else _gib(params, dtype_bytes(fwd.dtype) * models),
-                          f"1 of up to {fwd.num_actors}" if fwd.num_actors > 1 else ""))
+    else:  # the run's kept forward group computes them with its ranks' threads, reserving no Ray CPU
+        needs.append(Need("log-prob / value ranks", fwd.num_actors, fwd.cpus_per_actor, 0.0, "log-probs / values",
+                          None if fwd_gpus else _gib(params, dtype_bytes(fwd.dtype) * models), "kept forward group"))
     for spec in stage_specs():  # the declared pinnable map-task stages: one task at least (CPU beside nothing else)
         if spec.pinnable and spec.phase == "rewards / advantages" and pins(spec.name):
             needs.append(Need(f"{spec.name} tasks", 1, 0.0, 0.0, spec.phase, section=_PIN.format(spec.name),

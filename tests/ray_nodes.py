@@ -237,7 +237,7 @@ def nodes_of(record: dict, resource: str) -> set[str]:
 
 
 def names_of(record: dict, resource: str) -> set[str]:
-    """The names of the recorded tasks that asked for ``resource`` (an actor's: its class, e.g. ``ForwardServer``)."""
+    """The names of the recorded tasks that asked for ``resource`` (an actor's: its class, e.g. ``TrainWorker``)."""
     return {t["name"].split(".")[0].split(":")[-1] for t in record["tasks"] if asks_for(t, resource)}
 
 

@@ -51,7 +51,6 @@ def test_processes_are_named_by_kind():
         sys.path.remove(str(SCRIPT.parent))
     assert kind_of("ray::EngineActor.play") == "generation engines"
     assert kind_of("ray::RayTrainWo") == "Ray Train workers"  # a title cut at 15 characters
-    assert kind_of("ray::MapWorker(MapBatches(ForwardActor))") == "log-prob / value actors"
     assert kind_of("ray::IDLE") == "Ray task workers and other actors"
     assert kind_of("/venv/bin/python /venv/lib/ray/_private/workers/default_worker.py --raylet-name=/tmp/s/raylet") \
         == "Ray task workers and other actors"  # a worker not yet titled

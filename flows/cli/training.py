@@ -246,7 +246,7 @@ def logprobs(samples: Path = typer.Option(..., "--samples", help="Samples table 
              output: Path = typer.Option(..., "--output", help="New table folder."),
              overrides: Optional[list[str]] = OverrideOpt,
              force: bool = typer.Option(False, "--force")) -> None:
-    """Add old_log_probs (and ref_log_probs, entropy) to a samples table, in a Ray Data actor pool."""
+    """Add old_log_probs (and ref_log_probs, entropy) to a samples table, on num_actors data-parallel ranks."""
     cfg = _prepare("ForwardConfig", config, overrides, "SAMPLES", samples, output, checkpoints=(checkpoint, reference),
                    stage="logprobs", command="logprobs")
     from stages.train.stage import run_logprobs
@@ -265,7 +265,7 @@ def values(samples: Path = typer.Option(..., "--samples", help="Samples table fo
            output: Path = typer.Option(..., "--output", help="New table folder."),
            overrides: Optional[list[str]] = OverrideOpt,
            force: bool = typer.Option(False, "--force")) -> None:
-    """Add the critic's values to a samples table (gae), in a Ray Data actor pool."""
+    """Add the critic's values to a samples table (gae), on num_actors data-parallel ranks."""
     cfg = _prepare("ForwardConfig", config, overrides, "SAMPLES", samples, output, checkpoints=(checkpoint,),
                    stage="values", command="values")
     from stages.train.stage import run_values

@@ -37,7 +37,7 @@ from stages.storage import Location
 from stages.train.checkpoint import read_checkpoint
 from stages.train.distributed import DistInfo
 from stages.train.engine import DTYPES, Engine
-from stages.train.forward import ForwardModels, forward_batch
+from stages.train.forward import ForwardModels, forward_batch, require_device
 from stages.train.resume import HeldEngines, load_engines
 
 log = logging.getLogger("rollflow.train")
@@ -120,10 +120,12 @@ def read_rows(samples: Location) -> pa.Table:
 def forward_on_rank(request: dict[str, Any], dist: DistInfo, held: HeldEngines | None,
                     models: ForwardModels) -> HeldEngines | None:
     """Run a forward request on this rank (``request``: samples Location, jobs, dtype, max_tokens, rows_per_batch,
-    options (the pass's :class:`schemas.train_config.PassOptions`), output Location (the stage's temporary folder: the
+    options (the pass's :class:`schemas.train_config.PassOptions`), device (the section's: cuda is refused where
+    this rank sees no CUDA device), output Location (the stage's temporary folder: the
     batches' counters), parts Location, spec, where, section: the training section to build missing engines under, or
     None) and write this rank's part. Returns the engines to hold."""
     jobs, dtype = request["jobs"], request["dtype"]
+    require_device(request.get("device", "cpu"))
     if request.get("section") is not None:
         held = engines_for(jobs, held, request["section"], dist, store=request["samples"].fs)
     device = str(dist.device)

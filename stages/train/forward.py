@@ -180,10 +180,7 @@ def load_forward_model(path: str, kind: str, dtype: str = "fp32", *, actor_dir: 
     ``path`` plus that LoRA adapter, :func:`stages.train.lora.load_with_adapter`) or the critic (``values``: the saved
     critic at ``path``, or, when ``path`` holds none yet, a new head on ``actor_dir`` seeded as training does)."""
     torch_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype]
-    if torch.device(device).type == "cuda" and not torch.cuda.is_available():
-        raise ConfigError(f"device: cuda, but this process (pid {os.getpid()}) sees no CUDA device (torch "
-                          f"{torch.__version__}, CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r}); "
-                          "set device: cpu, or install a CUDA build of torch on the GPU nodes")
+    require_device(device)
     if kind == "values":
         model = models.load_critic_model(path if actor_dir is None else None, actor_dir or path, seed)
     elif adapter is not None:
@@ -191,6 +188,15 @@ def load_forward_model(path: str, kind: str, dtype: str = "fp32", *, actor_dir: 
     else:
         model = models.load_actor_model(path)
     return cast_parameters(model.to(device=device), torch_dtype).eval()
+
+
+def require_device(device: torch.device | str) -> None:
+    """:class:`ConfigError` when a pass asks for ``device`` cuda in a process that sees no CUDA device (a Ray GPU
+    share on a node without CUDA, or a CPU build of torch)."""
+    if torch.device(device).type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"device: cuda, but this process (pid {os.getpid()}) sees no CUDA device (torch "
+                          f"{torch.__version__}, CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r}); "
+                          "set device: cpu, or install a CUDA build of torch on the GPU nodes")
 
 
 def cast_parameters(model: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:

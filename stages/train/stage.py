@@ -1,14 +1,15 @@
 """The Ray side of training: the training step on the training workers (:class:`stages.train.group.TrainerGroup`),
-and the log-prob and values stages as Ray Data actor pools, kept forward workers, or the training workers. The work
-itself is in ``stages.train.core`` and ``stages.train.forward`` (no Ray).
+and the log-prob and values stages on an actor group (the run's training workers, a run's kept group for these
+passes, or one started for a stage run on its own). The work itself is in ``stages.train.core`` and
+``stages.train.forward`` (no Ray).
 
 * :func:`run_train_step` — advantaged table + checkpoint → a new checkpoint folder, committed by the runner's
   ``commit_folder``: fingerprint (stage, version, training section, the table's fingerprint, the input checkpoint's
   fingerprint), skip when the output's manifest matches, write into a temporary sibling, validate, manifest last,
   atomic rename; then keep the newest ``max_ckpt_to_keep`` checkpoints.
 * :class:`LogProbStage` / :class:`ValuesStage` — ``samples`` → ``samples`` + ``old_log_probs`` / ``ref_log_probs``
-  (/ ``entropy``) or + ``values``, run by ``stages.runner.run_stage``; each actor loads its model once and batches
-  rows by a token budget.
+  (/ ``entropy``) or + ``values``, run by ``stages.runner.run_stage``; each rank or worker loads its model once
+  and batches rows by a token budget.
 """
 
 from __future__ import annotations
@@ -16,30 +17,26 @@ from __future__ import annotations
 import json
 import logging
 import os
-import socket
 import time
-import warnings
-import zlib
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any
 
-import pyarrow as pa
 import pyarrow.parquet as pq
 
 from schemas.errors import ConfigError, RollflowError
 from schemas.tables import ADVANTAGED, FLOATS, SAMPLES, TableSpec
-from schemas.train_config import (ForwardConfig, LogProbSection, PassOptions, TrainRuntimeConfig, TrainSection,
-                                  TrainStepConfig, ValuesSection)
+from schemas.train_config import (ForwardConfig, LogProbSection, TrainRuntimeConfig, TrainSection, TrainStepConfig,
+                                  ValuesSection)
 from stages import progress
 from stages.cluster import require_ray
 from stages.commit import commit_folder
 from stages.partials import SIDE_DIR, read_partials, sum_partials
-from stages.ray_errors import unplaced_hint, unwrap_error
+from stages.ray_errors import unwrap_error
 from stages.runner import run_stage, stage_fingerprint
-from stages.stage import Stage, StageContext, StageResult, map_on_actor_pool
+from stages.stage import Stage, StageContext, StageResult
 from stages.storage import Location, folder_fingerprint, is_uri, read_table_schema
 from stages.train import checkpoint as ckpt
-from stages.train.group import Limits, TrainerGroup
+from stages.train.group import TrainerGroup
 
 log = logging.getLogger("rollflow.train")
 
@@ -154,7 +151,7 @@ VALUES = TableSpec(
 
 @dataclass(frozen=True)
 class ForwardJob:
-    """One model run by a forward actor: its result ``column`` (``entropy`` too when asked) and the columns that
+    """One model run by a forward pass: its result ``column`` (``entropy`` too when asked) and the columns that
     receive a copy (a reference identical to the checkpoint is computed once). With ``adapter`` the model is the
     base at ``path`` plus that LoRA adapter, and ``base_column`` receives the log-probs of the same model with the
     adapter switched off (the base: a LoRA run's reference, without a second model)."""
@@ -174,228 +171,64 @@ class ForwardJob:
     # the actor group computes it on its held engine when it holds that checkpoint (stages/train/actor_forward.py)
 
 
-class ForwardActor:
-    """A Ray Data actor of one stage: loads its models on its first batch (an error raised in an actor's constructor
-    reaches the driver as a message only, so a user error such as "no CUDA here" is raised in a task instead), then
-    turns each batch of rows into the same rows plus the result columns (:func:`stages.train.forward.forward_batch`)
-    under the pass ``options``."""
-
-    def __init__(self, jobs: list[ForwardJob], dtype: str, max_tokens: int, threads: int, output: Location,
-                 spec: TableSpec, where: str, device: str = "cpu", options: PassOptions = PassOptions()):
-        import torch
-
-        torch.set_num_threads(max(1, threads))
-        self.jobs, self.dtype, self.max_tokens, self.output, self.spec, self.where = (jobs, dtype, max_tokens, output,
-                                                                                      spec, where)
-        self.device, self.options = device, options
-        self.models: list | None = None
-
-    def __call__(self, batch: pa.Table) -> pa.Table:
-        from stages.train.forward import forward_batch, load_forward_model
-
-        if self.models is None:
-            self.models = [load_forward_model(j.path, j.kind, self.dtype, actor_dir=j.actor_dir, seed=j.seed,
-                                              device=self.device, adapter=j.adapter) for j in self.jobs]
-        return forward_batch(self.models, self.jobs, batch, self.max_tokens, self.output, self.spec, self.where,
-                             self.device, self.options)
-
-
-class ForwardStalled(RollflowError):
-    """A forward worker was not placed, or stalled in a call, past its limit (train.runtime.*_timeout_s)."""
-
-
-class ForwardServer:
-    """A forward worker that a training flow keeps across iterations (a Ray actor of :class:`ForwardWorkers`): its
-    models stay loaded and take each new checkpoint in place (:class:`stages.train.forward.ForwardModels`)."""
-
-    def __init__(self, threads: int):
-        import torch
-
-        from stages.train.forward import ForwardModels
-
-        torch.set_num_threads(max(1, threads))
-        self.models = ForwardModels()
-
-    def run(self, jobs: list[ForwardJob], dtype: str, batch: pa.Table, max_tokens: int, output: Location,
-            spec: TableSpec, where: str, device: str = "cpu", options: PassOptions = PassOptions()) -> pa.Table:
-        from stages.train.forward import forward_batch
-
-        models = [self.models.get(j.column, j.path, j.kind, dtype, fingerprint=j.fingerprint, actor_dir=j.actor_dir,
-                                  seed=j.seed, device=device, adapter=j.adapter, base_fingerprint=j.base_fingerprint)
-                  for j in jobs]
-        result = forward_batch(models, jobs, batch, max_tokens, output, spec, where, device, options)
-        if device == "cuda":  # the activations' cached blocks go back to the GPU a colocated engine wakes into
-            import torch
-
-            torch.cuda.empty_cache()
-        return result
-
-    def loads(self) -> dict[str, int]:
-        return dict(self.models.loads)
-
-    def where(self) -> tuple[int, str]:
-        """This worker's process id and host."""
-        return os.getpid(), socket.gethostname()
-
-
-class ForwardWorkers:
-    """The forward workers of a training run (``num_actors`` :class:`ForwardServer` actors), started on first use and
-    kept until :meth:`close`. Like a kept trainer, they reserve no Ray CPUs: they compute only inside the log-prob
-    and values stages, whose Ray Data tasks hand them the batches and wait.
-
-    Nothing waits forever, under the limits of the run's training workers (``train.runtime``, which bound the same
-    passes where the training workers compute them): workers Ray does not place within ``placement_timeout_s`` fail
-    with what each asks and what the cluster has free; a worker that does not answer a batch within
-    ``step_timeout_s`` fails the stage naming its process and host (:class:`ForwardStalled`)."""
-
-    server_class: ClassVar[type] = ForwardServer  # what each worker runs (tests stand a stalling one in)
-
-    def __init__(self, config: ForwardConfig, gpus_per_actor: float | None = None, limits: Limits | None = None):
-        """``gpus_per_actor``: the Ray GPU share of each worker when the run decides it (colocation,
-        stages.plan.gpu_shares); default: the section's own (gpus_per_actor with device cuda). ``limits``: the run's
-        ``Limits.of(train.runtime)`` (default: those of a default training runtime)."""
-        self.config = config
-        self.gpus = config.gpus_per_actor_reserved() if gpus_per_actor is None else (gpus_per_actor or None)
-        self.limits = limits or Limits.of(TrainRuntimeConfig())
-        self._actors: list = []
-        self.placed: list[tuple[int, str]] = []  # (pid, host) of each worker, once placed
-
-    def asks(self) -> dict[str, float]:
-        """What each worker reserves in Ray."""
-        return {"CPU": 0.0, **({"GPU": self.gpus} if self.gpus else {}),
-                **self.config.runtime.resources_for("logprobs")}
-
-    def actors(self) -> list:
-        """The workers, started (and waited for, up to the placement limit) on first use."""
-        import ray
-
-        if not self._actors:
-            server = ray.remote(num_cpus=0, num_gpus=self.gpus, max_restarts=0,
-                                resources=self.config.runtime.resources_for("logprobs"))(self.server_class)
-            actors = [server.remote(self.config.torch_threads()) for _ in range(self.config.num_actors)]
-            try:
-                self.placed = self._placed(actors)
-            except BaseException:
-                for actor in actors:
-                    ray.kill(actor)
-                raise
-            self._actors = actors
-        return self._actors
-
-    def _placed(self, actors: list) -> list[tuple[int, str]]:
-        """Each worker's (pid, host) once Ray has started it; :class:`ForwardStalled` past the placement limit."""
-        import ray
-
-        refs = [a.where.remote() for a in actors]
-        limit = self.limits.placement
-        _, pending = ray.wait(refs, num_returns=len(refs), timeout=limit)
-        if pending:
-            late = [i for i, ref in enumerate(refs) if ref in pending]
-            raise ForwardStalled(f"{len(late)} of {len(refs)} forward workers (worker(s) {late}) were not placed by "
-                                 f"Ray within train.runtime.placement_timeout_s ({limit:g} s): "
-                                 f"{unplaced_hint(self.asks())}")
-        return ray.get(refs)
-
-    def loads(self) -> dict[str, int]:
-        """Model loads so far, summed over the workers: fresh, in place, kept."""
-        import ray
-
-        total: dict[str, int] = {}
-        for counts in ray.get([a.loads.remote() for a in self._actors]):
-            for k, v in counts.items():
-                total[k] = total.get(k, 0) + v
-        return total
-
-    def close(self) -> None:
-        import ray
-
-        for actor in self._actors:
-            try:
-                ray.kill(actor)
-            except Exception:  # already gone with its owner
-                pass
-        self._actors = []
-
-
-def _forward_on_worker(batch: pa.Table, actors: list, placed: list[tuple[int, str]], limit: float | None,
-                       **kwargs) -> pa.Table:
-    """A Ray Data map task: hand ``batch`` to one kept forward worker (chosen by the batch's first row id, so the
-    assignment is deterministic) and return its result; :class:`ForwardStalled` naming the worker (``placed``: each
-    one's pid and host) when it has not answered within ``limit`` seconds (None: no limit)."""
+def check_group_fits(c: ForwardConfig) -> None:
+    """:class:`ConfigError` before a stage run on its own starts its group (:func:`forward_group`) where the cluster
+    cannot place every rank at once (device cuda without the GPUs; more CPUs than the cluster has): the ranks would
+    otherwise wait for their placement until it times out."""
     import ray
 
-    key = batch.column("row_id")[0].as_py() if batch.num_rows else 0
-    index = zlib.crc32(str(key).encode()) % len(actors)
-    ref = actors[index].run.remote(batch=batch, **kwargs)
-    ready, _ = ray.wait([ref], timeout=limit)
-    if not ready:
-        pid, host = placed[index]
-        raise ForwardStalled(f"forward worker {index} (pid {pid} on {host}) has not answered a batch of "
-                             f"{batch.num_rows} rows of {kwargs.get('where')} within train.runtime.step_timeout_s "
-                             f"({limit:g} s); py-spy dump --pid {pid} shows where it waits, or raise "
-                             "train.runtime.step_timeout_s (null: no limit)")
-    return ray.get(ref)
+    resources = ray.cluster_resources()
+    cpus, gpus = resources.get("CPU", 0.0), resources.get("GPU", 0.0)
+    ranks = c.num_actors
+    if c.device == "cuda" and gpus < ranks * c.gpus_per_actor:
+        raise ConfigError(f"device: cuda reserves gpus_per_actor={c.gpus_per_actor:g} GPU for each of num_actors="
+                          f"{ranks} ranks, and the Ray cluster has {gpus:g} GPUs; set device: cpu, or run on a "
+                          "cluster with a GPU (RAY_ADDRESS), or lower gpus_per_actor to share one")
+    if ranks * c.cpus_per_actor > cpus:
+        raise ConfigError(f"num_actors ({ranks}) x cpus_per_actor ({c.cpus_per_actor:g}) is "
+                          f"{ranks * c.cpus_per_actor:g} CPUs for ranks that start together, and the Ray cluster has "
+                          f"{cpus:g}, so the stage would wait for them until it times out; set cpus_per_actor to at "
+                          f"most {cpus / ranks:g} (threads per rank follow it), or lower num_actors")
 
 
-def _pinned(resources: dict[str, float]) -> dict[str, Any]:
-    """Ray options asking for custom resources (runtime.stage_resources), none when there are none."""
-    return {"resources": resources} if resources else {}
+def forward_group(c: ForwardConfig, *, kept: bool = False, gpus_per_worker: float | None = None,
+                  limits: TrainRuntimeConfig | None = None) -> TrainerGroup:
+    """The actor group that computes the log-prob and values stages when no training group does: ``num_actors``
+    data-parallel ranks (:meth:`ForwardConfig.group_runtime`) that load the models beside (no DeepSpeed engines: it
+    trains nothing). For a stage run on its own (``rollflow logprobs`` / ``values``, a stage re-run) a group for one
+    request, closed after it; ``kept``: a training run's without a kept training group (``keep_workers: false``),
+    which keeps its models across iterations (a new checkpoint is loaded in place), reserves no CPU (its ranks
+    compute only inside these stages) and its GPU share ``gpus_per_worker`` (the run's, stages.plan.gpu_shares;
+    default: gpus_per_actor with device cuda), under the run's ``limits`` (train.runtime's timeouts)."""
+    share = c.gpus_per_actor_reserved() if gpus_per_worker is None else gpus_per_worker
+    return TrainerGroup(c.group_runtime(kept=kept, limits=limits), keep=kept, gpus_per_worker=share or 0.0)
 
 
 class _ForwardStage(Stage):
     """Shared build/finalize of the log-prob and values stages; subclasses say which jobs run. Where the passes run
-    is not part of the output (nor of the fingerprint): a Ray Data pool of forward actors (a stage run alone), the
-    run's kept forward workers (``workers``), or the run's actor group (``group``, a :class:`TrainerGroup`: the
-    training workers compute the columns on the engines they hold, each rank writes its rows into the stage's
-    temporary folder, and the stage's dataset reads them back in row order)."""
+    is not part of the output (nor of the fingerprint): the run's group (``group``, a :class:`TrainerGroup`: the
+    training workers, which compute the columns on the engines they hold, or a kept group of the run's own for these
+    passes, :func:`forward_group`), or, for a stage run on its own, a group started for its one request (models
+    loaded beside, as on the training workers when they hold no engine of the checkpoint). Each rank writes its rows
+    into the stage's temporary folder, and the stage's dataset reads them back in row order."""
 
     input_specs = {"samples": SAMPLES}
 
     def __init__(self, config: ForwardConfig, fingerprints: dict[str, str] | None = None,
-                 workers: ForwardWorkers | None = None, group: TrainerGroup | None = None):
-        self.config, self.fingerprints, self.workers, self.group = config, fingerprints or {}, workers, group
+                 group: TrainerGroup | None = None):
+        self.config, self.fingerprints, self.group = config, fingerprints or {}, group
 
     def jobs(self, section) -> list[ForwardJob]:
         raise NotImplementedError
 
     def build(self, ctx: StageContext):
-        import ray
-        from ray.data import ActorPoolStrategy
-
-        c = self.config
         if self.group is not None:
-            return self._build_on_group(ctx)
-        resources = ray.cluster_resources()
-        cpus, gpus = resources.get("CPU", 0.0), resources.get("GPU", 0.0)
-        if c.device == "cuda" and gpus < c.gpus_per_actor:
-            raise ConfigError(f"device: cuda reserves gpus_per_actor={c.gpus_per_actor:g} GPU per forward actor, and "
-                              f"the Ray cluster has {gpus:g} GPUs; set device: cpu, or run on a cluster with a GPU "
-                              "(RAY_ADDRESS), or lower gpus_per_actor to share one")
-        if cpus - c.cpus_per_actor < 1:  # the actor would hold every CPU and the read tasks would wait forever
-            raise ConfigError(f"cpus_per_actor ({c.cpus_per_actor}) leaves less than 1 of the cluster's {cpus:g} CPUs "
-                              "for reading and writing the table, so the stage would wait forever; set "
-                              f"cpus_per_actor to at most {max(cpus - 1, 0.5):g} (threads per actor follow it)")
-        work = {"jobs": self.jobs(ctx.section), "max_tokens": ctx.section.max_tokens_per_microbatch_in_infer,
-                "output": ctx.output, "spec": self.output_spec, "where": ctx.inputs["samples"].path,
-                "device": c.device, "options": c.pass_options()}
-        if self.workers is not None:  # the run's kept workers; the map tasks hand them the batches
-            actors = self.workers.actors()
-            # a task waiting in ray.get gives its CPU back: without a cap, Ray Data would start a task (and a worker
-            # process) per batch while the forward workers are busy. The cap is an upper bound, so Ray Data's
-            # warning that a table of fewer blocks cannot use all of it says nothing here.
-            warnings.filterwarnings("ignore", category=UserWarning, message=r"The maximum number of concurrent tasks "
-                                    r"for 'MapBatches\(_forward_on_worker\)'")
-            return ctx.read("samples").map_batches(
-                _forward_on_worker, batch_size=c.rows_per_batch, batch_format="pyarrow", concurrency=len(actors),
-                fn_kwargs={"actors": actors, "placed": self.workers.placed, "limit": self.workers.limits.step,
-                           "dtype": ctx.section.dtype, **work})
-        return map_on_actor_pool(
-            ctx.read("samples"), ForwardActor, batch_size=c.rows_per_batch, batch_format="pyarrow",
-            fn_constructor_kwargs={"dtype": ctx.section.dtype, "threads": c.torch_threads(), **work},
-            compute=ActorPoolStrategy(min_size=1, max_size=c.num_actors), num_cpus=c.cpus_per_actor,
-            num_gpus=c.gpus_per_actor_reserved(), **_pinned(c.runtime.resources_for("logprobs")))
+            return self._build_on_group(ctx, self.group)
+        check_group_fits(self.config)
+        with forward_group(self.config) as group:  # a stage run on its own: a group for its one request
+            return self._build_on_group(ctx, group)
 
-    def _build_on_group(self, ctx: StageContext):
+    def _build_on_group(self, ctx: StageContext, group: TrainerGroup):
         """The passes on the actor group: every rank writes its slice of the rows into ``_partials/actor`` of the
         temporary folder (removed with the counters once the output is written); the dataset reads them in rank
         order, which is row order, one block a part as :meth:`StageContext.read` does: one read-and-write task and
@@ -406,11 +239,11 @@ class _ForwardStage(Stage):
 
         c, section = self.config, ctx.section
         parts = ctx.output.child(SIDE_DIR).child("actor")
-        self.group.forward({"samples": ctx.inputs["samples"], "jobs": self.jobs(section), "dtype": section.dtype,
-                            "max_tokens": section.max_tokens_per_microbatch_in_infer, "rows_per_batch": c.rows_per_batch,
-                            "options": c.pass_options(), "output": ctx.output, "parts": parts,
-                            "spec": self.output_spec, "where": ctx.inputs["samples"].path,
-                            "section": self.group.section if self.group.keep else None}, unwrap_error)
+        group.forward({"samples": ctx.inputs["samples"], "jobs": self.jobs(section), "dtype": section.dtype,
+                       "max_tokens": section.max_tokens_per_microbatch_in_infer, "rows_per_batch": c.rows_per_batch,
+                       "options": c.pass_options(), "device": c.device, "output": ctx.output, "parts": parts,
+                       "spec": self.output_spec, "where": ctx.inputs["samples"].path,
+                       "section": group.section if group.keep else None}, unwrap_error)
         files = parts.parquet_files() if parts.exists() else []
         if not files:  # no rows
             return ctx.read("samples")
@@ -448,8 +281,8 @@ class LogProbStage(_ForwardStage):
     section_model = LogProbSection
 
     def __init__(self, config: ForwardConfig, same_reference: bool = False, fingerprints: dict[str, str] | None = None,
-                 workers: ForwardWorkers | None = None, group: TrainerGroup | None = None):
-        super().__init__(config, fingerprints, workers, group)
+                 group: TrainerGroup | None = None):
+        super().__init__(config, fingerprints, group)
         self.same_reference = same_reference
 
     def jobs(self, s: LogProbSection) -> list[ForwardJob]:
@@ -493,11 +326,11 @@ class ValuesStage(_ForwardStage):
 
 
 def run_logprobs(samples: str, checkpoint: str, config: ForwardConfig, output: str, *, reference: str | None = None,
-                 force: bool = False, workers: ForwardWorkers | None = None,
-                 group: TrainerGroup | None = None) -> StageResult:
+                 force: bool = False, group: TrainerGroup | None = None) -> StageResult:
     """``samples`` + ``old_log_probs`` (+ ``ref_log_probs`` under ``reference``, default: the checkpoint, when
     ``enable_reference``; + ``entropy``) → ``output``, via the runner (skip when up to date). ``group``: the run's
-    actor group, which then computes the columns (default: a pool of forward actors, or ``workers``)."""
+    group, which then computes the columns (default: a group of ``config.num_actors`` ranks started for this stage,
+    :func:`forward_group`)."""
     info = ckpt.read_checkpoint(checkpoint)
     ref_info = ckpt.read_checkpoint(reference) if (reference and config.enable_reference) else None
     if config.enable_reference and ref_info is None:
@@ -510,13 +343,13 @@ def run_logprobs(samples: str, checkpoint: str, config: ForwardConfig, output: s
                              max_tokens_per_microbatch_in_infer=config.max_tokens_per_microbatch_in_infer)
     require_ray("the log-prob stage")
     stage = LogProbStage(config, same_reference=state_in.get("reference") == state_in["checkpoint"],
-                         fingerprints=state_in, workers=workers, group=group)
+                         fingerprints=state_in, group=group)
     return run_stage(stage, section, {"samples": samples}, output, force=force, state_in=state_in,
                      batch_rows=config.rows_per_batch)
 
 
 def run_values(samples: str, checkpoint: str, config: ForwardConfig, output: str, *, force: bool = False,
-               workers: ForwardWorkers | None = None, group: TrainerGroup | None = None) -> StageResult:
+               group: TrainerGroup | None = None) -> StageResult:
     """``samples`` + ``values`` under the critic of ``checkpoint`` (its ``critic/`` folder, or a new value head on
     its actor seeded with ``config.seed`` before the first training step) → ``output``. ``group``: the run's actor
     group (its held critic computes them), as in :func:`run_logprobs`."""
@@ -525,5 +358,5 @@ def run_values(samples: str, checkpoint: str, config: ForwardConfig, output: str
                             max_tokens_per_microbatch_in_infer=config.max_tokens_per_microbatch_in_infer)
     require_ray("the values stage")
     state_in = {"critic": ckpt.checkpoint_fingerprint(info.path)}
-    return run_stage(ValuesStage(config, state_in, workers, group), section, {"samples": samples}, output, force=force,
+    return run_stage(ValuesStage(config, state_in, group), section, {"samples": samples}, output, force=force,
                      state_in=state_in, batch_rows=config.rows_per_batch)

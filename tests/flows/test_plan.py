@@ -20,7 +20,7 @@ from typer.testing import CliRunner
 
 from flows.cli import app
 from flows.pipelines import pipeline_of
-from flows.runkit import check_plan, run_plan
+from flows.runkit import KeptWorkers, check_plan, run_plan
 from schemas.config import load_config_data, validate_config
 from schemas.errors import ConfigError, RollflowError
 from stages.plan import DEFAULT_MODEL_SHAPE, PHASES, gpu_shares, parameter_count, training_bytes_per_parameter
@@ -228,6 +228,21 @@ def test_cuda_forward_workers_and_an_llm_judge_count_as_held_for_the_whole_run()
     assert "LLM judge engines" in "\n".join(plan.lines())
 
 
+def test_a_run_without_a_kept_training_group_computes_its_log_probs_on_a_kept_forward_group():
+    """keep_workers: false: the log-prob and values stages run on a kept group of logprobs' ranks (no engines: models
+    loaded beside), which reserves no CPU and the plan's forward GPU share, under train.runtime's limits; with a
+    kept training group they run on it (stages/train/stage.py forward_group, flows/runkit.py KeptWorkers)."""
+    config = load(GPU_CONFIGS[0], **{**PER_STEP, "logprobs.num_actors": 1, "train.runtime.step_timeout_s": 60})
+    workers = KeptWorkers.of(config)
+    forward = workers.forward
+    assert workers.forward_kwargs() == {"group": forward} and forward is not workers.trainer
+    assert forward.keep and forward.section is None and not workers.trainer.keep
+    assert (forward.runtime.num_workers, forward.runtime.step_timeout_s) == (1, 60)
+    assert forward.worker_resources() == {"CPU": 0, "memory": 64 * 2**20, "GPU": gpu_shares(config)["forward"]}
+    kept = KeptWorkers.of(load(GPU_CONFIGS[0]))
+    assert kept.forward is None and kept.forward_kwargs() == {"group": kept.trainer}
+
+
 def test_a_cpu_plan_that_does_not_fit_names_the_fix():
     config = load(REPO / "configs/train_frozenlake_quickstart.yaml", **{"logprobs.cpus_per_actor": 2, **PER_STEP})
     with pytest.raises(RollflowError, match=r"needs 2\.5 CPUs of Ray's 2: .* logprobs\.cpus_per_actor"):
@@ -363,31 +378,23 @@ def scheduled(plan, timeout):
 def stage_sequence(config, model, timeout):
     # a run's GPU stages with the reservations the real classes make (their shares from gpu_shares): the engine pool
     # (an hf engine of the tiny model computing on the CPU while it holds its GPU share) generates, sleeps at the
-    # config's level, the kept forward workers start beside it, the training workers' bundles (TrainerGroup's
-    # worker_resources, one placement-group bundle per worker) are placed and released, the engine wakes with the
-    # checkpoint loaded in place and generates the same tokens again
+    # config's level, the training workers' bundles (TrainerGroup's worker_resources, one placement-group bundle per
+    # worker; they compute the log-probs too: stages.plan.forward_on_actor, issue 44) are placed and released, the
+    # engine wakes with the checkpoint loaded in place and generates the same tokens again
     from stages.generation.engines import GenRequest, SamplingSpec
     from stages.rollout.engine_pool import EnginePool
     from stages.train.group import TrainerGroup
-    from stages.train.stage import ForwardWorkers
 
     shares, done = gpu_shares(config), []
     engine = config.generation_engine().model_copy(update={"backend": "hf", "dtype": "float32", "options": {
         "device": "cpu"}, "num_cpus_per_engine": 0, "threads": 1})
     pool = EnginePool(engine, model, 64, gpus_per_engine=shares["engine"])
-    # forward workers of their own only in a run without a kept training group (the kept group computes the
-    # log-probs: stages.plan.forward_on_actor, issue 44)
-    forward = ForwardWorkers(config.logprobs_config(), gpus_per_actor=shares["forward"]) if shares["forward"] else None
     request = [GenRequest([1, 2, 3], SamplingSpec(max_new_tokens=4, seed=1))]
     try:
-        workers = forward.actors() if forward else []  # kept workers are resident too: they start while the engine builds
         first = pool.generate(request)[0][0].response_token_ids
         done.append("engine resident")
         slept = pool.sleep()
         done.append("engine asleep")
-        if forward:
-            ray.get([a.loads.remote() for a in workers], timeout=timeout)
-            done.append("forward workers")
         group = TrainerGroup(config.train_step_config().runtime, gpus_per_worker=shares["train"])
         pg = placement_group([group.worker_resources()] * group.runtime.num_workers, strategy="PACK")
         ray.get(pg.ready(), timeout=timeout)
@@ -399,13 +406,12 @@ def stage_sequence(config, model, timeout):
         return {"steps": done, "same_tokens": first == again, "slept": slept,
                 "transitions": pool.actor_info()[0]["transitions"], "shares": shares}
     finally:
-        if forward:
-            forward.close()
         pool.close()
 
 def no_cuda_error(samples, model, out):
-    # the log-prob stage's own actor pool (not the kept workers) with device: cuda on this cluster: two actors of half
-    # a GPU are scheduled (no wait for a GPU) and refuse to load in a process without CUDA, committing nothing
+    # the log-prob stage run on its own (its own actor group, not the kept workers) with device: cuda on this
+    # cluster: two ranks of half a GPU are placed (no wait for a GPU) and refuse the pass in a process without CUDA,
+    # committing nothing
     from schemas.train_config import ForwardConfig
     from stages.ray_errors import unwrap_error
     from stages.train.stage import run_logprobs
@@ -487,8 +493,8 @@ def test_the_plans_verdict_is_what_a_ray_cluster_with_logical_gpus_can_schedule(
     flow's order; on one GPU the stage sequence with the real classes (the engine resident with its share, asleep
     while the training workers (which compute the log-probs too) take theirs, awake again with the same tokens) runs to the end within the
     timeout; each refused plan is one Ray cannot place either, and says so with the fix. On the same one-GPU
-    cluster (without CUDA) the log-prob stage's own pool of device: cuda actors, two of half a GPU, is scheduled and
-    refuses to load with the fix, committing nothing."""
+    cluster (without CUDA) the log-prob stage run on its own, a group of two device: cuda ranks of half a GPU, is
+    placed and refuses the pass with the fix, committing nothing."""
     import torch
 
     from tests.train.tables import advantaged_rows, write_table

@@ -14,6 +14,7 @@ import pytest
 from schemas.config import RuntimeConfig, load_config, validate_config
 from schemas.errors import ConfigError
 from schemas.rlvr_train_config import RLVRTrainConfig
+from schemas.train_config import ForwardConfig
 from schemas.train_flow_config import TrainFlowConfig
 
 REPO = Path(__file__).resolve().parents[2]
@@ -163,3 +164,19 @@ def test_no_run_code_reads_a_cluster_setting_from_a_section_runtime():
              for folder in ("flows", "stages") for path in sorted((REPO / folder).rglob("*.py"))
              for n, line in enumerate(path.read_text().splitlines(), 1) if pattern.search(line)]
     assert not found, "read the run's runtime through its accessors instead:\n" + "\n".join(found)
+
+
+def test_a_log_prob_stage_run_on_its_own_gets_the_runtime_of_its_actor_group_from_its_section():
+    """rollflow logprobs / values start an actor group (stages/train/stage.py forward_group) whose runtime is the
+    forward section's, made in one place (ForwardConfig.group_runtime): the ranks, their CPUs, threads and GPUs,
+    not kept, the cluster settings as given, pinned by the logprobs entry of stage_resources."""
+    forward = ForwardConfig(num_actors=3, cpus_per_actor=0.5, threads=2, device="cuda", gpus_per_actor=0.25,
+                            runtime={**RUNTIME, "stage_resources": {"logprobs": {"gpu_node": 1.0}}})
+    group = forward.group_runtime()
+    assert (group.num_workers, group.cpus_per_worker, group.torch_threads(), group.use_gpu, group.keep_workers) == (
+        3, 0.5, 2, True, False)
+    assert {f: getattr(group, f) for f in CLUSTER_FIELDS if f != "stage_resources"} == {
+        f: v for f, v in RUNTIME.items() if f != "stage_resources"}
+    assert group.resources_for("train_step") == {"gpu_node": 1.0} and forward.gpus_per_actor_reserved() == 0.25
+    cpu = ForwardConfig(cpus_per_actor=2).group_runtime()
+    assert (cpu.use_gpu, cpu.torch_threads(), cpu.stage_resources) == (False, 2, {})

@@ -1,10 +1,11 @@
 """The log-prob and values stages on the run's actor group (issue 44): the training workers compute the columns on
 the DeepSpeed engines they hold, and the stage's output equals that of the separate forward pass it replaces.
 
-One rank: the same batching as a pool of one forward actor (the table in one batch), so the columns are equal bit for
-bit. Two ranks: each rank runs its half of the rows as its own batch, so a row's micro-batch (its padding, the
-rows beside it) differs from the single actor's, and the columns are equal within float32 rounding (atol 2e-5,
-the stage tests' tolerance for a different batching)."""
+One rank: the same batching as a separate pass over the table in one batch (a model loaded in this process,
+:func:`stages.train.forward.forward_batch`), so the columns are equal bit for bit. Two ranks: each rank runs its half
+of the rows as its own batch, so a row's micro-batch (its padding, the rows beside it) differs from the single
+pass's, and the columns are equal within float32 rounding (atol 2e-5, the stage tests' tolerance for a different
+batching)."""
 
 import os
 from dataclasses import replace
@@ -22,7 +23,7 @@ from stages.storage import Location, read_manifest
 from stages.train.actor_forward import evaluating, forward_on_rank, held_engine, rank_rows, why_not_held
 from stages.train.batching import TokenRows
 from stages.train.engine import Engine
-from stages.train.forward import ForwardModels, forward_rows, load_forward_model
+from stages.train.forward import ForwardModels, forward_batch, forward_rows, load_forward_model
 from stages.train.group import TrainerGroup
 from stages.train.models import load_actor_model
 from stages.train.resume import HeldEngines
@@ -33,7 +34,7 @@ from tests.train.test_forward import CHUNK, VocabRows, fused_tolerance
 from tests.train.test_stage import direct
 
 pytestmark = pytest.mark.usefixtures("ray_cluster")
-# one batch of the whole table: the pool of one actor and the group of one rank batch the rows alike
+# one batch of the whole table: a separate pass over the table and the group of one rank batch the rows alike
 ONE_BATCH = ForwardConfig(max_tokens_per_microbatch_in_infer=64, rows_per_batch=64, num_actors=1, cpus_per_actor=0.5,
                           compute_entropy=True)
 
@@ -121,12 +122,29 @@ def test_a_held_engine_serves_a_pass_only_as_the_model_loaded_for_it(dist, tiny_
         np.testing.assert_allclose(fused, plain, rtol=0, atol=tol, err_msg=column)
 
 
-def test_actor_group_of_one_rank_equals_the_forward_pool_bit_for_bit_and_trains_on_the_same_engines(
+def separate_pass(samples: Path, checkpoint: str, counters: Path) -> pa.Table:
+    """The log-prob table of ONE_BATCH by a separate forward pass in this process: the checkpoint loaded as a
+    forward worker loads it (fp32) and the whole table run as one batch under the token budget (the reference, the
+    checkpoint itself, is its copy), on one torch thread as the rank (cpus_per_worker 1); the batch's counters go
+    to ``counters``."""
+    job = ForwardJob("log_probs", checkpoint, "old_log_probs", ("ref_log_probs",), entropy=True)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return forward_batch([load_forward_model(checkpoint, "log_probs", "fp32")], [job], read_folder(samples),
+                             ONE_BATCH.max_tokens_per_microbatch_in_infer, Location.of(str(counters)), LOGPROBS,
+                             "samples")
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_actor_group_of_one_rank_equals_a_separate_pass_bit_for_bit_and_trains_on_the_same_engines(
         tiny_model, samples, tmp_path):
     """Old log-probs and entropy on the group (it builds the engines of the checkpoint for the pass, and the
     training step then trains them: ``train/engines_kept``), then on the trained checkpoint's held engine: the same
-    table as the pool of one forward actor, bit for bit; the output's fingerprint is the pool's, so a re-run by the
-    pool skips it (resume)."""
+    table as a separate forward pass in this process (:func:`separate_pass`), bit for bit; the output's fingerprint
+    does not depend on where the pass ran, so the stage run on its own (which starts a group of its own) finds it up
+    to date (resume)."""
     cfg = train_config(1)
     group = group_of(cfg)
     try:
@@ -140,10 +158,8 @@ def test_actor_group_of_one_rank_equals_the_forward_pool_bit_for_bit_and_trains_
     assert step.metrics["train/engines_kept"] == 1.0  # the engines the log-prob pass built were trained
     for result in (on_group, trained):  # on the held engine, no model loaded beside it
         assert result.metrics["logprobs/jobs_on_held_engines"] == 1 and result.metrics["logprobs/jobs_on_loaded_models"] == 0
-    pool = run_logprobs(str(samples), str(tiny_model), ONE_BATCH, str(tmp_path / "p0"))
-    pool1 = run_logprobs(str(samples), str(tmp_path / "ck1"), ONE_BATCH, str(tmp_path / "p1"))
-    for got, want in ((tmp_path / "g0", tmp_path / "p0"), (tmp_path / "g1", tmp_path / "p1")):
-        a, b = read_folder(got), read_folder(want)
+    for got, checkpoint in ((tmp_path / "g0", str(tiny_model)), (tmp_path / "g1", str(tmp_path / "ck1"))):
+        a, b = read_folder(got), separate_pass(samples, checkpoint, tmp_path / f"counters-{got.name}")
         assert a.column_names == b.column_names and a.equals(b), got.name
     assert read_folder(tmp_path / "g0").column("old_log_probs") != read_folder(tmp_path / "g1").column("old_log_probs")
     # logprobs.fused_output_layer reaches the ranks: the held engine's pass fused, equal within float32 rounding
@@ -153,9 +169,11 @@ def test_actor_group_of_one_rank_equals_the_forward_pool_bit_for_bit_and_trains_
         plain = np.concatenate(read_folder(tmp_path / "g1").column(column).to_pylist())
         got = np.concatenate(read_folder(tmp_path / "g1f").column(column).to_pylist())
         np.testing.assert_allclose(got, plain, rtol=0, atol=fused_tolerance(plain, 49152), err_msg=column)
-    assert on_group.fingerprint == pool.fingerprint and trained.fingerprint == pool1.fingerprint
-    assert run_logprobs(str(samples), str(tiny_model), ONE_BATCH, str(tmp_path / "g0")).skipped
-    assert read_manifest(Location.of(str(tmp_path / "g0")))["metrics"]["logprobs/tokens"] == pool.metrics["logprobs/tokens"]
+    for result, checkpoint, name in ((on_group, str(tiny_model), "g0"), (trained, str(tmp_path / "ck1"), "g1")):
+        alone = run_logprobs(str(samples), checkpoint, ONE_BATCH, str(tmp_path / name))
+        assert alone.skipped and alone.fingerprint == result.fingerprint, name
+    tokens = sum_partials(read_partials(Location.of(str(tmp_path / "counters-g0"))))["tokens"]
+    assert read_manifest(Location.of(str(tmp_path / "g0")))["metrics"]["logprobs/tokens"] == tokens
     assert not (tmp_path / "g0" / "_partials").exists()
     # one block a rank's part: one write task, one output file (not Ray Data's split of a part into 4 blocks)
     assert [p.name for p in (tmp_path / "g0").glob("*.parquet")] == ["part-00000.parquet"]

@@ -3,7 +3,7 @@ accelerator).
 
 Issue 4, on the default model (SmolLM2-135M-Instruct): on a fixed batch the loss decreases over a few optimizer
 steps and the parameters change; resuming from a checkpoint reproduces the next step's loss. The old log-probs come
-from the log-prob stage (Ray Data actor pool) under the same model.
+from the log-prob stage (run on its own: a one-rank actor group) under the same model.
 
 Issue 14, items 1-2, on the tiny model: data-parallel training is exact, and ZeRO-3 trains, saves whole weights and
 resumes. Two workers train one optimizer step on a global batch that splits unevenly (7 rows: one rank gets 4 rows

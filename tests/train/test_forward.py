@@ -18,11 +18,11 @@ from stages.partials import read_partials, sum_partials
 from stages.storage import Location
 from stages.train import packed_attention
 from stages.train.batching import TokenRows, causal_lm_logits, pad_micro_batch, select_logits
-from stages.train.forward import forward_batch, forward_rows, load_forward_model
+from stages.train.forward import ForwardModels, forward_batch, forward_rows, load_forward_model
 from stages.train.lora import wrap
 from stages.train.models import load_actor_model, load_critic_model
 from stages.train.packed_attention import PACKED_ATTENTION, attention_for, attention_used, set_attention
-from stages.train.stage import LOGPROBS, ForwardActor, ForwardJob, ForwardServer
+from stages.train.stage import LOGPROBS, ForwardJob
 from tests.train.tables import advantaged_rows
 
 
@@ -318,7 +318,8 @@ def _fused_and_plain(run, vocab: int):
 
 @pytest.mark.parametrize("packed", [False, True])
 def test_fused_log_prob_batch_equals_the_logits_path_without_the_logits(tiny_model, tmp_path, monkeypatch, packed):
-    """forward_batch with fused (a forward worker's ForwardServer.run, padded and packed micro-batches): old
+    """forward_batch with fused (on a worker's kept models, ForwardModels, as each rank runs it; padded and packed
+    micro-batches): old
     log-probs (and the reference copy) and entropy equal the logits path's within float32 rounding
     (:func:`fused_tolerance`; measured 0 here), while no tensor of the pass is wider
     than CHUNK positions by the vocabulary — the logits path forms all N (every loss token of the one micro-batch).
@@ -328,13 +329,14 @@ def test_fused_log_prob_batch_equals_the_logits_path_without_the_logits(tiny_mod
     loss_tokens = int(TokenRows.from_arrow(table, "t", columns=()).loss_tokens().sum())
     job = ForwardJob("log_probs", str(tiny_model), "old_log_probs", ("ref_log_probs",), entropy=True,
                      fingerprint="f")
-    server = ForwardServer(threads=1)
-    vocab = server.models.get(job.column, job.path, job.kind, "fp32", fingerprint="f").config.vocab_size
+    models = ForwardModels()
+    vocab = models.get(job.column, job.path, job.kind, "fp32", fingerprint="f").config.vocab_size
     assert vocab == 49152 and loss_tokens > 4 * CHUNK
 
     def run(fused: bool) -> pa.Table:
-        return server.run([job], "fp32", table, 100000, Location.of(str(tmp_path / str(fused))), LOGPROBS, "t",
-                          options=PassOptions(packed=packed, fused=fused))
+        kept = models.get(job.column, job.path, job.kind, "fp32", fingerprint="f")
+        return forward_batch([kept], [job], table, 100000, Location.of(str(tmp_path / str(fused))), LOGPROBS, "t",
+                             options=PassOptions(packed=packed, fused=fused))
 
     out, rows = _fused_and_plain(run, vocab)
     assert rows[False] >= loss_tokens and rows[True] == CHUNK
@@ -346,10 +348,10 @@ def test_fused_log_prob_batch_equals_the_logits_path_without_the_logits(tiny_mod
                                    err_msg=name)
     counters = {f: sum_partials(read_partials(Location.of(str(tmp_path / str(f))))) for f in (False, True)}
     assert counters[True]["fused_micro_batches"] == 1 and "fused_micro_batches" not in counters[False]
-    assert server.loads() == {"fresh": 1, "in_place": 0, "kept": 2}
-    pool_actor = ForwardActor([job], "fp32", 100000, 1, Location.of(str(tmp_path / "pool")), LOGPROBS, "t",
-                              options=PassOptions(packed=packed, fused=True))  # a stage's actor pool: the same pass
-    assert pool_actor(table).equals(out[True])
+    assert models.loads == {"fresh": 1, "in_place": 0, "kept": 2}
+    fresh = load_forward_model(job.path, job.kind, "fp32")  # a model loaded for one request: the same pass
+    assert forward_batch([fresh], [job], table, 100000, Location.of(str(tmp_path / "pool")), LOGPROBS, "t",
+                         options=PassOptions(packed=packed, fused=True)).equals(out[True])
     assert sum_partials(read_partials(Location.of(str(tmp_path / "pool"))))["fused_micro_batches"] == 1
 
 

@@ -247,10 +247,12 @@ def _two_model_jobs(checkpoint: str, reference: str):
 
 
 def _run_jobs(jobs, dtype: str, table, output, monkeypatch) -> tuple:
-    """The log-prob table of ``jobs`` through a forward actor, and the models it loaded (counted at the loader)."""
+    """The log-prob table of ``jobs`` as a worker computes it (each job's model loaded for the request, one
+    :func:`stages.train.forward.forward_batch`), the models the loader loaded (counted there) and the jobs' models."""
     import stages.train.models as models
     from stages.storage import Location
-    from stages.train.stage import LOGPROBS, ForwardActor
+    from stages.train.forward import forward_batch, load_forward_model
+    from stages.train.stage import LOGPROBS
 
     loaded = []
     real = models.load_actor_model
@@ -260,10 +262,11 @@ def _run_jobs(jobs, dtype: str, table, output, monkeypatch) -> tuple:
         loaded.append(model)
         return model
     monkeypatch.setattr(models, "load_actor_model", counting)
-    actor = ForwardActor(jobs, dtype, 64, 2, Location.of(str(output)), LOGPROBS, "t")
-    out = actor(table)
+    used = [load_forward_model(j.path, j.kind, dtype, actor_dir=j.actor_dir, seed=j.seed, adapter=j.adapter)
+            for j in jobs]
+    out = forward_batch(used, jobs, table, 64, Location.of(str(output)), LOGPROBS, "t")
     monkeypatch.setattr(models, "load_actor_model", real)
-    return out, loaded, actor.models
+    return out, loaded, used
 
 
 def _values(table, column: str) -> np.ndarray:

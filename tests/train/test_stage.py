@@ -1,6 +1,7 @@
-"""The Ray side: log-prob and values stages (Ray Data actor pools, via the runner) and the training step on Ray
-Train (2 workers, tiny model) through the CLI, its checkpoints on a local S3 server: skip on re-run, keep the newest
-K, worker errors reach the user."""
+"""The Ray side: log-prob and values stages (via the runner: on a kept forward group, or on an actor group started
+for a stage run on its own, as ``rollflow logprobs`` runs it) and the training step on its worker group (2 workers,
+tiny model) through the CLI, its checkpoints on a local S3 server: skip on re-run, keep the newest K, worker errors
+reach the user."""
 
 from pathlib import Path
 
@@ -10,34 +11,34 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 import typer
+import yaml
 from typer.testing import CliRunner
 
 from schemas.errors import ConfigError, SchemaError
 from schemas.train_config import ForwardConfig
 from stages.train.batching import TokenRows
-from stages.train.forward import forward_rows
+from stages.train.forward import forward_batch, forward_rows, load_forward_model
 from stages.train.models import load_actor_model, load_critic_model
-from stages.train.stage import ForwardWorkers, run_logprobs, run_values
+from stages.train.stage import LOGPROBS, ForwardJob, forward_group, run_logprobs, run_values
 from stages.storage import Location, read_manifest
 from tests.objstore import BUCKET, objects, s3  # noqa: F401  (s3: a local S3 server for this module, a fixture)
 from tests.train.tables import advantaged_rows, read_folder, write_table
 
 pytestmark = pytest.mark.usefixtures("ray_cluster")
 FORWARD = ForwardConfig(max_tokens_per_microbatch_in_infer=64, rows_per_batch=4, num_actors=2, cpus_per_actor=0.5)
-# the tests of what a pass computes (packing, the reference, the critic's values) share one kept worker (a
-# training run's way, fixture ``kept``): each forward actor is a process that imports torch and transformers (about
-# 8 CPU-seconds). A fresh Ray Data actor pool (a stage re-run's way) runs in the row-order test (two actors) and in
-# the kept workers' test (one, the comparison)
+# the tests of what a pass computes (packing, the reference, the critic's values) share one kept group of one rank
+# (a training run's way with keep_workers: false, fixture ``kept``): each rank is a process that imports torch,
+# transformers and DeepSpeed. A group started for the stage (a stage run on its own: rollflow logprobs, a re-run)
+# runs in the command's test (two ranks)
 ONE_ACTOR = FORWARD.model_copy(update={"num_actors": 1})
 
 
 @pytest.fixture(scope="module")
 def kept():
-    """One kept forward worker for the module's tests of what a pass computes: it loads each model they name (fresh,
-    in place or kept, as in a training run) and is closed at the end."""
-    workers = ForwardWorkers(ONE_ACTOR)
-    yield workers
-    workers.close()
+    """One kept forward group (one rank) for the module's tests of what a pass computes: it loads each model they
+    name (fresh, in place or kept, as in a training run) and is closed at the end."""
+    with forward_group(ONE_ACTOR, kept=True) as group:
+        yield group
 
 
 @pytest.fixture(scope="module")
@@ -68,14 +69,14 @@ def test_packed_log_prob_stage_equals_the_padded_one(tiny_model, samples, tmp_pa
     """use_sequence_packing runs each micro-batch's rows as one row without padding: the same log-probs (within
     float32 rounding) and no padded token in the stage's counters; with attn_implementation fa2 (the packed
     attention, on CPU causal SDPA per row: tests/train/test_forward.py) too."""
-    padded = run_logprobs(str(samples), str(tiny_model), ONE_ACTOR, str(tmp_path / "padded"), workers=kept)
+    padded = run_logprobs(str(samples), str(tiny_model), ONE_ACTOR, str(tmp_path / "padded"), group=kept)
     packed = run_logprobs(str(samples), str(tiny_model), ONE_ACTOR.model_copy(update={"use_sequence_packing": True}),
-                          str(tmp_path / "packed"), workers=kept)
+                          str(tmp_path / "packed"), group=kept)
     run_logprobs(str(samples), str(tiny_model), ONE_ACTOR.model_copy(update={"use_sequence_packing": True,
                                                                              "attn_implementation": "fa2"}),
-                 str(tmp_path / "varlen"), workers=kept)
+                 str(tmp_path / "varlen"), group=kept)
     fused = run_logprobs(str(samples), str(tiny_model), ONE_ACTOR.model_copy(
-        update={"use_sequence_packing": True, "fused_output_layer": True}), str(tmp_path / "fused"), workers=kept)
+        update={"use_sequence_packing": True, "fused_output_layer": True}), str(tmp_path / "fused"), group=kept)
     a, b, c = (read_folder(tmp_path / name) for name in ("padded", "packed", "varlen"))
     assert a.column("row_id").to_pylist() == b.column("row_id").to_pylist() == c.column("row_id").to_pylist()
     for x, y, z in zip(*(t.column("old_log_probs").to_pylist() for t in (a, b, c))):
@@ -83,7 +84,7 @@ def test_packed_log_prob_stage_equals_the_padded_one(tiny_model, samples, tmp_pa
         np.testing.assert_allclose(z, x, atol=2e-5)
     assert packed.metrics["logprobs/padded_tokens"] == packed.metrics["logprobs/tokens"]
     assert padded.metrics["logprobs/padded_tokens"] > padded.metrics["logprobs/tokens"]
-    # logprobs.fused_output_layer reaches the kept workers: every micro-batch fused (the values: test_forward.py)
+    # logprobs.fused_output_layer reaches the kept group: every micro-batch fused (the values: test_forward.py)
     assert fused.metrics["logprobs/fused_micro_batches"] >= 1 and "logprobs/fused_micro_batches" not in packed.metrics
     assert fused.fingerprint == packed.fingerprint  # the same values up to float32 rounding: not in the fingerprint
     for x, y in zip(b.column("old_log_probs").to_pylist(), read_folder(tmp_path / "fused").column("old_log_probs")
@@ -91,9 +92,35 @@ def test_packed_log_prob_stage_equals_the_padded_one(tiny_model, samples, tmp_pa
         np.testing.assert_allclose(y, x, atol=2e-5)
 
 
-def test_logprob_stage_adds_ragged_columns_in_row_order_and_skips_when_done(tiny_model, samples, tmp_path):
+def one_rank(checkpoint: Path, table: pa.Table, cfg: ForwardConfig, counters: Path) -> pa.Table:
+    """What ONE rank of ``rollflow logprobs`` writes (stages/train/actor_forward.py forward_on_rank), computed in this
+    process: the checkpoint loaded as a worker loads it, the rows in batches of ``rows_per_batch`` from the first,
+    each through :func:`stages.train.forward.forward_batch`, on the rank's torch threads."""
+    job = ForwardJob("log_probs", str(checkpoint), "old_log_probs", ("ref_log_probs",), entropy=cfg.compute_entropy)
+    model = load_forward_model(str(checkpoint), "log_probs", cfg.dtype)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(cfg.torch_threads())
+    try:
+        return pa.concat_tables([forward_batch([model], [job], table.slice(i, cfg.rows_per_batch),
+                                               cfg.max_tokens_per_microbatch_in_infer, Location.of(str(counters)),
+                                               LOGPROBS, "t") for i in range(0, table.num_rows, cfg.rows_per_batch)])
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_logprobs_command_on_two_ranks_adds_ragged_columns_in_row_order_equal_to_one_rank_and_skips_when_done(
+        tiny_model, samples, tmp_path):
+    """``rollflow logprobs`` with num_actors: 2 (an actor group of two ranks, started for the command): the columns
+    in row order, equal to a single pass, and to the table of ONE rank (:func:`one_rank`) within float32 rounding
+    (atol 2e-5: a rank batches its own slice of the rows, so a row's micro-batch can differ) and bit for bit on the
+    rows whose batch is the same on both (rank 0's first batch); the same command again is up to date."""
     cfg = FORWARD.model_copy(update={"compute_entropy": True})
-    result = run_logprobs(str(samples), str(tiny_model), cfg, str(tmp_path / "lp"))
+    config = tmp_path / "forward.yaml"
+    config.write_text(yaml.safe_dump(cfg.model_dump(mode="json")))
+    args = ["logprobs", "--samples", str(samples), "--checkpoint", str(tiny_model), "--config", str(config),
+            "--output", str(tmp_path / "lp")]
+    done = CliRunner().invoke(cli(), args)
+    assert done.exit_code == 0, done.output
     out = read_folder(tmp_path / "lp")
     table = read_folder(samples)
     assert out.column("row_id").to_pylist() == table.column("row_id").to_pylist()
@@ -105,14 +132,22 @@ def test_logprob_stage_adds_ragged_columns_in_row_order_and_skips_when_done(tiny
     assert out.column("ref_log_probs").to_pylist() == old  # reference = checkpoint: computed once, copied
     lengths = np.array([len(r) for r in table.column("input_ids").to_pylist()])
     assert [len(e) for e in out.column("entropy").to_pylist()] == (lengths - 1).tolist()
-    assert result.metrics["logprobs/tokens"] == lengths.sum() and not result.skipped
-    assert run_logprobs(str(samples), str(tiny_model), cfg, str(tmp_path / "lp")).skipped
+    single = one_rank(tiny_model, table, cfg, tmp_path / "one-rank")
+    assert single.column_names == out.column_names
+    for name in ("old_log_probs", "entropy"):
+        for b, (x, y) in enumerate(zip(out.column(name).to_pylist(), single.column(name).to_pylist())):
+            np.testing.assert_allclose(x, y, atol=2e-5, err_msg=f"{name} row {b}")
+    same_batch = cfg.rows_per_batch  # rank 0's first batch is one rank's first batch too
+    assert out.slice(0, same_batch).equals(single.slice(0, same_batch))
+    assert read_manifest(Location.of(str(tmp_path / "lp")))["metrics"]["logprobs/tokens"] == lengths.sum()
+    again = CliRunner().invoke(cli(), args)
+    assert again.exit_code == 0 and "up to date, skipped" in again.output, again.output
 
 
 def test_reference_model_is_run_separately(tiny_model, samples, tmp_path, kept):
     reference = perturbed_copy(tiny_model, tmp_path / "ref")
     run_logprobs(str(samples), str(tiny_model), ONE_ACTOR, str(tmp_path / "lp"), reference=str(reference),
-                 workers=kept)
+                 group=kept)
     out = read_folder(tmp_path / "lp")
     want = direct(load_actor_model(str(reference)), read_folder(samples))
     refs = out.column("ref_log_probs").to_pylist()
@@ -120,38 +155,8 @@ def test_reference_model_is_run_separately(tiny_model, samples, tmp_path, kept):
     for b, r in enumerate(refs):
         np.testing.assert_allclose(r, want.row(b), atol=2e-5)
     no_ref = ONE_ACTOR.model_copy(update={"enable_reference": False})
-    run_logprobs(str(samples), str(tiny_model), no_ref, str(tmp_path / "lp2"), workers=kept)
+    run_logprobs(str(samples), str(tiny_model), no_ref, str(tmp_path / "lp2"), group=kept)
     assert "ref_log_probs" not in pq.read_schema(next((tmp_path / "lp2").glob("*.parquet"))).names
-
-
-def test_kept_forward_workers_take_a_new_checkpoint_in_place_and_equal_a_fresh_pool(tiny_model, samples, tmp_path):
-    """A training flow's forward workers keep their models: the reference stays loaded, the next checkpoint of the
-    policy is copied into the loaded model in place — and the table the two workers write equals, bit for bit, the
-    one of a fresh pool of ONE actor (data-parallel log-probs, issue 14: a row's values depend on its batch only,
-    never on the worker or on how its model was loaded)."""
-    import ray
-
-    reference = perturbed_copy(tiny_model, tmp_path / "ref")
-    policy = perturbed_copy(tiny_model, tmp_path / "policy", seed=1)
-    workers = ForwardWorkers(FORWARD)
-    try:
-        run_logprobs(str(samples), str(tiny_model), FORWARD, str(tmp_path / "lp0"), reference=str(reference),
-                     workers=workers)
-        first = workers.loads()
-        run_logprobs(str(samples), str(policy), FORWARD, str(tmp_path / "lp1"), reference=str(reference),
-                     workers=workers)
-        second = workers.loads()
-        per_worker = ray.get([actor.loads.remote() for actor in workers.actors()])
-    finally:
-        workers.close()
-    assert first["in_place"] == 0 and first["fresh"] >= 2  # counts per batch: a batch's models are fresh, in place or kept
-    assert second["fresh"] == first["fresh"] and second["in_place"] >= 1 and second["kept"] > first["kept"]
-    assert len(per_worker) == 2 and all(sum(loads.values()) >= 1 for loads in per_worker), per_worker  # both ran
-    run_logprobs(str(samples), str(policy), ONE_ACTOR, str(tmp_path / "fresh"), reference=str(reference))
-    kept, fresh = read_folder(tmp_path / "lp1"), read_folder(tmp_path / "fresh")
-    assert kept.column_names == fresh.column_names and kept.column("row_id") == fresh.column("row_id")
-    assert kept.column("old_log_probs") != read_folder(tmp_path / "lp0").column("old_log_probs")
-    assert kept.column("old_log_probs") == fresh.column("old_log_probs") and kept.equals(fresh)
 
 
 def test_bad_input_fails_before_writing(tiny_model, samples, tmp_path):
@@ -161,7 +166,9 @@ def test_bad_input_fails_before_writing(tiny_model, samples, tmp_path):
     assert not (tmp_path / "out").exists()
     with pytest.raises(SchemaError, match="not a Hugging Face model folder"):
         run_logprobs(str(samples), str(tmp_path), FORWARD, str(tmp_path / "out"))
-    with pytest.raises(ConfigError, match="wait forever"):  # the actor would hold both CPUs of the test cluster
+    # two ranks of 2 CPUs each, on the test cluster's 2 CPUs: refused before any starts, with the fix
+    with pytest.raises(ConfigError, match=r"is 4 CPUs for ranks that start together, and the Ray cluster has 2, .*"
+                                          r"set cpus_per_actor to at most 1 \(threads per rank follow it\)"):
         run_logprobs(str(samples), str(tiny_model), FORWARD.model_copy(update={"cpus_per_actor": 2.0}),
                      str(tmp_path / "out"))
     with pytest.raises(ConfigError, match="the Ray cluster has 0 GPUs; set device: cpu"):
@@ -170,13 +177,13 @@ def test_bad_input_fails_before_writing(tiny_model, samples, tmp_path):
     assert not (tmp_path / "out").exists()
 
 
-# The log-prob stage's pool of device: cuda actors on a Ray cluster that declares a logical GPU (scheduled, then a
-# clear error without CUDA) is checked on the one-GPU cluster of tests/flows/test_plan.py, which starts one anyway.
+# The log-prob stage's group of device: cuda ranks on a Ray cluster that declares a logical GPU (placed, then a clear
+# error without CUDA) is checked on the one-GPU cluster of tests/flows/test_plan.py, which starts one anyway.
 
 
 def test_values_stage_uses_a_seeded_new_critic_before_training(tiny_model, samples, tmp_path, kept):
     result = run_values(str(samples), str(tiny_model), ONE_ACTOR.model_copy(update={"seed": 9}), str(tmp_path / "v"),
-                        workers=kept)
+                        group=kept)
     out = read_folder(tmp_path / "v")
     want = direct(load_critic_model(None, str(tiny_model), seed=9), read_folder(samples), "values")
     for b, v in enumerate(out.column("values").to_pylist()):

@@ -18,7 +18,7 @@ from schemas.train_flow_config import TrainFlowConfig
 from stages.example import ExampleSpec, generate
 from tests.objstore import s3  # noqa: F401  (the module's S3 server, a fixture)
 from tests.processes import ray_jobs, rollflow_here, sigkill_when, wait_ray_jobs_gone
-from tests.ray_nodes import NodeSpec, RayNodes, names_of, node_with, nodes_of, ray_record
+from tests.ray_nodes import NodeSpec, RayNodes, asks_for, names_of, node_with, nodes_of, ray_record
 from tests.spine.helpers import read_table
 
 REPO = Path(__file__).resolve().parents[2]
@@ -213,7 +213,9 @@ def test_the_finished_run_trained_on_the_second_node_and_scored_on_the_head(two_
     assert nodes_of(record, "rollflow_head") == {head} and nodes_of(record, "rollflow_pinned") == {second}, record
     pinned = {name: names_of(record, name) for name in ("rollflow_head", "rollflow_pinned")}
     assert pinned["rollflow_pinned"] == {"TrainWorker"} and pinned["rollflow_head"], pinned
-    assert "ForwardServer" not in {t["name"].split(".")[0].split(":")[-1] for t in record["tasks"]}
+    # every training worker actor of the run is one of the pinned group's: no forward group of its own
+    workers = [t for t in record["tasks"] if t["name"].split(".")[0].split(":")[-1] == "TrainWorker"]
+    assert {t["actor"] for t in workers} == {t["actor"] for t in workers if asks_for(t, "rollflow_pinned")}, workers
     logprobs = json.loads((finished_run / "iter_0000" / "logprobs" / "manifest.json").read_text())
     # on the training workers: on their engine, or (log-probs in bf16 where the CPU has it natively, training in
     # fp32) on a model in the pass's dtype beside it (stages/train/actor_forward.py)
