@@ -11,15 +11,16 @@ from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 import torch
 
 from schemas.config import validate_config
-from schemas.errors import ConfigError, SchemaError
+from schemas.errors import ConfigError, RollflowError, SchemaError
 from schemas.tables import FLOATS
 from schemas.train_config import TrainSection, TrainStepConfig
 from stages.train.batching import TokenRows, batching_policy, pad_micro_batch, plan_step
-from stages.train.checkpoint import read_checkpoint
+from stages.train.checkpoint import check_complete, check_trainable, read_checkpoint
 from stages.train.core import run_training, train_and_save
 from stages.train.distributed import no_shm_comm_op
 from stages.train.engine import Engine
@@ -28,6 +29,7 @@ from stages.train.forward import forward_rows
 from stages.train.models import load_actor_model, load_critic_model
 from stages.train import packed_attention
 from stages.train.objectives import ActorObjective
+from stages.train.resume import load_engines
 from stages.train.step import train_step
 from stages.train.train_table import rows_of_table
 from tests.train.tables import advantaged_rows
@@ -317,122 +319,134 @@ def test_bf16_engine_trains(dist, tiny_model, table):
     assert np.isfinite(report.metrics["actor/pg_loss"]) and report.metrics["actor/grad_norm"] > 0
 
 
-def test_resume_from_checkpoint_reproduces_the_next_step(dist, tiny_model, table, tmp_path):
-    """base → c1 → c2 through checkpoint folders equals two steps of one engine: same losses, LRs, weights."""
-    cfg = section(**{"adv_estimator": "gae", "ppo_epochs": 2,
-                     "actor_train.training_args.per_device_train_batch_size": 4,
-                     "actor_train.training_args.lr_scheduler_type": "linear",
-                     "actor_train.training_args.max_steps": 8, "actor_train.training_args.warmup_steps": 1,
-                     "critic_train.training_args.learning_rate": 1e-3,
-                     "critic_train.training_args.per_device_train_batch_size": 4})
-    rows = rows_of_table(table, "t")
-    first = run_training(table, "t", str(tiny_model), cfg, str(tmp_path / "c1"), dist)
-    second = run_training(table, "t", str(tmp_path / "c1"), cfg, str(tmp_path / "c2"), dist)
+# ---- checkpoints: one chain of steps serves the resume, kept-engine and replay tests ---------------------------
 
+CHAIN = {"adv_estimator": "gae", "ppo_epochs": 1, "actor_train.training_args.per_device_train_batch_size": 4,
+         "actor_train.training_args.lr_scheduler_type": "linear", "actor_train.training_args.max_steps": 12,
+         "actor_train.training_args.warmup_steps": 1, "critic_train.training_args.learning_rate": 1e-3,
+         "critic_train.training_args.per_device_train_batch_size": 4}
+
+
+@pytest.fixture(scope="module")
+def chain(dist, tiny_model, table, tmp_path_factory) -> dict:
+    """The checkpoints of one section (GAE: actor and critic; one epoch of 2 mini-batches, 2 optimizer steps a
+    training step; a linear schedule over 12), each step taken once for the three tests below:
+
+    - f1 -> f2 -> f3: each from the full DeepSpeed state of the one before, f1 from the tiny model, its engines kept
+      (``held``) as a training worker keeps them;
+    - with ``held`` offered, in this order: w1 from the tiny model (another input checkpoint: not kept), s2 from f1
+      under another learning rate (another section: not kept), k2 from f1 under the same section (kept: the held
+      engines' second step);
+    - w1 -> w2: weights and a replay record only.
+
+    The samples are a Parquet folder (a replay record names and fingerprints it). Returns the section, the folder,
+    the checkpoint paths and the step reports by name."""
+    root = tmp_path_factory.mktemp("chain")
+    (root / "advantaged").mkdir()
+    pq.write_table(table, root / "advantaged" / "part-0.parquet")
+    where = str(root / "advantaged")
+    cfg = section(**CHAIN)
+    other_rate = section(**{**CHAIN, "actor_train.training_args.learning_rate": 1e-4})
+    path = {name: str(root / name) for name in ("f1", "f2", "f3", "w1", "w2", "s2", "k2")}
+    report = {}
+    report["f1"], held = train_and_save(table, where, str(tiny_model), cfg, path["f1"], dist, committed_as=path["f1"])
+    report["w1"], _ = train_and_save(table, where, str(tiny_model), cfg, path["w1"], dist, held=held,
+                                     full_state=False)
+    report["s2"], _ = train_and_save(table, where, path["f1"], other_rate, path["s2"], dist, held=held,
+                                     full_state=False)
+    report["k2"], _ = train_and_save(table, where, path["f1"], cfg, path["k2"], dist, held=held, full_state=False)
+    del held
+    report["f2"] = run_training(table, where, path["f1"], cfg, path["f2"], dist)
+    report["f3"] = run_training(table, where, path["f2"], cfg, path["f3"], dist)
+    report["w2"], _ = train_and_save(table, where, path["w1"], cfg, path["w2"], dist, full_state=False)
+    return {"cfg": cfg, "where": where, "path": path, "report": report}
+
+
+def test_resume_from_checkpoint_reproduces_the_next_step(dist, tiny_model, table, chain):
+    """tiny model → f1 → f2 through checkpoint folders (the chain's) equals two steps of one engine built here:
+    same losses, LRs, weights."""
+    from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
+
+    cfg, path, report = chain["cfg"], chain["path"], chain["report"]
+    rows = rows_of_table(table, "t")
     actor = Engine(load_actor_model(str(tiny_model), None), cfg.actor_train, dist, "actor")
     critic = Engine(load_critic_model(None, str(tiny_model), cfg.critic_train.training_args.seed), cfg.critic_train,
                     dist, "critic")
     straight = [train_step(rows, actor, critic, cfg, dist, step, 0) for step in (0, 1)]
-    for resumed, direct in ((first, straight[0]), (second, straight[1])):
-        assert len(resumed.per_step) == len(direct.per_step) == 4
+    for resumed, direct in ((report["f1"], straight[0]), (report["f2"], straight[1])):
+        assert len(resumed.per_step) == len(direct.per_step) == 2
         for got, want in zip(resumed.per_step, direct.per_step):
             for key in ("actor/pg_loss", "critic/loss", "actor/lr", "critic/lr", "actor/grad_norm"):
                 assert got[key] == pytest.approx(want[key], rel=1e-5, abs=1e-7), key
-    from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
-
-    assert_same_weights(AutoModelForCausalLM.from_pretrained(tmp_path / "c2"), actor.module, atol=1e-6)
-    assert_same_weights(AutoModelForTokenClassification.from_pretrained(tmp_path / "c2" / "critic"), critic.module,
+    assert_same_weights(AutoModelForCausalLM.from_pretrained(path["f2"]), actor.module, atol=1e-6)
+    assert_same_weights(AutoModelForTokenClassification.from_pretrained(Path(path["f2"]) / "critic"), critic.module,
                         atol=1e-6)
-    info = read_checkpoint(str(tmp_path / "c2"))
-    assert info.global_step == 2 and info.optimizer_steps == 8 and info.critic_state and info.actor_state
-    state = json.loads((tmp_path / "c2" / "train_state.json").read_text())
-    assert state["world_size"] == 1 and len(state["per_step"]) == 4
+    info = read_checkpoint(path["f2"])
+    assert info.global_step == 2 and info.optimizer_steps == 4 and info.critic_state and info.actor_state
+    state = json.loads((Path(path["f2"]) / "train_state.json").read_text())
+    assert state["world_size"] == 1 and len(state["per_step"]) == 2
 
 
-def test_engines_kept_across_steps_equal_engines_loaded_from_the_checkpoint(dist, tiny_model, table, tmp_path):
-    """A kept worker's second step (engines still in memory) equals a step on engines loaded from the first step's
-    checkpoint — DeepSpeed's saved state is the whole state; kept engines are used only for the checkpoint they
-    wrote, under the same section."""
+def test_engines_kept_across_steps_equal_engines_loaded_from_the_checkpoint(chain):
+    """A kept worker's second step (engines still in memory: the chain's k2) equals a step on engines loaded from
+    the first step's checkpoint (f2) — DeepSpeed's saved state is the whole state; kept engines are used only for
+    the checkpoint they wrote, under the same section (w1 and s2 were offered them first)."""
     from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
 
-    cfg = section(**{"adv_estimator": "gae", "actor_train.training_args.per_device_train_batch_size": 4,
-                     "actor_train.training_args.lr_scheduler_type": "linear",
-                     "actor_train.training_args.max_steps": 8, "actor_train.training_args.warmup_steps": 1,
-                     "critic_train.training_args.per_device_train_batch_size": 4})
-    k1 = str(tmp_path / "k1")
-    first, held = train_and_save(table, "t", str(tiny_model), cfg, k1, dist, committed_as=k1)
-    kept, _ = train_and_save(table, "t", k1, cfg, str(tmp_path / "k2"), dist, held=held)
-    loaded = run_training(table, "t", k1, cfg, str(tmp_path / "l2"), dist)
-    assert (first.metrics["train/engines_kept"], kept.metrics["train/engines_kept"],
-            loaded.metrics["train/engines_kept"]) == (0.0, 1.0, 0.0)
-    for got, want in zip(kept.per_step, loaded.per_step, strict=True):
+    path, report = chain["path"], chain["report"]
+    assert (report["f1"].metrics["train/engines_kept"], report["k2"].metrics["train/engines_kept"],
+            report["f2"].metrics["train/engines_kept"]) == (0.0, 1.0, 0.0)
+    for got, want in zip(report["k2"].per_step, report["f2"].per_step, strict=True):
         for key in ("actor/pg_loss", "critic/loss", "actor/lr", "actor/grad_norm", "critic/grad_norm"):
             assert got[key] == pytest.approx(want[key], rel=1e-5, abs=1e-7), key
-    assert_same_weights(AutoModelForCausalLM.from_pretrained(tmp_path / "k2"),
-                        AutoModelForCausalLM.from_pretrained(tmp_path / "l2"), atol=1e-6)
-    assert_same_weights(AutoModelForTokenClassification.from_pretrained(tmp_path / "k2" / "critic"),
-                        AutoModelForTokenClassification.from_pretrained(tmp_path / "l2" / "critic"), atol=1e-6)
-    # not reused for another input checkpoint, nor under another section
-    other, _ = train_and_save(table, "t", str(tiny_model), cfg, str(tmp_path / "o"), dist, held=held)
-    lr = section(**{"adv_estimator": "gae", "actor_train.training_args.learning_rate": 1e-4})
-    changed, _ = train_and_save(table, "t", k1, lr, str(tmp_path / "c"), dist, held=held)
-    assert other.metrics["train/engines_kept"] == changed.metrics["train/engines_kept"] == 0.0
+    assert_same_weights(AutoModelForCausalLM.from_pretrained(path["k2"]),
+                        AutoModelForCausalLM.from_pretrained(path["f2"]), atol=1e-6)
+    assert_same_weights(AutoModelForTokenClassification.from_pretrained(Path(path["k2"]) / "critic"),
+                        AutoModelForTokenClassification.from_pretrained(Path(path["f2"]) / "critic"), atol=1e-6)
+    # not reused for another input checkpoint (w1), nor under another section (s2): both were offered the engines
+    # while they still held f1
+    assert report["w1"].metrics["train/engines_kept"] == report["s2"].metrics["train/engines_kept"] == 0.0
 
 
-def test_a_weights_only_checkpoint_is_rebuilt_by_replay_and_trains_like_a_full_one(dist, tiny_model, table,
+def test_a_weights_only_checkpoint_is_rebuilt_by_replay_and_trains_like_a_full_one(dist, tiny_model, table, chain,
                                                                                     tmp_path):
-    """Steps that write weights and a replay record only: training from such a checkpoint replays its steps from
-    the newest state and then equals training from a checkpoint that holds its state (losses, LR, weights of actor
-    and critic); the replayed weights equal the saved ones; a changed table is refused."""
-    import pyarrow.parquet as pq
+    """Steps that write weights and a replay record only (the chain's w1 -> w2): training from such a checkpoint
+    replays its steps from the newest state and then equals training from a checkpoint that holds its state (f2 ->
+    f3: losses, LR, weights of actor and critic); the replayed weights equal the saved ones; a changed table is
+    refused."""
     from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
 
-    from schemas.errors import RollflowError
-    from stages.train.checkpoint import check_complete, check_trainable
-
-    samples = tmp_path / "advantaged"
-    samples.mkdir()
-    pq.write_table(table, samples / "part-0.parquet")
-    where = str(samples)
-    cfg = section(**{"adv_estimator": "gae", "actor_train.training_args.per_device_train_batch_size": 4,
-                     "actor_train.training_args.lr_scheduler_type": "linear",
-                     "actor_train.training_args.max_steps": 12, "actor_train.training_args.warmup_steps": 1,
-                     "critic_train.training_args.per_device_train_batch_size": 4})
-    path = {name: str(tmp_path / name) for name in ("f1", "f2", "f3", "w1", "w2", "r3")}
-    run_training(table, where, str(tiny_model), cfg, path["f1"], dist)
-    run_training(table, where, path["f1"], cfg, path["f2"], dist)
-    full = run_training(table, where, path["f2"], cfg, path["f3"], dist)
-    train_and_save(table, where, str(tiny_model), cfg, path["w1"], dist, full_state=False)
-    second, _ = train_and_save(table, where, path["w1"], cfg, path["w2"], dist, full_state=False)
+    cfg, where, path, report = chain["cfg"], chain["where"], chain["path"], chain["report"]
     w2 = read_checkpoint(path["w2"])
-    assert w2.actor_state is None and w2.critic_state is None and not (tmp_path / "w2" / "deepspeed").exists()
+    assert w2.actor_state is None and w2.critic_state is None and not (Path(path["w2"]) / "deepspeed").exists()
     assert w2.replay["from"] == str(tiny_model) and [s["samples"] for s in w2.replay["steps"]] == [where, where]
     check_complete(path["w2"], with_critic=True)
     check_trainable(w2)
+    second = report["w2"]
     assert second.metrics["train/replayed_steps"] == 1.0 and second.metrics["train/full_state_saved"] == 0.0
     assert_same_weights(AutoModelForCausalLM.from_pretrained(path["w2"]),
                         AutoModelForCausalLM.from_pretrained(path["f2"]), atol=1e-6)
 
-    replayed = run_training(table, where, path["w2"], cfg, path["r3"], dist)
+    r3 = str(tmp_path / "r3")
+    replayed = run_training(table, where, path["w2"], cfg, r3, dist)
     assert replayed.metrics["train/replayed_steps"] == 2.0 and replayed.metrics["train/engines_kept"] == 0.0
-    for got, want in zip(replayed.per_step, full.per_step, strict=True):
+    for got, want in zip(replayed.per_step, report["f3"].per_step, strict=True):
         for key in ("actor/pg_loss", "critic/loss", "actor/lr", "actor/grad_norm", "critic/grad_norm"):
             assert got[key] == pytest.approx(want[key], rel=1e-5, abs=1e-7), key
-    assert_same_weights(AutoModelForCausalLM.from_pretrained(path["r3"]),
-                        AutoModelForCausalLM.from_pretrained(path["f3"]), atol=1e-6)
+    assert_same_weights(AutoModelForCausalLM.from_pretrained(r3), AutoModelForCausalLM.from_pretrained(path["f3"]),
+                        atol=1e-6)
     assert_same_weights(AutoModelForTokenClassification.from_pretrained(tmp_path / "r3" / "critic"),
-                        AutoModelForTokenClassification.from_pretrained(tmp_path / "f3" / "critic"), atol=1e-6)
-    assert read_checkpoint(path["r3"]).optimizer_steps == read_checkpoint(path["f3"]).optimizer_steps
+                        AutoModelForTokenClassification.from_pretrained(Path(path["f3"]) / "critic"), atol=1e-6)
+    assert read_checkpoint(r3).optimizer_steps == read_checkpoint(path["f3"]).optimizer_steps
 
     # a replay under ZeRO-3 cannot hand the replayed ZeRO-2 state over (refused after the replay, before loading)
-    from stages.train.resume import load_engines
-
     zero3 = {**cfg.model_dump(mode="json")}
     zero3["actor_train"]["strategy_args"]["zero_stage"] = 3
     with pytest.raises(ConfigError, match="ZeRO stage 2, and strategy_args.zero_stage is 3"):
         load_engines(read_checkpoint(path["w1"]), TrainStepConfig.model_validate(zero3), dist)
 
-    pq.write_table(table.slice(0, 4), samples / "part-0.parquet")  # the table the replay needs changed
+    # the table the replay needs changed (last: no test reads the chain's folder after this one's checks)
+    pq.write_table(table.slice(0, 4), Path(where) / "part-0.parquet")
     with pytest.raises(RollflowError, match="changed since"):
         run_training(table, where, path["w2"], cfg, str(tmp_path / "x"), dist)
 

@@ -3,7 +3,10 @@ accelerator).
 
 Issue 4, on the default model (SmolLM2-135M-Instruct): on a fixed batch the loss decreases over a few optimizer
 steps and the parameters change; resuming from a checkpoint reproduces the next step's loss. The old log-probs come
-from the log-prob stage (run on its own: a one-rank actor group) under the same model.
+from the log-prob stage under the same model, computed on the two workers (the actor group, as a training run
+computes them; tests/train/test_actor_forward.py: equal to an independent forward pass on a loaded model), whose
+engines then take the first step. The uninterrupted reference of the resumed step is the kept engines' next step
+(a training run's way from one iteration to the next), which never touched the checkpoint.
 
 Issue 14, items 1-2, on the tiny model: data-parallel training is exact, and ZeRO-3 trains, saves whole weights and
 resumes. Two workers train one optimizer step on a global batch that splits unevenly (7 rows: one rank gets 4 rows
@@ -38,7 +41,7 @@ from schemas.train_config import ForwardConfig, TrainStepConfig
 from stages.train.batching import batching_policy, plan_step
 from stages.train.checkpoint import load_weights
 from stages.train.core import train_and_save
-from stages.train.stage import run_logprobs, run_train_step
+from stages.train.stage import run_logprobs, run_train_step, train_section
 from stages.train.train_table import rows_of_table
 from tests.train.tables import advantaged_rows, read_folder, write_table
 from tests.train.test_core import with_model_log_probs
@@ -61,54 +64,57 @@ def per_step(checkpoint: Path) -> list[dict]:
 
 
 @pytest.fixture(scope="module")
-def batch(default_model, tmp_path_factory) -> Path:
+def group():
+    """One kept group of the two workers for every step of the module (a training flow's way), so the workers start
+    once; a step whose section or checkpoint differs from the one before loads its checkpoint. It trains under
+    ``config(1)``'s section: a log-prob pass builds the engines of its checkpoint under it, for the next step."""
+    from stages.train.group import TrainerGroup
+
+    with TrainerGroup(config(1).runtime, section=train_section(config(1)).model_dump(mode="json")) as trainer:
+        yield trainer
+
+
+@pytest.fixture(scope="module")
+def batch(default_model, group, tmp_path_factory) -> Path:
     """4 rows of distinct lengths (so each worker's share is the same whatever the epoch's shuffle) with the
-    model's own old log-probs from the log-prob stage."""
+    model's own old log-probs from the log-prob stage on the two workers, which then hold the model's engines."""
     root = tmp_path_factory.mktemp("done")
     table = advantaged_rows(4, lengths=(20, 32), seed=11, vocab=49152)
     lengths = [len(r) for r in table.column("input_ids").to_pylist()]
     assert len(set(lengths)) == 4
     write_table(table, root / "adv")
-    forward = ForwardConfig(enable_reference=False, num_actors=1, cpus_per_actor=1)
-    run_logprobs(str(root / "adv"), str(default_model), forward, str(root / "adv_lp"))
+    run_logprobs(str(root / "adv"), str(default_model), ForwardConfig(enable_reference=False), str(root / "adv_lp"),
+                 group=group)
     return root / "adv_lp"
 
 
-@pytest.fixture(scope="module")
-def group():
-    """One kept group of the two workers for every step of the module (a training flow's way), so the workers start
-    once; a step whose section or checkpoint differs from the one before loads its checkpoint."""
-    from stages.train.group import TrainerGroup
-
-    with TrainerGroup(config(1).runtime) as trainer:
-        yield trainer
-
-
 def test_two_workers_train_the_default_model_and_resume_exactly(default_model, batch, tmp_path, group):
-    # a and c are read for their weights and metrics only: DeepSpeed's state (2.1 GB) is written for b alone,
-    # which c resumes from
-    a = run_train_step(str(batch), str(default_model), config(3), str(tmp_path / "a"), trainer=group,
-                       full_state=False)
-    steps_a = per_step(tmp_path / "a")
-    losses = [s["actor/pg_loss"] for s in steps_a]
-    assert len(losses) == 3 and losses[2] < losses[1] < losses[0], losses
-    assert a.state["world_size"] == 2 and steps_a[0]["actor/ratio_max"] == pytest.approx(1.0, abs=1e-4)
+    """Three one-epoch steps on the engines the workers keep (a -> k2 -> k3: the loss falls, the weights move), and
+    k2's step again on engines loaded from a's DeepSpeed state (l2): the same loss and gradient norm. Only a writes
+    DeepSpeed's state (2.1 GB); the others write weights and a replay record."""
+    path = {name: str(tmp_path / name) for name in ("a", "k2", "k3", "l2")}
+    a = run_train_step(str(batch), str(default_model), config(1), path["a"], trainer=group)
+    k2 = run_train_step(str(batch), path["a"], config(1), path["k2"], trainer=group, full_state=False)
+    k3 = run_train_step(str(batch), path["k2"], config(1), path["k3"], trainer=group, full_state=False)
+    steps = [per_step(Path(path[name]))[0] for name in ("a", "k2", "k3")]
+    losses = [s["actor/pg_loss"] for s in steps]
+    assert losses[2] < losses[1] < losses[0], losses
+    assert a.state["world_size"] == 2 and steps[0]["actor/ratio_max"] == pytest.approx(1.0, abs=1e-4)
+    # the log-prob stage's engines took a's step, a's took k2's, k2's k3's
+    assert [r.metrics["train/engines_kept"] for r in (a, k2, k3)] == [1.0, 1.0, 1.0]
 
     before = load_file(str(default_model / "model.safetensors"))
-    after = load_file(str(tmp_path / "a" / "model.safetensors"))
+    after = load_file(str(tmp_path / "k3" / "model.safetensors"))
     changed = [k for k in before if not torch.equal(before[k], after[k])]
     assert len(changed) > 0.9 * len(before)
 
-    # resume: 2 epochs, checkpoint, then 1 more epoch from the checkpoint = the 3rd optimizer step of run a
-    run_train_step(str(batch), str(default_model), config(2), str(tmp_path / "b"), trainer=group)
-    assert [s["actor/pg_loss"] for s in per_step(tmp_path / "b")] == pytest.approx(losses[:2], rel=1e-6)
-    c = run_train_step(str(batch), str(tmp_path / "b"), config(1), str(tmp_path / "c"), trainer=group,
-                       full_state=False)
-    (resumed,) = per_step(tmp_path / "c")
-    assert resumed["actor/pg_loss"] == pytest.approx(losses[2], rel=1e-5, abs=1e-7)
-    assert resumed["actor/grad_norm"] == pytest.approx(steps_a[2]["actor/grad_norm"], rel=1e-4)
-    assert c.state["global_step"] == 2 and c.state["optimizer_steps"] == 3
-    assert c.metrics["train/engines_kept"] == 0.0  # another section than the step that wrote b: loaded from b
+    # resume: k2's step from a's checkpoint (the group now holds k3's engines: loaded from a)
+    resumed = run_train_step(str(batch), path["a"], config(1), path["l2"], trainer=group, full_state=False)
+    (step,) = per_step(tmp_path / "l2")
+    assert step["actor/pg_loss"] == pytest.approx(losses[1], rel=1e-5, abs=1e-7)
+    assert step["actor/grad_norm"] == pytest.approx(steps[1]["actor/grad_norm"], rel=1e-4)
+    assert resumed.state["global_step"] == 2 and resumed.state["optimizer_steps"] == 2
+    assert resumed.metrics["train/engines_kept"] == 0.0
 
 
 # ---- issue 14: data-parallel exactness and ZeRO-3, on the tiny model -------------------------------------------
