@@ -217,7 +217,7 @@ def _async_args(runs_dir: Path, name: str) -> list[str]:
 @pytest.fixture(scope="module")
 def async_run(tmp_path_factory, prefect_server, ray_cluster) -> Path:
     """The uninterrupted run: the command in this process (``rollflow_here``, on the session's Ray cluster and
-    Prefect server), not a child importing rollflow again; the kill test runs it as a process, three times."""
+    Prefect server), not a child importing rollflow again; the kill test runs it as a process, twice."""
     root = tmp_path_factory.mktemp("async")
     args = _async_args(root, "a")
     args[args.index(CONFIG)] = str(REPO / CONFIG)  # whatever this process's working directory
@@ -283,10 +283,9 @@ def test_rollouts_play_one_iteration_behind_and_training_weighs_the_stale_tokens
 # Where the overlap is SIGKILLed, in order (issue 46: "a SIGKILL at several points of the overlap"): (the file whose
 # commit is the kill point, what must not be committed yet at the kill, what the point is)
 KILL_POINTS = (
-    ("iter_0001/rollout/turns/turn_000", "iter_0000/checkpoint",
-     "iteration 1's rollout, played ahead, has committed its first turn while iteration 0 trains"),
-    ("iter_0001/checkpoint", "iter_0001/eval",
-     "iteration 1's training has committed while iteration 2's rollout, played ahead, plays or has just ended"),
+    ("iter_0002/rollout/turns/turn_000", "iter_0002/rollout/samples",
+     "iteration 2's rollout, played ahead with the policy after one step while iteration 1 trains or has just "
+     "committed, has committed its first turn"),
     ("iter_0001/eval/turns/turn_000", "iter_0001/eval/samples",
      "the evaluation after iteration 1 (which waited for iteration 2's rollout) has committed its first turn"),
 )
@@ -295,15 +294,17 @@ KILL_POINTS = (
 @pytest.mark.slow
 def test_a_run_sigkilled_at_several_points_of_the_overlap_resumes_to_the_uninterrupted_result(
         async_run, prefect_server, ray_cluster, cli_env, tmp_path):
-    """SIGKILLed whole at each point of ``KILL_POINTS`` in turn — the run, then its ``rollflow train --resume``,
-    then that one's — and resumed to the end: the in-flight rollout continues from its committed turns with the
-    checkpoint the schedule names, the evaluation from its own, and every table and weight of the three iterations
-    equals the uninterrupted run's (seeded sampling). One chain of kills, so the points cost one run and a start-up
-    each, against the module's one uninterrupted run. The first command runs as on a laptop, with its own local Ray
-    cluster and Prefect's ephemeral server, killed with it (its watchdog leaves nothing behind); the two resumes
-    join the session's Ray cluster and Prefect server (``cli_env``), as a command on a shared cluster does: the
-    kill takes the driver, Ray ends the job's engines and training workers with it, and the next resume starts
-    them again — not a Ray cluster and a Prefect server more for each kill (about 30 CPU-s each)."""
+    """SIGKILLed whole at each point of ``KILL_POINTS`` in turn — the run, then its ``rollflow train --resume`` —
+    and resumed to the end: the rollout in flight continues from its committed turns with the checkpoint the
+    schedule names (iteration 0's, although iteration 1's may be committed by then: a trained policy, the one case
+    where the scheduled checkpoint differs from the initial one and can differ from the newest), the evaluation from
+    its own, and every table and weight of the three iterations equals the uninterrupted run's (seeded sampling).
+    One chain of kills, so the points cost one run and a start-up each, against the module's one uninterrupted run.
+    The first command runs as on a laptop, with its own local Ray cluster and Prefect's ephemeral server, killed with
+    it (its watchdog leaves nothing behind); the resume joins the session's Ray cluster and Prefect server
+    (``cli_env``), as a command on a shared cluster does: the kill takes the driver, Ray ends the job's engines and
+    training workers with it, and the last resume (in this process) starts them again — not a Ray cluster and a
+    Prefect server more for each kill (about 30 CPU-s each)."""
     import numpy as np
 
     from tests.processes import ray_jobs, sigkill_when, wait_ray_jobs_gone
@@ -323,10 +324,15 @@ def test_a_run_sigkilled_at_several_points_of_the_overlap_resumes_to_the_uninter
         command = [sys.executable, "-m", "flows.cli", "train", "--resume", str(run), "--no-report"]
     resumed = rollflow_here("train", "--resume", str(run), "--no-report", api_url=prefect_server.api_url)
     assert resumed.exit_code == 0, resumed.output[-3000:]
-    replayed = [line for line in logs[1].read_text().splitlines() if line.startswith("[iteration 1] rollout turn 0:")]
+    replayed = [line for line in logs[1].read_text().splitlines() if line.startswith("[iteration 2] rollout turn 0:")]
     assert replayed and replayed[0].endswith("(committed earlier, skipped)"), logs[1].read_text()[-3000:]
     evaluated = [line for line in resumed.stdout.splitlines() if line.startswith("[eval] eval turn 0:")]
     assert evaluated and all(line.endswith("(committed earlier, skipped)") for line in evaluated), resumed.stdout
+    # the resumed rollout, its turns before and after the kill, played iteration 0's checkpoint (the schedule's)
+    scheduled = str((run / "iter_0000/checkpoint").resolve())
+    assert _manifest(run / "iter_0002/rollout/episodes")["state_in"]["checkpoint"]["path"] == scheduled
+    turns = sorted((run / "iter_0002/rollout/turns").iterdir())
+    assert len(turns) > 1 and {_manifest(t)["state_in"]["checkpoint"]["path"] for t in turns} == {scheduled}, turns
     for k in range(ITERATIONS):
         for stage in ("rollout/samples", "logprobs", "rewarded", "advantaged"):
             _assert_same_rows(_table(run / f"iter_{k:04d}" / stage), _table(async_run / f"iter_{k:04d}" / stage),
