@@ -283,30 +283,34 @@ def test_rollouts_play_one_iteration_behind_and_training_weighs_the_stale_tokens
 # Where the overlap is SIGKILLed, in order (issue 46: "a SIGKILL at several points of the overlap"): (the file whose
 # commit is the kill point, what must not be committed yet at the kill, what the point is)
 KILL_POINTS = (
-    ("iter_0002/rollout/turns/turn_000", "iter_0002/rollout/samples",
-     "iteration 2's rollout, played ahead with the policy after one step while iteration 1 trains or has just "
-     "committed, has committed its first turn"),
+    ("iter_0001/rollout/turns/turn_000", "iter_0000/checkpoint",
+     "iteration 1's rollout, played ahead, has committed its first turn while iteration 0 trains"),
     ("iter_0001/eval/turns/turn_000", "iter_0001/eval/samples",
-     "the evaluation after iteration 1 (which waited for iteration 2's rollout) has committed its first turn"),
+     "the evaluation after iteration 1 (which waited for iteration 2's rollout, played ahead with iteration 0's "
+     "checkpoint while iteration 1 trained) has committed its first turn"),
 )
 
 
 @pytest.mark.slow
 def test_a_run_sigkilled_at_several_points_of_the_overlap_resumes_to_the_uninterrupted_result(
         async_run, prefect_server, ray_cluster, cli_env, tmp_path):
-    """SIGKILLed whole at each point of ``KILL_POINTS`` in turn — the run, then its ``rollflow train --resume`` —
-    and resumed to the end: the rollout in flight continues from its committed turns with the checkpoint the
-    schedule names (iteration 0's, although iteration 1's may be committed by then: a trained policy, the one case
-    where the scheduled checkpoint differs from the initial one and can differ from the newest), the evaluation from
-    its own, and every table and weight of the three iterations equals the uninterrupted run's (seeded sampling).
-    One chain of kills, so the points cost one run and a start-up each, against the module's one uninterrupted run.
-    The first command runs as on a laptop, with its own local Ray cluster and Prefect's ephemeral server, killed with
-    it (its watchdog leaves nothing behind); the resume joins the session's Ray cluster and Prefect server
-    (``cli_env``), as a command on a shared cluster does: the kill takes the driver, Ray ends the job's engines and
-    training workers with it, and the last resume (in this process) starts them again — not a Ray cluster and a
+    """SIGKILLed whole at each point of ``KILL_POINTS`` in turn — the run, then its ``rollflow train --resume`` — and
+    resumed to the end: the in-flight rollout continues from its committed turns with the checkpoint the schedule names,
+    the evaluation from its own, and every table and weight of the three iterations equals the uninterrupted run's
+    (seeded sampling). The first launch is killed before its training workers start (its engine alone); the resume
+    trains iterations 0 and 1, plays iteration 2's rollout ahead with iteration 0's checkpoint beside iteration 1's
+    training, and is killed in the evaluation of iteration 1's checkpoint; the last resume finds both and must take, for
+    each stage, the one the schedule names. (A kill between iteration 1's checkpoint and the evaluation, once a third
+    launch, resumed through the same skips as the evaluation's kill: iteration 2's rollout had ended by then in the runs
+    timed here.) One chain of kills, so the points cost one run and a start-up each, against the module's one
+    uninterrupted run. The first command runs as on a laptop, with its own local Ray cluster and Prefect's ephemeral
+    server, killed with it (its watchdog leaves nothing behind); the resume joins the session's Ray cluster and Prefect
+    server (``cli_env``), as a command on a shared cluster does: the kill takes the driver, Ray ends the job's engines
+    and training workers with it, and the last resume (in this process) starts them again — not a Ray cluster and a
     Prefect server more for each kill (about 30 CPU-s each)."""
     import numpy as np
 
+    from stages.generation.model_store import tiny_random_model_dir
     from tests.processes import ray_jobs, sigkill_when, wait_ray_jobs_gone
     from tests.trainflow.test_train_flow import _assert_same_rows, _env, _weights
 
@@ -324,15 +328,18 @@ def test_a_run_sigkilled_at_several_points_of_the_overlap_resumes_to_the_uninter
         command = [sys.executable, "-m", "flows.cli", "train", "--resume", str(run), "--no-report"]
     resumed = rollflow_here("train", "--resume", str(run), "--no-report", api_url=prefect_server.api_url)
     assert resumed.exit_code == 0, resumed.output[-3000:]
-    replayed = [line for line in logs[1].read_text().splitlines() if line.startswith("[iteration 2] rollout turn 0:")]
+    replayed = [line for line in logs[1].read_text().splitlines() if line.startswith("[iteration 1] rollout turn 0:")]
     assert replayed and replayed[0].endswith("(committed earlier, skipped)"), logs[1].read_text()[-3000:]
     evaluated = [line for line in resumed.stdout.splitlines() if line.startswith("[eval] eval turn 0:")]
     assert evaluated and all(line.endswith("(committed earlier, skipped)") for line in evaluated), resumed.stdout
-    # the resumed rollout, its turns before and after the kill, played iteration 0's checkpoint (the schedule's)
-    scheduled = str((run / "iter_0000/checkpoint").resolve())
-    assert _manifest(run / "iter_0002/rollout/episodes")["state_in"]["checkpoint"]["path"] == scheduled
-    turns = sorted((run / "iter_0002/rollout/turns").iterdir())
-    assert len(turns) > 1 and {_manifest(t)["state_in"]["checkpoint"]["path"] for t in turns} == {scheduled}, turns
+    # every rollout and its turns played the checkpoint the schedule names: the initial one for iterations 0 and 1
+    # (iteration 1's turns before and after the kill), iteration 0's for iteration 2
+    base = str(Path(tiny_random_model_dir()).resolve())
+    for k, scheduled in enumerate((base, base, str((run / "iter_0000/checkpoint").resolve()))):
+        rollout = run / f"iter_{k:04d}/rollout"
+        played = {_manifest(t)["state_in"]["checkpoint"]["path"] for t in (rollout / "turns").iterdir()}
+        assert _manifest(rollout / "episodes")["state_in"]["checkpoint"]["path"] == scheduled and \
+            played == {scheduled}, (k, played)
     for k in range(ITERATIONS):
         for stage in ("rollout/samples", "logprobs", "rewarded", "advantaged"):
             _assert_same_rows(_table(run / f"iter_{k:04d}" / stage), _table(async_run / f"iter_{k:04d}" / stage),
