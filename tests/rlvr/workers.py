@@ -35,8 +35,3 @@ def keyword_judge_service():
 
     return generate
 
-
-def response_length_as_score(rows):
-    """Score = the response's length in characters: a reward that differs within a group for any model (the tiny
-    random one never answers a math prompt right), so GRPO's advantages are not all 0 and a step moves the policy."""
-    return [float(len(text)) for text in rows["response"]]

@@ -217,7 +217,7 @@ def _async_args(runs_dir: Path, name: str) -> list[str]:
 @pytest.fixture(scope="module")
 def async_run(tmp_path_factory, prefect_server, ray_cluster) -> Path:
     """The uninterrupted run: the command in this process (``rollflow_here``, on the session's Ray cluster and
-    Prefect server), not a child importing rollflow again; the kill test runs it as a process, three times."""
+    Prefect server), not a child importing rollflow again; the kill test runs it as a process, twice."""
     root = tmp_path_factory.mktemp("async")
     args = _async_args(root, "a")
     args[args.index(CONFIG)] = str(REPO / CONFIG)  # whatever this process's working directory
@@ -285,27 +285,32 @@ def test_rollouts_play_one_iteration_behind_and_training_weighs_the_stale_tokens
 KILL_POINTS = (
     ("iter_0001/rollout/turns/turn_000", "iter_0000/checkpoint",
      "iteration 1's rollout, played ahead, has committed its first turn while iteration 0 trains"),
-    ("iter_0001/checkpoint", "iter_0001/eval",
-     "iteration 1's training has committed while iteration 2's rollout, played ahead, plays or has just ended"),
     ("iter_0001/eval/turns/turn_000", "iter_0001/eval/samples",
-     "the evaluation after iteration 1 (which waited for iteration 2's rollout) has committed its first turn"),
+     "the evaluation after iteration 1 (which waited for iteration 2's rollout, played ahead with iteration 0's "
+     "checkpoint while iteration 1 trained) has committed its first turn"),
 )
 
 
 @pytest.mark.slow
 def test_a_run_sigkilled_at_several_points_of_the_overlap_resumes_to_the_uninterrupted_result(
         async_run, prefect_server, ray_cluster, cli_env, tmp_path):
-    """SIGKILLed whole at each point of ``KILL_POINTS`` in turn — the run, then its ``rollflow train --resume``,
-    then that one's — and resumed to the end: the in-flight rollout continues from its committed turns with the
-    checkpoint the schedule names, the evaluation from its own, and every table and weight of the three iterations
-    equals the uninterrupted run's (seeded sampling). One chain of kills, so the points cost one run and a start-up
-    each, against the module's one uninterrupted run. The first command runs as on a laptop, with its own local Ray
-    cluster and Prefect's ephemeral server, killed with it (its watchdog leaves nothing behind); the two resumes
-    join the session's Ray cluster and Prefect server (``cli_env``), as a command on a shared cluster does: the
-    kill takes the driver, Ray ends the job's engines and training workers with it, and the next resume starts
-    them again — not a Ray cluster and a Prefect server more for each kill (about 30 CPU-s each)."""
+    """SIGKILLed whole at each point of ``KILL_POINTS`` in turn — the run, then its ``rollflow train --resume`` — and
+    resumed to the end: the in-flight rollout continues from its committed turns with the checkpoint the schedule names,
+    the evaluation from its own, and every table and weight of the three iterations equals the uninterrupted run's
+    (seeded sampling). The first launch is killed before its training workers start (its engine alone); the resume
+    trains iterations 0 and 1, plays iteration 2's rollout ahead with iteration 0's checkpoint beside iteration 1's
+    training, and is killed in the evaluation of iteration 1's checkpoint; the last resume finds both and must take, for
+    each stage, the one the schedule names. (A kill between iteration 1's checkpoint and the evaluation, once a third
+    launch, resumed through the same skips as the evaluation's kill: iteration 2's rollout had ended by then in the runs
+    timed here.) One chain of kills, so the points cost one run and a start-up each, against the module's one
+    uninterrupted run. The first command runs as on a laptop, with its own local Ray cluster and Prefect's ephemeral
+    server, killed with it (its watchdog leaves nothing behind); the resume joins the session's Ray cluster and Prefect
+    server (``cli_env``), as a command on a shared cluster does: the kill takes the driver, Ray ends the job's engines
+    and training workers with it, and the last resume (in this process) starts them again — not a Ray cluster and a
+    Prefect server more for each kill (about 30 CPU-s each)."""
     import numpy as np
 
+    from stages.generation.model_store import tiny_random_model_dir
     from tests.processes import ray_jobs, sigkill_when, wait_ray_jobs_gone
     from tests.trainflow.test_train_flow import _assert_same_rows, _env, _weights
 
@@ -327,6 +332,14 @@ def test_a_run_sigkilled_at_several_points_of_the_overlap_resumes_to_the_uninter
     assert replayed and replayed[0].endswith("(committed earlier, skipped)"), logs[1].read_text()[-3000:]
     evaluated = [line for line in resumed.stdout.splitlines() if line.startswith("[eval] eval turn 0:")]
     assert evaluated and all(line.endswith("(committed earlier, skipped)") for line in evaluated), resumed.stdout
+    # every rollout and its turns played the checkpoint the schedule names: the initial one for iterations 0 and 1
+    # (iteration 1's turns before and after the kill), iteration 0's for iteration 2
+    base = str(Path(tiny_random_model_dir()).resolve())
+    for k, scheduled in enumerate((base, base, str((run / "iter_0000/checkpoint").resolve()))):
+        rollout = run / f"iter_{k:04d}/rollout"
+        played = {_manifest(t)["state_in"]["checkpoint"]["path"] for t in (rollout / "turns").iterdir()}
+        assert _manifest(rollout / "episodes")["state_in"]["checkpoint"]["path"] == scheduled and \
+            played == {scheduled}, (k, played)
     for k in range(ITERATIONS):
         for stage in ("rollout/samples", "logprobs", "rewarded", "advantaged"):
             _assert_same_rows(_table(run / f"iter_{k:04d}" / stage), _table(async_run / f"iter_{k:04d}" / stage),

@@ -1,10 +1,11 @@
-"""The RLVR training flow (``pipeline: rlvr``): its config rules, the prompt order, and a real two-step run on the
-tiny random model (HF engine, Ray Data stages, the real reward workers, DeepSpeed) that a second call resumes with
-every stage skipped."""
+"""The RLVR training flow (``pipeline: rlvr``): its config rules, the prompt order, and a real three-step run on the
+tiny random model (HF engine, Ray Data stages, the real reward workers, DeepSpeed), generating one step ahead, that
+a second call resumes with every stage skipped."""
 
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 
 import pyarrow.dataset as pads
@@ -140,12 +141,16 @@ def _read(folder: Path):
     return pads.dataset(sorted(str(p) for p in folder.glob("*.parquet")), format="parquet").to_table()
 
 
+STEPS = 3  # the run's steps: the third plays the policy after one step, one step behind
+
+
 def _tiny_run(tmp_path: Path, *sets: str) -> list[str]:
-    """``rollflow train`` arguments of a two-step RLVR run on the tiny random model (HF engine)."""
+    """``rollflow train`` arguments of a three-step RLVR run on the tiny random model (HF engine)."""
     from stages.generation.model_store import tiny_random_model_dir
 
     args = ["train", "--config", str(REPO / "configs/rlvr_train_math.yaml"), "--set", "run_name=r",
-            "--set", f"runs_dir={tmp_path}", "--set", "max_steps=2", "--set", f"pretrain={tiny_random_model_dir()}",
+            "--set", f"runs_dir={tmp_path}", "--set", f"max_steps={STEPS}",
+            "--set", f"pretrain={tiny_random_model_dir()}",
             "--set", "engine.backend=hf", "--set", "engine.options={}", "--set", "rollout_batch_size=2",
             "--set", "num_return_sequences_in_group=2",
             "--set", "generating_args.max_new_tokens=8", "--set", "train.actor_train.model_args.dtype=fp32",
@@ -159,27 +164,51 @@ def _tiny_run(tmp_path: Path, *sets: str) -> list[str]:
 VALIDATION = ("validation.eval_steps=2", "validation.prompts.limit=2")
 
 
+@dataclass(frozen=True)
+class RLVRRun:
+    """The module's one RLVR run and how it was started."""
+
+    tmp: Path  # its runs_dir (the run folder is tmp/r)
+    args: list[str]  # its ``rollflow train`` arguments
+    stdout: str  # its console
+
+
+@pytest.fixture(scope="module")
+def rlvr_run(tmp_path_factory, prefect_server, ray_cluster) -> RLVRRun:
+    """One three-step RLVR run that takes every path the two run tests check, in ROLL's order: GAE (the critic's
+    values and its training), the token-level KL reward (old and reference log-probs), validation before training
+    and after step 1, and generation one step ahead (``async_generation_ratio: 1``) with the train/infer importance
+    weight. The actor's learning rate is 0.05, so that a policy one step behind samples with other log-probs: GAE's
+    advantages (the critic's values; the tiny random model never answers a math prompt right, so every score is 0)
+    move the tiny policy. The command runs in this process (``rollflow_here``, on the session's Ray cluster and
+    Prefect server); ``rollflow`` as a process (its exit status and console) is the same entry point for both flows,
+    run as one in tests/trainflow/test_train_flow.py."""
+    tmp = tmp_path_factory.mktemp("rlvr")
+    args = _tiny_run(tmp, "adv_estimator=gae", "add_token_level_kl=true", "init_kl_coef=0.1",
+                     "logprobs.enable_reference=true", "train.critic_train.model_args.dtype=fp32",
+                     "train.critic_train.training_args.per_device_train_batch_size=2", *VALIDATION,
+                     "async_generation_ratio=1", "train.actor_train.training_args.learning_rate=0.05")
+    done = rollflow_here(*args, api_url=prefect_server.api_url)
+    assert done.exit_code == 0, done.output[-3000:]
+    return RLVRRun(tmp, args, done.stdout)
+
+
 @pytest.mark.slow
-def test_rlvr_run_with_gae_and_token_kl_end_to_end_then_resume_skips_everything(tmp_path, prefect_server, ray_cluster):
-    """One two-step run that takes both RLVR paths which need the token table's forward passes, in ROLL's order and
-    one pass: the token-level KL reward (log-probs, old under the step's policy and ref under the initial one, on
-    the step's samples before the advantages) and GAE (the critic's values — a new seeded head at step 0, the
-    trained critic at step 1 — returns = raw advantages + values on every response token, and the step trains the
-    actor and the critic). A second call resumes with every stage skipped. The run is the command in this process
-    (``rollflow_here``, on the session's Ray cluster and Prefect server); ``rollflow`` as a process (its exit status
-    and console) is the same entry point for both flows, run as one in tests/trainflow/test_train_flow.py."""
+def test_rlvr_run_with_gae_and_token_kl_end_to_end_then_resume_skips_everything(rlvr_run, prefect_server):
+    """The module's run takes both RLVR paths which need the token table's forward passes, in ROLL's order and one
+    pass: the token-level KL reward (log-probs, old under the step's policy and ref under the initial one, on the
+    step's samples before the advantages) and GAE (the critic's values — a new seeded head at step 0, the trained
+    critic after — returns = raw advantages + values on every response token, and each step trains the actor and
+    the critic). ``rollflow eval`` on a checkpoint gives the run's own validation of it, and a second call resumes
+    with every stage skipped."""
     import numpy as np
 
-    args = _tiny_run(tmp_path, "adv_estimator=gae", "add_token_level_kl=true", "init_kl_coef=0.1",
-                     "logprobs.enable_reference=true", "train.critic_train.model_args.dtype=fp32",
-                     "train.critic_train.training_args.per_device_train_batch_size=2", *VALIDATION)
-    first = rollflow_here(*args, api_url=prefect_server.api_url)
-    assert first.exit_code == 0, first.output[-3000:]
+    tmp_path, args = rlvr_run.tmp, rlvr_run.args
     run = tmp_path / "r"
     assert (run / "prompts/manifest.json").exists()
     prompts = _read(run / "prompts")
     assert prompts.num_rows == 50 and set(prompts.column("domain").to_pylist()) == {"math"}
-    for k in (0, 1):
+    for k in range(STEPS):
         step = run / f"step_{k:04d}"
         for stage in (*STAGES, "values"):
             assert (step / stage / "manifest.json").exists(), (k, stage)
@@ -216,7 +245,7 @@ def test_rlvr_run_with_gae_and_token_kl_end_to_end_then_resume_skips_everything(
     for folder in (run / "val_base", run / "step_0001/validation"):
         scored = _read(folder / "scored")
         assert scored.num_rows == 2 and set(scored.column("reward_worker").to_pylist()) == {"general_val_rule"}
-    assert not (run / "step_0000/validation").exists()
+    assert not (run / "step_0000/validation").exists() and not (run / "step_0002/validation").exists()
     validated = [m for m in metrics if m["stage"] == "validation" and m["name"] == "val/score/mean"]
     assert sorted(m["iteration"] for m in validated) == [0, 2]  # the policy after 0 and after 2 steps
     by_name = {(m["iteration"], m["name"]): m["value"] for m in metrics if m["stage"] == "validation"}
@@ -226,9 +255,9 @@ def test_rlvr_run_with_gae_and_token_kl_end_to_end_then_resume_skips_everything(
             by_name[(it, "val/score/ci95_high")]
         assert (by_name[(it, "val/score/ci95_low")], by_name[(it, "val/score/ci95_high")]) == \
             pytest.approx(wilson(2 * by_name[(it, "val/score/mean")], 2))
-    assert "val score" in first.stdout
+    assert "val score" in rlvr_run.stdout
 
-    # rollflow eval on the last checkpoint gives the run's own validation after its last step
+    # rollflow eval on step 1's checkpoint gives the run's own validation after that step
     config = args[1:]  # --config FILE --set ...
     evaluated = rollflow_here("eval", *config, "--checkpoint", str(run / "step_0001/checkpoint"), "--output",
                               str(tmp_path / "eval"), api_url=prefect_server.api_url)
@@ -242,34 +271,24 @@ def test_rlvr_run_with_gae_and_token_kl_end_to_end_then_resume_skips_everything(
     again = rollflow_here("train", "--resume", str(run), "--no-report", api_url=prefect_server.api_url)
     assert again.exit_code == 0, again.output[-3000:]
     assert {p: p.stat().st_mtime_ns for p in run.glob("step_*/*/manifest.json")} == stamps
-    assert len(stamps) == 2 * (len(STAGES) + 1)  # the values too
-
-
-ASYNC_STEPS = 3
+    assert len(stamps) == STEPS * (len(STAGES) + 1)  # the values too
 
 
 @pytest.mark.slow
-def test_rlvr_run_generating_one_step_ahead_trains_on_stale_responses_weighed_by_the_engine_log_probs(
-        tmp_path, prefect_server, ray_cluster):
-    """``async_generation_ratio: 1`` in the RLVR pipeline (issue 46): the one loop plays step k + 1's generation while
-    step k's scoring, log-probs, rewards, advantages and training run, with the policy one step behind the trained
-    one (the responses' manifest names it); every sample carries that staleness from the samples table to the one
-    training reads, and training weighs its tokens by ROLL's token-level importance weight against the engine's
-    recorded log-probs (``infer_logprobs``). The reward is the response's length (tests/rlvr/workers.py), so GRPO's
-    advantages move the tiny policy (learning rate 0.05) and a policy one step behind samples with other log-probs."""
+def test_rlvr_run_generating_one_step_ahead_trains_on_stale_responses_weighed_by_the_engine_log_probs(rlvr_run):
+    """``async_generation_ratio: 1`` in the RLVR pipeline (issue 46), on the module's run: the one loop plays step
+    k + 1's generation while step k's scoring, log-probs, values, rewards, advantages and training run, with the
+    policy one step behind the trained one (the responses' manifest names it); every sample carries that staleness
+    from the samples table to the one training reads, and training weighs its tokens by ROLL's token-level importance
+    weight against the engine's recorded log-probs (``infer_logprobs``)."""
     import numpy as np
 
     from stages.generation.model_store import tiny_random_model_dir
 
-    args = _tiny_run(tmp_path, f"max_steps={ASYNC_STEPS}", "async_generation_ratio=1", "validation.eval_steps=0",
-                     "train.actor_train.training_args.learning_rate=0.05",
-                     "rewards.routes={math: {worker: 'tests.rlvr.workers:response_length_as_score'}}")
-    done = rollflow_here(*args, api_url=prefect_server.api_url)
-    assert done.exit_code == 0, done.output[-3000:]
-    run = tmp_path / "r"
+    run = rlvr_run.tmp / "r"
     base = str(Path(tiny_random_model_dir()).resolve())
-    policy = [base] + [str((run / f"step_{k:04d}/checkpoint").resolve()) for k in range(ASYNC_STEPS)]
-    for k in range(ASYNC_STEPS):
+    policy = [base] + [str((run / f"step_{k:04d}/checkpoint").resolve()) for k in range(STEPS)]
+    for k in range(STEPS):
         step = run / f"step_{k:04d}"
         played = json.loads((step / "responses/manifest.json").read_text())["state_in"]["checkpoint"]["path"]
         trained = json.loads((step / "logprobs/manifest.json").read_text())["section"]["checkpoint"]
@@ -283,7 +302,7 @@ def test_rlvr_run_generating_one_step_ahead_trains_on_stale_responses_weighed_by
     stale = {m["iteration"]: m["value"] for m in metrics if m["name"] == "rollout/staleness"}
     assert stale == {0: 0.0, 1: 1.0, 2: 1.0} and {m["stage"] for m in metrics if m["name"] == "rollout/staleness"} \
         == {"generate"}, stale
-    assert "played with the policy 1 step behind" in done.stdout
+    assert "played with the policy 1 step behind" in rlvr_run.stdout
 
     # the weight is e^(old - infer) against the engine's log-probs the responses recorded (infer_logprobs, next-token
     # aligned, 0 off the response): float32 noise apart at step 0 (played with the trained policy), a step apart after
@@ -298,7 +317,7 @@ def test_rlvr_run_generating_one_step_ahead_trains_on_stale_responses_weighed_by
     # ... and the step's own figure of it (ROLL's train_infer_ratio_token_mean: the sequence mean of each row's token
     # mean of e^(old - infer) over the trained tokens) is that of the table it read: 1 at step 0, not at the stale steps
     ratios = []
-    for k in range(ASYNC_STEPS):
+    for k in range(STEPS):
         rows = _read(run / f"step_{k:04d}/advantaged").select(
             ["old_log_probs", "infer_logprobs", "final_response_mask"]).to_pylist()
         means = [float(np.sum(np.exp(np.subtract(r["old_log_probs"], r["infer_logprobs"])) * r["final_response_mask"])
