@@ -39,11 +39,12 @@ class Engine:
         if worker.strategy_args.torch_compile:
             compile_decoder_layers(model)
         t = worker.training_args
-        schedule = lr_lambda(t.lr_scheduler_type, t.warmup_steps, t.max_steps)
+        self.schedule = lr_lambda(t.lr_scheduler_type, t.warmup_steps, t.max_steps)
+        config = deepspeed_config(worker, dist.device.type == "cuda")
+        self.optimizer_params = config["optimizer"]["params"]
         self.engine, _, _, self.scheduler = deepspeed.initialize(
-            model=model, model_parameters=[p for p in model.parameters() if p.requires_grad],
-            config=deepspeed_config(worker, dist.device.type == "cuda"),
-            lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, schedule))
+            model=model, model_parameters=[p for p in model.parameters() if p.requires_grad], config=config,
+            lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, self.schedule))
         if self.lora:
             self.engine.module_state_dict = self._trainable_state_dict
         self.engine.train()
@@ -111,6 +112,23 @@ class Engine:
         if path is None:
             raise InvariantError(f"DeepSpeed state of the {self.role} at {folder} could not be loaded; the checkpoint "
                                  "is incomplete — resume from an earlier checkpoint")
+        self._apply_configured_hyperparameters()
+
+    def _apply_configured_hyperparameters(self) -> None:
+        """After a state is loaded, the configured optimizer settings are the truth and the saved counters carry
+        over. DeepSpeed restores the saved run's scheduler (``base_lrs``, last LR) and each param group's lr,
+        weight_decay, betas and eps; this sets the configured peak LR as every group's base, the LR to base x the
+        schedule's factor at the restored step (``last_epoch``), and the configured weight_decay, betas and eps.
+        Under the saved run's config it rewrites the same values (the same float product LambdaLR computes)."""
+        params = self.optimizer_params
+        state = self.scheduler.state_dict()
+        groups = self.engine.optimizer.param_groups  # ZeRO 0-3 wrappers expose their optimizer's groups
+        base = [float(params["lr"])] * len(groups)
+        last = [b * self.schedule(state["last_epoch"]) for b in base]
+        self.scheduler.load_state_dict({**state, "base_lrs": base, "_last_lr": last})
+        for group, b, lr in zip(groups, base, last):
+            group.update(lr=lr, initial_lr=b, weight_decay=params["weight_decay"], eps=params["eps"],
+                         betas=type(group["betas"])(params["betas"]))
 
     @property
     def partitioned(self) -> bool:

@@ -408,6 +408,26 @@ def test_engines_kept_across_steps_equal_engines_loaded_from_the_checkpoint(chai
     assert report["w1"].metrics["train/engines_kept"] == report["s2"].metrics["train/engines_kept"] == 0.0
 
 
+def test_a_resume_under_another_learning_rate_trains_at_that_rate(chain):
+    """A step from a full state (f1) under another learning rate (the chain's s2, 1e-4 where f1 used 1e-3) trains at
+    the configured rate x the schedule's factor at the saved optimizer step, not at the saved run's rate: its actor
+    LRs are 1e-4 x factor(2), x factor(3), and its actor moved otherwise than the same-rate step's (k2); the critic,
+    whose rate did not change, equals k2's."""
+    from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
+
+    cfg, path, report = chain["cfg"], chain["path"], chain["report"]
+    t = cfg.actor_train.training_args
+    factor = lr_lambda(t.lr_scheduler_type, t.warmup_steps, t.max_steps)
+    assert [s["actor/lr"] for s in report["s2"].per_step] == pytest.approx([1e-4 * factor(2), 1e-4 * factor(3)],
+                                                                           rel=1e-6)
+    assert [s["actor/lr"] for s in report["k2"].per_step] == pytest.approx([1e-3 * factor(2), 1e-3 * factor(3)],
+                                                                           rel=1e-6)
+    other, same = (AutoModelForCausalLM.from_pretrained(path[name]) for name in ("s2", "k2"))
+    assert max(float((a - b).abs().max()) for a, b in zip(other.parameters(), same.parameters())) > 1e-5
+    assert_same_weights(AutoModelForTokenClassification.from_pretrained(Path(path["s2"]) / "critic"),
+                        AutoModelForTokenClassification.from_pretrained(Path(path["k2"]) / "critic"), atol=1e-6)
+
+
 def test_a_weights_only_checkpoint_is_rebuilt_by_replay_and_trains_like_a_full_one(dist, tiny_model, table, chain,
                                                                                     tmp_path):
     """Steps that write weights and a replay record only (the chain's w1 -> w2): training from such a checkpoint
