@@ -486,8 +486,9 @@ class RunTrainConfig(TrainOptions, StepSettings):
 @dataclass(frozen=True)
 class PassOptions:
     """How a log-prob or values pass runs, one value made from its section (:meth:`ForwardConfig.pass_options`) and
-    handed whole to whatever runs the pass (a forward actor, a kept forward worker, a rank of the actor group; pickled
-    through Ray). Each gives the same values up to float rounding, so none is part of a stage's fingerprint.
+    handed whole to the ranks of the actor group that run the pass (the run's training workers, a run's forward
+    group, or a one-request group of a stage run alone; pickled through Ray). Each gives the same values up to float
+    rounding, so none is part of a stage's fingerprint.
 
     ``packed``: micro-batches of at most the token budget of real tokens, run as one row without padding
     (``use_sequence_packing``); ``attention``: ``attn_implementation`` as written (auto, sdpa, fa2: ``auto`` is

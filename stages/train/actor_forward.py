@@ -15,7 +15,7 @@ a model loaded beside holds them whole), so the fused output layer needs no ZeRO
 
 Each data-parallel rank takes a contiguous slice of the rows (rank r of W: rows ``n r / W`` to ``n (r + 1) / W``),
 runs it in batches of ``rows_per_batch`` rows with the token budget of the log-prob stage
-(:func:`stages.train.forward.forward_batch`, the same code as the forward actors), and writes its rows, in order, as
+(:func:`stages.train.forward.forward_batch`, the same code as an in-process pass), and writes its rows, in order, as
 ``part-<rank>.parquet`` into the request's folder; the stage reads the parts in rank order, which is row order.
 """
 

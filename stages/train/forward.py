@@ -135,8 +135,7 @@ def forward_batch(models: list, jobs: list, batch: pa.Table, max_tokens: int, ou
     model; ragged in, ragged out; row order kept), checked against ``spec``; the batch's counters are recorded beside
     ``output`` (:func:`stages.runner.write_partials`). Every pass (the LoRA base pass too) runs under ``options``, as
     :func:`forward_rows`; with ``options.fused`` the counter ``fused_micro_batches`` counts the fused log-prob
-    micro-batches. The forward actors and the actor group's ranks (stages/train/actor_forward.py) run every batch
-    through it."""
+    micro-batches. Every rank of an actor group (stages/train/actor_forward.py) runs each batch through it."""
     cpu_start = time.process_time()
     rows = TokenRows.from_arrow(batch, where, columns=())
     counters = {"tokens": 0.0, "padded_tokens": 0.0, "seconds": 0.0, "rows": float(batch.num_rows)}
