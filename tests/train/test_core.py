@@ -423,7 +423,8 @@ def test_a_resume_under_another_learning_rate_trains_at_that_rate(chain):
     assert [s["actor/lr"] for s in report["k2"].per_step] == pytest.approx([1e-3 * factor(2), 1e-3 * factor(3)],
                                                                            rel=1e-6)
     other, same = (AutoModelForCausalLM.from_pretrained(path[name]) for name in ("s2", "k2"))
-    assert max(float((a - b).abs().max()) for a, b in zip(other.parameters(), same.parameters())) > 1e-5
+    with torch.no_grad():
+        assert max(float((a - b).abs().max()) for a, b in zip(other.parameters(), same.parameters())) > 1e-5
     assert_same_weights(AutoModelForTokenClassification.from_pretrained(Path(path["s2"]) / "critic"),
                         AutoModelForTokenClassification.from_pretrained(Path(path["k2"]) / "critic"), atol=1e-6)
 
