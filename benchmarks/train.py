@@ -46,13 +46,12 @@ def bare_loop(table: pa.Table, model_dir: str, cfg, threads: int) -> tuple[int, 
     import torch
 
     from stages.train.batching import batching_policy, pad_micro_batch, plan_step
-    from stages.train.distributed import init_distributed
+    from stages.train.distributed import import_deepspeed, init_distributed
     from stages.train.engine_config import deepspeed_config
     from stages.train.models import load_actor_model
     from stages.train.train_table import rows_of_table
 
-    import deepspeed
-
+    deepspeed = import_deepspeed()
     dist = init_distributed(threads)
     model = load_actor_model(model_dir)
     engine, *_ = deepspeed.initialize(model=model, model_parameters=list(model.parameters()),

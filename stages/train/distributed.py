@@ -2,14 +2,17 @@
 set up (or a world of one), this rank's place in it, and gathering a value from every rank. No Ray import.
 
 Process-wide settings (threads, DeepSpeed's accelerator and comm op) are set in :func:`init_distributed`, once.
+DeepSpeed is imported through :func:`import_deepspeed` only (without the MLflow its autotuner would load).
 """
 
 from __future__ import annotations
 
 import os
 import re
+import sys
 from dataclasses import dataclass
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import torch
@@ -47,9 +50,7 @@ def init_distributed(threads: int | None = None) -> DistInfo:
         for key, value in defaults.items():
             os.environ.setdefault(key, value)
         os.environ.setdefault("MASTER_PORT", str(free_port()))
-    import deepspeed
-    import deepspeed.ops
-
+    deepspeed = import_deepspeed()
     if not on_gpu:
         no_shm_comm_op(deepspeed.ops)
     deepspeed.init_distributed(dist_backend="nccl" if on_gpu else "gloo")
@@ -58,6 +59,34 @@ def init_distributed(threads: int | None = None) -> DistInfo:
     if on_gpu:
         torch.cuda.set_device(device)
     return DistInfo(torch.distributed.get_rank(), torch.distributed.get_world_size(), local_rank, device)
+
+
+# what DeepSpeed's import must not load, because only the parts of it that we never run use it
+NOT_FOR_DEEPSPEED = ("mlflow",)
+
+
+def import_deepspeed() -> ModuleType:
+    """``deepspeed`` (with ``deepspeed.ops``), imported without MLflow: every use of DeepSpeed goes through here.
+
+    ``import deepspeed`` reaches ``deepspeed.autotuning.autotuner`` (through ``runtime.config``), which tries
+    ``import mlflow`` at module level to log the experiments of DeepSpeed's autotuner (the ``deepspeed --autotuning``
+    launcher, which rollflow never runs; ``has_mlflow`` is read nowhere else in DeepSpeed 0.19). With mlflow-skinny
+    installed for our MLflow tracker that costs 1.1-1.6 CPU-s in every training process. For the length of the import
+    ``sys.modules["mlflow"]`` is None, so that ``import mlflow`` raises ImportError (the import system's documented
+    way to block a module), which the autotuner catches; afterwards ``sys.modules`` holds exactly what it held, so
+    a later ``import mlflow`` in this process (stages/trackers.py's MLflow tracker) loads it in full. Where mlflow
+    is already loaded, or deepspeed is, nothing is blocked. Not for threads that import mlflow meanwhile."""
+    blocked = [] if "deepspeed" in sys.modules else [name for name in NOT_FOR_DEEPSPEED if name not in sys.modules]
+    for name in blocked:
+        sys.modules[name] = None  # type: ignore[assignment]
+    try:
+        import deepspeed
+        import deepspeed.ops
+    finally:
+        for name in blocked:
+            if sys.modules.get(name, 0) is None:
+                del sys.modules[name]
+    return deepspeed
 
 
 def no_shm_comm_op(ops: Any) -> None:

@@ -1,6 +1,7 @@
 """One trained model under a DeepSpeed engine (:class:`Engine`): the actor (causal LM) or the critic (one-label token
 head), with its forward, backward and optimizer step, its resumable DeepSpeed state and its whole weights (gathered
-from the ranks under ZeRO-3, merged with LoRA). No Ray import; DeepSpeed is imported by the functions that use it."""
+from the ranks under ZeRO-3, merged with LoRA). No Ray import; DeepSpeed is imported by the functions that use it
+(through :func:`stages.train.distributed.import_deepspeed`)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from schemas.train_config import WorkerTrainConfig
 from stages.train import lora
 from stages.train.batching import (MicroBatch, TokenHidden, TokenLogits, causal_lm_logits, forward_packed, select_hidden,
                                    select_logits)
-from stages.train.distributed import DistInfo
+from stages.train.distributed import DistInfo, import_deepspeed
 from stages.train.engine_config import deepspeed_config, lr_lambda
 from stages.train.models import compile_decoder_layers
 from stages.train.packed_attention import attention_for, set_attention
@@ -26,8 +27,7 @@ class Engine:
     """One trained model under a DeepSpeed engine: the actor (causal LM) or the critic (one-label token head)."""
 
     def __init__(self, model: torch.nn.Module, worker: WorkerTrainConfig, dist: DistInfo, role: str):
-        import deepspeed
-
+        deepspeed = import_deepspeed()
         self.role, self.worker, self.dist = role, worker, dist
         self.lora = lora.is_lora(model)
         set_attention(model, attention_for(worker.model_args.attn_implementation, worker.use_sequence_packing,
@@ -168,8 +168,7 @@ def gathered_state_dict(module: torch.nn.Module, keep: bool) -> dict[str, torch.
     that at most one layer is whole on a rank at once; every rank calls it, the one with ``keep`` gets the CPU
     copies (under the names of ``module.state_dict()``; a tied weight is one tensor under both names), the others
     None. DeepSpeed's ``GatheredParameters`` without a modifier rank: read-only, nothing is scattered back."""
-    import deepspeed
-
+    deepspeed = import_deepspeed()
     out: dict[str, torch.Tensor] | None = {} if keep else None
     copies: dict[int, torch.Tensor] = {}
     for prefix, sub in module.named_modules():

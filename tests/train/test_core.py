@@ -5,6 +5,8 @@ so micro-batching, gradient accumulation and the global normalisers are tested b
 
 import json
 import math
+import os
+import subprocess
 import sys
 import types
 from pathlib import Path
@@ -130,6 +132,31 @@ def test_the_shm_comm_op_is_turned_off_without_probing_every_op():
     probed.__compatible_ops__ = {"deepspeed_shm_comm": True, "cpu_adam": True}
     no_shm_comm_op(probed)
     assert probed.__compatible_ops__ == {"deepspeed_shm_comm": False, "cpu_adam": True}
+
+
+DEEPSPEED_WITHOUT_MLFLOW = """
+import importlib.util, sys
+from stages.train.distributed import import_deepspeed
+import_deepspeed()
+assert "deepspeed.autotuning.autotuner" in sys.modules, "DeepSpeed no longer imports its autotuner: update the test"
+loaded = sorted(name for name in sys.modules if name.split(".")[0] == "mlflow")
+assert not loaded, f"importing DeepSpeed loaded {loaded[:5]}: see stages.train.distributed.import_deepspeed"
+assert not sys.modules["deepspeed.autotuning.autotuner"].has_mlflow, "DeepSpeed's autotuner imported mlflow"
+assert importlib.util.find_spec("mlflow") is not None  # the tracker's check (stages.trackers._require)
+from mlflow import MlflowClient
+from mlflow.entities import Metric, Param
+print("mlflow", sys.modules["mlflow"].__version__)
+"""
+
+
+def test_deepspeed_is_imported_without_mlflow_and_mlflow_still_imports_after():
+    """In a fresh process (this one may hold either already): our one import of DeepSpeed loads no MLflow (its
+    autotuner's ``try: import mlflow``, 1.1-1.6 CPU-s per training process), and leaves nothing behind that stops
+    the MLflow tracker's imports later in the same process."""
+    done = subprocess.run([sys.executable, "-c", DEEPSPEED_WITHOUT_MLFLOW], capture_output=True, text=True,
+                          cwd=Path(__file__).resolve().parents[2], env={**os.environ, "DS_ACCELERATOR": "cpu"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.startswith("mlflow "), done.stdout
 
 
 @pytest.mark.parametrize("attn_implementation", ["auto", "fa2"])
