@@ -7,9 +7,12 @@ DeepSpeed is imported through :func:`import_deepspeed` only (without the MLflow 
 
 from __future__ import annotations
 
+import functools
+import importlib
 import os
 import re
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
@@ -75,7 +78,10 @@ def import_deepspeed() -> ModuleType:
     ``sys.modules["mlflow"]`` is None, so that ``import mlflow`` raises ImportError (the import system's documented
     way to block a module), which the autotuner catches; afterwards ``sys.modules`` holds exactly what it held, so
     a later ``import mlflow`` in this process (stages/trackers.py's MLflow tracker) loads it in full. Where mlflow
-    is already loaded, or deepspeed is, nothing is blocked. Not for threads that import mlflow meanwhile."""
+    is already loaded, or deepspeed is, nothing is blocked. Not for threads that import mlflow meanwhile.
+
+    Its Muon optimizer's module is imported here too, with its kernels compiled on first call (:func:`import_muon`),
+    because ZeRO's optimizer check imports it whatever the optimizer."""
     blocked = [] if "deepspeed" in sys.modules else [name for name in NOT_FOR_DEEPSPEED if name not in sys.modules]
     for name in blocked:
         sys.modules[name] = None  # type: ignore[assignment]
@@ -86,7 +92,44 @@ def import_deepspeed() -> ModuleType:
         for name in blocked:
             if sys.modules.get(name, 0) is None:
                 del sys.modules[name]
+    import_muon()
     return deepspeed
+
+
+MUON = "deepspeed.runtime.zero.muon.muon_optimizer"  # and the module it wraps, .original_muon
+
+
+def import_muon() -> None:
+    """DeepSpeed's Muon optimizer module, its ``@compiler.compile()`` kernels made lazy: compiled on first call.
+
+    ZeRO's optimizer check (``is_zero_supported_optimizer``, every ZeRO stage) and the ZeRO-1/2 gradient reduction
+    import this module whatever the optimizer (ours is AdamW: engine_config.py). Its three kernels are decorated
+    ``torch.compile(fn)`` at module level, and building that wrapper imports ``torch._inductor`` and Dynamo's repro
+    tools: 1.1 CPU-s per training process, to compile nothing. For the length of this import ``compiler.compile``
+    (``deepspeed.runtime.compiler``, read by the decorators only) gives :func:`compile_on_first_call`, so a Muon run
+    compiles the same functions with the same default options at its first call; then it is restored."""
+    if MUON in sys.modules:
+        return
+    compiler = importlib.import_module("deepspeed.runtime.compiler")
+    eager = compiler.compile
+    compiler.compile = lambda: compile_on_first_call
+    try:
+        importlib.import_module(MUON)
+    finally:
+        compiler.compile = eager
+
+
+def compile_on_first_call(fn: Callable) -> Callable:
+    """``torch.compile(fn)``, made when the returned function is first called rather than now."""
+    compiled: list[Callable] = []
+
+    @functools.wraps(fn)
+    def first_call_compiles(*args, **kwargs):
+        if not compiled:
+            compiled.append(torch.compile(fn))
+        return compiled[0](*args, **kwargs)
+
+    return first_call_compiles
 
 
 def no_shm_comm_op(ops: Any) -> None:

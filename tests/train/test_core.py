@@ -24,7 +24,7 @@ from schemas.train_config import TrainSection, TrainStepConfig
 from stages.train.batching import TokenRows, batching_policy, pad_micro_batch, plan_step
 from stages.train.checkpoint import check_complete, check_trainable, read_checkpoint
 from stages.train.core import run_training, train_and_save
-from stages.train.distributed import no_shm_comm_op
+from stages.train.distributed import compile_on_first_call, no_shm_comm_op
 from stages.train.engine import Engine
 from stages.train.engine_config import lr_lambda
 from stages.train.forward import forward_rows
@@ -142,6 +142,9 @@ assert "deepspeed.autotuning.autotuner" in sys.modules, "DeepSpeed no longer imp
 loaded = sorted(name for name in sys.modules if name.split(".")[0] == "mlflow")
 assert not loaded, f"importing DeepSpeed loaded {loaded[:5]}: see stages.train.distributed.import_deepspeed"
 assert not sys.modules["deepspeed.autotuning.autotuner"].has_mlflow, "DeepSpeed's autotuner imported mlflow"
+assert "deepspeed.runtime.zero.muon.original_muon" in sys.modules  # imported by ZeRO's optimizer check
+assert "torch._inductor.compile_fx" not in sys.modules, "Muon's kernels were compiled at import: see import_muon"
+assert sys.modules["deepspeed.runtime.compiler"].compile() is __import__("torch").compile
 assert importlib.util.find_spec("mlflow") is not None  # the tracker's check (stages.trackers._require)
 from mlflow import MlflowClient
 from mlflow.entities import Metric, Param
@@ -152,11 +155,31 @@ print("mlflow", sys.modules["mlflow"].__version__)
 def test_deepspeed_is_imported_without_mlflow_and_mlflow_still_imports_after():
     """In a fresh process (this one may hold either already): our one import of DeepSpeed loads no MLflow (its
     autotuner's ``try: import mlflow``, 1.1-1.6 CPU-s per training process), and leaves nothing behind that stops
-    the MLflow tracker's imports later in the same process."""
+    the MLflow tracker's imports later in the same process; its Muon module is loaded without torch's inductor
+    (1.1 CPU-s) and DeepSpeed's ``compiler.compile`` is torch's again after."""
     done = subprocess.run([sys.executable, "-c", DEEPSPEED_WITHOUT_MLFLOW], capture_output=True, text=True,
                           cwd=Path(__file__).resolve().parents[2], env={**os.environ, "DS_ACCELERATOR": "cpu"})
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.startswith("mlflow "), done.stdout
+
+
+def test_compile_on_first_call_compiles_once_at_the_first_call(monkeypatch):
+    """Muon's kernels (stages.train.distributed.import_muon): torch.compile of the function itself, made at the first
+    call and reused; the result is the compiled function's."""
+    made = []
+
+    def fake_compile(fn):
+        made.append(fn)
+        return lambda x: ("compiled", fn(x))
+
+    def double(x):
+        return 2 * x
+
+    monkeypatch.setattr(torch, "compile", fake_compile)
+    lazy = compile_on_first_call(double)
+    assert not made and lazy.__wrapped__ is double and lazy.__name__ == "double"
+    assert lazy(3) == ("compiled", 6) and lazy(4) == ("compiled", 8)
+    assert made == [double]
 
 
 @pytest.mark.parametrize("attn_implementation", ["auto", "fa2"])
