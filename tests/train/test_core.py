@@ -148,6 +148,9 @@ assert sys.modules["deepspeed.runtime.compiler"].compile() is __import__("torch"
 assert importlib.util.find_spec("mlflow") is not None  # the tracker's check (stages.trackers._require)
 from mlflow import MlflowClient
 from mlflow.entities import Metric, Param
+import torch
+from stages.train.lora import is_lora
+assert not is_lora(torch.nn.Linear(2, 2)) and "peft" not in sys.modules, "is_lora imported peft for a plain model"
 print("mlflow", sys.modules["mlflow"].__version__)
 """
 
@@ -156,7 +159,8 @@ def test_deepspeed_is_imported_without_mlflow_and_mlflow_still_imports_after():
     """In a fresh process (this one may hold either already): our one import of DeepSpeed loads no MLflow (its
     autotuner's ``try: import mlflow``, 1.1-1.6 CPU-s per training process), and leaves nothing behind that stops
     the MLflow tracker's imports later in the same process; its Muon module is loaded without torch's inductor
-    (1.1 CPU-s) and DeepSpeed's ``compiler.compile`` is torch's again after."""
+    (1.1 CPU-s) and DeepSpeed's ``compiler.compile`` is torch's again after; a model without LoRA is told apart
+    without importing peft (the LoRA tests check a peft model)."""
     done = subprocess.run([sys.executable, "-c", DEEPSPEED_WITHOUT_MLFLOW], capture_output=True, text=True,
                           cwd=Path(__file__).resolve().parents[2], env={**os.environ, "DS_ACCELERATOR": "cpu"})
     assert done.returncode == 0, done.stderr[-3000:]
