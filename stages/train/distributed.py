@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import importlib.util
 import os
 import re
 import sys
@@ -107,11 +108,14 @@ def import_muon() -> None:
     ``torch.compile(fn)`` at module level, and building that wrapper imports ``torch._inductor`` and Dynamo's repro
     tools: 1.1 CPU-s per training process, to compile nothing. For the length of this import ``compiler.compile``
     (``deepspeed.runtime.compiler``, read by the decorators only) gives :func:`compile_on_first_call`, so a Muon run
-    compiles the same functions with the same default options at its first call; then it is restored."""
-    if MUON in sys.modules:
+    compiles the same functions with the same default options at its first call; then it is restored. A DeepSpeed
+    without that module or that decorator (another version than the lock's) is left as it is: only the saving goes."""
+    if MUON in sys.modules or importlib.util.find_spec(MUON) is None:
         return
     compiler = importlib.import_module("deepspeed.runtime.compiler")
-    eager = compiler.compile
+    eager = getattr(compiler, "compile", None)
+    if eager is None:
+        return
     compiler.compile = lambda: compile_on_first_call
     try:
         importlib.import_module(MUON)
