@@ -34,16 +34,21 @@ CASES = {
 }
 # one interpreter for every case: the command line imported once (it must load no heavy library itself), then per
 # case a forked process with its stderr in a file of its own runs ``rollflow ARGV`` as the console script would (an
-# uncaught error printed with its traceback, SystemExit's code as the exit status) and lists the heavy modules loaded
+# uncaught error printed with its traceback, SystemExit's code as the exit status) and lists the heavy modules loaded.
+# The modules a case's process imported without loading a heavy library are imported by the interpreter before the
+# next fork (a module's import runs the same in either; the commands import theirs on first use, most of a case's
+# time), so each case still starts from what its command imports and nothing heavy.
 _CHILD = """
-import json, os, sys, traceback
+import importlib, json, os, sys, traceback
 heavy, cases, folder = json.loads(sys.argv[1]), json.loads(sys.argv[2]), sys.argv[3]
 from flows.cli import main
 print("IMPORTED " + json.dumps([m for m in heavy if m in sys.modules]))
 for name, argv in cases.items():
     sys.stdout.flush()
+    modules, done = os.pipe()
     pid = os.fork()
     if pid == 0:
+        os.close(modules)
         err = os.open(os.path.join(folder, name + ".stderr"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
         os.dup2(err, 2)
         code = 1
@@ -51,18 +56,30 @@ for name, argv in cases.items():
             sys.argv = ["rollflow", *argv]
             main()
             code = 0
-        except SystemExit as done:
-            code = done.code if isinstance(done.code, int) else (0 if done.code is None else 1)
-            if not isinstance(done.code, (int, type(None))):
-                print(done.code, file=sys.stderr)
+        except SystemExit as exit:
+            code = exit.code if isinstance(exit.code, int) else (0 if exit.code is None else 1)
+            if not isinstance(exit.code, (int, type(None))):
+                print(exit.code, file=sys.stderr)
         except BaseException:
             traceback.print_exc()
         finally:
-            print("LOADED " + json.dumps([m for m in heavy if m in sys.modules]), file=sys.stderr)
+            loaded = [m for m in heavy if m in sys.modules]
+            print("LOADED " + json.dumps(loaded), file=sys.stderr)
             sys.stdout.flush()
             sys.stderr.flush()
+            with os.fdopen(done, "w") as pipe:
+                pipe.write(json.dumps([] if loaded else [m for m in sys.modules if not m.startswith("__")]))
             os._exit(code)
+    os.close(done)
+    with os.fdopen(modules) as pipe:
+        imported = json.loads(pipe.read() or "[]")
     status = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+    for module in imported:
+        if module not in sys.modules:
+            try:
+                importlib.import_module(module)
+            except Exception:
+                pass  # a name a package puts in sys.modules by hand: its package made it
     print("\\nEXIT " + json.dumps([name, status]))  # on a line of its own after what the case printed
 """
 
