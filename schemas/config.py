@@ -339,9 +339,9 @@ def section(config: BaseModel, model: type[S]) -> S:
 M = TypeVar("M", bound=BaseModel)
 
 
-class _UniqueKeyLoader(yaml.SafeLoader):
-    """PyYAML's safe loader, except that a key written twice in one mapping is an error (PyYAML keeps the last one
-    silently, so the first value a user reads in the file is not the one the run uses)."""
+class _UniqueKeys:
+    """A key written twice in one mapping is an error (PyYAML keeps the last one silently, so the first value a user
+    reads in the file is not the one the run uses): mixed into a safe loader."""
 
     def construct_mapping(self, node, deep=False):
         if isinstance(node, yaml.MappingNode):
@@ -359,8 +359,21 @@ class _UniqueKeyLoader(yaml.SafeLoader):
         return super().construct_mapping(node, deep=deep)
 
 
+class _UniqueKeyLoader(_UniqueKeys, yaml.SafeLoader):
+    """PyYAML's safe loader (pure Python) with unique keys: its errors name the offending character and show the
+    line."""
+
+
+class _FastUniqueKeyLoader(_UniqueKeys, getattr(yaml, "CSafeLoader", yaml.SafeLoader)):
+    """The same on libyaml's parser (the same constructor and resolver, so the same values), about 9 times faster: a
+    shipped config parses in under 1 ms instead of 7 ms, and the commands and tests load configs thousands of times."""
+
+
 def _yaml(text: str) -> Any:
-    return yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506 (a SafeLoader)
+    try:
+        return yaml.load(text, Loader=_FastUniqueKeyLoader)  # noqa: S506 (a SafeLoader)
+    except yaml.YAMLError:  # the pure-Python parser's error, as the user has always read it
+        return yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506 (a SafeLoader)
 
 
 def _set_dotted(data: dict, dotted: str, value: Any) -> None:

@@ -53,7 +53,9 @@ def _iteration(log: MetricsLog, k: int, stages=("rollout", "logprobs", "advantag
 
 @pytest.fixture(scope="module")
 def mlflow_server(tmp_path_factory):
-    """A local MLflow tracking server (SQLite store) on a free port of 127.0.0.1, stopped after the module."""
+    """A local MLflow tracking server (SQLite store) on a free port of 127.0.0.1, stopped after the module; without
+    the job runner MLflow 3 starts beside it (its own processes, importing MLflow again, for GenAI jobs and trace
+    roll-ups, which no tracker here uses)."""
     folder = tmp_path_factory.mktemp("mlflow_server")
     port = free_port()
     server = subprocess.Popen([os.path.join(os.path.dirname(sys.executable), "mlflow"), "server", "--host",
@@ -61,6 +63,7 @@ def mlflow_server(tmp_path_factory):
                                "--backend-store-uri", f"sqlite:///{folder}/mlflow.db",
                                "--default-artifact-root", str(folder / "artifacts")],
                               stdout=open(folder / "server.log", "wb"), stderr=subprocess.STDOUT,
+                              env={**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"},
                               start_new_session=True)
     uri = f"http://127.0.0.1:{port}"
     try:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import inspect
 import json
+import shutil
 import types
 import typing
 from pathlib import Path
@@ -332,11 +333,15 @@ def _check_value(name: str, value, path: str, base: dict, chain, current) -> Non
 def rlvr_chain(tmp_path_factory, ray_cluster):
     """Runs ``rollflow score --advantages``'s stages (flows/rlvr.py score_responses) on 24 answers to 6 shipped math
     prompts (4 each; correct, wrong and garbage) under a config of RLVR_BASE plus the given options: the output
-    columns, or the ConfigError."""
+    columns, or the ConfigError. The reward workers' and the token table's outputs of the first run are copied into
+    each later run's folder: the runner skips them, as a resumed run does, where their fingerprint (the routes, the
+    responses) is the same, and runs them again where an option changed it; the options varied here are read by the
+    response-rewards and advantages stages, which run for every config (a new actor pool of reward workers per run
+    would cost a process start each)."""
     from flows.rlvr import score_responses
     from stages.rlvr.example import RLVRExampleSpec, write_rlvr_example
 
-    root, done = tmp_path_factory.mktemp("rlvr-options"), {}
+    root, done, first = tmp_path_factory.mktemp("rlvr-options"), {}, []
     responses = str(root / "responses")
     write_rlvr_example(RLVRExampleSpec(domains=("math",), n=4, limit=6, seed=3), responses)
     lengths = sorted(len(ids) for ids in read_table(responses, ["response_ids"]).column("response_ids").to_pylist())
@@ -353,7 +358,10 @@ def rlvr_chain(tmp_path_factory, ray_cluster):
                 done[key] = err
             else:
                 out = root / f"run{len(done)}"
+                for name in ("scored", "samples") if first else ():
+                    shutil.copytree(first[0] / name, out / name)
                 score_responses(responses, str(out), cfg, advantages=True)
+                first[:] = first or [out]
                 done[key] = _outputs(out)
         return done[key]
 
