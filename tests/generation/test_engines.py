@@ -23,6 +23,7 @@ from stages.generation.engines import (
     load_tokenizer,
     sample_seed,
 )
+from stages.generation.vllm_backend import compile_stance
 from stages.generation.hf_backend import filter_logits
 
 
@@ -68,6 +69,15 @@ def test_vllm_engine_kwargs_are_checked_against_vllm_without_importing_it() -> N
     with pytest.raises(ConfigError, match="engine.options.engine_kwargs is 4, .* write a mapping"):
         check_engine_options("vllm", {"engine_kwargs": 4}, "engine.options")
     assert "vllm.engine.arg_utils" not in sys.modules or "vllm" in sys.modules  # read from source, not imported
+
+
+def test_compile_stance_runs_torch_compile_functions_eagerly() -> None:
+    """The stance an eager CPU vLLM engine generates under (vLLM's compiled rank count runs uncompiled there)."""
+    probe = torch.compile(lambda x: x + int(torch.compiler.is_compiling()), backend="eager")
+    with compile_stance(True):
+        assert probe(torch.zeros(1)).item() == 0
+    with compile_stance(False):
+        assert probe(torch.zeros(1)).item() == 1  # compiled: the probe sees the compiler
 
 
 @pytest.mark.parametrize("bad", [dict(temperature=-0.1), dict(top_p=0.0), dict(top_p=1.5), dict(max_new_tokens=0),
