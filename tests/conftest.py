@@ -14,9 +14,11 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import json
 import logging
 import os
 import shutil
+import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,6 +39,17 @@ os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 # own default stays libgomp's: a run alone generates faster with it). Children and their Ray workers inherit it.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")
+# The tests' Prefect servers (the shared one, the ephemeral ones of the workers and of the `rollflow` children, which
+# inherit this environment) without the loop services no test uses: automations (triggers), the events feed (event
+# persister, and so its vacuum), late-run marking, worker-pool health (foreman), pause expiry, the clean-up of
+# cancelled runs' children and the work pools' clean-up queue (rollflow marks its own runs Cancelled,
+# flows/interrupt.py, and serves its deployments without a work pool). Kept: the scheduler (the scheduled deployments
+# of tests/flows/test_serving.py and tests/scenarios), the task-run recorder (the tests read task runs) and the
+# repossessor (the deployments' concurrency leases). Idle, a `prefect server` used 1.02 CPU-s a minute with them and
+# 0.80 without, an ephemeral one 0.83 and 0.72 (benchmarks/idle_cpu.py, 2 cores). A user's keeps Prefect's defaults.
+for _service in ("TRIGGERS", "EVENT_PERSISTER", "LATE_RUNS", "FOREMAN", "PAUSE_EXPIRATIONS", "CANCELLATION_CLEANUP",
+                 "CLEANUP_RECONCILER"):
+    os.environ.setdefault(f"PREFECT_SERVER_SERVICES_{_service}_ENABLED", "false")
 
 logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
 import prefect.main  # noqa: E402,F401  (runs Prefect's setup_logging() now, outside any CliRunner call)
@@ -233,14 +246,41 @@ def _flows_on_the_shared_server(request):
 @pytest.fixture(autouse=True)
 def _ephemeral_prefect(request):
     """A test marked ``ephemeral_prefect`` (the ephemeral mode's own, tests/spine/test_flow.py) runs its flows in
-    Prefect's ephemeral mode, whatever :func:`_flows_on_the_shared_server` set."""
-    if request.node.get_closest_marker("ephemeral_prefect") is None:
-        yield
-        return
+    Prefect's ephemeral mode, whatever :func:`_flows_on_the_shared_server` set; under pytest-xdist, the ephemeral
+    server those tests started is stopped when their module ends (:func:`_stop_ephemeral_server`). Any other test
+    under pytest-xdist reports the flows it runs in its own process to the shared server once that is up, also
+    before this worker's Ray cluster is (a test's toy flow): Prefect would start an ephemeral server in the worker
+    for it, one that lives as long as the worker; one a flow started before the shared server was up is stopped."""
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
+    shared = getattr(request.config, "workerinput", {}).get(_SHARED_DIR)
+    if request.node.get_closest_marker("ephemeral_prefect") is None:
+        record = Path(shared, _SERVER_FILE) if shared else None
+        if record is None or not record.exists():
+            yield
+            return
+        _stop_ephemeral_server()
+        with temporary_settings(updates={PREFECT_API_URL: json.loads(record.read_text())["api_url"]}):
+            yield
+        return
     with temporary_settings(restore_defaults={PREFECT_API_URL}):
         yield
+    if shared:
+        request.node.getparent(pytest.Module).addfinalizer(_stop_ephemeral_server)
+
+
+def _stop_ephemeral_server() -> None:
+    """Stop this process's ephemeral Prefect server if it runs (idle, 0.7-0.8 CPU-s a minute until the worker
+    ends), after Prefect's workers sent it their events and logs; a later flow in ephemeral mode starts a new one."""
+    server_module = sys.modules.get("prefect.server.api.server")  # not imported: no ephemeral server was started
+    if server_module is None or not server_module.SubprocessASGIServer().running:
+        return
+    from prefect.events.worker import EventsWorker
+    from prefect.logging.handlers import APILogWorker
+
+    EventsWorker.drain_all(timeout=10, at_exit=False)
+    APILogWorker.drain_all(timeout=10, at_exit=False)
+    server_module.SubprocessASGIServer().stop()
 
 
 # ---- running on several workers (pytest-xdist; `make test` runs `-n 2 --dist loadgroup`) ----------------------------
