@@ -8,6 +8,8 @@ scaled to a minute, by kind (benchmarks/suite_cpu.py's kinds and command lines).
     python benchmarks/idle_cpu.py prefect          # flows.serving.start_server, the tests' shared server
     python benchmarks/idle_cpu.py ephemeral        # a flow run in Prefect's ephemeral mode, its server kept
 
+The last line: ``RESULT what=... idle_cpu_s_per_min=... processes=...``.
+
 The machine should be otherwise idle: run it under the heavy lock.
 """
 
@@ -65,13 +67,16 @@ def start_prefect() -> object:
     return start_server("127.0.0.1", free_port(), tempfile.mkdtemp(prefix="idle-prefect-"), timeout_s=300)
 
 
-def start_ephemeral() -> None:
+def start_ephemeral() -> object:
     """One flow run in Prefect's ephemeral mode (its server subprocess stays up with this process)."""
     os.environ["PREFECT_HOME"] = tempfile.mkdtemp(prefix="idle-ephemeral-")
     os.environ.pop("PREFECT_API_URL", None)
     from prefect import flow
 
     flow(lambda: 1, name="idle-probe")()
+    from prefect.server.api.server import SubprocessASGIServer
+
+    return SubprocessASGIServer()  # the server the flow started (one per port): its stop() before the RESULT line
 
 
 def main() -> None:
@@ -94,6 +99,7 @@ def main() -> None:
     print(f"{total:9.2f}  total")
     if handle is not None:
         handle.stop()
+    print(f"RESULT what={args.what} idle_cpu_s_per_min={total:.2f} processes={len(rows)}")
 
 
 if __name__ == "__main__":
