@@ -54,7 +54,7 @@ COMMAND_KINDS = [
     ("monitor.py", "Ray daemons"), ("ray.util.client", "Ray daemons"),
     ("ray start", "Ray daemons"), ("prefect server", "Prefect servers"), ("uvicorn", "Prefect servers"),
     ("pytest", "pytest processes"), ("flows.cli", "rollflow commands"), ("bin/rollflow", "rollflow commands"),
-    ("multiprocessing.spawn", "spawned subprocesses (vLLM's engine cores)"),
+    ("multiprocessing.spawn", "spawned subprocesses (Prefect's served flow runs; vLLM engine cores out of process)"),
 ]
 
 
