@@ -228,7 +228,7 @@ def async_run(tmp_path_factory, cli_env) -> Path:
     equality of its tables and weights with these is also the equality of a two-node run with a local one, rollouts,
     log-probs, advantages and weights, which test_train_flow.py's S3 kill checked against its two-node run before the
     two kills became one chain (the cluster and the child's start-up cost about 30 CPU-s more than this run in the
-    test's process, 80-86 against 51-55; the kill and resume of its own cost 94-127). The cluster is stopped, its
+    test's process, 64-86 against 47-55; the kill and resume of its own cost 83-127). The cluster is stopped, its
     processes alone, as soon as the run ends."""
     root = tmp_path_factory.mktemp("async")
     args = _async_args(root, "a")

@@ -199,7 +199,7 @@ def finished_run(two_node_run) -> Path:
     """The two-node run's folder (read-only). It is the reference of the evaluation test, whose run is local: their
     equality is also the equality of a two-node run's evaluation with a local one. The run killed on S3 and resumed
     is tests/trainflow/test_async_rollout.py's chain (one run for the object store and the overlap's kill points: a kill
-    and resume of its own here cost 94-127 CPU-s), against an uninterrupted run on a two-node cluster too."""
+    and resume of its own here cost 83-127 CPU-s), against an uninterrupted run on a two-node cluster too."""
     return two_node_run.run
 
 
