@@ -16,6 +16,7 @@ import json
 import os
 import re
 import urllib.parse
+import uuid
 from dataclasses import dataclass
 
 import pyarrow.fs as pafs
@@ -446,7 +447,11 @@ def fetch_committed(loc: Location, cache_dir: str) -> str:
     target = os.path.join(cache_dir, f"{manifest['fingerprint'][:24]}-{manifest[ATTEMPT_KEY].lstrip('.')}")
     if os.path.isdir(target):
         return target
-    tmp = f"{target}.tmp-{os.getpid()}"
+    # one temporary folder per call: two threads of one process may fetch the same folder at once (an asynchronous
+    # run's log-probs and the rollout it plays ahead both load the policy); with a name of the process alone, one
+    # renamed the shared folder into place while the other still wrote into it (FileNotFoundError in the log-probs
+    # stage of a resumed run on S3, tests/trainflow/test_async_rollout.py)
+    tmp = f"{target}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     local = pafs.LocalFileSystem()
     prefix = f"{manifest[ATTEMPT_KEY]}/"
     for obj in manifest["objects"]:

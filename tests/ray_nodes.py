@@ -26,6 +26,11 @@ from stages.watchdog import kill_known, start_time, tree
 
 RAY = str(Path(sys.executable).with_name("ray"))
 REPO = str(Path(__file__).resolve().parents[1])
+# A port :func:`free_ports` found free may be taken before the node binds it (another process of the machine binding
+# port 0, such as a Ray cluster starting on the other test worker: seen once, the GCS's gRPC server of a head node
+# failed so): the cluster is then started again on new ports, at most PORT_TRIES times in all.
+PORT_TAKEN = ("Address already in use", "Failed to start the grpc server")
+PORT_TRIES = 3
 
 
 @dataclass(frozen=True)
@@ -74,12 +79,17 @@ class RayNodes:
         self._watchdog: int | None = None  # the write end of the watchdog's pipe
 
     def __enter__(self) -> "RayNodes":
-        try:
-            self.start()
-        except BaseException:
-            self.stop()
-            raise
-        return self
+        tries = 1
+        while True:
+            try:
+                self.start()
+                return self
+            except BaseException as err:
+                self.stop()
+                if tries == PORT_TRIES or not any(words in str(err) for words in PORT_TAKEN):
+                    raise
+            tries += 1
+            self.root = Path(tempfile.mkdtemp(prefix="rf-ray-", dir="/tmp"))  # stop() removed the last one
 
     def __exit__(self, *exc) -> None:
         self.stop()

@@ -264,6 +264,59 @@ def test_metrics_table_on_s3_replaces_parts_and_reads_back(s3):
     shutil.rmtree(side.parent)
 
 
+def test_two_threads_fetching_one_committed_folder_at_once_both_get_it_whole(s3, tmp_path, monkeypatch):
+    """stages/storage.py fetch_committed called by two threads of one process at once, as an asynchronous run's
+    log-probs and the rollout it plays ahead load the same policy: both get the whole folder, and no temporary
+    folder is left. Pinned interleaving: both threads copy their first object, then the second copies its next one
+    only after the first thread's fetch returned. With one temporary folder per process, the first renamed it into
+    place under the second, whose next copy failed (FileNotFoundError; seen in a resumed asynchronous run on S3)."""
+    import os
+
+    import pyarrow.fs as pafs
+
+    from stages import storage
+    from stages.commit import commit_folder
+
+    def fill(folder: Location) -> dict:
+        for name in ("model.safetensors", "train_state.json"):
+            folder.child(name).write_text(name)
+        return {"stage": "train_step", "files": []}
+
+    uri, cache = f"s3://{BUCKET}/fetch/checkpoint", tmp_path / "cache"
+    commit_folder(Location.of(uri), "fp-fetch", fill, who="test", other="x")
+    copy, both, fetched, calls = pafs.copy_files, threading.Barrier(2, timeout=60), threading.Event(), threading.local()
+
+    def pinned_copy(*args, **kwargs):
+        calls.n = getattr(calls, "n", 0) + 1
+        if calls.n == 2:  # both threads hold their first object in a temporary folder
+            both.wait()
+            if threading.current_thread().name == "second":
+                assert fetched.wait(60), "the first fetch never returned"
+        copy(*args, **kwargs)
+
+    monkeypatch.setattr(pafs, "copy_files", pinned_copy)
+    got, errors = {}, {}
+
+    def fetch(name: str) -> None:
+        try:
+            got[name] = storage.fetch_committed(Location.of(uri), str(cache))
+        except Exception as err:  # noqa: BLE001  (reported below, by thread)
+            errors[name] = err
+        finally:
+            if name == "first":
+                fetched.set()
+
+    threads = [threading.Thread(target=fetch, args=(name,), name=name) for name in ("first", "second")]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not errors, errors
+    assert got["first"] == got["second"] and os.listdir(cache) == [os.path.basename(got["first"])]
+    assert sorted(os.listdir(got["first"])) == ["manifest.json", "model.safetensors", "train_state.json"]
+    assert Path(got["first"], "train_state.json").read_text() == "train_state.json"
+
+
 def test_a_record_of_committed_parts_on_s3_is_written_last_and_kept_when_up_to_date(s3):
     """A rollout's folder: each part committed by its own stage, then the folder's own manifest (commit_record)."""
     from stages.commit import commit_folder, commit_record

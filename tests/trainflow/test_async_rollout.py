@@ -1,6 +1,8 @@
 """Asynchronous generation (ROLL's ``async_generation_ratio``, issue 46): the option's load-time rules, its fixed
-schedule, and a real tiny run with r = 1 (Prefect, local Ray, HF engine, DeepSpeed) whose rollouts are played one
-iteration behind the policy trained, with the train/infer importance weight on by default."""
+schedule, and a real tiny run with r = 1 (Prefect, a two-node Ray cluster, HF engine, DeepSpeed) whose rollouts are
+played one iteration behind the policy trained, with the train/infer importance weight on by default; the same run on
+S3 (a moto server), SIGKILLed at several points of the overlap, resumes to it: the one chain of kills of a training
+run, for the overlap and for the object store."""
 
 from __future__ import annotations
 
@@ -14,8 +16,11 @@ from flows.loop import async_lag, played_with
 from schemas.config import validate_config
 from schemas.errors import ConfigError
 from schemas.train_flow_config import TrainFlowConfig
-from tests.processes import rollflow_here
-from tests.trainflow.test_train_flow import _table, _tiny_args
+from tests.objstore import s3  # noqa: F401  (the module's S3 server, a fixture)
+from tests.processes import ray_jobs, rollflow_here, sigkill_when, wait_ray_jobs_gone
+from tests.ray_nodes import NodeSpec, RayNodes
+from tests.trainflow.test_train_flow import (PINS, STAGES, _assert_same_rows, _env, _float32, _rollflow, _table,
+                                             _tiny_args, _weights)
 
 REPO = Path(__file__).resolve().parents[2]
 CONFIG = "configs/train_frozenlake_grpo.yaml"  # _tiny_args' config, relative to the checkout
@@ -215,14 +220,25 @@ def _async_args(runs_dir: Path, name: str) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def async_run(tmp_path_factory, prefect_server, ray_cluster) -> Path:
-    """The uninterrupted run: the command in this process (``rollflow_here``, on the session's Ray cluster and
-    Prefect server), not a child importing rollflow again; the kill test runs it as a process, twice."""
+def async_run(tmp_path_factory, cli_env) -> Path:
+    """The uninterrupted run, the reference of the kill chain: a ``rollflow train`` child on a real two-node Ray
+    cluster on this machine (tests/ray_nodes.py: two ``ray start`` nodes of one CPU each, the local runs' 2 CPUs),
+    its advantages' tasks pinned to the head and its training workers to the second node as test_train_flow.py's
+    two-node run's (``PINS``), reporting to the session's Prefect server. The chain's runs are local (and on S3): the
+    equality of its tables and weights with these is also the equality of a two-node run with a local one, rollouts,
+    log-probs, advantages and weights, which test_train_flow.py's S3 kill checked against its two-node run before the
+    two kills became one chain (the cluster and the child's start-up cost about 30 CPU-s more than this run in the
+    test's process, 64-86 against 47-55; the kill and resume of its own cost 83-127). The cluster is stopped, its
+    processes alone, as soon as the run ends."""
     root = tmp_path_factory.mktemp("async")
     args = _async_args(root, "a")
-    args[args.index(CONFIG)] = str(REPO / CONFIG)  # whatever this process's working directory
-    done = rollflow_here(*args, api_url=prefect_server.api_url)
-    assert done.exit_code == 0, done.output[-3000:]
+    args[args.index(CONFIG)] = str(REPO / CONFIG)  # whatever the working directory
+    with RayNodes([NodeSpec(1, {"rollflow_head": 4}), NodeSpec(1, {"rollflow_pinned": 4})], env=cli_env) as nodes:
+        done = _rollflow(*args, "--set", PINS, env={**cli_env, "RAY_ADDRESS": nodes.address})
+        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert nodes.alive() == [], "the cluster's processes are gone"
+    assert json.loads((root / "a/config.json").read_text())["runtime"]["stage_resources"]["train_step"] == \
+        {"rollflow_pinned": 1.0}
     return root / "a"
 
 
@@ -292,60 +308,165 @@ KILL_POINTS = (
 
 
 @pytest.mark.slow
-def test_a_run_sigkilled_at_several_points_of_the_overlap_resumes_to_the_uninterrupted_result(
-        async_run, prefect_server, ray_cluster, cli_env, tmp_path):
-    """SIGKILLed whole at each point of ``KILL_POINTS`` in turn — the run, then its ``rollflow train --resume`` — and
-    resumed to the end: the in-flight rollout continues from its committed turns with the checkpoint the schedule names,
-    the evaluation from its own, and every table and weight of the three iterations equals the uninterrupted run's
-    (seeded sampling). The first launch is killed before its training workers start (its engine alone); the resume
-    trains iterations 0 and 1, plays iteration 2's rollout ahead with iteration 0's checkpoint beside iteration 1's
-    training, and is killed in the evaluation of iteration 1's checkpoint; the last resume finds both and must take, for
-    each stage, the one the schedule names. (A kill between iteration 1's checkpoint and the evaluation, once a third
-    launch, resumed through the same skips as the evaluation's kill: iteration 2's rollout had ended by then in the runs
-    timed here.) One chain of kills, so the points cost one run and a start-up each, against the module's one
-    uninterrupted run. The first command runs as on a laptop, with its own local Ray cluster and Prefect's ephemeral
-    server, killed with it (its watchdog leaves nothing behind); the resume joins the session's Ray cluster and Prefect
-    server (``cli_env``), as a command on a shared cluster does: the kill takes the driver, Ray ends the job's engines
-    and training workers with it, and the last resume (in this process) starts them again — not a Ray cluster and a
-    Prefect server more for each kill (about 30 CPU-s each)."""
+def test_a_run_on_s3_sigkilled_at_several_points_of_the_overlap_resumes_to_the_uninterrupted_result(
+        async_run, s3, prefect_server, ray_cluster, cli_env, tmp_path, monkeypatch):
+    """The run with ``runs_dir=s3://...`` (issue 14, item 4), started from an empty working directory, SIGKILLed whole
+    at each point of ``KILL_POINTS`` in turn — the run, then its ``rollflow train --resume s3://...`` — and resumed
+    to the end: the in-flight rollout continues from its committed turns with the checkpoint the schedule names, the
+    evaluation from its own, and every table and weight of the three iterations equals the uninterrupted two-node
+    run's (seeded sampling; ``async_run``). The first launch is killed before its training workers start (its engine
+    alone); the resume trains iterations 0 and 1, plays iteration 2's rollout ahead with iteration 0's checkpoint
+    beside iteration 1's training, and is killed in the evaluation of iteration 1's checkpoint; the last resume finds
+    both and must take, for each stage, the one the schedule names, and trains iteration 2 on engines rebuilt by
+    replaying steps 0 and 1 (weights-only checkpoints) from the initial model on the stored tables, its workers
+    without the command's AWS variables. (A kill between iteration 1's checkpoint and the evaluation, once a third
+    launch, resumed through the same skips as the evaluation's kill: iteration 2's rollout had ended by then in the
+    runs timed here.) The object store's part (it was test_train_flow.py's own SIGKILL of the run in turn, once
+    iteration 0's weights-only checkpoint was committed: 110 CPU-s for a run of its own): everything of the run is in
+    the bucket, nothing in the working directory, no killed attempt is left in a folder with a manifest, no metric is
+    logged twice, and ``--resume`` again skips every stage and rewrites no manifest. One chain of kills, so the points
+    cost one run and a start-up each. The first command runs as on a laptop, with its own local Ray cluster and
+    Prefect's ephemeral server, killed with it (its watchdog leaves nothing behind); the resume joins the session's
+    Ray cluster and Prefect server (``cli_env``), as a command on a shared cluster does: the kill takes the driver,
+    Ray ends the job's engines and training workers with it, and the last resume (in this process) starts them again
+    — not a Ray cluster and a Prefect server more for each kill (about 30 CPU-s each)."""
+    import shutil
+
     import numpy as np
 
     from stages.generation.model_store import tiny_random_model_dir
-    from tests.processes import ray_jobs, sigkill_when, wait_ray_jobs_gone
-    from tests.trainflow.test_train_flow import _assert_same_rows, _env, _weights
+    from stages.metrics import read_metrics
+    from stages.storage import ATTEMPT_KEY, Location, local_side, read_manifest
+    from tests.objstore import BUCKET, objects, read_s3_table
 
-    runs, name = tmp_path / "runs", async_run.name  # the run name the samples' ids derive from
-    run = runs / name
-    command = [sys.executable, "-m", "flows.cli", *_async_args(runs, name)]
+    run = f"s3://{BUCKET}/runs/{async_run.name}"  # the run name the samples' ids derive from
+    cwd = tmp_path / "cwd"
+    cwd.mkdir()
+    args = _async_args(f"s3://{BUCKET}/runs", async_run.name)  # type: ignore[arg-type]
+    args[args.index(CONFIG)] = str(REPO / CONFIG)
+    command = [sys.executable, "-m", "flows.cli", *args]
     logs = []
-    for n, (point, not_yet, what) in enumerate(KILL_POINTS):
-        logs.append(tmp_path / f"killed{n}.log")
-        env, jobs = (_env(tmp_path) if n == 0 else cli_env), ray_jobs()  # its own cluster, then ours
-        sigkill_when(command, (run / point / "manifest.json").exists, logs[-1],
-                     env={**env, "PYTHONPATH": str(REPO)}, cwd=str(REPO), what=what, whole_group=True)
-        assert not (run / not_yet / "manifest.json").exists(), f"killed after {not_yet} committed, not when {what}"
-        wait_ray_jobs_gone(jobs)  # on the session's cluster: the killed driver's engines and workers too
-        command = [sys.executable, "-m", "flows.cli", "train", "--resume", str(run), "--no-report"]
-    resumed = rollflow_here("train", "--resume", str(run), "--no-report", api_url=prefect_server.api_url)
-    assert resumed.exit_code == 0, resumed.output[-3000:]
-    replayed = [line for line in logs[1].read_text().splitlines() if line.startswith("[iteration 1] rollout turn 0:")]
-    assert replayed and replayed[0].endswith("(committed earlier, skipped)"), logs[1].read_text()[-3000:]
-    evaluated = [line for line in resumed.stdout.splitlines() if line.startswith("[eval] eval turn 0:")]
-    assert evaluated and all(line.endswith("(committed earlier, skipped)") for line in evaluated), resumed.stdout
-    # every rollout and its turns played the checkpoint the schedule names: the initial one for iterations 0 and 1
-    # (iteration 1's turns before and after the kill), iteration 0's for iteration 2
-    base = str(Path(tiny_random_model_dir()).resolve())
-    for k, scheduled in enumerate((base, base, str((run / "iter_0000/checkpoint").resolve()))):
-        rollout = run / f"iter_{k:04d}/rollout"
-        played = {_manifest(t)["state_in"]["checkpoint"]["path"] for t in (rollout / "turns").iterdir()}
-        assert _manifest(rollout / "episodes")["state_in"]["checkpoint"]["path"] == scheduled and \
-            played == {scheduled}, (k, played)
-    for k in range(ITERATIONS):
-        for stage in ("rollout/samples", "logprobs", "rewarded", "advantaged"):
-            _assert_same_rows(_table(run / f"iter_{k:04d}" / stage), _table(async_run / f"iter_{k:04d}" / stage),
-                              (k, stage))
-        got, want = _weights(run / f"iter_{k:04d}/checkpoint"), _weights(async_run / f"iter_{k:04d}/checkpoint")
-        assert got.keys() == want.keys()
-        for key in got:
-            np.testing.assert_allclose(got[key], want[key], rtol=1e-5, atol=1e-6, err_msg=f"iter {k} {key}")
-    _assert_same_rows(_table(run / "iter_0001/eval/samples"), _table(async_run / "iter_0001/eval/samples"), "eval")
+    try:
+        for n, (point, not_yet, what) in enumerate(KILL_POINTS):
+            logs.append(tmp_path / f"killed{n}.log")
+            env, jobs = (_env(tmp_path) if n == 0 else cli_env), ray_jobs()  # its own cluster, then ours
+            sigkill_when(command, _every(0.2, Location.of(f"{run}/{point}/manifest.json").exists), logs[-1],
+                         env={**env, **s3, "PYTHONPATH": str(REPO)}, cwd=str(cwd), what=what, whole_group=True)
+            assert not Location.of(f"{run}/{not_yet}/manifest.json").exists(), \
+                f"killed after {not_yet} committed, not when {what}"
+            assert not objects(f"{run}/report"), "killed before the end"
+            wait_ray_jobs_gone(jobs)  # on the session's cluster: the killed driver's engines and workers too
+            command = [sys.executable, "-m", "flows.cli", "train", "--resume", run, "--no-report"]
+        # the last resume: the command in this process (the s3 fixture set its AWS_* variables here), on the
+        # session's Ray cluster and Prefect server, from the same empty working directory
+        monkeypatch.chdir(cwd)
+        resumed = rollflow_here("train", "--resume", run, api_url=prefect_server.api_url)
+        assert resumed.exit_code == 0, resumed.output[-3000:]
+        replayed = [x for x in logs[1].read_text().splitlines() if x.startswith("[iteration 1] rollout turn 0:")]
+        assert replayed and replayed[0].endswith("(committed earlier, skipped)"), logs[1].read_text()[-3000:]
+        evaluated = [x for x in resumed.stdout.splitlines() if x.startswith("[eval] eval turn 0:")]
+        assert evaluated and all(x.endswith("(committed earlier, skipped)") for x in evaluated), resumed.stdout
+        stored = objects(run)
+        # every rollout and its turns played the checkpoint the schedule names: the initial one for iterations 0
+        # and 1 (iteration 1's turns before and after the kill), iteration 0's for iteration 2
+        base = str(Path(tiny_random_model_dir()).resolve())
+        for k, scheduled in enumerate((base, base, f"{run}/iter_0000/checkpoint")):
+            rollout = f"iter_{k:04d}/rollout"
+            turns = sorted({n.rsplit("/", 1)[0] for n in stored if n.startswith(f"{rollout}/turns/")
+                            and n.endswith("/manifest.json")})
+            played = {_s3_manifest(f"{run}/{t}")["state_in"]["checkpoint"]["path"] for t in turns}
+            assert _s3_manifest(f"{run}/{rollout}/episodes")["state_in"]["checkpoint"]["path"] == scheduled and \
+                played == {scheduled}, (k, played)
+        for k in range(ITERATIONS):
+            for stage in ("rollout/samples", "logprobs", "rewarded", "advantaged"):
+                _assert_same_rows(read_s3_table(f"{run}/iter_{k:04d}/{stage}").sort_by("row_id"),
+                                  _table(async_run / f"iter_{k:04d}" / stage), (k, stage))
+            got, want = _s3_weights(f"{run}/iter_{k:04d}/checkpoint"), _weights(async_run / f"iter_{k:04d}/checkpoint")
+            assert got.keys() == want.keys()
+            for key in got:
+                np.testing.assert_allclose(got[key], want[key], rtol=1e-5, atol=1e-6, err_msg=f"iter {k} {key}")
+        for stage in ("eval_base/samples", "iter_0001/eval/samples"):
+            _assert_same_rows(read_s3_table(f"{run}/{stage}").sort_by("row_id"), _table(async_run / stage), stage)
+        # every object of a folder with a manifest is the manifest, one it lists or one of an inner folder with a
+        # manifest of its own: no killed attempt is left (the stages, the rollouts' and the evaluation's turns). A
+        # record of parts (a rollout, its turns; stages/commit.py commit_record) lists no objects: its parts are
+        # folders with manifests of their own
+        folders = {n[:-len("manifest.json")] for n in stored if n.endswith("/manifest.json")}
+        assert {f"iter_{k:04d}/{stage}/" for k in range(ITERATIONS) for stage in STAGES if stage != "eval/samples"} \
+            <= folders
+        for prefix in folders:
+            manifest = read_manifest(Location.of(f"{run}/{prefix}"))
+            listed = {f"{prefix}{o['name']}" for o in (manifest["objects"] if ATTEMPT_KEY in manifest else [])}
+            inner = [f for f in folders if f != prefix and f.startswith(prefix)]
+            left = {n for n in stored if n.startswith(prefix) and n != f"{prefix}manifest.json"
+                    and not any(n.startswith(f) for f in inner)} - listed
+            assert not left, (prefix, sorted(left))
+        last = read_manifest(Location.of(f"{run}/iter_0002/checkpoint"))
+        listed = {f"iter_0002/checkpoint/{o['name']}": o["bytes"] for o in last["objects"]}
+        assert listed.items() <= stored.items()  # every object its manifest lists, at its size
+        assert any("/deepspeed/actor/" in n for n in listed) and any(n.endswith(".safetensors") for n in listed)
+        # iterations 0 and 1 hold weights only, so the last resume rebuilt the engines by replaying steps 0 and 1 on
+        # the stored tables: the log-prob request of iteration 2 to the actor group built them (issue 44), and the
+        # training step found them kept; the weights above equal the uninterrupted run's
+        for k in (0, 1):
+            weights_only = read_manifest(Location.of(f"{run}/iter_{k:04d}/checkpoint"))
+            assert not any("deepspeed/actor/" in o["name"] for o in weights_only["objects"]), k
+        assert last["metrics"]["train/engines_kept"] == 1.0 and last["metrics"]["train/replayed_steps"] == 0
+        assert {"logs/rollflow.log", "report/index.html"} <= stored.keys()
+        assert any(n.startswith("tensorboard/events.out.tfevents") for n in stored)
+        metrics = read_metrics(run).to_pylist()
+        keys = [(m["iteration"], m["stage"], m["name"]) for m in metrics]
+        assert len(keys) == len(set(keys)), "no metric is logged twice"
+        assert {m["iteration"] for m in metrics if m["stage"] == "train"} == {0, 1, 2}
+        assert list(cwd.iterdir()) == [], "nothing is written into the working directory"
+
+        manifests = {n: Location.of(f"{run}/{n}").read_text() for n in stored if n.endswith("manifest.json")}
+        again = rollflow_here("train", "--resume", run, "--no-report", api_url=prefect_server.api_url)  # no work
+        assert again.exit_code == 0, again.output[-3000:]
+        assert "[iteration 2] train            committed earlier, skipped" in again.stdout, again.stdout
+        assert {n: Location.of(f"{run}/{n}").read_text() for n in manifests} == manifests
+        assert json.loads(Location.of(f"{run}/config.json").read_text())["max_steps"] == ITERATIONS
+        assert list(cwd.iterdir()) == []
+    finally:
+        shutil.rmtree(local_side(Location.of(run)), ignore_errors=True)
+
+
+def _every(seconds: float, check):
+    """``check``, asked at most every ``seconds`` (a listing of the object store is not free)."""
+    import time
+
+    last = [0.0]
+
+    def ready() -> bool:
+        if time.monotonic() - last[0] < seconds:
+            return False
+        last[0] = time.monotonic()
+        return check()
+    return ready
+
+
+def _s3_manifest(uri: str) -> dict:
+    from stages.storage import Location, read_manifest
+
+    manifest = read_manifest(Location.of(uri))
+    assert manifest is not None, f"no manifest in {uri}"
+    return manifest
+
+
+def _s3_weights(uri: str) -> dict:
+    """name -> float32 array of the weights beside a checkpoint's manifest on the object store (as ``_weights``
+    reads a local one)."""
+    from safetensors.torch import load
+
+    from stages.storage import ATTEMPT_KEY, Location, read_manifest
+
+    loc = Location.of(uri)
+    manifest = read_manifest(loc)
+    out = {}
+    for o in manifest["objects"]:  # named inside the attempt's folder
+        name = o["name"].split("/", 1)[1] if o["name"].startswith(f"{manifest[ATTEMPT_KEY]}/") else o["name"]
+        if name.endswith(".safetensors") and "/" not in name:
+            with loc.fs.open_input_stream(f"{loc.path}/{o['name']}") as f:
+                out.update(_float32(load(f.read())))
+    assert out, f"no weights in {uri}"
+    return out

@@ -16,8 +16,7 @@ from schemas.config import load_config, validate_config
 from schemas.errors import ConfigError
 from schemas.train_flow_config import TrainFlowConfig
 from stages.example import ExampleSpec, generate
-from tests.objstore import s3  # noqa: F401  (the module's S3 server, a fixture)
-from tests.processes import ray_jobs, rollflow_here, sigkill_when, wait_ray_jobs_gone
+from tests.processes import rollflow_here
 from tests.ray_nodes import NodeSpec, RayNodes, asks_for, names_of, node_with, nodes_of, ray_record
 from tests.spine.helpers import read_table
 
@@ -106,12 +105,12 @@ def _tiny_args(runs_dir: Path, name: str) -> list[str]:
     training steps, their resume and their re-runs are checked on weights that move. The engine sleeps between
     rollouts as a colocated one does (sleep_level 2: its weights discarded, the next checkpoint loaded on waking), so
     the flow's order of sleep, log-probs, training and wake is exercised on the CPU. The actor trains LoRA adapters
-    (rank 4 on q_proj and v_proj; issue 16): every tiny run (two nodes, SIGKILL and replay, S3, re-runs, evaluation)
-    takes the LoRA path, whose checkpoints the engines read as plain HF folders (merged weights); full fine-tuning
-    runs end to end in the RLVR run (tests/trainflow/test_rlvr_train.py). The engine plays in fp32, as the actor
-    trains: the tests compare its log-probs between runs up to float32 rounding, and in bf16 (``auto`` on a CPU with
-    native bf16) two runs of the same evaluation once differed by bf16 rounding (0.004 on 2 of 1,058 tokens, the
-    tokens the same)."""
+    (rank 4 on q_proj and v_proj; issue 16): every tiny run (two nodes, re-runs, evaluation, and the asynchronous run
+    of tests/trainflow/test_async_rollout.py: its SIGKILLs, replay and S3) takes the LoRA path, whose checkpoints the
+    engines read as plain HF folders (merged weights); full fine-tuning runs end to end in the RLVR run
+    (tests/trainflow/test_rlvr_train.py). The engine plays in fp32, as the actor trains: the tests compare its
+    log-probs between runs up to float32 rounding, and in bf16 (``auto`` on a CPU with native bf16) two runs of the
+    same evaluation once differed by bf16 rounding (0.004 on 2 of 1,058 tokens, the tokens the same)."""
     from stages.generation.model_store import tiny_random_model_dir
 
     return ["train", "--config", "configs/train_frozenlake_grpo.yaml", "--set", f"run_name={name}",
@@ -167,7 +166,7 @@ def two_node_run(tmp_path_factory, cli_env) -> TwoNodeRun:
     one cost about 10 CPU-s to start, with Ray Data's helper actors again. It is stopped (its processes alone, not
     other Ray clusters of the machine) as soon as that is done, also on failure: the module's other tests read the
     output folders only, and would otherwise pay for its idle daemons, pool workers and Ray Data helpers for minutes
-    (the SIGKILL test's run alone takes 3-4)."""
+    (the stage re-run's and the evaluation's runs)."""
     root = tmp_path_factory.mktemp("trainflow")
     run, samples, recompute_out = root / "t", root / "samples", root / "recomputed"
     # ~400 step-level FrozenLake rows in groups of 8, several Parquet files, short responses
@@ -197,8 +196,10 @@ def _split_record(record: dict, task: str) -> tuple[dict, dict]:
 
 @pytest.fixture(scope="module")
 def finished_run(two_node_run) -> Path:
-    """The two-node run's folder (read-only). It is the reference of the kill test and of the evaluation test,
-    whose runs are local: their equality with it is also the equality of a two-node run with a local one."""
+    """The two-node run's folder (read-only). It is the reference of the evaluation test, whose run is local: their
+    equality is also the equality of a two-node run's evaluation with a local one. The run killed on S3 and resumed
+    is tests/trainflow/test_async_rollout.py's chain (one run for the object store and the overlap's kill points: a kill
+    and resume of its own here cost 83-127 CPU-s), against an uninterrupted run on a two-node cluster too."""
     return two_node_run.run
 
 
@@ -331,125 +332,6 @@ def _weights(folder: Path) -> dict:
     for f in sorted(folder.glob("*.safetensors")):
         out.update(_float32(load_file(str(f))))
     assert out, f"no weights in {folder}"
-    return out
-
-
-@pytest.mark.slow
-def test_sigkilled_run_on_s3_resumes_to_the_uninterrupted_result(finished_run, s3, ray_cluster, prefect_server,
-                                                                   cli_env, tmp_path, monkeypatch):
-    """A run with ``runs_dir=s3://...`` (issue 14, item 4), started from an empty working directory, SIGKILLed whole
-    once iteration 0's weights-only checkpoint is committed, then ``rollflow train --resume s3://...``: iteration 1
-    trains engines rebuilt by replaying step 0 from the initial model, and every stage output of both iterations
-    equals the uninterrupted local run's (kept engines) — nothing lost or duplicated. (Killing at other points was
-    checked by hand the same way: while iteration 0 trained, after iteration 1's rollout, while its log-probs ran.)
-    The uninterrupted run ran on two nodes: the equality also holds between a local and a two-node run, rollouts,
-    log-probs, advantages and weights. Everything of the run is in the bucket, nothing in the working directory, and
-    ``--resume`` again skips every stage and rewrites no manifest. The killed command joins the session's Ray cluster
-    and Prefect server (``cli_env``), as a command on a shared cluster does: the kill takes the driver and Ray ends
-    its job's engine and training workers; a training run killed with its own local cluster and Prefect's ephemeral
-    server is tests/trainflow/test_async_rollout.py's first kill."""
-    import shutil
-
-    import numpy as np
-
-    from stages.metrics import read_metrics
-    from stages.storage import Location, local_side, read_manifest
-    from tests.objstore import BUCKET, objects, read_s3_table
-
-    runs, name = f"s3://{BUCKET}/runs", "t"  # the name the ids of the samples derive from, as the reference's
-    run = f"{runs}/{name}"
-    cwd = tmp_path / "cwd"
-    cwd.mkdir()
-    killed_env = {**cli_env, **s3, "PYTHONPATH": str(REPO)}  # the session's Ray cluster and Prefect server
-    args = _tiny_args(runs, name)  # type: ignore[arg-type]
-    args[args.index("configs/train_frozenlake_grpo.yaml")] = str(REPO / "configs/train_frozenlake_grpo.yaml")
-    killed_at = Location.of(f"{run}/iter_0000/checkpoint/manifest.json")
-
-    try:
-        jobs = ray_jobs()
-        sigkill_when([sys.executable, "-m", "flows.cli", *args], _every(0.5, killed_at.exists), tmp_path / "killed.log",
-                     env=killed_env, cwd=str(cwd), what=killed_at.uri(), whole_group=True)
-        assert not objects(f"{run}/report"), "killed before the end"
-        wait_ray_jobs_gone(jobs)  # the killed driver's engine and workers too, before the resume cleans their objects
-        # the resumed run: the command in this process (the s3 fixture set its AWS_* variables here), on the
-        # session's Ray cluster and Prefect server, started from the same empty working directory
-        monkeypatch.chdir(cwd)
-        resumed = rollflow_here("train", "--resume", run, api_url=prefect_server.api_url)
-        assert resumed.exit_code == 0, resumed.output[-3000:]
-        stored = objects(run)
-        for k in (0, 1):
-            for stage in ("rollout/samples", "logprobs", "rewarded", "advantaged", "eval/samples"):
-                got = read_s3_table(f"{run}/iter_{k:04d}/{stage}").sort_by("row_id")
-                _assert_same_rows(got, _table(finished_run / f"iter_{k:04d}" / stage), (k, stage))
-            folder = f"iter_{k:04d}/checkpoint"
-            got, want = _s3_weights(f"{run}/{folder}"), _weights(finished_run / folder)
-            assert got.keys() == want.keys()
-            for key in got:
-                np.testing.assert_allclose(got[key], want[key], rtol=1e-5, atol=1e-6, err_msg=f"iter {k} {key}")
-            # every object of a stage folder is its manifest or one the manifest lists: no killed attempt is left
-            for stage in STAGES:
-                prefix = f"iter_{k:04d}/{stage}/"
-                listed = {f"{prefix}{o['name']}" for o in read_manifest(Location.of(f"{run}/{prefix}"))["objects"]}
-                left = {n for n in stored if n.startswith(prefix) and n != f"{prefix}manifest.json"} - listed
-                assert not left, (k, stage, sorted(left))
-        checkpoint = read_manifest(Location.of(f"{run}/iter_0001/checkpoint"))
-        listed = {f"iter_0001/checkpoint/{o['name']}": o["bytes"] for o in checkpoint["objects"]}
-        assert listed.items() <= stored.items()  # every object its manifest lists, at its size
-        assert any("/deepspeed/actor/" in n for n in listed) and any(n.endswith(".safetensors") for n in listed)
-        # iteration 0's checkpoint holds weights only, so the resumed run rebuilt its engines by replaying step 0 on
-        # the stored table: the log-prob request of iteration 1 to the actor group built them (issue 44), and the
-        # training step found them kept; the weights above equal the uninterrupted run's
-        first = read_manifest(Location.of(f"{run}/iter_0000/checkpoint"))
-        assert not any("deepspeed/actor/" in o["name"] for o in first["objects"])
-        assert checkpoint["metrics"]["train/engines_kept"] == 1.0 and checkpoint["metrics"]["train/replayed_steps"] == 0
-        assert "eval_base/samples/manifest.json" in stored
-        assert {"logs/rollflow.log", "report/index.html"} <= stored.keys()
-        assert any(n.startswith("tensorboard/events.out.tfevents") for n in stored)
-        metrics = read_metrics(run).to_pylist()
-        keys = [(m["iteration"], m["stage"], m["name"]) for m in metrics]
-        assert len(keys) == len(set(keys)), "no metric is logged twice"
-        assert {m["iteration"] for m in metrics if m["stage"] == "train"} == {0, 1}
-        assert list(cwd.iterdir()) == [], "nothing is written into the working directory"
-
-        manifests = {n: Location.of(f"{run}/{n}").read_text() for n in stored if n.endswith("manifest.json")}
-        again = rollflow_here("train", "--resume", run, "--no-report", api_url=prefect_server.api_url)  # no work
-        assert again.exit_code == 0, again.output[-3000:]
-        assert "[iteration 1] train            committed earlier, skipped" in again.stdout, again.stdout
-        assert {n: Location.of(f"{run}/{n}").read_text() for n in manifests} == manifests
-        assert json.loads(Location.of(f"{run}/config.json").read_text())["max_steps"] == 2
-        assert list(cwd.iterdir()) == []
-    finally:
-        shutil.rmtree(local_side(Location.of(run)), ignore_errors=True)
-
-
-def _every(seconds: float, check):
-    """``check``, asked at most every ``seconds`` (a listing of the object store is not free)."""
-    import time
-
-    last = [0.0]
-
-    def ready() -> bool:
-        if time.monotonic() - last[0] < seconds:
-            return False
-        last[0] = time.monotonic()
-        return check()
-    return ready
-
-
-def _s3_weights(uri: str) -> dict:
-    from safetensors.torch import load
-
-    from stages.storage import ATTEMPT_KEY, Location, read_manifest
-
-    loc = Location.of(uri)
-    manifest = read_manifest(loc)
-    out = {}
-    for o in manifest["objects"]:  # named inside the attempt's folder
-        name = o["name"].split("/", 1)[1] if o["name"].startswith(f"{manifest[ATTEMPT_KEY]}/") else o["name"]
-        if name.endswith(".safetensors") and "/" not in name:  # the weights beside the manifest, as _weights reads
-            with loc.fs.open_input_stream(f"{loc.path}/{o['name']}") as f:
-                out.update(_float32(load(f.read())))
-    assert out, f"no weights in {uri}"
     return out
 
 
