@@ -12,10 +12,8 @@ The rules (what today's code reserves; see the stages cited):
   the flow ends); the kept forward workers' GPU share with ``logprobs.device: cuda`` (stages/train/stage.py
   ``forward_group``, a kept group of ``num_actors`` ranks x ``gpus_per_actor``, no CPU) in a run whose training
   group is not kept (a kept group, the actor group, computes the log-prob and values stages itself:
-  :func:`forward_on_actor`, issue 44); the
-  kept training workers' GPUs with
-  ``train.runtime.use_gpu`` (stages/train/group.py: the group reserves one GPU per worker, and a kept group lives
-  until the flow ends). Colocated roles reserve their equal share of a GPU instead (:func:`gpu_shares`).
+  :func:`forward_on_actor`, issue 44); the kept training workers' GPUs with ``train.runtime.use_gpu``
+  (stages/train/group.py: the group reserves one GPU per worker, and a kept group lives until the flow ends). Colocated roles reserve their equal share of a GPU instead (:func:`gpu_shares`).
 * **Held during one stage** ("phase"): generation's Ray Data tasks (``TASK_CPUS``, 0.25 CPU); the log-prob / values
   stage: the kept forward group's ``num_actors`` x ``logprobs.cpus_per_actor`` (it reserves none in Ray, but its
   threads compute on them during the stage) plus half a CPU for Ray Data's read/write tasks; the training step:

@@ -361,7 +361,8 @@ def rlvr_chain(tmp_path_factory, ray_cluster):
                 for name in ("scored", "samples") if first else ():
                     shutil.copytree(first[0] / name, out / name)
                 score_responses(responses, str(out), cfg, advantages=True)
-                first[:] = first or [out]
+                if not first:
+                    first.append(out)  # the run whose reward-worker and token tables the later runs start from
                 done[key] = _outputs(out)
         return done[key]
 
