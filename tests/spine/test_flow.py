@@ -84,9 +84,9 @@ def test_flow_failure_raises_our_error_and_marks_the_run_failed(step_set, tmp_pa
 def test_flow_against_a_real_prefect_server(prefect_server, ray_cluster, step_set, tmp_path):
     """``rollflow recompute`` reporting to the session's real Prefect server: its flow run and both task runs are
     there, completed, with the command's parameters. The command runs in this process (``rollflow_here``, the
-    server in Prefect's settings), not as a child (about 8 CPU-s of imports): that a child reports to the server named
-    by PREFECT_API_URL in its environment, starting no ephemeral one, is checked on the S3 recompute child of
-    tests/spine/test_object_store.py, which reports to this server too."""
+    server in Prefect's settings), not as a child (7.9 -> 0.8 CPU-s, a process's imports): that a child reports to
+    the server named by PREFECT_API_URL in its environment, starting no ephemeral one, is checked on the S3
+    recompute child of tests/spine/test_object_store.py, which reports to this server too."""
     from prefect.client.orchestration import get_client
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
