@@ -1,5 +1,5 @@
 """The rollout as committed Ray Data stages with the HF backend on the tiny random model (plumbing, not quality):
-the CLI writes every table, samples validate, a re-run skips everything without building an engine, a rollout
+it writes every table, samples validate, a re-run skips everything without building an engine, a rollout
 killed in the middle of a turn resumes to the same samples as an uninterrupted one, a rollout into an object store
 (a local S3 server) commits the same tables, and ``show`` renders it.
 
@@ -13,6 +13,7 @@ import signal
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import pyarrow as pa
@@ -69,14 +70,83 @@ def config_file(tmp_path_factory) -> Path:
     return path
 
 
+@dataclass(frozen=True)
+class Rollouts:
+    """The module's two full rollouts of ``CONFIG``: one uninterrupted, one killed in turn 2 and resumed."""
+
+    uninterrupted: Path  # its output folder
+    killed: Path  # the killed rollout's output folder, resumed
+    partial: str  # ``show`` of the killed rollout before the resume (what was committed so far)
+    turn_001_committed: bool  # at the kill
+    turn_002_committed: bool
+    resumed: object  # the resume's RolloutResult
+    leftovers: list[str]  # the temporary folders left in turns/ after the resume
+
+
+def _wait_for_tmp_of_turn(out: Path, turn: int, proc: subprocess.Popen, limit: float = 300.0) -> None:
+    turns = out / "turns"
+    deadline = time.time() + limit
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            raise AssertionError(f"the rollout finished before turn {turn} could be interrupted")
+        if turns.exists() and any(p.name.startswith(f".turn_{turn:03d}.tmp-") for p in turns.iterdir()):
+            return
+        time.sleep(0.02)
+    raise AssertionError(f"turn {turn} did not start within {limit} s")
+
+
+def _kill_in_turn_2(out: Path, config_file: Path, tiny_model: Path) -> None:
+    """A rollout's driver in a child process, on the session's Ray cluster as a driver on a shared cluster (not a
+    cluster of its own: about 18 CPU-s of Ray's start-up), SIGKILLed while turn 2 is written; Ray ends its job's
+    engine and tasks with it (waited for: they must not write into the folder the resume cleans)."""
+    import ray
+
+    from tests.processes import ray_jobs, wait_ray_jobs_gone
+
+    repo = Path(__file__).resolve().parents[2]
+    env, jobs = {**os.environ, "RAY_ADDRESS": ray.get_runtime_context().gcs_address}, ray_jobs()
+    proc = subprocess.Popen([sys.executable, "-c", CHILD, str(config_file), str(tiny_model), str(out)], cwd=repo,
+                            env=env, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        _wait_for_tmp_of_turn(out, 2, proc)  # turn 2 is being written: turns 0 and 1 are committed
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)  # the driver's whole session
+        proc.wait()
+    wait_ray_jobs_gone(jobs)
+
+
 @pytest.fixture(scope="module")
-def uninterrupted(tmp_path_factory, config_file, tiny_model) -> Path:
-    out = tmp_path_factory.mktemp("run") / "a"
-    result = CliRunner().invoke(_app(), ["rollout", "--config", str(config_file), "--checkpoint", str(tiny_model),
-                                         "--output", str(out)])
-    assert result.exit_code == 0, result.output
-    assert "turn   3:" in result.output and "rollout/format_penalty_rate" in result.output
-    return out
+def rollouts(tmp_path_factory, config_file, tiny_model, ray_cluster) -> Rollouts:
+    """The killed rollout first (its child's engine ends with it), then ONE engine pool in this process
+    (``run_rollout(pool=...)``, as a training flow passes its own) for the uninterrupted rollout and the killed one's
+    resume: an engine actor's start (about 6 CPU-s) less than a pool each. Two engines at once would hold both CPUs
+    of the session's cluster, so the pool is closed before the other tests build theirs. ``rollflow rollout`` as a
+    command (its own pool, its console) is the object-store test's."""
+    from schemas.rollout_config import turn_section
+    from stages.rollout.driver import resolve_model_dir, run_rollout
+    from stages.rollout.engine_pool import EnginePool
+    from stages.rollout.show import render_rollout
+
+    root = tmp_path_factory.mktemp("run")
+    killed = tmp_path_factory.mktemp("killed") / "b"
+    _kill_in_turn_2(killed, config_file, tiny_model)
+    committed = [read_manifest(Location.of(str(killed / "turns" / t))) is not None for t in ("turn_001", "turn_002")]
+    partial = render_rollout(str(killed), episodes=1)  # show reads what is committed so far
+
+    cfg = load_config(RolloutConfig, config_file)
+    pool = EnginePool(cfg.engine, resolve_model_dir(str(tiny_model)), turn_section(cfg).engine.max_model_len)
+    try:
+        run_rollout(cfg, str(root / "a"), str(tiny_model), pool=pool)
+        resumed = run_rollout(cfg, str(killed), str(tiny_model), pool=pool)
+    finally:
+        pool.close()
+    leftovers = [p.name for p in (killed / "turns").iterdir() if p.name.startswith(".turn_")]
+    return Rollouts(root / "a", killed, partial, *committed, resumed, leftovers)
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(rollouts) -> Path:
+    return rollouts.uninterrupted
 
 
 def test_rollout_commits_every_table_and_valid_samples(uninterrupted):
@@ -115,11 +185,13 @@ def test_rerun_skips_every_stage_and_builds_no_engine(uninterrupted, config_file
 def test_a_rollout_into_an_object_store_commits_the_same_tables(uninterrupted, config_file, tiny_model, s3):
     """``rollflow rollout --output s3://...`` (a local moto S3 server; docs/object-storage.md): every table committed
     by its manifest under an attempt prefix on the store (the driver once handed the stages bare bucket paths, which
-    landed in a local folder named after the bucket), the samples equal to the local rollout's."""
+    landed in a local folder named after the bucket), the samples equal to the local rollout's. The module's one run
+    of the command (its pre-flight, its own engine pool, its console: a line per turn and the metrics)."""
     uri = f"s3://{BUCKET}/rollout"
     args = ["rollout", "--config", str(config_file), "--checkpoint", str(tiny_model), "--output", uri]
     result = CliRunner().invoke(_app(), args)
     assert result.exit_code == 0, result.output
+    assert "turn   3:" in result.output and "rollout/format_penalty_rate" in result.output
     for name in ("episodes", "turns/turn_000", "turns/turn_002", "samples"):
         manifest = read_manifest(Location.of(f"{uri}/{name}"))
         local = read_manifest(Location.of(str(uninterrupted / name)))
@@ -148,49 +220,19 @@ def test_cli_reports_config_errors(tmp_path):
     assert result.exit_code == 2 and "NoSuchGame" in result.output and "FrozenLake" in result.output
 
 
-def _wait_for_tmp_of_turn(out: Path, turn: int, proc: subprocess.Popen, limit: float = 300.0) -> None:
-    turns = out / "turns"
-    deadline = time.time() + limit
-    while time.time() < deadline:
-        if proc.poll() is not None:
-            raise AssertionError(f"the rollout finished before turn {turn} could be interrupted")
-        if turns.exists() and any(p.name.startswith(f".turn_{turn:03d}.tmp-") for p in turns.iterdir()):
-            return
-        time.sleep(0.02)
-    raise AssertionError(f"turn {turn} did not start within {limit} s")
-
-
-def test_rollout_killed_mid_turn_resumes_to_the_same_samples(uninterrupted, config_file, tiny_model, tmp_path):
-    """The rollout's driver, on the session's Ray cluster as a driver on a shared cluster (not a cluster of its
-    own: about 18 CPU-s of Ray's start-up), SIGKILLed while turn 2 is written; Ray ends its job's engine and tasks
-    with it. The same rollout again, in this process, skips the committed turns, cleans the killed one's temporary
-    folder and gives the uninterrupted rollout's tables."""
-    import ray
-
-    from stages.rollout.driver import run_rollout
-    from stages.rollout.show import render_rollout
-    from tests.processes import ray_jobs, wait_ray_jobs_gone
-
-    out = tmp_path / "b"
-    repo = Path(__file__).resolve().parents[2]
-    env, jobs = {**os.environ, "RAY_ADDRESS": ray.get_runtime_context().gcs_address}, ray_jobs()
-    proc = subprocess.Popen([sys.executable, "-c", CHILD, str(config_file), str(tiny_model), str(out)], cwd=repo,
-                            env=env, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        _wait_for_tmp_of_turn(out, 2, proc)  # turn 2 is being written: turns 0 and 1 are committed
-    finally:
-        os.killpg(proc.pid, signal.SIGKILL)  # the driver's whole session
-        proc.wait()
-    wait_ray_jobs_gone(jobs)  # its engine and write tasks too, before the resume cleans their folder
-    assert read_manifest(Location.of(str(out / "turns" / "turn_001"))) is not None
-    assert read_manifest(Location.of(str(out / "turns" / "turn_002"))) is None
-    partial = render_rollout(str(out), episodes=1)  # show reads what is committed so far
+def test_rollout_killed_mid_turn_resumes_to_the_same_samples(rollouts):
+    """The rollout's driver, on the session's Ray cluster as a driver on a shared cluster, SIGKILLed while turn 2 is
+    written (``rollouts``); Ray ends its job's engine and tasks with it. The same rollout again, in this process,
+    skips the committed turns, cleans the killed one's temporary folder and gives the uninterrupted rollout's
+    tables."""
+    assert rollouts.turn_001_committed and not rollouts.turn_002_committed
+    partial = rollouts.partial
     assert "2 turn table(s)" in partial and "still running" in partial and "  turn 2" in partial
-    result = run_rollout(load_config(RolloutConfig, config_file), str(out), str(tiny_model))
+    result = rollouts.resumed
     assert result.episodes.skipped and [t.skipped for t in result.turns] == [True, True, False]
-    assert not any(p.name.startswith(".turn_") for p in (out / "turns").iterdir())  # leftovers cleaned
+    assert not rollouts.leftovers  # leftovers cleaned
     for name in ("turns/turn_000", "turns/turn_001", "turns/turn_002", "samples"):
-        assert _table(out / name).equals(_table(uninterrupted / name)), name
+        assert _table(rollouts.killed / name).equals(_table(rollouts.uninterrupted / name)), name
 
 
 # ---- rollflow stage rollout_turn: a replay from a turn of this rollout (with a changed setting and --downstream in

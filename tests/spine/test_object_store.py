@@ -117,18 +117,24 @@ def held_put(key_suffix: str):
 
 @pytest.mark.slow
 def test_recompute_on_s3_killed_at_the_commit_resumes_to_the_local_output(s3, cli_env, base_run, ray_cluster,
-                                                                          tmp_path):
+                                                                          prefect_server, tmp_path):
     """``rollflow recompute`` from and to s3:// is SIGKILLed when the advantages stage has written all its parts and
     sends its manifest: a reader sees the committed rewards table and nothing of the advantages; the same command
     again (in this process) skips the rewards, redoes the advantages, removes the dead attempt, and both tables
-    equal the local run's (``base_run``: the same samples and config) byte for byte."""
+    equal the local run's (``base_run``: the same samples and config) byte for byte. The child reports to the
+    session's Prefect server named by PREFECT_API_URL in its environment (``cli_env``), starting no ephemeral server
+    in its own Prefect home: its flow run is on that server (tests/spine/test_flow.py's real-server test runs its
+    command in-process and relies on this check for a child's)."""
     samples, run = f"s3://{BUCKET}/kill/samples", f"s3://{BUCKET}/kill/run"
     generate(ExampleSpec(samples=400, seed=1, rows_per_file=120, **SMALL), samples)  # step_set's rows
     cmd = [*ROLLFLOW, "recompute", "--input", samples, "--config", GIGPO, "--output", run]
-    env = {**cli_env, **s3, "PYTHONPATH": str(REPO)}
+    env = {**cli_env, **s3, "PYTHONPATH": str(REPO), "PREFECT_HOME": str(tmp_path / "client-home")}
     with held_put("kill/run/advantaged/manifest.json") as committing:
         sigkill_when(cmd, committing.is_set, tmp_path / "killed.log", env=env, cwd=str(REPO), timeout_s=400,
                      what="the commit of the advantages stage")
+    assert not (tmp_path / "client-home" / "prefect.db").exists(), "no ephemeral server was used"
+    assert [r.state.is_running() for r in _flow_runs_of(prefect_server.api_url, run)] == [True], \
+        "the killed command's flow run is on the session's server, never finished"
 
     assert "manifest.json" in objects(f"{run}/rewarded"), "the first stage was committed before the kill"
     left = objects(f"{run}/advantaged")
@@ -152,6 +158,17 @@ def test_recompute_on_s3_killed_at_the_commit_resumes_to_the_local_output(s3, cl
         assert_tables_equal(read_s3_table(f"{run}/{name}"), read_table(local), name)
         assert s3_bytes(f"{run}/{name}") == [p.read_bytes() for p in sorted(local.glob("*.parquet"))], name
         assert manifest["fingerprint"] == read_manifest(Location.of(str(local)))["fingerprint"]
+
+
+def _flow_runs_of(api_url: str, output_dir: str) -> list:
+    """The recompute flow runs on the Prefect server at ``api_url`` that wrote ``output_dir`` (a shared server)."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowFilter, FlowFilterName
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    with temporary_settings(updates={PREFECT_API_URL: api_url}), get_client(sync_client=True) as client:
+        runs = client.read_flow_runs(flow_filter=FlowFilter(name=FlowFilterName(any_=["recompute"])))
+    return [r for r in runs if r.parameters.get("output_dir") == output_dir]
 
 
 # ---- a store that cannot be used: one line, exit 2, nothing written -------------------------------------------------
