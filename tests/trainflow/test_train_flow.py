@@ -144,10 +144,10 @@ class FinishedRun:
 def local_run(tmp_path_factory, prefect_server, ray_cluster) -> FinishedRun:
     """One uninterrupted tiny run in this process (``rollflow_here``: the session's Ray cluster and Prefect server),
     then ``rollflow train --resume`` of it, also here. It ran as a ``rollflow`` child on a two-node cluster of its
-    own (issue 14, item 3) with the recompute beside it: tests/trainflow/test_async_rollout.py's two-node run now
-    carries the placement checks and the recompute on its cluster (one two-node cluster and run for both modules;
-    a cluster, a child's imports and a resume child's cost 83 CPU-s here), and its S3 chain the equality of a
-    two-node run with a local one; a ``rollflow train`` child's exit status is that run's."""
+    own (issue 14, item 3) with the recompute and the resume as children beside it, 83 CPU-s against 45 here:
+    tests/trainflow/test_async_rollout.py's two-node run now carries the placement checks and the recompute on its
+    cluster (one two-node cluster and run for both modules), and its S3 chain the equality of a two-node run with a
+    local one; a ``rollflow train`` child's exit status is that run's."""
     root = tmp_path_factory.mktemp("trainflow")
     run = root / "t"
     first = rollflow_here(*_tiny_args(root, "t"), api_url=prefect_server.api_url)
@@ -162,9 +162,9 @@ def local_run(tmp_path_factory, prefect_server, ray_cluster) -> FinishedRun:
 def finished_run(local_run) -> Path:
     """The run's folder (read-only): the reference of the evaluation test and the stage re-run. The run killed on S3
     and resumed is tests/trainflow/test_async_rollout.py's chain (one run for the object store and the overlap's kill
-    points: a kill and resume of its own here cost 83-127 CPU-s), against an uninterrupted run on a two-node cluster:
-    its tables and weights equal to a local run's are also the equality of a two-node run's evaluation with a local
-    one, which this evaluation test checked against the run when it ran on two nodes."""
+    points: a kill and resume of its own here cost 83-127 CPU-s), against an uninterrupted run on a two-node cluster;
+    its evaluations equal to that run's are the equality of a two-node run's evaluation with a local one, which the
+    evaluation test here checked while this run ran on two nodes."""
     return local_run.run
 
 
