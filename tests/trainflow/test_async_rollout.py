@@ -24,7 +24,7 @@ from tests.objstore import s3  # noqa: F401  (the module's S3 server, a fixture)
 from tests.processes import ray_jobs, rollflow_here, sigkill_when, wait_ray_jobs_gone
 from tests.ray_nodes import NodeSpec, RayNodes, asks_for, names_of, node_with, nodes_of, ray_record
 from tests.spine.helpers import read_table
-from tests.trainflow.test_train_flow import (STAGES, _assert_same_rows, _env, _float32, _rollflow, _table, _tiny_args,
+from tests.trainflow.test_train_flow import (STAGES, _assert_same_rows, _float32, _rollflow, _table, _tiny_args,
                                              _weights)
 
 REPO = Path(__file__).resolve().parents[2]
@@ -430,11 +430,13 @@ def test_a_run_on_s3_sigkilled_at_several_points_of_the_overlap_resumes_to_the_u
     iteration 0's weights-only checkpoint was committed: 110 CPU-s for a run of its own): everything of the run is in
     the bucket, nothing in the working directory, no killed attempt is left in a folder with a manifest, no metric is
     logged twice, and ``--resume`` again skips every stage and rewrites no manifest. One chain of kills, so the points
-    cost one run and a start-up each. The first command runs as on a laptop, with its own local Ray cluster and
-    Prefect's ephemeral server, killed with it (its watchdog leaves nothing behind); the resume joins the session's
-    Ray cluster and Prefect server (``cli_env``), as a command on a shared cluster does: the kill takes the driver,
-    Ray ends the job's engines and training workers with it, and the last resume (in this process) starts them again
-    — not a Ray cluster and a Prefect server more for each kill (about 30 CPU-s each)."""
+    cost one run and a start-up each. Both launches join the session's Ray cluster and Prefect server (``cli_env``),
+    as a command on a shared cluster does: the kill takes the driver, Ray ends the job's engines and training workers
+    with it, and the last resume (in this process) starts them again — not a Ray cluster and a Prefect server more
+    for each kill (about 30 CPU-s each). The first launch started its own, as on a laptop, until issue 44's last
+    cut: that the watchdog of a SIGKILLed command takes down the local cluster and the ephemeral server it started
+    is tests/spine/test_cluster.py's test_a_sigkilled_driver_leaves_no_ray_process_behind and
+    tests/spine/test_resume.py's test_sigkill_mid_run_then_rerun_gives_the_uninterrupted_output."""
     import shutil
 
     import numpy as np
@@ -454,9 +456,9 @@ def test_a_run_on_s3_sigkilled_at_several_points_of_the_overlap_resumes_to_the_u
     try:
         for n, (point, not_yet, what) in enumerate(KILL_POINTS):
             logs.append(tmp_path / f"killed{n}.log")
-            env, jobs = (_env(tmp_path) if n == 0 else cli_env), ray_jobs()  # its own cluster, then ours
+            jobs = ray_jobs()
             sigkill_when(command, _every(0.2, Location.of(f"{run}/{point}/manifest.json").exists), logs[-1],
-                         env={**env, **s3, "PYTHONPATH": str(REPO)}, cwd=str(cwd), what=what, whole_group=True)
+                         env={**cli_env, **s3, "PYTHONPATH": str(REPO)}, cwd=str(cwd), what=what, whole_group=True)
             assert not Location.of(f"{run}/{not_yet}/manifest.json").exists(), \
                 f"killed after {not_yet} committed, not when {what}"
             assert not objects(f"{run}/report"), "killed before the end"

@@ -4,7 +4,6 @@ tiny random model in the test's process, resumed afterwards with every stage ski
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -123,11 +122,6 @@ def _tiny_args(runs_dir: Path, name: str) -> list[str]:
             "--set", "reward_normalization.method=identity",
             "--set", "train.actor_train.model_args.lora_rank=4",
             "--set", "train.actor_train.model_args.lora_target_modules=[q_proj,v_proj]"]
-
-
-def _env(tmp: Path) -> dict:
-    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "PREFECT_API_URL")}
-    return {**env, "PREFECT_HOME": str(tmp / "prefect"), "ROLLFLOW_CACHE": str(REPO / ".cache")}
 
 
 @dataclass(frozen=True)
