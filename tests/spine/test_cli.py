@@ -233,8 +233,8 @@ def test_stage_errors(cli_run, step_set):
           "field 'gamma'", "unknown option")
 
 
-# ---- pinned stages (recompute on a two-node Ray cluster, issue 14 item 3: tests/trainflow/test_train_flow.py, on the
-# cluster of its two-node training run, test_recompute_on_the_two_node_cluster_equals_the_local_run) -----------------
+# ---- pinned stages (recompute on a two-node Ray cluster, issue 14 item 3: tests/trainflow/test_async_rollout.py, on
+# the cluster of its two-node training run, test_recompute_on_the_two_node_cluster_equals_the_local_run) -------------
 def test_a_stage_pinned_to_a_resource_no_node_declares_is_refused(step_set, tmp_path, ray_cluster):
     """Ray would keep such a stage's tasks waiting forever: the command refuses before any stage, with the fix."""
     text = fails(["recompute", "--input", step_set, "--config", GIGPO, "--output", tmp_path / "out", "--set",

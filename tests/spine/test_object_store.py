@@ -7,7 +7,7 @@ was and is removed by the next write. Checked on the runner's commit, with ``rol
 its commit point and resumed (equal to a local run byte for byte), with the metrics table, and with the ways an
 object store cannot be used (one error line, exit 2, nothing written). Training checkpoints on s3:// are tested with
 the train-step command (tests/train/test_stage.py), and a whole training run on s3://, SIGKILLed and resumed, in
-tests/trainflow/test_train_flow.py.
+tests/trainflow/test_async_rollout.py.
 """
 
 from __future__ import annotations

@@ -2,12 +2,15 @@
 schedule, and a real tiny run with r = 1 (Prefect, a two-node Ray cluster, HF engine, DeepSpeed) whose rollouts are
 played one iteration behind the policy trained, with the train/infer importance weight on by default; the same run on
 S3 (a moto server), SIGKILLed at several points of the overlap, resumes to it: the one chain of kills of a training
-run, for the overlap and for the object store."""
+run, for the overlap and for the object store. The two-node run is also the suite's check of stages pinned to nodes
+(runtime.stage_resources) in a training run and, on its cluster, in ``rollflow recompute``."""
 
 from __future__ import annotations
 
 import json
+import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -16,11 +19,13 @@ from flows.loop import async_lag, played_with
 from schemas.config import validate_config
 from schemas.errors import ConfigError
 from schemas.train_flow_config import TrainFlowConfig
+from stages.example import ExampleSpec, generate
 from tests.objstore import s3  # noqa: F401  (the module's S3 server, a fixture)
 from tests.processes import ray_jobs, rollflow_here, sigkill_when, wait_ray_jobs_gone
-from tests.ray_nodes import NodeSpec, RayNodes
-from tests.trainflow.test_train_flow import (PINS, STAGES, _assert_same_rows, _env, _float32, _rollflow, _table,
-                                             _tiny_args, _weights)
+from tests.ray_nodes import NodeSpec, RayNodes, asks_for, names_of, node_with, nodes_of, ray_record
+from tests.spine.helpers import read_table
+from tests.trainflow.test_train_flow import (STAGES, _assert_same_rows, _float32, _rollflow, _table, _tiny_args,
+                                             _weights)
 
 REPO = Path(__file__).resolve().parents[2]
 CONFIG = "configs/train_frozenlake_grpo.yaml"  # _tiny_args' config, relative to the checkout
@@ -219,27 +224,127 @@ def _async_args(runs_dir: Path, name: str) -> list[str]:
             "--set", "reward_normalization.grouping=batch"]  # identity reads no group (schemas/config.py refuses one)
 
 
+# the two-node run's stages pinned to the two nodes of its cluster (runtime.stage_resources): the advantages' map
+# tasks to the head, the training workers (which also compute the log-probs, issue 44) to the second node
+PINS = "runtime.stage_resources={advantages: {rollflow_head: 1}, train_step: {rollflow_pinned: 1}}"
+# the recompute on the same cluster: the reward stage's tasks to the head, the advantage stage's to the second node
+RECOMPUTE_PINS = "runtime.stage_resources={response_rewards: {rollflow_head: 1}, advantages: {rollflow_pinned: 1}}"
+RECOMPUTE_CONFIG = str(REPO / "configs/recompute_gigpo.yaml")
+
+
+@dataclass(frozen=True)
+class TwoNodeRun:
+    """The finished run and what was read of its two-node cluster while the cluster was up."""
+
+    run: Path  # the run folder
+    record: dict  # Ray's record of the cluster after the run and the recompute (tests/ray_nodes.py ray_record)
+    samples: Path  # the example samples the recompute read
+    recomputed: subprocess.CompletedProcess  # `rollflow recompute --input SAMPLES ...` on the same cluster
+    recompute_out: Path  # its output folder (rewarded/, advantaged/)
+
+
 @pytest.fixture(scope="module")
-def async_run(tmp_path_factory, cli_env) -> Path:
+def two_node_run(tmp_path_factory, cli_env) -> TwoNodeRun:
     """The uninterrupted run, the reference of the kill chain: a ``rollflow train`` child on a real two-node Ray
-    cluster on this machine (tests/ray_nodes.py: two ``ray start`` nodes of one CPU each, the local runs' 2 CPUs),
-    its advantages' tasks pinned to the head and its training workers to the second node as test_train_flow.py's
-    two-node run's (``PINS``), reporting to the session's Prefect server. The chain's runs are local (and on S3): the
-    equality of its tables and weights with these is also the equality of a two-node run with a local one, rollouts,
-    log-probs, advantages and weights, which test_train_flow.py's S3 kill checked against its two-node run before the
-    two kills became one chain (the cluster and the child's start-up cost about 30 CPU-s more than this run in the
-    test's process, 64-86 against 47-55; the kill and resume of its own cost 83-127). The cluster is stopped, its
-    processes alone, as soon as the run ends."""
+    cluster on this machine (issue 14, item 3; tests/ray_nodes.py: two ``ray start`` nodes of one CPU each, the local
+    runs' 2 CPUs, the head with the custom resource ``rollflow_head``, the second node with ``rollflow_pinned``; Ray
+    may also place unpinned tasks on either), its advantages' tasks pinned to the head and its training workers to
+    the second node (``PINS``), reporting to the session's Prefect server; then, on the same cluster, ``rollflow
+    recompute`` of a small example set with each of its two stages pinned to one node; then Ray's record of where the
+    tasks of both ran. The chain's runs are local (and on S3): the equality of its tables and weights with these is
+    also the equality of a two-node run with a local one, rollouts, log-probs, advantages and weights, which
+    test_train_flow.py's S3 kill checked against its two-node run before the two kills became one chain (the cluster
+    and the child's start-up cost about 30 CPU-s more than this run in the test's process, 64-86 against 47-55; the
+    kill and resume of its own cost 83-127). One two-node cluster and run for both modules: test_train_flow.py's run
+    in turn ran on a cluster of its own with the recompute (83 CPU-s: the cluster, its child, a resume child); its
+    placement checks read this run now, and it runs in the test's process. The cluster is stopped, its processes
+    alone, as soon as the recompute and the record are done, also on failure."""
     root = tmp_path_factory.mktemp("async")
+    samples, recompute_out = root / "samples", root / "recomputed"
+    # ~400 step-level FrozenLake rows in groups of 8, several Parquet files, short responses
+    generate(ExampleSpec(samples=400, seed=1, rows_per_file=120, response_len=(8, 32), prompt_len=(4, 12)),
+             str(samples))
     args = _async_args(root, "a")
     args[args.index(CONFIG)] = str(REPO / CONFIG)  # whatever the working directory
     with RayNodes([NodeSpec(1, {"rollflow_head": 4}), NodeSpec(1, {"rollflow_pinned": 4})], env=cli_env) as nodes:
-        done = _rollflow(*args, "--set", PINS, env={**cli_env, "RAY_ADDRESS": nodes.address})
+        env = {**cli_env, "RAY_ADDRESS": nodes.address}
+        # no report: no test reads this run's (the chain's last resume writes and checks the S3 run's)
+        done = _rollflow(*args, "--set", PINS, "--no-report", env=env)
         assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+        recomputed = _rollflow("recompute", "--input", str(samples), "--config", RECOMPUTE_CONFIG, "--output",
+                               str(recompute_out), "--set", RECOMPUTE_PINS, env=env, timeout_s=600)
+        record = ray_record(nodes.address, env)
     assert nodes.alive() == [], "the cluster's processes are gone"
     assert json.loads((root / "a/config.json").read_text())["runtime"]["stage_resources"]["train_step"] == \
         {"rollflow_pinned": 1.0}
-    return root / "a"
+    return TwoNodeRun(root / "a", record, samples, recomputed, recompute_out)
+
+
+@pytest.fixture(scope="module")
+def async_run(two_node_run) -> Path:
+    """The two-node run's folder (read-only)."""
+    return two_node_run.run
+
+
+def _split_record(record: dict, task: str) -> tuple[dict, dict]:
+    """Ray's record of the cluster (tests/ray_nodes.py ray_record) split in two: the tasks of the one job (one
+    command) that ran a task or actor whose name holds ``task``, and those of the other jobs."""
+    (job,) = {t["job"] for t in record["tasks"] if task in t["name"]}
+    mine = [t for t in record["tasks"] if t["job"] == job]
+    return {**record, "tasks": mine}, {**record, "tasks": [t for t in record["tasks"] if t["job"] != job]}
+
+
+@pytest.mark.slow
+def test_the_two_node_run_trained_on_the_second_node_and_scored_on_the_head(two_node_run):
+    """Ray's own record of the cluster (its GCS): the run's advantages tasks asked for the head's resource and ran
+    there, its training workers asked for the second node's and ran there — placed by runtime.stage_resources, not
+    by chance; the training workers computed the log-probs (no forward workers). (It was test_train_flow.py's, on
+    the two-node run in turn it had then.)"""
+    record, run = _split_record(two_node_run.record, "TrainWorker")[0], two_node_run.run
+    head, second = node_with(record, "rollflow_head"), node_with(record, "rollflow_pinned")
+    assert head != second
+    assert nodes_of(record, "rollflow_head") == {head} and nodes_of(record, "rollflow_pinned") == {second}, record
+    pinned = {name: names_of(record, name) for name in ("rollflow_head", "rollflow_pinned")}
+    assert pinned["rollflow_pinned"] == {"TrainWorker"} and pinned["rollflow_head"], pinned
+    # every training worker actor of the run is one of the pinned group's: no forward group of its own
+    workers = [t for t in record["tasks"] if t["name"].split(".")[0].split(":")[-1] == "TrainWorker"]
+    assert {t["actor"] for t in workers} == {t["actor"] for t in workers if asks_for(t, "rollflow_pinned")}, workers
+    logprobs = json.loads((run / "iter_0000" / "logprobs" / "manifest.json").read_text())
+    # on the training workers: on their engine, or (log-probs in bf16 where the CPU has it natively, training in
+    # fp32) on a model in the pass's dtype beside it (stages/train/actor_forward.py)
+    ran = logprobs["metrics"]["logprobs/jobs_on_held_engines"] + logprobs["metrics"]["logprobs/jobs_on_loaded_models"]
+    assert ran >= 1, logprobs["metrics"]
+    frozen = json.loads((run / "config.json").read_text())
+    assert frozen["runtime"]["stage_resources"]["train_step"] == {"rollflow_pinned": 1.0}
+
+
+@pytest.mark.slow
+def test_recompute_on_the_two_node_cluster_equals_the_local_run(two_node_run, prefect_server, ray_cluster, tmp_path):
+    """``rollflow recompute`` with RAY_ADDRESS set to a real two-node Ray cluster (the module's: two ``ray start``
+    nodes on this machine, each with its own custom resource), each stage pinned to one node by
+    runtime.stage_resources: Ray's own record shows the reward stage's tasks on the head and the advantage stage's on
+    the second node, and both tables equal the local run's (the same command in this process, on the session's
+    cluster), fingerprints included (where a stage runs is not part of them). (It was tests/spine/test_cli.py's, on a
+    cluster of its own, then test_train_flow.py's, on its two-node run's cluster.)"""
+    done, out = two_node_run.recomputed, two_node_run.recompute_out
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    record = _split_record(two_node_run.record, "TrainWorker")[1]  # the training run's job is the other one
+    head, second = node_with(record, "rollflow_head"), node_with(record, "rollflow_pinned")
+    assert head != second
+    assert nodes_of(record, "rollflow_head") == {head}, record["tasks"]
+    assert nodes_of(record, "rollflow_pinned") == {second}, record["tasks"]
+    pinned = {name: names_of(record, name) for name in ("rollflow_head", "rollflow_pinned")}
+    assert any("whole_table" in n for n in pinned["rollflow_head"]), pinned  # the reward stage's map task
+    assert any("AdvantageBatch" in n for n in pinned["rollflow_pinned"]), pinned  # the advantage stage's
+    local = tmp_path / "local"
+    here = rollflow_here("recompute", "--input", str(two_node_run.samples), "--config", RECOMPUTE_CONFIG, "--output",
+                         str(local), api_url=prefect_server.api_url)
+    assert here.exit_code == 0, here.output[-3000:]
+    for name in ("rewarded", "advantaged"):
+        assert read_table(out / name).equals(read_table(local / name)), name
+        fingerprints = [json.loads((folder / name / "manifest.json").read_text())["fingerprint"]
+                        for folder in (out, local)]
+        assert fingerprints[0] == fingerprints[1], name
 
 
 def _manifest(folder: Path) -> dict:
@@ -325,11 +430,13 @@ def test_a_run_on_s3_sigkilled_at_several_points_of_the_overlap_resumes_to_the_u
     iteration 0's weights-only checkpoint was committed: 110 CPU-s for a run of its own): everything of the run is in
     the bucket, nothing in the working directory, no killed attempt is left in a folder with a manifest, no metric is
     logged twice, and ``--resume`` again skips every stage and rewrites no manifest. One chain of kills, so the points
-    cost one run and a start-up each. The first command runs as on a laptop, with its own local Ray cluster and
-    Prefect's ephemeral server, killed with it (its watchdog leaves nothing behind); the resume joins the session's
-    Ray cluster and Prefect server (``cli_env``), as a command on a shared cluster does: the kill takes the driver,
-    Ray ends the job's engines and training workers with it, and the last resume (in this process) starts them again
-    — not a Ray cluster and a Prefect server more for each kill (about 30 CPU-s each)."""
+    cost one run and a start-up each. Both launches join the session's Ray cluster and Prefect server (``cli_env``),
+    as a command on a shared cluster does: the kill takes the driver, Ray ends the job's engines and training workers
+    with it, and the last resume (in this process) starts them again — not a Ray cluster and a Prefect server more
+    for each kill (about 30 CPU-s each). The first launch started its own, as on a laptop, until issue 44's last
+    cut: that the watchdog of a SIGKILLed command takes down the local cluster and the ephemeral server it started
+    is tests/spine/test_cluster.py's test_a_sigkilled_driver_leaves_no_ray_process_behind and
+    tests/spine/test_resume.py's test_sigkill_mid_run_then_rerun_gives_the_uninterrupted_output."""
     import shutil
 
     import numpy as np
@@ -349,9 +456,9 @@ def test_a_run_on_s3_sigkilled_at_several_points_of_the_overlap_resumes_to_the_u
     try:
         for n, (point, not_yet, what) in enumerate(KILL_POINTS):
             logs.append(tmp_path / f"killed{n}.log")
-            env, jobs = (_env(tmp_path) if n == 0 else cli_env), ray_jobs()  # its own cluster, then ours
+            jobs = ray_jobs()
             sigkill_when(command, _every(0.2, Location.of(f"{run}/{point}/manifest.json").exists), logs[-1],
-                         env={**env, **s3, "PYTHONPATH": str(REPO)}, cwd=str(cwd), what=what, whole_group=True)
+                         env={**cli_env, **s3, "PYTHONPATH": str(REPO)}, cwd=str(cwd), what=what, whole_group=True)
             assert not Location.of(f"{run}/{not_yet}/manifest.json").exists(), \
                 f"killed after {not_yet} committed, not when {what}"
             assert not objects(f"{run}/report"), "killed before the end"

@@ -182,7 +182,7 @@ def rlvr_run(tmp_path_factory, prefect_server, ray_cluster) -> RLVRRun:
     advantages (the critic's values; the tiny random model never answers a math prompt right, so every score is 0)
     move the tiny policy. The command runs in this process (``rollflow_here``, on the session's Ray cluster and
     Prefect server); ``rollflow`` as a process (its exit status and console) is the same entry point for both flows,
-    run as one in tests/trainflow/test_train_flow.py."""
+    run as one in tests/trainflow/test_async_rollout.py (its two-node run)."""
     tmp = tmp_path_factory.mktemp("rlvr")
     args = _tiny_run(tmp, "adv_estimator=gae", "add_token_level_kl=true", "init_kl_coef=0.1",
                      "logprobs.enable_reference=true", "train.critic_train.model_args.dtype=fp32",

@@ -1,24 +1,21 @@
-"""The training flow: ROLL's agentic config rules, and a real run (Prefect ephemeral API, local Ray, HF engine,
-DeepSpeed) on the tiny random model, resumed afterwards with every stage skipped."""
+"""The training flow: ROLL's agentic config rules, and a real run (Prefect, local Ray, HF engine, DeepSpeed) on the
+tiny random model in the test's process, resumed afterwards with every stage skipped."""
 
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from click.testing import Result
 
 from schemas.config import load_config, validate_config
 from schemas.errors import ConfigError
 from schemas.train_flow_config import TrainFlowConfig
-from stages.example import ExampleSpec, generate
 from tests.processes import rollflow_here
-from tests.ray_nodes import NodeSpec, RayNodes, asks_for, names_of, node_with, nodes_of, ray_record
-from tests.spine.helpers import read_table
 
 REPO = Path(__file__).resolve().parents[2]
 CONFIGS = sorted((REPO / "configs").glob("train_*.yaml"))
@@ -105,9 +102,9 @@ def _tiny_args(runs_dir: Path, name: str) -> list[str]:
     training steps, their resume and their re-runs are checked on weights that move. The engine sleeps between
     rollouts as a colocated one does (sleep_level 2: its weights discarded, the next checkpoint loaded on waking), so
     the flow's order of sleep, log-probs, training and wake is exercised on the CPU. The actor trains LoRA adapters
-    (rank 4 on q_proj and v_proj; issue 16): every tiny run (two nodes, re-runs, evaluation, and the asynchronous run
-    of tests/trainflow/test_async_rollout.py: its SIGKILLs, replay and S3) takes the LoRA path, whose checkpoints the
-    engines read as plain HF folders (merged weights); full fine-tuning runs end to end in the RLVR run
+    (rank 4 on q_proj and v_proj; issue 16): every tiny run (re-runs, evaluation, and the asynchronous runs of
+    tests/trainflow/test_async_rollout.py: two nodes, SIGKILLs, replay and S3) takes the LoRA path, whose checkpoints
+    the engines read as plain HF folders (merged weights); full fine-tuning runs end to end in the RLVR run
     (tests/trainflow/test_rlvr_train.py). The engine plays in fp32, as the actor trains: the tests compare its
     log-probs between runs up to float32 rounding, and in bf16 (``auto`` on a CPU with native bf16) two runs of the
     same evaluation once differed by bf16 rounding (0.004 on 2 of 1,058 tokens, the tokens the same)."""
@@ -127,140 +124,50 @@ def _tiny_args(runs_dir: Path, name: str) -> list[str]:
             "--set", "train.actor_train.model_args.lora_target_modules=[q_proj,v_proj]"]
 
 
-def _env(tmp: Path) -> dict:
-    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "PREFECT_API_URL")}
-    return {**env, "PREFECT_HOME": str(tmp / "prefect"), "ROLLFLOW_CACHE": str(REPO / ".cache")}
-
-
-# the finished run's stages pinned to the two nodes of its cluster (runtime.stage_resources): the advantages' map
-# tasks to the head, the training workers (which also compute the log-probs, issue 44) to the second node
-PINS = "runtime.stage_resources={advantages: {rollflow_head: 1}, train_step: {rollflow_pinned: 1}}"
-# the recompute on the same cluster: the reward stage's tasks to the head, the advantage stage's to the second node
-RECOMPUTE_PINS = "runtime.stage_resources={response_rewards: {rollflow_head: 1}, advantages: {rollflow_pinned: 1}}"
-RECOMPUTE_CONFIG = str(REPO / "configs/recompute_gigpo.yaml")
-
-
 @dataclass(frozen=True)
-class TwoNodeRun:
-    """The finished run and what was read of its two-node cluster while the cluster was up."""
+class FinishedRun:
+    """The finished run and its no-work resume."""
 
     run: Path  # the run folder
-    record: dict  # Ray's record of the cluster after the run and the recompute (tests/ray_nodes.py ray_record)
     stamps: dict  # the manifests' modification times before the resume
-    resumed: subprocess.CompletedProcess  # `rollflow train --resume RUN --no-report` on the same cluster
+    resumed: Result  # `rollflow train --resume RUN --no-report` in this process (Typer's result)
     stamps_resumed: dict  # and after it
-    samples: Path  # the example samples the recompute read
-    recomputed: subprocess.CompletedProcess  # `rollflow recompute --input SAMPLES ...` on the same cluster
-    recompute_out: Path  # its output folder (rewarded/, advantaged/)
 
 
 @pytest.fixture(scope="module")
-def two_node_run(tmp_path_factory, cli_env) -> TwoNodeRun:
-    """One uninterrupted tiny run, reporting to the session's Prefect server, on a real two-node Ray cluster on this
-    machine (issue 14, item 3) with its advantages' tasks pinned to the head and its training workers to the second
-    node; then, on the same cluster, ``rollflow recompute`` of a small example set with each of its two stages pinned
-    to one node; then Ray's record of where the tasks of both ran, and ``rollflow train --resume`` of the run on the
-    cluster it was started on (its stages are pinned to its nodes). The cluster: two ``ray start`` nodes with one
-    CPU each (the 2 CPUs the local runs have), the head with the custom resource ``rollflow_head``, the second node
-    with ``rollflow_pinned``; Ray may also place unpinned tasks on either. One cluster for both commands: a second
-    one cost about 10 CPU-s to start, with Ray Data's helper actors again. It is stopped (its processes alone, not
-    other Ray clusters of the machine) as soon as that is done, also on failure: the module's other tests read the
-    output folders only, and would otherwise pay for its idle daemons, pool workers and Ray Data helpers for minutes
-    (the stage re-run's and the evaluation's runs)."""
+def local_run(tmp_path_factory, prefect_server, ray_cluster) -> FinishedRun:
+    """One uninterrupted tiny run in this process (``rollflow_here``: the session's Ray cluster and Prefect server),
+    then ``rollflow train --resume`` of it, also here. It ran as a ``rollflow`` child on a two-node cluster of its
+    own (issue 14, item 3) with the recompute and the resume as children beside it, 83 CPU-s against 45 here:
+    tests/trainflow/test_async_rollout.py's two-node run now carries the placement checks and the recompute on its
+    cluster (one two-node cluster and run for both modules), and its S3 chain the equality of a two-node run with a
+    local one; a ``rollflow train`` child's exit status is that run's."""
     root = tmp_path_factory.mktemp("trainflow")
-    run, samples, recompute_out = root / "t", root / "samples", root / "recomputed"
-    # ~400 step-level FrozenLake rows in groups of 8, several Parquet files, short responses
-    generate(ExampleSpec(samples=400, seed=1, rows_per_file=120, response_len=(8, 32), prompt_len=(4, 12)),
-             str(samples))
-    with RayNodes([NodeSpec(1, {"rollflow_head": 4}), NodeSpec(1, {"rollflow_pinned": 4})], env=cli_env) as nodes:
-        env = {**cli_env, "RAY_ADDRESS": nodes.address}
-        first = _rollflow(*_tiny_args(root, "t"), "--set", PINS, env=env)
-        assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
-        recomputed = _rollflow("recompute", "--input", str(samples), "--config", RECOMPUTE_CONFIG, "--output",
-                               str(recompute_out), "--set", RECOMPUTE_PINS, env=env, timeout_s=600)
-        record = ray_record(nodes.address, env)
-        stamps = {p: p.stat().st_mtime_ns for p in run.glob("iter_*/*/manifest.json")}
-        resumed = _rollflow("train", "--resume", str(run), "--no-report", env=env)
-        stamps_resumed = {p: p.stat().st_mtime_ns for p in run.glob("iter_*/*/manifest.json")}
-    assert nodes.alive() == [], "the cluster's processes are gone"
-    return TwoNodeRun(run, record, stamps, resumed, stamps_resumed, samples, recomputed, recompute_out)
-
-
-def _split_record(record: dict, task: str) -> tuple[dict, dict]:
-    """Ray's record of the cluster (tests/ray_nodes.py ray_record) split in two: the tasks of the one job (one
-    command) that ran a task or actor whose name holds ``task``, and those of the other jobs."""
-    (job,) = {t["job"] for t in record["tasks"] if task in t["name"]}
-    mine = [t for t in record["tasks"] if t["job"] == job]
-    return {**record, "tasks": mine}, {**record, "tasks": [t for t in record["tasks"] if t["job"] != job]}
+    run = root / "t"
+    first = rollflow_here(*_tiny_args(root, "t"), api_url=prefect_server.api_url)
+    assert first.exit_code == 0, first.output[-3000:]
+    stamps = {p: p.stat().st_mtime_ns for p in run.glob("iter_*/*/manifest.json")}
+    resumed = rollflow_here("train", "--resume", str(run), "--no-report", api_url=prefect_server.api_url)
+    stamps_resumed = {p: p.stat().st_mtime_ns for p in run.glob("iter_*/*/manifest.json")}
+    return FinishedRun(run, stamps, resumed, stamps_resumed)
 
 
 @pytest.fixture(scope="module")
-def finished_run(two_node_run) -> Path:
-    """The two-node run's folder (read-only). It is the reference of the evaluation test, whose run is local: their
-    equality is also the equality of a two-node run's evaluation with a local one. The run killed on S3 and resumed
-    is tests/trainflow/test_async_rollout.py's chain (one run for the object store and the overlap's kill points: a kill
-    and resume of its own here cost 83-127 CPU-s), against an uninterrupted run on a two-node cluster too."""
-    return two_node_run.run
-
-
-@pytest.mark.slow
-def test_the_finished_run_trained_on_the_second_node_and_scored_on_the_head(two_node_run):
-    """Ray's own record of the cluster (its GCS): the run's advantages tasks asked for the head's resource and ran
-    there, its training workers asked for the second node's and ran there — placed by runtime.stage_resources, not
-    by chance; the training workers computed the log-probs (no forward workers)."""
-    record, finished_run = _split_record(two_node_run.record, "TrainWorker")[0], two_node_run.run
-    head, second = node_with(record, "rollflow_head"), node_with(record, "rollflow_pinned")
-    assert head != second
-    assert nodes_of(record, "rollflow_head") == {head} and nodes_of(record, "rollflow_pinned") == {second}, record
-    pinned = {name: names_of(record, name) for name in ("rollflow_head", "rollflow_pinned")}
-    assert pinned["rollflow_pinned"] == {"TrainWorker"} and pinned["rollflow_head"], pinned
-    # every training worker actor of the run is one of the pinned group's: no forward group of its own
-    workers = [t for t in record["tasks"] if t["name"].split(".")[0].split(":")[-1] == "TrainWorker"]
-    assert {t["actor"] for t in workers} == {t["actor"] for t in workers if asks_for(t, "rollflow_pinned")}, workers
-    logprobs = json.loads((finished_run / "iter_0000" / "logprobs" / "manifest.json").read_text())
-    # on the training workers: on their engine, or (log-probs in bf16 where the CPU has it natively, training in
-    # fp32) on a model in the pass's dtype beside it (stages/train/actor_forward.py)
-    ran = logprobs["metrics"]["logprobs/jobs_on_held_engines"] + logprobs["metrics"]["logprobs/jobs_on_loaded_models"]
-    assert ran >= 1, logprobs["metrics"]
-    frozen = json.loads((finished_run / "config.json").read_text())
-    assert frozen["runtime"]["stage_resources"]["train_step"] == {"rollflow_pinned": 1.0}
-
-
-@pytest.mark.slow
-def test_recompute_on_the_two_node_cluster_equals_the_local_run(two_node_run, prefect_server, ray_cluster, tmp_path):
-    """``rollflow recompute`` with RAY_ADDRESS set to a real two-node Ray cluster (the module's: two ``ray start``
-    nodes on this machine, each with its own custom resource), each stage pinned to one node by
-    runtime.stage_resources: Ray's own record shows the reward stage's tasks on the head and the advantage stage's on
-    the second node, and both tables equal the local run's (the same command in this process, on the session's
-    cluster), fingerprints included (where a stage runs is not part of them). (It was tests/spine/test_cli.py's, on a
-    cluster of its own.)"""
-    done, out = two_node_run.recomputed, two_node_run.recompute_out
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    record = _split_record(two_node_run.record, "TrainWorker")[1]  # the training run's job is the other one
-    head, second = node_with(record, "rollflow_head"), node_with(record, "rollflow_pinned")
-    assert head != second
-    assert nodes_of(record, "rollflow_head") == {head}, record["tasks"]
-    assert nodes_of(record, "rollflow_pinned") == {second}, record["tasks"]
-    pinned = {name: names_of(record, name) for name in ("rollflow_head", "rollflow_pinned")}
-    assert any("whole_table" in n for n in pinned["rollflow_head"]), pinned  # the reward stage's map task
-    assert any("AdvantageBatch" in n for n in pinned["rollflow_pinned"]), pinned  # the advantage stage's
-    local = tmp_path / "local"
-    here = rollflow_here("recompute", "--input", str(two_node_run.samples), "--config", RECOMPUTE_CONFIG, "--output",
-                         str(local), api_url=prefect_server.api_url)
-    assert here.exit_code == 0, here.output[-3000:]
-    for name in ("rewarded", "advantaged"):
-        assert read_table(out / name).equals(read_table(local / name)), name
-        fingerprints = [json.loads((folder / name / "manifest.json").read_text())["fingerprint"]
-                        for folder in (out, local)]
-        assert fingerprints[0] == fingerprints[1], name
+def finished_run(local_run) -> Path:
+    """The run's folder (read-only): the reference of the evaluation test and the stage re-run. The run killed on S3
+    and resumed is tests/trainflow/test_async_rollout.py's chain (one run for the object store and the overlap's kill
+    points: a kill and resume of its own here cost 83-127 CPU-s), against an uninterrupted run on a two-node cluster;
+    its evaluations equal to that run's are the equality of a two-node run's evaluation with a local one, which the
+    evaluation test here checked while this run ran on two nodes."""
+    return local_run.run
 
 
 STAGES = ("rollout/samples", "logprobs", "rewarded", "advantaged", "checkpoint", "eval/samples")
 
 
 @pytest.mark.slow
-def test_train_run_end_to_end_then_resume_skips_everything(two_node_run, prefect_server, ray_cluster):
-    run = two_node_run.run
+def test_train_run_end_to_end_then_resume_skips_everything(local_run, prefect_server, ray_cluster):
+    run = local_run.run
     for k in (0, 1):
         for stage in STAGES:
             assert (run / f"iter_{k:04d}" / stage / "manifest.json").exists(), (k, stage)
@@ -288,10 +195,10 @@ def test_train_run_end_to_end_then_resume_skips_everything(two_node_run, prefect
     released = {m["iteration"]: m["value"] for m in metrics if m["name"] == "engine/released_gib"}
     assert set(released) == {0, 1} and min(released.values()) > 0, released
 
-    # the resume on the cluster the run was started on (two_node_run): every stage skipped, no manifest rewritten
-    stamps, again = two_node_run.stamps, two_node_run.resumed
-    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
-    assert stamps and two_node_run.stamps_resumed == stamps
+    # the resume (local_run): every stage skipped, no manifest rewritten
+    stamps, again = local_run.stamps, local_run.resumed
+    assert again.exit_code == 0, again.output[-3000:]
+    assert stamps and local_run.stamps_resumed == stamps
 
     # refused before Ray or Prefect is asked: the command in this process (no child importing rollflow again)
     bad = rollflow_here("train", "--resume", str(run), "--set", "max_steps=3", api_url=prefect_server.api_url)
