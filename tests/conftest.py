@@ -180,8 +180,8 @@ def cli_env(prefect_server, ray_cluster, tmp_path_factory) -> dict:
     the cluster as a user's command joins an existing one, instead of starting its own: about 18 CPU-seconds and 7 s
     less a command on two cores (Ray's daemons, Ray Data's actors). A killed command joins it too (Ray ends the
     driver's job with it; ``tests.processes.wait_ray_jobs_gone``); the commands whose kill is about their own cluster
-    (the recompute killed alone, whose watchdog takes its cluster down; the first kill of the asynchronous run's
-    chain, killed whole with its cluster) build their environment without RAY_ADDRESS."""
+    (tests/spine/test_cluster.py's SIGKILLed driver, whose watchdog takes its cluster down) build their environment
+    without RAY_ADDRESS."""
     import ray
 
     env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "PREFECT_API_URL")}
