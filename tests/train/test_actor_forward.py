@@ -27,7 +27,8 @@ from stages.train.forward import ForwardModels, forward_batch, forward_rows, loa
 from stages.train.group import TrainerGroup
 from stages.train.models import load_actor_model
 from stages.train.resume import HeldEngines
-from stages.train.stage import LOGPROBS, ForwardJob, run_logprobs, run_train_step, run_values, train_section
+from stages.train.stage import (LOGPROBS, ForwardJob, forward_group, run_logprobs, run_train_step, run_values,
+                                train_section)
 from tests.train.tables import advantaged_rows, read_folder, write_table
 from tests.train.test_core import section
 from tests.train.test_forward import CHUNK, VocabRows, fused_tolerance
@@ -185,7 +186,9 @@ def test_actor_group_of_two_ranks_gives_lora_reference_and_critic_values_of_the_
     """Two data-parallel ranks, LoRA on the actor, a critic (gae): after one training step the group computes the
     old log-probs on its held LoRA engine, the reference with the adapter off (the base model's log-probs) and the
     values on its held critic; equal to the separate pass within float32 rounding (the batching differs, module
-    docstring)."""
+    docstring). The separate log-prob and values passes share one forward group of one rank (models loaded beside,
+    no engines: a training run's with keep_workers: false), not a group started for each stage run on its own: one
+    process that imports torch and loads the models, not two."""
     cfg = train_config(2, **{"adv_estimator": "gae", "actor_train.model_args.lora_rank": 4,
                              "critic_train.training_args.learning_rate": 1e-3,
                              "critic_train.training_args.per_device_train_batch_size": 8})
@@ -200,8 +203,12 @@ def test_actor_group_of_two_ranks_gives_lora_reference_and_critic_values_of_the_
         group.close()
     for result, name in ((logprobs, "logprobs"), (values, "values")):  # one job, on each rank's held engine
         assert result.metrics[f"{name}/jobs_on_held_engines"] == 2 and result.metrics[f"{name}/jobs_on_loaded_models"] == 0
-    run_logprobs(str(samples), ck, fwd, str(tmp_path / "p"), reference=str(tiny_model))
-    run_values(str(samples), ck, fwd, str(tmp_path / "pv"))
+    with forward_group(fwd, kept=True) as beside:  # the separate passes: one group loads the models beside
+        separate = (run_logprobs(str(samples), ck, fwd, str(tmp_path / "p"), reference=str(tiny_model), group=beside),
+                    run_values(str(samples), ck, fwd, str(tmp_path / "pv"), group=beside))
+    for result, name in zip(separate, ("logprobs", "values")):  # on models loaded beside, no engine held
+        metrics = result.metrics
+        assert (metrics[f"{name}/jobs_on_held_engines"], metrics[f"{name}/jobs_on_loaded_models"]) == (0, 1), name
     table = read_folder(samples)
     base = direct(load_actor_model(str(tiny_model)), table)
     got, want = read_folder(tmp_path / "g"), read_folder(tmp_path / "p")

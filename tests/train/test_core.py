@@ -22,7 +22,7 @@ from schemas.errors import ConfigError, RollflowError, SchemaError
 from schemas.tables import FLOATS
 from schemas.train_config import TrainSection, TrainStepConfig
 from stages.train.batching import TokenRows, batching_policy, pad_micro_batch, plan_step
-from stages.train.checkpoint import check_complete, check_trainable, read_checkpoint
+from stages.train.checkpoint import check_complete, check_trainable, copy_tokenizer, read_checkpoint
 from stages.train.core import run_training, train_and_save
 from stages.train.distributed import compile_on_first_call, no_shm_comm_op
 from stages.train.engine import Engine
@@ -535,12 +535,16 @@ def test_checkpoint_is_an_hf_folder_with_tokenizer(dist, tiny_model, table, tmp_
     assert model.config.use_cache is not False  # training settings do not leak into the generation model
     tok = AutoTokenizer.from_pretrained(tmp_path / "c")
     assert tok.chat_template and tok.eos_token == AutoTokenizer.from_pretrained(tiny_model).eos_token
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):  # the model's files, copied
+        assert (tmp_path / "c" / name).read_bytes() == (tiny_model / name).read_bytes(), name
     assert not (tmp_path / "c" / "critic").exists()  # grpo: no critic
 
 
 def test_bad_checkpoints_and_configs_are_rejected(tmp_path):
     with pytest.raises(SchemaError, match="not a Hugging Face model folder"):
         read_checkpoint(str(tmp_path))
+    with pytest.raises(SchemaError, match=f"model folder {tmp_path} has no tokenizer"):
+        copy_tokenizer(str(tmp_path), str(tmp_path / "out"))
     with pytest.raises(ConfigError, match="max_steps"):
         validate_config(TrainStepConfig, {"actor_train": {"training_args": {"lr_scheduler_type": "cosine"}}})
     with pytest.raises(ConfigError, match="constant_with_warmup"):

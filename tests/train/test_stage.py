@@ -201,7 +201,9 @@ def cli() -> typer.Typer:
 def test_train_step_cli_on_two_workers_skips_prunes_and_reports_worker_errors(tiny_model, samples, tmp_path, s3):
     """The checkpoints go to an object store (a local S3 server, tests/objstore.py; docs/object-storage.md): DeepSpeed
     writes into a local staging folder that is uploaded under the manifest, the second step downloads the first
-    (weights and DeepSpeed state) to continue from it, and pruning deletes on the store."""
+    (weights and DeepSpeed state) to continue from it, and pruning deletes on the store. The failing step runs on
+    one worker (``--set runtime.num_workers=1``): the error is a worker's whatever the group's size, and each
+    worker the command starts is a process that imports torch and DeepSpeed (~6 CPU-s)."""
     config = tmp_path / "train.yaml"
     config.write_text("adv_estimator: grpo\nppo_epochs: 2\nactor_train:\n  training_args:\n"
                       "    learning_rate: 1.0e-3\n    per_device_train_batch_size: 2\n"
@@ -231,6 +233,7 @@ def test_train_step_cli_on_two_workers_skips_prunes_and_reports_worker_errors(ti
                               pa.array([[0.5]] * table.num_rows, pa.list_(pa.float32())))
     bad = write_table(broken, tmp_path / "broken")
     failed = runner.invoke(app, ["train-step", "--samples", str(bad), "--config", str(config), "--checkpoint",
-                                 str(tiny_model), "--output", str(tmp_path / "ck" / "bad")])
+                                 str(tiny_model), "--output", str(tmp_path / "ck" / "bad"), "--set",
+                                 "runtime.num_workers=1"])
     assert failed.exit_code == 2 and "'advantages'" in failed.output, failed.output
     assert not (tmp_path / "ck" / "bad").exists()
