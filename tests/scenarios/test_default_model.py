@@ -55,16 +55,13 @@ BF16_UNIT_ROUNDOFF = 2.0 ** -8  # 8 significant bits
 
 def _mixed_sets(runs_dir: Path, name: str, model: Path) -> list[str]:
     """The shipped mixed config's changes for this module: one iteration (a tick), the default model through vLLM
-    (the config's engine), cut down: one group of one episode per tag, one turn each, 8 new tokens, one held-out
-    level per tag; LoRA adapters for the actor (see the module). One FrozenLake turn rather than two: no check here
-    reads a second turn (multi-turn rows are the rollout tests'), and each rollout and evaluation of the run and of
-    the re-run then plays one Ray Data turn instead of two, on shorter rows for the log-prob, training and re-run
-    stages."""
+    (the config's engine), cut down: one group of one episode per tag, FrozenLake two turns and Sokoban one, 8 new
+    tokens, one held-out level per tag; LoRA adapters for the actor (see the module)."""
     return ["--set", f"run_name={name}", "--set", f"runs_dir={runs_dir}",
             "--set", "max_steps=1", "--set", f"pretrain={model}",
             "--set", "rollout.env.num_env_groups=2", "--set", "rollout.env.num_groups_partition=[1,1]",
             "--set", "rollout.env.group_size=1", "--set", "rollout_batch_size=2",
-            "--set", "rollout.custom_envs.FrozenLake.max_steps=1",
+            "--set", "rollout.custom_envs.FrozenLake.max_steps=2",
             "--set", "rollout.custom_envs.SimpleSokoban.max_steps=1",
             "--set", "rollout.generating_args.max_new_tokens=8",
             "--set", "eval.num_env_groups=2", "--set", "eval.num_groups_partition=[1,1]",
