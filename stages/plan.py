@@ -13,7 +13,8 @@ The rules (what today's code reserves; see the stages cited):
   ``forward_group``, a kept group of ``num_actors`` ranks x ``gpus_per_actor``, no CPU) in a run whose training
   group is not kept (a kept group, the actor group, computes the log-prob and values stages itself:
   :func:`forward_on_actor`, issue 44); the kept training workers' GPUs with ``train.runtime.use_gpu``
-  (stages/train/group.py: the group reserves one GPU per worker, and a kept group lives until the flow ends). Colocated roles reserve their equal share of a GPU instead (:func:`gpu_shares`).
+  (stages/train/group.py: the group reserves one GPU per worker, and a kept group lives until the flow ends).
+  Colocated roles reserve their equal share of a GPU instead (:func:`gpu_shares`).
 * **Held during one stage** ("phase"): generation's Ray Data tasks (``TASK_CPUS``, 0.25 CPU); the log-prob / values
   stage: the kept forward group's ``num_actors`` x ``logprobs.cpus_per_actor`` (it reserves none in Ray, but its
   threads compute on them during the stage) plus half a CPU for Ray Data's read/write tasks; the training step:
@@ -22,13 +23,14 @@ The rules (what today's code reserves; see the stages cited):
 * **The check**: the stages of a run follow each other, and the resident reservations sit beside each of them, so for
   every phase, resident + that phase must fit the cluster. With ``async_generation_ratio > 0`` the generation of
   iteration k + 1 runs beside iteration k's later phases (flows/loop.py), so the generation phase's reservations sit
-  beside each of them too (:attr:`Plan.overlapped`), and the plan prints which stages run at once and where. CPUs are summed (need = resident + the largest phase);
-  GPUs are packed the way Ray places them: a request of 1 or more takes whole free GPUs, a fraction must fit in
-  what is left of one GPU. Roles colocated by ROLL's ``device_mapping`` (schemas/devices.py) reserve equal shares
-  of their GPUs (:func:`gpu_shares`): one GPU holds the engine (asleep outside generation) and the training workers
-  (which also compute the log-probs and values) at once: two copies of the policy; the forward workers of a run
-  without a kept group are a third. Without colocation, engines that hold a GPU and training workers that need one
-  cannot both be placed on one GPU, and the plan is refused with the colocation settings as the fix.
+  beside each of them too (:attr:`Plan.overlapped`), and the plan prints which stages run at once and where. CPUs are
+  summed (need = resident + the largest phase); GPUs are packed the way Ray places them: a request of 1 or more takes
+  whole free GPUs, a fraction must fit in what is left of one GPU. Roles colocated by ROLL's ``device_mapping``
+  (schemas/devices.py) reserve equal shares of their GPUs (:func:`gpu_shares`): one GPU holds the engine (asleep
+  outside generation) and the training workers (which also compute the log-probs and values) at once: two copies of
+  the policy; the forward workers of a run without a kept group are a third. Without colocation, engines that hold a
+  GPU and training workers that need one cannot both be placed on one GPU, and the plan is refused with the colocation
+  settings as the fix.
 * **Custom resources** (``runtime.stage_resources``: a stage pinned to the nodes that declare a resource): kept
   forward and training workers hold theirs for the whole run, the reward and advantage map tasks during their phase
   (one task at least); per resource, resident + the largest phase must not exceed what the cluster's nodes declare,

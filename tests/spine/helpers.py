@@ -42,6 +42,15 @@ def run_recompute(samples: str, out: str, cfg: RecomputeConfig | str = GIGPO, *,
     return {"rewarded": r1, "advantaged": r2}
 
 
+def flow_runs(client, name: str = "recompute") -> list:
+    """The flow runs of flow ``name`` that Prefect ``client``'s server holds, the latest started first."""
+    from prefect.client.schemas.filters import FlowFilter, FlowFilterName
+    from prefect.client.schemas.sorting import FlowRunSort
+
+    return client.read_flow_runs(flow_filter=FlowFilter(name=FlowFilterName(any_=[name])),
+                                 sort=FlowRunSort.START_TIME_DESC)
+
+
 def parquet_files(folder: str | Path) -> list[Path]:
     return sorted(Path(folder).glob("*.parquet"))
 

@@ -12,15 +12,7 @@ import pytest
 
 from schemas.errors import SchemaError
 from tests.processes import rollflow_here
-from tests.spine.helpers import GIGPO, config, read_table, tree_digest
-
-
-def _flow_runs(client, name: str = "recompute"):
-    from prefect.client.schemas.filters import FlowFilter, FlowFilterName
-    from prefect.client.schemas.sorting import FlowRunSort
-
-    return client.read_flow_runs(flow_filter=FlowFilter(name=FlowFilterName(any_=[name])),
-                                 sort=FlowRunSort.START_TIME_DESC)
+from tests.spine.helpers import GIGPO, config, flow_runs, read_table, tree_digest
 
 
 def _task_runs(client, flow_run_id):
@@ -55,7 +47,7 @@ def test_flow_in_ephemeral_mode(step_set, tmp_path, ray_cluster, prefect_home):
     assert tree_digest(out) == before
 
     with get_client(sync_client=True) as client:
-        runs = _flow_runs(client)
+        runs = flow_runs(client)
         assert len(runs) >= 2 and all(r.state.is_completed() for r in runs[:2])
         tasks = _task_runs(client, runs[0].id)
         assert sorted(t.name.rsplit("-", 1)[0] for t in tasks) == \
@@ -76,7 +68,7 @@ def test_flow_failure_raises_our_error_and_marks_the_run_failed(step_set, tmp_pa
         recompute_flow(bad, str(tmp_path / "out"), config(GIGPO).model_dump(mode="json"))
     assert not (tmp_path / "out").exists()
     with get_client(sync_client=True) as client:
-        assert _flow_runs(client)[0].state.is_failed()
+        assert flow_runs(client)[0].state.is_failed()
 
 
 @pytest.mark.server
@@ -99,7 +91,7 @@ def test_flow_against_a_real_prefect_server(prefect_server, ray_cluster, step_se
     with temporary_settings(updates={PREFECT_API_URL: prefect_server.api_url}):
         with get_client(sync_client=True) as client:
             assert client.api_url.host == "127.0.0.1"
-            runs = [r for r in _flow_runs(client) if r.parameters.get("output_dir") == str(out)]  # a shared server
+            runs = [r for r in flow_runs(client) if r.parameters.get("output_dir") == str(out)]  # a shared server
             assert len(runs) == 1 and runs[0].state.is_completed(), runs
             assert runs[0].parameters["input_dir"] == step_set
             # the task runs reach the server as events, which this process's events worker sends on its own time (a

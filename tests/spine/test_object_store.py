@@ -28,7 +28,7 @@ from stages.storage import ATTEMPT_KEY, Location, read_manifest, read_table_sche
 from tests.objstore import BUCKET, objects, read_s3_table, s3  # noqa: F401  (s3: the module's S3 server, a fixture)
 from tests.processes import sigkill_when
 from tests.spine.conftest import SMALL
-from tests.spine.helpers import GIGPO, assert_tables_equal, read_table
+from tests.spine.helpers import GIGPO, assert_tables_equal, flow_runs, read_table
 
 ROLLFLOW = [sys.executable, "-m", "flows.cli"]
 REPO = Path(__file__).resolve().parents[2]
@@ -163,11 +163,10 @@ def test_recompute_on_s3_killed_at_the_commit_resumes_to_the_local_output(s3, cl
 def _flow_runs_of(api_url: str, output_dir: str) -> list:
     """The recompute flow runs on the Prefect server at ``api_url`` that wrote ``output_dir`` (a shared server)."""
     from prefect.client.orchestration import get_client
-    from prefect.client.schemas.filters import FlowFilter, FlowFilterName
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
     with temporary_settings(updates={PREFECT_API_URL: api_url}), get_client(sync_client=True) as client:
-        runs = client.read_flow_runs(flow_filter=FlowFilter(name=FlowFilterName(any_=["recompute"])))
+        runs = flow_runs(client)
     return [r for r in runs if r.parameters.get("output_dir") == output_dir]
 
 

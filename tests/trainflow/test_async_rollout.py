@@ -275,8 +275,6 @@ def two_node_run(tmp_path_factory, cli_env) -> TwoNodeRun:
                                str(recompute_out), "--set", RECOMPUTE_PINS, env=env, timeout_s=600)
         record = ray_record(nodes.address, env)
     assert nodes.alive() == [], "the cluster's processes are gone"
-    assert json.loads((root / "a/config.json").read_text())["runtime"]["stage_resources"]["train_step"] == \
-        {"rollflow_pinned": 1.0}
     return TwoNodeRun(root / "a", record, samples, recomputed, recompute_out)
 
 
