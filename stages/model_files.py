@@ -6,12 +6,20 @@ as long as the header says (an 8-byte little-endian header length, the JSON head
 the largest ``data_offsets`` end), the shards a ``*.safetensors.index.json`` lists are there, and a DeepSpeed state
 file (torch's zip format) ends in its zip directory. A damaged file is reported with the folder, the file, what is
 wrong and the fix, before Prefect and Ray start (stages/generation/engines.py ``check_model_dir``,
-stages/train/checkpoint.py ``read_checkpoint``)."""
+stages/train/checkpoint.py ``read_checkpoint``).
+
+A folder that passed is not checked again in the same process while its files are as they were (:class:`OnceChecked`):
+a run reads its model folder and checkpoints at every rollout turn, log-prob pass and training step, and parsing
+the 3.5 MB tokenizer.json each time cost a tiny run's driver a third of its CPU."""
 
 from __future__ import annotations
 
 import json
+import os
+import time
 import zipfile
+from collections import OrderedDict
+from collections.abc import Callable
 from pathlib import Path
 
 from schemas.errors import SchemaError
@@ -27,10 +35,56 @@ _TRAIN_STATE_FIELDS = {"global_step": (int,), "optimizer_steps": (int,), "world_
                        "zero_stage": (int, _NULL), "replay": (dict, _NULL), "lora": (dict, _NULL)}
 
 
+# a file changed less than this long ago does not count as unchanged by its signature: file systems stamp times at a
+# coarse granularity (a kernel tick), so a second write within it could leave size, times and inode as they were
+SETTLED_S = 2.0
+
+
+def folder_signature(folder: Path) -> tuple | None:
+    """(path relative to ``folder``, size, inode, mtime ns, ctime ns) of every file under ``folder``, sorted; None
+    when a file changed less than :data:`SETTLED_S` ago (or carries a time ahead of this machine's clock), so that a
+    folder being written is checked every time. Any write, replacement or ``os.utime`` of a file changes its ctime."""
+    settled_before, found = time.time_ns() - int(SETTLED_S * 1e9), []
+    for root, _dirs, files in os.walk(folder):
+        for name in files:
+            st = os.stat(os.path.join(root, name))
+            if max(st.st_mtime_ns, st.st_ctime_ns) > settled_before:
+                return None
+            found.append((os.path.relpath(os.path.join(root, name), folder), st.st_size, st.st_ino, st.st_mtime_ns,
+                          st.st_ctime_ns))
+    return tuple(sorted(found))
+
+
+class OnceChecked:
+    """A check of a model folder that runs once per process for each state of the folder's files: it runs again when
+    a file was added, removed or written since it passed (:func:`folder_signature`), or when the folder was written
+    too recently to tell. A check that raises is not remembered. Keeps the last ``limit`` folders."""
+
+    def __init__(self, check: Callable[[Path], None], limit: int = 256):
+        self.check, self.limit, self.passed = check, limit, OrderedDict()
+
+    def __call__(self, folder: Path) -> None:
+        key, signature = os.path.realpath(folder), folder_signature(folder)
+        if signature is not None and self.passed.get(key) == signature:
+            self.passed.move_to_end(key)
+            return
+        self.check(folder)
+        if signature is not None:
+            self.passed[key] = signature
+            self.passed.move_to_end(key)
+            while len(self.passed) > self.limit:
+                self.passed.popitem(last=False)
+
+
 def check_model_files(folder: Path) -> None:
     """Raise a SchemaError naming the first damaged file of the model folder ``folder`` (see the module
     docstring); the files that are there only: which ones a folder must hold is for its reader to say. A damaged
-    manifest.json gets the error of every manifest reader (stages/storage.py ``read_manifest``)."""
+    manifest.json gets the error of every manifest reader (stages/storage.py ``read_manifest``). Once per state of
+    the folder's files in a process (:class:`OnceChecked`)."""
+    _FILES_CHECKED(Path(folder))
+
+
+def _check_model_files(folder: Path) -> None:
     read_manifest(Location.of(str(folder)))
     for path in sorted(p for p in folder.rglob("*") if p.is_file() and p != folder / MANIFEST):
         problem = _file_problem(folder, path)
@@ -39,6 +93,9 @@ def check_model_files(folder: Path) -> None:
                               "from a copy, or make it again: a run's checkpoint (runs/<run>/iter_<k>/checkpoint) by "
                               "deleting iter_<k> and the iterations after it and resuming the run, the default model "
                               "by deleting its folder (it is converted again on next use)")
+
+
+_FILES_CHECKED = OnceChecked(_check_model_files)
 
 
 def _file_problem(folder: Path, path: Path) -> str | None:

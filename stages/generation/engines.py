@@ -30,7 +30,7 @@ from typing import Any, Protocol, Sequence, runtime_checkable
 
 from schemas.errors import ConfigError, RollflowError
 from schemas.rollout_config import SECTION_SET_OPTIONS
-from stages.model_files import check_model_files
+from stages.model_files import OnceChecked, check_model_files
 from stages.registry import Registry
 
 FINISH_STOP = "stop"
@@ -194,12 +194,20 @@ def check_model_dir(model_dir: str | os.PathLike) -> Path:
 def preflight_model_dir(model_dir: str | os.PathLike) -> Path:
     """:func:`check_model_dir`, and what the engine will do with the folder: its config builds an architecture whose
     tensors and shapes are those of the weights, and its tokenizer loads (stages/model_load_check.py; imports torch
-    and transformers, so only the pre-flight calls it, not each engine)."""
-    from stages.model_load_check import check_model_loads
-
+    and transformers, so only the pre-flight calls it, not each engine). Each check runs once per state of the
+    folder's files in a process (stages/model_files.py ``OnceChecked``)."""
     folder = check_model_dir(model_dir)
-    check_model_loads(folder)
+    _LOADS_CHECKED(folder)
     return folder
+
+
+def _check_model_loads(folder: Path) -> None:
+    from stages.model_load_check import check_model_loads  # torch and transformers: a few seconds
+
+    check_model_loads(folder)
+
+
+_LOADS_CHECKED = OnceChecked(_check_model_loads)
 
 
 def sample_seed(seed: int, sample_index: int) -> int:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import time
 import zipfile
 from pathlib import Path
 
@@ -15,6 +16,8 @@ import pytest
 
 from schemas.errors import RollflowError, SchemaError
 from stages.generation.engines import check_model_dir, preflight_model_dir
+import stages.model_files as model_files
+import stages.model_load_check as model_load_check
 from stages.model_files import safetensors_problem
 from stages.train.checkpoint import read_checkpoint
 
@@ -114,6 +117,52 @@ def test_a_damaged_manifest_gets_the_manifest_readers_error(tiny_model, tmp_path
     with pytest.raises(RollflowError, match="manifest .*/ckpt/manifest.json is damaged: field 'fingerprint' is an "
                                             "integer, expected a string; delete the folder"):
         check_model_dir(ckpt)
+
+
+def _counting(monkeypatch, module, name: str) -> list:
+    """Replace ``module.name`` by a wrapper that records each call's first argument."""
+    calls, inner = [], getattr(module, name)
+    monkeypatch.setattr(module, name, lambda first, *rest: (calls.append(first), inner(first, *rest))[1])
+    return calls
+
+
+def test_a_folder_is_checked_once_while_its_files_are_unchanged(tiny_model, tmp_path, monkeypatch):
+    """A run checks its model folder at every turn, pass and step: a folder that passed is read again only when a
+    file changed since (contents, size, replaced, added or removed: its ctime, size, inode and the list of files),
+    or when its files changed too recently to tell a second write within the file system's time granularity from
+    none (``SETTLED_S``, 2 s; 0.2 here). A failed check is not remembered. The pre-flight's load check
+    (config, architecture, tokenizer) likewise."""
+    files, loads = _counting(monkeypatch, model_files, "_file_problem"), _counting(monkeypatch, model_load_check,
+                                                                                   "check_model_loads")
+    folder = Path(shutil.copytree(tiny_model, tmp_path / "model"))
+    monkeypatch.setattr(model_files, "SETTLED_S", 3600.0)  # every file is too recent
+    preflight_model_dir(folder)
+    preflight_model_dir(folder)
+    assert len(files) == 2 * 7 and len(loads) == 2, "just written: checked each time"
+    monkeypatch.setattr(model_files, "SETTLED_S", 0.2)
+    time.sleep(0.3)
+    for _ in range(3):
+        preflight_model_dir(folder)
+        assert read_checkpoint(str(folder)).global_step == 0
+    assert len(files) == 3 * 7 and len(loads) == 3, "settled: checked once"
+    tokenizer = folder / "tokenizer.json"
+    good = tokenizer.read_bytes()
+    tokenizer.write_bytes(b"[" + b" " * (len(good) - 1))  # in place, same size: not valid JSON
+    time.sleep(0.3)
+    for _ in range(2):
+        with pytest.raises(SchemaError, match="tokenizer.json is not valid JSON"):
+            check_model_dir(folder)
+    tokenizer.write_bytes(good)
+    (folder / "notes.json").write_text("{}")
+    time.sleep(0.3)
+    check_model_dir(folder)
+    check_model_dir(folder)
+    # the damaged folder each time (up to tokenizer.json, its sixth file), the mended one with its new file once
+    assert len(files) == 3 * 7 + 2 * 6 + 8
+    (folder / "notes.json").unlink()
+    time.sleep(0.3)
+    check_model_dir(folder)
+    assert len(files) == 3 * 7 + 2 * 6 + 8 + 7, "a file removed"
 
 
 def test_safetensors_of_no_tensors_is_whole(tmp_path):
