@@ -8,12 +8,14 @@ file (torch's zip format) ends in its zip directory. A damaged file is reported 
 wrong and the fix, before Prefect and Ray start (stages/generation/engines.py ``check_model_dir``,
 stages/train/checkpoint.py ``read_checkpoint``).
 
-A folder that passed is not checked again in the same process while its files are as they were (:class:`OnceChecked`):
-a run reads its model folder and checkpoints at every rollout turn, log-prob pass and training step, and parsing
-the 3.5 MB tokenizer.json each time cost a tiny run's driver a third of its CPU."""
+A folder that passed is not checked again while its files are as they were (:class:`OnceChecked`), in the process or
+by a later command on this machine: a run reads its model folder and checkpoints at every rollout turn, log-prob
+pass and training step (parsing the 3.5 MB tokenizer.json each time cost a tiny run's driver a third of its CPU),
+and the pre-flight's load check imports transformers, about 4 CPU-s of every command's start."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import time
@@ -23,6 +25,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from schemas.errors import SchemaError
+from stages.paths import cache_root_path
 from stages.storage import JSON_TYPE_NAMES, MANIFEST, Location, is_json_type, json_type_name, read_manifest
 
 TRAIN_STATE = "train_state.json"  # stages/train/checkpoint.py TRAIN_STATE
@@ -55,32 +58,64 @@ def folder_signature(folder: Path) -> tuple | None:
     return tuple(sorted(found))
 
 
-class OnceChecked:
-    """A check of a model folder that runs once per process for each state of the folder's files: it runs again when
-    a file was added, removed or written since it passed (:func:`folder_signature`), or when the folder was written
-    too recently to tell. A check that raises is not remembered. Keeps the last ``limit`` folders."""
+# bumped when a check of this module or the load check changes what it accepts: folders passed before are checked again
+CHECKS_VERSION = 1
+CHECKED_DIR = "checked"  # under the rollflow cache: one empty file per folder state a check passed
+MARKERS_KEPT = 4096  # the newest half is kept when there are more
 
-    def __init__(self, check: Callable[[Path], None], limit: int = 256):
-        self.check, self.limit, self.passed = check, limit, OrderedDict()
+
+class OnceChecked:
+    """A check of a model folder that runs once for each state of the folder's files (:func:`folder_signature`):
+    it runs again when a file was added, removed or written since it passed, or when the folder was written too
+    recently to tell. A pass is remembered in this process (the last ``limit`` folders) and, for later processes, as
+    an empty file in the rollflow cache named by a hash of the check, the folder, its signature and ``version()``
+    (what the check depends on: :data:`CHECKS_VERSION`, a library's version); a cache that cannot be written only
+    costs the check. A check that raises is not remembered."""
+
+    def __init__(self, check: Callable[[Path], None], name: str, version: Callable[[], str] = lambda: "",
+                 limit: int = 256):
+        self.check, self.name, self.version, self.limit = check, name, version, limit
+        self.passed: OrderedDict[str, tuple] = OrderedDict()
 
     def __call__(self, folder: Path) -> None:
         key, signature = os.path.realpath(folder), folder_signature(folder)
-        if signature is not None and self.passed.get(key) == signature:
-            self.passed.move_to_end(key)
+        if signature is not None and (self.passed.get(key) == signature or self._marker(key, signature).exists()):
+            self._remember(key, signature)
             return
         self.check(folder)
         if signature is not None:
-            self.passed[key] = signature
-            self.passed.move_to_end(key)
-            while len(self.passed) > self.limit:
-                self.passed.popitem(last=False)
+            self._remember(key, signature)
+            _write_marker(self._marker(key, signature))
+
+    def _marker(self, key: str, signature: tuple) -> Path:
+        text = json.dumps([CHECKS_VERSION, self.name, self.version(), key, signature])
+        return cache_root_path() / CHECKED_DIR / f"{self.name}-{hashlib.sha256(text.encode()).hexdigest()[:40]}"
+
+    def _remember(self, key: str, signature: tuple) -> None:
+        self.passed[key] = signature
+        self.passed.move_to_end(key)
+        while len(self.passed) > self.limit:
+            self.passed.popitem(last=False)
+
+
+def _write_marker(marker: Path) -> None:
+    """Create the empty file ``marker``; past :data:`MARKERS_KEPT` files, delete the older half. Best effort."""
+    try:
+        marker.parent.mkdir(parents=True, exist_ok=True)
+        marker.touch()
+        markers = list(os.scandir(marker.parent))
+        if len(markers) > MARKERS_KEPT:
+            for old in sorted(markers, key=lambda m: m.stat().st_mtime_ns)[:len(markers) - MARKERS_KEPT // 2]:
+                os.unlink(old.path)
+    except OSError:  # a read-only or vanishing cache: the check just runs again next time
+        pass
 
 
 def check_model_files(folder: Path) -> None:
     """Raise a SchemaError naming the first damaged file of the model folder ``folder`` (see the module
     docstring); the files that are there only: which ones a folder must hold is for its reader to say. A damaged
     manifest.json gets the error of every manifest reader (stages/storage.py ``read_manifest``). Once per state of
-    the folder's files in a process (:class:`OnceChecked`)."""
+    the folder's files (:class:`OnceChecked`)."""
     _FILES_CHECKED(Path(folder))
 
 
@@ -95,7 +130,7 @@ def _check_model_files(folder: Path) -> None:
                               "by deleting its folder (it is converted again on next use)")
 
 
-_FILES_CHECKED = OnceChecked(_check_model_files)
+_FILES_CHECKED = OnceChecked(_check_model_files, "files")
 
 
 def _file_problem(folder: Path, path: Path) -> str | None:

@@ -2,7 +2,8 @@
 every layer of ``stages`` (storage, the runner, checkpoints, the model store) may import it.
 
 The cache (root = ``$ROLLFLOW_CACHE`` or ``<repo>/.cache``) holds the converted models (``models/``), vLLM's compile
-cache (``vllm/``), local mirrors of object-store folders and the runner's staging folders.
+cache (``vllm/``), local mirrors of object-store folders, the runner's staging folders and the model folder states
+that passed their checks (``checked/``, stages/model_files.py).
 """
 
 from __future__ import annotations

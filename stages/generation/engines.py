@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import hashlib
 import importlib
+import importlib.metadata
 import inspect
 import os
 from dataclasses import dataclass, field
@@ -195,7 +196,7 @@ def preflight_model_dir(model_dir: str | os.PathLike) -> Path:
     """:func:`check_model_dir`, and what the engine will do with the folder: its config builds an architecture whose
     tensors and shapes are those of the weights, and its tokenizer loads (stages/model_load_check.py; imports torch
     and transformers, so only the pre-flight calls it, not each engine). Each check runs once per state of the
-    folder's files in a process (stages/model_files.py ``OnceChecked``)."""
+    folder's files on this machine, for the installed transformers (stages/model_files.py ``OnceChecked``)."""
     folder = check_model_dir(model_dir)
     _LOADS_CHECKED(folder)
     return folder
@@ -207,7 +208,11 @@ def _check_model_loads(folder: Path) -> None:
     check_model_loads(folder)
 
 
-_LOADS_CHECKED = OnceChecked(_check_model_loads)
+def _transformers_version() -> str:
+    return importlib.metadata.version("transformers")
+
+
+_LOADS_CHECKED = OnceChecked(_check_model_loads, "loads", _transformers_version)
 
 
 def sample_seed(seed: int, sample_index: int) -> int:

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from schemas.errors import RollflowError, SchemaError
+import stages.generation.engines as engines
 from stages.generation.engines import check_model_dir, preflight_model_dir
 import stages.model_files as model_files
 import stages.model_load_check as model_load_check
@@ -131,7 +132,10 @@ def test_a_folder_is_checked_once_while_its_files_are_unchanged(tiny_model, tmp_
     file changed since (contents, size, replaced, added or removed: its ctime, size, inode and the list of files),
     or when its files changed too recently to tell a second write within the file system's time granularity from
     none (``SETTLED_S``, 2 s; 0.2 here). A failed check is not remembered. The pre-flight's load check
-    (config, architecture, tokenizer) likewise."""
+    (config, architecture, tokenizer) likewise. A pass is also remembered for later processes (a file in the
+    rollflow cache): a process that has not checked the folder itself finds it, unless the check's version
+    (transformers' for the load check) changed; the cache keeps at most ``MARKERS_KEPT`` such files."""
+    monkeypatch.setenv("ROLLFLOW_CACHE", str(tmp_path / "cache"))
     files, loads = _counting(monkeypatch, model_files, "_file_problem"), _counting(monkeypatch, model_load_check,
                                                                                    "check_model_loads")
     folder = Path(shutil.copytree(tiny_model, tmp_path / "model"))
@@ -163,6 +167,22 @@ def test_a_folder_is_checked_once_while_its_files_are_unchanged(tiny_model, tmp_
     time.sleep(0.3)
     check_model_dir(folder)
     assert len(files) == 3 * 7 + 2 * 6 + 8 + 7, "a file removed"
+    preflight_model_dir(folder)
+    assert len(files) == 3 * 7 + 2 * 6 + 8 + 7 and len(loads) == 4, "the load check of this state: once"
+    # another process: nothing remembered in it, the cache's files say the folder passed
+    for check in (engines._LOADS_CHECKED, model_files._FILES_CHECKED):
+        monkeypatch.setattr(check, "passed", type(check.passed)())
+    preflight_model_dir(folder)
+    assert len(files) == 3 * 7 + 2 * 6 + 8 + 7 and len(loads) == 4
+    monkeypatch.setattr(engines._LOADS_CHECKED, "passed", type(engines._LOADS_CHECKED.passed)())
+    monkeypatch.setattr(engines._LOADS_CHECKED, "version", lambda: "another")  # what the check depends on changed
+    preflight_model_dir(folder)
+    assert len(loads) == 5
+    monkeypatch.setattr(model_files, "MARKERS_KEPT", 4)
+    for n in range(5):
+        model_files._write_marker(tmp_path / "markers" / f"m{n}")
+        time.sleep(0.01)
+    assert sorted(p.name for p in (tmp_path / "markers").iterdir()) == ["m3", "m4"], "the older half deleted"
 
 
 def test_safetensors_of_no_tensors_is_whole(tmp_path):
