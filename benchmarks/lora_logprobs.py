@@ -114,7 +114,7 @@ def child(mode: str, checkpoint: str, base: str, samples: str, out: str, dtype: 
     peak = rss_mb()
     if mode == "one":  # after the peak is taken: it reads both models' files
         from stages.train.checkpoint import read_checkpoint
-        from stages.train.lora import why_not_adapter_base
+        from stages.train.adapter_base import why_not_adapter_base
 
         start = time.perf_counter()
         assert why_not_adapter_base(read_checkpoint(checkpoint), base) is None  # no fingerprint: the weights compared

@@ -9,12 +9,11 @@ renormalised remainder; log-probs are of the raw logits (engines.py).
 
 from __future__ import annotations
 
+import functools
 import gc
 import os
 from pathlib import Path
-from typing import Any, Sequence
-
-import torch
+from typing import TYPE_CHECKING, Any, Sequence
 
 from schemas.errors import RollflowError
 from stages.generation.engines import (FINISH_LENGTH, FINISH_STOP, GENERATION_BACKENDS, GenRequest, GenResult,
@@ -22,16 +21,33 @@ from stages.generation.engines import (FINISH_LENGTH, FINISH_STOP, GENERATION_BA
                                        stop_string_hit)
 from stages.generation.weight_check import check_served, probe_names, sample
 
-_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-           "float16": torch.float16, "fp16": torch.float16}
+if TYPE_CHECKING:
+    import torch
+
+# torch is imported where the engine runs: a driver imports this module to register the backend and check a
+# config's engine options (stages/generation/engines.py backend_class), and a command's driver needs no torch
+DTYPE_NAMES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16",
+               "float16": "float16", "fp16": "float16"}
 
 
 def torch_dtype(name: str) -> torch.dtype:
-    try:
-        return _DTYPES[name]
-    except KeyError:
+    import torch
+
+    if name not in DTYPE_NAMES:
         raise RollflowError(f"unknown dtype '{name}' for the hf generation backend; use one of "
-                            f"{', '.join(sorted(_DTYPES))}") from None
+                            f"{', '.join(sorted(DTYPE_NAMES))}")
+    return getattr(torch, DTYPE_NAMES[name])
+
+
+def inference_mode(method):
+    """``torch.inference_mode()`` around ``method``, torch imported at the first call."""
+    @functools.wraps(method)
+    def run(*args, **kwargs):
+        import torch
+
+        with torch.inference_mode():
+            return method(*args, **kwargs)
+    return run
 
 
 def eos_token_ids(model: Any, tokenizer: Any) -> set[int]:
@@ -53,6 +69,8 @@ def filter_logits(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.
     Returns (B, V) with dropped tokens at -inf. The nucleus is the smallest set of most likely tokens whose
     probability reaches top_p (at least one token).
     """
+    import torch
+
     scaled = logits / temperature[:, None]
     if not bool(((top_k > 0) | (top_p < 1)).any()):
         return scaled
@@ -72,6 +90,8 @@ def sample_tokens(logits: torch.Tensor, jobs: Sequence[SampleJob], generators: S
 
     logits (B, V) float32 → (B,) int64.
     """
+    import torch
+
     temperature = torch.tensor([job.sampling.temperature for job in jobs], dtype=torch.float32)
     top_k = torch.tensor([job.sampling.top_k for job in jobs])
     top_p = torch.tensor([job.sampling.top_p for job in jobs], dtype=torch.float32)
@@ -93,6 +113,7 @@ class HFEngine:
 
     def __init__(self, model_dir: str | os.PathLike, dtype: str = "float32", max_model_len: int | None = None,
                  max_batch_size: int = 32, num_threads: int | None = None, device: str = "cpu") -> None:
+        import torch
         from transformers import AutoModelForCausalLM
 
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -120,9 +141,11 @@ class HFEngine:
             results.extend(self._generate_batch(jobs[start:start + self.max_batch_size]))
         return results
 
-    @torch.inference_mode()
+    @inference_mode
     def _generate_batch(self, jobs: Sequence[SampleJob]) -> list[GenResult]:
         """Decode a batch of samples together: left-padded prefill, then one token per step for every row."""
+        import torch
+
         batch, width = len(jobs), max(len(job.prompt_token_ids) for job in jobs)
         input_ids = torch.full((batch, width), self.pad_id, dtype=torch.long)
         attention_mask = torch.zeros((batch, width), dtype=torch.long)
@@ -170,9 +193,11 @@ class HFEngine:
             return FINISH_LENGTH
         return None
 
-    @torch.inference_mode()
+    @inference_mode
     def score(self, prompt_token_ids: Sequence[int], response_token_ids: Sequence[int]) -> list[float]:
         """Teacher-forced log-probs of ``response_token_ids`` after the prompt (R,), float32 log-softmax."""
+        import torch
+
         ids = torch.tensor([list(prompt_token_ids) + list(response_token_ids)], device=self.device)
         logits = self.model(input_ids=ids).logits[0, len(prompt_token_ids) - 1:-1].float()
         picked = logits.log_softmax(dim=-1).gather(-1, ids[0, len(prompt_token_ids):, None])[:, 0]
@@ -229,6 +254,8 @@ class HFEngine:
     def wake(self, checkpoint_dir: str | os.PathLike | None = None) -> None:
         """Take the memory again: the weights of ``checkpoint_dir`` when given (in place), else those kept by a level
         1 sleep. After level 2 without a folder, the weights are reloaded from the model's own folder."""
+        import torch
+
         level, self._asleep = self._asleep, 0
         if level >= 2:
             self.model.to_empty(device=self.device)
@@ -251,4 +278,6 @@ class HFEngine:
 def _empty_device_cache(device: torch.device) -> None:
     """Return the allocator's cached blocks of a CUDA device (what other processes on the GPU can then use)."""
     if device.type == "cuda":
+        import torch
+
         torch.cuda.empty_cache()

@@ -19,11 +19,12 @@ from __future__ import annotations
 import json
 import re
 from pathlib import Path
-from typing import Iterable, Mapping
-
-import torch
+from typing import TYPE_CHECKING, Iterable, Mapping
 
 from schemas.errors import RollflowError
+
+if TYPE_CHECKING:
+    import torch
 
 SAMPLE = 256
 
@@ -41,6 +42,8 @@ def probe_names(names: Iterable[str]) -> list[str]:
 
 def sample(tensor: torch.Tensor) -> torch.Tensor:
     """``SAMPLE`` evenly strided values of ``tensor``, as float32 on the CPU."""
+    import torch  # in the engine's process; a driver imports this module (the backends' registry) without torch
+
     flat = tensor.detach().reshape(-1)
     step = max(1, flat.numel() // SAMPLE)
     return flat[::step][:SAMPLE].to("cpu", torch.float32)
@@ -68,6 +71,8 @@ def checkpoint_samples(folder: str | Path, names: Iterable[str], dtype: torch.dt
 def check_served(served: Mapping[str, torch.Tensor], folder: str | Path, dtype: torch.dtype, engine: str) -> int:
     """Raise when the ``served`` samples (name -> :func:`sample` of the engine's tensor) differ from the
     checkpoint's in ``folder``; returns how many tensors were compared (0 when none is shared, e.g. another naming)."""
+    import torch
+
     expected = checkpoint_samples(folder, served, dtype)
     for name, want in expected.items():
         got = served[name]

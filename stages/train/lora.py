@@ -16,7 +16,6 @@ generator seeded by ``training_args.seed``, so every rank, and a replay of the s
 from __future__ import annotations
 
 import json
-import os
 import sys
 from pathlib import Path
 
@@ -197,28 +196,13 @@ def merged_drift(base_dir: str, adapter_dir: str, merged_dir: str) -> tuple[floa
     return drift, largest
 
 
-def why_not_adapter_base(info, reference: str, reference_fingerprint: str = "") -> str | None:
-    """None when the reference model folder ``reference`` is the base that the actor adapter of checkpoint ``info``
-    (a :class:`stages.train.checkpoint.CheckpointInfo`) applies to — the folder its ``train_state.json`` records,
-    still holding the weights the adapter was trained on: its content fingerprint ``reference_fingerprint`` is the
-    recorded one, or (a checkpoint written before the record had it, or a base folder touched since) the base with
-    the adapter gives the checkpoint's merged weights up to a few units of rounding of the checkpoint's dtype
-    (:func:`merged_drift`, which reads both models' files: 9 s of CPU for SmolLM2-135M on the loaded 2-core
-    machine). Then the
-    reference's log-probs are the LoRA model's with its adapter switched off, and one model serves both. Otherwise
-    the reason (the reference is loaded as a model of its own)."""
-    record = (info.lora or {}).get("actor")
-    if record is None:
-        return "the checkpoint's actor was not trained with LoRA"
-    adapter = Path(info.path) / ACTOR_ADAPTER
-    if not (adapter / "adapter_model.safetensors").is_file():
-        return f"the checkpoint has no adapter {adapter}"
-    if os.path.realpath(record["base"]) != os.path.realpath(reference):
-        return f"the reference {reference} is not the base {record['base']} the adapter was trained on"
-    if reference_fingerprint and record.get("base_fingerprint") == reference_fingerprint:
-        return None
-    drift, largest = merged_drift(reference, str(adapter), info.path)
-    dtype = _weights_dtype(info.path)
+def base_drift_problem(reference: str, adapter: Path, merged: str) -> str | None:
+    """Why the model folder ``reference`` with the actor adapter in ``adapter`` is not the checkpoint ``merged``:
+    their merged weights differ by more than a few units of rounding of the checkpoint's dtype (:func:`merged_drift`,
+    which reads both models' files: 9 s of CPU for SmolLM2-135M on the loaded 2-core machine); else None. The slow
+    path of stages/train/adapter_base.py ``why_not_adapter_base``, for a base whose fingerprint was not recorded."""
+    drift, largest = merged_drift(reference, str(adapter), merged)
+    dtype = _weights_dtype(merged)
     if not drift <= 4 * torch.finfo(dtype).eps * max(largest, 1.0):  # the merge's rounding, as check_lora_base
         return (f"the base {reference} with the adapter differs from the checkpoint's merged weights by up to "
                 f"{drift:.3g}: the base folder changed since training")

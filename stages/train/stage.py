@@ -36,6 +36,7 @@ from stages.runner import run_stage, stage_fingerprint
 from stages.stage import Stage, StageContext, StageResult
 from stages.storage import Location, folder_fingerprint, is_uri, read_table_schema
 from stages.train import checkpoint as ckpt
+from stages.train.adapter_base import why_not_adapter_base
 from stages.train.group import TrainerGroup
 
 log = logging.getLogger("rollflow.train")
@@ -272,7 +273,7 @@ class LogProbStage(_ForwardStage):
     A LoRA checkpoint whose reference is the base its adapter was trained on (ROLL's reference, the initial policy,
     is that base in a run that started LoRA from ``pretrain``) is run as one model: the base plus the adapter for
     ``old_log_probs``, the same model with the adapter switched off for ``ref_log_probs``
-    (:func:`stages.train.lora.why_not_adapter_base` checks that it is that base). Any other reference (another
+    (:func:`stages.train.adapter_base.why_not_adapter_base` checks that it is that base). Any other reference (another
     model, or a base folder changed since training) is loaded as a second model, as in full training."""
 
     name = "logprobs"
@@ -289,8 +290,6 @@ class LogProbStage(_ForwardStage):
         same = s.reference is not None and self.same_reference
         fp = self.fingerprints
         if s.reference is not None and not same:
-            from stages.train.lora import why_not_adapter_base
-
             info = ckpt.read_checkpoint(s.checkpoint)
             why_not = why_not_adapter_base(info, s.reference, fp.get("reference", ""))
             if why_not is None:

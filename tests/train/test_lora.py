@@ -327,7 +327,7 @@ def test_lora_logprobs_load_the_reference_apart_when_it_is_not_the_adapters_base
     from safetensors.torch import load_file, save_file
 
     from stages.train.checkpoint import read_checkpoint
-    from stages.train.lora import why_not_adapter_base
+    from stages.train.adapter_base import why_not_adapter_base
 
     c1, _ = lora_checkpoints
     other = tmp_path / "other"
