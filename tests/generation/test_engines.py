@@ -71,6 +71,39 @@ def test_vllm_engine_kwargs_are_checked_against_vllm_without_importing_it() -> N
     assert "vllm.engine.arg_utils" not in sys.modules or "vllm" in sys.modules  # read from source, not imported
 
 
+# what a command's driver does with the engines and a LoRA checkpoint before Ray starts, in a fresh interpreter
+_DRIVER_CHECKS = """
+import json, sys, types
+from stages.generation.engines import check_engine_options
+from stages.train.adapter_base import why_not_adapter_base
+check_engine_options("hf", {"max_batch_size": 4}, "rollout.engine.options")
+check_engine_options("vllm", {"engine_kwargs": {"max_num_seqs": 4}}, "rollout.engine.options")
+ckpt, base = sys.argv[1], sys.argv[2]
+info = types.SimpleNamespace(path=ckpt, lora={"actor": {"base": base, "base_fingerprint": "f"}})
+assert why_not_adapter_base(info, base, "f") is None
+print(json.dumps([m for m in ("torch", "transformers", "vllm", "peft") if m in sys.modules]))
+"""
+
+
+def test_a_drivers_engine_and_adapter_checks_load_no_torch(tmp_path) -> None:
+    """A command's driver checks the engine options of both backends (it imports their modules) and whether a LoRA
+    checkpoint's reference is its adapter's base (the log-prob plan), and loads neither torch nor transformers for it
+    (1.5-2 CPU-s and about 200 MB of each command's driver): the engines import torch where they run, and the base
+    check compares weights (with torch) only when the base's fingerprint was not recorded."""
+    import json
+    import subprocess
+    import sys
+
+    from tests.spine.helpers import REPO
+
+    (tmp_path / "ckpt/lora/actor").mkdir(parents=True)
+    (tmp_path / "ckpt/lora/actor/adapter_model.safetensors").write_bytes(b"")
+    done = subprocess.run([sys.executable, "-c", _DRIVER_CHECKS, str(tmp_path / "ckpt"), str(tmp_path / "base")],
+                          cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert json.loads(done.stdout.splitlines()[-1]) == [], done.stdout
+
+
 def test_compile_stance_runs_torch_compile_functions_eagerly() -> None:
     """The stance an eager CPU vLLM engine generates under (vLLM's compiled rank count runs uncompiled there)."""
     probe = torch.compile(lambda x: x + int(torch.compiler.is_compiling()), backend="eager")
