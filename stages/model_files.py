@@ -48,7 +48,7 @@ def folder_signature(folder: Path) -> tuple | None:
     when a file changed less than :data:`SETTLED_S` ago (or carries a time ahead of this machine's clock), so that a
     folder being written is checked every time. Any write, replacement or ``os.utime`` of a file changes its ctime."""
     settled_before, found = time.time_ns() - int(SETTLED_S * 1e9), []
-    for root, _dirs, files in os.walk(folder):
+    for root, _dirs, files in os.walk(folder, followlinks=True):  # as the check's rglob walks
         for name in files:
             st = os.stat(os.path.join(root, name))
             if max(st.st_mtime_ns, st.st_ctime_ns) > settled_before:
