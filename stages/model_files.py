@@ -43,19 +43,26 @@ _TRAIN_STATE_FIELDS = {"global_step": (int,), "optimizer_steps": (int,), "world_
 SETTLED_S = 2.0
 
 
-def folder_signature(folder: Path) -> tuple | None:
-    """(path relative to ``folder``, size, inode, mtime ns, ctime ns) of every file under ``folder``, sorted; None
-    when a file changed less than :data:`SETTLED_S` ago (or carries a time ahead of this machine's clock), so that a
-    folder being written is checked every time. Any write, replacement or ``os.utime`` of a file changes its ctime."""
-    settled_before, found = time.time_ns() - int(SETTLED_S * 1e9), []
-    for root, _dirs, files in os.walk(folder, followlinks=True):  # as the check's rglob walks
+def file_states(folder: str | os.PathLike) -> dict[str, tuple[int, int, int, int]]:
+    """``path relative to folder → (size, inode, mtime ns, ctime ns)`` of every file under ``folder`` (symlinked
+    folders walked, as the check's rglob walks them), read from the file system without opening a file. Any write,
+    replacement, ``chmod`` or ``os.utime`` of a file sets its ctime to the time of the change."""
+    found = {}
+    for root, _dirs, files in os.walk(folder, followlinks=True):
         for name in files:
             st = os.stat(os.path.join(root, name))
-            if max(st.st_mtime_ns, st.st_ctime_ns) > settled_before:
-                return None
-            found.append((os.path.relpath(os.path.join(root, name), folder), st.st_size, st.st_ino, st.st_mtime_ns,
-                          st.st_ctime_ns))
-    return tuple(sorted(found))
+            found[os.path.relpath(os.path.join(root, name), folder)] = (st.st_size, st.st_ino, st.st_mtime_ns,
+                                                                         st.st_ctime_ns)
+    return found
+
+
+def folder_signature(folder: Path) -> tuple | None:
+    """The :func:`file_states` of ``folder`` as a sorted tuple; None when a file changed less than :data:`SETTLED_S`
+    ago (or carries a time ahead of this machine's clock), so that a folder being written is checked every time."""
+    settled_before, states = time.time_ns() - int(SETTLED_S * 1e9), file_states(folder)
+    if any(max(mtime, ctime) > settled_before for _size, _ino, mtime, ctime in states.values()):
+        return None
+    return tuple(sorted(states.items()))
 
 
 # bumped when a check of this module or the load check changes what it accepts: folders passed before are checked again

@@ -76,21 +76,6 @@ def tree_digest(folder: str | Path) -> dict[str, tuple[str, int]]:
     return out
 
 
-def tree_state(folder: str | Path) -> dict[str, tuple[int, int, int, int]]:
-    """``relative path → (size, mtime_ns, ctime_ns, inode)`` of every file under ``folder``: any write, replacement,
-    ``chmod`` or ``os.utime`` of a file sets its ctime to the time of the change, so this tells a changed file from an
-    unchanged one without reading it, for files made longer ago than the file system's time granularity (a kernel
-    tick): the read-only inputs a module's fixture made before its cases. :func:`tree_digest` reads the bytes."""
-    out = {}
-    root = Path(folder)
-    for dirpath, _, files in os.walk(root):
-        for name in files:
-            st = (Path(dirpath) / name).stat()
-            out[str((Path(dirpath) / name).relative_to(root))] = (st.st_size, st.st_mtime_ns, st.st_ctime_ns,
-                                                                   st.st_ino)
-    return out
-
-
 def siblings(folder: str | Path) -> list[str]:
     """Names in the parent of ``folder`` that belong to it (the folder, its .tmp-/.old- leftovers)."""
     folder = Path(folder)

@@ -46,9 +46,9 @@ from typer.testing import CliRunner
 
 from flows.cli import app
 from stages.example import ExampleSpec, generate
+from stages.model_files import file_states
 from tests.spine.conftest import SMALL
-from tests.spine.helpers import (GIGPO, REPO, config, read_table, replace_value, set_column, tree_digest, tree_state,
-                                 write_samples)
+from tests.spine.helpers import GIGPO, REPO, config, read_table, replace_value, set_column, tree_digest, write_samples
 from tests.spine.test_bad_input import assert_user_error
 from tests.spine.test_bad_input_commands import _advantaged
 
@@ -995,10 +995,11 @@ def _argv(argv: list[str], shared: dict[str, str]) -> list[str]:
 
 
 def _shared_digests(shared: dict[str, str]) -> dict:
-    """The state of every shared input folder (size, times, inode of each file: ``tree_state``; they were made before
-    the first case, so a case that writes, replaces or touches a file changes its ctime). Hashing their bytes after
-    each case, the tiny model and the mismatched and damaged model folders among them, cost 8.7 CPU-s a module."""
-    return {k: tree_state(v) for k, v in shared.items() if Path(v).is_dir()}
+    """The state of every shared input folder (size, inode and times of each file: stages/model_files.py
+    ``file_states``; they were made before the first case, longer ago than the file system's time granularity, so a
+    case that writes, replaces or touches a file changes its ctime). Hashing their bytes after each case, the tiny
+    model and the mismatched and damaged model folders among them, cost 8.7 CPU-s a module."""
+    return {k: file_states(v) for k, v in shared.items() if Path(v).is_dir()}
 
 
 def _digests(work: Path, shared: dict[str, str]) -> dict:
