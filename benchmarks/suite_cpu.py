@@ -7,7 +7,9 @@ pytest workers, ``rollflow`` children), so the table says which kind of process 
 kinds (Ray task workers, Ray's daemons and Ray Data's helpers, other processes) are also listed by command line, a
 Ray worker back at ``ray::IDLE`` by the last work it was seen at (``--top-commands N``). A process that
 lives less than one interval is missed; the machine-wide busy time from /proc/stat is printed beside the sum (the
-suite at a142c5b: 1,783 CPU-s summed over its processes, 1,908 busy).
+suite at a142c5b: 1,783 CPU-s summed over its processes, 1,908 busy). The free space of the filesystems that hold
+the temporary folder and the rollflow cache is sampled too: the most the command took at once (``disk_peak_gb``)
+and what it left (``disk_left_gb``: caches, and a failing test's folders), each the largest over those filesystems.
 
     python benchmarks/suite_cpu.py                       # the test suite as `make test` runs it
     python benchmarks/suite_cpu.py -- python -m pytest -q tests/spine/test_flow.py
@@ -23,6 +25,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -30,6 +33,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.cpu_per_test import BETWEEN, HZ, OUT_ENV, cpu_times  # noqa: E402
+from stages.paths import cache_root_path  # noqa: E402
 from stages.watchdog import cmdline, stat_fields  # noqa: E402  (/proc readers of the runs' watchdog)
 
 SUITE = [sys.executable, "-m", "pytest", "-q", "-n", "2", "--dist", "loadgroup", "--no-loadscope-reorder"]
@@ -120,9 +124,39 @@ def short_command(command: str, width: int = 90) -> str:
     return " ".join(words)[:width]
 
 
-def sample(command: list[str], interval: float) -> tuple[dict[str, list], float, float, int]:
+class DiskUse:
+    """The free bytes of the filesystems holding ``folders`` (one entry per device), sampled by :meth:`update`:
+    the largest drop below the first sample (:meth:`peak`) and the drop at the last one (:meth:`left`)."""
+
+    def __init__(self, folders: list[str]) -> None:
+        by_device = {os.stat(f).st_dev: f for f in folders if os.path.isdir(f)}
+        self.folders = list(by_device.values())
+        self.start = [self._free(f) for f in self.folders]
+        self.lowest, self.last = list(self.start), list(self.start)
+
+    @staticmethod
+    def _free(folder: str) -> int:
+        stat = os.statvfs(folder)
+        return stat.f_bavail * stat.f_frsize
+
+    def update(self) -> None:
+        self.last = [self._free(f) for f in self.folders]
+        self.lowest = [min(a, b) for a, b in zip(self.lowest, self.last)]
+
+    def peak(self) -> float:
+        return max((s - low for s, low in zip(self.start, self.lowest)), default=0) / 2**30
+
+    def left(self) -> float:
+        return max((s - last for s, last in zip(self.start, self.last)), default=0) / 2**30
+
+
+def sample(command: list[str], interval: float) -> tuple[dict[str, list], float, float, int, DiskUse]:
     """Run ``command``, sampling /proc every ``interval`` s until it exits. Returns ({kind: [cpu_s, processes,
-    {short command line: [cpu_s, processes]}]}, wall seconds, machine busy seconds, the command's exit status)."""
+    {short command line: [cpu_s, processes]}]}, wall seconds, machine busy seconds, the command's exit status, the
+    free space of the temporary folder's and the rollflow cache's filesystems over the run)."""
+    cache = cache_root_path()
+    cache.mkdir(parents=True, exist_ok=True)
+    disk = DiskUse([tempfile.gettempdir(), str(cache)])
     first: dict[str, float] = {}
     last: dict[str, tuple[float, str]] = {}
     worked: dict[str, str] = {}  # a Ray worker's last title other than ray::IDLE (a task worker goes back to IDLE)
@@ -141,10 +175,12 @@ def sample(command: list[str], interval: float) -> tuple[dict[str, list], float,
                     last[key] = (cpu, last[key][1])
                 if command.startswith("ray::") and not command.startswith("ray::IDLE"):
                     worked[key] = command
+        disk.update()
         if proc.poll() is not None:
             break
         time.sleep(interval)
     wall, busy = time.monotonic() - start, _busy_seconds() - busy0
+    disk.update()
     kinds: dict[str, list] = defaultdict(lambda: [0.0, 0, defaultdict(lambda: [0.0, 0])])
     for key, (cpu, cmd) in last.items():
         used = cpu - first[key]
@@ -158,7 +194,7 @@ def sample(command: list[str], interval: float) -> tuple[dict[str, list], float,
             named = entry[2][name]
             named[0] += used
             named[1] += 1
-    return dict(kinds), wall, busy, proc.returncode
+    return dict(kinds), wall, busy, proc.returncode, disk
 
 
 def main() -> None:
@@ -175,7 +211,7 @@ def main() -> None:
         Path(args.per_test).unlink(missing_ok=True)
         os.environ[OUT_ENV] = str(Path(args.per_test).resolve())
         command = [*command, "-p", "benchmarks.cpu_per_test"]
-    kinds, wall, busy, status = sample(command, args.interval)
+    kinds, wall, busy, status, disk = sample(command, args.interval)
     per_test = print_per_test(Path(args.per_test)) if args.per_test else {}
     total = sum(cpu for cpu, _, _ in kinds.values())
     print_named(kinds, args.top_commands)
@@ -183,10 +219,12 @@ def main() -> None:
     for kind, (cpu, count, _) in sorted(kinds.items(), key=lambda item: -item[1][0]):
         print(f"{cpu:8.1f} {cpu / total:6.1%} {count:6d}  {kind}")
     print(f"command exit {status}; wall {wall:.0f} s; processes {total:.0f} CPU-s; machine busy {busy:.0f} CPU-s "
-          f"({busy / (wall * os.cpu_count()):.0%} of {os.cpu_count()} cores)")
+          f"({busy / (wall * os.cpu_count()):.0%} of {os.cpu_count()} cores); disk: {disk.peak():.1f} GiB at most "
+          f"at once, {disk.left():.1f} GiB left after it ({', '.join(disk.folders)})")
     figures = {k.replace(" / ", "_").replace(" ", "_").lower(): v[0] for k, v in kinds.items()}
     print("RESULT " + " ".join([f"wall_s={wall:.0f}", f"cpu_s={total:.0f}", f"busy_cpu_s={busy:.0f}",
-                                f"exit={status}"] + [f"{k}={v:.0f}" for k, v in sorted(figures.items())]
+                                f"exit={status}", f"disk_peak_gb={disk.peak():.1f}",
+                                f"disk_left_gb={disk.left():.1f}"] + [f"{k}={v:.0f}" for k, v in sorted(figures.items())]
                                + [f"{k}={v:.0f}" for k, v in per_test.items()]))
 
 

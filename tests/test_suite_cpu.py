@@ -28,6 +28,7 @@ def test_a_command_of_two_cpu_seconds_is_counted_once_and_its_result_printed():
     assert float(figures["other_processes"]) >= 1.9, figures
     assert float(figures["cpu_s"]) <= float(figures["wall_s"]) * os.cpu_count() + 1.0, figures
     assert float(figures["cpu_s"]) <= float(figures["busy_cpu_s"]) + 1.0, figures
+    assert float(figures["disk_peak_gb"]) >= 0 and "disk_left_gb" in figures, figures
 
 
 def test_a_process_seen_last_as_a_zombie_keeps_its_kind():
@@ -103,3 +104,17 @@ def test_each_test_is_charged_with_the_cpu_of_the_processes_it_started(tmp_path)
     charged = {row["test"].split("::")[-1]: row["cpu_s"] for row in rows}
     assert charged["test_child_burns"] >= 1.4, charged
     assert charged["test_empty"] < 0.5, charged
+
+
+def test_disk_use_is_the_largest_drop_of_free_space_per_filesystem(tmp_path, monkeypatch):
+    """The disk figures of the RESULT line: the most a command took at once and what it left, per filesystem (the
+    temporary folder's and the cache's, one entry when they share a device), the largest over them."""
+    from benchmarks.suite_cpu import DiskUse
+
+    free = iter([10, 10, 7, 4, 9, 8])  # bytes free at each sample, in GiB; the first is the start
+    monkeypatch.setattr(DiskUse, "_free", staticmethod(lambda folder: next(free) * 2**30))
+    disk = DiskUse([str(tmp_path), str(tmp_path)])  # one device: one entry
+    assert disk.folders == [str(tmp_path)]
+    for _ in range(5):
+        disk.update()
+    assert disk.peak() == pytest.approx(6.0) and disk.left() == pytest.approx(2.0)
