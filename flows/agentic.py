@@ -22,7 +22,7 @@ from flows.runkit import stage_task
 from schemas.config import AdvantageSection, ResponseRewardSection, section, validate_config
 from schemas.train_flow_config import TrainFlowConfig
 from stages import cluster
-from stages.rollout.driver import resolve_model_dir, run_eval, run_rollout
+from stages.rollout.driver import pool_source, resolve_model_dir, run_eval, run_rollout
 from stages.rollout.engine_pool import EnginePool
 
 iter_dir = PIPELINE_SPECS.get("agentic").step_dir  # runs/<run>/iter_<k>
@@ -109,7 +109,7 @@ def eval_flow(cfg: dict, checkpoint: str, output: str) -> dict:
     rt = config.runtime
     cluster.ensure_ray(rt.ray_address, rt.num_cpus, data_memory_mb=rt.data_memory_mb)
     model = resolve_model_dir(checkpoint)
-    pool = EnginePool(config.generation_engine(), model, config.generation_window())
+    pool = EnginePool(config.generation_engine(), pool_source(checkpoint, model), config.generation_window())
     try:
         ev = eval_task(config, output, model, pool)
     finally:

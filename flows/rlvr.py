@@ -45,7 +45,7 @@ from stages.response_rewards import ResponseRewardsStage
 from stages.rlvr.generate import (GenerateSection, GenerateStage, PromptsStage, judge_pool, judge_services, needs_model,
                                   prompts_section, reads_context, resumed_section, step_prompt_ids)
 from stages.rlvr.stages import RewardStage, RLVRSamplesStage, SamplesSection, run_context
-from stages.rollout.driver import resolve_model_dir
+from stages.rollout.driver import pool_source, resolve_model_dir
 from stages.rollout.engine_pool import EnginePool, checkpoint_fingerprint
 from stages.run_folder import run_folder
 from stages.runner import run_stage
@@ -319,7 +319,8 @@ def rlvr_eval_flow(cfg: dict, checkpoint: str | None, output: str) -> dict:
     rt = config.runtime
     cluster.ensure_ray(rt.ray_address, rt.num_cpus, data_memory_mb=rt.data_memory_mb)
     model = resolve_model_dir(checkpoint or config.pretrain)
-    pool = EnginePool(config.generation_engine(), model, config.generation_window())
+    pool = EnginePool(config.generation_engine(), pool_source(checkpoint or config.pretrain, model),
+                      config.generation_window())
     judge = judge_pool(config.judge) if needs_model(config.validation_rewards()) else None
     try:
         prompts = prompts_task(config.validation.prompts, f"{output}/prompts")

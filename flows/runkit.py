@@ -20,7 +20,7 @@ from stages import cluster, gpu_preflight
 from stages.advantages import AdvantagesStage
 from stages.plan import forward_on_actor, gpu_shares, make_plan
 from stages.response_rewards import ResponseRewardsStage
-from stages.rollout.driver import resolve_model_dir
+from stages.rollout.driver import pool_source, resolve_model_dir
 from stages.rollout.engine_pool import EnginePool
 from stages.run_folder import run_folder, save_run_config
 from stages.runner import run_stage
@@ -188,7 +188,8 @@ def start_run(config, cfg: dict):
     check_plan(config, ray.cluster_resources())
     base = resolve_model_dir(config.pretrain)
 
-    return run, base, EnginePool(config.generation_engine(), base, config.generation_window(),
+    return run, base, EnginePool(config.generation_engine(), pool_source(config.pretrain, base),
+                                 config.generation_window(),
                                  gpus_per_engine=gpu_shares(config)["engine"])
 
 

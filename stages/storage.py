@@ -15,6 +15,8 @@ import hashlib
 import json
 import os
 import re
+import shutil
+import time
 import urllib.parse
 import uuid
 from dataclasses import dataclass
@@ -395,7 +397,9 @@ def _checked_store(scheme: str, bucket: str, env: tuple) -> None:
 def check_store(scheme: str, bucket: str) -> None:
     """Raise a ConfigError saying what and the fix when the bucket of an object-store URI cannot be used: the
     endpoint is unreachable, the bucket is missing, or the credentials are missing or refused. One request per
-    bucket, endpoint and credentials in a process; no retries, so a wrong endpoint fails in seconds."""
+    bucket, endpoint and credentials in a process; no retries, so a wrong endpoint fails in seconds. Also checks
+    ``$ROLLFLOW_OBJSTORE_CACHE_GB`` (:func:`fetch_budget_bytes`), which the local copies of its checkpoints obey."""
+    fetch_budget_bytes()
     env = tuple(os.environ.get(k) for k in ("AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "AWS_DEFAULT_REGION",
                                             *_CREDENTIAL_ENV, "AWS_SECRET_ACCESS_KEY"))
     _checked_store(scheme, bucket, env)
@@ -439,13 +443,15 @@ def fetch_committed(loc: Location, cache_dir: str) -> str:
     the files its manifest lists, at their paths inside the attempt, plus the manifest; for code that needs local
     files (DeepSpeed, Hugging Face). Kept in ``cache_dir/<fingerprint>-<attempt>`` and reused: the objects of a
     committed attempt never change (the fingerprint alone names the inputs, and a re-run of the same inputs is a new
-    attempt whose bytes may differ). Written into a temporary sibling renamed into place. Returns the local path."""
+    attempt whose bytes may differ). Written into a temporary sibling renamed into place; each fetch or reuse marks
+    the copy used, and a new fetch removes the least recently used copies over the cache's budget
+    (:func:`prune_fetched`, ``$ROLLFLOW_OBJSTORE_CACHE_GB``). Returns the local path."""
     manifest = read_manifest(loc)
     if manifest is None or ATTEMPT_KEY not in manifest:
         raise SchemaError(f"{loc.uri()} holds no committed rollflow output (no manifest naming an attempt); pass a "
                           "folder a rollflow command wrote to this store, or a local folder")
     target = os.path.join(cache_dir, f"{manifest['fingerprint'][:24]}-{manifest[ATTEMPT_KEY].lstrip('.')}")
-    if os.path.isdir(target):
+    if _mark_used(target):
         return target
     # one temporary folder per call: two threads of one process may fetch the same folder at once (an asynchronous
     # run's log-probs and the rollout it plays ahead both load the policy); with a name of the process alone, one
@@ -468,4 +474,83 @@ def fetch_committed(loc: Location, cache_dir: str) -> str:
         os.rename(tmp, target)
     except OSError:  # another process fetched it first
         local.delete_dir(tmp)
+        _mark_used(target)
+    prune_fetched(cache_dir, keep=target)
     return target
+
+
+FETCH_BUDGET_ENV = "ROLLFLOW_OBJSTORE_CACHE_GB"
+FETCH_BUDGET_GB = 20.0  # the local copies of object-store folders kept beyond those in use (fetch_committed)
+FETCH_IN_USE_S = 1800.0  # a copy fetched or reused within this long is in use: never removed
+FETCH_TMP_STALE_S = 86400.0  # a download's temporary folder untouched this long was left by a killed process
+_TMP, _GONE = ".tmp-", ".gone-"  # a download under way; a copy being removed
+
+
+def _mark_used(folder: str) -> bool:
+    """Record a use of the local copy ``folder`` (its modification time; :func:`prune_fetched` removes the least
+    recently used first). False when there is no such copy (never fetched, or removed)."""
+    try:
+        os.utime(folder)
+    except FileNotFoundError:
+        return False
+    return True
+
+
+def fetch_budget_bytes() -> int:
+    """How many bytes of local copies of object-store folders the cache keeps beyond those in use: ``$ROLLFLOW_
+    OBJSTORE_CACHE_GB`` (GiB, default 20; 0 keeps only the copies in use). A ConfigError for another value."""
+    text = os.environ.get(FETCH_BUDGET_ENV, "").strip()
+    try:
+        gib = float(text) if text else FETCH_BUDGET_GB
+    except ValueError:
+        gib = -1.0
+    if not gib >= 0:  # NaN too
+        raise ConfigError(f"{FETCH_BUDGET_ENV}={text!r} is not a size in GiB; set it to a number >= 0 (0 keeps only "
+                          "the local copies of object-store checkpoints in use) or unset it (default "
+                          f"{FETCH_BUDGET_GB:g})")
+    return int(gib * 2**30)
+
+
+def _folder_bytes(folder: str) -> int:
+    return sum(os.path.getsize(os.path.join(root, name)) for root, _, names in os.walk(folder) for name in names)
+
+
+def prune_fetched(cache_dir: str, budget: int | None = None, now: float | None = None,
+                  keep: str | None = None) -> list[str]:
+    """Remove the least recently used local copies in ``cache_dir`` (:func:`fetch_committed`) while their total size
+    is over ``budget`` bytes (default :func:`fetch_budget_bytes`), never one used in the last FETCH_IN_USE_S seconds
+    (a process may still be loading it), plus what killed processes left (their downloads' temporary folders after
+    FETCH_TMP_STALE_S, interrupted removals at once). A copy is moved aside before it is removed and restored if it
+    was used meanwhile; a process that finds its copy gone downloads it again. ``keep`` (the copy just fetched) is
+    never removed. Returns the copies removed."""
+    budget = fetch_budget_bytes() if budget is None else budget
+    now = time.time() if now is None else now
+    copies = []
+    for entry in os.scandir(cache_dir):
+        if not entry.is_dir(follow_symlinks=False):
+            continue
+        if _GONE in entry.name or (_TMP in entry.name and now - entry.stat().st_mtime > FETCH_TMP_STALE_S):
+            shutil.rmtree(entry.path, ignore_errors=True)
+        elif _TMP not in entry.name:
+            copies.append((entry.stat().st_mtime, entry.path, _folder_bytes(entry.path)))
+    total, removed = sum(size for *_, size in copies), []
+    for used, path, size in sorted(copies):  # the least recently used first
+        if total <= budget or now - used < FETCH_IN_USE_S:
+            break
+        if keep is not None and os.path.abspath(path) == os.path.abspath(keep):
+            continue
+        gone = f"{path}{_GONE}{uuid.uuid4().hex[:8]}"
+        try:
+            os.rename(path, gone)
+        except OSError:  # removed by another process
+            continue
+        if now - os.stat(gone).st_mtime < FETCH_IN_USE_S:  # used since it was listed: put back
+            try:
+                os.rename(gone, path)
+                continue
+            except OSError:  # downloaded anew meanwhile: this one goes
+                pass
+        shutil.rmtree(gone, ignore_errors=True)
+        total -= size
+        removed.append(path)
+    return removed

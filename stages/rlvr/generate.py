@@ -33,7 +33,7 @@ from stages.generation.engines import SamplingSpec
 from stages.partials import read_partials, sum_partials, write_partials
 from stages.rewards.registry import required_services, resolve_worker, run_context
 from stages.rlvr.example import DATA_DIR, row_id
-from stages.rollout.driver import resolve_model_dir
+from stages.rollout.driver import pool_source, resolve_model_dir
 from stages.rollout.engine_pool import EnginePool
 from stages.rollout.stages import EngineStage
 from stages.stage import Stage, StageContext
@@ -331,7 +331,7 @@ def judge_pool(judge):
     """An engine pool over the judge model of ``judge`` (a JudgeConfig), for the routes that need a model
     (:func:`needs_model`); the caller closes it. The judge has its own engine: it is never the policy being trained."""
     check_judge_cpus(judge.engine)
-    return EnginePool(judge.engine, resolve_model_dir(judge.model), judge_window(judge))
+    return EnginePool(judge.engine, pool_source(judge.model, resolve_model_dir(judge.model)), judge_window(judge))
 
 
 def judge_window(judge) -> int:

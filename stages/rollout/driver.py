@@ -69,6 +69,13 @@ def resolve_model_dir(checkpoint: str | None) -> str:
     return str(check_model_dir(local_model_dir(checkpoint)) if checkpoint else default_model_dir())
 
 
+def pool_source(checkpoint: str | None, model_dir: str) -> str:
+    """What an engine pool is given for ``checkpoint``, resolved to ``model_dir`` (:func:`resolve_model_dir`): the
+    URI of a checkpoint on an object store (the pool resolves its local copy at each use, so a copy the cache
+    removed meanwhile is downloaded again: stages/storage.py prune_fetched), else the local folder."""
+    return str(checkpoint) if is_uri(checkpoint) else model_dir
+
+
 def check_rollout(config: RolloutConfig, output: str | None = None, checkpoint: str | None = None,
                   field: str = "") -> None:
     """What a rollout of ``config`` can check before Prefect and Ray start (``rollflow rollout``; a training run and
@@ -188,9 +195,9 @@ def run_rollout(config: RolloutConfig, output: str, checkpoint: str | None = Non
 
     own_pool = pool is None
     if own_pool:
-        pool = EnginePool(config.engine, model_dir, section.engine.max_model_len)
+        pool = EnginePool(config.engine, pool_source(checkpoint, model_dir), section.engine.max_model_len)
     else:  # a training flow's pool: same engines, this iteration's weights
-        timings["load_weights_seconds"] = pool.use_checkpoint(model_dir)
+        timings["load_weights_seconds"] = pool.use_checkpoint(pool_source(checkpoint, model_dir))
     # not fingerprinted: the engine settings beyond the section's identity, for a replay from a turn
     context = {"engine": pool.config.model_dump(mode="json"), "batch_rows": config.runtime.batch_rows}
     turns: list[StageResult] = []

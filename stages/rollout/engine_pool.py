@@ -192,6 +192,7 @@ class EnginePool:
     def __init__(self, engine: EngineConfig, model_dir: str | os.PathLike, max_model_len: int,
                  gpus_per_engine: float | None = None) -> None:
         self.config = engine
+        self.source = str(model_dir)  # as given: a checkpoint on an object store is resolved again at each use
         self.model_dir = local_model_dir(model_dir)
         self.max_model_len = int(max_model_len)
         self._actors: list[Any] = []
@@ -255,6 +256,7 @@ class EnginePool:
         import ray
 
         start = time.time()
+        self.model_dir = local_model_dir(self.source)  # an object store's copy, downloaded again if it was removed
         threads = str(self._threads())
         env_vars = {"OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads, "TOKENIZERS_PARALLELISM": "false",
                     **self.config.backend_env(), **self.config.env_vars}
@@ -282,16 +284,16 @@ class EnginePool:
 
     def use_checkpoint(self, model_dir: str | os.PathLike) -> float:
         """Point the pool at ``model_dir``: in-place weight loading if the actors run; returns seconds spent."""
-        model_dir = local_model_dir(model_dir)
+        source, model_dir = str(model_dir), local_model_dir(model_dir)
         if self.asleep and self._actors:  # wake with the new weights: the GPU never holds both
-            return self.wake(None if model_dir == self.model_dir else model_dir)
+            return self.wake(None if model_dir == self.model_dir else source)
         if not self._actors or model_dir == self.model_dir:
-            self.model_dir = model_dir
+            self.source, self.model_dir = source, model_dir
             return 0.0
         start = time.time()
         self._await(self._actors, "load_weights", (model_dir,), self.config.reload_timeout_s,
                     f"loading the weights of {model_dir}", "reload_timeout_s")
-        self.model_dir = model_dir
+        self.source, self.model_dir = source, model_dir
         return time.time() - start
 
     def sleep(self) -> dict[str, float] | None:
@@ -319,14 +321,15 @@ class EnginePool:
         if not self.asleep:
             return 0.0
         start = time.time()
-        target = local_model_dir(model_dir) if model_dir is not None else None
-        if target is None and self.config.sleep_level >= 2:
-            target = self.model_dir
+        source = str(model_dir) if model_dir is not None else None
+        if source is None and self.config.sleep_level >= 2:  # reloaded: an object store's copy may have been removed
+            source = self.source
+        target = local_model_dir(source) if source is not None else None
         self._await(self._actors, "wake", (target,), self.config.reload_timeout_s,
                     f"waking{f' with the weights of {target}' if target else ''}", "reload_timeout_s")
         self.asleep = False
         if target is not None:
-            self.model_dir = target
+            self.source, self.model_dir = source, target
         return time.time() - start
 
     def actor_info(self) -> list[dict[str, Any]]:

@@ -12,6 +12,7 @@ tests/trainflow/test_async_rollout.py.
 
 from __future__ import annotations
 
+import shutil
 import sys
 import threading
 from contextlib import contextmanager
@@ -172,7 +173,7 @@ def _flow_runs_of(api_url: str, output_dir: str) -> list:
 
 # ---- a store that cannot be used: one line, exit 2, nothing written -------------------------------------------------
 @pytest.mark.parametrize("case", ["unreachable endpoint", "missing bucket", "missing credentials",
-                                  "refused credentials"])
+                                  "refused credentials", "bad cache budget"])
 def test_unusable_store_gives_one_error_line_and_writes_nothing(case, s3, step_set, monkeypatch):
     import moto.settings
 
@@ -184,6 +185,8 @@ def test_unusable_store_gives_one_error_line_and_writes_nothing(case, s3, step_s
         monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:9")  # the discard port: nothing listens
     elif case == "missing bucket":
         bucket = "no-such-bucket"
+    elif case == "bad cache budget":
+        monkeypatch.setenv("ROLLFLOW_OBJSTORE_CACHE_GB", "lots")
     else:  # the server checks signatures; its IAM knows no key
         monkeypatch.setattr(moto.settings, "INITIAL_NO_AUTH_ACTION_COUNT", 0)
         if case == "missing credentials":
@@ -199,7 +202,8 @@ def test_unusable_store_gives_one_error_line_and_writes_nothing(case, s3, step_s
     expected = {"unreachable endpoint": "cannot reach s3://rollflow-test (endpoint http://127.0.0.1:9)",
                 "missing bucket": "bucket no-such-bucket does not exist",
                 "missing credentials": "no credentials are set; set AWS_ACCESS_KEY_ID",
-                "refused credentials": "the credentials (AWS_ACCESS_KEY_ID) were refused"}[case]
+                "refused credentials": "the credentials (AWS_ACCESS_KEY_ID) were refused",
+                "bad cache budget": "ROLLFLOW_OBJSTORE_CACHE_GB='lots' is not a size in GiB"}[case]
     assert expected in lines[0], lines[0]
     monkeypatch.undo()
     assert objects(f"s3://{BUCKET}") == before, "nothing was written"
@@ -331,6 +335,73 @@ def test_two_threads_fetching_one_committed_folder_at_once_both_get_it_whole(s3,
     assert got["first"] == got["second"] and os.listdir(cache) == [os.path.basename(got["first"])]
     assert sorted(os.listdir(got["first"])) == ["manifest.json", "model.safetensors", "train_state.json"]
     assert Path(got["first"], "train_state.json").read_text() == "train_state.json"
+
+
+def _copy(folder: Path, mib: int, used: float) -> Path:
+    """A local copy of ``mib`` MiB in the fetch cache, last used at ``used``."""
+    import os
+
+    folder.mkdir(parents=True)
+    (folder / "model.safetensors").write_bytes(b"\0" * (mib << 20))
+    os.utime(folder, (used, used))
+    return folder
+
+
+def test_the_local_copies_of_object_store_folders_keep_to_their_budget(tmp_path):
+    """stages/storage.py prune_fetched: the least recently used copies go first while the cache is over its budget;
+    a copy used within FETCH_IN_USE_S stays whatever the budget, as does the one just fetched; a killed download's
+    temporary folder goes once stale, an interrupted removal at once."""
+    from stages.storage import FETCH_IN_USE_S, FETCH_TMP_STALE_S, prune_fetched
+
+    now, old = 1e9, 1e9 - 2 * FETCH_IN_USE_S
+    a, b = _copy(tmp_path / "a-1", 3, old - 10), _copy(tmp_path / "b-1", 2, old)
+    c = _copy(tmp_path / "c-1", 1, now - 10)  # in use
+    stale, fresh = _copy(tmp_path / "d-1.tmp-9-x", 1, now - FETCH_TMP_STALE_S - 1), _copy(tmp_path / "e.tmp-9-y", 1, now)
+    gone = _copy(tmp_path / "f-1.gone-z", 1, now)
+    assert prune_fetched(str(tmp_path), budget=4 << 20, now=now) == [str(a)]  # 6 MiB -> 3
+    assert not stale.exists() and not gone.exists() and fresh.exists() and b.exists()
+    assert prune_fetched(str(tmp_path), budget=0, now=now, keep=str(b)) == []  # b just fetched, c in use
+    assert prune_fetched(str(tmp_path), budget=0, now=now) == [str(b)]
+    assert c.exists() and fresh.exists()
+
+
+def test_a_copy_removed_for_the_budget_is_fetched_again_whole(s3, tmp_path, monkeypatch):
+    """fetch_committed with a budget of 0: fetching a second checkpoint removes the first one's copy (not used for
+    FETCH_IN_USE_S), keeps its own; fetching the first again downloads it anew to the same path. A reuse marks a
+    copy used, so it stays."""
+    import os
+
+    from stages import storage
+    from stages.commit import commit_folder
+
+    def fill(folder: Location) -> dict:
+        folder.child("model.safetensors").write_text("weights " + folder.uri())
+        return {"stage": "train_step", "files": []}
+
+    monkeypatch.setenv(storage.FETCH_BUDGET_ENV, "0")
+    monkeypatch.setenv("ROLLFLOW_CACHE", str(tmp_path))  # the cache the engine pool below fetches into
+    cache, uris = tmp_path / "objstore", [f"s3://{BUCKET}/budget/{name}" for name in ("one", "two")]
+    for number, uri in enumerate(uris):
+        commit_folder(Location.of(uri), f"{number:024x}", fill, who="test", other="x")
+    first = storage.fetch_committed(Location.of(uris[0]), str(cache))
+    long_ago = os.stat(first).st_mtime - 2 * storage.FETCH_IN_USE_S
+    os.utime(first, (long_ago, long_ago))
+    assert storage.fetch_committed(Location.of(uris[0]), str(cache)) == first  # reused: marked used
+    os.utime(first, (long_ago, long_ago))
+    second = storage.fetch_committed(Location.of(uris[1]), str(cache))
+    assert not os.path.exists(first) and os.path.isdir(second)
+    assert storage.fetch_committed(Location.of(uris[0]), str(cache)) == first
+    assert (Path(first) / "model.safetensors").read_text().startswith(f"weights {uris[0]}/")
+    assert os.path.isdir(second)  # used a moment ago
+
+    # an engine pool keeps the URI and resolves its copy at each use (stages/rollout/driver.py pool_source)
+    from schemas.rollout_config import EngineConfig
+    from stages.rollout.engine_pool import EnginePool
+
+    pool = EnginePool(EngineConfig(backend="hf"), uris[1], 512)
+    assert pool.source == uris[1] and pool.model_dir == second
+    shutil.rmtree(second)
+    assert pool.use_checkpoint(uris[1]) == 0.0 and pool.model_dir == second and os.path.isdir(second)
 
 
 def test_a_record_of_committed_parts_on_s3_is_written_last_and_kept_when_up_to_date(s3):
