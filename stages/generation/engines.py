@@ -108,9 +108,12 @@ class GenResult:
 
 @runtime_checkable
 class Engine(Protocol):
-    """What the generation stage needs from a backend."""
+    """What the generation stage needs from a backend. ``tokenizer_dir``: the folder whose tokenizer ``tokenizer``
+    is, loaded by :func:`load_tokenizer` and left as loaded (the hf backend), so the engine's actor builds its chat
+    format on it instead of loading it again; None when the backend's tokenizer is its own object (vLLM's)."""
 
     tokenizer: Any
+    tokenizer_dir: str | None
     max_model_len: int
 
     def generate(self, requests: Sequence[GenRequest]) -> list[GenResult]: ...

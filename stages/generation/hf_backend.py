@@ -122,6 +122,7 @@ class HFEngine:
         self.model_dir = check_model_dir(model_dir)
         self.device = torch.device(device)
         self.tokenizer = load_tokenizer(self.model_dir)
+        self.tokenizer_dir: str | None = str(self.model_dir)  # kept as loaded: the actor's chat format shares it
         self.model = AutoModelForCausalLM.from_pretrained(str(self.model_dir), dtype=torch_dtype(dtype),
                                                           local_files_only=True).to(self.device).eval()
         self.max_model_len = int(max_model_len or self.model.config.max_position_embeddings)

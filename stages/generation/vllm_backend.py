@@ -246,6 +246,7 @@ class VLLMEngine:
         self.tensor_parallel_size = int(tensor_parallel_size)
         VLLMEngine._live_in_process += int(in_process)
         self.tokenizer = self._llm.get_tokenizer()
+        self.tokenizer_dir: str | None = None  # vLLM's own tokenizer object: the chat format loads its own
         self.max_model_len = int(max_model_len)
 
     def _sampling_params(self, job: SampleJob) -> Any:

@@ -66,6 +66,14 @@ class EngineActor:
         self.build_seconds = time.time() - start
         return self.info()
 
+    def _tokenizer(self) -> Any:
+        """The tokenizer of the actor's checkpoint: the engine's when it loaded that folder's (the hf backend: one
+        parse of tokenizer.json per actor, not two), else loaded."""
+        shared = getattr(self.engine, "tokenizer_dir", None)
+        if shared is not None and os.path.realpath(shared) == os.path.realpath(self.model_dir):
+            return self.engine.tokenizer
+        return load_tokenizer(self.model_dir)
+
     def _chat(self, prompt):
         """The chat format of a rollout's prompt config (see :meth:`_chat_format`)."""
         return self._chat_format(prompt.system_prompt, prompt.example_turns())
@@ -74,7 +82,7 @@ class EngineActor:
         """The checkpoint's chat format (tokenizer + template pieces), loaded once per checkpoint and prompt."""
         key = (self.model_dir, system_prompt, examples)
         if getattr(self, "_chat_key", None) != key:
-            self._chat_cache = ChatFormat.of(load_tokenizer(self.model_dir), system_prompt, examples)
+            self._chat_cache = ChatFormat.of(self._tokenizer(), system_prompt, examples)
             self._chat_key = key
         return self._chat_cache
 

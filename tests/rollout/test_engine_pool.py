@@ -36,3 +36,24 @@ def test_pool_is_lazy(tiny_model, tmp_path):
     pool = EnginePool(EngineConfig(backend="hf"), tiny_model, 512)
     assert not pool.built and pool.use_checkpoint(tmp_path) == 0.0 and pool.model_dir == str(tmp_path.resolve())
     pool.close()  # nothing to close
+
+
+def test_an_hf_engine_actor_builds_its_chat_format_on_the_engines_tokenizer(tiny_model, tmp_path):
+    """The engine actor's chat format uses the hf engine's tokenizer (one parse of tokenizer.json per actor) while
+    the actor's checkpoint is the folder the engine loaded it from, with the same prompt tokens as a tokenizer
+    loaded on its own; after in-place weights from another folder it loads that folder's."""
+    from stages.generation.engines import load_tokenizer
+    from stages.rollout.engine_pool import EngineActor
+    from stages.rollout.prompts import ChatFormat
+
+    actor = EngineActor("hf", str(tiny_model.resolve()), {"dtype": "float32", "max_model_len": 256})
+    actor.build()
+    chat = actor._chat_format("You play a game.")
+    assert chat.tokenizer is actor.engine.tokenizer
+    alone = ChatFormat.of(load_tokenizer(tiny_model), "You play a game.")
+    assert chat.single_turn_ids("move left") == alone.single_turn_ids("move left")
+    copy = tmp_path / "ckpt"
+    shutil.copytree(tiny_model, copy)
+    actor.load_weights(str(copy))
+    assert actor._chat_format("You play a game.").tokenizer is not actor.engine.tokenizer
+    actor.close()
