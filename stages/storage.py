@@ -493,6 +493,8 @@ def _mark_used(folder: str) -> bool:
         os.utime(folder)
     except FileNotFoundError:
         return False
+    except PermissionError:  # a cache shared with another user: the copy is used as it is, pruned by its owner
+        return os.path.isdir(folder)
     return True
 
 

@@ -365,6 +365,22 @@ def test_the_local_copies_of_object_store_folders_keep_to_their_budget(tmp_path)
     assert c.exists() and fresh.exists()
 
 
+def test_a_copy_in_a_cache_shared_with_another_user_is_used_as_it_is(tmp_path, monkeypatch):
+    """A copy whose use cannot be marked (another user's folder: os.utime refused) is still a copy to use, and a
+    missing one is not (stages/storage.py _mark_used; root may change any file's times, so the refusal is made)."""
+    import os
+
+    from stages import storage
+
+    copy = _copy(tmp_path / "theirs-1", 1, 1e9)
+
+    def refused(path, *args, **kwargs):
+        raise PermissionError(1, "Operation not permitted", path)
+
+    monkeypatch.setattr(os, "utime", refused)
+    assert storage._mark_used(str(copy)) and not storage._mark_used(str(tmp_path / "missing-1"))
+
+
 def test_a_copy_removed_for_the_budget_is_fetched_again_whole(s3, tmp_path, monkeypatch):
     """fetch_committed with a budget of 0: fetching a second checkpoint removes the first one's copy (not used for
     FETCH_IN_USE_S), keeps its own; fetching the first again downloads it anew to the same path. A reuse marks a
