@@ -476,6 +476,13 @@ class StepSettings(Frozen):
 class TrainStepConfig(TrainSection, StepSettings):
     """``rollflow train-step --config FILE``: the training section plus where it runs and what it keeps."""
 
+    def worker_asks(self) -> tuple[int, float, float, tuple[str, str, str]]:
+        """What the command's group of training workers asks of Ray (stages/train/group.py: not kept, one GPU per
+        worker with ``use_gpu``): workers, CPUs and GPUs each, and the fields that set them."""
+        rt = self.runtime
+        return (rt.num_workers, rt.cpus_per_worker, 1.0 if rt.use_gpu else 0.0,
+                ("runtime.num_workers", "runtime.cpus_per_worker", "runtime.use_gpu"))
+
 
 class RunTrainConfig(TrainOptions, StepSettings):
     """A training run's ``train`` section: :class:`TrainStepConfig` but for the estimator, which the run sets once at
@@ -572,6 +579,12 @@ class ForwardConfig(OmitDefaults):
 
     def torch_threads(self) -> int:
         return self.threads or max(1, int(self.cpus_per_actor))
+
+    def worker_asks(self) -> tuple[int, float, float, tuple[str, str, str]]:
+        """What a stage run on its own asks of Ray for its group (stages/train/stage.py ``forward_group``): actors,
+        CPUs and GPUs each, and the fields that set them."""
+        return (self.num_actors, self.cpus_per_actor, self.gpus_per_actor_reserved() or 0.0,
+                ("num_actors", "cpus_per_actor", "gpus_per_actor"))
 
     def gpus_per_actor_reserved(self) -> float | None:
         """The Ray GPU share an actor asks for: gpus_per_actor with device cuda, none on cpu."""

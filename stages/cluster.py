@@ -15,7 +15,7 @@ import signal
 
 from schemas.errors import RollflowError
 from stages import progress as bars, watchdog
-from stages.plan import PlanError, local_resources, stage_resource_problems
+from stages.plan import PlanError, group_fit_problems, local_resources, stage_resource_problems
 from stages.watchdog import cmdline, start_time, tree
 
 log = logging.getLogger("rollflow.cluster")
@@ -284,6 +284,18 @@ def check_stage_resources(runtime) -> None:
         problems = stage_resource_problems(runtime, {k: float(v) for k, v in ray.cluster_resources().items()})
         if problems:
             raise PlanError("; and ".join(problems))
+
+
+def check_group_fits(workers: int, cpus: float, gpus: float, fields: tuple[str, str, str]) -> None:
+    """Refuse a command's worker group that the joined cluster cannot place even when idle (stages/plan.py
+    :func:`group_fit_problems`), before it starts: Ray would keep it waiting until its placement timeout. Call after
+    :func:`ensure_ray`."""
+    import ray
+
+    problems = group_fit_problems(workers, cpus, gpus, {k: float(v) for k, v in ray.cluster_resources().items()},
+                                  fields)
+    if problems:
+        raise PlanError("; and ".join(problems))
 
 
 def require_ray(who: str) -> None:

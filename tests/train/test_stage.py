@@ -142,6 +142,11 @@ def test_logprobs_command_on_two_ranks_adds_ragged_columns_in_row_order_equal_to
     assert read_manifest(Location.of(str(tmp_path / "lp")))["metrics"]["logprobs/tokens"] == lengths.sum()
     again = CliRunner().invoke(cli(), args)
     assert again.exit_code == 0 and "up to date, skipped" in again.output, again.output
+    # a group the cluster cannot place even when idle is refused before it starts (not after placement_timeout_s)
+    big = CliRunner().invoke(cli(), [*args[:-1], str(tmp_path / "lp-big"), "--set", "num_actors=64"])
+    assert big.exit_code == 2 and "num_actors=64 workers of cpus_per_actor=1 CPUs need 64 CPUs" in big.output, \
+        big.output
+    assert not (tmp_path / "lp-big").exists()
 
 
 def test_reference_model_is_run_separately(tiny_model, samples, tmp_path, kept):
@@ -237,3 +242,8 @@ def test_train_step_cli_on_two_workers_skips_prunes_and_reports_worker_errors(ti
                                  "runtime.num_workers=1"])
     assert failed.exit_code == 2 and "'advantages'" in failed.output, failed.output
     assert not (tmp_path / "ck" / "bad").exists()
+    big = runner.invoke(app, args + ["--checkpoint", str(tiny_model), "--output", str(tmp_path / "ck" / "big"),
+                                     "--set", "runtime.num_workers=64"])
+    assert big.exit_code == 2 and "runtime.num_workers=64 workers of runtime.cpus_per_worker=1 CPUs need 64 " \
+        "CPUs" in big.output and "join a larger cluster (RAY_ADDRESS)" in big.output, big.output
+    assert not (tmp_path / "ck" / "big").exists()
