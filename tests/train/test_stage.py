@@ -144,7 +144,7 @@ def test_logprobs_command_on_two_ranks_adds_ragged_columns_in_row_order_equal_to
     assert again.exit_code == 0 and "up to date, skipped" in again.output, again.output
     # a group the cluster cannot place even when idle is refused before it starts (not after placement_timeout_s)
     big = CliRunner().invoke(cli(), [*args[:-1], str(tmp_path / "lp-big"), "--set", "num_actors=64"])
-    assert big.exit_code == 2 and "num_actors=64 workers of cpus_per_actor=1 CPUs need 64 CPUs" in big.output, \
+    assert big.exit_code == 2 and "num_actors=64 workers of cpus_per_actor=0.5 CPUs need 32 CPUs" in big.output, \
         big.output
     assert not (tmp_path / "lp-big").exists()
 
