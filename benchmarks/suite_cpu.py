@@ -222,9 +222,9 @@ def main() -> None:
           f"({busy / (wall * os.cpu_count()):.0%} of {os.cpu_count()} cores); disk: {disk.peak():.1f} GiB at most "
           f"at once, {disk.left():.1f} GiB left after it ({', '.join(disk.folders)})")
     figures = {k.replace(" / ", "_").replace(" ", "_").lower(): v[0] for k, v in kinds.items()}
-    print("RESULT " + " ".join([f"wall_s={wall:.0f}", f"cpu_s={total:.0f}", f"busy_cpu_s={busy:.0f}",
-                                f"exit={status}", f"disk_peak_gb={disk.peak():.1f}",
-                                f"disk_left_gb={disk.left():.1f}"] + [f"{k}={v:.0f}" for k, v in sorted(figures.items())]
+    head = [f"wall_s={wall:.0f}", f"cpu_s={total:.0f}", f"busy_cpu_s={busy:.0f}", f"exit={status}",
+            f"disk_peak_gb={disk.peak():.1f}", f"disk_left_gb={disk.left():.1f}"]
+    print("RESULT " + " ".join(head + [f"{k}={v:.0f}" for k, v in sorted(figures.items())]
                                + [f"{k}={v:.0f}" for k, v in per_test.items()]))
 
 

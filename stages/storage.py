@@ -483,6 +483,7 @@ FETCH_BUDGET_ENV = "ROLLFLOW_OBJSTORE_CACHE_GB"
 FETCH_BUDGET_GB = 20.0  # the local copies of object-store folders kept beyond those in use (fetch_committed)
 FETCH_IN_USE_S = 1800.0  # a copy fetched or reused within this long is in use: never removed
 FETCH_TMP_STALE_S = 86400.0  # a download's temporary folder untouched this long was left by a killed process
+FETCH_GONE_STALE_S = 60.0  # a copy moved aside this long ago (its ctime: the rename) was left by a killed removal
 _TMP, _GONE = ".tmp-", ".gone-"  # a download under way; a copy being removed
 
 
@@ -522,19 +523,24 @@ def prune_fetched(cache_dir: str, budget: int | None = None, now: float | None =
     """Remove the least recently used local copies in ``cache_dir`` (:func:`fetch_committed`) while their total size
     is over ``budget`` bytes (default :func:`fetch_budget_bytes`), never one used in the last FETCH_IN_USE_S seconds
     (a process may still be loading it), plus what killed processes left (their downloads' temporary folders after
-    FETCH_TMP_STALE_S, interrupted removals at once). A copy is moved aside before it is removed and restored if it
+    FETCH_TMP_STALE_S, interrupted removals after FETCH_GONE_STALE_S: a removal under way may still put its copy
+    back). A copy is moved aside before it is removed and restored if it
     was used meanwhile; a process that finds its copy gone downloads it again. ``keep`` (the copy just fetched) is
     never removed. Returns the copies removed."""
     budget = fetch_budget_bytes() if budget is None else budget
     now = time.time() if now is None else now
     copies = []
     for entry in os.scandir(cache_dir):
-        if not entry.is_dir(follow_symlinks=False):
+        try:
+            if not entry.is_dir(follow_symlinks=False):
+                continue
+            if (_GONE in entry.name and now - entry.stat().st_ctime > FETCH_GONE_STALE_S) or \
+                    (_TMP in entry.name and now - entry.stat().st_mtime > FETCH_TMP_STALE_S):
+                shutil.rmtree(entry.path, ignore_errors=True)
+            elif _TMP not in entry.name and _GONE not in entry.name:
+                copies.append((entry.stat().st_mtime, entry.path, _folder_bytes(entry.path)))
+        except FileNotFoundError:  # renamed or removed by another process while this one looked
             continue
-        if _GONE in entry.name or (_TMP in entry.name and now - entry.stat().st_mtime > FETCH_TMP_STALE_S):
-            shutil.rmtree(entry.path, ignore_errors=True)
-        elif _TMP not in entry.name:
-            copies.append((entry.stat().st_mtime, entry.path, _folder_bytes(entry.path)))
     total, removed = sum(size for *_, size in copies), []
     for used, path, size in sorted(copies):  # the least recently used first
         if total <= budget or now - used < FETCH_IN_USE_S:

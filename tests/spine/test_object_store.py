@@ -350,14 +350,20 @@ def _copy(folder: Path, mib: int, used: float) -> Path:
 def test_the_local_copies_of_object_store_folders_keep_to_their_budget(tmp_path):
     """stages/storage.py prune_fetched: the least recently used copies go first while the cache is over its budget;
     a copy used within FETCH_IN_USE_S stays whatever the budget, as does the one just fetched; a killed download's
-    temporary folder goes once stale, an interrupted removal at once."""
-    from stages.storage import FETCH_IN_USE_S, FETCH_TMP_STALE_S, prune_fetched
+    temporary folder goes once stale, as does a removal interrupted FETCH_GONE_STALE_S ago (by the time of its move
+    aside, its ctime), not one that may be under way."""
+    import time
 
-    now, old = 1e9, 1e9 - 2 * FETCH_IN_USE_S
+    from stages.storage import FETCH_GONE_STALE_S, FETCH_IN_USE_S, FETCH_TMP_STALE_S, prune_fetched
+
+    gone = _copy(tmp_path / "f-1.gone-z", 1, 0)  # moved aside (its ctime) now
+    assert prune_fetched(str(tmp_path), budget=0) == [] and gone.exists()  # a removal may be under way
+    now = time.time() + FETCH_GONE_STALE_S + 1
+    old = now - 2 * FETCH_IN_USE_S
     a, b = _copy(tmp_path / "a-1", 3, old - 10), _copy(tmp_path / "b-1", 2, old)
     c = _copy(tmp_path / "c-1", 1, now - 10)  # in use
-    stale, fresh = _copy(tmp_path / "d-1.tmp-9-x", 1, now - FETCH_TMP_STALE_S - 1), _copy(tmp_path / "e.tmp-9-y", 1, now)
-    gone = _copy(tmp_path / "f-1.gone-z", 1, now)
+    stale = _copy(tmp_path / "d-1.tmp-9-x", 1, now - FETCH_TMP_STALE_S - 1)
+    fresh = _copy(tmp_path / "e.tmp-9-y", 1, now)
     assert prune_fetched(str(tmp_path), budget=4 << 20, now=now) == [str(a)]  # 6 MiB -> 3
     assert not stale.exists() and not gone.exists() and fresh.exists() and b.exists()
     assert prune_fetched(str(tmp_path), budget=0, now=now, keep=str(b)) == []  # b just fetched, c in use
