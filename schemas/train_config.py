@@ -434,6 +434,11 @@ class TrainRuntimeConfig(RuntimeConfig):
     def torch_threads(self) -> int:
         return self.threads or max(1, int(self.cpus_per_worker))
 
+    def default_gpu_share(self) -> float:
+        """Each worker's Ray GPU share where no run decides it (colocation, stages.plan.gpu_shares): one GPU with
+        ``use_gpu``, else none."""
+        return 1.0 if self.use_gpu else 0.0
+
 
 TIMEOUT_FIELDS = ("placement_timeout_s", "engine_build_timeout_s", "step_timeout_s")  # TrainRuntimeConfig's limits
 
@@ -480,7 +485,7 @@ class TrainStepConfig(TrainSection, StepSettings):
         """What the command's group of training workers asks of Ray (stages/train/group.py: not kept, one GPU per
         worker with ``use_gpu``): workers, CPUs and GPUs each, and the fields that set them."""
         rt = self.runtime
-        return (rt.num_workers, rt.cpus_per_worker, 1.0 if rt.use_gpu else 0.0,
+        return (rt.num_workers, rt.cpus_per_worker, rt.default_gpu_share(),
                 ("runtime.num_workers", "runtime.cpus_per_worker", "runtime.use_gpu"))
 
 

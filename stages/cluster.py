@@ -278,22 +278,26 @@ def check_stage_resources(runtime) -> None:
     """Refuse a config whose ``runtime.stage_resources`` names a custom resource that no node of the joined cluster
     declares (or too little of it): Ray would keep the pinned stage waiting forever. Call after :func:`ensure_ray`;
     the training flows check the same in their resource plan (stages/plan.py)."""
-    import ray
-
     if runtime.stage_resources:
-        problems = stage_resource_problems(runtime, {k: float(v) for k, v in ray.cluster_resources().items()})
-        if problems:
-            raise PlanError("; and ".join(problems))
+        _refuse(stage_resource_problems(runtime, _cluster_totals()))
 
 
 def check_group_fits(workers: int, cpus: float, gpus: float, fields: tuple[str, str, str]) -> None:
     """Refuse a command's worker group that the joined cluster cannot place even when idle (stages/plan.py
     :func:`group_fit_problems`), before it starts: Ray would keep it waiting until its placement timeout. Call after
     :func:`ensure_ray`."""
+    _refuse(group_fit_problems(workers, cpus, gpus, _cluster_totals(), fields))
+
+
+def _cluster_totals() -> dict[str, float]:
+    """What the joined cluster's nodes declare, in all (``ray.cluster_resources()``)."""
     import ray
 
-    problems = group_fit_problems(workers, cpus, gpus, {k: float(v) for k, v in ray.cluster_resources().items()},
-                                  fields)
+    return {k: float(v) for k, v in ray.cluster_resources().items()}
+
+
+def _refuse(problems: list[str]) -> None:
+    """A PlanError of ``problems`` (each with its fix), if there are any."""
     if problems:
         raise PlanError("; and ".join(problems))
 

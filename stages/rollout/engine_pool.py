@@ -294,7 +294,8 @@ class EnginePool:
         """Point the pool at ``model_dir``: in-place weight loading if the actors run; returns seconds spent."""
         source, model_dir = str(model_dir), local_model_dir(model_dir)
         if self.asleep and self._actors:  # wake with the new weights: the GPU never holds both
-            return self.wake(None if model_dir == self.model_dir else source)
+            reload = model_dir != self.model_dir or self.config.sleep_level >= 2  # (level 2 kept no weights)
+            return self._wake(source, model_dir) if reload else self._wake(None, None)
         if not self._actors or model_dir == self.model_dir:
             self.source, self.model_dir = source, model_dir
             return 0.0
@@ -328,11 +329,15 @@ class EnginePool:
         discarded) the pool's checkpoint is reloaded when no other is given. Returns the seconds it took."""
         if not self.asleep:
             return 0.0
-        start = time.time()
         source = str(model_dir) if model_dir is not None else None
         if source is None and self.config.sleep_level >= 2:  # reloaded: an object store's copy may have been removed
             source = self.source
-        target = local_model_dir(source) if source is not None else None
+        return self._wake(source, local_model_dir(source) if source is not None else None)
+
+    def _wake(self, source: str | None, target: str | None) -> float:
+        """Wake the engines with the weights of the local folder ``target`` (the copy of ``source``), or with those
+        they kept when None. Returns the seconds it took."""
+        start = time.time()
         self._await(self._actors, "wake", (target,), self.config.reload_timeout_s,
                     f"waking{f' with the weights of {target}' if target else ''}", "reload_timeout_s")
         self.asleep = False

@@ -215,7 +215,7 @@ class TrainerGroup:
         policy for both); None: a forward request uses held engines or loads models beside them."""
         self.runtime, self.keep = runtime, keep and runtime.keep_workers
         self.section = section
-        self.gpus_per_worker = (1.0 if runtime.use_gpu else 0.0) if gpus_per_worker is None else gpus_per_worker
+        self.gpus_per_worker = runtime.default_gpu_share() if gpus_per_worker is None else gpus_per_worker
         self._workers: list = []
         self._placement = None
         self._placed: list[Placed] = []
