@@ -191,3 +191,27 @@ def test_safetensors_of_no_tensors_is_whole(tmp_path):
     assert safetensors_problem(path) is None
     path.write_bytes((2).to_bytes(8, "little") + b"{}\0")
     assert "holds 11 bytes where its header says 10" in safetensors_problem(path)
+
+
+def test_a_large_json_text_is_parsed_once_whatever_folder_holds_it(tiny_model, tmp_path, monkeypatch):
+    """Every checkpoint holds the model's tokenizer.json (3.5 MB) and is read as soon as it is written, before its
+    folder's signature settles: a large JSON text that parsed to an object is remembered by its SHA-256, in the
+    process and in the cache (``BIG_JSON_BYTES``); any other text is parsed, a damaged one each time it is read."""
+    monkeypatch.setenv("ROLLFLOW_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(model_files, "SETTLED_S", 3600.0)  # every file is too recent: no folder is remembered
+    monkeypatch.setattr(model_files, "_JSON_OBJECTS", set())
+    texts = _counting(monkeypatch, model_files, "_read_json")
+    large = lambda: [t for t in texts if len(t) >= model_files.BIG_JSON_BYTES]  # noqa: E731
+    folders = [Path(shutil.copytree(tiny_model, tmp_path / f"ckpt{k}")) for k in range(2)]
+    for folder in folders + folders:
+        check_model_dir(folder)
+    assert len(large()) == 1 and len(texts) == 1 + 4 * 4, "the tokenizer once, the four small JSON files each time"
+    monkeypatch.setattr(model_files, "_JSON_OBJECTS", set())  # another process: the cache's file says it parsed
+    check_model_dir(folders[0])
+    assert len(large()) == 1
+    tokenizer = folders[1] / "tokenizer.json"
+    tokenizer.write_bytes(tokenizer.read_bytes()[:-1])  # one byte short: another text, not valid JSON
+    for _ in range(2):
+        with pytest.raises(SchemaError, match="tokenizer.json is not valid JSON"):
+            check_model_dir(folders[1])
+    assert len(large()) == 3, "a damaged text is parsed each time"
