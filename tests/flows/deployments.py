@@ -53,12 +53,17 @@ def deployment(client, name: str, served: subprocess.Popen, log_path: Path, dead
 
 def completed_runs(client, deployment, served: subprocess.Popen, log_path: Path, deadline: float, count: int = 1):
     """The first ``count`` completed runs of ``deployment`` (by start), waiting for them; a run that ends otherwise,
-    a serving process that exits, or the deadline fails the test."""
-    from prefect.client.schemas.filters import DeploymentFilter, DeploymentFilterId
+    a serving process that exits, or the deadline fails the test. Only runs that started are read: the scheduler
+    keeps up to 100 future runs of the deployment, which the server would send every 2 s otherwise."""
+    from prefect.client.schemas.filters import (DeploymentFilter, DeploymentFilterId, FlowRunFilter,
+                                                FlowRunFilterState, FlowRunFilterStateType)
+    from prefect.client.schemas.objects import StateType
 
     only_this = DeploymentFilter(id=DeploymentFilterId(any_=[deployment.id]))
+    started = FlowRunFilter(state=FlowRunFilterState(type=FlowRunFilterStateType(
+        not_any_=[StateType.SCHEDULED, StateType.PENDING])))
     while True:
-        runs = client.read_flow_runs(deployment_filter=only_this)
+        runs = client.read_flow_runs(deployment_filter=only_this, flow_run_filter=started)
         completed = sorted((r for r in runs if r.state is not None and r.state.is_completed()),
                            key=lambda r: r.start_time)
         if len(completed) >= count:
