@@ -86,7 +86,7 @@ class Location:
                                   "credentials with AWS_ENDPOINT_URL, AWS_DEFAULT_REGION and AWS_ACCESS_KEY_ID / "
                                   f"AWS_SECRET_ACCESS_KEY (docs/object-storage.md) and pass {where.split('?')[0]}")
             try:
-                fs, path = pafs.FileSystem.from_uri(where)
+                fs, path = pafs.FileSystem.from_uri(f"{where}?{S3_OPTIONS}" if scheme == "s3" else where)
             except (ValueError, OSError) as err:
                 raise ConfigError(f"{where} is not a filesystem URI pyarrow can open ({err}); pass a local path or "
                                   "an s3://bucket/folder URI") from None
@@ -325,6 +325,14 @@ def _endpoint() -> str | None:
     return os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
 
 
+# A file that fits one part is written to S3 in one PUT request when it closes, not three (start a multipart upload,
+# upload the part, complete it): pyarrow's allow_delayed_open, which starts the multipart upload only when a part
+# fills. A manifest, a metrics table or a turn's table is one request instead of three. What a delayed open defers —
+# a missing bucket, refused credentials — then fails the write when the file closes, inside the same write; the
+# bucket and credentials are checked before anything is written (check_store).
+S3_OPTIONS = "allow_delayed_open=true"
+
+
 def _endpoint_options() -> dict:
     """S3FileSystem options for the endpoint in the environment (pyarrow's URI parsing reads AWS_ENDPOINT_URL, its
     S3FileSystem constructor does not)."""
@@ -344,7 +352,7 @@ def _with_env_credentials(fs: pafs.S3FileSystem) -> pafs.S3FileSystem:
     if not (key and secret):
         return fs
     return pafs.S3FileSystem(access_key=key, secret_key=secret, session_token=os.environ.get("AWS_SESSION_TOKEN"),
-                             region=fs.region, **_endpoint_options())
+                             region=fs.region, allow_delayed_open=True, **_endpoint_options())
 
 
 def _store_problem(scheme: str, bucket: str, err: Exception) -> str:

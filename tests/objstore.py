@@ -15,6 +15,7 @@ import pytest
 from stages.storage import Location
 
 BUCKET = "rollflow-test"
+_LIVE: list = [None]  # the module's running _S3Server
 
 
 @pytest.fixture(scope="module")
@@ -22,7 +23,7 @@ def s3():
     """A moto S3 server in this process with one bucket; this process's AWS_* variables point at it (restored
     after the module). Yields the environment to give child processes."""
     logging.getLogger("werkzeug").setLevel(logging.WARNING)  # a line per request otherwise
-    server = _S3Server()
+    server = _LIVE[0] = _S3Server()
     host, port = server.address
     env = {"AWS_ENDPOINT_URL": f"http://{host}:{port}", "AWS_ACCESS_KEY_ID": "rollflow-test",
            "AWS_SECRET_ACCESS_KEY": "rollflow-test", "AWS_DEFAULT_REGION": "us-east-1",
@@ -40,6 +41,13 @@ def s3():
             else:
                 os.environ[k] = v
         server.stop()
+        _LIVE[0] = None
+
+
+def requests_seen() -> list[tuple[str, str, str]]:
+    """``(method, path, query)`` of every request the module's S3 server answered so far, in order."""
+    assert _LIVE[0] is not None, "no S3 server: the test needs the s3 fixture"
+    return list(_LIVE[0].requests)
 
 
 class _S3Server:
@@ -51,8 +59,13 @@ class _S3Server:
         from moto.moto_server.werkzeug_app import MotoRequestHandler, create_backend_app
         from werkzeug.serving import make_server
 
-        self._server = make_server("127.0.0.1", 0, create_backend_app("s3"), threaded=True,
-                                   request_handler=MotoRequestHandler)
+        app, self.requests = create_backend_app("s3"), []
+
+        def recorded(environ, start_response):
+            self.requests.append((environ["REQUEST_METHOD"], environ["PATH_INFO"], environ.get("QUERY_STRING", "")))
+            return app(environ, start_response)
+
+        self._server = make_server("127.0.0.1", 0, recorded, threaded=True, request_handler=MotoRequestHandler)
         self._thread = threading.Thread(target=self._server.serve_forever, name="moto-s3", daemon=True)
         self._thread.start()
         self.address = self._server.server_address[:2]

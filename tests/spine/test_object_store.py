@@ -284,6 +284,26 @@ def test_metrics_table_on_s3_replaces_parts_and_reads_back(s3):
     shutil.rmtree(side.parent)
 
 
+def test_a_file_that_fits_one_part_is_one_put_request(s3):
+    """A small file (a manifest, a turn's table) reaches S3 in one PUT when it closes, not a multipart upload's three
+    requests (stages/storage.py ``S3_OPTIONS``); a file larger than a part (pyarrow's 10 MB) still goes up in parts;
+    both read back whole."""
+    from tests.objstore import requests_seen
+
+    loc = Location.of(f"s3://{BUCKET}/writes")
+    for name, data in (("small.json", b'{"a": 1}'), ("big.bin", bytes(range(256)) * (12 << 12))):
+        before = len(requests_seen())
+        with loc.fs.open_output_stream(loc.child(name).path) as out:
+            out.write(data)
+        sent = [(method, query.split("=")[0]) for method, _path, query in requests_seen()[before:]]
+        if name == "small.json":
+            assert sent == [("PUT", "")], sent
+        else:
+            assert sent[0] == ("POST", "uploads") and sent.count(("PUT", "partNumber")) == 2, sent
+        with loc.fs.open_input_stream(loc.child(name).path) as back:
+            assert back.read() == data
+
+
 def test_two_threads_fetching_one_committed_folder_at_once_both_get_it_whole(s3, tmp_path, monkeypatch):
     """stages/storage.py fetch_committed called by two threads of one process at once, as an asynchronous run's
     log-probs and the rollout it plays ahead load the same policy: both get the whole folder, and no temporary
