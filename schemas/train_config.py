@@ -481,12 +481,12 @@ class StepSettings(Frozen):
 class TrainStepConfig(TrainSection, StepSettings):
     """``rollflow train-step --config FILE``: the training section plus where it runs and what it keeps."""
 
-    def worker_asks(self) -> tuple[int, float, float, tuple[str, str, str]]:
+    def worker_asks(self) -> tuple[int, float, float, tuple[str, str, str, str]]:
         """What the command's group of training workers asks of Ray (stages/train/group.py: not kept, one GPU per
-        worker with ``use_gpu``): workers, CPUs and GPUs each, and the fields that set them."""
+        worker with ``use_gpu``): workers, CPUs and GPUs each, and the fields that set them and that train on CPU."""
         rt = self.runtime
         return (rt.num_workers, rt.cpus_per_worker, rt.default_gpu_share(),
-                ("runtime.num_workers", "runtime.cpus_per_worker", "runtime.use_gpu"))
+                ("runtime.num_workers", "runtime.cpus_per_worker", "runtime.use_gpu", "runtime.use_gpu=false"))
 
 
 class RunTrainConfig(TrainOptions, StepSettings):
@@ -585,11 +585,11 @@ class ForwardConfig(OmitDefaults):
     def torch_threads(self) -> int:
         return self.threads or max(1, int(self.cpus_per_actor))
 
-    def worker_asks(self) -> tuple[int, float, float, tuple[str, str, str]]:
+    def worker_asks(self) -> tuple[int, float, float, tuple[str, str, str, str]]:
         """What a stage run on its own asks of Ray for its group (stages/train/stage.py ``forward_group``): actors,
-        CPUs and GPUs each, and the fields that set them."""
+        CPUs and GPUs each, and the fields that set them and that run the passes on CPU."""
         return (self.num_actors, self.cpus_per_actor, self.gpus_per_actor_reserved() or 0.0,
-                ("num_actors", "cpus_per_actor", "gpus_per_actor"))
+                ("num_actors", "cpus_per_actor", "gpus_per_actor", "device=cpu"))
 
     def gpus_per_actor_reserved(self) -> float | None:
         """The Ray GPU share an actor asks for: gpus_per_actor with device cuda, none on cpu."""

@@ -282,7 +282,7 @@ def check_stage_resources(runtime) -> None:
         _refuse(stage_resource_problems(runtime, _cluster_totals()))
 
 
-def check_group_fits(workers: int, cpus: float, gpus: float, fields: tuple[str, str, str]) -> None:
+def check_group_fits(workers: int, cpus: float, gpus: float, fields: tuple[str, str, str, str]) -> None:
     """Refuse a command's worker group that the joined cluster cannot place even when idle (stages/plan.py
     :func:`group_fit_problems`), before it starts: Ray would keep it waiting until its placement timeout. Call after
     :func:`ensure_ray`."""

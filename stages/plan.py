@@ -490,13 +490,14 @@ def stage_resource_problems(runtime, resources: dict[str, float]) -> list[str]:
 
 
 def group_fit_problems(workers: int, cpus: float, gpus: float, resources: dict[str, float],
-                       fields: tuple[str, str, str]) -> list[str]:
+                       fields: tuple[str, str, str, str]) -> list[str]:
     """For a command that starts one worker group (``rollflow train-step``: the training workers; ``logprobs`` /
     ``values``: the forward group): whether ``workers`` workers of ``cpus`` CPUs and ``gpus`` GPUs each fit the
     cluster's ``resources`` at all, counted as a run's plan counts them (CPUs summed, GPU shares packed); otherwise
     Ray would keep the group waiting until ``runtime.placement_timeout_s``. ``fields``: the config fields of the
-    worker count, the CPUs and the GPUs per worker, named in the problems with the fix."""
-    count, per_cpu, per_gpu = fields
+    worker count, the CPUs and the GPUs per worker, and the setting that runs the group on CPU, named in the problems
+    with the fix."""
+    count, per_cpu, per_gpu, on_cpu = fields
     problems = []
     have = resources.get("CPU", 0.0)
     if workers * cpus > have + _EPS:
@@ -506,8 +507,8 @@ def group_fit_problems(workers: int, cpus: float, gpus: float, resources: dict[s
     gpu_count = int(resources.get("GPU", 0.0) + _EPS)
     if gpus > 0 and _pack([(i, gpus) for i in range(workers)], [1.0] * gpu_count) is None:
         problems.append(f"{count}={workers} workers of {gpus:g} GPU each do not fit the cluster's {gpu_count} GPU(s), "
-                        f"so they would wait to be placed until runtime.placement_timeout_s; lower {count}, or "
-                        f"{per_gpu} (or train on CPU), or join a cluster with more GPUs (RAY_ADDRESS)")
+                        f"so they would wait to be placed until runtime.placement_timeout_s; lower {count} or "
+                        f"{per_gpu}, or set {on_cpu}, or join a cluster with more GPUs (RAY_ADDRESS)")
     return problems
 
 

@@ -195,8 +195,8 @@ def _prepare(model: str, config: Path | None, overrides: list[str] | None, table
     """What the table-in, folder-out training commands do before their stage: load the config (``model``, a class
     name of schemas.train_config), print the dtype choice, check the input table (``table``, a contract of
     schemas.tables, with the columns ``needs(cfg)``), the model folders in ``checkpoints`` and the output path before
-    Ray starts, then join or start Ray and check that the command's worker group fits it (``worker_asks``). Returns
-    the config."""
+    Ray starts, then join or start Ray. (Whether the command's worker group fits the cluster is checked by its stage,
+    before the group starts and not when the output is up to date: stages/train/stage.py.) Returns the config."""
     import schemas.tables as tables
     import schemas.train_config as train_config
     from schemas.config import load_config, parse_overrides
@@ -212,9 +212,6 @@ def _prepare(model: str, config: Path | None, overrides: list[str] | None, table
     _guard(lambda: check_output(str(output), stage_writes(f"rollflow {command}", stage),
                                 {"--samples": str(samples), **{f"model folder {c}": str(c) for c in checkpoints if c}}))
     connect(cfg.runtime)
-    from stages.cluster import check_group_fits
-
-    _guard(lambda: check_group_fits(*cfg.worker_asks()))
     return cfg
 
 

@@ -23,12 +23,12 @@ from typing import Any
 
 import pyarrow.parquet as pq
 
-from schemas.errors import ConfigError, RollflowError
+from schemas.errors import RollflowError
 from schemas.tables import ADVANTAGED, FLOATS, SAMPLES, TableSpec
 from schemas.train_config import (ForwardConfig, LogProbSection, TrainRuntimeConfig, TrainSection, TrainStepConfig,
                                   ValuesSection)
 from stages import progress
-from stages.cluster import require_ray
+from stages.cluster import check_group_fits, require_ray
 from stages.commit import commit_folder
 from stages.partials import SIDE_DIR, read_partials, sum_partials
 from stages.ray_errors import unwrap_error
@@ -108,6 +108,8 @@ def _train_into(tmp: Location, out: Location, samples: Location, info: ckpt.Chec
         raise RollflowError(f"train_step: the output {out.path} is the input checkpoint; write to a new folder")
     ckpt.check_trainable(info)
     section = train_section(cfg)
+    if trainer is None:  # a step on its own: refused before its group starts if the cluster cannot place it
+        check_group_fits(*cfg.worker_asks())
     try:
         _step(trainer or TrainerGroup(cfg.runtime, keep=False), samples, checkpoint, cfg,
               tmp.path, out.path, label, full_state)
@@ -172,26 +174,6 @@ class ForwardJob:
     # the actor group computes it on its held engine when it holds that checkpoint (stages/train/actor_forward.py)
 
 
-def check_group_fits(c: ForwardConfig) -> None:
-    """:class:`ConfigError` before a stage run on its own starts its group (:func:`forward_group`) where the cluster
-    cannot place every rank at once (device cuda without the GPUs; more CPUs than the cluster has): the ranks would
-    otherwise wait for their placement until it times out."""
-    import ray
-
-    resources = ray.cluster_resources()
-    cpus, gpus = resources.get("CPU", 0.0), resources.get("GPU", 0.0)
-    ranks = c.num_actors
-    if c.device == "cuda" and gpus < ranks * c.gpus_per_actor:
-        raise ConfigError(f"device: cuda reserves gpus_per_actor={c.gpus_per_actor:g} GPU for each of num_actors="
-                          f"{ranks} ranks, and the Ray cluster has {gpus:g} GPUs; set device: cpu, or run on a "
-                          "cluster with a GPU (RAY_ADDRESS), or lower gpus_per_actor to share one")
-    if ranks * c.cpus_per_actor > cpus:
-        raise ConfigError(f"num_actors ({ranks}) x cpus_per_actor ({c.cpus_per_actor:g}) is "
-                          f"{ranks * c.cpus_per_actor:g} CPUs for ranks that start together, and the Ray cluster has "
-                          f"{cpus:g}, so the stage would wait for them until it times out; set cpus_per_actor to at "
-                          f"most {cpus / ranks:g} (threads per rank follow it), or lower num_actors")
-
-
 def forward_group(c: ForwardConfig, *, kept: bool = False, gpus_per_worker: float | None = None,
                   limits: TrainRuntimeConfig | None = None) -> TrainerGroup:
     """The actor group that computes the log-prob and values stages when no training group does: ``num_actors``
@@ -225,7 +207,7 @@ class _ForwardStage(Stage):
     def build(self, ctx: StageContext):
         if self.group is not None:
             return self._build_on_group(ctx, self.group)
-        check_group_fits(self.config)
+        check_group_fits(*self.config.worker_asks())  # before it starts: not for an output that is up to date
         with forward_group(self.config) as group:  # a stage run on its own: a group for its one request
             return self._build_on_group(ctx, group)
 
