@@ -503,7 +503,8 @@ def group_fit_problems(workers: int, cpus: float, gpus: float, resources: dict[s
     if workers * cpus > have + _EPS:
         problems.append(f"{count}={workers} workers of {per_cpu}={cpus:g} CPUs need {workers * cpus:g} CPUs and the "
                         f"cluster has {have:g}, so they would wait to be placed until runtime.placement_timeout_s; "
-                        f"lower {count} or {per_cpu}, or join a larger cluster (RAY_ADDRESS)")
+                        f"lower {count} or {per_cpu} (to at most {have / workers:g} each), or join a larger "
+                        "cluster (RAY_ADDRESS)")
     gpu_count = int(resources.get("GPU", 0.0) + _EPS)
     if gpus > 0 and _pack([(i, gpus) for i in range(workers)], [1.0] * gpu_count) is None:
         problems.append(f"{count}={workers} workers of {gpus:g} GPU each do not fit the cluster's {gpu_count} GPU(s), "

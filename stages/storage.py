@@ -86,7 +86,8 @@ class Location:
                                   "credentials with AWS_ENDPOINT_URL, AWS_DEFAULT_REGION and AWS_ACCESS_KEY_ID / "
                                   f"AWS_SECRET_ACCESS_KEY (docs/object-storage.md) and pass {where.split('?')[0]}")
             try:
-                fs, path = pafs.FileSystem.from_uri(f"{where}?{S3_OPTIONS}" if scheme == "s3" else where)
+                query = "&".join(f"{k}={str(v).lower()}" for k, v in S3_OPTIONS.items())
+                fs, path = pafs.FileSystem.from_uri(f"{where}?{query}" if scheme == "s3" else where)
             except (ValueError, OSError) as err:
                 raise ConfigError(f"{where} is not a filesystem URI pyarrow can open ({err}); pass a local path or "
                                   "an s3://bucket/folder URI") from None
@@ -330,7 +331,7 @@ def _endpoint() -> str | None:
 # fills. A manifest, a metrics table or a turn's table is one request instead of three. What a delayed open defers —
 # a missing bucket, refused credentials — then fails the write when the file closes, inside the same write; the
 # bucket and credentials are checked before anything is written (check_store).
-S3_OPTIONS = "allow_delayed_open=true"
+S3_OPTIONS = {"allow_delayed_open": True}  # pyarrow S3FileSystem options, also given as a URI's query
 
 
 def _endpoint_options() -> dict:
@@ -352,7 +353,7 @@ def _with_env_credentials(fs: pafs.S3FileSystem) -> pafs.S3FileSystem:
     if not (key and secret):
         return fs
     return pafs.S3FileSystem(access_key=key, secret_key=secret, session_token=os.environ.get("AWS_SESSION_TOKEN"),
-                             region=fs.region, allow_delayed_open=True, **_endpoint_options())
+                             region=fs.region, **S3_OPTIONS, **_endpoint_options())
 
 
 def _store_problem(scheme: str, bucket: str, err: Exception) -> str:

@@ -541,7 +541,7 @@ def test_a_commands_worker_group_that_the_cluster_cannot_place_is_named_with_the
     assert group_fit_problems(3, 0.5, 0.5, {"CPU": 2.0, "GPU": 2.0}, fields) == []  # halves share a GPU
     (cpu,) = group_fit_problems(3, 1.0, 0.0, {"CPU": 2.0}, fields)
     assert "runtime.num_workers=3 workers of runtime.cpus_per_worker=1 CPUs need 3 CPUs and the cluster has 2" in cpu
-    assert "lower runtime.num_workers or runtime.cpus_per_worker" in cpu
+    assert "lower runtime.num_workers or runtime.cpus_per_worker (to at most 0.666667 each)" in cpu
     (gpu,) = group_fit_problems(2, 1.0, 0.6, {"CPU": 4.0, "GPU": 1.0}, fields)  # 0.6 + 0.6 > one GPU
     assert "2 workers of 0.6 GPU each do not fit the cluster's 1 GPU(s)" in gpu and "set runtime.use_gpu=false" in gpu
     assert len(group_fit_problems(2, 2.0, 1.0, {"CPU": 2.0}, fields)) == 2

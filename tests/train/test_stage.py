@@ -15,8 +15,8 @@ import yaml
 from typer.testing import CliRunner
 
 from schemas.errors import SchemaError
-from stages.plan import PlanError
 from schemas.train_config import ForwardConfig
+from stages.plan import PlanError
 from stages.train.batching import TokenRows
 from stages.train.forward import forward_batch, forward_rows, load_forward_model
 from stages.train.models import load_actor_model, load_critic_model
@@ -177,7 +177,7 @@ def test_bad_input_fails_before_writing(tiny_model, samples, tmp_path):
         run_logprobs(str(samples), str(tmp_path), FORWARD, str(tmp_path / "out"))
     # two ranks of 2 CPUs each, on the test cluster's 2 CPUs: refused before any starts, with the fix
     with pytest.raises(PlanError, match=r"num_actors=2 workers of cpus_per_actor=2 CPUs need 4 CPUs and the "
-                                        r"cluster has 2, .*lower num_actors or cpus_per_actor"):
+                                        r"cluster has 2, .*lower num_actors or cpus_per_actor \(to at most 1 each\)"):
         run_logprobs(str(samples), str(tiny_model), FORWARD.model_copy(update={"cpus_per_actor": 2.0}),
                      str(tmp_path / "out"))
     with pytest.raises(PlanError, match=r"num_actors=2 workers of 1 GPU each do not fit the cluster's 0 GPU\(s\), .*"
