@@ -89,26 +89,26 @@ def batch(default_model, group, tmp_path_factory) -> Path:
 
 
 def test_two_workers_train_the_default_model_and_resume_exactly(default_model, batch, tmp_path, group):
-    """Three one-epoch steps on the engines the workers keep (a -> k2 -> k3: the loss falls, the weights move), and
-    k2's step again on engines loaded from a's DeepSpeed state (l2): the same loss and gradient norm. Only a writes
-    DeepSpeed's state (2.1 GB); the others write weights and a replay record."""
-    path = {name: str(tmp_path / name) for name in ("a", "k2", "k3", "l2")}
+    """Two one-epoch steps on the engines the workers keep (a -> k2: the loss falls, the weights move), and k2's
+    step again on engines loaded from a's DeepSpeed state (l2): the same loss and gradient norm. Only a writes
+    DeepSpeed's state (2.1 GB); the others write weights and a replay record. (A third kept step, k2 -> k3, once
+    showed the loss falling twice: 15 CPU-s of the module for no other check; the fall over the two steps stays.)"""
+    path = {name: str(tmp_path / name) for name in ("a", "k2", "l2")}
     a = run_train_step(str(batch), str(default_model), config(1), path["a"], trainer=group)
     k2 = run_train_step(str(batch), path["a"], config(1), path["k2"], trainer=group, full_state=False)
-    k3 = run_train_step(str(batch), path["k2"], config(1), path["k3"], trainer=group, full_state=False)
-    steps = [per_step(Path(path[name]))[0] for name in ("a", "k2", "k3")]
+    steps = [per_step(Path(path[name]))[0] for name in ("a", "k2")]
     losses = [s["actor/pg_loss"] for s in steps]
-    assert losses[2] < losses[1] < losses[0], losses
+    assert losses[1] < losses[0], losses
     assert a.state["world_size"] == 2 and steps[0]["actor/ratio_max"] == pytest.approx(1.0, abs=1e-4)
-    # the log-prob stage's engines took a's step, a's took k2's, k2's k3's
-    assert [r.metrics["train/engines_kept"] for r in (a, k2, k3)] == [1.0, 1.0, 1.0]
+    # the log-prob stage's engines took a's step, a's took k2's
+    assert [r.metrics["train/engines_kept"] for r in (a, k2)] == [1.0, 1.0]
 
     before = load_file(str(default_model / "model.safetensors"))
-    after = load_file(str(tmp_path / "k3" / "model.safetensors"))
+    after = load_file(str(tmp_path / "k2" / "model.safetensors"))
     changed = [k for k in before if not torch.equal(before[k], after[k])]
     assert len(changed) > 0.9 * len(before)
 
-    # resume: k2's step from a's checkpoint (the group now holds k3's engines: loaded from a)
+    # resume: k2's step from a's checkpoint (the group now holds k2's engines: loaded from a)
     resumed = run_train_step(str(batch), path["a"], config(1), path["l2"], trainer=group, full_state=False)
     (step,) = per_step(tmp_path / "l2")
     assert step["actor/pg_loss"] == pytest.approx(losses[1], rel=1e-5, abs=1e-7)
