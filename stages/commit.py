@@ -68,11 +68,16 @@ def cleanup_leftovers(output: Location) -> None:
 
 
 def _existing_output(output: Location, fingerprint: str, force: bool, who: str, other: str) -> dict | None:
-    """The manifest of ``output`` when it has ``fingerprint`` (nothing to do), None when the output is to be written;
-    raises when ``output`` holds something else and ``force`` is not set."""
-    # an object store keeps an empty "folder" (a marker) after its files are deleted: only content counts there
-    present = output.exists() and (output.atomic_rename or bool(output.list()))
-    existing = read_manifest(output) if present else None
+    """A local ``output``: :func:`_up_to_date` with what the folder holds."""
+    present = output.exists()
+    return _up_to_date(output, read_manifest(output) if present else None, present, fingerprint, force, who, other)
+
+
+def _up_to_date(output: Location, existing: dict | None, present: bool, fingerprint: str, force: bool, who: str,
+                other: str) -> dict | None:
+    """The manifest of ``output`` (``existing``, None when it has none) when it has ``fingerprint`` (nothing to do),
+    None when the output is to be written; raises when ``output`` holds something (``present``) else and ``force``
+    is not set."""
     if existing is not None and existing.get("fingerprint") == fingerprint and not force:
         log.info("%s: %s is up to date (fingerprint %s), skipping", who, output.path, fingerprint[:12])
         return existing
@@ -134,21 +139,40 @@ def commit_folder(output: Location, fingerprint: str, fill: Callable[[Location],
     return _committed(output, (manifest, False))
 
 
-def _drop_attempts(output: Location, keep: str | None) -> None:
-    """Object stores: delete what a crashed or superseded attempt left in ``output``. ``keep=None``: every attempt
-    prefix its manifest does not name (a resume's clean-up); otherwise everything but the manifest and ``keep`` (the
-    attempt just committed: the previous output's files and any files of a folder replaced with ``force``)."""
-    if not output.is_dir():
-        return
-    named = (read_manifest(output) or {}).get(ATTEMPT_KEY) if keep is None else keep
-    for info in output.list():
+def _store_listing(output: Location) -> list[pafs.FileInfo]:
+    """Object stores: what the prefix ``output/`` holds, in one listing request ([] when it holds nothing; asking
+    for the folder's kind first costs a HEAD and a listing more)."""
+    return output.fs.get_file_info(pafs.FileSelector(output.path, recursive=False, allow_not_found=True))
+
+
+def _current_manifest(output: Location, listed: list[pafs.FileInfo]) -> dict | None:
+    """The manifest of ``output`` on an object store, read only when the listing ``listed`` shows one."""
+    return read_manifest(output) if any(i.base_name == MANIFEST for i in listed) else None
+
+
+def _drop_attempts(output: Location, keep: str | None, listed: list[pafs.FileInfo] | None = None,
+                   manifest: dict | None = None) -> list[pafs.FileInfo]:
+    """Object stores: delete what a crashed or superseded attempt left in ``output``; return what is left of its
+    listing. ``keep=None``: every attempt prefix its manifest (``manifest``, read from the listing when not given)
+    does not name (a resume's clean-up); otherwise everything but the manifest and ``keep`` (the attempt just
+    committed: the previous output's files and any files of a folder replaced with ``force``). ``listed``: the
+    folder's listing when the caller has it."""
+    listed = _store_listing(output) if listed is None else listed
+    if keep is None and manifest is None:
+        manifest = _current_manifest(output, listed)
+    named = (manifest or {}).get(ATTEMPT_KEY) if keep is None else keep
+    left = []
+    for info in listed:
         stale = info.base_name.startswith(ATTEMPT_MARK) if keep is None else info.base_name != MANIFEST
-        if stale and info.base_name != named:
-            log.warning("removing %s, left by an earlier or interrupted write of %s", info.path, output.path)
-            if info.type == pafs.FileType.Directory:
-                output.fs.delete_dir(info.path)
-            else:
-                output.fs.delete_file(info.path)
+        if not stale or info.base_name == named:
+            left.append(info)
+            continue
+        log.warning("removing %s, left by an earlier or interrupted write of %s", info.path, output.path)
+        if info.type == pafs.FileType.Directory:
+            output.fs.delete_dir(info.path)
+        else:
+            output.fs.delete_file(info.path)
+    return left
 
 
 def _attempt_objects(output: Location, attempt: Location) -> list[dict]:
@@ -183,9 +207,13 @@ def _commit_attempt(output: Location, fingerprint: str, fill: Callable[[Location
     visible whole or not at all), names the attempt (``attempt``), its tables' files (``files``, names relative to
     ``output``) and every object it wrote (``objects``). Readers trust only what a manifest lists, so until that
     PUT they see the previous output (or none); a failure removes the attempt. After the commit the previous
-    output's files are deleted; a killed run's attempts are deleted on the next write (:func:`cleanup_leftovers`)."""
-    cleanup_leftovers(output)
-    existing = _existing_output(output, fingerprint, force, who, other)
+    output's files are deleted; a killed run's attempts are deleted on the next write (:func:`cleanup_leftovers`).
+    One listing of ``output`` tells what it holds (an object store keeps an empty "folder" marker after its files are
+    deleted: only content counts), its manifest is read once, and only when listed."""
+    listed = _store_listing(output)
+    current = _current_manifest(output, listed)
+    left = _drop_attempts(output, keep=None, listed=listed, manifest=current)
+    existing = _up_to_date(output, current, bool(left), fingerprint, force, who, other)
     if existing is not None:
         return existing, True
     attempt = output.child(f"{ATTEMPT_MARK}{os.getpid()}-{uuid.uuid4().hex[:8]}")

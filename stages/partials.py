@@ -8,6 +8,8 @@ import hashlib
 import json
 from typing import Any
 
+import pyarrow.fs as pafs
+
 from stages.storage import Location
 
 SIDE_DIR = "_partials"
@@ -27,9 +29,9 @@ def write_partials(output: Location, key: str, partials: dict[str, Any]) -> None
 def read_partials(output: Location) -> list[dict[str, Any]]:
     """All partials written by :func:`write_partials` for this output (the folder is removed by the runner)."""
     side = output.child(SIDE_DIR)
-    if not side.exists():
-        return []
-    return [json.loads(Location(side.fs, i.path).read_text()) for i in side.list() if i.path.endswith(".json")]
+    # one listing, none when the folder is missing (asking first whether it exists: a HEAD and a listing more on S3)
+    listed = side.fs.get_file_info(pafs.FileSelector(side.path, recursive=False, allow_not_found=True))
+    return [json.loads(Location(side.fs, i.path).read_text()) for i in listed if i.path.endswith(".json")]
 
 
 def sum_partials(parts: list[dict[str, Any]]) -> dict[str, float]:

@@ -146,7 +146,7 @@ class Location:
         """Sorted paths of the Parquet files directly in this folder; on an object store, of a folder committed
         there (its manifest names an attempt), the files its manifest lists, in order, and nothing else."""
         if not self.atomic_rename:
-            manifest = read_manifest(self) if self.is_dir() else None
+            manifest = read_manifest(self)  # one HEAD when there is none: no need to ask for the folder's kind first
             if manifest is not None and ATTEMPT_KEY in manifest:
                 return [f"{self.path}/{f['name']}" for f in manifest["files"]]
         return sorted(i.path for i in self.list() if i.type == pafs.FileType.File and i.path.endswith(".parquet"))
@@ -162,8 +162,12 @@ class Location:
         return Location(self.fs, path)
 
     def rmtree(self) -> None:
-        if self.exists():
+        """Delete the folder and what it holds; nothing when it is missing (asked by deleting: on S3, asking first
+        whether it exists cost a HEAD and a listing more)."""
+        try:
             self.fs.delete_dir(self.path)
+        except FileNotFoundError:
+            pass
 
     def rename(self, dest: "Location") -> None:
         self.fs.move(self.path, dest.path)
@@ -171,15 +175,23 @@ class Location:
 
 def read_manifest(loc: Location) -> dict | None:
     """The manifest of the folder ``loc`` (None when it has none). Raises :class:`SchemaError` naming the file and
-    the fix when it is not a file, not JSON, not an object, or a field readers use has the wrong type."""
+    the fix when it is not a file, not JSON, not an object, or a field readers use has the wrong type.
+
+    On an object store the manifest is opened at once: one request (HEAD) finds it missing and two read it, where
+    asking for its kind first took a HEAD and a listing, or two HEADs and a GET (pyarrow's ``get_file_info`` lists
+    the prefix of a key it does not find, to tell a folder). There a key that is no object (objects under
+    ``manifest.json/``) reads as no manifest; on a local disk a folder of that name is refused as damaged."""
     m = loc.child(MANIFEST)
-    kind = loc.fs.get_file_info(m.path).type
-    if kind == pafs.FileType.NotFound:
-        return None
-    if kind != pafs.FileType.File:
-        raise damaged_manifest(loc, "it is not a file")
+    if loc.atomic_rename:
+        kind = loc.fs.get_file_info(m.path).type
+        if kind == pafs.FileType.NotFound:
+            return None
+        if kind != pafs.FileType.File:
+            raise damaged_manifest(loc, "it is not a file")
     try:
         manifest = json.loads(m.read_text())
+    except FileNotFoundError:
+        return None
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
         raise damaged_manifest(loc, f"it is not valid JSON ({err})") from None
     problem = manifest_problem(manifest)

@@ -12,6 +12,7 @@ tests/trainflow/test_async_rollout.py.
 
 from __future__ import annotations
 
+import json
 import shutil
 import sys
 import threading
@@ -25,7 +26,7 @@ from typer.testing import CliRunner
 
 from schemas.errors import ConfigError, SchemaError
 from stages.example import ExampleSpec, generate
-from stages.storage import ATTEMPT_KEY, Location, read_manifest, read_table_schema
+from stages.storage import ATTEMPT_KEY, MANIFEST, Location, read_manifest, read_table_schema
 from tests.objstore import BUCKET, objects, read_s3_table, s3  # noqa: F401  (s3: the module's S3 server, a fixture)
 from tests.processes import sigkill_when
 from tests.spine.conftest import SMALL
@@ -302,6 +303,26 @@ def test_a_file_that_fits_one_part_is_one_put_request(s3):
             assert sent[0] == ("POST", "uploads") and sent.count(("PUT", "partNumber")) == 2, sent
         with loc.fs.open_input_stream(loc.child(name).path) as back:
             assert back.read() == data
+
+
+def test_a_manifest_is_found_missing_in_one_request_and_read_in_two(s3):
+    """stages/storage.py read_manifest on S3 opens the manifest at once: a folder without one costs one HEAD (asking
+    for the key's kind first added a listing of ``manifest.json/``), a committed one a HEAD and a GET (a third
+    request, a HEAD, before); a manifest that is not JSON is still refused with the fix."""
+    from tests.objstore import requests_seen
+
+    loc = Location.of(f"s3://{BUCKET}/manifests")
+    before = len(requests_seen())
+    assert read_manifest(loc.child("none")) is None
+    assert [method for method, _path, _query in requests_seen()[before:]] == ["HEAD"]
+    loc.child("done").child(MANIFEST).write_text(json.dumps({"fingerprint": "f", "rows": 1}))
+    before = len(requests_seen())
+    assert read_manifest(loc.child("done"))["rows"] == 1
+    assert [method for method, _path, _query in requests_seen()[before:]] == ["HEAD", "GET"]
+    loc.child("bad").child(MANIFEST).write_text("{not json")
+    with pytest.raises(SchemaError, match=r"manifests/bad/manifest.json is damaged: it is not valid JSON.*delete the "
+                                          r"folder"):
+        read_manifest(loc.child("bad"))
 
 
 def test_two_threads_fetching_one_committed_folder_at_once_both_get_it_whole(s3, tmp_path, monkeypatch):

@@ -455,7 +455,8 @@ def test_a_run_on_s3_sigkilled_at_several_points_of_the_overlap_resumes_to_the_u
         for n, (point, not_yet, what) in enumerate(KILL_POINTS):
             logs.append(tmp_path / f"killed{n}.log")
             jobs = ray_jobs()
-            sigkill_when(command, _every(0.2, Location.of(f"{run}/{point}/manifest.json").exists), logs[-1],
+            committed = Location.of(f"{run}/{point}")  # asked by reading its manifest: one HEAD while missing
+            sigkill_when(command, _every(0.2, lambda: read_manifest(committed) is not None), logs[-1],
                          env={**cli_env, **s3, "PYTHONPATH": str(REPO)}, cwd=str(cwd), what=what, whole_group=True)
             assert not Location.of(f"{run}/{not_yet}/manifest.json").exists(), \
                 f"killed after {not_yet} committed, not when {what}"
