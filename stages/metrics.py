@@ -284,7 +284,7 @@ class TensorBoardMirror:
             self._purge_from = None
         if self._rebuild_mirror or restart is not None:
             writer = self._new_writer()
-            table = read_metrics(self.run_dir)
+            table = whole = read_metrics(self.run_dir)  # read once (every part: on S3 a HEAD and a GET each)
             if self._rebuild_mirror:  # the table exists but the mirror was deleted: write it all again
                 self._rebuild_mirror = False
             else:  # TensorBoard discards the earlier events with step >= restart; write those steps again
@@ -292,7 +292,7 @@ class TensorBoardMirror:
                                        session_log=SessionLog(status=SessionLog.START)))
                 table = table.filter(pc.greater_equal(table["iteration"], restart))
             self._write_scalars(table)
-            self._note_mirrored(read_metrics(self.run_dir))
+            self._note_mirrored(whole)
         else:
             if self._writer is None:
                 self._new_writer()
