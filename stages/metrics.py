@@ -37,6 +37,7 @@ from typing import Mapping, Protocol, Sequence
 
 import pyarrow as pa
 import pyarrow.compute as pc
+import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
 from schemas.errors import SchemaError
@@ -67,7 +68,13 @@ def part_file_name(iteration: int, stage: str) -> str:
 
 def _part_files(metrics_dir: Location) -> list[str]:
     """Committed part files (hidden temporary files of an interrupted write are not parts); none when there is no
-    ``metrics_dir``, a SchemaError naming it when it is there but not a folder."""
+    ``metrics_dir``, a SchemaError naming it when it is there but not a folder (on a local disk; on an object store
+    the folder is listed at once, one request, and a ``metrics`` object that is no folder holds no parts)."""
+    if not metrics_dir.atomic_rename:
+        listed = metrics_dir.fs.get_file_info(pafs.FileSelector(metrics_dir.path, recursive=False,
+                                                                allow_not_found=True))
+        return sorted(i.path for i in listed if i.type == pafs.FileType.File and i.base_name.startswith("part-iter")
+                      and i.base_name.endswith(".parquet"))
     if not metrics_dir.is_dir():
         if metrics_dir.exists():
             raise SchemaError(f"metrics table {metrics_dir.uri()} is a file, where a run keeps its metrics (a folder "
