@@ -139,12 +139,6 @@ def commit_folder(output: Location, fingerprint: str, fill: Callable[[Location],
     return _committed(output, (manifest, False))
 
 
-def _store_listing(output: Location) -> list[pafs.FileInfo]:
-    """Object stores: what the prefix ``output/`` holds, in one listing request ([] when it holds nothing; asking
-    for the folder's kind first costs a HEAD and a listing more)."""
-    return output.fs.get_file_info(pafs.FileSelector(output.path, recursive=False, allow_not_found=True))
-
-
 def _current_manifest(output: Location, listed: list[pafs.FileInfo]) -> dict | None:
     """The manifest of ``output`` on an object store, read only when the listing ``listed`` shows one."""
     return read_manifest(output) if any(i.base_name == MANIFEST for i in listed) else None
@@ -157,7 +151,7 @@ def _drop_attempts(output: Location, keep: str | None, listed: list[pafs.FileInf
     does not name (a resume's clean-up); otherwise everything but the manifest and ``keep`` (the attempt just
     committed: the previous output's files and any files of a folder replaced with ``force``). ``listed``: the
     folder's listing when the caller has it."""
-    listed = _store_listing(output) if listed is None else listed
+    listed = output.list(missing_ok=True) if listed is None else listed
     if keep is None and manifest is None:
         manifest = _current_manifest(output, listed)
     named = (manifest or {}).get(ATTEMPT_KEY) if keep is None else keep
@@ -210,7 +204,7 @@ def _commit_attempt(output: Location, fingerprint: str, fill: Callable[[Location
     output's files are deleted; a killed run's attempts are deleted on the next write (:func:`cleanup_leftovers`).
     One listing of ``output`` tells what it holds (an object store keeps an empty "folder" marker after its files are
     deleted: only content counts), its manifest is read once, and only when listed."""
-    listed = _store_listing(output)
+    listed = output.list(missing_ok=True)
     current = _current_manifest(output, listed)
     left = _drop_attempts(output, keep=None, listed=listed, manifest=current)
     existing = _up_to_date(output, current, bool(left), fingerprint, force, who, other)

@@ -70,17 +70,13 @@ def _part_files(metrics_dir: Location) -> list[str]:
     """Committed part files (hidden temporary files of an interrupted write are not parts); none when there is no
     ``metrics_dir``, a SchemaError naming it when it is there but not a folder (on a local disk; on an object store
     the folder is listed at once, one request, and a ``metrics`` object that is no folder holds no parts)."""
-    if not metrics_dir.atomic_rename:
-        listed = metrics_dir.fs.get_file_info(pafs.FileSelector(metrics_dir.path, recursive=False,
-                                                                allow_not_found=True))
-        return sorted(i.path for i in listed if i.type == pafs.FileType.File and i.base_name.startswith("part-iter")
-                      and i.base_name.endswith(".parquet"))
-    if not metrics_dir.is_dir():
+    if metrics_dir.atomic_rename and not metrics_dir.is_dir():
         if metrics_dir.exists():
             raise SchemaError(f"metrics table {metrics_dir.uri()} is a file, where a run keeps its metrics (a folder "
                               "of part files that MetricsLog writes); move the file out of the run folder")
         return []
-    return [p for p in metrics_dir.parquet_files() if p.rsplit("/", 1)[-1].startswith("part-iter")]
+    return sorted(i.path for i in metrics_dir.list(missing_ok=True) if i.type == pafs.FileType.File
+                  and i.base_name.startswith("part-iter") and i.base_name.endswith(".parquet"))
 
 
 def _as_float(stage: str, name: str, value: object) -> float:

@@ -8,8 +8,6 @@ import hashlib
 import json
 from typing import Any
 
-import pyarrow.fs as pafs
-
 from stages.storage import Location
 
 SIDE_DIR = "_partials"
@@ -29,9 +27,8 @@ def write_partials(output: Location, key: str, partials: dict[str, Any]) -> None
 def read_partials(output: Location) -> list[dict[str, Any]]:
     """All partials written by :func:`write_partials` for this output (the folder is removed by the runner)."""
     side = output.child(SIDE_DIR)
-    # one listing, none when the folder is missing (asking first whether it exists: a HEAD and a listing more on S3)
-    listed = side.fs.get_file_info(pafs.FileSelector(side.path, recursive=False, allow_not_found=True))
-    return [json.loads(Location(side.fs, i.path).read_text()) for i in listed if i.path.endswith(".json")]
+    return [json.loads(Location(side.fs, i.path).read_text()) for i in side.list(missing_ok=True)
+            if i.path.endswith(".json")]
 
 
 def sum_partials(parts: list[dict[str, Any]]) -> dict[str, float]:

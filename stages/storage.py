@@ -139,8 +139,10 @@ class Location:
         with self.fs.open_output_stream(self.path) as f:
             f.write(text.encode())
 
-    def list(self) -> list[pafs.FileInfo]:
-        return self.fs.get_file_info(pafs.FileSelector(self.path, recursive=False))
+    def list(self, missing_ok: bool = False) -> list[pafs.FileInfo]:
+        """What the folder holds, one level. ``missing_ok``: none for a missing folder, in one listing request on an
+        object store (asking first whether it exists costs a HEAD and a listing more there)."""
+        return self.fs.get_file_info(pafs.FileSelector(self.path, recursive=False, allow_not_found=missing_ok))
 
     def parquet_files(self) -> list[str]:
         """Sorted paths of the Parquet files directly in this folder; on an object store, of a folder committed
