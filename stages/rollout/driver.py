@@ -62,6 +62,11 @@ class RolloutResult:
     def metrics(self) -> dict[str, float]:
         return self.samples.metrics
 
+    @property
+    def skipped(self) -> bool:
+        """Every table of it was committed earlier (a resumed run): the record of the run that played it stands."""
+        return all(part.skipped for part in (self.episodes, *self.turns, self.samples, *filter(None, [self.record])))
+
 
 def resolve_model_dir(checkpoint: str | None) -> str:
     """``checkpoint`` (an HF folder; a checkpoint on an object store: its local copy, downloaded once) or the

@@ -129,7 +129,7 @@ class FinishedRun:
     """The finished run and its no-work resume."""
 
     run: Path  # the run folder
-    stamps: dict  # the manifests' modification times before the resume
+    stamps: dict  # the modification times of its manifests and metrics parts before the resume (_stamps)
     resumed: Result  # `rollflow train --resume RUN --no-report` in this process (Typer's result)
     stamps_resumed: dict  # and after it
 
@@ -146,10 +146,15 @@ def local_run(tmp_path_factory, prefect_server, ray_cluster) -> FinishedRun:
     run = root / "t"
     first = rollflow_here(*_tiny_args(root, "t"), api_url=prefect_server.api_url)
     assert first.exit_code == 0, first.output[-3000:]
-    stamps = {p: p.stat().st_mtime_ns for p in run.glob("iter_*/*/manifest.json")}
+    stamps = _stamps(run)
     resumed = rollflow_here("train", "--resume", str(run), "--no-report", api_url=prefect_server.api_url)
-    stamps_resumed = {p: p.stat().st_mtime_ns for p in run.glob("iter_*/*/manifest.json")}
-    return FinishedRun(run, stamps, resumed, stamps_resumed)
+    return FinishedRun(run, stamps, resumed, _stamps(run))
+
+
+def _stamps(run: Path) -> dict[Path, int]:
+    """The modification times of the run's manifests and of its metrics table's parts (a stage skipped on resume
+    keeps the record of the run that computed it: its wall time, and no rewrite of the TensorBoard mirror)."""
+    return {p: p.stat().st_mtime_ns for p in [*run.glob("iter_*/*/manifest.json"), *run.glob("metrics/part-*")]}
 
 
 @pytest.fixture(scope="module")
@@ -203,7 +208,7 @@ def test_train_run_end_to_end_then_resume_skips_everything(local_run, prefect_se
     # refused before Ray or Prefect is asked: the command in this process (no child importing rollflow again)
     bad = rollflow_here("train", "--resume", str(run), "--set", "max_steps=3", api_url=prefect_server.api_url)
     assert bad.exit_code == 2 and "cannot change a run being resumed" in bad.stderr, bad.output[-3000:]
-    assert {p: p.stat().st_mtime_ns for p in run.glob("iter_*/*/manifest.json")} == stamps
+    assert _stamps(run) == stamps
 
 
 def _table(folder: Path, drop: tuple[str, ...] = ()):
