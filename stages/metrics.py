@@ -250,8 +250,8 @@ class TensorBoardMirror:
         if not metrics.atomic_rename and existing.num_rows == 0 and self.tensorboard_dir.is_dir():
             shutil.rmtree(self.tensorboard_dir)
         # the mirror is assumed to hold the table; a missing mirror is rebuilt from it at the first log()
-        self._mirrored_up_to: int | None = None
-        self._mirrored_stages: set[str] = set()  # stages mirrored at iteration _mirrored_up_to
+        self._mirrored: set[tuple[int, str]] = set()  # the (iteration, stage) pairs the mirror holds
+        self._last_step: dict[str, int] = {}  # the last step the mirror holds of each tag
         self._note_mirrored(existing)
         self._rebuild_mirror = existing.num_rows > 0 and not self._event_files()
         self._purge_from: int | None = None  # set by drop_after: TensorBoard must forget steps >= this
@@ -261,7 +261,7 @@ class TensorBoardMirror:
 
     def drop_after(self, iteration: int) -> None:
         """The table's iterations after ``iteration`` are gone: TensorBoard forgets them at the next log()."""
-        if self._mirrored_up_to is not None and self._mirrored_up_to > iteration:
+        if any(k > iteration for k, _stage in self._mirrored):
             self._purge_from = iteration + 1
 
     def _event_files(self) -> list[Path]:
@@ -276,12 +276,20 @@ class TensorBoardMirror:
         return self._writer
 
     def _mirror(self, iteration: int, new_rows: pa.Table) -> None:
+        """Append ``new_rows`` to the events, unless TensorBoard would then show other than the table: ``(iteration,
+        stage)`` logged again (its old values are in the events), or a step before the last one mirrored that a tag
+        of it already holds a value at or after (an event whose step is before the last one makes TensorBoard discard
+        its tags' values from that step on). Then a new event file restarts the steps from ``iteration`` and the
+        table's rows from there are written again. An older iteration's stage whose tags hold nothing from its step
+        on (a stage of the iteration being trained while the next one's rollout, played ahead, was logged) is
+        appended."""
         from tensorboard.compat.proto.event_pb2 import Event, SessionLog
 
-        last = self._mirrored_up_to
         stage = new_rows["stage"][0].as_py() if new_rows.num_rows else ""
-        already = last is not None and (iteration < last or (iteration == last and stage in self._mirrored_stages))
-        restart = iteration if already else None
+        last = max(self._last_step.values(), default=-1)
+        again = (iteration, stage) in self._mirrored or (iteration < last and any(
+            self._last_step.get(name, -1) >= iteration for name in set(new_rows["name"].to_pylist())))
+        restart = iteration if again else None
         if self._purge_from is not None:
             restart = min(self._purge_from, iteration if restart is None else restart)
             self._purge_from = None
@@ -300,19 +308,18 @@ class TensorBoardMirror:
             if self._writer is None:
                 self._new_writer()
             self._write_scalars(new_rows)
-            if last is None or iteration > last:
-                self._mirrored_up_to, self._mirrored_stages = iteration, set()
-            self._mirrored_stages.add(stage)
+            self._note_mirrored(new_rows, add=True)
         self._writer.flush()
 
-    def _note_mirrored(self, table: pa.Table) -> None:
-        """Remember the last iteration the mirror holds and which stages it holds there."""
-        if not table.num_rows:
-            self._mirrored_up_to, self._mirrored_stages = None, set()
-            return
-        last = pc.max(table["iteration"]).as_py()
-        self._mirrored_up_to = last
-        self._mirrored_stages = set(table.filter(pc.equal(table["iteration"], last))["stage"].to_pylist())
+    def _note_mirrored(self, table: pa.Table, add: bool = False) -> None:
+        """Remember the (iteration, stage) pairs and each tag's last step that ``table`` puts in the mirror: all the
+        mirror holds, or (``add``) what it holds besides."""
+        if not add:
+            self._mirrored, self._last_step = set(), {}
+        for iteration, stage, name in zip(*(table[c].to_pylist() for c in ("iteration", "stage", "name"))):
+            self._mirrored.add((iteration, stage))
+            if iteration > self._last_step.get(name, -1):
+                self._last_step[name] = iteration
 
     def _write_scalars(self, table: pa.Table) -> None:
         from tensorboard.compat.proto.event_pb2 import Event

@@ -165,6 +165,33 @@ def test_tensorboard_after_resume_shows_replaced_values_once(tmp_path):
     assert scalars["env/FrozenLake/success"] == [(0, 0.25), (1, 0.25), (2, 0.25)]
 
 
+def test_tensorboard_appends_the_stages_of_an_overlapped_run_and_restarts_only_for_what_it_would_drop(tmp_path):
+    """A run that plays the next rollout ahead logs an iteration's training after the next one's rollout: new tags at
+    an older step, which TensorBoard keeps, so they are appended (one event file, the table not read again). A value
+    that TensorBoard would drop — a tag at a step before one it already holds — starts a new file from that step."""
+    with MetricsLog(tmp_path) as log:
+        log.log(0, "rollout", {"rollout/success": 0.25})
+        log.log(1, "rollout", {"rollout/success": 0.5})  # played ahead, beside iteration 0's training
+        log.log(0, "train", {"actor/pg_loss": 1.0})
+        log.log(2, "rollout", {"rollout/success": 0.75})
+        log.log(1, "train", {"actor/pg_loss": 2.0})
+        log.log(1, "eval", {"eval/success": 0.5})  # filed under an older step than the last rollout's
+        assert len(list((tmp_path / "tensorboard").iterdir())) == 1
+        assert _scalars(tmp_path) == {"rollout/success": [(0, 0.25), (1, 0.5), (2, 0.75)],
+                                      "actor/pg_loss": [(0, 1.0), (1, 2.0)], "eval/success": [(1, 0.5)]}
+        log.log(1, "score", {"rollout/success": 0.125, "score/mean": 0.375})  # a tag held at steps 1 and 2 already
+        assert len(list((tmp_path / "tensorboard").iterdir())) == 2
+    expected = {(it, stage, name): value for it, stage, name, value in (
+        (0, "rollout", "rollout/success", 0.25), (1, "rollout", "rollout/success", 0.5),
+        (0, "train", "actor/pg_loss", 1.0), (2, "rollout", "rollout/success", 0.75), (1, "train", "actor/pg_loss", 2.0),
+        (1, "eval", "eval/success", 0.5), (1, "score", "rollout/success", 0.125), (1, "score", "score/mean", 0.375))}
+    assert _rows(read_metrics(tmp_path)) == expected
+    scalars = _scalars(tmp_path)
+    assert scalars["actor/pg_loss"] == [(0, 1.0), (1, 2.0)] and scalars["eval/success"] == [(1, 0.5)]
+    assert scalars["score/mean"] == [(1, 0.375)]
+    assert sorted(scalars["rollout/success"]) == [(0, 0.25), (1, 0.125), (1, 0.5), (2, 0.75)]  # step 2 kept
+
+
 def test_tensorboard_restarts_within_one_second_are_read_in_order(tmp_path, monkeypatch):
     """Event files are read in name order: a restart file must sort after the files it overrides, also when many
     are made within one second of one process (a frozen clock here). Names carrying a per-process counter as text
