@@ -325,6 +325,30 @@ def test_a_manifest_is_found_missing_in_one_request_and_read_in_two(s3):
         read_manifest(loc.child("bad"))
 
 
+def test_a_fetched_checkpoint_is_read_in_one_request_per_object(s3, tmp_path):
+    """stages/storage.py fetch_committed reads each object of a committed folder in one GET (up to
+    FETCH_CHUNK_BYTES): a 3 MiB weights file was three ranged GETs at pyarrow's 1 MiB default, a checkpoint of the
+    default model 258, each with a store's latency."""
+    from stages import storage
+    from stages.commit import commit_folder
+    from tests.objstore import requests_seen
+
+    weights = bytes(range(256)) * (3 * 2**12)  # 3 MiB
+
+    def fill(folder: Location) -> dict:
+        with folder.fs.open_output_stream(folder.child("model.safetensors").path) as f:
+            f.write(weights)
+        return {"stage": "train_step", "files": []}
+
+    uri = f"s3://{BUCKET}/fetch-requests/ckpt"
+    commit_folder(Location.of(uri), "0" * 24, fill, who="test", other="x")
+    before = len(requests_seen())
+    copy = storage.fetch_committed(Location.of(uri), str(tmp_path / "objstore"))
+    assert (Path(copy) / "model.safetensors").read_bytes() == weights
+    gets = [path for method, path, _query in requests_seen()[before:] if method == "GET"]
+    assert sum(path.endswith("/model.safetensors") for path in gets) == 1, gets
+
+
 def test_two_threads_fetching_one_committed_folder_at_once_both_get_it_whole(s3, tmp_path, monkeypatch):
     """stages/storage.py fetch_committed called by two threads of one process at once, as an asynchronous run's
     log-probs and the rollout it plays ahead load the same policy: both get the whole folder, and no temporary
