@@ -88,12 +88,13 @@ def prefect_server(request, tmp_path_factory):
     apart by their parameters or deployments, never by counting the server's runs."""
     from flows.serving import start_server
     from stages.ports import free_port
+    from tests.prefect_template import seeded
 
     shared = getattr(request.config, "workerinput", {}).get(_SHARED_DIR)
     if shared:
         yield _shared_prefect_server(Path(shared))
         return
-    server = start_server("127.0.0.1", free_port(), tmp_path_factory.mktemp("prefect-server"), timeout_s=300)
+    server = start_server("127.0.0.1", free_port(), seeded(tmp_path_factory.mktemp("prefect-server")), timeout_s=300)
     yield server
     server.stop()
 
@@ -120,6 +121,7 @@ def _shared_prefect_server(shared: Path) -> _SharedServer:
 
     from flows.serving import is_healthy, start_server
     from stages.ports import free_port
+    from tests.prefect_template import seeded
 
     with open(shared / "prefect-server.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
@@ -128,9 +130,27 @@ def _shared_prefect_server(shared: Path) -> _SharedServer:
             api_url = json.loads(record.read_text())["api_url"]
             assert is_healthy(api_url, timeout_s=10.0), f"the shared Prefect server {api_url} does not answer"
             return _SharedServer(api_url)
-        server = start_server("127.0.0.1", free_port(), shared / "prefect-server", timeout_s=300)
+        server = start_server("127.0.0.1", free_port(), seeded(shared / "prefect-server"), timeout_s=300)
         record.write_text(json.dumps({"api_url": server.api_url, "pid": server.process.pid}))
         return _SharedServer(server.api_url)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """The process that starts the run (xdist's controller, or the one pytest process) makes the folder of the run's
+    migrated Prefect database (tests/prefect_template.py); the workers and the children find it in the environment."""
+    from tests.prefect_template import ENV
+
+    if not hasattr(config, "workerinput"):
+        config._rollflow_prefect_template = os.environ[ENV] = tempfile.mkdtemp(prefix="rollflow-test-template-")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _seeded_prefect_home() -> None:
+    """This process's ``PREFECT_HOME`` (its ephemeral server's, and its ``rollflow`` children's) starts from the
+    run's migrated database, at the first test, after collection."""
+    from tests.prefect_template import seeded
+
+    seeded(Path(_PREFECT_HOME))
 
 
 def pytest_configure_node(node) -> None:
@@ -142,11 +162,15 @@ def pytest_configure_node(node) -> None:
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
-    """xdist controller, at the end of the run: stop the shared server and remove the shared folder."""
+    """xdist controller, at the end of the run: stop the shared server and remove the shared folder; the process
+    that started the run: remove the migrated database's folder."""
     shared = getattr(config, "_rollflow_shared_dir", None)
     if shared:
         _stop_shared_server(Path(shared))
         shutil.rmtree(shared, ignore_errors=True)
+    template = getattr(config, "_rollflow_prefect_template", None)
+    if template:
+        shutil.rmtree(template, ignore_errors=True)
 
 
 def _stop_shared_server(shared: Path) -> None:

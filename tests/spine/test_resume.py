@@ -15,9 +15,10 @@ from pathlib import Path
 import pytest
 
 from stages.example import ExampleSpec, generate
+from tests.prefect_template import seeded
+from tests.processes import group_members, ray_jobs, rollflow_here, sigkill_when, wait_gone, wait_ray_jobs_gone
 from tests.spine.conftest import SMALL
 from tests.spine.helpers import GIGPO, assert_tables_equal, config, read_table, run_recompute, siblings
-from tests.processes import group_members, ray_jobs, rollflow_here, sigkill_when, wait_gone, wait_ray_jobs_gone
 
 ROLLFLOW = str(Path(sys.executable).parent / "rollflow")
 BATCH_ROWS = 100  # 40 batches a stage: a kill lands mid-stage, as with bigger tables
@@ -25,7 +26,7 @@ BATCH_ROWS = 100  # 40 batches a stage: a kill lands mid-stage, as with bigger t
 
 def _child_env(prefect_home: Path) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "PREFECT_API_URL")}
-    env["PREFECT_HOME"] = str(prefect_home)
+    env["PREFECT_HOME"] = str(seeded(prefect_home))  # the child's ephemeral server starts on a migrated database
     return env
 
 
