@@ -11,10 +11,11 @@ Metric names are ROLL's (``actor/pg_loss``, ``critic/kl``, ``env/FrozenLake/succ
 is given the stage's wall time is also logged as the metric ``time/<stage>``.
 
 The TensorBoard mirror (``runs/<run>/tensorboard/``, tag = metric name, step = iteration) is written with
-tensorboard's own event writer (no torch import). When an iteration at or before the last mirrored one is logged
-again, a new event file starts with a TensorBoard "restart" marker at that step (TensorBoard then discards the older
-events from that step on) and every table row from that step on is written again, so TensorBoard shows exactly the
-table. TensorBoard's writer needs local files: for a run folder on an object store (``s3://...``) the events go to
+tensorboard's own event writer (no torch import). Rows are appended to the events; when TensorBoard would not show
+them as the table holds them — an ``(iteration, stage)`` logged again, or a step before the last one mirrored that a
+tag of the new rows already holds a value at or after (TensorBoard drops a tag's values from such a step on) — a new
+event file starts with a TensorBoard "restart" marker at that step (TensorBoard then discards the older events from
+that step on) and every table row from that step on is written again, so TensorBoard shows exactly the table. TensorBoard's writer needs local files: for a run folder on an object store (``s3://...``) the events go to
 the folder's local side (``<cache>/mirror/s3/<bucket>/<path>/tensorboard``, stages/storage.py ``local_side``; a new
 machine rebuilds them from the table), which ``rollflow train`` uploads into the run folder at its end; the table's
 parts are written in one PUT each (atomic there: an object appears whole or not at all).
