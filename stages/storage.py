@@ -132,7 +132,8 @@ class Location:
         return self.fs.get_file_info(self.path).type == pafs.FileType.Directory
 
     def read_text(self) -> str:
-        with self.fs.open_input_stream(self.path) as f:
+        # a random-access file reads the whole object in one GET; a stream's read() asks for 256 KiB at a time
+        with self.fs.open_input_file(self.path) as f:
             return f.read().decode()
 
     def write_text(self, text: str) -> None:
