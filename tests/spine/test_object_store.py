@@ -349,6 +349,18 @@ def test_a_fetched_checkpoint_is_read_in_one_request_per_object(s3, tmp_path):
     assert sum(path.endswith("/model.safetensors") for path in gets) == 1, gets
 
 
+def test_a_text_object_is_read_in_one_request(s3):
+    """Location.read_text reads the whole object in one GET (a stream's read() asked for 256 KiB at a time)."""
+    from tests.objstore import requests_seen
+
+    loc = Location.of(f"s3://{BUCKET}/texts/big.json")
+    text = json.dumps({"rows": list(range(200_000))})  # about 1.3 MB
+    loc.write_text(text)
+    before = len(requests_seen())
+    assert loc.read_text() == text
+    assert [method for method, _path, _query in requests_seen()[before:]].count("GET") == 1
+
+
 def test_two_threads_fetching_one_committed_folder_at_once_both_get_it_whole(s3, tmp_path, monkeypatch):
     """stages/storage.py fetch_committed called by two threads of one process at once, as an asynchronous run's
     log-probs and the rollout it plays ahead load the same policy: both get the whole folder, and no temporary
