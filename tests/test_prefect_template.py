@@ -5,6 +5,9 @@ from __future__ import annotations
 import os
 import sqlite3
 
+import pytest
+
+from tests import prefect_template
 from tests.prefect_template import DB, ENV, seeded
 
 
@@ -38,3 +41,22 @@ def test_a_new_home_gets_the_migrated_database_and_a_home_with_one_keeps_its_own
     with sqlite3.connect(kept / DB) as con:
         assert [n for (n,) in con.execute("select name from sqlite_master where type = 'table'")] == ["mine"]
     con.close()
+
+
+def test_a_template_that_cannot_be_built_leaves_the_homes_as_they_are_with_a_warning(tmp_path, monkeypatch):
+    """A failed build (here: the server cannot start) is tried once a run; every home is then left for its server
+    to migrate, with a warning naming why."""
+    calls = []
+
+    def refused(home):
+        calls.append(home)
+        raise RuntimeError("prefect server: port 1 is already in use")
+
+    monkeypatch.setenv(ENV, str(tmp_path / "template"))
+    (tmp_path / "template").mkdir()
+    monkeypatch.setattr(prefect_template, "_build", refused)
+    for name in ("a", "b"):
+        with pytest.warns(UserWarning, match="each server migrates its own.*port 1 is already in use"):
+            assert seeded(tmp_path / name) == tmp_path / name
+        assert not (tmp_path / name / DB).exists()
+    assert len(calls) == 1
