@@ -15,8 +15,9 @@ tensorboard's own event writer (no torch import). Rows are appended to the event
 them as the table holds them — an ``(iteration, stage)`` logged again, or a step before the last one mirrored that a
 tag of the new rows already holds a value at or after (TensorBoard drops a tag's values from such a step on) — a new
 event file starts with a TensorBoard "restart" marker at that step (TensorBoard then discards the older events from
-that step on) and every table row from that step on is written again, so TensorBoard shows exactly the table. TensorBoard's writer needs local files: for a run folder on an object store (``s3://...``) the events go to
-the folder's local side (``<cache>/mirror/s3/<bucket>/<path>/tensorboard``, stages/storage.py ``local_side``; a new
+that step on) and every table row from that step on is written again, so TensorBoard shows exactly the table.
+TensorBoard's writer needs local files: for a run folder on an object store (``s3://...``) the events go to the
+folder's local side (``<cache>/mirror/s3/<bucket>/<path>/tensorboard``, stages/storage.py ``local_side``; a new
 machine rebuilds them from the table), which ``rollflow train`` uploads into the run folder at its end; the table's
 parts are written in one PUT each (atomic there: an object appears whole or not at all).
 
@@ -262,7 +263,7 @@ class TensorBoardMirror:
 
     def drop_after(self, iteration: int) -> None:
         """The table's iterations after ``iteration`` are gone: TensorBoard forgets them at the next log()."""
-        if any(k > iteration for k, _stage in self._mirrored):
+        if self._last_mirrored() > iteration:
             self._purge_from = iteration + 1
 
     def _event_files(self) -> list[Path]:
@@ -287,8 +288,7 @@ class TensorBoardMirror:
         from tensorboard.compat.proto.event_pb2 import Event, SessionLog
 
         stage = new_rows["stage"][0].as_py() if new_rows.num_rows else ""
-        last = max(self._last_step.values(), default=-1)
-        again = (iteration, stage) in self._mirrored or (iteration < last and any(
+        again = (iteration, stage) in self._mirrored or (iteration < self._last_mirrored() and any(
             self._last_step.get(name, -1) >= iteration for name in set(new_rows["name"].to_pylist())))
         restart = iteration if again else None
         if self._purge_from is not None:
@@ -311,6 +311,10 @@ class TensorBoardMirror:
             self._write_scalars(new_rows)
             self._note_mirrored(new_rows, add=True)
         self._writer.flush()
+
+    def _last_mirrored(self) -> int:
+        """The last step the mirror holds (-1: none)."""
+        return max(self._last_step.values(), default=-1)
 
     def _note_mirrored(self, table: pa.Table, add: bool = False) -> None:
         """Remember the (iteration, stage) pairs and each tag's last step that ``table`` puts in the mirror: all the
