@@ -10,7 +10,12 @@ holds duplicates. Columns: ``iteration, stage, name, value, wall_s, timestamp`` 
 Metric names are ROLL's (``actor/pg_loss``, ``critic/kl``, ``env/FrozenLake/success``, …, spec §12). When ``wall_s``
 is given the stage's wall time is also logged as the metric ``time/<stage>``.
 
-The TensorBoard mirror (``runs/<run>/tensorboard/``, tag = metric name, step = iteration) is written with
+The trackers (stages/trackers.py) name a series by one name where the table keys it by ``(stage, name)``: the
+evaluation logs the rollout's metrics under their names (``rollout/success_rate``, ``env/<tag>/success``, ...), so
+:func:`tracker_name` files an evaluation stage's rows under ``val/`` there (ROLL's prefix of evaluation metrics),
+and an iteration's rollout and evaluation stay two series in every tracker.
+
+The TensorBoard mirror (``runs/<run>/tensorboard/``, tag = tracker name, step = iteration) is written with
 tensorboard's own event writer (no torch import). Rows are appended to the events; when TensorBoard would not show
 them as the table holds them — an ``(iteration, stage)`` logged again, or a step before the last one mirrored that a
 tag of the new rows already holds a value at or after (TensorBoard drops a tag's values from such a step on) — a new
@@ -50,6 +55,9 @@ METRICS_DIR = "metrics"
 TENSORBOARD_DIR = "tensorboard"
 TIME_PREFIX = "time/"
 
+EVALUATION_STAGES = frozenset({"eval", "validation"})  # the stages that evaluate a checkpoint (flows' Evaluation)
+EVALUATION_PREFIX = "val/"  # where the trackers file their metrics
+
 METRICS_SCHEMA = pa.schema([
     pa.field("iteration", pa.int64(), nullable=False),
     pa.field("stage", pa.string(), nullable=False),
@@ -58,6 +66,20 @@ METRICS_SCHEMA = pa.schema([
     pa.field("wall_s", pa.float64()),      # the stage's wall time in this iteration (same on all its rows)
     pa.field("timestamp", pa.timestamp("us", tz="UTC"), nullable=False),
 ])
+
+
+def tracker_name(stage: str, name: str) -> str:
+    """The name a tracker gives metric ``name`` of ``stage``: the metric's own, under ``val/`` for an evaluation
+    stage (a name already there stays as it is): ``("eval", "rollout/success_rate") -> "val/rollout/success_rate"``,
+    ``("rollout", "rollout/success_rate") -> "rollout/success_rate"``."""
+    if stage in EVALUATION_STAGES and not name.startswith(EVALUATION_PREFIX):
+        return EVALUATION_PREFIX + name
+    return name
+
+
+def tracker_names(rows: pa.Table) -> list[str]:
+    """:func:`tracker_name` of each row of a metrics table (n,)."""
+    return [tracker_name(stage, name) for stage, name in zip(rows["stage"].to_pylist(), rows["name"].to_pylist())]
 
 
 def part_file_name(iteration: int, stage: str) -> str:
@@ -289,7 +311,7 @@ class TensorBoardMirror:
 
         stage = new_rows["stage"][0].as_py() if new_rows.num_rows else ""
         again = (iteration, stage) in self._mirrored or (iteration < self._last_mirrored() and any(
-            self._last_step.get(name, -1) >= iteration for name in set(new_rows["name"].to_pylist())))
+            self._last_step.get(tag, -1) >= iteration for tag in set(tracker_names(new_rows))))
         restart = iteration if again else None
         if self._purge_from is not None:
             restart = min(self._purge_from, iteration if restart is None else restart)
@@ -321,19 +343,20 @@ class TensorBoardMirror:
         mirror holds, or (``add``) what it holds besides."""
         if not add:
             self._mirrored, self._last_step = set(), {}
-        for iteration, stage, name in zip(*(table[c].to_pylist() for c in ("iteration", "stage", "name"))):
+        for iteration, stage, tag in zip(table["iteration"].to_pylist(), table["stage"].to_pylist(),
+                                         tracker_names(table)):
             self._mirrored.add((iteration, stage))
-            if iteration > self._last_step.get(name, -1):
-                self._last_step[name] = iteration
+            if iteration > self._last_step.get(tag, -1):
+                self._last_step[tag] = iteration
 
     def _write_scalars(self, table: pa.Table) -> None:
         from tensorboard.compat.proto.event_pb2 import Event
         from tensorboard.compat.proto.summary_pb2 import Summary
 
-        for row in table.to_pylist():
+        for row, tag in zip(table.to_pylist(), tracker_names(table)):
             if row["value"] is None:
                 continue
-            summary = Summary(value=[Summary.Value(tag=row["name"], simple_value=row["value"])])
+            summary = Summary(value=[Summary.Value(tag=tag, simple_value=row["value"])])
             self._writer.add_event(Event(step=row["iteration"], wall_time=row["timestamp"].timestamp(),
                                          summary=summary))
 

@@ -5,8 +5,8 @@ pre-flight check (``rollflow train`` runs it before Prefect and Ray start: a mis
 refused with the fix, never found mid-run; it writes nothing) and an opener, called by the training flows once the
 run's config is frozen; :class:`stages.metrics.MetricsLog` then hands every stage's rows to each opened tracker.
 
-Names and steps are the metrics table's: metric name = the table's ``name`` (``actor/pg_loss``, ...), step = the
-iteration. The run's frozen config is the tracker run's parameters (MLflow params, flattened ``a.b.c``; W&B config).
+Steps are the metrics table's iterations; names its ``name`` (``actor/pg_loss``, ...), under ``val/`` for an
+evaluation stage's rows (stages/metrics.py ``tracker_name``: the evaluation logs the rollout's names). The run's frozen config is the tracker run's parameters (MLflow params, flattened ``a.b.c``; W&B config).
 
 Resume continues the same tracker run. TensorBoard mirrors the table exactly (stages/metrics.py). MLflow and W&B
 keep every point they are sent (their stores are append-only), so they are sent each ``(iteration, stage)`` once:
@@ -37,7 +37,7 @@ from typing import Any, Callable, Mapping
 import pyarrow as pa
 
 from schemas.errors import ConfigError
-from stages.metrics import TensorBoardMirror, Tracker, read_metrics
+from stages.metrics import TensorBoardMirror, Tracker, read_metrics, tracker_names
 from stages.outputs import check_output_location
 from stages.registry import Registry
 from stages.storage import Location, local_side
@@ -126,14 +126,14 @@ class _AppendOnly:
         """Send the table's ``(iteration, stage)`` groups this tracker has not been sent, in iteration order."""
         table = read_metrics(self.run.uri())
         groups: dict[tuple[int, str], dict[str, float]] = {}
-        for row in table.to_pylist():
+        for row, name in zip(table.to_pylist(), tracker_names(table)):
             if row["value"] is not None and row["iteration"] > self.sent.get(row["stage"], -1):
-                groups.setdefault((row["iteration"], row["stage"]), {})[row["name"]] = row["value"]
+                groups.setdefault((row["iteration"], row["stage"]), {})[name] = row["value"]
         for (iteration, stage), values in sorted(groups.items()):
             self._send_once(iteration, stage, values)
 
     def log(self, iteration: int, stage: str, rows: pa.Table) -> None:
-        values = {n: v for n, v in zip(rows["name"].to_pylist(), rows["value"].to_pylist()) if v is not None}
+        values = {n: v for n, v in zip(tracker_names(rows), rows["value"].to_pylist()) if v is not None}
         self._send_once(iteration, stage, values)
 
     def _send_once(self, iteration: int, stage: str, values: dict[str, float]) -> None:

@@ -175,19 +175,20 @@ def test_tensorboard_appends_the_stages_of_an_overlapped_run_and_restarts_only_f
         log.log(0, "train", {"actor/pg_loss": 1.0})
         log.log(2, "rollout", {"rollout/success": 0.75})
         log.log(1, "train", {"actor/pg_loss": 2.0})
-        log.log(1, "eval", {"eval/success": 0.5})  # filed under an older step than the last rollout's
+        # filed under an older step than the last rollout's, with the rollout's name: a tag of its own (val/...)
+        log.log(1, "eval", {"rollout/success": 0.5})
         assert len(list((tmp_path / "tensorboard").iterdir())) == 1
         assert _scalars(tmp_path) == {"rollout/success": [(0, 0.25), (1, 0.5), (2, 0.75)],
-                                      "actor/pg_loss": [(0, 1.0), (1, 2.0)], "eval/success": [(1, 0.5)]}
+                                      "actor/pg_loss": [(0, 1.0), (1, 2.0)], "val/rollout/success": [(1, 0.5)]}
         log.log(1, "score", {"rollout/success": 0.125, "score/mean": 0.375})  # a tag held at steps 1 and 2 already
         assert len(list((tmp_path / "tensorboard").iterdir())) == 2
     expected = {(it, stage, name): value for it, stage, name, value in (
         (0, "rollout", "rollout/success", 0.25), (1, "rollout", "rollout/success", 0.5),
         (0, "train", "actor/pg_loss", 1.0), (2, "rollout", "rollout/success", 0.75), (1, "train", "actor/pg_loss", 2.0),
-        (1, "eval", "eval/success", 0.5), (1, "score", "rollout/success", 0.125), (1, "score", "score/mean", 0.375))}
+        (1, "eval", "rollout/success", 0.5), (1, "score", "rollout/success", 0.125), (1, "score", "score/mean", 0.375))}
     assert _rows(read_metrics(tmp_path)) == expected
     scalars = _scalars(tmp_path)
-    assert scalars["actor/pg_loss"] == [(0, 1.0), (1, 2.0)] and scalars["eval/success"] == [(1, 0.5)]
+    assert scalars["actor/pg_loss"] == [(0, 1.0), (1, 2.0)] and scalars["val/rollout/success"] == [(1, 0.5)]
     assert scalars["score/mean"] == [(1, 0.375)]
     assert sorted(scalars["rollout/success"]) == [(0, 0.25), (1, 0.125), (1, 0.5), (2, 0.75)]  # step 2 kept
 

@@ -24,18 +24,19 @@ from typer.testing import CliRunner
 from flows.cli import app
 from schemas.config import validate_config
 from schemas.train_flow_config import TrainFlowConfig
-from stages.metrics import MetricsLog, read_metrics
+from stages.metrics import MetricsLog, read_metrics, tracker_name
 from stages.ports import free_port
 from stages.run_folder import run_folder
 from stages.trackers import TRACKERS_DIR, open_trackers, read_state
 from tests.flows.test_metrics import _scalars
 
 # The metrics of a two-iteration agentic run, in the order the flow logs them (flows/agentic.py): names of the
-# metrics table (ROLL's), eval before training at 0 and after iteration k at k + 1 (here on another environment tag
-# than the rollout's: a tracker series is one name, so two stages of one iteration must not share a name).
+# metrics table (ROLL's), eval before training at 0 and after iteration k at k + 1. The evaluation logs the
+# rollout's names (the same samples stage computes both), which every tracker files under val/.
+ROLLOUT = ["env/FrozenLake/success", "rollout/success_rate", "time/rollout/env_step"]
 STAGES = {
-    "eval": ["env/FrozenLakeEval/success", "env/FrozenLakeEval/valid_action_ratio"],
-    "rollout": ["env/FrozenLake/success", "response_length/mean", "time/rollout/env_step"],
+    "eval": ROLLOUT,
+    "rollout": ROLLOUT,
     "logprobs": ["critic/ref_kl"],
     "advantages": ["critic/advantages/mean", "critic/score/mean"],
     "train": ["actor/pg_loss", "actor/entropy", "actor/grad_norm"],
@@ -142,10 +143,12 @@ def wandb_history(wandb_dir: Path, run_id: str) -> tuple[dict[str, list[tuple[in
 # ---- the Done-when test ----------------------------------------------------------------------------------------
 
 def _table_points(run_dir) -> dict[str, list[tuple[int, float]]]:
-    """``name → [(iteration, value)]`` of the metrics table (one value per name and iteration here)."""
+    """``tracker name → [(iteration, value)]`` of the metrics table (one value per name and iteration here)."""
     points: dict[str, dict[int, float]] = {}
     for row in read_metrics(run_dir).to_pylist():
-        points.setdefault(row["name"], {})[row["iteration"]] = row["value"]
+        by_step = points.setdefault(tracker_name(row["stage"], row["name"]), {})
+        assert row["iteration"] not in by_step, f"two values of {row['name']} at step {row['iteration']}"
+        by_step[row["iteration"]] = row["value"]
     return {name: sorted(by_step.items()) for name, by_step in points.items()}
 
 
@@ -174,7 +177,11 @@ def test_two_iterations_reach_all_three_trackers_and_a_resume_appends_without_du
     assert {name: read_state(run, name)["run"] for name in ("mlflow", "wandb")} == first  # the same tracker runs
 
     table = _table_points(run.uri())
-    assert set(table) == {n for names in STAGES.values() for n in names} | {f"time/{stage}" for stage in STAGES}
+    assert set(table) == {f"val/{n}" for n in ROLLOUT + ["time/eval"]} | {n for names in STAGES.values() for n in
+                                                                          names} | {f"time/{s}" for s in STAGES
+                                                                                    if s != "eval"}
+    # the rollout and the evaluation of one step: the same metric name, two series
+    assert table["rollout/success_rate"][1] != table["val/rollout/success_rate"][1]
     assert max(step for pts in table.values() for step, _ in pts) == 2  # eval after iteration 1
 
     assert _scalars(Path(run.path)) == {n: [(s, pytest.approx(v)) for s, v in pts] for n, pts in table.items()}

@@ -178,7 +178,13 @@ def test_mixed_frozenlake_sokoban_run(mixed_run, default_model):
     logging.getLogger("tensorboard").setLevel(logging.ERROR)
     acc = EventAccumulator(str(run / "tensorboard"))
     acc.Reload()
-    assert {f"rollout/{tag}/success_rate" for tag in TAGS} <= set(acc.Tags()["scalars"])
+    assert {f"{prefix}rollout/{tag}/success_rate" for tag in TAGS for prefix in ("", "val/")} <= set(
+        acc.Tags()["scalars"])
+    for stage, tag in (("rollout", "rollout/success_rate"), ("eval", "val/rollout/success_rate")):
+        # the rollout's and the evaluation's rates: two series, each its stage's rows of the table (float32 there)
+        table = sorted((m["iteration"], float(np.float32(m["value"]))) for m in metrics.to_pylist()
+                       if m["stage"] == stage and m["name"] == "rollout/success_rate")
+        assert sorted((e.step, e.value) for e in acc.Scalars(tag)) == table, stage
 
     page = (run / "report/index.html").read_text()
     assert "Per environment tag" in page
