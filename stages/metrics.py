@@ -13,7 +13,8 @@ is given the stage's wall time is also logged as the metric ``time/<stage>``.
 The trackers (stages/trackers.py) name a series by one name where the table keys it by ``(stage, name)``: the
 evaluation logs the rollout's metrics under their names (``rollout/success_rate``, ``env/<tag>/success``, ...), so
 :func:`tracker_name` files an evaluation stage's rows under ``val/`` there (ROLL's prefix of evaluation metrics),
-and an iteration's rollout and evaluation stay two series in every tracker.
+and an iteration's rollout and evaluation stay two series in every tracker. A TensorBoard mirror written before
+(its events name the evaluation's metrics as the rollout's) is rewritten from step 0 when its run next logs.
 
 The TensorBoard mirror (``runs/<run>/tensorboard/``, tag = tracker name, step = iteration) is written with
 tensorboard's own event writer (no torch import). Rows are appended to the events; when TensorBoard would not show
@@ -277,8 +278,12 @@ class TensorBoardMirror:
         self._mirrored: set[tuple[int, str]] = set()  # the (iteration, stage) pairs the mirror holds
         self._last_step: dict[str, int] = {}  # the last step the mirror holds of each tag
         self._note_mirrored(existing)
-        self._rebuild_mirror = existing.num_rows > 0 and not self._event_files()
+        files = self._event_files()
+        self._rebuild_mirror = existing.num_rows > 0 and not files
         self._purge_from: int | None = None  # set by drop_after: TensorBoard must forget steps >= this
+        if files and not any(f.name.endswith(_EventFile.SUFFIX) for f in files) and \
+                EVALUATION_STAGES & set(existing["stage"].to_pylist()):
+            self._purge_from = 0  # its events name the evaluation's metrics as the rollout's: rewritten as now
 
     def log(self, iteration: int, stage: str, new_rows: pa.Table) -> None:
         self._mirror(iteration, new_rows)
@@ -377,6 +382,9 @@ class _EventFile:
     wall time)."""
 
     PREFIX = "events.out.tfevents."
+    # the files of a mirror whose evaluation metrics are under val/ (tracker_name); a mirror without such a file was
+    # written with the metric names alone, and is rewritten from step 0 when it holds an evaluation's
+    SUFFIX = ".rollflow2"
 
     def __init__(self, path: Path) -> None:
         from tensorboard.compat.proto.event_pb2 import Event
@@ -391,7 +399,7 @@ class _EventFile:
         seconds = [int(m.group(1)) for f in folder.glob(cls.PREFIX + "*")
                    if (m := re.match(re.escape(cls.PREFIX) + r"(\d+)\.", f.name))]
         stamp = max([int(time.time())] + [s + 1 for s in seconds])
-        return cls(folder / f"{cls.PREFIX}{stamp:010d}.{socket.gethostname()}.rollflow")
+        return cls(folder / f"{cls.PREFIX}{stamp:010d}.{socket.gethostname()}{cls.SUFFIX}")
 
     def add_event(self, event) -> None:
         self._records.write(event.SerializeToString())

@@ -223,6 +223,41 @@ def test_deleted_tensorboard_folder_is_rebuilt_from_the_table(tmp_path):
     assert _scalars(tmp_path)["actor/pg_loss"] == [(0, 1.0), (1, 2.0), (2, 3.0)]
 
 
+def test_a_mirror_that_named_the_evaluation_as_the_rollout_is_rewritten_as_named_now(tmp_path):
+    """A run folder mirrored before the evaluation's metrics went under ``val/`` (its events name them as the
+    rollout's, in files of the old name) is rewritten from step 0 at its next log, so TensorBoard shows the table as
+    the trackers name it now; a mirror written since is appended to."""
+    from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
+    from tensorboard.compat.proto.event_pb2 import Event
+    from tensorboard.compat.proto.summary_pb2 import Summary
+
+    from stages.metrics import _EventFile
+
+    with MetricsLog(tmp_path, tensorboard=False) as log:
+        log.log(0, "eval", {"rollout/success_rate": 0.25})
+        log.log(0, "rollout", {"rollout/success_rate": 0.5})
+        log.log(1, "eval", {"rollout/success_rate": 0.125})
+    (tmp_path / "tensorboard").mkdir()
+    old = _EventFile(tmp_path / "tensorboard" / f"{_EventFile.PREFIX}0000000001.host.rollflow")
+    for row in read_metrics(tmp_path).to_pylist():  # every row under its metric name, as the mirror wrote it then
+        old.add_event(Event(step=row["iteration"], wall_time=1.0, summary=Summary(
+            value=[Summary.Value(tag=row["name"], simple_value=row["value"])])))
+    old.close()
+    assert sorted(_scalars(tmp_path)["rollout/success_rate"]) == [(0, 0.25), (0, 0.5), (1, 0.125)]  # mixed
+    with MetricsLog(tmp_path) as log:
+        log.log(1, "rollout", {"rollout/success_rate": 0.75})
+    named_now = {"rollout/success_rate": [(0, 0.5), (1, 0.75)], "val/rollout/success_rate": [(0, 0.25), (1, 0.125)]}
+    assert _scalars(tmp_path) == named_now
+    files = len(list((tmp_path / "tensorboard").iterdir()))
+    with MetricsLog(tmp_path) as log:  # written as named now: appended, nothing rewritten
+        log.log(2, "rollout", {"rollout/success_rate": 1.0})
+    assert _scalars(tmp_path) == {**named_now, "rollout/success_rate": [(0, 0.5), (1, 0.75), (2, 1.0)]}
+    newest = sorted((tmp_path / "tensorboard").iterdir())
+    assert len(newest) == files + 1
+    events = list(EventFileLoader(str(newest[-1])).Load())  # the file version, then the one new value
+    assert [(e.step, [v.tag for v in e.summary.value]) for e in events[1:]] == [(2, ["rollout/success_rate"])]
+
+
 def test_without_tensorboard_no_event_files(tmp_path):
     with MetricsLog(tmp_path, tensorboard=False) as log:
         log.log(0, "train", {"actor/pg_loss": 1.0})
