@@ -271,7 +271,9 @@ def test_a_killed_wandb_session_is_sent_again_by_the_resume(tmp_path):
     """W&B's service writes a session's files at finish: a SIGKILLed run leaves none of its points, so the resume
     sends the table's rows again, into the same W&B run id, once each."""
     own_service = {k: v for k, v in os.environ.items() if not k.startswith("WANDB_")}  # not this process's service
-    killed = subprocess.run([sys.executable, "-c", KILLED_SESSION, str(tmp_path)], env=own_service, timeout=300)
+    (tmp_path / "tmp").mkdir()  # where wandb's import makes its temporary folders, which the kill leaves behind
+    killed = subprocess.run([sys.executable, "-c", KILLED_SESSION, str(tmp_path)],
+                            env={**own_service, "TMPDIR": str(tmp_path / "tmp")}, timeout=300)
     assert killed.returncode == -signal.SIGKILL
     config = validate_config(TrainFlowConfig, {"run_name": "killed", "runs_dir": str(tmp_path), "track_with": "wandb"})
     run = run_folder(config)
