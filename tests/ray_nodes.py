@@ -77,6 +77,9 @@ class RayNodes:
         self._procs: list[subprocess.Popen] = []
         self._known: dict[int, int] = {}  # pid -> start time of every process of this cluster seen so far
         self._watchdog: int | None = None  # the write end of the watchdog's pipe
+        # the watchdog itself, held until stop() reaps it (a Popen dropped while its process runs is a
+        # ResourceWarning, "subprocess N is still running", which reached make test's console once)
+        self._watchdog_proc: subprocess.Popen | None = None
 
     def __enter__(self) -> "RayNodes":
         tries = 1
@@ -118,9 +121,10 @@ class RayNodes:
         """stages/watchdog.py on the nodes: if this process dies without :meth:`stop` (a SIGKILLed test run), the
         cluster goes with it instead of outliving it (the nodes run in sessions of their own)."""
         read_end, self._watchdog = os.pipe()
-        subprocess.Popen([sys.executable, "-m", "stages.watchdog", str(read_end), *(str(p.pid) for p in self._procs)],
-                         pass_fds=(read_end,), start_new_session=True, stdin=subprocess.DEVNULL,
-                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=REPO)
+        self._watchdog_proc = subprocess.Popen(
+            [sys.executable, "-m", "stages.watchdog", str(read_end), *(str(p.pid) for p in self._procs)],
+            pass_fds=(read_end,), start_new_session=True, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL, cwd=REPO)
         os.close(read_end)
 
     def _wait_started(self, i: int) -> None:
@@ -187,6 +191,13 @@ class RayNodes:
         if self._watchdog is not None:  # the watchdog wakes, finds nothing left and exits
             os.close(self._watchdog)
             self._watchdog = None
+        if self._watchdog_proc is not None:
+            try:
+                self._watchdog_proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self._watchdog_proc.kill()
+                self._watchdog_proc.wait()
+            self._watchdog_proc = None
         shutil.rmtree(self.root, ignore_errors=True)
 
     def alive(self, wait_s: float = 10.0) -> list[int]:
