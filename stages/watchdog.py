@@ -134,10 +134,23 @@ def _record_tree(known: dict[int, int], table: ProcessTable) -> dict[int, int]:
     return alive
 
 
+class _Outliving(subprocess.Popen):
+    """The watchdog's Popen: its process outlives this one by design (it ends once this process has gone), so its
+    finalisation at this process's exit, while it runs, is not the ResourceWarning "subprocess N is still running"
+    that Popen gives (printed at the exit of every command and test worker that ran with warnings on: `python -W
+    default`, PYTHONWARNINGS, dev mode, and once at the end of `make test`). Finalised after it ended, it is an
+    ordinary Popen."""
+
+    def __del__(self, *args, **kwargs) -> None:
+        if self.returncode is None and self.poll() is None:
+            return
+        super().__del__(*args, **kwargs)
+
+
 # this process's id -> the write end of its watchdog's pipe, held open for the process's lifetime
 _PIPES: dict[int, int] = {}
 # this process's id -> its watchdog, held for the process's lifetime (a Popen dropped while its process runs is a
-# ResourceWarning, "subprocess N is still running")
+# ResourceWarning, "subprocess N is still running"; at the exit, see _Outliving)
 _WATCHDOGS: dict[int, subprocess.Popen] = {}
 
 
@@ -155,10 +168,9 @@ def start(pids: tuple[int, ...] = ()) -> None:
     if os.getpid() in _PIPES or not os.path.isdir("/proc"):
         return
     read_end, write_end = os.pipe()
-    proc = subprocess.Popen([sys.executable, "-m", "stages.watchdog", str(read_end), str(os.getpid()),
-                             *map(str, pids)], pass_fds=(read_end,), start_new_session=True, stdin=subprocess.DEVNULL,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    proc = _Outliving([sys.executable, "-m", "stages.watchdog", str(read_end), str(os.getpid()), *map(str, pids)],
+                      pass_fds=(read_end,), start_new_session=True, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                      stderr=subprocess.DEVNULL, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     os.close(read_end)
     _PIPES[os.getpid()] = write_end
     _WATCHDOGS[os.getpid()] = proc

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -52,3 +53,22 @@ def test_a_stale_parent_in_the_table_never_records_a_stranger(grandchild):
     assert 1 in tree([me], table)
     known = _record_tree({me: start_time(me)}, table)
     assert 1 not in known and grandchild[1] in known
+
+
+def test_a_command_with_warnings_on_exits_without_a_resource_warning_for_its_watchdog(tmp_path):
+    """The watchdog runs past the command's exit by design; its Popen, finalised at the exit while it runs, gave
+    Python's ResourceWarning "subprocess N is still running" wherever warnings were on (seen at the end of `make
+    test`). A command with ``-W default`` starts its watchdog and exits: nothing on stderr, and the watchdog then
+    ends by itself."""
+    done = subprocess.run([sys.executable, "-W", "default", "-c", "from stages import watchdog\n"
+                           "watchdog.start()\nprint(watchdog.watchdog_pid())"],
+                          capture_output=True, text=True, timeout=60, cwd=tmp_path,
+                          env={**os.environ, "PYTHONPATH": os.path.dirname(os.path.dirname(os.path.dirname(
+                              os.path.abspath(__file__))))})
+    assert done.returncode == 0 and done.stderr == "", done.stderr
+    pid = int(done.stdout)
+    for _ in range(100):  # the pipe's end told it: gone within a few seconds
+        if start_time(pid) is None:
+            break
+        time.sleep(0.1)
+    assert start_time(pid) is None, "the watchdog outlived its command"
