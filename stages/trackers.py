@@ -6,7 +6,8 @@ refused with the fix, never found mid-run; it writes nothing) and an opener, cal
 run's config is frozen; :class:`stages.metrics.MetricsLog` then hands every stage's rows to each opened tracker.
 
 Steps are the metrics table's iterations; names its ``name`` (``actor/pg_loss``, ...), under ``val/`` for an
-evaluation stage's rows (stages/metrics.py ``tracker_name``: the evaluation logs the rollout's names). The run's frozen config is the tracker run's parameters (MLflow params, flattened ``a.b.c``; W&B config).
+evaluation stage's rows (stages/metrics.py ``tracker_name``: the evaluation logs the rollout's names). The run's
+frozen config is the tracker run's parameters (MLflow params, flattened ``a.b.c``; W&B config).
 
 Resume continues the same tracker run. TensorBoard mirrors the table exactly (stages/metrics.py). MLflow and W&B
 keep every point they are sent (their stores are append-only), so they are sent each ``(iteration, stage)`` once:

@@ -199,6 +199,19 @@ def test_two_iterations_reach_all_three_trackers_and_a_resume_appends_without_du
     assert {n: sorted(p) for n, p in points.items()} == table
 
 
+def test_every_pipelines_evaluation_is_filed_under_val():
+    """The trackers' rule (stages/metrics.py tracker_name) knows each pipeline's evaluation stage by name: a pipeline
+    whose evaluation it did not know would mix that evaluation's values into the rollout's series again."""
+    from flows.agentic import AGENTIC
+    from flows.rlvr import RLVR
+    from stages.metrics import EVALUATION_STAGES
+
+    assert {AGENTIC.evaluation.name, RLVR.evaluation.name} == EVALUATION_STAGES
+    assert tracker_name(AGENTIC.evaluation.name, "rollout/success_rate") == "val/rollout/success_rate"
+    assert tracker_name("rollout", "rollout/success_rate") == "rollout/success_rate"
+    assert tracker_name(RLVR.evaluation.name, "val/score/mean") == "val/score/mean"
+
+
 # ---- the pre-flight -----------------------------------------------------------------------------------------------
 
 runner = CliRunner()
