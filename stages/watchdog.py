@@ -142,7 +142,7 @@ class _Outliving(subprocess.Popen):
     ordinary Popen."""
 
     def __del__(self, *args, **kwargs) -> None:
-        if self.returncode is None and self.poll() is None:
+        if self.poll() is None:  # still running (poll() answers from returncode once it has ended)
             return
         super().__del__(*args, **kwargs)
 

@@ -6,11 +6,12 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import time
+from pathlib import Path
 
 import pytest
 
 from stages.watchdog import ProcessTable, _record_tree, kill_known, start_time, tree
+from tests.processes import wait_gone
 
 pytestmark = pytest.mark.skipif(not os.path.isdir("/proc"), reason="the watchdog reads /proc (Linux only)")
 
@@ -63,12 +64,7 @@ def test_a_command_with_warnings_on_exits_without_a_resource_warning_for_its_wat
     done = subprocess.run([sys.executable, "-W", "default", "-c", "from stages import watchdog\n"
                            "watchdog.start()\nprint(watchdog.watchdog_pid())"],
                           capture_output=True, text=True, timeout=60, cwd=tmp_path,
-                          env={**os.environ, "PYTHONPATH": os.path.dirname(os.path.dirname(os.path.dirname(
-                              os.path.abspath(__file__))))})
+                          env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])})
     assert done.returncode == 0 and done.stderr == "", done.stderr
-    pid = int(done.stdout)
-    for _ in range(100):  # the pipe's end told it: gone within a few seconds
-        if start_time(pid) is None:
-            break
-        time.sleep(0.1)
-    assert start_time(pid) is None, "the watchdog outlived its command"
+    # the pipe's end told it: gone within seconds (it runs in a session of its own: its group is itself)
+    assert wait_gone(int(done.stdout), 10), "the watchdog outlived its command"
