@@ -234,13 +234,22 @@ def tiny_model() -> Path:
 def ray_cluster(request):
     """ONE local Ray cluster (2 CPUs) for the whole session of this worker, started as the rollflow commands start
     theirs (``ensure_ray``); the stage entry points run on it. Ray Data's DEBUG execution reports are silenced: they
-    would flood the captured output of a failing test."""
+    would flood the captured output of a failing test. Its node declares the custom resource
+    ``tests/ray_nodes.py HEAD_RESOURCE``, which nothing asks for but the stages a test pins to the head of the cluster
+    when it adds a node (tests/trainflow/test_async_rollout.py's two-node run), through Ray's own variable for a
+    node's resources, read where ray.init starts the node."""
     import ray
     import ray.data  # noqa: F401  (configures its loggers on import)
+    from ray._private.ray_constants import RESOURCES_ENVIRONMENT_VARIABLE
 
     from stages.cluster import ensure_ray
+    from tests.ray_nodes import HEAD_RESOURCE
 
-    settings = ensure_ray(num_cpus=2, progress=False)
+    os.environ[RESOURCES_ENVIRONMENT_VARIABLE] = json.dumps({HEAD_RESOURCE: 4})
+    try:
+        settings = ensure_ray(num_cpus=2, progress=False)
+    finally:  # the children (commands that start clusters of their own) do not inherit it
+        os.environ.pop(RESOURCES_ENVIRONMENT_VARIABLE, None)
     for name in list(logging.root.manager.loggerDict):
         if name.startswith(("ray", "prefect", "httpx", "filelock", "asyncio")):
             logging.getLogger(name).setLevel(logging.WARNING)

@@ -31,6 +31,12 @@ REPO = str(Path(__file__).resolve().parents[1])
 # failed so): the cluster is then started again on new ports, at most PORT_TRIES times in all.
 PORT_TAKEN = ("Address already in use", "Failed to start the grpc server")
 PORT_TRIES = 3
+# The custom resource of the test session's own cluster (tests/conftest.py ray_cluster), the head of a cluster that
+# nodes join (RayNodes(join=...)): stages are pinned to the head by it.
+HEAD_RESOURCE = "rollflow_head"
+# Ray's workers and drivers send their task events to the GCS once a second (Ray's task_events_report_interval_ms,
+# 1000): a command's last tasks are in the GCS's record this long after it ended.
+TASK_EVENTS_FLUSH_S = 3.0
 
 
 @dataclass(frozen=True)
@@ -66,14 +72,17 @@ def _ports(ports: list[int], head: bool) -> list[str]:
 
 class RayNodes:
     """Start ``specs[0]`` as the head and the others as worker nodes joining it; ``address`` is the head's GCS
-    address (what ``RAY_ADDRESS`` takes). A context manager: the cluster is stopped on exit, also on failure."""
+    address (what ``RAY_ADDRESS`` takes). With ``join`` (a running cluster's GCS address, e.g. the test session's
+    own cluster, to which this process is connected) every spec is a worker node joining that cluster instead, and
+    :meth:`stop` ends these nodes alone. A context manager: the nodes are stopped on exit, also on failure."""
 
-    def __init__(self, specs: list[NodeSpec], env: dict | None = None, timeout_s: float = 120):
-        self.specs, self.timeout_s = specs, timeout_s
-        env = {k: v for k, v in (env or os.environ).items() if k != "RAY_ADDRESS"}  # these nodes are a new cluster
+    def __init__(self, specs: list[NodeSpec], env: dict | None = None, timeout_s: float = 120,
+                 join: str | None = None):
+        self.specs, self.timeout_s, self.join = specs, timeout_s, join
+        env = {k: v for k, v in (env or os.environ).items() if k != "RAY_ADDRESS"}  # ray start takes --address
         self.env = {**env, "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0", "OMP_NUM_THREADS": "1"}
         self.root = Path(tempfile.mkdtemp(prefix="rf-ray-", dir="/tmp"))  # short: Ray's socket paths are limited
-        self.address: str = ""
+        self.address: str = join or ""
         self._procs: list[subprocess.Popen] = []
         self._known: dict[int, int] = {}  # pid -> start time of every process of this cluster seen so far
         self._watchdog: int | None = None  # the write end of the watchdog's pipe
@@ -100,21 +109,23 @@ class RayNodes:
     def start(self) -> str:
         ports = free_ports(1 + 8 * len(self.specs))
         port = ports[0]
-        self.address = f"127.0.0.1:{port}"
+        before = 0 if self.join is None else _alive_nodes_here(self.join)
+        self.address = self.join or f"127.0.0.1:{port}"
         for i, spec in enumerate(self.specs):
-            where = ["--head", "--port", str(port), "--node-ip-address", "127.0.0.1"] if i == 0 else \
+            head = i == 0 and self.join is None
+            where = ["--head", "--port", str(port), "--node-ip-address", "127.0.0.1"] if head else \
                 ["--address", self.address, "--node-ip-address", "127.0.0.1"]
             cmd = [RAY, "start", "--block", *where, "--num-cpus", str(spec.num_cpus), "--num-gpus", "0",
                    "--resources", json.dumps(spec.resources),
                    "--object-store-memory", str(spec.object_store_mb * 2**20), "--temp-dir", str(self.root / "tmp"),
-                   "--disable-usage-stats", *_ports(ports[1 + 8 * i:9 + 8 * i], i == 0)]
+                   "--disable-usage-stats", *_ports(ports[1 + 8 * i:9 + 8 * i], head)]
             log = open(self.root / f"node{i}.log", "w")
             self._procs.append(subprocess.Popen(cmd, env=self.env, stdout=log, stderr=subprocess.STDOUT,
                                                 stdin=subprocess.DEVNULL, start_new_session=True))
             log.close()
             self._wait_started(i)
         self._watch()
-        self._wait_nodes(len(self.specs))
+        self._wait_nodes(before + len(self.specs))
         return self.address
 
     def _watch(self) -> None:
@@ -139,7 +150,8 @@ class RayNodes:
             time.sleep(0.2)
 
     def _wait_nodes(self, count: int) -> None:
-        """Wait until ``count`` nodes are alive in the cluster (asked through the GCS, as ``ray status`` does)."""
+        """Wait until ``count`` nodes are alive in the cluster (asked through the GCS, as ``ray status`` does: in
+        this process when it joined the cluster, else in a child)."""
         probe = ("import ray, sys; ray.init(address=sys.argv[1], log_to_driver=False); "
                  "print(sum(1 for n in ray.nodes() if n['Alive']))")
         deadline = time.monotonic() + self.timeout_s
@@ -148,12 +160,17 @@ class RayNodes:
             dead = [i for i, p in enumerate(self._procs) if p.poll() is not None]
             if dead:
                 raise RuntimeError(f"ray start of node {dead[0]} exited: {self.log(dead[0])[-3000:]}")
-            out = subprocess.run([sys.executable, "-c", probe, self.address], env=self.env, capture_output=True,
-                                 text=True, timeout=self.timeout_s)
-            if out.returncode == 0 and out.stdout.strip().splitlines()[-1:] == [str(count)]:
+            if self.join is not None:
+                alive, error = _alive_nodes_here(self.join), ""
+            else:
+                out = subprocess.run([sys.executable, "-c", probe, self.address], env=self.env, capture_output=True,
+                                     text=True, timeout=self.timeout_s)
+                alive = int(out.stdout.strip().splitlines()[-1]) if out.returncode == 0 else -1
+                error = out.stderr[-2000:]
+            if alive == count:
                 return
             if time.monotonic() > deadline:
-                raise RuntimeError(f"{count} nodes never came up at {self.address}: {out.stderr[-2000:]}")
+                raise RuntimeError(f"{count} nodes never came up at {self.address}: {error}")
             time.sleep(1.0)
 
     def log(self, i: int) -> str:
@@ -233,6 +250,37 @@ for event in state.state._get_all_task_events():
 ray.shutdown()
 print(json.dumps({"nodes": nodes, "tasks": rows}))
 """
+
+
+def _alive_nodes_here(address: str) -> int:
+    """The alive nodes of the cluster at ``address``, asked through this process's connection to it."""
+    import ray
+
+    assert ray.is_initialized() and ray.get_runtime_context().gcs_address == address, \
+        f"nodes join the cluster at {address}, to which this process must be connected"
+    return sum(1 for n in ray.nodes() if n["Alive"])
+
+
+def record_here(since: float, until: float) -> dict:
+    """:func:`ray_record` of the cluster this process is connected to, read in this process: the tasks and actors
+    that Ray's GCS first saw between the times ``since`` and ``until`` (``time.time()``; a task by the earliest
+    timestamp of its state changes, which Ray takes from the same clock). Every command a test runs in its own
+    process is one Ray job, the test process's: the time, not the job, tells one command's tasks from another's."""
+    from ray._private import state
+
+    nodes = {n["NodeID"]: sorted(k for k in n["Resources"] if not k.startswith("node:")) for n in state.nodes()}
+    actors = {a["ActorID"]: a["Address"]["NodeID"] for a in state.actors().values()}
+    rows = []
+    for event in state.state._get_all_task_events():
+        stamps = event.state_updates.state_ts_ns.values()
+        if not stamps or not since <= min(stamps) / 1e9 < until:
+            continue
+        info = event.task_info
+        node = event.state_updates.node_id.hex() if event.state_updates.node_id else ""
+        actor = info.actor_id.hex() if info.actor_id else ""
+        rows.append({"name": info.name, "resources": dict(info.required_resources), "job": event.job_id.hex(),
+                     "node": node or actors.get(actor, ""), "actor": actor})
+    return {"nodes": nodes, "tasks": rows}
 
 
 def ray_record(address: str, env: dict) -> dict:

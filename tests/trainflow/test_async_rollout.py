@@ -8,12 +8,13 @@ run, for the overlap and for the object store. The two-node run is also the suit
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+import ray
+from click.testing import Result
 
 from flows.loop import async_lag, played_with
 from schemas.config import validate_config
@@ -22,9 +23,10 @@ from schemas.train_flow_config import TrainFlowConfig
 from stages.example import ExampleSpec, generate
 from tests.objstore import s3  # noqa: F401  (the module's S3 server, a fixture)
 from tests.processes import ray_jobs, rollflow_here, sigkill_when, wait_ray_jobs_gone
-from tests.ray_nodes import NodeSpec, RayNodes, asks_for, names_of, node_with, nodes_of, ray_record
+from tests.ray_nodes import (HEAD_RESOURCE, TASK_EVENTS_FLUSH_S, NodeSpec, RayNodes, asks_for, names_of,
+                             node_with, nodes_of, record_here)
 from tests.spine.helpers import read_table
-from tests.trainflow.test_train_flow import (STAGES, _assert_same_rows, _float32, _rollflow, _table, _tiny_args,
+from tests.trainflow.test_train_flow import (STAGES, _assert_same_rows, _float32, _table, _tiny_args,
                                              _weights)
 
 REPO = Path(__file__).resolve().parents[2]
@@ -237,28 +239,32 @@ class TwoNodeRun:
     """The finished run and what was read of its two-node cluster while the cluster was up."""
 
     run: Path  # the run folder
-    record: dict  # Ray's record of the cluster after the run and the recompute (tests/ray_nodes.py ray_record)
+    run_record: dict  # Ray's record of the run's tasks and actors (tests/ray_nodes.py record_here)
     samples: Path  # the example samples the recompute read
-    recomputed: subprocess.CompletedProcess  # `rollflow recompute --input SAMPLES ...` on the same cluster
+    recomputed: Result  # `rollflow recompute --input SAMPLES ...` on the same cluster
     recompute_out: Path  # its output folder (rewarded/, advantaged/)
+    recompute_record: dict  # Ray's record of the recompute's tasks
 
 
 @pytest.fixture(scope="module")
-def two_node_run(tmp_path_factory, cli_env) -> TwoNodeRun:
-    """The uninterrupted run, the reference of the kill chain: a ``rollflow train`` child on a real two-node Ray
-    cluster on this machine (issue 14, item 3; tests/ray_nodes.py: two ``ray start`` nodes of one CPU each, the local
-    runs' 2 CPUs, the head with the custom resource ``rollflow_head``, the second node with ``rollflow_pinned``; Ray
-    may also place unpinned tasks on either), its advantages' tasks pinned to the head and its training workers to
-    the second node (``PINS``), reporting to the session's Prefect server; then, on the same cluster, ``rollflow
-    recompute`` of a small example set with each of its two stages pinned to one node; then Ray's record of where the
-    tasks of both ran. The chain's runs are local (and on S3): the equality of its tables and weights with these is
-    also the equality of a two-node run with a local one, rollouts, log-probs, advantages and weights, which
-    test_train_flow.py's S3 kill checked against its two-node run before the two kills became one chain (the cluster
-    and the child's start-up cost about 30 CPU-s more than this run in the test's process, 64-86 against 47-55; the
-    kill and resume of its own cost 83-127). One two-node cluster and run for both modules: test_train_flow.py's run
-    in turn ran on a cluster of its own with the recompute (83 CPU-s: the cluster, its child, a resume child); its
-    placement checks read this run now, and it runs in the test's process. The cluster is stopped, its processes
-    alone, as soon as the recompute and the record are done, also on failure."""
+def two_node_run(tmp_path_factory, prefect_server, ray_cluster) -> TwoNodeRun:
+    """The uninterrupted run, the reference of the kill chain, on a real two-node Ray cluster on this machine (issue
+    14, item 3): the session's own cluster (tests/conftest.py ``ray_cluster``: 2 CPUs, the custom resource
+    ``rollflow_head``) joined by a second node (tests/ray_nodes.py: a ``ray start --address`` of one CPU with the
+    custom resource ``rollflow_pinned``); its advantages' tasks pinned to the head and its training workers to the
+    second node (``PINS``), reporting to the session's Prefect server; then, on the same cluster, ``rollflow
+    recompute`` of a small example set with each of its two stages pinned to one node; Ray's record of where the
+    tasks of each ran. Ray may also place unpinned tasks on either node. Both commands run in this process, which is
+    connected to the cluster, as ``rollflow`` with RAY_ADDRESS set to it is (``rollflow_here``). The chain's runs are
+    local (and on S3): the equality of its tables and weights with these is also the equality of a two-node run with
+    a local one, rollouts, log-probs, advantages and weights. (A cluster of two ``ray start`` nodes of its own, the
+    run and the recompute in child processes with RAY_ADDRESS, cost about 25 CPU-s more: the head's daemons, Ray
+    Data's helper actors on it, two command start-ups.) The second node is stopped, its processes alone, as soon as
+    the recompute and the records are done, also on failure; the session's cluster goes on with its own node."""
+    import time
+
+    if HEAD_RESOURCE not in ray.cluster_resources():
+        pytest.skip("the session joined the Ray cluster at RAY_ADDRESS instead of starting one: no node to pin to")
     root = tmp_path_factory.mktemp("async")
     samples, recompute_out = root / "samples", root / "recomputed"
     # ~400 step-level FrozenLake rows in groups of 8, several Parquet files, short responses
@@ -266,16 +272,19 @@ def two_node_run(tmp_path_factory, cli_env) -> TwoNodeRun:
              str(samples))
     args = _async_args(root, "a")
     args[args.index(CONFIG)] = str(REPO / CONFIG)  # whatever the working directory
-    with RayNodes([NodeSpec(1, {"rollflow_head": 4}), NodeSpec(1, {"rollflow_pinned": 4})], env=cli_env) as nodes:
-        env = {**cli_env, "RAY_ADDRESS": nodes.address}
+    with RayNodes([NodeSpec(1, {"rollflow_pinned": 4})], join=ray.get_runtime_context().gcs_address) as nodes:
+        started = time.time()
         # no report: no test reads this run's (the chain's last resume writes and checks the S3 run's)
-        done = _rollflow(*args, "--set", PINS, "--no-report", env=env)
-        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-        recomputed = _rollflow("recompute", "--input", str(samples), "--config", RECOMPUTE_CONFIG, "--output",
-                               str(recompute_out), "--set", RECOMPUTE_PINS, env=env, timeout_s=600)
-        record = ray_record(nodes.address, env)
-    assert nodes.alive() == [], "the cluster's processes are gone"
-    return TwoNodeRun(root / "a", record, samples, recomputed, recompute_out)
+        done = rollflow_here(*args, "--set", PINS, "--no-report", api_url=prefect_server.api_url)
+        assert done.exit_code == 0, done.output[-3000:]
+        between = time.time()
+        recomputed = rollflow_here("recompute", "--input", str(samples), "--config", RECOMPUTE_CONFIG, "--output",
+                                   str(recompute_out), "--set", RECOMPUTE_PINS, api_url=prefect_server.api_url)
+        time.sleep(TASK_EVENTS_FLUSH_S)
+        ended = time.time()
+        records = record_here(started, between), record_here(between, ended)
+    assert nodes.alive() == [], "the second node's processes are gone"
+    return TwoNodeRun(root / "a", records[0], samples, recomputed, recompute_out, records[1])
 
 
 @pytest.fixture(scope="module")
@@ -284,21 +293,13 @@ def async_run(two_node_run) -> Path:
     return two_node_run.run
 
 
-def _split_record(record: dict, task: str) -> tuple[dict, dict]:
-    """Ray's record of the cluster (tests/ray_nodes.py ray_record) split in two: the tasks of the one job (one
-    command) that ran a task or actor whose name holds ``task``, and those of the other jobs."""
-    (job,) = {t["job"] for t in record["tasks"] if task in t["name"]}
-    mine = [t for t in record["tasks"] if t["job"] == job]
-    return {**record, "tasks": mine}, {**record, "tasks": [t for t in record["tasks"] if t["job"] != job]}
-
-
 @pytest.mark.slow
 def test_the_two_node_run_trained_on_the_second_node_and_scored_on_the_head(two_node_run):
     """Ray's own record of the cluster (its GCS): the run's advantages tasks asked for the head's resource and ran
     there, its training workers asked for the second node's and ran there — placed by runtime.stage_resources, not
     by chance; the training workers computed the log-probs (no forward workers). (It was test_train_flow.py's, on
     the two-node run in turn it had then.)"""
-    record, run = _split_record(two_node_run.record, "TrainWorker")[0], two_node_run.run
+    record, run = two_node_run.run_record, two_node_run.run
     head, second = node_with(record, "rollflow_head"), node_with(record, "rollflow_pinned")
     assert head != second
     assert nodes_of(record, "rollflow_head") == {head} and nodes_of(record, "rollflow_pinned") == {second}, record
@@ -318,15 +319,15 @@ def test_the_two_node_run_trained_on_the_second_node_and_scored_on_the_head(two_
 
 @pytest.mark.slow
 def test_recompute_on_the_two_node_cluster_equals_the_local_run(two_node_run, prefect_server, ray_cluster, tmp_path):
-    """``rollflow recompute`` with RAY_ADDRESS set to a real two-node Ray cluster (the module's: two ``ray start``
-    nodes on this machine, each with its own custom resource), each stage pinned to one node by
+    """``rollflow recompute`` on a real two-node Ray cluster (the module's: the session's cluster and a second node
+    joined to it, each with its own custom resource), each stage pinned to one node by
     runtime.stage_resources: Ray's own record shows the reward stage's tasks on the head and the advantage stage's on
     the second node, and both tables equal the local run's (the same command in this process, on the session's
     cluster), fingerprints included (where a stage runs is not part of them). (It was tests/spine/test_cli.py's, on a
     cluster of its own, then test_train_flow.py's, on its two-node run's cluster.)"""
     done, out = two_node_run.recomputed, two_node_run.recompute_out
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    record = _split_record(two_node_run.record, "TrainWorker")[1]  # the training run's job is the other one
+    assert done.exit_code == 0, done.output[-3000:]
+    record = two_node_run.recompute_record
     head, second = node_with(record, "rollflow_head"), node_with(record, "rollflow_pinned")
     assert head != second
     assert nodes_of(record, "rollflow_head") == {head}, record["tasks"]
