@@ -57,8 +57,10 @@ WORKER_POOL_ENV = {"RAY_prestart_worker_first_driver": "0", "RAY_idle_worker_kil
 # 1 s in Ray 2.60). It learns them from its autoscaling coordinator by a non-blocking call whose answer it takes at the
 # next read, so every execution runs with limits of zero until the second read: one task (the one Ray Data lets an
 # idle operator start) for its first second, whatever the cores — at 50k rows the advantages stage's first file ran
-# alone for 1.0 s of its 3 s of tasks (BENCHMARKS.md, issue 49). Read every 0.1 s, the second task starts 0.1 s in;
-# the limits themselves, and so the `data_memory_mb` budget, are unchanged.
+# alone for 1.0 s of its 3 s of tasks (BENCHMARKS.md, issue 49). Read every 0.1 s until the first answer, the second
+# task starts 0.1 s in; then at Ray's own interval: each read is a call to the coordinator actor, and at 0.1 s
+# throughout an execution cost 0.85 CPU-s more per 35 s (the coordinator, the driver and the raylet; 20 executions
+# of 1.7 s on 2 cores). The limits themselves, and so the `data_memory_mb` budget, are unchanged.
 DATA_LIMITS_REFRESH_S = 0.1
 
 # Ray Data's Parquet reader. Ray 2.60's default (datasource V2) lists the files and reads their footers in extra Ray
@@ -235,13 +237,29 @@ def ensure_ray(address: str | None = None, num_cpus: int | None = None, progress
     return settings
 
 
+class _LimitsRefresh:
+    """``ResourceManager.GLOBAL_LIMITS_UPDATE_INTERVAL_S`` as Ray Data reads it, per execution (its resource manager):
+    ``first`` seconds while the execution's limits are still all zero (it has no answer from the coordinator yet),
+    ``then`` seconds after. Read on the class, ``first``."""
+
+    def __init__(self, first: float, then: float):
+        self.first, self.then = first, then
+
+    def __get__(self, manager, owner=None) -> float:
+        limits = getattr(manager, "_global_limits", None)
+        return self.first if limits is None or limits.is_zero() else self.then
+
+
 def _refresh_data_limits(seconds: float) -> None:
-    """Have Ray Data re-read an execution's resource limits every ``seconds`` (see DATA_LIMITS_REFRESH_S); a Ray
-    without that class attribute is left as it is."""
+    """Have Ray Data re-read an execution's resource limits every ``seconds`` until it has them (see
+    DATA_LIMITS_REFRESH_S), then at Ray's own interval; a Ray without that class attribute is left as it is."""
     from ray.data._internal.execution.resource_manager import ResourceManager
 
-    if hasattr(ResourceManager, "GLOBAL_LIMITS_UPDATE_INTERVAL_S"):
-        ResourceManager.GLOBAL_LIMITS_UPDATE_INTERVAL_S = seconds
+    current = ResourceManager.__dict__.get("GLOBAL_LIMITS_UPDATE_INTERVAL_S")
+    if isinstance(current, _LimitsRefresh):
+        current.first = seconds
+    elif isinstance(current, (int, float)):
+        ResourceManager.GLOBAL_LIMITS_UPDATE_INTERVAL_S = _LimitsRefresh(seconds, float(current))
 
 
 def connect_runtime(runtime) -> dict:

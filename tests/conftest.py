@@ -114,25 +114,31 @@ class _SharedServer:
     api_url: str
 
 
+_SHARED_SERVERS: dict[Path, _SharedServer] = {}  # this process's answer, once: the server lives as long as the run
+
+
 def _shared_prefect_server(shared: Path) -> _SharedServer:
     """The run's one server: started by the first worker to ask (the lock makes the others wait for it)."""
     import fcntl
-    import json
 
     from flows.serving import is_healthy, start_server
     from stages.ports import free_port
     from tests.prefect_template import seeded
 
+    if shared in _SHARED_SERVERS:
+        return _SHARED_SERVERS[shared]
     with open(shared / "prefect-server.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         record = shared / _SERVER_FILE
         if record.exists():
             api_url = json.loads(record.read_text())["api_url"]
             assert is_healthy(api_url, timeout_s=10.0), f"the shared Prefect server {api_url} does not answer"
-            return _SharedServer(api_url)
-        server = start_server("127.0.0.1", free_port(), seeded(shared / "prefect-server"), timeout_s=300)
-        record.write_text(json.dumps({"api_url": server.api_url, "pid": server.process.pid}))
-        return _SharedServer(server.api_url)
+        else:
+            server = start_server("127.0.0.1", free_port(), seeded(shared / "prefect-server"), timeout_s=300)
+            record.write_text(json.dumps({"api_url": server.api_url, "pid": server.process.pid}))
+            api_url = server.api_url
+    _SHARED_SERVERS[shared] = _SharedServer(api_url)
+    return _SHARED_SERVERS[shared]
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -281,17 +287,16 @@ def _ephemeral_prefect(request):
     """A test marked ``ephemeral_prefect`` (the ephemeral mode's own, tests/spine/test_flow.py) runs its flows in
     Prefect's ephemeral mode, whatever :func:`_flows_on_the_shared_server` set; under pytest-xdist, the ephemeral
     server those tests started is stopped when their module ends (:func:`_stop_ephemeral_server`). Any other test
-    under pytest-xdist reports the flows it runs in its own process to the shared server once that is up, also
-    before this worker's Ray cluster is (a test's toy flow): Prefect would start an ephemeral server in the worker
-    for it, one that lives as long as the worker; one a flow started before the shared server was up is stopped."""
+    under pytest-xdist reports the flows it runs in its own process to the shared server, also before this worker's
+    Ray cluster is up (a test's toy flow), and the first such test of the run starts it: otherwise Prefect would
+    start an ephemeral server in the worker for the flow (4-8 CPU-s; the worker's first tests ran toy flows before
+    any test had asked for the shared server)."""
     shared = getattr(request.config, "workerinput", {}).get(_SHARED_DIR)
     if request.node.get_closest_marker("ephemeral_prefect") is None:
-        record = Path(shared, _SERVER_FILE) if shared else None
-        if record is None or not record.exists():
+        if not shared:
             yield
             return
-        _stop_ephemeral_server()
-        with _prefect_settings(api_url=json.loads(record.read_text())["api_url"]):
+        with _prefect_settings(api_url=_shared_prefect_server(Path(shared)).api_url):
             yield
         return
     with _prefect_settings(api_url=None):

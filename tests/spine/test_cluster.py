@@ -219,12 +219,20 @@ def test_every_command_applies_the_runtime_memory_bound(ray_cluster):
         ctx.execution_options.resource_limits = before
 
 
-def test_ray_data_reads_its_limits_soon_after_an_execution_starts(ray_cluster):
+def test_ray_data_reads_its_limits_soon_after_an_execution_starts_and_then_at_its_own_pace(ray_cluster):
     """Ray Data learns an execution's CPUs from a call answered at its next read of the limits; at Ray's 1 s between
-    reads, every stage ran its first task alone for a second (issue 49). ``ensure_ray`` shortens the wait."""
+    reads, every stage ran its first task alone for a second (issue 49). ``ensure_ray`` shortens the wait until an
+    execution has its limits; after that each read (a call to Ray Data's coordinator actor) comes at Ray's own
+    interval, also after ``ensure_ray`` ran again (asked of Ray Data's resource manager objects)."""
+    from ray.data._internal.execution.interfaces import ExecutionResources
     from ray.data._internal.execution.resource_manager import ResourceManager
 
     from stages.cluster import DATA_LIMITS_REFRESH_S, ensure_ray
 
     ensure_ray(num_cpus=2, progress=False)
+    ensure_ray(num_cpus=2, progress=False)
     assert ResourceManager.GLOBAL_LIMITS_UPDATE_INTERVAL_S == DATA_LIMITS_REFRESH_S < 1
+    waiting, known = object.__new__(ResourceManager), object.__new__(ResourceManager)
+    waiting._global_limits, known._global_limits = ExecutionResources.zero(), ExecutionResources(cpu=2)
+    assert waiting.GLOBAL_LIMITS_UPDATE_INTERVAL_S == DATA_LIMITS_REFRESH_S
+    assert known.GLOBAL_LIMITS_UPDATE_INTERVAL_S == 1  # Ray 2.60's own
