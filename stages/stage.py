@@ -1,8 +1,7 @@
 """The stage contract (DESIGN.md "One runner for every stage"): what a stage declares and builds (:class:`Stage`),
 what its ``build`` gets (:class:`StageContext`: its config section, input folders and schemas, the temporary output
 folder) and what a run of it returns (:class:`StageResult`); with the helpers a stage builds its Ray Data pipeline
-with (:func:`slices`, :func:`map_on_actor_pool`). ``stages.runner.run_stage`` runs a stage; Ray is imported only when a
-pipeline is built."""
+with (:func:`slices`). ``stages.runner.run_stage`` runs a stage; Ray is imported only when a pipeline is built."""
 
 from __future__ import annotations
 
@@ -128,22 +127,3 @@ class StageResult:
 def slices(table: pa.Table, rows: int) -> list[pa.Table]:
     """``table`` cut into consecutive slices of ``rows`` rows (the last one shorter; none for an empty table)."""
     return [table.slice(lo, rows) for lo in range(0, table.num_rows, rows)]
-
-
-# Ray options of a stage's Ray Data actor pool (:func:`map_on_actor_pool`). Ray Data restarts a dead pool actor
-# forever by default (max_restarts=-1); its constructor arguments (the data context and the map function) live in the
-# object store, so Ray core logs an error line on the console for every such actor ("has constructor arguments in the
-# object store and max_restarts > 0"). A stage whose actor dies should fail instead (the runner keeps the committed
-# stages; ``--resume`` runs it again), not restart without bound.
-ACTOR_POOL = {"max_restarts": 0}
-
-
-def map_on_actor_pool(dataset, fn: type, **options: Any):
-    """``dataset.map_batches(fn, **options)`` on a Ray Data actor pool (``options`` holds its
-    ``compute=ActorPoolStrategy(...)``, its batch size and resources) with the pool's :data:`ACTOR_POOL` options.
-    Ray 2.60's ``map_batches`` has named parameters for resources, not for ``max_restarts``, which it takes only as
-    a ``**ray_remote_args`` that it deprecates (a RayDeprecationWarning on every call); ``map_batches_internal``, its
-    DeveloperAPI (what ``ray.data.llm``'s processors call with their actor options), takes the same arguments and
-    requests the same actors without the deprecated path. It skips ``map_batches``' own checks of ``batch_size``
-    (an int >= 1, given with GPUs), which the stages' sections validate."""
-    return dataset.map_batches_internal(fn, **options, **ACTOR_POOL)

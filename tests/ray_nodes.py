@@ -1,11 +1,12 @@
 """A real multi-node Ray cluster on this machine, for the multi-node tests and benchmarks (issue 14, item 3).
 
 Each node is a ``ray start --block`` child process in its own session (the head first, then
-``ray start --address=HEAD``), with its own CPUs and custom resources, on ports chosen free for it (GCS, node
-manager, object manager, agents, metrics, workers: never Ray's fixed defaults, which other clusters on this machine
-may hold) and a temporary folder of its own. :meth:`RayNodes.stop` ends exactly the processes of this cluster: the
-``ray start`` processes and their descendants (GCS, raylets, agents, workers), recorded with their start times so
-that a reused process id is never touched — never ``ray stop``, which stops every Ray cluster of the user.
+``ray start --address=HEAD``; or only nodes joining a running cluster, such as the test session's own), with its
+own CPUs and custom resources, on ports chosen free for it (GCS, node manager, object manager, agents, metrics,
+workers: never Ray's fixed defaults, which other clusters on this machine may hold) and a temporary folder of its
+own. :meth:`RayNodes.stop` ends exactly the processes of these nodes: the ``ray start`` processes and their
+descendants (GCS, raylets, agents, workers), recorded with their start times so that a reused process id is never
+touched — never ``ray stop``, which stops every Ray cluster of the user.
 """
 
 from __future__ import annotations
@@ -229,29 +230,6 @@ class RayNodes:
             time.sleep(0.2)
 
 
-# Run in a child process (a test process may hold another Ray connection): what Ray's GCS recorded about every task
-# and actor of the cluster. Ray's state API (ray.util.state) asks the dashboard, which needs packages that the lock
-# does not install (aiohttp_cors, ...); the GCS holds the same records, read here through Ray's own accessor.
-_RECORD = r"""
-import json, sys
-import ray
-from ray._private import state
-
-ray.init(address=sys.argv[1], log_to_driver=False)
-nodes = {n["NodeID"]: sorted(k for k in n["Resources"] if not k.startswith("node:")) for n in ray.nodes()}
-actors = {a["ActorID"]: a["Address"]["NodeID"] for a in state.actors().values()}
-rows = []
-for event in state.state._get_all_task_events():
-    info = event.task_info
-    node = event.state_updates.node_id.hex() if event.state_updates.node_id else ""
-    actor = info.actor_id.hex() if info.actor_id else ""
-    rows.append({"name": info.name, "resources": dict(info.required_resources), "job": event.job_id.hex(),
-                 "node": node or actors.get(actor, ""), "actor": actor})
-ray.shutdown()
-print(json.dumps({"nodes": nodes, "tasks": rows}))
-"""
-
-
 def _alive_nodes_here(address: str) -> int:
     """The alive nodes of the cluster at ``address``, asked through this process's connection to it."""
     import ray
@@ -261,11 +239,15 @@ def _alive_nodes_here(address: str) -> int:
     return sum(1 for n in ray.nodes() if n["Alive"])
 
 
-def record_here(since: float, until: float) -> dict:
-    """:func:`ray_record` of the cluster this process is connected to, read in this process: the tasks and actors
-    that Ray's GCS first saw between the times ``since`` and ``until`` (``time.time()``; a task by the earliest
-    timestamp of its state changes, which Ray takes from the same clock). Every command a test runs in its own
-    process is one Ray job, the test process's: the time, not the job, tells one command's tasks from another's."""
+def record_here(since: float = 0.0, until: float = float("inf")) -> dict:
+    """``{"nodes": {node id: [its resource names]}, "tasks": [{name, resources, job, node, actor}, ...]}``: what
+    Ray's GCS recorded of every task and actor method of the cluster this process is connected to (an actor's
+    creation task placed on its actor's node) that it first saw between the times ``since`` and ``until``
+    (``time.time()``; a task by the earliest timestamp of its state changes, which Ray takes from the same clock).
+    Every command a test runs in its own process is one Ray job, the test process's: the time, not the job, tells
+    one command's tasks from another's. Ray's state API (ray.util.state) asks the dashboard, which needs packages
+    that the lock does not install (aiohttp_cors, ...); the GCS holds the same records, read through Ray's own
+    accessor."""
     from ray._private import state
 
     nodes = {n["NodeID"]: sorted(k for k in n["Resources"] if not k.startswith("node:")) for n in state.nodes()}
@@ -283,11 +265,23 @@ def record_here(since: float, until: float) -> dict:
     return {"nodes": nodes, "tasks": rows}
 
 
+# Run in a child process (a test process may hold another Ray connection): record_here of the cluster at an address.
+_RECORD = r"""
+import json, sys
+import ray
+sys.path.insert(0, sys.argv[2])
+from tests.ray_nodes import record_here
+
+ray.init(address=sys.argv[1], log_to_driver=False)
+record = record_here()
+ray.shutdown()
+print(json.dumps(record))
+"""
+
+
 def ray_record(address: str, env: dict) -> dict:
-    """``{"nodes": {node id: [its resource names]}, "tasks": [{name, resources, job, node, actor}, ...]}``: every
-    task and actor method Ray's GCS recorded on the cluster at ``address`` (an actor's creation task placed on its
-    actor's node)."""
-    out = subprocess.run([sys.executable, "-c", _RECORD, address], env=env, capture_output=True, text=True,
+    """:func:`record_here` of every task of the cluster at ``address``, read in a child process."""
+    out = subprocess.run([sys.executable, "-c", _RECORD, address, REPO], env=env, capture_output=True, text=True,
                          timeout=120)
     assert out.returncode == 0, out.stderr[-3000:]
     return json.loads(out.stdout.strip().splitlines()[-1])

@@ -341,7 +341,7 @@ def judge_window(judge) -> int:
 
 def check_judge_cpus(engine) -> None:
     """The judge's engines hold their CPUs while the reward stage runs beside them: at least one CPU of the cluster
-    must stay free for the stage's actors and Ray Data's tasks, otherwise the stage waits forever (STACK.md)."""
+    must stay free for the stage's Ray Data tasks, otherwise the stage waits forever (STACK.md)."""
     import ray
 
     held = engine.num_cpus_per_engine * engine.num_engines

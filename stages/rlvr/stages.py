@@ -1,22 +1,25 @@
 """The RLVR stages (Ray Data, run by ``stages.runner.run_stage``):
 
-* :class:`RewardStage` — ``responses`` → ``scored``: batches go to an actor pool; each actor builds one
-  :class:`~stages.rewards.RewardRouter` (workers hold sandboxes, caches, clients: built inside the actor, never
-  pickled) and scores its batches, routed by the domain column.
+* :class:`RewardStage` — ``responses`` → ``scored``: batches go to Ray tasks; each worker process builds one
+  :class:`~stages.rewards.RewardRouter` for the stage (workers hold sandboxes, caches, clients: built inside the
+  process, never pickled) at its first batch and scores its batches with it, routed by the domain column.
 * :class:`RLVRSamplesStage` — ``responses`` + ``scored`` → ``samples``: the step's token table in the layout every
   samples table has, on which the log-prob, value, response-rewards (stages/response_rewards.py, with ``scored``
   for the workers' scores and domains), advantages and training stages of both pipelines run.
 
 The LLM judge (``llm_judge``) needs a ``generate(prompts: list[str]) -> list[str | None]`` service. The stage takes
-``services = {"generate": factory}``: a picklable zero-argument callable run once inside each reward actor, returning
-the callable. :class:`stages.rlvr.generate.EngineGenerate` is that factory over the engine actors of an
-:class:`~stages.rollout.engine_pool.EnginePool` (Ray actor handles pickle): ``rollflow score`` builds a pool over
-``--judge-model`` for it, the RLVR training flow uses its own engines. The reward stage never builds an engine itself.
+``services = {"generate": factory}``: a picklable zero-argument callable run once inside each process that scores
+the stage's batches, returning the callable. :class:`stages.rlvr.generate.EngineGenerate` is that factory over the
+engine actors of an :class:`~stages.rollout.engine_pool.EnginePool` (Ray actor handles pickle): ``rollflow score``
+builds a pool over ``--judge-model`` for it, the RLVR training flow uses its own engines. The reward stage never
+builds an engine itself.
 """
 
 from __future__ import annotations
 
+import functools
 import inspect
+import pickle
 from typing import Any, Callable, Mapping
 
 import numpy as np
@@ -36,7 +39,7 @@ from stages.algos.rlvr_chain import check_groups, response_tokens
 from stages.rewards import RewardRouter
 from stages.rewards.registry import build_worker, required_services, resolve_worker
 from stages.rewards.routing import FALLBACK_DOMAIN
-from stages.stage import Stage, StageContext, map_on_actor_pool
+from stages.stage import Stage, StageContext
 from stages.storage import Location, folder_fingerprint
 
 ServiceFactory = Callable[[], Any]
@@ -48,7 +51,7 @@ RESPONSE_LENGTH = "response_length"
 
 def check_routes(section: RewardsConfig, field: str = "rewards") -> None:
     """Every route of ``section`` names a resolvable worker that takes its kwargs: a worker without run-time services
-    is built once (a throwaway instance; the actors build their own), the kwargs of one with services (an LLM judge)
+    is built once (a throwaway instance; the scoring processes build their own), the kwargs of one with services (an LLM judge)
     are bound to its signature. Pure python, before Prefect and Ray start; ``field``: the config section of the
     routes, for the message."""
     for domain, route in section.routes.items():
@@ -127,7 +130,7 @@ def run_context(state_in: Mapping[str, Any]) -> dict[str, Any]:
 
 
 class ScoreBatch:
-    """The reward actor: one router per actor process, scoring ``pyarrow`` batches of ``responses``."""
+    """A reward stage's scorer: one router, scoring ``pyarrow`` batches of ``responses``."""
 
     def __init__(self, routes: dict, domain_column: str, services: Mapping[str, ServiceFactory], where: str,
                  context: Mapping[str, Any] | None = None):
@@ -152,9 +155,24 @@ class ScoreBatch:
         })
 
 
+@functools.lru_cache(maxsize=2)
+def _scorer(arguments: bytes) -> ScoreBatch:
+    """This process's :class:`ScoreBatch` for a reward stage's pickled constructor arguments: built at the first
+    batch of the stage the process scores, kept for its next batches (and the next stage's with the same arguments)."""
+    return ScoreBatch(**pickle.loads(arguments))
+
+
+def score_batch(batch: pa.Table, arguments: bytes) -> pa.Table:
+    """A reward stage's Ray Data task function: ``batch`` scored by this process's scorer for ``arguments``."""
+    return _scorer(arguments)(batch)
+
+
 class RewardStage(Stage):
     """``responses`` → ``scored``. ``services``: run-time service factories for workers that declare them
-    (``generate`` for the LLM judge); ``max_actors``/``cpus_per_actor`` size the autoscaling actor pool (1 … max)."""
+    (``generate`` for the LLM judge); at most ``max_tasks`` tasks of ``cpus_per_task`` CPUs score at once. The batches
+    go to Ray tasks, not to an actor pool: Ray keeps idle task workers for the next tasks (stages/cluster.py
+    WORKER_POOL_ENV), so a stage of a later iteration scores in processes already started, where a pool started an
+    actor process per stage (about 1.5 CPU-s each before its first batch on two cores)."""
 
     name = "rewards"
     version = "2"  # 2: the output carries each row's domain
@@ -162,14 +180,15 @@ class RewardStage(Stage):
     section_model = RewardsConfig
     input_specs = {"responses": RESPONSES}
 
-    def __init__(self, services: Mapping[str, ServiceFactory] | None = None, max_actors: int = 2,
-                 cpus_per_actor: float = 0.5) -> None:
+    def __init__(self, services: Mapping[str, ServiceFactory] | None = None, max_tasks: int = 2,
+                 cpus_per_task: float = 0.5) -> None:
         self.services = dict(services or {})
-        self.max_actors = max_actors
-        self.cpus_per_actor = cpus_per_actor
+        self.max_tasks = max_tasks
+        self.cpus_per_task = cpus_per_task
 
     def build(self, ctx: StageContext):
-        from ray.data import ActorPoolStrategy
+        from ray import cloudpickle
+        from ray.data import TaskPoolStrategy
 
         section: RewardsConfig = ctx.section
         _preflight(section, self.services)
@@ -178,12 +197,13 @@ class RewardStage(Stage):
         _check_routed(ctx.inputs["responses"], section)
         columns = [f.name for f in schema if f.name not in RESPONSE_ALIGNED]  # workers read text, not log-probs
         routes = {d: r.model_dump() for d, r in section.routes.items()}
-        return map_on_actor_pool(
-            ctx.read("responses", columns=columns), ScoreBatch, batch_size=ctx.batch_rows, batch_format="pyarrow",
-            fn_constructor_kwargs={"routes": routes, "domain_column": section.domain_column,
-                                   "services": self.services, "where": ctx.inputs["responses"].path,
-                                   "context": run_context(ctx.state_in)},
-            compute=ActorPoolStrategy(min_size=1, max_size=self.max_actors), num_cpus=self.cpus_per_actor)
+        # pickled once here: the bytes are the key of each process's scorer (services may be closures: cloudpickle)
+        arguments = cloudpickle.dumps({"routes": routes, "domain_column": section.domain_column,
+                                       "services": self.services, "where": ctx.inputs["responses"].path,
+                                       "context": run_context(ctx.state_in)})
+        return ctx.read("responses", columns=columns).map_batches(
+            score_batch, batch_size=ctx.batch_rows, batch_format="pyarrow", fn_kwargs={"arguments": arguments},
+            compute=TaskPoolStrategy(size=self.max_tasks), num_cpus=self.cpus_per_task, **ctx.task_options())
 
     def preflight(self, section: RewardsConfig, on_disk: Mapping[str, str], schemas: Mapping[str, pa.Schema]
                   ) -> None:

@@ -109,6 +109,30 @@ def test_reward_stage_routes_by_domain_and_writes_null_for_none(golden_run):
     assert metrics[f"rewards/unscored/{GOLDEN_ROUTE['worker']}"] == FLAKY_TRUTHS.count("none")
 
 
+def test_a_later_reward_stage_scores_in_processes_already_running(golden_run, tmp_path):
+    """The reward stage's batches go to Ray tasks, not to an actor pool (which started an actor process for each
+    stage, about 1.5 CPU-s before its first batch): a later stage, such as the next iteration's, scores in worker
+    processes that were running before it started (Ray keeps idle task workers, stages/cluster.py WORKER_POOL_ENV;
+    the module's chain left some). The scores are the scoring processes' ids here, one batch per stage."""
+    import os
+
+    from schemas.rlvr_config import RewardsConfig
+    from stages.rlvr.stages import RewardStage
+    from stages.runner import run_stage
+    from stages.watchdog import tree
+
+    section = RewardsConfig(routes={"*": {"worker": "tests.rlvr.workers:process_id_as_score"}})
+    responses = write_responses(flaky_rows(), tmp_path / "responses")
+    scored = []
+    for name in ("first", "second"):
+        running = set(tree([os.getpid()]))  # the session's cluster is this process's: its workers are descendants
+        run_stage(RewardStage(), section, {"responses": responses}, str(tmp_path / name))
+        pids = {int(p) for p in read_folder(str(tmp_path / name)).column("scores").to_pylist()}
+        assert pids and pids <= running, (name, pids, "a process was started for the stage")
+        scored.append(pids)
+    assert os.getpid() not in scored[0] | scored[1]  # scored by Ray's workers, not in this process
+
+
 def test_golden_chain_through_ray(golden_run):
     case, out = golden_run["case"], golden_run["out"]
     rewarded = read_folder(str(out / "rewarded"))

@@ -35,3 +35,10 @@ def keyword_judge_service():
 
     return generate
 
+
+
+def process_id_as_score(rows):
+    """Score = the id of the process that scores the row (which worker processes a reward stage ran in)."""
+    import os
+
+    return [float(os.getpid())] * len(rows["ground_truth"])

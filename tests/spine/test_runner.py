@@ -306,29 +306,3 @@ def test_the_sink_types_a_column_that_is_all_none_in_its_first_blocks(tmp_path):
     assert table.column("x").to_pylist()[:4] == [None, None, 1.5, None]
 
 
-# ---- a stage's Ray Data actor pool -----------------------------------------------------------------------------------
-class PassThrough:
-    """A Ray Data actor-pool batch function (module level, so Ray workers import it by reference)."""
-
-    def __call__(self, batch: pa.Table) -> pa.Table:
-        return batch
-
-
-def test_an_actor_pool_asks_for_no_restarts_without_a_deprecated_ray_argument(ray_cluster):
-    """A stage's actor pool (the forward actors, the reward workers) asks Ray for the actors it asked for before
-    (its resources and max_restarts 0), through no argument Ray 2.60 deprecates: no RayDeprecationWarning."""
-    import warnings
-
-    import ray.data
-    from ray.data import ActorPoolStrategy
-    from ray.util.annotations import RayDeprecationWarning
-
-    from stages.stage import map_on_actor_pool
-
-    rows = [{"x": i} for i in range(5)]
-    with warnings.catch_warnings():
-        warnings.simplefilter("error", RayDeprecationWarning)
-        mapped = map_on_actor_pool(ray.data.from_items(rows), PassThrough, batch_size=2, batch_format="pyarrow",
-                                   compute=ActorPoolStrategy(min_size=1, max_size=1), num_cpus=0.5)
-    assert mapped._logical_plan.dag.ray_remote_args == {"max_restarts": 0, "num_cpus": 0.5}  # what Ray is asked for
-    assert sorted(mapped.take_all(), key=lambda row: row["x"]) == rows
