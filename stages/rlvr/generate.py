@@ -266,8 +266,9 @@ class GenerateStage(EngineStage):
 class EngineGenerate:
     """A picklable factory of the ``generate(prompts) -> list[str | None]`` service the LLM judge needs, over the
     engine actors of an :class:`~stages.rollout.engine_pool.EnginePool` (Ray actor handles pickle). The reward
-    stage calls it once inside each reward actor; the callable sends chat completions (one sample each, greedy by
-    default) to the engines and returns the texts in prompt order (``None`` for a prompt that does not fit)."""
+    stage calls it once inside each process that scores its batches; the callable sends chat completions (one
+    sample each, greedy by default) to the engines and returns the texts in prompt order (``None`` for a prompt that
+    does not fit)."""
 
     def __init__(self, handles: list, system_prompt: str = "", max_new_tokens: int = 64,
                  temperature: float = 0.0, sequence_length: int = 2048, seed: int = 0) -> None:

@@ -1,4 +1,4 @@
-"""Reward workers for the RLVR tests (importable by Ray actors as ``tests.rlvr.workers:<name>``)."""
+"""Reward workers for the RLVR tests (importable by Ray workers as ``tests.rlvr.workers:<name>``)."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ def ground_truth_as_score(rows, scale: float = 1.0):
 
 
 def keyword_judge_service():
-    """A ``generate`` service factory (what a reward actor calls once): a fake judge model that answers
+    """A ``generate`` service factory (what a scoring process calls once): a fake judge model that answers
     'VERDICT: CORRECT' when the reference answer appears in the graded answer, no verdict for '???'."""
 
     def generate(prompts):
