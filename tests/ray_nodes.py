@@ -11,6 +11,7 @@ touched — never ``ray stop``, which stops every Ray cluster of the user.
 
 from __future__ import annotations
 
+import bisect
 import json
 import os
 import shutil
@@ -239,30 +240,32 @@ def _alive_nodes_here(address: str) -> int:
     return sum(1 for n in ray.nodes() if n["Alive"])
 
 
-def record_here(since: float = 0.0, until: float = float("inf")) -> dict:
-    """``{"nodes": {node id: [its resource names]}, "tasks": [{name, resources, job, node, actor}, ...]}``: what
-    Ray's GCS recorded of every task and actor method of the cluster this process is connected to (an actor's
-    creation task placed on its actor's node) that it first saw between the times ``since`` and ``until``
-    (``time.time()``; a task by the earliest timestamp of its state changes, which Ray takes from the same clock).
-    Every command a test runs in its own process is one Ray job, the test process's: the time, not the job, tells
-    one command's tasks from another's. Ray's state API (ray.util.state) asks the dashboard, which needs packages
-    that the lock does not install (aiohttp_cors, ...); the GCS holds the same records, read through Ray's own
-    accessor."""
+def record_here(*bounds: float) -> list[dict]:
+    """``{"nodes": {node id: [its resource names]}, "tasks": [{name, resources, job, node, actor}, ...]}`` for each
+    window between consecutive ``bounds`` (``time.time()`` values; default one window, all time): what Ray's GCS
+    recorded of the tasks and actor methods of the cluster this process is connected to (an actor's creation task
+    placed on its actor's node) that it first saw in the window (a task by the earliest timestamp of its state
+    changes, which Ray takes from the same clock). Every command a test runs in its own process is one Ray job, the
+    test process's: the time, not the job, tells one command's tasks from another's. The record is read once for all
+    windows. Ray's state API (ray.util.state) asks the dashboard, which needs packages that the lock does not install
+    (aiohttp_cors, ...); the GCS holds the same records, read through Ray's own accessor."""
     from ray._private import state
 
+    bounds = bounds or (0.0, float("inf"))
     nodes = {n["NodeID"]: sorted(k for k in n["Resources"] if not k.startswith("node:")) for n in state.nodes()}
     actors = {a["ActorID"]: a["Address"]["NodeID"] for a in state.actors().values()}
-    rows = []
+    windows: list[list[dict]] = [[] for _ in bounds[1:]]
     for event in state.state._get_all_task_events():
         stamps = event.state_updates.state_ts_ns.values()
-        if not stamps or not since <= min(stamps) / 1e9 < until:
+        window = bisect.bisect_right(bounds, min(stamps) / 1e9) - 1 if stamps else -1
+        if not 0 <= window < len(windows):
             continue
         info = event.task_info
         node = event.state_updates.node_id.hex() if event.state_updates.node_id else ""
         actor = info.actor_id.hex() if info.actor_id else ""
-        rows.append({"name": info.name, "resources": dict(info.required_resources), "job": event.job_id.hex(),
-                     "node": node or actors.get(actor, ""), "actor": actor})
-    return {"nodes": nodes, "tasks": rows}
+        windows[window].append({"name": info.name, "resources": dict(info.required_resources),
+                                "job": event.job_id.hex(), "node": node or actors.get(actor, ""), "actor": actor})
+    return [{"nodes": nodes, "tasks": rows} for rows in windows]
 
 
 # Run in a child process (a test process may hold another Ray connection): record_here of the cluster at an address.
@@ -273,7 +276,7 @@ sys.path.insert(0, sys.argv[2])
 from tests.ray_nodes import record_here
 
 ray.init(address=sys.argv[1], log_to_driver=False)
-record = record_here()
+(record,) = record_here()
 ray.shutdown()
 print(json.dumps(record))
 """

@@ -51,9 +51,9 @@ RESPONSE_LENGTH = "response_length"
 
 def check_routes(section: RewardsConfig, field: str = "rewards") -> None:
     """Every route of ``section`` names a resolvable worker that takes its kwargs: a worker without run-time services
-    is built once (a throwaway instance; the scoring processes build their own), the kwargs of one with services (an LLM judge)
-    are bound to its signature. Pure python, before Prefect and Ray start; ``field``: the config section of the
-    routes, for the message."""
+    is built once (a throwaway instance; the scoring processes build their own), the kwargs of one with services (an
+    LLM judge) are bound to its signature. Pure python, before Prefect and Ray start; ``field``: the config section of
+    the routes, for the message."""
     for domain, route in section.routes.items():
         try:
             entry = resolve_worker(route.worker)

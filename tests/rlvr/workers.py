@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 
 
 def ground_truth_as_score(rows, scale: float = 1.0):
@@ -36,9 +37,6 @@ def keyword_judge_service():
     return generate
 
 
-
 def process_id_as_score(rows):
     """Score = the id of the process that scores the row (which worker processes a reward stage ran in)."""
-    import os
-
     return [float(os.getpid())] * len(rows["ground_truth"])

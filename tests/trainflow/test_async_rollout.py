@@ -282,7 +282,7 @@ def two_node_run(tmp_path_factory, prefect_server, ray_cluster) -> TwoNodeRun:
                                    str(recompute_out), "--set", RECOMPUTE_PINS, api_url=prefect_server.api_url)
         time.sleep(TASK_EVENTS_FLUSH_S)
         ended = time.time()
-        records = record_here(started, between), record_here(between, ended)
+        records = record_here(started, between, ended)
     assert nodes.alive() == [], "the second node's processes are gone"
     return TwoNodeRun(root / "a", records[0], samples, recomputed, recompute_out, records[1])
 
